@@ -1,0 +1,201 @@
+/*
+ * tierkv.h -- the public C API of tierkv.
+ *
+ * tierkv runs Llama-family GGUF models with a KV cache that is stored per
+ * (layer, KV head) in blocks of B tokens, the unit that KV policies select and
+ * the tiered store moves between GPU, pinned host memory and NVMe.
+ *
+ * Minimal use (error handling elided; every call returns a tkv_status):
+ *
+ *     tkv_model *m;   tkv_model_load("model.gguf", &m);
+ *     struct tkv_session_params sp = tkv_session_default_params();
+ *     tkv_session *s; tkv_session_init(m, &sp, &s);
+ *     tkv_token toks[512]; size_t n;
+ *     tkv_tokenize(m, "The capital of France is", -1, 0, toks, 512, &n);
+ *     tkv_prefill(s, toks, n);
+ *     tkv_token t = tkv_argmax(tkv_logits(s), tkv_model_n_vocab(m));
+ *     tkv_decode(s, t);   ...
+ *     tkv_session_free(s); tkv_model_free(m);
+ *
+ * Contracts that hold for every function:
+ *   - Nothing aborts or exits on bad input: failures return a negative
+ *     tkv_status, and tkv_last_error() says what was wrong and where.
+ *   - Handles are opaque; every *_init/*_load has a *_free, and *_free(NULL)
+ *     is a no-op.
+ *   - A model may be shared by several sessions (read-only after load); one
+ *     session must not be used from two threads at once.
+ */
+#ifndef TIERKV_H
+#define TIERKV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TKV_VERSION_MAJOR 0
+#define TKV_VERSION_MINOR 1
+#define TKV_VERSION_PATCH 0
+
+/* ---- status codes and errors ------------------------------------------ */
+
+typedef enum tkv_status {
+    TKV_OK               =  0,
+    TKV_ERR_INVALID_ARG  = -1,  /* a parameter is out of range or NULL        */
+    TKV_ERR_FORMAT       = -2,  /* a file is malformed (GGUF, KV file)        */
+    TKV_ERR_UNSUPPORTED  = -3,  /* valid, but not something tierkv can run    */
+    TKV_ERR_IO           = -4,  /* open/read/write/mmap failed                */
+    TKV_ERR_NOMEM        = -5,  /* an allocation failed on some tier          */
+    TKV_ERR_CONTEXT_FULL = -6,  /* the session's context has no room left     */
+    TKV_ERR_DEVICE       = -7,  /* the GPU backend failed or is absent        */
+    TKV_ERR_CORRUPT      = -8,  /* a checksum did not match                   */
+    TKV_ERR_CANCELLED    = -9,  /* a callback asked to stop                   */
+    TKV_ERR_TOO_SMALL    = -10, /* an output buffer is too small              */
+    TKV_ERR_INTERNAL     = -11, /* a bug in tierkv: please report it          */
+} tkv_status;
+
+/* Static name of a status, e.g. "TKV_ERR_FORMAT". */
+const char *tkv_status_str(tkv_status status);
+
+/* Message of the last failure on the calling thread ("" if none). The text
+ * says what was wrong and where; it stays valid until the next tierkv call
+ * on this thread fails. */
+const char *tkv_last_error(void);
+
+/* ---- logging -------------------------------------------------------------- */
+
+enum tkv_log_level { TKV_LOG_ERROR = 0, TKV_LOG_WARN = 1, TKV_LOG_INFO = 2, TKV_LOG_DEBUG = 3 };
+
+/* Receives one line (no trailing newline). */
+typedef void (*tkv_log_fn)(enum tkv_log_level level, const char *msg, void *user);
+
+/* Sets the process-wide log sink and the most verbose level passed to it.
+ * Default: WARN and ERROR go to stderr. fn = NULL silences all logging. */
+void tkv_set_log(tkv_log_fn fn, void *user, enum tkv_log_level max_level);
+
+/* ---- model ------------------------------------------------------------- */
+
+typedef int32_t tkv_token;
+typedef struct tkv_model tkv_model;
+
+/* Maps, validates (every field, see docs/gguf.md) and loads a GGUF model. */
+tkv_status tkv_model_load(const char *path, tkv_model **out);
+void       tkv_model_free(tkv_model *model);
+
+struct tkv_model_info {
+    char     arch[32];        /* general.architecture ("llama")           */
+    char     name[128];       /* general.name, "" if absent               */
+    uint32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab;
+    uint32_t n_ctx_train;     /* llama.context_length                     */
+    uint32_t rope_dim;        /* rotated dimensions per head              */
+    float    rope_base, rope_scale, rms_eps;
+    uint32_t file_type;       /* general.file_type, 0 if absent           */
+    uint64_t n_params;        /* elements over all tensors                */
+    uint64_t file_bytes;
+    tkv_token bos, eos;       /* -1 where the model has none              */
+    char     tokenizer[16];   /* tokenizer.ggml.model ("gpt2")            */
+    char     pretokenizer[16];/* tokenizer.ggml.pre ("smollm", ...)       */
+};
+tkv_status tkv_model_get_info(const tkv_model *model, struct tkv_model_info *out);
+uint32_t   tkv_model_n_vocab(const tkv_model *model);
+
+/* ---- tokenizer --------------------------------------------------------- */
+
+/* Flags for tkv_tokenize / tkv_detokenize. */
+#define TKV_TOK_PARSE_SPECIAL  1u  /* "<|im_start|>" in text becomes the control token */
+#define TKV_TOK_ADD_BOS        2u  /* prepend BOS if the model has one               */
+#define TKV_TOK_RENDER_SPECIAL 4u  /* detokenize control tokens as their text        */
+
+/* Tokenizes len bytes of UTF-8 text (len < 0: NUL-terminated). Writes at most
+ * cap ids; *n_out is the number of ids the text needs. Returns
+ * TKV_ERR_TOO_SMALL (with *n_out set) when cap is too small. */
+tkv_status tkv_tokenize(const tkv_model *model, const char *text, ptrdiff_t len, unsigned flags,
+                        tkv_token *out, size_t cap, size_t *n_out);
+
+/* Writes the bytes of n tokens to buf (not NUL-terminated unless room is left,
+ * in which case a NUL follows). *len_out is the byte count needed.
+ * TKV_ERR_TOO_SMALL when cap is too small. A token's bytes may end inside a
+ * UTF-8 sequence: stream by concatenating bytes, not characters. */
+tkv_status tkv_detokenize(const tkv_model *model, const tkv_token *toks, size_t n, unsigned flags,
+                          char *buf, size_t cap, size_t *len_out);
+
+/* Renders a single-turn chat prompt with the model's template (ChatML for
+ * SmolLM2-Instruct, with its default system prompt when system == NULL) and
+ * the assistant header, ready to tokenize with TKV_TOK_PARSE_SPECIAL. */
+tkv_status tkv_chat_prompt(const tkv_model *model, const char *system, const char *user,
+                           char *buf, size_t cap, size_t *len_out);
+
+/* 1 if tok ends generation (EOS, end-of-turn), else 0. */
+int tkv_token_is_eog(const tkv_model *model, tkv_token tok);
+
+/* ---- session ----------------------------------------------------------- */
+
+typedef struct tkv_session tkv_session;
+
+/* Called during prefill after each chunk; return nonzero to cancel
+ * (tkv_prefill then returns TKV_ERR_CANCELLED, the tokens already done stay). */
+typedef int (*tkv_progress_fn)(size_t done, size_t total, void *user);
+
+struct tkv_session_params {
+    uint32_t    n_ctx;          /* tokens of context; 0 = the model's trained context */
+    uint32_t    n_threads;      /* CPU threads; 0 = all online cores                  */
+    const char *device;         /* "cpu", "cuda" or "auto" (cuda if usable)            */
+    const char *policy;         /* KV policy spec, "NAME[:key=value,...]"; "full"     */
+    uint32_t    kv_budget;      /* tokens kept per KV head by the policy; 0 = policy default */
+    uint32_t    kv_block;       /* tokens per KV block (B); 0 = default (64)           */
+    uint32_t    prefill_chunk;  /* tokens per prefill segment; 0 = default (512)        */
+    tkv_progress_fn progress;   /* may be NULL                                         */
+    void       *progress_user;
+};
+struct tkv_session_params tkv_session_default_params(void);
+
+tkv_status tkv_session_init(const tkv_model *model, const struct tkv_session_params *params,
+                            tkv_session **out);
+void       tkv_session_free(tkv_session *session);
+
+/* Appends n tokens to the context and computes the logits of the last one.
+ * TKV_ERR_CONTEXT_FULL if they do not fit (nothing is appended then). */
+tkv_status tkv_prefill(tkv_session *session, const tkv_token *toks, size_t n);
+
+/* Appends one token and computes its logits: one step of generation. */
+tkv_status tkv_decode(tkv_session *session, tkv_token tok);
+
+/* Logits (n_vocab floats) after the last prefill/decode; NULL before any.
+ * Valid until the next call that changes the session. */
+const float *tkv_logits(const tkv_session *session);
+
+/* Tokens currently in the context. */
+size_t tkv_session_n_past(const tkv_session *session);
+
+/* Forgets the context (keeps allocations). */
+void tkv_session_reset(tkv_session *session);
+
+/* Writes the session's statistics as a JSON object (tiers, policy, timings)
+ * into buf; same size contract as tkv_detokenize. */
+tkv_status tkv_session_stats_json(const tkv_session *session, char *buf, size_t cap, size_t *len_out);
+
+/* ---- sampler ----------------------------------------------------------- */
+
+typedef struct tkv_sampler tkv_sampler;
+
+struct tkv_sampler_params {
+    float    temperature;  /* 0 = greedy (argmax)                     */
+    uint32_t top_k;        /* 0 = off                                 */
+    float    top_p;        /* 1 = off; (0, 1]                          */
+    uint64_t seed;
+};
+struct tkv_sampler_params tkv_sampler_default_params(void); /* greedy */
+
+tkv_status tkv_sampler_init(const struct tkv_sampler_params *params, uint32_t n_vocab, tkv_sampler **out);
+void       tkv_sampler_free(tkv_sampler *sampler);
+/* Draws one token from logits[n_vocab]. */
+tkv_token  tkv_sampler_sample(tkv_sampler *sampler, const float *logits);
+/* Index of the largest logit (the lowest index on ties). */
+tkv_token  tkv_argmax(const float *logits, uint32_t n_vocab);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TIERKV_H */
