@@ -44,7 +44,14 @@ tkv_status tkv_err_wrap(tkv_status status, const char *fmt, ...)
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
     memcpy(old, tkv_last_error_buf, sizeof old);
-    snprintf(tkv_last_error_buf, sizeof tkv_last_error_buf, "%s: %s", prefix, old);
+    size_t n = strlen(prefix);
+    if (n + 2 < sizeof tkv_last_error_buf) {
+        memcpy(tkv_last_error_buf, prefix, n);
+        memcpy(tkv_last_error_buf + n, ": ", 2);
+        size_t room = sizeof tkv_last_error_buf - n - 3, m = strnlen(old, room);
+        memcpy(tkv_last_error_buf + n + 2, old, m);
+        tkv_last_error_buf[n + 2 + m] = 0;
+    }
     return status;
 }
 

@@ -20,8 +20,8 @@
  * Contracts that hold for every function:
  *   - Nothing aborts or exits on bad input: failures return a negative
  *     tkv_status, and tkv_last_error() says what was wrong and where.
- *   - Handles are opaque; every *_init/*_load has a *_free, and *_free(NULL)
- *     is a no-op.
+ *   - Handles are opaque; every init or load function has a matching free,
+ *     and freeing NULL is a no-op.
  *   - A model may be shared by several sessions (read-only after load); one
  *     session must not be used from two threads at once.
  */

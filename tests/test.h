@@ -3,6 +3,7 @@
  *
  *   CHECK(cond, fmt, ...)  records a failure with file:line and continues
  *   REQUIRE(cond, ...)     same, then returns from main with failure
+ *   REQUIRE_VOID(cond)     same, returning from a void function
  *   SKIP(fmt, ...)         prints why and exits 77 (ctest: skipped)
  *   return test_done();    prints the summary, 0 on success, 1 on failure
  */
@@ -33,6 +34,14 @@ static int test_failures_, test_checks_;
         CHECK(cond, __VA_ARGS__);          \
         if (!(cond))                       \
             return test_done();            \
+    } while (0)
+
+/* REQUIRE for functions returning void. */
+#define REQUIRE_VOID(cond)                 \
+    do {                                   \
+        CHECK(cond, "required");           \
+        if (!(cond))                       \
+            return;                        \
     } while (0)
 
 #define SKIP(...)                          \

@@ -1,0 +1,24 @@
+/*
+ * tkv-cuda.h -- the CUDA backend's plain-C entry points (no CUDA types), so
+ * the backend registry can include it without CUDA headers. Only built when
+ * TKV_CUDA is on; only gpu/ includes CUDA headers.
+ */
+#ifndef TKV_CUDA_H
+#define TKV_CUDA_H
+
+#include "../runtime/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Number of CUDA devices the runtime can use (0 if none or no driver). */
+int tkv_cuda_device_count(void);
+
+/* Creates the CUDA backend on device 0. */
+tkv_status tkv_cuda_backend_create(uint32_t n_threads, struct tkv_backend **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

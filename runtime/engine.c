@@ -1,0 +1,442 @@
+/*
+ * engine.c -- sessions and the Llama forward pass, written once against the
+ * backend interface (runtime/backend.h).
+ *
+ * One forward call processes a chunk of n tokens at positions
+ * [n_past, n_past + n):
+ *
+ *     x = embed(tokens)                                   x[n, E]
+ *     for each layer:
+ *         h = rmsnorm(x) * attn_norm
+ *         q, k, v = h Wq, h Wk, h Wv ; rope(q), rope(k)   q[n, H*hd] k,v[n, Hkv*hd]
+ *         K/V rows -> the layer's KV blocks (f16)
+ *         x += attention(q, KV blocks the policy selects) Wo
+ *         h = rmsnorm(x) * ffn_norm
+ *         x += (silu(h Wgate) * (h Wup)) Wdown
+ *     logits = (rmsnorm(x[n-1]) * output_norm) Wout      (last chunk only)
+ *
+ * Prefill runs the prompt in chunks of `prefill_chunk` tokens; decode is a
+ * chunk of one. All activation buffers are sized at session init.
+ */
+#include "engine.h"
+
+#include "../tiers/kv-store.h"
+#include "backend.h"
+#include "policy/policy.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define DEFAULT_KV_BLOCK 64
+#define DEFAULT_PREFILL_CHUNK 512
+/* KV storage is reserved this many tokens ahead during decode, so blocks are
+ * allocated once per span rather than on every token. */
+#define DECODE_RESERVE_AHEAD 256
+
+struct layer_weights {
+    struct tkv_bweight *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *w_gate, *w_up, *w_down;
+};
+
+struct tkv_session {
+    const tkv_model *model;
+    struct tkv_model_info hp;
+    uint32_t n_ctx, chunk, kv_block;
+    char device[16], policy_spec[128];
+    uint32_t kv_budget;
+    tkv_progress_fn progress;
+    void *progress_user;
+
+    struct tkv_backend *be;
+    struct tkv_bweight *tok_embd, *output_norm, *output;
+    struct layer_weights *layers;
+    struct tkv_kvs *kv;
+    struct tkv_policy *policy;
+
+    /* activations, backend memory, sized for `chunk` tokens */
+    float *x;      /* [chunk, E]          residual stream                 */
+    float *h;      /* [chunk, max(E, H*hd)] normed input / matmul output  */
+    float *q;      /* [chunk, H*hd]                                       */
+    float *k, *v;  /* [chunk, Hkv*hd]                                     */
+    float *att;    /* [chunk, H*hd]       attention output                */
+    float *gate;   /* [chunk, F]                                          */
+    float *up;     /* [chunk, F]                                          */
+    float *logits_dev; /* [V]                                             */
+
+    float *logits;   /* host [V]; valid when have_logits                  */
+    bool have_logits;
+    int32_t *pos;    /* host [chunk]                                      */
+    struct tkv_kv_head_view *views;   /* host [Hkv]                       */
+    struct tkv_kv_block_ref *sel_refs;/* host [Hkv][max_blocks] policy-selected blocks */
+    uint32_t *sel_idx;                /* host [max_blocks]                */
+    uint32_t max_blocks;
+
+    uint32_t n_past;
+    /* statistics */
+    uint64_t prefill_tokens, decode_tokens;
+    double prefill_seconds, decode_seconds;
+};
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+struct tkv_session_params tkv_session_default_params(void)
+{
+    return (struct tkv_session_params){
+        .n_ctx = 0,
+        .n_threads = 0,
+        .device = "cpu",
+        .policy = "full",
+        .kv_budget = 0,
+        .kv_block = DEFAULT_KV_BLOCK,
+        .prefill_chunk = DEFAULT_PREFILL_CHUNK,
+    };
+}
+
+/* ---- init / free ----------------------------------------------------------- */
+
+static tkv_status weight(tkv_session *s, const struct tkv_gguf_tensor *t, struct tkv_bweight **out)
+{
+    tkv_status st = s->be->ops->weight_init(s->be, t, out);
+    return st == TKV_OK ? st : tkv_err_wrap(st, "loading %s on %s", t->name, s->be->ops->name);
+}
+
+static tkv_status alloc_act(tkv_session *s, size_t floats, float **out)
+{
+    return s->be->ops->alloc(s->be, floats * sizeof(float), (void **)out);
+}
+
+void tkv_session_free(tkv_session *s)
+{
+    if (!s)
+        return;
+    struct tkv_backend *be = s->be;
+    if (be) {
+        struct tkv_bweight *single[] = {s->tok_embd, s->output_norm, s->output != s->tok_embd ? s->output : NULL};
+        for (size_t i = 0; i < 3; i++)
+            if (single[i])
+                be->ops->weight_free(be, single[i]);
+        if (s->layers)
+            for (uint32_t l = 0; l < s->hp.n_layer; l++) {
+                struct tkv_bweight **w = (struct tkv_bweight **)&s->layers[l];
+                for (size_t i = 0; i < sizeof(struct layer_weights) / sizeof(void *); i++)
+                    if (w[i])
+                        be->ops->weight_free(be, w[i]);
+            }
+        float *acts[] = {s->x, s->h, s->q, s->k, s->v, s->att, s->gate, s->up, s->logits_dev};
+        for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
+            if (acts[i])
+                be->ops->release(be, acts[i]);
+        tkv_kvs_free(s->kv);
+        be->ops->free(be);
+    }
+    tkv_policy_free(s->policy);
+    free(s->layers);
+    free(s->logits);
+    free(s->pos);
+    free(s->views);
+    free(s->sel_refs);
+    free(s->sel_idx);
+    free(s);
+}
+
+static tkv_status session_build(tkv_session *s, const struct tkv_session_params *p)
+{
+    const struct tkv_llama *m = &s->model->llama;
+    const struct tkv_model_info *hp = &s->hp;
+    TKV_TRY(tkv_backend_create(s->device, p->n_threads, &s->be));
+
+    TKV_TRY(weight(s, m->tok_embd, &s->tok_embd));
+    TKV_TRY(weight(s, m->output_norm, &s->output_norm));
+    if (m->tied_output)
+        s->output = s->tok_embd;
+    else
+        TKV_TRY(weight(s, m->output, &s->output));
+    s->layers = calloc(hp->n_layer, sizeof *s->layers);
+    if (!s->layers)
+        return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    for (uint32_t l = 0; l < hp->n_layer; l++) {
+        const struct tkv_llama_layer *src = &m->layers[l];
+        struct layer_weights *dst = &s->layers[l];
+        TKV_TRY(weight(s, src->attn_norm, &dst->attn_norm));
+        TKV_TRY(weight(s, src->wq, &dst->wq));
+        TKV_TRY(weight(s, src->wk, &dst->wk));
+        TKV_TRY(weight(s, src->wv, &dst->wv));
+        TKV_TRY(weight(s, src->wo, &dst->wo));
+        TKV_TRY(weight(s, src->ffn_norm, &dst->ffn_norm));
+        TKV_TRY(weight(s, src->w_gate, &dst->w_gate));
+        TKV_TRY(weight(s, src->w_up, &dst->w_up));
+        TKV_TRY(weight(s, src->w_down, &dst->w_down));
+    }
+
+    const size_t C = s->chunk, E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim;
+    const size_t KD = (size_t)hp->n_head_kv * hp->head_dim, F = hp->n_ff;
+    TKV_TRY(alloc_act(s, C * E, &s->x));
+    TKV_TRY(alloc_act(s, C * TKV_MAX(E, QD), &s->h));
+    TKV_TRY(alloc_act(s, C * QD, &s->q));
+    TKV_TRY(alloc_act(s, C * KD, &s->k));
+    TKV_TRY(alloc_act(s, C * KD, &s->v));
+    TKV_TRY(alloc_act(s, C * QD, &s->att));
+    TKV_TRY(alloc_act(s, C * F, &s->gate));
+    TKV_TRY(alloc_act(s, C * F, &s->up));
+    TKV_TRY(alloc_act(s, hp->n_vocab, &s->logits_dev));
+
+    struct tkv_kvs_params kp = {.n_layer = hp->n_layer, .n_head_kv = hp->n_head_kv, .head_dim = hp->head_dim,
+                                .block_tokens = s->kv_block, .max_tokens = s->n_ctx};
+    TKV_TRY(tkv_kvs_init(&kp, s->be, &s->kv));
+
+    struct tkv_policy_env env = {.n_layer = hp->n_layer, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv,
+                                 .head_dim = hp->head_dim, .n_ctx = s->n_ctx, .block_tokens = s->kv_block,
+                                 .budget = s->kv_budget};
+    TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
+
+    s->max_blocks = (s->n_ctx + s->kv_block - 1) / s->kv_block;
+    s->logits = malloc((size_t)hp->n_vocab * sizeof(float));
+    s->pos = malloc(C * sizeof(int32_t));
+    s->views = calloc(hp->n_head_kv, sizeof *s->views);
+    s->sel_refs = calloc((size_t)hp->n_head_kv * s->max_blocks, sizeof *s->sel_refs);
+    s->sel_idx = calloc(s->max_blocks, sizeof *s->sel_idx);
+    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->sel_idx)
+        return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    return TKV_OK;
+}
+
+tkv_status tkv_session_init(const tkv_model *model, const struct tkv_session_params *params, tkv_session **out)
+{
+    if (!out)
+        return tkv_err(TKV_ERR_INVALID_ARG, "tkv_session_init: out is NULL");
+    *out = NULL;
+    if (!model)
+        return tkv_err(TKV_ERR_INVALID_ARG, "tkv_session_init: model is NULL");
+    struct tkv_session_params p = params ? *params : tkv_session_default_params();
+    const struct tkv_model_info *hp = &model->llama.info;
+    if (p.n_ctx == 0)
+        p.n_ctx = hp->n_ctx_train;
+    if (p.n_ctx > (1u << 24))
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: context of %u tokens is above the limit of %u", p.n_ctx, 1u << 24);
+    if (p.kv_block == 0)
+        p.kv_block = DEFAULT_KV_BLOCK;
+    if (p.kv_block > 256 || p.kv_block % 8)
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: kv_block %u must be a multiple of 8 in [8, 256]", p.kv_block);
+    if (p.prefill_chunk == 0)
+        p.prefill_chunk = DEFAULT_PREFILL_CHUNK;
+    if (p.prefill_chunk > 8192)
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: prefill_chunk %u is above 8192", p.prefill_chunk);
+    if (p.n_threads > 1024)
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: %u threads is above 1024", p.n_threads);
+    const char *device = p.device ? p.device : "cpu", *policy = p.policy ? p.policy : "full";
+    tkv_session *s = calloc(1, sizeof *s);
+    if (!s)
+        return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    if (strlen(device) >= sizeof s->device || strlen(policy) >= sizeof s->policy_spec) {
+        free(s);
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: device or policy string too long");
+    }
+    s->model = model;
+    s->hp = *hp;
+    s->n_ctx = p.n_ctx;
+    s->chunk = TKV_MIN(p.prefill_chunk, p.n_ctx);
+    s->kv_block = p.kv_block;
+    s->kv_budget = p.kv_budget;
+    s->progress = p.progress;
+    s->progress_user = p.progress_user;
+    strcpy(s->device, device);
+    strcpy(s->policy_spec, policy);
+    tkv_status st = session_build(s, &p);
+    if (st != TKV_OK) {
+        tkv_session_free(s);
+        return st;
+    }
+    *out = s;
+    return TKV_OK;
+}
+
+/* ---- forward pass ---------------------------------------------------------- */
+
+/* Writes the chunk's K and V rows of one layer into the KV blocks. */
+static tkv_status store_kv(tkv_session *s, uint32_t layer, uint32_t n)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    const uint32_t hd = s->hp.head_dim, Hkv = s->hp.n_head_kv, B = s->kv_block;
+    const size_t stride = (size_t)Hkv * hd;
+    for (uint32_t h = 0; h < Hkv; h++) {
+        for (uint32_t i = 0; i < n;) {
+            const uint32_t pos = s->n_past + i, rows = TKV_MIN(n - i, B - pos % B);
+            uint16_t *kd, *vd;
+            tkv_kvs_locate(s->kv, layer, h, pos, &kd, &vd);
+            TKV_TRY(ops->kv_write(s->be, s->k + i * stride + (size_t)h * hd, stride, kd, rows, hd));
+            TKV_TRY(ops->kv_write(s->be, s->v + i * stride + (size_t)h * hd, stride, vd, rows, hd));
+            i += rows;
+        }
+    }
+    return TKV_OK;
+}
+
+/* The blocks each KV head of `layer` attends to, as the policy decides. */
+static void select_views(tkv_session *s, uint32_t layer)
+{
+    for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
+        struct tkv_kv_head_view all = tkv_kvs_view(s->kv, layer, h);
+        if (!s->policy->ops->select) {
+            s->views[h] = all;
+            continue;
+        }
+        uint32_t n = s->policy->ops->select(s->policy->state, layer, h, all.n_blocks, s->sel_idx);
+        struct tkv_kv_block_ref *refs = s->sel_refs + (size_t)h * s->max_blocks;
+        for (uint32_t i = 0; i < n && i < all.n_blocks; i++)
+            refs[i] = all.blocks[s->sel_idx[i]];
+        s->views[h] = (struct tkv_kv_head_view){.blocks = refs, .n_blocks = TKV_MIN(n, all.n_blocks)};
+    }
+}
+
+static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, bool want_logits)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    struct tkv_backend *be = s->be;
+    const struct tkv_model_info *hp = &s->hp;
+    const uint32_t E = hp->n_embd, H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim, F = hp->n_ff;
+
+    for (uint32_t i = 0; i < n; i++)
+        s->pos[i] = (int32_t)(s->n_past + i);
+    TKV_TRY(ops->get_rows(be, s->tok_embd, toks, n, s->x));
+
+    for (uint32_t l = 0; l < hp->n_layer; l++) {
+        const struct layer_weights *w = &s->layers[l];
+        /* attention block */
+        TKV_TRY(ops->rmsnorm(be, s->x, w->attn_norm, s->h, n, E, hp->rms_eps));
+        TKV_TRY(ops->matmul(be, w->wq, s->h, s->q, n));
+        TKV_TRY(ops->matmul(be, w->wk, s->h, s->k, n));
+        TKV_TRY(ops->matmul(be, w->wv, s->h, s->v, n));
+        TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+        TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+        TKV_TRY(store_kv(s, l, n));
+        select_views(s, l);
+        struct tkv_attn_args a = {.q = s->q, .q_pos = s->pos, .out = s->att, .lse = NULL, .n_q = n, .n_head = H,
+                                  .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views};
+        TKV_TRY(ops->attention(be, &a));
+        TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
+        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+        /* feed-forward block */
+        TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
+        TKV_TRY(ops->matmul(be, w->w_gate, s->h, s->gate, n));
+        TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
+        TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
+        TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
+        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+    }
+
+    if (want_logits) {
+        TKV_TRY(ops->rmsnorm(be, s->x + (size_t)(n - 1) * E, s->output_norm, s->h, 1, E, hp->rms_eps));
+        TKV_TRY(ops->matmul(be, s->output, s->h, s->logits_dev, 1));
+        TKV_TRY(ops->download(be, s->logits, s->logits_dev, (size_t)hp->n_vocab * sizeof(float)));
+    }
+    return TKV_OK;
+}
+
+/* Runs one chunk: reserves KV, marks it valid, and rolls back on failure. */
+static tkv_status run_chunk(tkv_session *s, const tkv_token *toks, uint32_t n, bool want_logits)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (toks[i] < 0 || (uint32_t)toks[i] >= s->hp.n_vocab)
+            return tkv_err(TKV_ERR_INVALID_ARG, "token %d at position %u is outside the vocabulary [0, %u)", toks[i],
+                           s->n_past + i, s->hp.n_vocab);
+    const uint32_t end = s->n_past + n;
+    TKV_TRY(tkv_kvs_reserve(s->kv, TKV_MIN(s->n_ctx, n == 1 ? end + DECODE_RESERVE_AHEAD : end)));
+    tkv_kvs_set_length(s->kv, end);
+    s->have_logits = false;
+    tkv_status st = forward(s, toks, n, want_logits);
+    if (st != TKV_OK) {
+        tkv_kvs_set_length(s->kv, s->n_past);
+        return st;
+    }
+    s->n_past = end;
+    s->have_logits = want_logits;
+    return TKV_OK;
+}
+
+tkv_status tkv_prefill(tkv_session *s, const tkv_token *toks, size_t n)
+{
+    if (!s || (n && !toks))
+        return tkv_err(TKV_ERR_INVALID_ARG, "tkv_prefill: NULL argument");
+    if (n == 0)
+        return TKV_OK;
+    if (n > s->n_ctx - s->n_past)
+        return tkv_err(TKV_ERR_CONTEXT_FULL, "prefill of %zu tokens does not fit: %u of %u context tokens in use", n,
+                       s->n_past, s->n_ctx);
+    /* reserve the whole prompt up front: one explicit allocation step */
+    TKV_TRY(tkv_kvs_reserve(s->kv, s->n_past + (uint32_t)n));
+    const double t0 = now_seconds();
+    size_t done = 0;
+    tkv_status st = TKV_OK;
+    while (done < n) {
+        const uint32_t c = (uint32_t)TKV_MIN((size_t)s->chunk, n - done);
+        st = run_chunk(s, toks + done, c, done + c == n);
+        if (st != TKV_OK)
+            break;
+        done += c;
+        if (s->progress && s->progress(done, n, s->progress_user) && done < n) {
+            st = tkv_err(TKV_ERR_CANCELLED, "prefill cancelled after %zu of %zu tokens", done, n);
+            break;
+        }
+    }
+    s->prefill_tokens += done;
+    s->prefill_seconds += now_seconds() - t0;
+    return st;
+}
+
+tkv_status tkv_decode(tkv_session *s, tkv_token tok)
+{
+    if (!s)
+        return tkv_err(TKV_ERR_INVALID_ARG, "tkv_decode: session is NULL");
+    if (s->n_past >= s->n_ctx)
+        return tkv_err(TKV_ERR_CONTEXT_FULL, "decode: the context of %u tokens is full", s->n_ctx);
+    const double t0 = now_seconds();
+    tkv_status st = run_chunk(s, &tok, 1, true);
+    if (st == TKV_OK) {
+        s->decode_tokens++;
+        s->decode_seconds += now_seconds() - t0;
+    }
+    return st;
+}
+
+const float *tkv_logits(const tkv_session *s) { return s && s->have_logits ? s->logits : NULL; }
+
+size_t tkv_session_n_past(const tkv_session *s) { return s ? s->n_past : 0; }
+
+void tkv_session_reset(tkv_session *s)
+{
+    if (!s)
+        return;
+    s->n_past = 0;
+    s->have_logits = false;
+    tkv_kvs_set_length(s->kv, 0);
+}
+
+tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, size_t *len_out)
+{
+    if (!s || !len_out || (cap && !buf))
+        return tkv_err(TKV_ERR_INVALID_ARG, "tkv_session_stats_json: NULL argument");
+    char tmp[2048];
+    int len = snprintf(
+        tmp, sizeof tmp,
+        "{\"device\": \"%s\", \"policy\": \"%s\", \"n_ctx\": %u, \"n_past\": %u,\n"
+        " \"prefill\": {\"tokens\": %llu, \"seconds\": %.6f, \"tok_s\": %.3f},\n"
+        " \"decode\": {\"tokens\": %llu, \"seconds\": %.6f, \"tok_s\": %.3f},\n"
+        " \"kv\": {\"block_tokens\": %u, \"bytes_allocated\": %llu, \"bytes_per_token\": %llu}}",
+        s->be->ops->name, s->policy_spec, s->n_ctx, s->n_past, (unsigned long long)s->prefill_tokens,
+        s->prefill_seconds, s->prefill_seconds > 0 ? s->prefill_tokens / s->prefill_seconds : 0.0,
+        (unsigned long long)s->decode_tokens, s->decode_seconds,
+        s->decode_seconds > 0 ? s->decode_tokens / s->decode_seconds : 0.0, s->kv_block,
+        (unsigned long long)tkv_kvs_bytes_allocated(s->kv),
+        (unsigned long long)s->hp.n_layer * s->hp.n_head_kv * s->hp.head_dim * 2 * 2);
+    *len_out = (size_t)len;
+    if ((size_t)len >= cap)
+        return tkv_err(TKV_ERR_TOO_SMALL, "stats: %d bytes needed", len + 1);
+    memcpy(buf, tmp, (size_t)len + 1);
+    return TKV_OK;
+}

@@ -1,0 +1,292 @@
+/*
+ * test-cpu-backend.c -- the CPU backend's fast paths against slow references
+ * on fresh random inputs: attention (prefill tiles, split-K decode, GQA,
+ * partial and selected blocks, log-sum-exp), matmul (quantized-dot and sgemm
+ * paths), RoPE, RMSNorm, SwiGLU, and the thread pool.
+ */
+#include "cpu/cpu.h"
+#include "cpu/quant.h"
+#include "test.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t rng;
+
+/* ---- attention ---------------------------------------------------------- */
+
+struct kv_fixture {
+    uint32_t n_head_kv, head_dim, B, n_tokens;
+    uint16_t *storage;                 /* [Hkv][blocks][K|V][B][hd] */
+    struct tkv_kv_block_ref *refs;     /* [Hkv][blocks] */
+    struct tkv_kv_head_view *views;    /* [Hkv] */
+};
+
+static void kv_make(struct kv_fixture *f, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_tokens, bool sparse)
+{
+    uint32_t nb = (n_tokens + B - 1) / B;
+    f->n_head_kv = Hkv, f->head_dim = hd, f->B = B, f->n_tokens = n_tokens;
+    f->storage = malloc((size_t)Hkv * nb * 2 * B * hd * sizeof(uint16_t));
+    f->refs = calloc((size_t)Hkv * nb, sizeof *f->refs);
+    f->views = calloc(Hkv, sizeof *f->views);
+    for (size_t i = 0; i < (size_t)Hkv * nb * 2 * B * hd; i++)
+        f->storage[i] = tkv_fp32_to_fp16(test_rand_f32(&rng, -2, 2));
+    for (uint32_t h = 0; h < Hkv; h++) {
+        uint32_t kept = 0;
+        for (uint32_t b = 0; b < nb; b++) {
+            /* sparse: drop some middle blocks, as a selecting policy would */
+            if (sparse && b > 0 && b + 1 < nb && (test_rand_u64(&rng) & 1))
+                continue;
+            uint16_t *k = f->storage + (((size_t)h * nb + b) * 2) * B * hd;
+            f->refs[(size_t)h * nb + kept++] = (struct tkv_kv_block_ref){
+                .k = k, .v = k + (size_t)B * hd, .pos0 = (int32_t)(b * B), .n = TKV_MIN(B, n_tokens - b * B)};
+        }
+        f->views[h] = (struct tkv_kv_head_view){.blocks = f->refs + (size_t)h * nb, .n_blocks = kept};
+    }
+}
+
+static void kv_free(struct kv_fixture *f)
+{
+    free(f->storage);
+    free(f->refs);
+    free(f->views);
+}
+
+static void test_attention_case(struct tkv_cpu_backend *cb, uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B,
+                                uint32_t n_ctx, uint32_t n_q, bool sparse)
+{
+    struct kv_fixture f;
+    kv_make(&f, Hkv, hd, B, n_ctx, sparse);
+    size_t qn = (size_t)n_q * H * hd;
+    float *q = malloc(qn * sizeof *q), *o1 = malloc(qn * sizeof *o1), *o2 = malloc(qn * sizeof *o2);
+    float *l1 = malloc((size_t)n_q * H * sizeof *l1), *l2 = malloc((size_t)n_q * H * sizeof *l2);
+    int32_t *pos = malloc(n_q * sizeof *pos);
+    for (size_t i = 0; i < qn; i++)
+        q[i] = test_rand_f32(&rng, -1, 1);
+    for (uint32_t t = 0; t < n_q; t++) /* the last n_q positions, as in a prefill chunk */
+        pos[t] = (int32_t)(n_ctx - n_q + t);
+    struct tkv_attn_args a = {.q = q, .q_pos = pos, .out = o1, .lse = l1, .n_q = n_q, .n_head = H, .n_head_kv = Hkv,
+                              .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = f.views};
+    CHECK(tkv_cpu_attention(cb, &a) == TKV_OK, "%s", tkv_last_error());
+    a.out = o2;
+    a.lse = l2;
+    CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "%s", tkv_last_error());
+    double max_err = 0, max_lse = 0;
+    for (size_t i = 0; i < qn; i++)
+        max_err = fmax(max_err, fabs(o1[i] - o2[i]));
+    for (size_t i = 0; i < (size_t)n_q * H; i++)
+        max_lse = fmax(max_lse, fabs(l1[i] - l2[i]));
+    CHECK(max_err < 2e-4 && max_lse < 2e-4,
+          "attention H=%u Hkv=%u hd=%u B=%u ctx=%u n_q=%u sparse=%d: max |out| err %.3g, |lse| err %.3g", H, Hkv, hd,
+          B, n_ctx, n_q, sparse, max_err, max_lse);
+    free(q), free(o1), free(o2), free(l1), free(l2), free(pos);
+    kv_free(&f);
+}
+
+/* Splitting the keys in two and merging by log-sum-exp equals one pass. */
+static void test_attention_merge(struct tkv_cpu_backend *cb)
+{
+    const uint32_t H = 4, Hkv = 2, hd = 32, B = 16, n = 200;
+    struct kv_fixture f;
+    kv_make(&f, Hkv, hd, B, n, false);
+    float q[H * hd], full[H * hd], pa[H * hd], pb[H * hd], la[H], lb[H], lf[H];
+    int32_t pos = n - 1;
+    for (uint32_t i = 0; i < H * hd; i++)
+        q[i] = test_rand_f32(&rng, -1, 1);
+    struct tkv_attn_args a = {.q = q, .q_pos = &pos, .out = full, .lse = lf, .n_q = 1, .n_head = H, .n_head_kv = Hkv,
+                              .head_dim = hd, .scale = 0.2f, .kv = f.views};
+    CHECK(tkv_cpu_attention(cb, &a) == TKV_OK, "%s", tkv_last_error());
+    struct tkv_kv_head_view first[2], second[2];
+    for (uint32_t h = 0; h < Hkv; h++) {
+        first[h] = (struct tkv_kv_head_view){f.views[h].blocks, 5};
+        second[h] = (struct tkv_kv_head_view){f.views[h].blocks + 5, f.views[h].n_blocks - 5};
+    }
+    a.kv = first, a.out = pa, a.lse = la;
+    CHECK(tkv_cpu_attention(cb, &a) == TKV_OK, "%s", tkv_last_error());
+    a.kv = second, a.out = pb, a.lse = lb;
+    CHECK(tkv_cpu_attention(cb, &a) == TKV_OK, "%s", tkv_last_error());
+    double err = 0;
+    for (uint32_t h = 0; h < H; h++) {
+        float m = fmaxf(la[h], lb[h]), wa = expf(la[h] - m), wb = expf(lb[h] - m);
+        for (uint32_t d = 0; d < hd; d++) {
+            float merged = (pa[h * hd + d] * wa + pb[h * hd + d] * wb) / (wa + wb);
+            err = fmax(err, fabs(merged - full[h * hd + d]));
+        }
+        err = fmax(err, fabs(m + logf(wa + wb) - lf[h]));
+    }
+    CHECK(err < 1e-5, "merged partial attention differs from one pass by %.3g", err);
+    kv_free(&f);
+}
+
+/* ---- matmul -------------------------------------------------------------- */
+
+struct fake_tensor {
+    struct tkv_gguf_tensor t;
+    void *data;
+};
+
+static void make_weight(struct fake_tensor *ft, uint32_t type, uint32_t n_in, uint32_t n_out)
+{
+    const struct tkv_type_traits *tr = tkv_type_traits(type);
+    size_t row = (size_t)n_in / tr->block_elems * tr->block_bytes;
+    ft->data = malloc(row * n_out);
+    float *x = malloc(n_in * sizeof *x);
+    for (uint32_t r = 0; r < n_out; r++) {
+        for (uint32_t i = 0; i < n_in; i++)
+            x[i] = test_rand_f32(&rng, -1, 1);
+        tkv_quantize_row(type, x, (uint8_t *)ft->data + row * r, n_in);
+    }
+    free(x);
+    memset(&ft->t, 0, sizeof ft->t);
+    snprintf(ft->t.name, sizeof ft->t.name, "w_%s", tr->name);
+    ft->t.n_dims = 2;
+    ft->t.ne[0] = n_in, ft->t.ne[1] = n_out, ft->t.ne[2] = ft->t.ne[3] = 1;
+    ft->t.type = type;
+    ft->t.data = ft->data;
+    ft->t.nbytes = row * n_out;
+}
+
+static void test_matmul(struct tkv_backend *be, uint32_t type, uint32_t n_in, uint32_t n_out, uint32_t n_tok)
+{
+    struct fake_tensor ft;
+    make_weight(&ft, type, n_in, n_out);
+    struct tkv_bweight *w;
+    REQUIRE_VOID(be->ops->weight_init(be, &ft.t, &w) == TKV_OK);
+    float *x = malloc((size_t)n_tok * n_in * sizeof *x), *y = malloc((size_t)n_tok * n_out * sizeof *y);
+    float *wrow = malloc(n_in * sizeof *wrow);
+    for (size_t i = 0; i < (size_t)n_tok * n_in; i++)
+        x[i] = test_rand_f32(&rng, -1, 1);
+    CHECK(be->ops->matmul(be, w, x, y, n_tok) == TKV_OK, "%s", tkv_last_error());
+    const struct tkv_type_traits *tr = tkv_type_traits(type);
+    size_t row = (size_t)n_in / tr->block_elems * tr->block_bytes;
+    double worst = 0;
+    for (uint32_t r = 0; r < n_out; r++) {
+        tkv_dequant_row_ref(type, (uint8_t *)ft.data + row * r, wrow, n_in);
+        for (uint32_t t = 0; t < n_tok; t++) {
+            double ref = 0, mag = 0;
+            for (uint32_t i = 0; i < n_in; i++) {
+                ref += (double)wrow[i] * x[(size_t)t * n_in + i];
+                mag += fabs((double)wrow[i] * x[(size_t)t * n_in + i]);
+            }
+            /* the decode path quantizes activations to 8 bits: error <~ 1% of sum|w x| */
+            double tol = (n_tok < 8 && type != TKV_TYPE_F32 && type != TKV_TYPE_F16 && type != TKV_TYPE_BF16) ? 1e-2 : 1e-5;
+            worst = fmax(worst, fabs(y[(size_t)t * n_out + r] - ref) / (mag * tol + 1e-6));
+        }
+    }
+    CHECK(worst <= 1.0, "matmul %s %ux%u n=%u: error %.3g x tolerance", tr->name, n_in, n_out, n_tok, worst);
+    be->ops->weight_free(be, w);
+    free(x), free(y), free(wrow), free(ft.data);
+}
+
+/* ---- element-wise ops --------------------------------------------------------- */
+
+static void test_rope_rmsnorm_swiglu(struct tkv_backend *be)
+{
+    const uint32_t n = 3, heads = 2, hd = 16, rot = 12;
+    float x[3 * 2 * 16], orig[3 * 2 * 16];
+    int32_t pos[3] = {0, 7, 1000};
+    for (uint32_t i = 0; i < n * heads * hd; i++)
+        orig[i] = x[i] = test_rand_f32(&rng, -1, 1);
+    CHECK(be->ops->rope(be, x, n, heads, hd, rot, pos, 10000.0f, 0.5f) == TKV_OK, "%s", tkv_last_error());
+    double err = 0;
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t h = 0; h < heads; h++)
+            for (uint32_t i = 0; i < hd / 2; i++) {
+                const float *a = orig + (t * heads + h) * hd, *b = x + (t * heads + h) * hd;
+                if (2 * i >= rot) { /* beyond the rotated dims: untouched */
+                    err = fmax(err, fabs(a[2 * i] - b[2 * i]) + fabs(a[2 * i + 1] - b[2 * i + 1]));
+                    continue;
+                }
+                double th = pos[t] * 0.5 * pow(10000.0, -2.0 * i / rot);
+                double r0 = a[2 * i] * cos(th) - a[2 * i + 1] * sin(th), r1 = a[2 * i] * sin(th) + a[2 * i + 1] * cos(th);
+                err = fmax(err, fabs(r0 - b[2 * i]) + fabs(r1 - b[2 * i + 1]));
+            }
+    CHECK(err < 2e-3, "rope differs from the formula by %.3g", err); /* float angle accumulation at pos 1000 */
+
+    float g[16], y[2 * 16], in[2 * 16];
+    for (uint32_t i = 0; i < 16; i++)
+        g[i] = test_rand_f32(&rng, 0.5f, 1.5f);
+    for (uint32_t i = 0; i < 32; i++)
+        in[i] = test_rand_f32(&rng, -3, 3);
+    struct tkv_gguf_tensor gt = {.name = "norm", .n_dims = 1, .ne = {16, 1, 1, 1}, .type = TKV_TYPE_F32, .data = g};
+    struct tkv_bweight *gw;
+    REQUIRE_VOID(be->ops->weight_init(be, &gt, &gw) == TKV_OK);
+    CHECK(be->ops->rmsnorm(be, in, gw, y, 2, 16, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+    err = 0;
+    for (uint32_t t = 0; t < 2; t++) {
+        double ss = 0;
+        for (uint32_t i = 0; i < 16; i++)
+            ss += in[t * 16 + i] * in[t * 16 + i];
+        for (uint32_t i = 0; i < 16; i++)
+            err = fmax(err, fabs(in[t * 16 + i] / sqrt(ss / 16 + 1e-5) * g[i] - y[t * 16 + i]));
+    }
+    CHECK(err < 1e-5, "rmsnorm differs from the formula by %.3g", err);
+    be->ops->weight_free(be, gw);
+
+    enum { N = 10000 };
+    float *ga = malloc(N * sizeof(float)), *ua = malloc(N * sizeof(float)), *oa = malloc(N * sizeof(float));
+    for (int i = 0; i < N; i++)
+        ga[i] = test_rand_f32(&rng, -8, 8), ua[i] = test_rand_f32(&rng, -2, 2);
+    CHECK(be->ops->swiglu(be, ga, ua, oa, N) == TKV_OK, "swiglu");
+    err = 0;
+    for (int i = 0; i < N; i++)
+        err = fmax(err, fabs(ga[i] / (1 + exp(-ga[i])) * ua[i] - oa[i]));
+    CHECK(err < 1e-5, "swiglu differs from the formula by %.3g", err);
+    free(ga), free(ua), free(oa);
+}
+
+/* ---- thread pool ------------------------------------------------------------ */
+
+static void count_worker(void *ctx, uint32_t ith, uint32_t nth)
+{
+    uint64_t *sums = ctx, b, e;
+    tkv_split(1000003, ith, nth, &b, &e);
+    for (uint64_t i = b; i < e; i++)
+        sums[ith] += i;
+}
+
+static void test_pool(void)
+{
+    struct tkv_pool *p;
+    REQUIRE_VOID(tkv_pool_init(3, &p) == TKV_OK);
+    for (int rep = 0; rep < 2000; rep++) { /* many tiny jobs, as decode issues */
+        uint64_t sums[3] = {0, 0, 0};
+        tkv_pool_run(p, count_worker, sums);
+        if (sums[0] + sums[1] + sums[2] != 1000003ull * 1000002ull / 2) {
+            CHECK(false, "pool job %d summed wrong", rep);
+            break;
+        }
+    }
+    tkv_pool_free(p);
+    CHECK(tkv_pool_init(0, &p) == TKV_ERR_INVALID_ARG, "0 threads must be refused");
+}
+
+int main(void)
+{
+    rng = test_seed();
+    test_pool();
+    struct tkv_backend *be;
+    REQUIRE(tkv_backend_create("cpu", 2, &be) == TKV_OK, "%s", tkv_last_error());
+    struct tkv_cpu_backend *cb = (struct tkv_cpu_backend *)be;
+
+    /* prefill-like (many queries) and decode-like (one query: split-K) */
+    test_attention_case(cb, 9, 3, 64, 64, 300, 300, false);  /* SmolLM2 shape, whole prompt */
+    test_attention_case(cb, 9, 3, 64, 64, 700, 128, false);  /* a later prefill chunk */
+    test_attention_case(cb, 9, 3, 64, 64, 1000, 1, false);   /* decode */
+    test_attention_case(cb, 8, 2, 128, 32, 513, 3, false);   /* GQA 4, hd 128 */
+    test_attention_case(cb, 4, 4, 16, 8, 77, 77, false);     /* MHA, small blocks */
+    test_attention_case(cb, 6, 2, 64, 16, 400, 1, true);     /* policy-selected blocks */
+    test_attention_case(cb, 6, 2, 64, 16, 400, 40, true);
+    test_attention_merge(cb);
+
+    static const uint32_t types[] = {TKV_TYPE_F32, TKV_TYPE_F16, TKV_TYPE_BF16, TKV_TYPE_Q8_0, TKV_TYPE_Q4_0,
+                                     TKV_TYPE_Q4_1};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        test_matmul(be, types[i], 256, 67, 1);  /* decode: quantized dots */
+        test_matmul(be, types[i], 256, 67, 3);
+        test_matmul(be, types[i], 576, 130, 40); /* prefill: sgemm on dequantized tiles */
+    }
+    test_rope_rmsnorm_swiglu(be);
+    be->ops->free(be);
+    return test_done();
+}
