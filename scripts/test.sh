@@ -10,17 +10,7 @@ cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
 
 # ---- 1. Debian packages ---------------------------------------------------------
-pkgs=(cmake make gcc g++ pkg-config libopenblas-dev libhwloc-dev liburing-dev unzip)
-missing=()
-for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-command -v python3 >/dev/null || missing+=(python3)
-python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "test.sh: installing ${missing[*]}"
-    SUDO=; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+scripts/install-deps.sh
 
 # ---- 2. the default model (tests that need it read TKV_MODEL) --------------------
 scripts/get-model.sh
