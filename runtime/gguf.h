@@ -148,7 +148,8 @@ typedef struct tkv_gguf_writer tkv_gguf_writer;
 tkv_status tkv_gguf_writer_init(tkv_gguf_writer **out);
 void       tkv_gguf_writer_free(tkv_gguf_writer *w);
 
-/* Metadata, written in the order added. Strings are copied. */
+/* Metadata, written in the order added. Strings are copied. An empty or
+ * duplicate key is TKV_ERR_INVALID_ARG. */
 tkv_status tkv_gguf_add_u32(tkv_gguf_writer *w, const char *key, uint32_t v);
 tkv_status tkv_gguf_add_i32(tkv_gguf_writer *w, const char *key, int32_t v);
 tkv_status tkv_gguf_add_f32(tkv_gguf_writer *w, const char *key, float v);
@@ -160,11 +161,15 @@ tkv_status tkv_gguf_add_arr(tkv_gguf_writer *w, const char *key, uint32_t elem_t
 
 /* A tensor of the given type and shape; data (nbytes of the type and shape)
  * is referenced, not copied, and must stay valid until the file is written.
- * data == NULL writes zeros. */
+ * data == NULL writes zeros. A name that is empty, longer than
+ * TKV_GGUF_MAX_NAME or already used, an unknown type, n_dims outside 1..4,
+ * ne < 1 or ne[0] not a multiple of the block: TKV_ERR_INVALID_ARG. */
 tkv_status tkv_gguf_add_tensor(tkv_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
                                const int64_t *ne, const void *data);
 
-/* Writes GGUF v3 with 32-byte alignment. */
+/* Writes GGUF v3 with 32-byte alignment: header, kvs, tensor infos, then
+ * each tensor's data padded to 32 bytes. TKV_ERR_IO names the path; a failed
+ * write may leave a partial file. */
 tkv_status tkv_gguf_write_file(const tkv_gguf_writer *w, const char *path);
 /* Same, into a malloc'd buffer the caller frees. */
 tkv_status tkv_gguf_write_mem(const tkv_gguf_writer *w, void **out, size_t *size);
