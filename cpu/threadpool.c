@@ -130,6 +130,12 @@ void tkv_pool_run(struct tkv_pool *p, tkv_pool_fn fn, void *ctx)
         pthread_mutex_unlock(&p->mu);
     }
     fn(ctx, 0, p->n);
-    while (atomic_load_explicit(&p->pending, memory_order_acquire) != 0)
-        tkv_cpu_relax();
+    /* spin, then yield: when cores are oversubscribed (parallel tests, other
+     * processes) a descheduled worker must not cost us a whole time slice */
+    for (int spins = 0; atomic_load_explicit(&p->pending, memory_order_acquire) != 0; spins++) {
+        if (spins < TKV_POOL_SPINS)
+            tkv_cpu_relax();
+        else
+            sched_yield();
+    }
 }

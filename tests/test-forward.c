@@ -230,12 +230,15 @@ static void ref_forward(const struct ref_model *rm, const tkv_token *toks, int n
     matvec(rm->output, h, E, V, logits);
 }
 
+/* Largest logit difference, relative to the largest reference logit. */
 static double max_diff(const float *a, const double *b)
 {
-    double m = 0;
-    for (int i = 0; i < V; i++)
+    double m = 0, scale = 1e-6;
+    for (int i = 0; i < V; i++) {
         m = fmax(m, fabs(a[i] - b[i]));
-    return m;
+        scale = fmax(scale, fabs(b[i]));
+    }
+    return m / scale;
 }
 
 static void run_case(uint32_t wtype, double tol_prefill, double tol_decode)
@@ -301,12 +304,13 @@ static void run_case(uint32_t wtype, double tol_prefill, double tol_decode)
 int main(void)
 {
     rng = test_seed();
-    /* F32/F16 weights: f32 activations everywhere; only float rounding */
-    run_case(TKV_TYPE_F32, 2e-3, 2e-3);
-    run_case(TKV_TYPE_F16, 2e-3, 2e-3);
+    /* tolerances are relative to the largest logit. F32/F16 weights: f32
+     * activations everywhere; only float rounding */
+    run_case(TKV_TYPE_F32, 1e-4, 1e-4);
+    run_case(TKV_TYPE_F16, 1e-4, 1e-4);
     /* quantized weights: chunks of >= 8 tokens dequantize exactly, shorter
      * ones (the prompt's 5-token tail, decode) quantize the activations to
-     * 8 bits as llama.cpp does, a ~1% effect on the logits */
+     * 8 bits as llama.cpp does: ~1-3% of the largest logit on this random 2-layer model; layout bugs give O(1) */
     run_case(TKV_TYPE_Q8_0, 0.05, 0.05);
     run_case(TKV_TYPE_Q4_1, 0.05, 0.05);
     return test_done();

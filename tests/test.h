@@ -31,16 +31,18 @@ static int test_failures_, test_checks_;
 
 #define REQUIRE(cond, ...)                 \
     do {                                   \
-        CHECK(cond, __VA_ARGS__);          \
-        if (!(cond))                       \
+        int req_ok_ = (cond) ? 1 : 0;      \
+        CHECK(req_ok_, __VA_ARGS__);       \
+        if (!req_ok_)                      \
             return test_done();            \
     } while (0)
 
 /* REQUIRE for functions returning void. */
 #define REQUIRE_VOID(cond)                 \
     do {                                   \
-        CHECK(cond, "required");           \
-        if (!(cond))                       \
+        int req_ok_ = (cond) ? 1 : 0;      \
+        CHECK(req_ok_, "%s", #cond);       \
+        if (!req_ok_)                      \
             return;                        \
     } while (0)
 
