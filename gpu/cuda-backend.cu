@@ -1,15 +1,530 @@
 /*
- * cuda-backend.cu -- the CUDA backend.
+ * cuda-backend.cu -- the CUDA implementation of struct tkv_backend_ops: the
+ * vtable, device memory, weights, and the one place that turns cudaError_t
+ * and cublasStatus_t into tkv_status.
  *
- * So far: device discovery. The forward-pass ops (GEMMs through cuBLAS,
- * attention kernels) are not written yet; tkv_cuda_backend_create says so
- * with TKV_ERR_UNSUPPORTED rather than pretending.
+ * Everything runs in order on one non-blocking stream per backend, so ops are
+ * asynchronous until download() or synchronize(). Host-side arguments (token
+ * ids, positions, the KV block table of an attention call) travel through a
+ * ring of pinned staging slots, each paired with a device buffer and an event
+ * that says when the slot's last copy has left the host buffer.
+ *
+ * Weights: matrices are dequantized on the GPU to f16 once at load
+ * (dequant.cu) and multiplied with cuBLAS (f16 x f16 -> f32, f32 accumulate)
+ * or, for up to 8 tokens, with a GEMV kernel that reads the f32 activations
+ * directly; vectors (norm weights) are kept in f32.
  */
+#include "attn.cuh"
+#include "common.cuh"
+#include "dequant.cuh"
+#include "ops.cuh"
+
 extern "C" {
 #include "tkv-cuda.h"
 }
 
-#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#define N_STAGE 16                  /* staging slots in the ring               */
+#define STAGE_MIN_BYTES (64 << 10)  /* initial size of each slot               */
+
+struct stage_slot {
+    void *host;      /* pinned [cap] */
+    void *dev;       /* device [cap] */
+    size_t cap;
+    cudaEvent_t ev;  /* recorded after the slot's last host-to-device copy */
+    bool pending;
+};
+
+struct cuda_backend {
+    struct tkv_backend base;       /* first: ops dispatch on &base */
+    int device, n_sm;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    struct stage_slot stage[N_STAGE];
+    unsigned next_stage;
+    __half *act16;                 /* [act16_cap] f16 activations for cuBLAS  */
+    size_t act16_cap;              /* elements                                */
+    float *attn_part;              /* [attn_part_cap] split-K partials        */
+    size_t attn_part_cap;          /* floats                                  */
+    bool failed;                   /* a sticky CUDA error: the context is gone */
+    char failed_msg[128];
+};
+
+struct tkv_bweight {
+    const struct tkv_gguf_tensor *t;
+    uint32_t n_in, n_out;
+    bool is_vec;   /* 1-D tensor: kept as f32 in v32                       */
+    __half *w16;   /* matrices: [n_out, n_in] f16                           */
+    float *v32;    /* vectors:  [n_in] f32                                  */
+};
+
+static struct cuda_backend *cuda_of(struct tkv_backend *b) { return (struct cuda_backend *)b; }
+
+/* ---- errors --------------------------------------------------------------- */
+
+/* Errors after which the CUDA context cannot be used again. */
+static bool cuda_sticky(cudaError_t e)
+{
+    switch (e) {
+    case cudaErrorIllegalAddress: case cudaErrorLaunchFailure: case cudaErrorMisalignedAddress:
+    case cudaErrorIllegalInstruction: case cudaErrorInvalidAddressSpace: case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError: case cudaErrorLaunchTimeout: case cudaErrorAssert:
+    case cudaErrorECCUncorrectable: case cudaErrorContextIsDestroyed: case cudaErrorUnknown:
+        return true;
+    default:
+        return false;
+    }
+}
+
+static tkv_status cu_fail(struct cuda_backend *cb, cudaError_t e, const char *op, const char *call)
+{
+    (void)cudaGetLastError(); /* clear a non-sticky error so later calls work */
+    if (cb && cuda_sticky(e)) {
+        cb->failed = true;
+        snprintf(cb->failed_msg, sizeof cb->failed_msg, "%s in %s", cudaGetErrorName(e), op);
+    }
+    return tkv_err(e == cudaErrorMemoryAllocation ? TKV_ERR_NOMEM : TKV_ERR_DEVICE, "cuda: %s: %s: %s (%s)", op,
+                   call, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+static tkv_status blas_fail(cublasStatus_t s, const char *op)
+{
+    return tkv_err(s == CUBLAS_STATUS_ALLOC_FAILED ? TKV_ERR_NOMEM : TKV_ERR_DEVICE, "cuda: %s: cuBLAS: %s", op,
+                   cublasGetStatusString(s));
+}
+
+/* CU(op, call): a failed CUDA call returns its tkv_status from the function. */
+#define CU(op, call)                                     \
+    do {                                                 \
+        cudaError_t cu_e_ = (call);                      \
+        if (cu_e_ != cudaSuccess)                        \
+            return cu_fail(cb, cu_e_, op, #call);        \
+    } while (0)
+
+/* Every op starts here: after a sticky error the device is not touched again. */
+#define ALIVE(op)                                                                                               \
+    do {                                                                                                        \
+        if (cb->failed)                                                                                         \
+            return tkv_err(TKV_ERR_DEVICE, "cuda: %s: the device failed earlier (%s); create a new backend", op, \
+                           cb->failed_msg);                                                                     \
+    } while (0)
+
+/* ---- staging of host-side arguments ---------------------------------------- */
+
+/* Takes the next slot, large enough for bytes; its host buffer is free to
+ * write once this returns. */
+static tkv_status stage_take(struct cuda_backend *cb, size_t bytes, struct stage_slot **out, const char *op)
+{
+    struct stage_slot *sl = &cb->stage[cb->next_stage++ % N_STAGE];
+    if (sl->pending) {
+        CU(op, cudaEventSynchronize(sl->ev));
+        sl->pending = false;
+    }
+    if (bytes > sl->cap) {
+        size_t cap = TKV_MAX(bytes, TKV_MAX(2 * sl->cap, (size_t)STAGE_MIN_BYTES));
+        /* the old device buffer may still be read by queued kernels */
+        CU(op, cudaStreamSynchronize(cb->stream));
+        cudaFreeHost(sl->host);
+        cudaFree(sl->dev);
+        sl->host = sl->dev = NULL;
+        sl->cap = 0;
+        CU(op, cudaMallocHost(&sl->host, cap));
+        CU(op, cudaMalloc(&sl->dev, cap));
+        sl->cap = cap;
+    }
+    *out = sl;
+    return TKV_OK;
+}
+
+/* Queues the copy of the slot's first bytes to its device buffer. Kernels
+ * queued after this on the stream see the data. */
+static tkv_status stage_send(struct cuda_backend *cb, struct stage_slot *sl, size_t bytes, const char *op)
+{
+    CU(op, cudaMemcpyAsync(sl->dev, sl->host, bytes, cudaMemcpyHostToDevice, cb->stream));
+    CU(op, cudaEventRecord(sl->ev, cb->stream));
+    sl->pending = true;
+    return TKV_OK;
+}
+
+/* Grows a device work buffer to at least `bytes`, keeping it otherwise. */
+static tkv_status work_reserve(struct cuda_backend *cb, void **buf, size_t *cap_bytes, size_t bytes, const char *op)
+{
+    if (bytes <= *cap_bytes)
+        return TKV_OK;
+    size_t cap = TKV_MAX(bytes, *cap_bytes + *cap_bytes / 2);
+    CU(op, cudaStreamSynchronize(cb->stream));
+    cudaFree(*buf);
+    *buf = NULL;
+    *cap_bytes = 0;
+    CU(op, cudaMalloc(buf, cap));
+    *cap_bytes = cap;
+    return TKV_OK;
+}
+
+/* ---- memory ------------------------------------------------------------------ */
+
+static tkv_status cuda_alloc(struct tkv_backend *b, size_t bytes, void **out)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    *out = NULL;
+    ALIVE("alloc");
+    cudaError_t e = cudaMalloc(out, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        *out = NULL;
+        if (e == cudaErrorMemoryAllocation) {
+            (void)cudaGetLastError();
+            size_t free_b = 0, total_b = 0;
+            cudaMemGetInfo(&free_b, &total_b);
+            (void)cudaGetLastError();
+            return tkv_err(TKV_ERR_NOMEM, "cuda: cannot allocate %zu bytes of device memory (%zu of %zu free)",
+                           bytes, free_b, total_b);
+        }
+        return cu_fail(cb, e, "alloc", "cudaMalloc");
+    }
+    return TKV_OK;
+}
+
+static void cuda_release(struct tkv_backend *b, void *p)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    if (!p)
+        return;
+    cudaError_t e = cudaFree(p);
+    if (e != cudaSuccess) {
+        cu_fail(cb, e, "release", "cudaFree");
+        TKV_LOG_W("%s", tkv_last_error());
+    }
+}
+
+/* Pageable src: returns once src may be reused (the driver stages it). */
+static tkv_status cuda_upload(struct tkv_backend *b, void *dst, const void *src_host, size_t bytes)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("upload");
+    if (bytes)
+        CU("upload", cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_download(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("download");
+    if (bytes)
+        CU("download", cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, cb->stream));
+    CU("download", cudaStreamSynchronize(cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_sync(struct tkv_backend *b)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("synchronize");
+    CU("synchronize", cudaStreamSynchronize(cb->stream));
+    return TKV_OK;
+}
+
+/* ---- weights ------------------------------------------------------------------- */
+
+static void cuda_weight_free(struct tkv_backend *b, struct tkv_bweight *w)
+{
+    if (!w)
+        return;
+    cuda_release(b, w->w16);
+    cuda_release(b, w->v32);
+    free(w);
+}
+
+static tkv_status weight_load(struct cuda_backend *cb, const struct tkv_gguf_tensor *t, struct tkv_bweight *w,
+                              size_t n_elems, size_t raw_bytes, void **raw)
+{
+    const char *op = "weight_init";
+    if (w->is_vec)
+        CU(op, cudaMalloc((void **)&w->v32, n_elems * sizeof(float)));
+    else
+        CU(op, cudaMalloc((void **)&w->w16, n_elems * sizeof(__half)));
+    if (t->type == TKV_TYPE_F16 && !w->is_vec) { /* already the storage format */
+        CU(op, cudaMemcpyAsync(w->w16, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
+    } else {
+        CU(op, cudaMalloc(raw, raw_bytes));
+        CU(op, cudaMemcpyAsync(*raw, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
+        CU(op, tkv_cuda_dequant(t->type, *raw, n_elems, w->w16, w->v32, cb->stream));
+    }
+    CU(op, cudaStreamSynchronize(cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_weight_init(struct tkv_backend *b, const struct tkv_gguf_tensor *t, struct tkv_bweight **out)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    *out = NULL;
+    ALIVE("weight_init");
+    const struct tkv_type_traits *tr = tkv_type_traits(t->type);
+    if (!tr || !tr->weights_ok || !tkv_cuda_dequant_supported(t->type))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "cuda: unsupported type %s in tensor %s", tkv_type_name(t->type), t->name);
+    if (t->n_dims < 1 || t->n_dims > 2 || t->ne[0] < 1 || t->ne[0] > UINT32_MAX || t->ne[1] < 1 ||
+        t->ne[1] > UINT32_MAX || t->ne[0] % tr->block_elems != 0)
+        return tkv_err(TKV_ERR_UNSUPPORTED, "cuda: tensor %s is not a matrix or vector of whole %s blocks", t->name,
+                       tr->name);
+    const size_t n_in = (size_t)t->ne[0], n_out = t->n_dims == 2 ? (size_t)t->ne[1] : 1, n_elems = n_in * n_out;
+    const size_t raw_bytes = n_elems / tr->block_elems * tr->block_bytes;
+    if (!t->data || raw_bytes > t->nbytes)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: tensor %s has %llu bytes of data, %zu expected", t->name,
+                       (unsigned long long)t->nbytes, raw_bytes);
+    struct tkv_bweight *w = (struct tkv_bweight *)calloc(1, sizeof *w);
+    if (!w)
+        return tkv_err(TKV_ERR_NOMEM, "cuda: out of memory");
+    w->t = t;
+    w->n_in = (uint32_t)n_in;
+    w->n_out = (uint32_t)n_out;
+    w->is_vec = t->n_dims == 1;
+    void *raw = NULL;
+    tkv_status st = weight_load(cb, t, w, n_elems, raw_bytes, &raw);
+    if (raw)
+        cudaFree(raw);
+    if (st != TKV_OK) {
+        cuda_weight_free(b, w);
+        return st;
+    }
+    *out = w;
+    return TKV_OK;
+}
+
+/* ---- ops -------------------------------------------------------------------------- */
+
+static tkv_status cuda_get_rows(struct tkv_backend *b, const struct tkv_bweight *w, const int32_t *ids, uint32_t n,
+                                float *out)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "get_rows";
+    ALIVE(op);
+    if (w->is_vec)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: get_rows: %s is not a matrix", w->t->name);
+    for (uint32_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (uint32_t)ids[i] >= w->n_out)
+            return tkv_err(TKV_ERR_INVALID_ARG, "cuda: token id %d out of range [0, %u) for %s", ids[i], w->n_out,
+                           w->t->name);
+    if (n == 0)
+        return TKV_OK;
+    struct stage_slot *sl;
+    TKV_TRY(stage_take(cb, (size_t)n * sizeof(int32_t), &sl, op));
+    memcpy(sl->host, ids, (size_t)n * sizeof(int32_t));
+    TKV_TRY(stage_send(cb, sl, (size_t)n * sizeof(int32_t), op));
+    CU(op, tkv_cuda_get_rows_f16(w->w16, w->n_in, (const int32_t *)sl->dev, n, out, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "matmul";
+    ALIVE(op);
+    if (w->is_vec)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
+    if (n == 0)
+        return TKV_OK;
+    if (tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
+        CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
+        return TKV_OK;
+    }
+    const size_t count = (size_t)n * w->n_in;
+    TKV_TRY(work_reserve(cb, (void **)&cb->act16, &cb->act16_cap, count * sizeof(__half), op));
+    CU(op, tkv_cuda_f32_to_f16(x, cb->act16, count, cb->stream));
+    /* column-major view: y^T[n_out, n] = W[n_in, n_out]^T . x^T[n_in, n] */
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t s = cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->n_out, (int)n, (int)w->n_in, &one,
+                                    w->w16, CUDA_R_16F, (int)w->n_in, cb->act16, CUDA_R_16F, (int)w->n_in, &zero, y,
+                                    CUDA_R_32F, (int)w->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return blas_fail(s, op);
+    return TKV_OK;
+}
+
+static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y,
+                               uint32_t n, uint32_t dim, float eps)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("rmsnorm");
+    if (!w->is_vec || w->n_in != dim)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
+    if (dim == 0)
+        return TKV_OK;
+    CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_rope(struct tkv_backend *b, float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim,
+                            uint32_t rot_dim, const int32_t *pos, float base, float freq_scale)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "rope";
+    ALIVE(op);
+    if (rot_dim > head_dim || rot_dim % 2)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u invalid for head_dim %u", rot_dim, head_dim);
+    if (rot_dim > 1024)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u too large", rot_dim);
+    if (n == 0 || rot_dim == 0 || n_heads == 0)
+        return TKV_OK;
+    const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* the CPU's value, bit for bit */
+    struct stage_slot *sl;
+    TKV_TRY(stage_take(cb, (size_t)n * sizeof(int32_t), &sl, op));
+    memcpy(sl->host, pos, (size_t)n * sizeof(int32_t));
+    TKV_TRY(stage_send(cb, sl, (size_t)n * sizeof(int32_t), op));
+    CU(op, tkv_cuda_rope(x, n, n_heads, head_dim, rot_dim, (const int32_t *)sl->dev, theta_scale, freq_scale,
+                         cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_swiglu(struct tkv_backend *b, const float *gate, const float *up, float *out, size_t count)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("swiglu");
+    CU("swiglu", tkv_cuda_swiglu(gate, up, out, count, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_add(struct tkv_backend *b, float *y, const float *x, size_t count)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("add");
+    CU("add", tkv_cuda_add(y, x, count, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_kv_write(struct tkv_backend *b, const float *src, size_t src_stride, uint16_t *dst,
+                                uint32_t n_rows, uint32_t head_dim)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("kv_write");
+    CU("kv_write", tkv_cuda_kv_write(src, src_stride, dst, n_rows, head_dim, cb->stream));
+    return TKV_OK;
+}
+
+/* The block table of one call, packed into a staging slot as
+ *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | entries [total]
+ * (each part 8-byte aligned). */
+static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "attention";
+    ALIVE(op);
+    if (!a || !a->q || !a->out || !a->q_pos || !a->kv)
+        return tkv_err(TKV_ERR_INVALID_ARG, "attention: NULL argument");
+    if (a->n_head == 0 || a->n_head_kv == 0 || a->n_head % a->n_head_kv != 0)
+        return tkv_err(TKV_ERR_INVALID_ARG, "attention: %u query heads not a multiple of %u KV heads", a->n_head,
+                       a->n_head_kv);
+    if (a->head_dim == 0 || a->head_dim > 1024)
+        return tkv_err(TKV_ERR_INVALID_ARG, "attention: head_dim %u out of range", a->head_dim);
+    if (!tkv_cuda_attn_supported(a->head_dim))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "cuda: attention: head_dim %u (needs a multiple of 8, at most 256)",
+                       a->head_dim);
+    if (a->n_q == 0)
+        return TKV_OK;
+    uint64_t total = 0;
+    uint32_t max_blocks = 0;
+    for (uint32_t g = 0; g < a->n_head_kv; g++) {
+        total += a->kv[g].n_blocks;
+        max_blocks = TKV_MAX(max_blocks, a->kv[g].n_blocks);
+    }
+    if (total > UINT32_MAX / 2)
+        return tkv_err(TKV_ERR_INVALID_ARG, "attention: %llu KV blocks in one call", (unsigned long long)total);
+    const size_t off_h = tkv_align_up((size_t)a->n_q * sizeof(int32_t), 8);
+    const size_t off_e = off_h + tkv_align_up(((size_t)a->n_head_kv + 1) * sizeof(uint32_t), 8);
+    const size_t bytes = off_e + (size_t)total * sizeof(struct tkv_cuda_kv_entry);
+    struct stage_slot *sl;
+    TKV_TRY(stage_take(cb, bytes, &sl, op));
+    uint8_t *h = (uint8_t *)sl->host;
+    memcpy(h, a->q_pos, (size_t)a->n_q * sizeof(int32_t));
+    uint32_t *head_off = (uint32_t *)(h + off_h);
+    struct tkv_cuda_kv_entry *ent = (struct tkv_cuda_kv_entry *)(h + off_e);
+    uintptr_t addr_bits = 0;
+    uint32_t k = 0;
+    for (uint32_t g = 0; g < a->n_head_kv; g++) {
+        head_off[g] = k;
+        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++, k++) {
+            const struct tkv_kv_block_ref *r = &a->kv[g].blocks[i];
+            ent[k] = (struct tkv_cuda_kv_entry){r->k, r->v, r->pos0, r->n};
+            addr_bits |= (uintptr_t)r->k | (uintptr_t)r->v;
+        }
+    }
+    head_off[a->n_head_kv] = k;
+    TKV_TRY(stage_send(cb, sl, bytes, op));
+
+    struct tkv_cuda_attn_params p;
+    memset(&p, 0, sizeof p);
+    p.q = a->q;
+    p.q_pos = (const int32_t *)sl->dev;
+    p.out = a->out;
+    p.lse = a->lse;
+    p.blocks = (const struct tkv_cuda_kv_entry *)((uint8_t *)sl->dev + off_e);
+    p.head_off = (const uint32_t *)((uint8_t *)sl->dev + off_h);
+    p.n_q = a->n_q;
+    p.n_head = a->n_head;
+    p.n_head_kv = a->n_head_kv;
+    p.head_dim = a->head_dim;
+    p.scale_log2 = a->scale * 1.44269504088896341f;
+    p.vec16 = (addr_bits % 16) == 0;
+    const size_t part = tkv_cuda_attn_plan(&p, max_blocks, cb->n_sm);
+    if (part) {
+        TKV_TRY(work_reserve(cb, (void **)&cb->attn_part, &cb->attn_part_cap, part * sizeof(float), op));
+        p.part = cb->attn_part;
+    }
+    CU(op, tkv_cuda_attention(&p, cb->stream));
+    return TKV_OK;
+}
+
+/* ---- lifetime ------------------------------------------------------------------- */
+
+static void cuda_free(struct tkv_backend *b)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    if (!cb)
+        return;
+    if (cb->stream)
+        cudaStreamSynchronize(cb->stream);
+    if (cb->blas)
+        cublasDestroy(cb->blas);
+    for (int i = 0; i < N_STAGE; i++) {
+        struct stage_slot *sl = &cb->stage[i];
+        if (sl->host)
+            cudaFreeHost(sl->host);
+        if (sl->dev)
+            cudaFree(sl->dev);
+        if (sl->ev)
+            cudaEventDestroy(sl->ev);
+    }
+    if (cb->act16)
+        cudaFree(cb->act16);
+    if (cb->attn_part)
+        cudaFree(cb->attn_part);
+    if (cb->stream)
+        cudaStreamDestroy(cb->stream);
+    (void)cudaGetLastError();
+    free(cb);
+}
+
+static const struct tkv_backend_ops cuda_ops = {
+    /* .name = */ "cuda",
+    /* .free = */ cuda_free,
+    /* .alloc = */ cuda_alloc,
+    /* .release = */ cuda_release,
+    /* .upload = */ cuda_upload,
+    /* .download = */ cuda_download,
+    /* .synchronize = */ cuda_sync,
+    /* .weight_init = */ cuda_weight_init,
+    /* .weight_free = */ cuda_weight_free,
+    /* .get_rows = */ cuda_get_rows,
+    /* .matmul = */ cuda_matmul,
+    /* .rmsnorm = */ cuda_rmsnorm,
+    /* .rope = */ cuda_rope,
+    /* .swiglu = */ cuda_swiglu,
+    /* .add = */ cuda_add,
+    /* .kv_write = */ cuda_kv_write,
+    /* .attention = */ cuda_attention,
+};
 
 extern "C" int tkv_cuda_device_count(void)
 {
@@ -21,13 +536,50 @@ extern "C" int tkv_cuda_device_count(void)
     return n;
 }
 
+static tkv_status cuda_init(struct cuda_backend *cb)
+{
+    const char *op = "init";
+    cudaDeviceProp prop;
+    CU(op, cudaSetDevice(cb->device));
+    CU(op, cudaGetDeviceProperties(&prop, cb->device));
+    cb->n_sm = prop.multiProcessorCount;
+    CU(op, cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+    cublasStatus_t s = cublasCreate(&cb->blas);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        cb->blas = NULL;
+        return blas_fail(s, op);
+    }
+    if ((s = cublasSetStream(cb->blas, cb->stream)) != CUBLAS_STATUS_SUCCESS)
+        return blas_fail(s, op);
+    CU(op, tkv_cuda_attn_init());
+    for (int i = 0; i < N_STAGE; i++) {
+        struct stage_slot *sl = &cb->stage[i];
+        CU(op, cudaEventCreateWithFlags(&sl->ev, cudaEventDisableTiming));
+        CU(op, cudaMallocHost(&sl->host, STAGE_MIN_BYTES));
+        CU(op, cudaMalloc(&sl->dev, STAGE_MIN_BYTES));
+        sl->cap = STAGE_MIN_BYTES;
+    }
+    TKV_LOG_I("cuda: device %d: %s, %d SMs, %.1f GiB, compute capability %d.%d", cb->device, prop.name, cb->n_sm,
+              prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor);
+    return TKV_OK;
+}
+
 extern "C" tkv_status tkv_cuda_backend_create(uint32_t n_threads, struct tkv_backend **out)
 {
     (void)n_threads;
     *out = NULL;
-    int n = tkv_cuda_device_count();
-    if (n == 0)
+    if (tkv_cuda_device_count() == 0)
         return tkv_err(TKV_ERR_DEVICE, "cuda: no usable CUDA device (driver missing or no GPU)");
-    return tkv_err(TKV_ERR_UNSUPPORTED,
-                   "cuda: found %d device(s), but this build's CUDA forward pass is not implemented yet; use --device cpu", n);
+    struct cuda_backend *cb = (struct cuda_backend *)calloc(1, sizeof *cb);
+    if (!cb)
+        return tkv_err(TKV_ERR_NOMEM, "cuda: out of memory");
+    cb->base.ops = &cuda_ops;
+    cb->device = 0;
+    tkv_status st = cuda_init(cb);
+    if (st != TKV_OK) {
+        cuda_free(&cb->base);
+        return st;
+    }
+    *out = &cb->base;
+    return TKV_OK;
 }

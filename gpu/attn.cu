@@ -1,0 +1,333 @@
+/*
+ * attn.cu -- see attn.cuh. The simple, correct kernel: f32 CUDA-core math
+ * over shared-memory tiles; the Hopper fast path (wgmma, TMA) comes later and
+ * is checked against this one.
+ *
+ * Shared memory of one CTA (HD = head_dim rounded up to 64/128/256,
+ * R = 4096 / HD query rows, KT = 64 keys):
+ *     Qs  [R][HD]        f32   the tile's queries (zero past head_dim)
+ *     Ks  [KT][HD + 8]   f16   keys (rows padded: conflict-free 16 B reads)
+ *     Vs  [KT][HD]       f16   values
+ *     Ss  [R][KT + 1]    f32   scores, then probabilities
+ *     Ms, Ls, Cs [R]     f32   running max (log2 units), sum, correction
+ *     kpos [KT], qpos [R] i32
+ * Scores are kept in log2 units (scaled by scale*log2 e) so exp2f is the
+ * exponential; lse = (m + log2 l) * ln 2.
+ */
+#include "attn.cuh"
+
+namespace {
+
+constexpr int KT = 64;
+constexpr int NT = 128; /* threads per CTA */
+constexpr float LN2 = 0.693147180559945309f;
+
+template <int HD> struct attn_cfg {
+    static constexpr int R = 4096 / HD;         /* query rows per tile            */
+    static constexpr int KSTRIDE = HD + 8;      /* halves per Ks row              */
+    static constexpr int RS = R / 2;            /* rows per thread, S phase       */
+    static constexpr int PAIRS = HD / 2;        /* d pairs per row                */
+    static constexpr int RG = NT / PAIRS;       /* row groups, PV phase           */
+    static constexpr int RO = R / RG;           /* rows per thread, PV phase      */
+    static constexpr size_t SMEM = (size_t)R * HD * 4 + (size_t)KT * KSTRIDE * 2 + (size_t)KT * HD * 2 +
+                                   (size_t)R * (KT + 1) * 4 + 3 * (size_t)R * 4 + (size_t)KT * 4 + (size_t)R * 4;
+};
+
+template <int HD>
+__global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
+{
+    using C = attn_cfg<HD>;
+    constexpr int R_MAX = C::R, KSTRIDE = C::KSTRIDE, RS = C::RS, PAIRS = C::PAIRS, RG = C::RG, RO = C::RO;
+    extern __shared__ __align__(16) unsigned char smem[];
+    float *Qs = (float *)smem;
+    __half *Ks = (__half *)(Qs + R_MAX * HD);
+    __half *Vs = Ks + KT * KSTRIDE;
+    float *Ss = (float *)(Vs + KT * HD);
+    float *Ms = Ss + R_MAX * (KT + 1), *Ls = Ms + R_MAX, *Cs = Ls + R_MAX;
+    int *kpos = (int *)(Cs + R_MAX), *qpos = kpos + KT;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t g = blockIdx.y, split = blockIdx.z;
+    const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, ld = p.n_head * hd;
+    const uint32_t r0 = blockIdx.x * R_MAX;
+    const int R = (int)min((uint32_t)R_MAX, p.n_q * G - r0);
+
+    /* queries of the tile: row r = (token, head of the group) */
+    for (int i = tid; i < R * HD; i += NT) {
+        const int r = i / HD, d = i % HD;
+        const uint32_t rr = r0 + r, t = rr / G, h = g * G + rr % G;
+        Qs[i] = d < (int)hd ? p.q[(size_t)t * ld + (size_t)h * hd + d] : 0.0f;
+    }
+    for (int r = tid; r < R_MAX; r += NT) {
+        qpos[r] = r < R ? p.q_pos[(r0 + r) / G] : INT_MIN;
+        Ms[r] = -INFINITY;
+        Ls[r] = 0.0f;
+        Cs[r] = 1.0f;
+    }
+    const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
+
+    /* this split's blocks */
+    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
+    uint32_t b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
+    const uint32_t b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+    uint32_t off = 0; /* next row inside block b */
+
+    float2 o[RO];
+#pragma unroll
+    for (int i = 0; i < RO; i++)
+        o[i] = make_float2(0.0f, 0.0f);
+    const int dp = tid % PAIRS, rg = tid / PAIRS; /* PV-phase ownership */
+    __syncthreads();
+
+    for (;;) {
+        /* ---- gather up to KT keys (every thread walks the same cursor) */
+        int nk = 0;
+        while (nk < KT && b < b_end) {
+            const tkv_cuda_kv_entry e = p.blocks[b];
+            if (e.pos0 > pos_max) { /* blocks are in position order: none later is visible */
+                b = b_end;
+                break;
+            }
+            const int take = min((int)(e.n - min(off, e.n)), KT - nk);
+            if (take > 0) {
+                const uint16_t *ks = e.k + (size_t)off * hd, *vs = e.v + (size_t)off * hd;
+                if (p.vec16) {
+                    const int per_row = (int)hd / 8, total = take * per_row;
+                    for (int u = tid; u < total; u += NT) {
+                        const int row = u / per_row, c = u % per_row;
+                        const uint4 kk = __ldg((const uint4 *)ks + u), vv = __ldg((const uint4 *)vs + u);
+                        *(uint4 *)(Ks + (nk + row) * KSTRIDE + c * 8) = kk;
+                        *(uint4 *)(Vs + (nk + row) * HD + c * 8) = vv;
+                    }
+                } else {
+                    const int total = take * (int)hd;
+                    for (int u = tid; u < total; u += NT) {
+                        const int row = u / (int)hd, c = u % (int)hd;
+                        Ks[(nk + row) * KSTRIDE + c] = __ushort_as_half(ks[u]);
+                        Vs[(nk + row) * HD + c] = __ushort_as_half(vs[u]);
+                    }
+                }
+                for (int j = tid; j < take; j += NT)
+                    kpos[nk + j] = e.pos0 + (int32_t)(off + j);
+            }
+            nk += take;
+            off += take;
+            if (off >= e.n) {
+                b++;
+                off = 0;
+            }
+        }
+        if (nk == 0)
+            break;
+        __syncthreads();
+
+        /* ---- S = Q K^T (log2 units), masked: thread = key j, rows rp + 2i */
+        {
+            const int j = lane + 32 * (warp & 1), rp = warp >> 1;
+            float acc[RS];
+#pragma unroll
+            for (int i = 0; i < RS; i++)
+                acc[i] = 0.0f;
+            if (j < nk) {
+                for (int d8 = 0; d8 < (int)hd / 8; d8++) {
+                    const uint4 kr = *(const uint4 *)(Ks + j * KSTRIDE + d8 * 8);
+                    const __half2 *k2 = (const __half2 *)&kr;
+                    const float2 k01 = __half22float2(k2[0]), k23 = __half22float2(k2[1]);
+                    const float2 k45 = __half22float2(k2[2]), k67 = __half22float2(k2[3]);
+#pragma unroll
+                    for (int i = 0; i < RS; i++) {
+                        const int r = rp + 2 * i;
+                        if (r < R) {
+                            const float4 qa = *(const float4 *)(Qs + r * HD + d8 * 8);
+                            const float4 qb = *(const float4 *)(Qs + r * HD + d8 * 8 + 4);
+                            acc[i] += qa.x * k01.x + qa.y * k01.y + qa.z * k23.x + qa.w * k23.y + qb.x * k45.x +
+                                      qb.y * k45.y + qb.z * k67.x + qb.w * k67.y;
+                        }
+                    }
+                }
+            }
+            const int kp = j < nk ? kpos[j] : INT_MAX;
+#pragma unroll
+            for (int i = 0; i < RS; i++) {
+                const int r = rp + 2 * i;
+                if (r < R)
+                    Ss[r * (KT + 1) + j] = (j < nk && kp <= qpos[r]) ? acc[i] * p.scale_log2 : -INFINITY;
+            }
+        }
+        __syncthreads();
+
+        /* ---- online softmax: warp per row */
+        for (int r = warp; r < R; r += NT / 32) {
+            float *srow = Ss + r * (KT + 1);
+            const float s0 = srow[lane], s1 = srow[lane + 32];
+            const float mx = tkv_warp_max(fmaxf(s0, s1));
+            const float m_old = Ms[r], m_new = fmaxf(m_old, mx);
+            if (m_new == -INFINITY) { /* nothing visible to this row yet */
+                srow[lane] = 0.0f;
+                srow[lane + 32] = 0.0f;
+                if (lane == 0)
+                    Cs[r] = 1.0f;
+                continue;
+            }
+            const float corr = exp2f(m_old - m_new); /* 0 when m_old = -inf */
+            const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
+            srow[lane] = p0;
+            srow[lane + 32] = p1;
+            const float sum = tkv_warp_sum(p0 + p1);
+            if (lane == 0) {
+                Ms[r] = m_new;
+                Ls[r] = Ls[r] * corr + sum;
+                Cs[r] = corr;
+            }
+        }
+        __syncthreads();
+
+        /* ---- O = O * corr + P V: thread = d pair dp, rows rg + RG*i */
+#pragma unroll
+        for (int i = 0; i < RO; i++) {
+            const int r = rg + RG * i;
+            if (r < R) {
+                const float c = Cs[r];
+                o[i].x *= c;
+                o[i].y *= c;
+            }
+        }
+        if (2 * dp < (int)hd) {
+            for (int j = 0; j < nk; j++) {
+                const float2 v = __half22float2(*(const __half2 *)(Vs + j * HD + 2 * dp));
+#pragma unroll
+                for (int i = 0; i < RO; i++) {
+                    const int r = rg + RG * i;
+                    if (r < R) {
+                        const float pj = Ss[r * (KT + 1) + j];
+                        o[i].x += pj * v.x;
+                        o[i].y += pj * v.y;
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* before the next tile overwrites Ks, Vs, Ss */
+    }
+
+    /* ---- results: normalised output + lse, or the split's partial */
+    const uint32_t n_rows = p.n_q * p.n_head;
+#pragma unroll
+    for (int i = 0; i < RO; i++) {
+        const int r = rg + RG * i;
+        if (r >= R || 2 * dp >= (int)hd)
+            continue;
+        const uint32_t rr = r0 + r, t = rr / G, h = g * G + rr % G, row = t * p.n_head + h;
+        const float L = Ls[r], M = Ms[r];
+        if (p.n_split == 1) {
+            const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+            float *out = p.out + (size_t)row * hd + 2 * dp;
+            out[0] = o[i].x * inv;
+            out[1] = o[i].y * inv;
+            if (p.lse && dp == 0)
+                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2 : -INFINITY;
+        } else {
+            float *po = p.part + ((size_t)split * n_rows + row) * (hd + 2);
+            po[2 * dp] = o[i].x;
+            po[2 * dp + 1] = o[i].y;
+            if (dp == 0) {
+                po[hd] = M;
+                po[hd + 1] = L;
+            }
+        }
+    }
+}
+
+/* One warp per (token, head): combine the splits by their log-sum-exp. */
+__global__ void attn_merge_kernel(const float *part, uint32_t n_split, uint32_t n_rows, uint32_t hd, float *out,
+                                  float *lse)
+{
+    const uint32_t row = blockIdx.x, lane = threadIdx.x;
+    const size_t stride = (size_t)n_rows * (hd + 2);
+    const float *p0 = part + (size_t)row * (hd + 2);
+    float m = -INFINITY;
+    for (uint32_t s = 0; s < n_split; s++) {
+        const float *ps = p0 + s * stride;
+        if (ps[hd + 1] > 0.0f)
+            m = fmaxf(m, ps[hd]);
+    }
+    float l = 0.0f;
+    if (m != -INFINITY)
+        for (uint32_t s = 0; s < n_split; s++) {
+            const float *ps = p0 + s * stride;
+            if (ps[hd + 1] > 0.0f)
+                l += ps[hd + 1] * exp2f(ps[hd] - m);
+        }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (uint32_t d = lane; d < hd; d += 32) {
+        float acc = 0.0f;
+        if (m != -INFINITY)
+            for (uint32_t s = 0; s < n_split; s++) {
+                const float *ps = p0 + s * stride;
+                if (ps[hd + 1] > 0.0f)
+                    acc += ps[d] * exp2f(ps[hd] - m);
+            }
+        out[(size_t)row * hd + d] = acc * inv;
+    }
+    if (lse && lane == 0)
+        lse[row] = l > 0.0f ? (m + log2f(l)) * LN2 : -INFINITY;
+}
+
+template <int HD>
+cudaError_t launch(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
+    const dim3 grid((rows + attn_cfg<HD>::R - 1) / attn_cfg<HD>::R, p->n_head_kv, p->n_split);
+    attn_kernel<HD><<<grid, NT, attn_cfg<HD>::SMEM, s>>>(*p);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+int hd_class(uint32_t hd) { return hd <= 64 ? 64 : hd <= 128 ? 128 : 256; }
+
+} // namespace
+
+bool tkv_cuda_attn_supported(uint32_t head_dim) { return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0; }
+
+cudaError_t tkv_cuda_attn_init(void)
+{
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)attn_cfg<64>::SMEM));
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)attn_cfg<128>::SMEM));
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)attn_cfg<256>::SMEM));
+    return cudaSuccess;
+}
+
+size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm)
+{
+    const uint32_t R = 4096 / hd_class(p->head_dim);
+    const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
+    const uint32_t items = (rows + R - 1) / R * p->n_head_kv;
+    const uint32_t target = 2u * (uint32_t)(n_sm > 0 ? n_sm : 1);
+    p->n_split = 1;
+    if (items < target && max_blocks > 1) {
+        uint32_t want = (target + items - 1) / items;
+        p->n_split = want < max_blocks ? want : max_blocks;
+        if (p->n_split > 1024)
+            p->n_split = 1024;
+    }
+    return p->n_split > 1 ? (size_t)p->n_split * p->n_q * p->n_head * (p->head_dim + 2) : 0;
+}
+
+cudaError_t tkv_cuda_attention(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    if (p->n_q == 0)
+        return cudaSuccess;
+    switch (hd_class(p->head_dim)) {
+    case 64: TKV_CUDA_TRY(launch<64>(p, s)); break;
+    case 128: TKV_CUDA_TRY(launch<128>(p, s)); break;
+    default: TKV_CUDA_TRY(launch<256>(p, s)); break;
+    }
+    if (p->n_split > 1) {
+        const uint32_t n_rows = p->n_q * p->n_head;
+        attn_merge_kernel<<<n_rows, 32, 0, s>>>(p->part, p->n_split, n_rows, p->head_dim, p->out, p->lse);
+        TKV_CUDA_LAUNCHED();
+    }
+    return cudaSuccess;
+}

@@ -1,0 +1,252 @@
+/* ops.cu -- see ops.cuh. */
+#include "ops.cuh"
+
+namespace {
+
+/* ---- RMSNorm: one CTA per row ------------------------------------------------ */
+
+__global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps)
+{
+    __shared__ double partial[32];
+    const float *xr = x + (size_t)blockIdx.x * dim;
+    float *yr = y + (size_t)blockIdx.x * dim;
+    double ss = 0;
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
+        ss += (double)xr[d] * xr[d];
+    ss = tkv_warp_sum_d(ss);
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    if (lane == 0)
+        partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = lane < n_warps ? partial[lane] : 0.0;
+        ss = tkv_warp_sum_d(ss);
+        if (lane == 0)
+            partial[0] = ss;
+    }
+    __syncthreads();
+    const float scale = 1.0f / sqrtf((float)(partial[0] / dim) + eps);
+    /* each thread reads x[d] before writing y[d]: y may alias x */
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
+        yr[d] = xr[d] * scale * w[d];
+}
+
+/* ---- RoPE: one thread per (token, pair), looping over heads ------------------------ */
+
+__global__ void rope_kernel(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs,
+                            const int32_t *pos, float theta_scale, float freq_scale)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * n_pairs)
+        return;
+    const uint32_t t = (uint32_t)(i / n_pairs), p = (uint32_t)(i % n_pairs);
+    float theta = (float)pos[t];
+    for (uint32_t k = 0; k < p; k++) /* the CPU's sequence of roundings */
+        theta *= theta_scale;
+    const float th = theta * freq_scale;
+    float sn, cs;
+    sincosf(th, &sn, &cs);
+    float *v = x + (size_t)t * n_heads * head_dim + 2 * p;
+    for (uint32_t h = 0; h < n_heads; h++, v += head_dim) {
+        const float x0 = v[0], x1 = v[1];
+        v[0] = x0 * cs - x1 * sn;
+        v[1] = x0 * sn + x1 * cs;
+    }
+}
+
+__global__ void swiglu_kernel(const float *gate, const float *up, float *out, size_t count)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count)
+        return;
+    const float g = gate[i];
+    out[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+__global__ void add_kernel(float *y, const float *x, size_t count)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count)
+        y[i] += x[i];
+}
+
+__global__ void kv_write_kernel(const float *src, size_t stride, uint16_t *dst, uint32_t n_rows, uint32_t hd)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n_rows * hd)
+        return;
+    const size_t r = i / hd, d = i % hd;
+    dst[i] = __half_as_ushort(__float2half_rn(src[r * stride + d]));
+}
+
+__global__ void get_rows_kernel(const __half *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * n_in)
+        return;
+    const size_t r = i / n_in, d = i % n_in;
+    out[i] = __half2float(w[(size_t)ids[r] * n_in + d]);
+}
+
+__global__ void f32_to_f16_kernel(const float *x, __half *y, size_t count)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count)
+        return;
+    float v = x[i];
+    if (fabsf(v) > 65504.0f) /* false for NaN */
+        v = copysignf(65504.0f, v);
+    y[i] = __float2half_rn(v);
+}
+
+/* ---- GEMV: one warp per output row, 8 rows per CTA ------------------------------ */
+
+constexpr int GEMV_WARPS = 8;
+
+template <int NT>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_kernel(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out)
+{
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t row = blockIdx.x * GEMV_WARPS + threadIdx.x / 32;
+    if (row >= n_out)
+        return;
+    const uint4 *w8 = (const uint4 *)(w + (size_t)row * n_in);
+    const uint32_t n8 = n_in / 8;
+    float acc[NT];
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+        acc[i] = 0.0f;
+    for (uint32_t k = lane; k < n8; k += 32) {
+        const uint4 raw = __ldg(w8 + k);
+        const __half2 *h2 = (const __half2 *)&raw;
+        float wf[8];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 f = __half22float2(h2[j]);
+            wf[2 * j] = f.x;
+            wf[2 * j + 1] = f.y;
+        }
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            const float4 *xr = (const float4 *)(x + (size_t)i * n_in) + 2 * k;
+            const float4 a = __ldg(xr), b = __ldg(xr + 1);
+            acc[i] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
+                      wf[6] * b.z + wf[7] * b.w;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        const float s = tkv_warp_sum(acc[i]);
+        if (lane == 0)
+            y[(size_t)i * n_out + row] = s;
+    }
+}
+
+template <int NT>
+cudaError_t gemv_launch(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, cudaStream_t s)
+{
+    gemv_kernel<NT><<<tkv_cuda_blocks(n_out, GEMV_WARPS), GEMV_WARPS * 32, 0, s>>>(w, x, y, n_in, n_out);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+constexpr unsigned TB = 256;
+
+} // namespace
+
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
+                             cudaStream_t s)
+{
+    if (n == 0)
+        return cudaSuccess;
+    unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
+    rmsnorm_kernel<<<n, threads, 0, s>>>(x, w, y, dim, eps);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_rope(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim,
+                          const int32_t *pos, float theta_scale, float freq_scale, cudaStream_t s)
+{
+    const size_t items = (size_t)n * (rot_dim / 2);
+    if (items == 0)
+        return cudaSuccess;
+    rope_kernel<<<tkv_cuda_blocks(items, TB), TB, 0, s>>>(x, n, n_heads, head_dim, rot_dim / 2, pos, theta_scale,
+                                                         freq_scale);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_swiglu(const float *gate, const float *up, float *out, size_t count, cudaStream_t s)
+{
+    if (count == 0)
+        return cudaSuccess;
+    swiglu_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(gate, up, out, count);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_add(float *y, const float *x, size_t count, cudaStream_t s)
+{
+    if (count == 0)
+        return cudaSuccess;
+    add_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(y, x, count);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_kv_write(const float *src, size_t src_stride, uint16_t *dst, uint32_t n_rows, uint32_t head_dim,
+                              cudaStream_t s)
+{
+    const size_t count = (size_t)n_rows * head_dim;
+    if (count == 0)
+        return cudaSuccess;
+    kv_write_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(src, src_stride, dst, n_rows, head_dim);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_get_rows_f16(const __half *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out,
+                                  cudaStream_t s)
+{
+    const size_t count = (size_t)n * n_in;
+    if (count == 0)
+        return cudaSuccess;
+    get_rows_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(w, n_in, ids, n, out);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_f32_to_f16(const float *x, __half *y, size_t count, cudaStream_t s)
+{
+    if (count == 0)
+        return cudaSuccess;
+    f32_to_f16_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(x, y, count);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+bool tkv_cuda_gemv_ok(const __half *w, const float *x, uint32_t n_in, uint32_t n)
+{
+    return n >= 1 && n <= TKV_CUDA_GEMV_MAX_N && n_in % 8 == 0 && ((uintptr_t)w % 16) == 0 &&
+           ((uintptr_t)x % 16) == 0;
+}
+
+cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n,
+                              cudaStream_t s)
+{
+    if (n_out == 0)
+        return cudaSuccess;
+    switch (n) {
+    case 1: return gemv_launch<1>(w, x, y, n_in, n_out, s);
+    case 2: return gemv_launch<2>(w, x, y, n_in, n_out, s);
+    case 3: return gemv_launch<3>(w, x, y, n_in, n_out, s);
+    case 4: return gemv_launch<4>(w, x, y, n_in, n_out, s);
+    case 5: return gemv_launch<5>(w, x, y, n_in, n_out, s);
+    case 6: return gemv_launch<6>(w, x, y, n_in, n_out, s);
+    case 7: return gemv_launch<7>(w, x, y, n_in, n_out, s);
+    case 8: return gemv_launch<8>(w, x, y, n_in, n_out, s);
+    default: return cudaErrorInvalidValue;
+    }
+}

@@ -1,0 +1,55 @@
+/*
+ * ops.cuh -- the small kernels of the forward pass: RMSNorm, RoPE, SwiGLU,
+ * add, KV row write (f32 -> f16), embedding rows, f32 -> f16 activations and
+ * the f16-weight GEMV used for few-token matmuls.
+ *
+ * All pointers are device memory; activations are row-major f32. Semantics
+ * are runtime/backend.h's, computed as cpu/cpu-backend.c does (same formula
+ * and operation order; see each launcher for what may differ in rounding).
+ */
+#ifndef TKV_GPU_OPS_CUH
+#define TKV_GPU_OPS_CUH
+
+#include "common.cuh"
+
+/* y[n, dim] = x / sqrt(mean(x^2) + eps) * w; sum of squares in double as on
+ * the CPU. y may alias x. */
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
+                             cudaStream_t s);
+
+/* In place on x[n, n_heads*head_dim], positions pos[n] (device). The angle of
+ * pair i is pos * theta_scale^i * freq_scale with theta_scale^i built by i
+ * successive float multiplies, exactly as cpu_rope does (so angles match
+ * bit for bit; cos/sin may differ from glibc by an ulp). */
+cudaError_t tkv_cuda_rope(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim,
+                          const int32_t *pos, float theta_scale, float freq_scale, cudaStream_t s);
+
+/* out = silu(gate) * up (out may alias gate or up). */
+cudaError_t tkv_cuda_swiglu(const float *gate, const float *up, float *out, size_t count, cudaStream_t s);
+
+/* y += x */
+cudaError_t tkv_cuda_add(float *y, const float *x, size_t count, cudaStream_t s);
+
+/* dst[r, :hd] = f16(src[r*src_stride + :hd]), round to nearest even (as
+ * tkv_fp32_to_fp16: overflow gives Inf). */
+cudaError_t tkv_cuda_kv_write(const float *src, size_t src_stride, uint16_t *dst, uint32_t n_rows, uint32_t head_dim,
+                              cudaStream_t s);
+
+/* out[i, :] = f32(w[ids[i], :]) for w [n_rows, n_in] f16; ids in device
+ * memory, already range-checked. */
+cudaError_t tkv_cuda_get_rows_f16(const __half *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out,
+                                  cudaStream_t s);
+
+/* y = f16(x), saturating at +-65504 (NaN stays NaN): activations for the
+ * tensor-core GEMM. */
+cudaError_t tkv_cuda_f32_to_f16(const float *x, __half *y, size_t count, cudaStream_t s);
+
+/* y[n, n_out] = x[n, n_in] . w^T for w [n_out, n_in] f16, f32 activations
+ * and f32 accumulation; for 1 <= n <= TKV_CUDA_GEMV_MAX_N. Needs n_in % 8 == 0
+ * and 16-byte aligned w and x (tkv_cuda_gemv_ok). */
+#define TKV_CUDA_GEMV_MAX_N 8
+bool tkv_cuda_gemv_ok(const __half *w, const float *x, uint32_t n_in, uint32_t n);
+cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n,
+                              cudaStream_t s);
+
+#endif
