@@ -235,22 +235,23 @@ void tkv_act_pack_(uint32_t weight_type, void *act, int64_t n)
     for (int64_t g = 0; g < ng; g++) {
         uint8_t *G = base + off + (size_t)g * gb;
         memset(G, 0, gb);
-        float d[TKV_ACT_GROUP], s[TKV_ACT_GROUP];
+        float d[TKV_ACT_GROUP] = {0}, s[TKV_ACT_GROUP] = {0};
         for (int k = 0; k < TKV_ACT_GROUP; k++) {
             const int64_t b = g * TKV_ACT_GROUP + k;
-            d[k] = s[k] = 0.0f;
+            /* the 4-bit kernels keep block k in slot 4*(k%4) + k/4 */
+            const int e = weight_type == TKV_TYPE_Q8_0 ? k : 4 * (k % 4) + k / 4;
             if (b >= nb)
                 continue;
             if (weight_type == TKV_TYPE_Q4_1) {
                 const tkv_block_q8_1 *y = (const tkv_block_q8_1 *)base + b;
-                d[k] = f16(y->d);
-                s[k] = f16(y->s);
+                d[e] = f16(y->d);
+                s[e] = f16(y->s);
                 int8_t *a = (int8_t *)G + 128 + (k / 4) * 128 + (k % 4) * 16;
                 memcpy(a, y->qs, 16);
                 memcpy(a + 64, y->qs + 16, 16);
             } else {
                 const tkv_block_q8_0 *y = (const tkv_block_q8_0 *)base + b;
-                d[k] = f16(y->d);
+                d[e] = f16(y->d);
                 const int32_t asum = sum_qs(y->qs);
                 if (weight_type == TKV_TYPE_Q4_0) {
                     int32_t init = -8 * asum;
@@ -359,11 +360,14 @@ float tkv_vec_dot_ref(uint32_t type, const void *w, const void *act, int64_t n)
         return 0.0f;
     const float *a = act;
     switch (type) {
-    case TKV_TYPE_F32: {
-        const float *x = w;
+    case TKV_TYPE_F32: { /* memcpy: the row need not be 4-byte aligned */
+        const uint8_t *x = w;
         double s = 0;
-        for (int64_t i = 0; i < n; i++)
-            s += (double)x[i] * a[i];
+        for (int64_t i = 0; i < n; i++) {
+            float xi;
+            memcpy(&xi, x + 4 * i, 4);
+            s += (double)xi * a[i];
+        }
         return (float)s;
     }
     case TKV_TYPE_F16: {

@@ -427,28 +427,43 @@ void tkv_quantize_act(uint32_t weight_type, const float *x, void *dst, int64_t n
 #define X64(F, j)    {X16(F, j, 0), X16(F, j, 16), X16(F, j, 32), X16(F, j, 48)}
 #define X16S(F, j)   {X4(F, j, 0), X4(F, j, 4), X4(F, j, 8), X4(F, j, 12)}
 
+/* The 4-bit kernels sum each block's lanes with a 4x4 transpose (see
+ * sum4x4), which leaves block k in slot 4*(k%4) + k/4; the scales are
+ * gathered into the same slot order (and the repacked activation stores its
+ * d and s in it too). The map is its own inverse: */
+#define KOF(e) (4 * ((e) % 4) + (e) / 4)
+#define X4O(F, j, p)  (F(j, p) | F(j, (p) + 1) | F(j, (p) + 2) | F(j, (p) + 3))
+#define X16O(F, j, p) (X4O(F, j, p) | X4O(F, j, (p) + 4) | X4O(F, j, (p) + 8) | X4O(F, j, (p) + 12))
+#define X64O(F, j)    (X16O(F, j, 0) | X16O(F, j, 16) | X16O(F, j, 32) | X16O(F, j, 48))
+
 /* Q4_1 (20-byte blocks, 320 bytes = 5 chunks per group).
  * Quants of blocks 4j..4j+3, relative to chunk j: */
-#define Q41_Q(j, p) (16 * (j) + 20 * ((p) / 16) + 4 + (p) % 16)
-/* f16 d of the 16 blocks in bytes 0..31, m in 32..63; byte of the group: */
-#define Q41_DMB(p)  ((p) < 32 ? 20 * ((p) / 2) + (p) % 2 : 20 * (((p) - 32) / 2) + 2 + (p) % 2)
-#define Q41_DM(t, p) ((Q41_DMB(p) - 128 * (t)) & 127)
+#define Q41_Q(j, p)   (16 * (j) + 20 * ((p) / 16) + 4 + (p) % 16)
+/* f16 d of the 16 slots in bytes 0..31, m in 32..63: block and its byte */
+#define Q41_K(p)      KOF((p) < 32 ? (p) / 2 : ((p) - 32) / 2)
+#define Q41_DMB(p)    (20 * Q41_K(p) + ((p) < 32 ? 0 : 2) + (p) % 2)
+#define Q41_DM(t, p)  ((Q41_DMB(p) - 128 * (t)) & 127)
+/* blocks 0..6 come from chunks 0-1, 7..12 from chunks 2-3, 13..15 from 4 */
+#define Q41_T(p)      (Q41_K(p) <= 6 ? 0 : Q41_K(p) <= 12 ? 1 : 2)
+#define Q41_MB(t, p)  ((uint64_t)(Q41_T(p) == (t)) << (p))
 static const uint8_t q41_qidx[4][64] = {X64(Q41_Q, 0), X64(Q41_Q, 1), X64(Q41_Q, 2), X64(Q41_Q, 3)};
 static const uint8_t q41_dmidx[3][64] = {X64(Q41_DM, 0), X64(Q41_DM, 1), X64(Q41_DM, 2)};
-/* blocks 0..6 in chunks 0-1, 7..12 in chunks 2-3, 13..15 in chunk 4 */
-#define Q41_DM_M0 0x00003FFF00003FFFull
-#define Q41_DM_M1 0x03FFC00003FFC000ull
-#define Q41_DM_M2 0xFC000000FC000000ull
+#define Q41_DM_M0 X64O(Q41_MB, 0)
+#define Q41_DM_M1 X64O(Q41_MB, 1)
+#define Q41_DM_M2 X64O(Q41_MB, 2)
 
 /* Q4_0 (18-byte blocks, 288 bytes = 4.5 chunks per group). */
-#define Q40_Q(j, p)  (8 * (j) + 18 * ((p) / 16) + 2 + (p) % 16)
-#define Q40_D(t, p)  ((18 * (((p) % 32) / 2) + (p) % 2 - 128 * (t)) & 127)
+#define Q40_Q(j, p)   (8 * (j) + 18 * ((p) / 16) + 2 + (p) % 16)
+#define Q40_K(p)      KOF(((p) % 32) / 2)
+#define Q40_D(t, p)   ((18 * Q40_K(p) + (p) % 2 - 128 * (t)) & 127)
+/* d of blocks 0..7 from chunks 0-1, 8..14 from chunks 2-3, 15 from 4 */
+#define Q40_T(p)      (Q40_K(p) <= 7 ? 0 : Q40_K(p) <= 14 ? 1 : 2)
+#define Q40_MB(t, p)  ((uint64_t)((p) < 32 && Q40_T(p) == (t)) << (p))
 static const uint8_t q40_qidx[4][64] = {X64(Q40_Q, 0), X64(Q40_Q, 1), X64(Q40_Q, 2), X64(Q40_Q, 3)};
 static const uint8_t q40_didx[3][64] = {X64(Q40_D, 0), X64(Q40_D, 1), X64(Q40_D, 2)};
-/* d of blocks 0..7 in chunks 0-1, 8..14 in chunks 2-3, 15 in chunk 4 */
-#define Q40_D_M0 0x000000000000FFFFull
-#define Q40_D_M1 0x000000003FFF0000ull
-#define Q40_D_M2 0x00000000C0000000ull
+#define Q40_D_M0 X64O(Q40_MB, 0)
+#define Q40_D_M1 X64O(Q40_MB, 1)
+#define Q40_D_M2 X64O(Q40_MB, 2)
 
 /* Q8_0 (34-byte blocks, 544 bytes = 8.5 chunks per group). Quants of blocks
  * 2p, 2p+1, relative to chunk p: */
@@ -458,10 +473,8 @@ static const uint8_t q80_widx[8][64] = {X64(Q80_W, 0), X64(Q80_W, 1), X64(Q80_W,
                                         X64(Q80_W, 4), X64(Q80_W, 5), X64(Q80_W, 6), X64(Q80_W, 7)};
 static const uint8_t q80_didx[4][64] = {X64(Q80_D, 0), X64(Q80_D, 1), X64(Q80_D, 2), X64(Q80_D, 3)};
 
-/* Lane l of the scale vector for 4 blocks 4j.. (4 lanes each) or 2 blocks. */
-#define S4(j, l) (4 * (j) + (l) / 4)
+/* Lane l of the scale vector for blocks 2j, 2j+1 (8 lanes each). */
 #define S2(j, l) (2 * (j) + (l) / 8)
-static const int32_t sidx4[4][16] = {X16S(S4, 0), X16S(S4, 1), X16S(S4, 2), X16S(S4, 3)};
 static const int32_t sidx2[8][16] = {X16S(S2, 0), X16S(S2, 1), X16S(S2, 2), X16S(S2, 3),
                                      X16S(S2, 4), X16S(S2, 5), X16S(S2, 6), X16S(S2, 7)};
 
@@ -478,12 +491,38 @@ static inline __m512i chunk(const uint8_t *w, int c, int64_t bytes)
     return _mm512_maskz_loadu_epi8((__mmask64)((1ull << r) - 1), w + 64 * c);
 }
 
-static float dot_q4_1_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
+/* s[j] holds 4 int32 lanes per block 4j+i (i = 128-bit lane): returns the
+ * block sums, block 4j+i in slot 4i+j. */
+static inline __m512i sum4x4(const __m512i s[4])
+{
+    const __m512i x = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]), _mm512_unpackhi_epi32(s[0], s[1]));
+    const __m512i y = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]), _mm512_unpackhi_epi32(s[2], s[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y));
+}
+
+/* Integer dot products of the 4-bit quants of one group with the repacked
+ * activation a (s[j] starts from init[j], or 0). */
+static inline void dot4_group(const __m512i z[5], const uint8_t qidx[4][64], const uint8_t *a, const uint8_t *init,
+                              int nj, __m512i s[4])
 {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        s[j] = init ? LD(init + 64 * j) : _mm512_setzero_si512();
+        if (j >= nj) /* the last group may be short */
+            continue;
+        const __m512i q = _mm512_permutex2var_epi8(z[j], LD(qidx[j]), z[j + 1]);
+        const __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        s[j] = _mm512_dpbusd_epi32(s[j], lo, LD(a + 128 * j));
+        s[j] = _mm512_dpbusd_epi32(s[j], hi, LD(a + 128 * j + 64));
+    }
+}
+
+static float dot_q4_1_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
+{
+    __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
     for (int64_t g = 0; g < nb; g += 16, w += 320, act += TKV_ACT_GROUP_Q4_1) {
-        __m512i z[5];
+        __m512i z[5], s[4];
         if (nb - g >= 16) {
             for (int c = 0; c < 5; c++)
                 z[c] = LD(w + 64 * c);
@@ -491,6 +530,7 @@ static float dot_q4_1_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
             for (int c = 0; c < 5; c++)
                 z[c] = chunk(w, c, (nb - g) * 20);
         }
+        dot4_group(z, q41_qidx, act + 128, NULL, nb - g >= 16 ? 4 : (int)(nb - g + 3) / 4, s);
         const __m512i dm = _mm512_ternarylogic_epi64(
             _mm512_maskz_permutex2var_epi8(Q41_DM_M0, z[0], LD(q41_dmidx[0]), z[1]),
             _mm512_maskz_permutex2var_epi8(Q41_DM_M1, z[2], LD(q41_dmidx[1]), z[3]),
@@ -499,28 +539,16 @@ static float dot_q4_1_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
         const __m512 wm = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1));
         const __m512 dd = _mm512_mul_ps(wd, _mm512_loadu_ps((const float *)act));
         macc = _mm512_fmadd_ps(wm, _mm512_loadu_ps((const float *)(act + 64)), macc);
-        const uint8_t *a = act + 128;
-        for (int j = 0; j < 4; j++, a += 128) {
-            const __m512i q = _mm512_permutex2var_epi8(z[j], LD(q41_qidx[j]), z[j + 1]);
-            const __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, LD(a));
-            s = _mm512_dpbusd_epi32(s, hi, LD(a + 64));
-            const __m512 sc = _mm512_permutexvar_ps(LD(sidx4[j]), dd);
-            if (j & 1)
-                acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc1);
-            else
-                acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc0);
-        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum4x4(s)), dd, acc);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + _mm512_reduce_add_ps(macc);
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, macc));
 }
 
 static float dot_q4_0_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
 {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < nb; g += 16, w += 288, act += TKV_ACT_GROUP_Q4_0) {
-        __m512i z[5];
+        __m512i z[5], s[4];
         if (nb - g >= 16) {
             for (int c = 0; c < 4; c++)
                 z[c] = LD(w + 64 * c);
@@ -529,25 +557,16 @@ static float dot_q4_0_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
             for (int c = 0; c < 5; c++)
                 z[c] = chunk(w, c, (nb - g) * 18);
         }
+        /* init: -8*sum(a) per block (the quants are stored +8) */
+        dot4_group(z, q40_qidx, act + 320, act + 64, nb - g >= 16 ? 4 : (int)(nb - g + 3) / 4, s);
         const __m512i dv = _mm512_ternarylogic_epi64(
             _mm512_maskz_permutex2var_epi8(Q40_D_M0, z[0], LD(q40_didx[0]), z[1]),
             _mm512_maskz_permutex2var_epi8(Q40_D_M1, z[2], LD(q40_didx[1]), z[3]),
             _mm512_maskz_permutexvar_epi8(Q40_D_M2, LD(q40_didx[2]), z[4]), 0xFE);
         const __m512 dd = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(dv)), _mm512_loadu_ps((const float *)act));
-        const uint8_t *init = act + 64, *a = act + 320;
-        for (int j = 0; j < 4; j++, a += 128, init += 64) {
-            const __m512i q = _mm512_permutex2var_epi8(z[j], LD(q40_qidx[j]), z[j + 1]);
-            const __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-            __m512i s = _mm512_dpbusd_epi32(LD(init), lo, LD(a)); /* init: -8*sum(a) */
-            s = _mm512_dpbusd_epi32(s, hi, LD(a + 64));
-            const __m512 sc = _mm512_permutexvar_ps(LD(sidx4[j]), dd);
-            if (j & 1)
-                acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc1);
-            else
-                acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc0);
-        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum4x4(s)), dd, acc);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    return _mm512_reduce_add_ps(acc);
 }
 
 static float dot_q8_0_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
@@ -571,7 +590,11 @@ static float dot_q8_0_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
             _mm512_maskz_permutex2var_epi8(0xFF000000ull, z[6], LD(q80_didx[3]), z[7]));
         const __m512 dd = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(dv)), _mm512_loadu_ps((const float *)act));
         const uint8_t *init = act + 64, *a = act + 576;
+        const int np = nb - g >= 16 ? 8 : (int)(nb - g + 1) / 2;
+#pragma GCC unroll 8
         for (int p = 0; p < 8; p++, a += 64, init += 64) {
+            if (p >= np)
+                break;
             /* (w ^ 0x80) = w + 128 as u8; init holds -128*sum(a) */
             const __m512i q = _mm512_xor_si512(_mm512_permutex2var_epi8(z[p], LD(q80_widx[p]), z[p + 1]), x80);
             const __m512i s = _mm512_dpbusd_epi32(LD(init), q, LD(a));

@@ -23,7 +23,9 @@
  *     rounding as llama.cpp's quantize_row_*_ref: roundf for Q8_0/Q8_1,
  *     nearest-even for Q8_K);
  *   - vec_dot: integer sums per block are exact in both; only the float
- *     summation order differs: |fast - ref| <= 1e-5 * sum of |block terms|.
+ *     summation order differs: |fast - ref| <= max(1e-5, 2*(blocks+8)*2^-24)
+ *     * sum of |terms| (blocks: the row's block count, n/64 for the float
+ *     types; the reference sums float types in f64). Typically ~1e-7.
  *
  * Defensive behaviour: an unsupported type id never crashes. tkv_dequant_row
  * fills zeros, tkv_act_row_bytes is 0 (tkv_quantize_act then writes
@@ -119,7 +121,9 @@ void tkv_fp32_to_fp16_row(const float *src, uint16_t *dst, int64_t n);
  *   Q8_0 weights (act Q8_0): float d[16]; int32 init[8][16] (init[p][8h] =
  *                            -128*sum(qs) of block 2p+h, else 0);
  *                            int8 a[8][64] (qs of blocks 2p, 2p+1)
- * d and s are the blocks' f16 values widened to f32. */
+ * d and s are the blocks' f16 values widened to f32; for the 4-bit weights
+ * d[e] and s[e] belong to block k = 4*(e%4) + e/4 (the order in which the
+ * kernels' 4x4 transpose leaves the block sums). */
 enum {
     TKV_ACT_GROUP      = 16,   /* blocks per group */
     TKV_ACT_GROUP_Q4_1 = 640,  /* bytes per group  */
