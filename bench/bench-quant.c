@@ -70,7 +70,7 @@ int main(int argc, char **argv)
         {TKV_TYPE_Q4_K, "Q4_K", 256, 144}, {TKV_TYPE_Q6_K, "Q6_K", 256, 210}, {TKV_TYPE_F16, "F16", 1, 2},
         {TKV_TYPE_BF16, "BF16", 1, 2},     {TKV_TYPE_F32, "F32", 1, 4},
     };
-    static const int64_t lens[] = {512, 576, 1024, 1536, 4096};
+    static const int64_t lens[] = {576, 1536, 4096};
     printf("single thread, ~%zu KiB of weights per sweep; GB/s of weight bytes (best sweep)\n\n", budget / 1024);
     printf("| type | n | act | dequant fast | dequant ref | vec_dot fast | vec_dot ref | dot speedup | act quant (ns/row) |\n");
     printf("|---|---:|---|---:|---:|---:|---:|---:|---:|\n");

@@ -481,7 +481,7 @@ static const int32_t sidx2[8][16] = {X16S(S2, 0), X16S(S2, 1), X16S(S2, 2), X16S
 #define LD(p) _mm512_loadu_si512((const void *)(p))
 
 /* Bytes [64c, 64c+64) of a group of `bytes` bytes (masked past the end). */
-static inline __m512i chunk(const uint8_t *w, int c, int64_t bytes)
+static inline __attribute__((always_inline)) __m512i chunk(const uint8_t *w, int c, int64_t bytes)
 {
     const int64_t r = bytes - 64 * c;
     if (r >= 64)
@@ -493,7 +493,7 @@ static inline __m512i chunk(const uint8_t *w, int c, int64_t bytes)
 
 /* s[j] holds 4 int32 lanes per block 4j+i (i = 128-bit lane): returns the
  * block sums, block 4j+i in slot 4i+j. */
-static inline __m512i sum4x4(const __m512i s[4])
+static inline __attribute__((always_inline)) __m512i sum4x4(const __m512i s[4])
 {
     const __m512i x = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]), _mm512_unpackhi_epi32(s[0], s[1]));
     const __m512i y = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]), _mm512_unpackhi_epi32(s[2], s[3]));
@@ -502,7 +502,7 @@ static inline __m512i sum4x4(const __m512i s[4])
 
 /* Integer dot products of the 4-bit quants of one group with the repacked
  * activation a (s[j] starts from init[j], or 0). */
-static inline void dot4_group(const __m512i z[5], const uint8_t qidx[4][64], const uint8_t *a, const uint8_t *init,
+static inline __attribute__((always_inline)) void dot4_group(const __m512i z[5], const uint8_t qidx[4][64], const uint8_t *a, const uint8_t *init,
                               int nj, __m512i s[4])
 {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -524,9 +524,11 @@ static float dot_q4_1_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
     for (int64_t g = 0; g < nb; g += 16, w += 320, act += TKV_ACT_GROUP_Q4_1) {
         __m512i z[5], s[4];
         if (nb - g >= 16) {
+#pragma GCC unroll 16
             for (int c = 0; c < 5; c++)
                 z[c] = LD(w + 64 * c);
         } else {
+#pragma GCC unroll 16
             for (int c = 0; c < 5; c++)
                 z[c] = chunk(w, c, (nb - g) * 20);
         }
@@ -550,10 +552,12 @@ static float dot_q4_0_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
     for (int64_t g = 0; g < nb; g += 16, w += 288, act += TKV_ACT_GROUP_Q4_0) {
         __m512i z[5], s[4];
         if (nb - g >= 16) {
+#pragma GCC unroll 16
             for (int c = 0; c < 4; c++)
                 z[c] = LD(w + 64 * c);
             z[4] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 256)));
         } else {
+#pragma GCC unroll 16
             for (int c = 0; c < 5; c++)
                 z[c] = chunk(w, c, (nb - g) * 18);
         }
@@ -576,10 +580,12 @@ static float dot_q8_0_vbmi(const uint8_t *w, const uint8_t *act, int64_t nb)
     for (int64_t g = 0; g < nb; g += 16, w += 544, act += TKV_ACT_GROUP_Q8_0) {
         __m512i z[9];
         if (nb - g >= 16) {
+#pragma GCC unroll 16
             for (int c = 0; c < 8; c++)
                 z[c] = LD(w + 64 * c);
             z[8] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 512)));
         } else {
+#pragma GCC unroll 16
             for (int c = 0; c < 9; c++)
                 z[c] = chunk(w, c, (nb - g) * 34);
         }
