@@ -174,10 +174,11 @@ static tkv_status cpu_matmul(struct tkv_backend *b, const struct tkv_bweight *w,
     } else {
         job.act_bytes = tkv_act_row_bytes(w->type, w->n_in);
         size_t need = job.act_bytes * n;
-        if (need > cb->act_cap) {
-            void *p = realloc(cb->act, need);
-            if (!p)
+        if (need > cb->act_cap) { /* 64-byte aligned rows for the AVX-512 kernels */
+            void *p = NULL;
+            if (posix_memalign(&p, 64, need) != 0)
                 return tkv_err(TKV_ERR_NOMEM, "cpu: out of memory for activations");
+            free(cb->act);
             cb->act = p;
             cb->act_cap = need;
         }

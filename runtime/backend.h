@@ -84,6 +84,13 @@ struct tkv_backend_ops {
     tkv_status (*kv_write)(struct tkv_backend *b, const float *src, size_t src_stride, uint16_t *dst,
                            uint32_t n_rows, uint32_t head_dim);
     tkv_status (*attention)(struct tkv_backend *b, const struct tkv_attn_args *a);
+
+    /* optional members: NULL where they do not apply (the CPU backend) */
+    /* PCI bus id of the device ("0000:3b:00.0"), for NUMA placement */
+    const char *(*pci_bus_id)(struct tkv_backend *b);
+    /* page-lock host memory for fast asynchronous copies, and undo it */
+    tkv_status (*host_register)(struct tkv_backend *b, void *p, size_t bytes);
+    void       (*host_unregister)(struct tkv_backend *b, void *p);
 };
 
 struct tkv_backend {

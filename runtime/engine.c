@@ -18,65 +18,12 @@
  * Prefill runs the prompt in chunks of `prefill_chunk` tokens; decode is a
  * chunk of one. All activation buffers are sized at session init.
  */
-#include "engine.h"
-
-#include "../tiers/kv-store.h"
-#include "backend.h"
-#include "policy/policy.h"
+#include "session.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
-
-#define DEFAULT_KV_BLOCK 64
-#define DEFAULT_PREFILL_CHUNK 512
-/* KV storage is reserved this many tokens ahead during decode, so blocks are
- * allocated once per span rather than on every token. */
-#define DECODE_RESERVE_AHEAD 256
-
-struct layer_weights {
-    struct tkv_bweight *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *w_gate, *w_up, *w_down;
-};
-
-struct tkv_session {
-    const tkv_model *model;
-    struct tkv_model_info hp;
-    uint32_t n_ctx, chunk, kv_block;
-    char device[16], policy_spec[128];
-    uint32_t kv_budget;
-    tkv_progress_fn progress;
-    void *progress_user;
-
-    struct tkv_backend *be;
-    struct tkv_bweight *tok_embd, *output_norm, *output;
-    struct layer_weights *layers;
-    struct tkv_kvs *kv;
-    struct tkv_policy *policy;
-
-    /* activations, backend memory, sized for `chunk` tokens */
-    float *x;      /* [chunk, E]          residual stream                 */
-    float *h;      /* [chunk, max(E, H*hd)] normed input / matmul output  */
-    float *q;      /* [chunk, H*hd]                                       */
-    float *k, *v;  /* [chunk, Hkv*hd]                                     */
-    float *att;    /* [chunk, H*hd]       attention output                */
-    float *gate;   /* [chunk, F]                                          */
-    float *up;     /* [chunk, F]                                          */
-    float *logits_dev; /* [V]                                             */
-
-    float *logits;   /* host [V]; valid when have_logits                  */
-    bool have_logits;
-    int32_t *pos;    /* host [chunk]                                      */
-    struct tkv_kv_head_view *views;   /* host [Hkv]                       */
-    struct tkv_kv_block_ref *sel_refs;/* host [Hkv][max_blocks] policy-selected blocks */
-    uint32_t *sel_idx;                /* host [max_blocks]                */
-    uint32_t max_blocks;
-
-    uint32_t n_past;
-    /* statistics */
-    uint64_t prefill_tokens, decode_tokens;
-    double prefill_seconds, decode_seconds;
-};
 
 static double now_seconds(void)
 {
@@ -142,6 +89,7 @@ void tkv_session_free(tkv_session *s)
     free(s->views);
     free(s->sel_refs);
     free(s->sel_idx);
+    free(s->tokens);
     free(s);
 }
 
@@ -186,8 +134,13 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     TKV_TRY(alloc_act(s, C * F, &s->up));
     TKV_TRY(alloc_act(s, hp->n_vocab, &s->logits_dev));
 
+    const bool on_host = !strcmp(s->be->ops->name, "cpu");
     struct tkv_kvs_params kp = {.n_layer = hp->n_layer, .n_head_kv = hp->n_head_kv, .head_dim = hp->head_dim,
-                                .block_tokens = s->kv_block, .max_tokens = s->n_ctx};
+                                .block_tokens = s->kv_block, .max_tokens = s->n_ctx, .compute_is_host = on_host,
+                                .compute_bytes = on_host ? p->host_kv_mem : p->gpu_kv_mem,
+                                .host_bytes = on_host ? 0 : p->host_kv_mem, .nvme_dir = p->nvme_dir,
+                                .nvme_bytes = p->nvme_kv_max,
+                                .pci_bus_id = s->be->ops->pci_bus_id ? s->be->ops->pci_bus_id(s->be) : NULL};
     TKV_TRY(tkv_kvs_init(&kp, s->be, &s->kv));
 
     struct tkv_policy_env env = {.n_layer = hp->n_layer, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv,
@@ -201,7 +154,8 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     s->views = calloc(hp->n_head_kv, sizeof *s->views);
     s->sel_refs = calloc((size_t)hp->n_head_kv * s->max_blocks, sizeof *s->sel_refs);
     s->sel_idx = calloc(s->max_blocks, sizeof *s->sel_idx);
-    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->sel_idx)
+    s->tokens = malloc((size_t)s->n_ctx * sizeof *s->tokens);
+    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->sel_idx || !s->tokens)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
     return TKV_OK;
 }
@@ -294,40 +248,55 @@ static void select_views(tkv_session *s, uint32_t layer)
     }
 }
 
-static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, bool want_logits)
+/* One transformer layer on the chunk in s->x (KV blocks of the layer pinned). */
+static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
 {
     const struct tkv_backend_ops *ops = s->be->ops;
     struct tkv_backend *be = s->be;
     const struct tkv_model_info *hp = &s->hp;
     const uint32_t E = hp->n_embd, H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim, F = hp->n_ff;
+    const struct layer_weights *w = &s->layers[l];
+    /* attention block */
+    TKV_TRY(ops->rmsnorm(be, s->x, w->attn_norm, s->h, n, E, hp->rms_eps));
+    TKV_TRY(ops->matmul(be, w->wq, s->h, s->q, n));
+    TKV_TRY(ops->matmul(be, w->wk, s->h, s->k, n));
+    TKV_TRY(ops->matmul(be, w->wv, s->h, s->v, n));
+    TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+    TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+    TKV_TRY(store_kv(s, l, n));
+    select_views(s, l);
+    struct tkv_attn_args a = {.q = s->q, .q_pos = s->pos, .out = s->att, .lse = NULL, .n_q = n, .n_head = H,
+                              .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views};
+    TKV_TRY(ops->attention(be, &a));
+    TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
+    TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+    /* feed-forward block */
+    TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
+    TKV_TRY(ops->matmul(be, w->w_gate, s->h, s->gate, n));
+    TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
+    TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
+    TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
+    TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+    return TKV_OK;
+}
+
+static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, bool want_logits)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    struct tkv_backend *be = s->be;
+    const struct tkv_model_info *hp = &s->hp;
+    const uint32_t E = hp->n_embd;
 
     for (uint32_t i = 0; i < n; i++)
         s->pos[i] = (int32_t)(s->n_past + i);
     TKV_TRY(ops->get_rows(be, s->tok_embd, toks, n, s->x));
 
     for (uint32_t l = 0; l < hp->n_layer; l++) {
-        const struct layer_weights *w = &s->layers[l];
-        /* attention block */
-        TKV_TRY(ops->rmsnorm(be, s->x, w->attn_norm, s->h, n, E, hp->rms_eps));
-        TKV_TRY(ops->matmul(be, w->wq, s->h, s->q, n));
-        TKV_TRY(ops->matmul(be, w->wk, s->h, s->k, n));
-        TKV_TRY(ops->matmul(be, w->wv, s->h, s->v, n));
-        TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
-        TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
-        TKV_TRY(store_kv(s, l, n));
-        select_views(s, l);
-        struct tkv_attn_args a = {.q = s->q, .q_pos = s->pos, .out = s->att, .lse = NULL, .n_q = n, .n_head = H,
-                                  .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views};
-        TKV_TRY(ops->attention(be, &a));
-        TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
-        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
-        /* feed-forward block */
-        TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
-        TKV_TRY(ops->matmul(be, w->w_gate, s->h, s->gate, n));
-        TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
-        TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
-        TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
-        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+        TKV_TRY(tkv_kvs_begin_layer(s->kv, l, s->n_past, n));
+        tkv_kvs_prefetch(s->kv, l + 1); /* overlaps the next layer's recall with this one */
+        tkv_status st = layer_forward(s, l, n);
+        tkv_kvs_end_layer(s->kv, l);
+        TKV_TRY(st);
     }
 
     if (want_logits) {
@@ -354,6 +323,7 @@ static tkv_status run_chunk(tkv_session *s, const tkv_token *toks, uint32_t n, b
         tkv_kvs_set_length(s->kv, s->n_past);
         return st;
     }
+    memcpy(s->tokens + s->n_past, toks, (size_t)n * sizeof *toks);
     s->n_past = end;
     s->have_logits = want_logits;
     return TKV_OK;
@@ -379,6 +349,7 @@ tkv_status tkv_prefill(tkv_session *s, const tkv_token *toks, size_t n)
         if (st != TKV_OK)
             break;
         done += c;
+        s->prefill_chunks++;
         if (s->progress && s->progress(done, n, s->progress_user) && done < n) {
             st = tkv_err(TKV_ERR_CANCELLED, "prefill cancelled after %zu of %zu tokens", done, n);
             break;
@@ -408,6 +379,8 @@ const float *tkv_logits(const tkv_session *s) { return s && s->have_logits ? s->
 
 size_t tkv_session_n_past(const tkv_session *s) { return s ? s->n_past : 0; }
 
+const tkv_token *tkv_session_tokens(const tkv_session *s) { return s ? s->tokens : NULL; }
+
 void tkv_session_reset(tkv_session *s)
 {
     if (!s)
@@ -421,22 +394,50 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
 {
     if (!s || !len_out || (cap && !buf))
         return tkv_err(TKV_ERR_INVALID_ARG, "tkv_session_stats_json: NULL argument");
-    char tmp[2048];
-    int len = snprintf(
-        tmp, sizeof tmp,
-        "{\"device\": \"%s\", \"policy\": \"%s\", \"n_ctx\": %u, \"n_past\": %u,\n"
-        " \"prefill\": {\"tokens\": %llu, \"seconds\": %.6f, \"tok_s\": %.3f},\n"
-        " \"decode\": {\"tokens\": %llu, \"seconds\": %.6f, \"tok_s\": %.3f},\n"
-        " \"kv\": {\"block_tokens\": %u, \"bytes_allocated\": %llu, \"bytes_per_token\": %llu}}",
-        s->be->ops->name, s->policy_spec, s->n_ctx, s->n_past, (unsigned long long)s->prefill_tokens,
-        s->prefill_seconds, s->prefill_seconds > 0 ? s->prefill_tokens / s->prefill_seconds : 0.0,
-        (unsigned long long)s->decode_tokens, s->decode_seconds,
-        s->decode_seconds > 0 ? s->decode_tokens / s->decode_seconds : 0.0, s->kv_block,
-        (unsigned long long)tkv_kvs_bytes_allocated(s->kv),
-        (unsigned long long)s->hp.n_layer * s->hp.n_head_kv * s->hp.head_dim * 2 * 2);
-    *len_out = (size_t)len;
-    if ((size_t)len >= cap)
-        return tkv_err(TKV_ERR_TOO_SMALL, "stats: %d bytes needed", len + 1);
-    memcpy(buf, tmp, (size_t)len + 1);
+    struct tkv_kvs_stats ks;
+    tkv_kvs_get_stats(s->kv, &ks);
+    char tmp[4096];
+    size_t n = 0;
+#define OUT(...) (n += (size_t)snprintf(tmp + n, n < sizeof tmp ? sizeof tmp - n : 0, __VA_ARGS__))
+    OUT("{\"device\": \"%s\", \"policy\": \"%s\", \"n_ctx\": %u, \"n_past\": %u,\n", s->be->ops->name,
+        s->policy_spec, s->n_ctx, s->n_past);
+    OUT(" \"prefill\": {\"tokens\": %llu, \"seconds\": %.6f, \"tok_s\": %.3f},\n", (unsigned long long)s->prefill_tokens,
+        s->prefill_seconds, s->prefill_seconds > 0 ? s->prefill_tokens / s->prefill_seconds : 0.0);
+    OUT(" \"decode\": {\"tokens\": %llu, \"seconds\": %.6f, \"tok_s\": %.3f},\n", (unsigned long long)s->decode_tokens,
+        s->decode_seconds, s->decode_seconds > 0 ? s->decode_tokens / s->decode_seconds : 0.0);
+    OUT(" \"kv\": {\"block_tokens\": %u, \"block_bytes\": %u, \"bytes_per_token\": %llu, \"io_engine\": \"%s\", "
+        "\"nvme_direct\": %s, \"prefetched_blocks\": %llu, \"corrupt_blocks\": %llu,\n",
+        s->kv_block, tkv_kvs_block_bytes(s->kv), (unsigned long long)s->hp.n_layer * s->hp.n_head_kv * s->hp.head_dim * 4,
+        ks.io_engine ? ks.io_engine : "none", ks.nvme_direct ? "true" : "false",
+        (unsigned long long)ks.prefetched_blocks, (unsigned long long)ks.corrupt_blocks);
+    const uint64_t n_steps = s->prefill_chunks + s->decode_tokens;
+    OUT("  \"stall_seconds\": %.6f, \"stall_seconds_per_step\": %.6f, \"steps\": %llu},\n", ks.stall_seconds,
+        n_steps ? ks.stall_seconds / n_steps : 0.0, (unsigned long long)n_steps);
+    /* tiers by role: compute is "gpu" or "host" */
+    static const char *const names[3] = {"gpu", "host", "nvme"};
+    OUT(" \"tiers\": {");
+    for (int k = 0; k < 3; k++) {
+        const struct tkv_tier_stats *t = NULL;
+        for (int i = 0; i < TKV_TIER_COUNT; i++)
+            if (ks.tier[i].name && !strcmp(ks.tier[i].name, names[k]))
+                t = &ks.tier[i];
+        OUT("%s\n  \"%s\": ", k ? "," : "", names[k]);
+        if (!t)
+            OUT("{\"present\": false}");
+        else
+            OUT("{\"present\": true, \"capacity_bytes\": %llu, \"bytes_in\": %llu, \"bytes_out\": %llu, "
+                "\"used_bytes\": %llu, \"peak_bytes\": %llu, \"hits\": %llu, \"misses\": %llu}",
+                (unsigned long long)t->capacity_bytes, (unsigned long long)t->bytes_in,
+                (unsigned long long)t->bytes_out, (unsigned long long)t->used_bytes, (unsigned long long)t->peak_bytes,
+                (unsigned long long)t->hits, (unsigned long long)t->misses);
+    }
+    OUT("}}");
+#undef OUT
+    *len_out = n;
+    if (n >= sizeof tmp)
+        return tkv_err(TKV_ERR_INTERNAL, "stats: JSON longer than %zu bytes", sizeof tmp);
+    if (n >= cap)
+        return tkv_err(TKV_ERR_TOO_SMALL, "stats: %zu bytes needed", n + 1);
+    memcpy(buf, tmp, n + 1);
     return TKV_OK;
 }

@@ -105,7 +105,7 @@ uint32_t   tkv_model_n_vocab(const tkv_model *model);
 
 /* Flags for tkv_tokenize / tkv_detokenize. */
 #define TKV_TOK_PARSE_SPECIAL  1u  /* "<|im_start|>" in text becomes the control token */
-#define TKV_TOK_ADD_BOS        2u  /* prepend BOS if the model has one               */
+#define TKV_TOK_ADD_BOS        2u  /* prepend BOS if the model asks for it (add_bos)  */
 #define TKV_TOK_RENDER_SPECIAL 4u  /* detokenize control tokens as their text        */
 
 /* Tokenizes len bytes of UTF-8 text (len < 0: NUL-terminated). Writes at most
@@ -148,6 +148,12 @@ struct tkv_session_params {
     uint32_t    prefill_chunk;  /* tokens per prefill segment; 0 = default (512)        */
     tkv_progress_fn progress;   /* may be NULL                                         */
     void       *progress_user;
+    /* KV tiers (docs/kv-layout.md). Capacities in bytes; 0 = unlimited. */
+    uint64_t    gpu_kv_mem;     /* KV in GPU memory (CUDA device)                      */
+    uint64_t    host_kv_mem;    /* KV in host memory (the CPU device computes on it;
+                                   below a GPU it is the pinned host tier, 0 = none)   */
+    const char *nvme_dir;       /* spill directory for the NVMe tier; NULL = none      */
+    uint64_t    nvme_kv_max;    /* NVMe tier capacity                                   */
 };
 struct tkv_session_params tkv_session_default_params(void);
 
@@ -171,6 +177,19 @@ size_t tkv_session_n_past(const tkv_session *session);
 
 /* Forgets the context (keeps allocations). */
 void tkv_session_reset(tkv_session *session);
+
+/* Saves the context (token ids, KV blocks with checksums, the last logits)
+ * to a file that tkv_session_load restores instead of recomputing it. */
+tkv_status tkv_session_save(tkv_session *session, const char *path);
+/* Replaces the context with a saved one. The file is verified completely
+ * (format, version, model fingerprint, sizes, every checksum) before any of
+ * it is used: TKV_ERR_FORMAT / TKV_ERR_CORRUPT / TKV_ERR_UNSUPPORTED with
+ * what did not match. */
+tkv_status tkv_session_load(tkv_session *session, const char *path);
+
+/* The token ids in the context (n_past of them); valid until the next call
+ * that changes the session. */
+const tkv_token *tkv_session_tokens(const tkv_session *session);
 
 /* Writes the session's statistics as a JSON object (tiers, policy, timings)
  * into buf; same size contract as tkv_detokenize. */

@@ -59,8 +59,8 @@ static inline uint64_t tkv_align_up(uint64_t x, uint64_t a) { return (x + a - 1)
 static inline float tkv_fp16_to_fp32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f)
-        bits = sign | 0x7f800000u | (man << 13);
+    if (exp == 0x1f) /* Inf, or NaN made quiet as F16C does */
+        bits = sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0);
     else if (exp != 0)
         bits = sign | ((exp + 112) << 23) | (man << 13);
     else if (man == 0)

@@ -1,25 +1,595 @@
-/* kv-store.c -- see kv-store.h. */
+/*
+ * kv-store.c -- see kv-store.h.
+ *
+ * Bookkeeping: one `struct blk` per (layer, head, block index) records the
+ * slot it holds on each tier and which copies are current (`valid` bits).
+ * Slots are fixed-size (one block payload) and come from a per-tier pool;
+ * memory tiers carve slots out of slabs allocated in reserve steps.
+ */
 #include "kv-store.h"
 
+#include "../io/io.h"
+#include "crc32c.h"
+#include "host-mem.h"
+
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
+
+#define SLAB_SLOTS 64  /* slots per memory slab                       */
+#define IO_BATCH   32  /* blocks per batch of NVMe reads or writes    */
+#define BIT(t) (1u << (t))
+
+static const char *const tier_names[TKV_TIER_COUNT] = {"compute", "host", "nvme"};
+
+struct blk {
+    int32_t  slot[TKV_TIER_COUNT]; /* -1: none on that tier                  */
+    uint8_t  valid;                /* BIT(tier): that copy is current         */
+    uint8_t  pinned;               /* in use by the layer being processed     */
+    uint8_t  inflight;             /* compute slot being filled by a prefetch */
+    uint32_t crc;                  /* CRC-32C of the payload below compute   */
+    uint64_t lru;
+};
+
+/* Fixed-size slots on one tier; memory tiers also own the slabs. */
+struct pool {
+    bool     present;
+    uint32_t cap;            /* slots the capacity allows             */
+    uint32_t n;              /* slots usable now (memory allocated)   */
+    int32_t *free_list;      /* [cap]                                 */
+    uint32_t n_free;
+    int32_t *owner;          /* [cap] block index, -1 if free         */
+    uint8_t **slab;          /* [cap / SLAB_SLOTS + 1] memory tiers    */
+    struct tkv_host_mem *slab_host; /* host-memory slabs             */
+    bool     host_memory;    /* slabs are host memory (else backend)  */
+    uint64_t used, peak;     /* bytes                                 */
+};
+
+struct io_op {
+    uint32_t blk;
+    bool     write;
+    void    *buf;
+};
 
 struct tkv_kvs {
     struct tkv_kvs_params p;
     struct tkv_backend *be;
-    uint32_t max_blocks;          /* per head                                  */
-    uint32_t n_blocks;            /* block indices with storage                */
-    uint32_t length;              /* valid tokens                              */
-    void **slabs;                 /* [max_blocks]: storage of block index b for
-                                     all heads: [layer][head][K|V][B][hd] f16  */
-    struct tkv_kv_block_ref *refs;/* [layer][head][max_blocks]                 */
+    uint32_t S;              /* payload bytes per block               */
+    uint32_t max_blocks;     /* per head                              */
+    uint32_t n_blocks;       /* per head, covered by the page table   */
+    uint32_t length;
+    uint64_t clock;
+    struct blk *blk;         /* [layer][head][max_blocks]             */
+    struct pool pool[TKV_TIER_COUNT];
+    struct tkv_kv_block_ref *refs; /* [head][max_blocks] views of the current layer */
+    uint32_t cur_layer;
+    bool     in_layer;
+
+    struct tkv_io *io;
+    struct tkv_io_file *file;
+    uint64_t file_size;
+    uint8_t *staging;        /* IO_BATCH payloads, aligned: NVMe <-> GPU and export */
+
+    /* scratch sized at init: eviction candidates and I/O batches */
+    uint32_t *cand;          /* [layer*head*max_blocks] eviction candidates */
+    uint32_t *lists;         /* [2 * head*max_blocks] recall and new-block lists */
+    struct io_op *ops;       /* [IO_BATCH] */
+    int64_t *results;        /* [IO_BATCH] */
+
+    struct tkv_tier_stats st[TKV_TIER_COUNT];
+    double stall;
+    uint64_t prefetched, corrupt;
+    uint32_t n_inflight;     /* prefetch reads not yet completed */
 };
 
-static size_t kvs_half_block(const struct tkv_kvs *s) { return (size_t)s->p.block_tokens * s->p.head_dim; }
+/* ---- small helpers ------------------------------------------------------------ */
 
-static struct tkv_kv_block_ref *kvs_refs(const struct tkv_kvs *s, uint32_t layer, uint32_t head)
+static double seconds(void)
 {
-    return s->refs + ((size_t)layer * s->p.n_head_kv + head) * s->max_blocks;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
+
+static uint32_t blk_index(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
+{
+    return ((layer * s->p.n_head_kv) + head) * s->max_blocks + b;
+}
+
+static void blk_coords(const struct tkv_kvs *s, uint32_t i, uint32_t *layer, uint32_t *head, uint32_t *b)
+{
+    *b = i % s->max_blocks;
+    *head = (i / s->max_blocks) % s->p.n_head_kv;
+    *layer = i / s->max_blocks / s->p.n_head_kv;
+}
+
+static uint8_t *slot_ptr(const struct tkv_kvs *s, int t, int32_t slot)
+{
+    return s->pool[t].slab[slot / SLAB_SLOTS] + (size_t)(slot % SLAB_SLOTS) * s->S;
+}
+
+static tkv_status block_error(const struct tkv_kvs *s, tkv_status st, uint32_t i, const char *what)
+{
+    uint32_t l, h, b;
+    blk_coords(s, i, &l, &h, &b);
+    return tkv_err(st, "kv-store: block (layer %u, head %u, block %u): %s", l, h, b, what);
+}
+
+/* ---- slot pools ---------------------------------------------------------------- */
+
+static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory)
+{
+    pl->present = true;
+    pl->cap = cap;
+    pl->host_memory = host_memory;
+    pl->free_list = malloc((size_t)cap * sizeof *pl->free_list);
+    pl->owner = malloc((size_t)cap * sizeof *pl->owner);
+    pl->slab = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab);
+    pl->slab_host = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab_host);
+    if (!pl->free_list || !pl->owner || !pl->slab || !pl->slab_host)
+        return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for a slot table");
+    for (uint32_t i = 0; i < cap; i++)
+        pl->owner[i] = -1;
+    return TKV_OK;
+}
+
+/* Makes `want` slots usable: allocates slabs (memory tiers) or just
+ * counts them (nvme). */
+static tkv_status pool_grow(struct tkv_kvs *s, int t, uint32_t want)
+{
+    struct pool *pl = &s->pool[t];
+    want = TKV_MIN(want, pl->cap);
+    while (pl->n < want) {
+        uint32_t first = pl->n, count = TKV_MIN(SLAB_SLOTS, pl->cap - first);
+        if (t != TKV_TIER_NVME) {
+            size_t bytes = (size_t)count * s->S;
+            uint32_t k = first / SLAB_SLOTS;
+            if (pl->host_memory) {
+                TKV_TRY(tkv_host_mem_alloc(bytes, s->p.pci_bus_id, &pl->slab_host[k]));
+                pl->slab[k] = pl->slab_host[k].ptr;
+            } else {
+                void *p;
+                tkv_status st = s->be->ops->alloc(s->be, bytes, &p);
+                if (st != TKV_OK)
+                    return tkv_err_wrap(st, "kv-store: %s tier slab of %zu bytes", tier_names[t], bytes);
+                pl->slab[k] = p;
+            }
+        }
+        for (uint32_t i = 0; i < count; i++) /* lower slots handed out first */
+            pl->free_list[pl->n_free++] = (int32_t)(first + count - 1 - i);
+        pl->n += count;
+    }
+    return TKV_OK;
+}
+
+static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
+{
+    struct pool *pl = &s->pool[t];
+    if (pl->n_free == 0)
+        return -1;
+    int32_t slot = pl->free_list[--pl->n_free];
+    pl->owner[slot] = (int32_t)owner;
+    pl->used += s->S;
+    pl->peak = TKV_MAX(pl->peak, pl->used);
+    return slot;
+}
+
+static void pool_give(struct tkv_kvs *s, int t, int32_t slot)
+{
+    struct pool *pl = &s->pool[t];
+    pl->owner[slot] = -1;
+    pl->free_list[pl->n_free++] = slot;
+    pl->used -= s->S;
+}
+
+static void pool_free(struct tkv_kvs *s, int t)
+{
+    struct pool *pl = &s->pool[t];
+    if (pl->slab)
+        for (uint32_t k = 0; k * SLAB_SLOTS < pl->n; k++) {
+            if (pl->host_memory)
+                tkv_host_mem_free(&pl->slab_host[k]);
+            else if (pl->slab[k])
+                s->be->ops->release(s->be, pl->slab[k]);
+        }
+    free(pl->free_list);
+    free(pl->owner);
+    free(pl->slab);
+    free(pl->slab_host);
+}
+
+/* Drops a block's copy on tier t (slot back to the pool). */
+static void drop_copy(struct tkv_kvs *s, uint32_t i, int t)
+{
+    struct blk *k = &s->blk[i];
+    if (k->slot[t] >= 0)
+        pool_give(s, t, k->slot[t]);
+    k->slot[t] = -1;
+    k->valid &= (uint8_t)~BIT(t);
+}
+
+/* ---- moving payloads between memory tiers ---------------------------------- */
+
+/* compute slot -> host buffer */
+static tkv_status compute_to_host(struct tkv_kvs *s, int32_t cslot, void *dst)
+{
+    const uint8_t *src = slot_ptr(s, TKV_TIER_COMPUTE, cslot);
+    if (s->p.compute_is_host) {
+        memcpy(dst, src, s->S);
+        return TKV_OK;
+    }
+    return s->be->ops->download(s->be, dst, src, s->S);
+}
+
+/* host buffer -> compute slot */
+static tkv_status host_to_compute(struct tkv_kvs *s, const void *src, int32_t cslot)
+{
+    uint8_t *dst = slot_ptr(s, TKV_TIER_COMPUTE, cslot);
+    if (s->p.compute_is_host) {
+        memcpy(dst, src, s->S);
+        return TKV_OK;
+    }
+    return s->be->ops->upload(s->be, dst, src, s->S);
+}
+
+/* ---- NVMe batches ------------------------------------------------------------- */
+
+/* Tags: batch ops are (index << 1), prefetches (block << 1) | 1. */
+static void prefetch_complete(struct tkv_kvs *s, const struct tkv_io_cqe *c);
+
+/* Runs n ops (n <= IO_BATCH) against the spill file; results[j] is op j's
+ * result (S or -errno). Returns the first failure as a status naming the
+ * block. */
+static tkv_status nvme_run(struct tkv_kvs *s, struct io_op *ops, uint32_t n, int64_t *results)
+{
+    uint32_t queued = 0, done = 0;
+    for (uint32_t j = 0; j < n; j++)
+        results[j] = -EINPROGRESS;
+    while (done < n) {
+        while (queued < n) {
+            const struct io_op *op = &ops[queued];
+            uint64_t off = (uint64_t)s->blk[op->blk].slot[TKV_TIER_NVME] * s->S;
+            int rc = op->write ? tkv_io_write(s->io, s->file, op->buf, s->S, off, (uint64_t)queued << 1)
+                               : tkv_io_read(s->io, s->file, op->buf, s->S, off, (uint64_t)queued << 1);
+            if (rc == -EAGAIN)
+                break;
+            if (rc < 0) {
+                results[queued] = rc;
+                done++;
+            }
+            queued++;
+        }
+        int rc = tkv_io_submit(s->io);
+        struct tkv_io_cqe cqe[IO_BATCH];
+        int got = rc < 0 ? rc : tkv_io_wait(s->io, 1, cqe, IO_BATCH);
+        if (got < 0 || (got == 0 && queued == n)) { /* the engine failed, or lost ops */
+            for (uint32_t j = 0; j < n; j++)
+                if (results[j] == -EINPROGRESS)
+                    results[j] = got < 0 ? got : -EIO;
+            break;
+        }
+        for (int c = 0; c < got; c++) {
+            if (cqe[c].user_tag & 1) {
+                prefetch_complete(s, &cqe[c]);
+                continue;
+            }
+            uint64_t j = cqe[c].user_tag >> 1;
+            if (j < n && results[j] == -EINPROGRESS) {
+                results[j] = cqe[c].result;
+                done++;
+            }
+        }
+    }
+    for (uint32_t j = 0; j < n; j++) {
+        if (results[j] == (int64_t)s->S)
+            continue;
+        tkv_status st = results[j] < 0 ? tkv_io_status((int)results[j], ops[j].write ? "spill write" : "recall read")
+                                       : tkv_err(TKV_ERR_IO, "io: short transfer of %lld bytes", (long long)results[j]);
+        uint32_t l, h, b;
+        blk_coords(s, ops[j].blk, &l, &h, &b);
+        return tkv_err_wrap(st, "kv-store: nvme tier, block (layer %u, head %u, block %u)", l, h, b);
+    }
+    return TKV_OK;
+}
+
+/* An NVMe slot for block i (assigned on first spill, kept while the block lives). */
+static tkv_status nvme_slot(struct tkv_kvs *s, uint32_t i)
+{
+    struct blk *k = &s->blk[i];
+    if (k->slot[TKV_TIER_NVME] >= 0)
+        return TKV_OK;
+    if (s->pool[TKV_TIER_NVME].n_free == 0) /* bookkeeping only: the file grows below */
+        TKV_TRY(pool_grow(s, TKV_TIER_NVME, s->pool[TKV_TIER_NVME].n + 1));
+    int32_t slot = pool_take(s, TKV_TIER_NVME, i);
+    if (slot < 0)
+        return block_error(s, TKV_ERR_NOMEM, i, "the NVMe tier is full (raise --nvme-kv-max)");
+    k->slot[TKV_TIER_NVME] = slot;
+    uint64_t end = ((uint64_t)slot + 1) * s->S;
+    if (end > s->file_size) { /* grow in large steps: a reserve, not per block */
+        uint64_t want = TKV_MIN((uint64_t)s->pool[TKV_TIER_NVME].cap * s->S, TKV_MAX(end, s->file_size * 2));
+        int rc = tkv_io_file_resize(s->file, want);
+        if (rc < 0) {
+            drop_copy(s, i, TKV_TIER_NVME);
+            return tkv_io_status(rc, "kv-store: growing the spill file");
+        }
+        s->file_size = want;
+    }
+    return TKV_OK;
+}
+
+/* ---- demotion: compute -> host -> nvme --------------------------------------------- */
+
+static tkv_status make_room(struct tkv_kvs *s, int t, uint32_t need);
+
+/* Writes blocks idx[0..n) (host-tier copies, or compute copies on a host
+ * compute tier) to NVMe in one batch; blocks that fail keep their copy. */
+static tkv_status spill_to_nvme(struct tkv_kvs *s, int from, const uint32_t *idx, uint32_t n)
+{
+    tkv_status first = TKV_OK;
+    uint32_t m = 0;
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t i = idx[j];
+        struct blk *k = &s->blk[i];
+        tkv_status st = nvme_slot(s, i);
+        if (st != TKV_OK) {
+            first = first == TKV_OK ? st : first;
+            continue;
+        }
+        void *buf;
+        if (from == TKV_TIER_COMPUTE && !s->p.compute_is_host) { /* through the staging buffer */
+            buf = s->staging + (size_t)m * s->S;
+            st = compute_to_host(s, k->slot[TKV_TIER_COMPUTE], buf);
+            if (st != TKV_OK) {
+                first = first == TKV_OK ? st : first;
+                continue;
+            }
+        } else {
+            buf = slot_ptr(s, from, k->slot[from]);
+        }
+        if (!(k->valid & (BIT(TKV_TIER_HOST) | BIT(TKV_TIER_NVME))))
+            k->crc = tkv_crc32c(0, buf, s->S); /* first copy below compute: checksum it */
+        s->ops[m++] = (struct io_op){.blk = i, .write = true, .buf = buf};
+    }
+    if (m == 0)
+        return first;
+    tkv_status st = nvme_run(s, s->ops, m, s->results);
+    for (uint32_t j = 0; j < m; j++) {
+        if (s->results[j] == (int64_t)s->S) {
+            s->blk[s->ops[j].blk].valid |= BIT(TKV_TIER_NVME);
+            s->st[TKV_TIER_NVME].bytes_in += s->S;
+        }
+    }
+    return first != TKV_OK ? first : st;
+}
+
+/* Copies compute-tier blocks to the host tier (GPU compute only). */
+static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
+{
+    TKV_TRY(make_room(s, TKV_TIER_HOST, n));
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t i = idx[j];
+        struct blk *k = &s->blk[i];
+        int32_t hs = pool_take(s, TKV_TIER_HOST, i);
+        if (hs < 0)
+            return block_error(s, TKV_ERR_NOMEM, i, "no host-tier slot");
+        k->slot[TKV_TIER_HOST] = hs;
+        uint8_t *dst = slot_ptr(s, TKV_TIER_HOST, hs);
+        tkv_status st = compute_to_host(s, k->slot[TKV_TIER_COMPUTE], dst);
+        if (st != TKV_OK) {
+            drop_copy(s, i, TKV_TIER_HOST);
+            return st;
+        }
+        if (!(k->valid & BIT(TKV_TIER_NVME)))
+            k->crc = tkv_crc32c(0, dst, s->S);
+        k->valid |= BIT(TKV_TIER_HOST);
+        s->st[TKV_TIER_HOST].bytes_in += s->S;
+    }
+    return TKV_OK;
+}
+
+/* Layers are used in a cycle (0, 1, ..., L-1, 0, ...), so the block needed
+ * last is the one whose layer comes furthest after the current one: evicting
+ * in that order is Belady's optimal choice for the forward pass. Blocks of
+ * one layer tie and fall back to least recently used. */
+static uint32_t next_use_distance(const struct tkv_kvs *s, uint32_t i)
+{
+    const uint32_t L = s->p.n_layer, layer = i / s->max_blocks / s->p.n_head_kv;
+    return (layer + L - s->cur_layer) % L;
+}
+
+static int cmp_victim(const void *a, const void *b, void *ctx)
+{
+    const struct tkv_kvs *s = ctx;
+    const uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    const uint32_t dx = next_use_distance(s, x), dy = next_use_distance(s, y);
+    if (dx != dy)
+        return dx > dy ? -1 : 1;
+    return s->blk[x].lru < s->blk[y].lru ? -1 : s->blk[x].lru > s->blk[y].lru;
+}
+
+static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool clean_only);
+
+/* Frees at least `need` slots on memory tier t by moving unpinned blocks
+ * down, the one needed last first. Clean blocks (another current copy
+ * exists) are dropped for free; others are written down first. */
+static tkv_status make_room(struct tkv_kvs *s, int t, uint32_t need) { return make_room_ex(s, t, need, false); }
+
+/* clean_only: free only what costs no I/O (prefetch); may free fewer. */
+static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool clean_only)
+{
+    struct pool *pl = &s->pool[t];
+    if (pl->n_free >= need)
+        return TKV_OK;
+    TKV_TRY(pool_grow(s, t, pl->n + (need - pl->n_free))); /* within capacity: just grow */
+    if (pl->n_free >= need)
+        return TKV_OK;
+    uint32_t n_cand = 0;
+    for (uint32_t slot = 0; slot < pl->n; slot++) {
+        int32_t i = pl->owner[slot];
+        if (i >= 0 && !s->blk[i].pinned && !s->blk[i].inflight && (!clean_only || (s->blk[i].valid & ~BIT(t))))
+            s->cand[n_cand++] = (uint32_t)i;
+    }
+    uint32_t want = need - pl->n_free;
+    if (clean_only)
+        want = TKV_MIN(want, n_cand);
+    else if (n_cand < want)
+        return tkv_err(TKV_ERR_NOMEM,
+                       "kv-store: the %s tier (%u blocks of %u bytes) cannot hold the blocks in use; raise its "
+                       "capacity",
+                       tier_names[t], pl->cap, s->S);
+    qsort_r(s->cand, n_cand, sizeof *s->cand, cmp_victim, s);
+    const int below = t == TKV_TIER_COMPUTE && s->pool[TKV_TIER_HOST].present ? TKV_TIER_HOST : TKV_TIER_NVME;
+    uint32_t freed = 0;
+    for (uint32_t c = 0; c < n_cand && freed < want;) {
+        /* a batch of victims; dirty ones get written below first */
+        uint32_t batch[IO_BATCH], nb = 0, nd = 0, dirty[IO_BATCH];
+        for (; c < n_cand && nb < IO_BATCH && freed + nb < want; c++) {
+            uint32_t i = s->cand[c];
+            batch[nb++] = i;
+            if (!(s->blk[i].valid & ~BIT(t))) /* the only current copy: write it below first */
+                dirty[nd++] = i;
+        }
+        if (nd > 0) {
+            if (t == TKV_TIER_HOST || below == TKV_TIER_NVME) {
+                if (!s->pool[TKV_TIER_NVME].present)
+                    return tkv_err(TKV_ERR_NOMEM,
+                                   "kv-store: the %s tier is full and there is no NVMe tier to spill to "
+                                   "(give --nvme-dir or raise the capacity)",
+                                   t == TKV_TIER_COMPUTE && s->p.compute_is_host ? "host" : tier_names[t]);
+                TKV_TRY(spill_to_nvme(s, t, dirty, nd));
+            } else {
+                TKV_TRY(spill_to_host(s, dirty, nd));
+            }
+        }
+        for (uint32_t j = 0; j < nb; j++) {
+            struct blk *k = &s->blk[batch[j]];
+            if (k->valid & ~BIT(t)) {
+                drop_copy(s, batch[j], t);
+                freed++;
+            }
+        }
+    }
+    return clean_only || pl->n_free >= need ? TKV_OK
+                                            : tkv_err(TKV_ERR_INTERNAL, "kv-store: eviction freed too few slots");
+}
+
+/* ---- recall --------------------------------------------------------------------- */
+
+/* Verifies a recalled payload against the block's checksum. */
+static tkv_status verify(struct tkv_kvs *s, uint32_t i, const void *data, int from)
+{
+    if (tkv_crc32c(0, data, s->S) == s->blk[i].crc)
+        return TKV_OK;
+    s->corrupt++;
+    char what[96];
+    snprintf(what, sizeof what, "checksum mismatch on recall from the %s tier; the data was not used",
+             tier_names[from]);
+    return block_error(s, TKV_ERR_CORRUPT, i, what);
+}
+
+/* A prefetch read finished: keep the block if it arrived intact; otherwise
+ * drop the slot (begin_layer recalls it again and reports the error). */
+static void prefetch_complete(struct tkv_kvs *s, const struct tkv_io_cqe *c)
+{
+    uint32_t i = (uint32_t)(c->user_tag >> 1);
+    struct blk *k = &s->blk[i];
+    if (!k->inflight)
+        return;
+    k->inflight = 0;
+    s->n_inflight--;
+    const void *data = slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]);
+    if (c->result == (int64_t)s->S && tkv_crc32c(0, data, s->S) == k->crc) {
+        k->valid |= BIT(TKV_TIER_COMPUTE);
+        s->st[TKV_TIER_NVME].bytes_out += s->S;
+        s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+    } else {
+        drop_copy(s, i, TKV_TIER_COMPUTE);
+    }
+}
+
+/* Finishes every prefetch still in flight. */
+static void prefetch_drain(struct tkv_kvs *s)
+{
+    while (s->io && s->n_inflight > 0) {
+        struct tkv_io_cqe cqe[IO_BATCH];
+        int got = tkv_io_wait(s->io, 1, cqe, IO_BATCH);
+        if (got <= 0) { /* cannot complete: give the slots back, recall normally later */
+            for (uint32_t slot = 0; slot < s->pool[TKV_TIER_COMPUTE].n; slot++) {
+                int32_t i = s->pool[TKV_TIER_COMPUTE].owner[slot];
+                if (i >= 0 && s->blk[i].inflight) {
+                    s->blk[i].inflight = 0;
+                    drop_copy(s, (uint32_t)i, TKV_TIER_COMPUTE);
+                }
+            }
+            s->n_inflight = 0;
+            return;
+        }
+        for (int c = 0; c < got; c++)
+            if (cqe[c].user_tag & 1)
+                prefetch_complete(s, &cqe[c]);
+    }
+}
+
+/* Brings blocks idx[0..n) (not in compute) into compute slots. */
+static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
+{
+    TKV_TRY(make_room(s, TKV_TIER_COMPUTE, n));
+    uint32_t m = 0;
+    tkv_status st = TKV_OK;
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t i = idx[j];
+        struct blk *k = &s->blk[i];
+        int32_t cs = pool_take(s, TKV_TIER_COMPUTE, i);
+        if (cs < 0)
+            return tkv_err(TKV_ERR_INTERNAL, "kv-store: no compute slot after making room");
+        k->slot[TKV_TIER_COMPUTE] = cs;
+        if (k->valid & BIT(TKV_TIER_HOST)) {
+            const uint8_t *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+            if ((st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
+                st = host_to_compute(s, src, cs);
+            if (st != TKV_OK) {
+                drop_copy(s, i, TKV_TIER_COMPUTE);
+                return st;
+            }
+            k->valid |= BIT(TKV_TIER_COMPUTE);
+            s->st[TKV_TIER_HOST].hits++;
+            s->st[TKV_TIER_HOST].bytes_out += s->S;
+            s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+        } else if (k->valid & BIT(TKV_TIER_NVME)) {
+            if (s->pool[TKV_TIER_HOST].present)
+                s->st[TKV_TIER_HOST].misses++;
+            s->st[TKV_TIER_NVME].hits++;
+            void *buf = s->p.compute_is_host ? slot_ptr(s, TKV_TIER_COMPUTE, cs) : s->staging + (size_t)m * s->S;
+            s->ops[m++] = (struct io_op){.blk = i, .write = false, .buf = buf};
+        } else {
+            return block_error(s, TKV_ERR_INTERNAL, i, "has no current copy on any tier");
+        }
+        if (m == IO_BATCH || (j + 1 == n && m > 0)) {
+            st = nvme_run(s, s->ops, m, s->results);
+            for (uint32_t r = 0; r < m && st == TKV_OK; r++) {
+                uint32_t bi = s->ops[r].blk;
+                if ((st = verify(s, bi, s->ops[r].buf, TKV_TIER_NVME)) == TKV_OK && !s->p.compute_is_host)
+                    st = host_to_compute(s, s->ops[r].buf, s->blk[bi].slot[TKV_TIER_COMPUTE]);
+                if (st == TKV_OK) {
+                    s->blk[bi].valid |= BIT(TKV_TIER_COMPUTE);
+                    s->st[TKV_TIER_NVME].bytes_out += s->S;
+                    s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+                }
+            }
+            if (st != TKV_OK) { /* undo the slots of this batch that did not land */
+                for (uint32_t r = 0; r < m; r++)
+                    if (!(s->blk[s->ops[r].blk].valid & BIT(TKV_TIER_COMPUTE)))
+                        drop_copy(s, s->ops[r].blk, TKV_TIER_COMPUTE);
+                return st;
+            }
+            m = 0;
+        }
+    }
+    return TKV_OK;
+}
+
+/* ---- public functions -------------------------------------------------------- */
 
 tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *backend, struct tkv_kvs **out)
 {
@@ -32,27 +602,122 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     if (!s)
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory");
     s->p = *p;
+    s->p.nvme_dir = NULL; /* not kept: only used here */
+    s->p.pci_bus_id = NULL;
     s->be = backend;
+    s->S = 4u * p->block_tokens * p->head_dim;
     s->max_blocks = (p->max_tokens + p->block_tokens - 1) / p->block_tokens;
-    s->slabs = calloc(s->max_blocks, sizeof *s->slabs);
-    s->refs = calloc((size_t)p->n_layer * p->n_head_kv * s->max_blocks, sizeof *s->refs);
-    if (!s->slabs || !s->refs) {
-        tkv_kvs_free(s);
-        return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
+    const uint64_t total = (uint64_t)p->n_layer * p->n_head_kv * s->max_blocks;
+    const uint64_t layer_blocks = (uint64_t)p->n_head_kv * s->max_blocks;
+    tkv_status st = TKV_OK;
+    if (total > INT32_MAX) {
+        st = tkv_err(TKV_ERR_INVALID_ARG, "kv-store: %llu blocks are too many", (unsigned long long)total);
+        goto fail;
+    }
+    s->blk = malloc(total * sizeof *s->blk);
+    s->refs = calloc(layer_blocks, sizeof *s->refs);
+    s->cand = malloc(total * sizeof *s->cand);
+    s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
+    s->ops = calloc(IO_BATCH, sizeof *s->ops);
+    s->results = calloc(IO_BATCH, sizeof *s->results);
+    if (!s->blk || !s->refs || !s->cand || !s->lists || !s->ops || !s->results) {
+        st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
+        goto fail;
+    }
+    for (uint64_t i = 0; i < total; i++)
+        s->blk[i] = (struct blk){.slot = {-1, -1, -1}};
+
+    /* compute tier: must hold at least one layer's blocks for the whole context */
+    uint64_t cap = p->compute_bytes ? p->compute_bytes / s->S : total;
+    if (cap < layer_blocks) {
+        st = tkv_err(TKV_ERR_INVALID_ARG,
+                     "kv-store: the %s KV capacity of %llu bytes holds %llu blocks, but one layer of a %u-token "
+                     "context needs %llu (%llu bytes)",
+                     p->compute_is_host ? "host" : "gpu", (unsigned long long)p->compute_bytes,
+                     (unsigned long long)cap, p->max_tokens, (unsigned long long)layer_blocks,
+                     (unsigned long long)(layer_blocks * s->S));
+        goto fail;
+    }
+    if ((st = pool_init(&s->pool[TKV_TIER_COMPUTE], (uint32_t)TKV_MIN(cap, total), p->compute_is_host)) != TKV_OK)
+        goto fail;
+    if (!p->compute_is_host && p->host_bytes) {
+        uint64_t hcap = TKV_MIN(p->host_bytes / s->S, total);
+        if (hcap < IO_BATCH) {
+            st = tkv_err(TKV_ERR_INVALID_ARG, "kv-store: host KV capacity of %llu bytes is below %u blocks",
+                         (unsigned long long)p->host_bytes, IO_BATCH);
+            goto fail;
+        }
+        if ((st = pool_init(&s->pool[TKV_TIER_HOST], (uint32_t)hcap, true)) != TKV_OK ||
+            (st = pool_grow(s, TKV_TIER_HOST, (uint32_t)hcap)) != TKV_OK)
+            goto fail;
+    }
+    if (p->nvme_dir) {
+        if (s->S % TKV_IO_ALIGN) {
+            st = tkv_err(TKV_ERR_INVALID_ARG, "kv-store: a block of %u bytes is not a multiple of 4 KiB (NVMe tier)",
+                         s->S);
+            goto fail;
+        }
+        uint64_t ncap = p->nvme_bytes ? TKV_MIN(p->nvme_bytes / s->S, total) : total;
+        if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false)) != TKV_OK)
+            goto fail;
+        struct tkv_io_params iop = tkv_io_default_params();
+        int rc = tkv_io_init(&iop, &s->io);
+        if (rc == 0)
+            rc = tkv_io_file_open_tmp(s->io, p->nvme_dir, &s->file);
+        if (rc < 0) {
+            st = tkv_io_status(rc, "kv-store: opening a spill file");
+            tkv_err_wrap(st, "--nvme-dir %s", p->nvme_dir);
+            goto fail;
+        }
+        s->staging = tkv_io_alloc_aligned((size_t)IO_BATCH * s->S);
+        if (!s->staging) {
+            st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the staging buffer");
+            goto fail;
+        }
+    } else if (!p->compute_is_host) {
+        s->staging = tkv_io_alloc_aligned((size_t)IO_BATCH * s->S);
+        if (!s->staging) {
+            st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the staging buffer");
+            goto fail;
+        }
+    }
+    const char *compute_name = p->compute_is_host ? "host" : "gpu";
+    s->st[TKV_TIER_COMPUTE].name = compute_name;
+    s->st[TKV_TIER_COMPUTE].capacity_bytes = (uint64_t)s->pool[TKV_TIER_COMPUTE].cap * s->S;
+    if (s->pool[TKV_TIER_HOST].present) {
+        s->st[TKV_TIER_HOST].name = "host";
+        s->st[TKV_TIER_HOST].capacity_bytes = (uint64_t)s->pool[TKV_TIER_HOST].cap * s->S;
+    }
+    if (s->pool[TKV_TIER_NVME].present) {
+        s->st[TKV_TIER_NVME].name = "nvme";
+        s->st[TKV_TIER_NVME].capacity_bytes = (uint64_t)s->pool[TKV_TIER_NVME].cap * s->S;
     }
     *out = s;
     return TKV_OK;
+fail:
+    tkv_kvs_free(s);
+    return st;
 }
 
 void tkv_kvs_free(struct tkv_kvs *s)
 {
     if (!s)
         return;
-    if (s->slabs)
-        for (uint32_t b = 0; b < s->n_blocks; b++)
-            s->be->ops->release(s->be, s->slabs[b]);
-    free(s->slabs);
+    if (s->io) {
+        prefetch_drain(s);
+        tkv_io_file_close(s->file);
+        tkv_io_free(s->io);
+    }
+    tkv_io_free_aligned(s->staging);
+    for (int t = 0; t < TKV_TIER_COUNT; t++)
+        if (s->pool[t].present)
+            pool_free(s, t);
+    free(s->blk);
     free(s->refs);
+    free(s->cand);
+    free(s->lists);
+    free(s->ops);
+    free(s->results);
     free(s);
 }
 
@@ -60,61 +725,284 @@ tkv_status tkv_kvs_reserve(struct tkv_kvs *s, uint32_t n_tokens)
 {
     if (n_tokens > s->p.max_tokens)
         return tkv_err(TKV_ERR_CONTEXT_FULL, "kv-store: %u tokens exceed the context of %u", n_tokens, s->p.max_tokens);
-    const uint32_t need = (n_tokens + s->p.block_tokens - 1) / s->p.block_tokens;
-    const size_t half = kvs_half_block(s);
-    const size_t slab_bytes = (size_t)s->p.n_layer * s->p.n_head_kv * 2 * half * sizeof(uint16_t);
-    while (s->n_blocks < need) {
-        const uint32_t b = s->n_blocks;
-        void *slab;
-        tkv_status st = s->be->ops->alloc(s->be, slab_bytes, &slab);
-        if (st != TKV_OK)
-            return tkv_err_wrap(st, "kv-store: block %u of %u", b, need);
-        s->slabs[b] = slab;
-        for (uint32_t l = 0; l < s->p.n_layer; l++)
-            for (uint32_t h = 0; h < s->p.n_head_kv; h++) {
-                uint16_t *k = (uint16_t *)slab + ((size_t)l * s->p.n_head_kv + h) * 2 * half;
-                kvs_refs(s, l, h)[b] = (struct tkv_kv_block_ref){
-                    .k = k, .v = k + half, .pos0 = (int32_t)(b * s->p.block_tokens), .n = 0};
-            }
-        s->n_blocks++;
-    }
+    uint32_t need = (n_tokens + s->p.block_tokens - 1) / s->p.block_tokens;
+    s->n_blocks = TKV_MAX(s->n_blocks, need);
+    uint64_t blocks = (uint64_t)s->p.n_layer * s->p.n_head_kv * s->n_blocks;
+    TKV_TRY(pool_grow(s, TKV_TIER_COMPUTE, (uint32_t)TKV_MIN(blocks, s->pool[TKV_TIER_COMPUTE].cap)));
+    if (s->pool[TKV_TIER_NVME].present && blocks > s->pool[TKV_TIER_COMPUTE].cap)
+        TKV_TRY(pool_grow(s, TKV_TIER_NVME, (uint32_t)blocks));
     return TKV_OK;
 }
 
 void tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens)
 {
-    const uint32_t B = s->p.block_tokens;
-    const uint32_t lo = TKV_MIN(s->length, n_tokens) / B, hi = TKV_MIN((TKV_MAX(s->length, n_tokens) + B - 1) / B, s->n_blocks);
-    for (uint32_t l = 0; l < s->p.n_layer; l++)
-        for (uint32_t h = 0; h < s->p.n_head_kv; h++) {
-            struct tkv_kv_block_ref *r = kvs_refs(s, l, h);
-            for (uint32_t b = lo; b < hi; b++) {
-                const uint32_t start = b * B;
-                r[b].n = n_tokens <= start ? 0 : TKV_MIN(B, n_tokens - start);
-            }
-        }
+    const uint32_t B = s->p.block_tokens, keep = (n_tokens + B - 1) / B, had = (s->length + B - 1) / B;
+    if (keep < had) {
+        prefetch_drain(s);
+        for (uint32_t l = 0; l < s->p.n_layer; l++)
+            for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+                for (uint32_t b = keep; b < had; b++) {
+                    uint32_t i = blk_index(s, l, h, b);
+                    for (int t = 0; t < TKV_TIER_COUNT; t++)
+                        if (s->pool[t].present)
+                            drop_copy(s, i, t);
+                }
+    }
     s->length = n_tokens;
 }
 
 uint32_t tkv_kvs_length(const struct tkv_kvs *s) { return s->length; }
 
+tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write)
+{
+    const uint32_t B = s->p.block_tokens, nb = (s->length + B - 1) / B, H = s->p.n_head_kv;
+    if (layer >= s->p.n_layer || nb > s->n_blocks)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: begin_layer(%u) outside the reserved page table", layer);
+    const double t0 = seconds();
+    s->cur_layer = layer; /* eviction distances are measured from here */
+    prefetch_drain(s);
+    uint32_t n_missing = 0;
+    s->clock++;
+    for (uint32_t h = 0; h < H; h++)
+        for (uint32_t b = 0; b < nb; b++) {
+            uint32_t i = blk_index(s, layer, h, b);
+            struct blk *k = &s->blk[i];
+            k->pinned = 1;
+            k->lru = s->clock;
+            if (k->valid & BIT(TKV_TIER_COMPUTE)) {
+                s->st[TKV_TIER_COMPUTE].hits++;
+            } else {
+                s->st[TKV_TIER_COMPUTE].misses++;
+                s->lists[n_missing++] = i;
+            }
+        }
+    /* new blocks (never stored) need just a slot; the others a recall.
+     * lists[0, n_missing) holds the missing blocks; partition it in place:
+     * recalls first, new blocks after. */
+    tkv_status st = TKV_OK;
+    uint32_t n_recall = 0, n_new = 0;
+    uint32_t *lists = s->lists;
+    for (uint32_t j = 0; j < n_missing; j++) {
+        uint32_t i = lists[j];
+        if (s->blk[i].valid)
+            lists[n_recall++] = i;
+        else
+            lists[n_missing + n_new++] = i;
+    }
+    if (n_recall && (st = recall(s, lists, n_recall)) != TKV_OK)
+        goto out;
+    if (n_new) {
+        if ((st = make_room(s, TKV_TIER_COMPUTE, n_new)) != TKV_OK)
+            goto out;
+        for (uint32_t j = 0; j < n_new; j++) {
+            uint32_t i = lists[n_missing + j];
+            s->blk[i].slot[TKV_TIER_COMPUTE] = pool_take(s, TKV_TIER_COMPUTE, i);
+            s->blk[i].valid = BIT(TKV_TIER_COMPUTE);
+        }
+    }
+    /* blocks about to be written: only the compute copy stays current */
+    if (n_write > 0)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = write_pos / B; b <= (write_pos + n_write - 1) / B && b < nb; b++) {
+                uint32_t i = blk_index(s, layer, h, b);
+                if (s->blk[i].valid & BIT(TKV_TIER_HOST))
+                    drop_copy(s, i, TKV_TIER_HOST);
+                s->blk[i].valid = BIT(TKV_TIER_COMPUTE); /* the NVMe slot is kept for the next spill */
+            }
+    /* the views of this layer */
+    for (uint32_t h = 0; h < H; h++)
+        for (uint32_t b = 0; b < nb; b++) {
+            uint8_t *p = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[blk_index(s, layer, h, b)].slot[TKV_TIER_COMPUTE]);
+            s->refs[(size_t)h * s->max_blocks + b] = (struct tkv_kv_block_ref){
+                .k = (uint16_t *)p, .v = (uint16_t *)p + (size_t)B * s->p.head_dim, .pos0 = (int32_t)(b * B),
+                .n = TKV_MIN(B, s->length - b * B)};
+        }
+    s->cur_layer = layer;
+    s->in_layer = true;
+out:
+    s->stall += seconds() - t0;
+    if (st != TKV_OK)
+        tkv_kvs_end_layer(s, layer);
+    return st;
+}
+
+void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
+{
+    const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);
+    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+        for (uint32_t b = 0; b < nb; b++)
+            s->blk[blk_index(s, layer, h, b)].pinned = 0;
+    s->in_layer = false;
+}
+
+void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
+{
+    if (!s->io || !s->p.compute_is_host)
+        return;
+    layer %= s->p.n_layer; /* after the last layer comes the first (next step) */
+    const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);
+    uint32_t wanted = 0;
+    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+        for (uint32_t b = 0; b < nb; b++) {
+            const struct blk *k = &s->blk[blk_index(s, layer, h, b)];
+            wanted += !(k->valid & BIT(TKV_TIER_COMPUTE)) && !k->inflight && (k->valid & BIT(TKV_TIER_NVME));
+        }
+    if (wanted == 0)
+        return;
+    /* room from clean blocks needed after `layer` (never the pinned current layer) */
+    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+        for (uint32_t b = 0; b < nb; b++)
+            s->blk[blk_index(s, layer, h, b)].pinned++;
+    const uint32_t saved = s->cur_layer;
+    s->cur_layer = layer; /* distances as seen from the prefetched layer */
+    make_room_ex(s, TKV_TIER_COMPUTE, wanted, true);
+    s->cur_layer = saved;
+    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+        for (uint32_t b = 0; b < nb; b++)
+            s->blk[blk_index(s, layer, h, b)].pinned--;
+    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+        for (uint32_t b = 0; b < nb; b++) {
+            uint32_t i = blk_index(s, layer, h, b);
+            struct blk *k = &s->blk[i];
+            if ((k->valid & BIT(TKV_TIER_COMPUTE)) || k->inflight || !(k->valid & BIT(TKV_TIER_NVME)))
+                continue;
+            if (s->pool[TKV_TIER_COMPUTE].n_free == 0)
+                goto submit; /* only free slots: a prefetch never evicts */
+            int32_t cs = pool_take(s, TKV_TIER_COMPUTE, i);
+            int rc = tkv_io_read(s->io, s->file, slot_ptr(s, TKV_TIER_COMPUTE, cs), s->S,
+                                 (uint64_t)k->slot[TKV_TIER_NVME] * s->S, ((uint64_t)i << 1) | 1);
+            if (rc < 0) {
+                pool_give(s, TKV_TIER_COMPUTE, cs);
+                goto submit;
+            }
+            k->slot[TKV_TIER_COMPUTE] = cs;
+            k->inflight = 1;
+            s->n_inflight++;
+            s->prefetched++;
+        }
+submit:
+    tkv_io_submit(s->io);
+}
+
 struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head)
 {
-    const uint32_t B = s->p.block_tokens;
-    return (struct tkv_kv_head_view){.blocks = kvs_refs(s, layer, head), .n_blocks = (s->length + B - 1) / B};
+    return (struct tkv_kv_head_view){.blocks = s->refs + (size_t)head * s->max_blocks,
+                                     .n_blocks = (s->length + s->p.block_tokens - 1) / s->p.block_tokens};
 }
 
 void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t pos, uint16_t **k, uint16_t **v)
 {
     const uint32_t B = s->p.block_tokens;
-    const struct tkv_kv_block_ref *r = &kvs_refs(s, layer, head)[pos / B];
+    const struct tkv_kv_block_ref *r = &s->refs[(size_t)head * s->max_blocks + pos / B];
     *k = r->k + (size_t)(pos % B) * s->p.head_dim;
     *v = r->v + (size_t)(pos % B) * s->p.head_dim;
 }
 
 uint32_t tkv_kvs_block_tokens(const struct tkv_kvs *s) { return s->p.block_tokens; }
+uint32_t tkv_kvs_block_bytes(const struct tkv_kvs *s) { return s->S; }
 
-uint64_t tkv_kvs_bytes_allocated(const struct tkv_kvs *s)
+int tkv_kvs_block_tier(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
 {
-    return (uint64_t)s->n_blocks * s->p.n_layer * s->p.n_head_kv * 2 * kvs_half_block(s) * sizeof(uint16_t);
+    if (layer >= s->p.n_layer || head >= s->p.n_head_kv || b >= s->max_blocks)
+        return -1;
+    uint8_t v = s->blk[blk_index(s, layer, head, b)].valid;
+    for (int t = 0; t < TKV_TIER_COUNT; t++)
+        if (v & BIT(t))
+            return t;
+    return -1;
 }
+
+static tkv_status check_block(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
+{
+    if (layer >= s->p.n_layer || head >= s->p.n_head_kv || b >= s->n_blocks)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: block (layer %u, head %u, block %u) is outside the store",
+                       layer, head, b);
+    return TKV_OK;
+}
+
+tkv_status tkv_kvs_export(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, void *dst)
+{
+    TKV_TRY(check_block(s, layer, head, b));
+    prefetch_drain(s);
+    uint32_t i = blk_index(s, layer, head, b);
+    struct blk *k = &s->blk[i];
+    if (k->valid & BIT(TKV_TIER_COMPUTE))
+        return compute_to_host(s, k->slot[TKV_TIER_COMPUTE], dst);
+    if (k->valid & BIT(TKV_TIER_HOST)) {
+        const void *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+        TKV_TRY(verify(s, i, src, TKV_TIER_HOST));
+        memcpy(dst, src, s->S);
+        return TKV_OK;
+    }
+    if (k->valid & BIT(TKV_TIER_NVME)) {
+        s->ops[0] = (struct io_op){.blk = i, .write = false, .buf = s->staging};
+        TKV_TRY(nvme_run(s, s->ops, 1, s->results));
+        TKV_TRY(verify(s, i, s->staging, TKV_TIER_NVME));
+        s->st[TKV_TIER_NVME].bytes_out += s->S;
+        memcpy(dst, s->staging, s->S);
+        return TKV_OK;
+    }
+    return block_error(s, TKV_ERR_INVALID_ARG, i, "holds no data");
+}
+
+tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, const void *src)
+{
+    TKV_TRY(check_block(s, layer, head, b));
+    uint32_t i = blk_index(s, layer, head, b);
+    struct blk *k = &s->blk[i];
+    if (!(k->valid & BIT(TKV_TIER_COMPUTE))) {
+        k->pinned = 1; /* not its own eviction victim */
+        tkv_status st = make_room(s, TKV_TIER_COMPUTE, 1);
+        k->pinned = 0;
+        TKV_TRY(st);
+        if (k->slot[TKV_TIER_COMPUTE] < 0)
+            k->slot[TKV_TIER_COMPUTE] = pool_take(s, TKV_TIER_COMPUTE, i);
+    }
+    if (k->valid & BIT(TKV_TIER_HOST))
+        drop_copy(s, i, TKV_TIER_HOST);
+    TKV_TRY(host_to_compute(s, src, k->slot[TKV_TIER_COMPUTE]));
+    k->valid = BIT(TKV_TIER_COMPUTE);
+    k->lru = ++s->clock;
+    s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+    return TKV_OK;
+}
+
+tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
+{
+    TKV_TRY(check_block(s, layer, head, b));
+    uint32_t i = blk_index(s, layer, head, b);
+    struct blk *k = &s->blk[i];
+    if (!(k->valid & BIT(TKV_TIER_COMPUTE)) || k->pinned || k->inflight)
+        return TKV_OK;
+    if (!(k->valid & (BIT(TKV_TIER_HOST) | BIT(TKV_TIER_NVME)))) {
+        if (s->pool[TKV_TIER_HOST].present)
+            TKV_TRY(spill_to_host(s, &i, 1));
+        else if (s->pool[TKV_TIER_NVME].present)
+            TKV_TRY(spill_to_nvme(s, TKV_TIER_COMPUTE, &i, 1));
+        else
+            return block_error(s, TKV_ERR_UNSUPPORTED, i, "cannot be demoted: no lower tier");
+    }
+    drop_copy(s, i, TKV_TIER_COMPUTE);
+    return TKV_OK;
+}
+
+void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    for (int t = 0; t < TKV_TIER_COUNT; t++) {
+        out->tier[t] = s->st[t];
+        out->tier[t].used_bytes = s->pool[t].used;
+        out->tier[t].peak_bytes = s->pool[t].peak;
+    }
+    out->stall_seconds = s->stall;
+    out->prefetched_blocks = s->prefetched;
+    out->corrupt_blocks = s->corrupt;
+    if (s->io) {
+        struct tkv_io_info info;
+        tkv_io_get_info(s->io, &info);
+        out->io_engine = info.engine;
+        out->nvme_direct = tkv_io_direct(s->file);
+    }
+}
+
+struct tkv_io *tkv_kvs_io(struct tkv_kvs *s) { return s->io; }

@@ -1,24 +1,68 @@
 /*
- * kv-store.h -- the KV block store of one session.
+ * kv-store.h -- the tiered KV block store of one session.
  *
- * KV is kept per (layer, KV head) in blocks of B tokens; a block holds K and
- * V, each [B, head_dim] f16, in the backend's memory. A page table maps
- * (layer, KV head, block index) -> block; blocks of a head are in position
- * order. Storage is reserved in explicit steps (tkv_kvs_reserve), never on
- * the per-token path.
+ * KV is kept per (layer, KV head) in blocks of B tokens. A block's payload
+ * is K then V, each [B, head_dim] f16 (S = 4*B*head_dim bytes). A page table
+ * maps (layer, KV head, block) to the tiers holding a copy:
  *
- * This is the single-tier store (the compute backend's memory); the tiered
- * placement (GPU / pinned host / NVMe) grows behind this same interface.
+ *   compute  memory the backend computes on: GPU memory for CUDA ("gpu" in
+ *            stats), host memory bound with hwloc for the CPU ("host")
+ *   host     pinned host memory below a GPU compute tier (hwloc, nearest
+ *            NUMA node to the GPU, registered with the backend); absent when
+ *            the compute tier is already host memory
+ *   nvme     a private spill file in --nvme-dir, O_DIRECT, through io/
+ *
+ * Attention and writes only touch blocks in the compute tier. A layer is
+ * processed between tkv_kvs_begin_layer (recalls the layer's blocks and pins
+ * them; blocks about to be written are marked dirty) and tkv_kvs_end_layer.
+ * When the compute tier is full, the least recently used unpinned blocks move
+ * down (to host, else nvme). Full blocks never change again, so a block
+ * recalled from below keeps its lower copy and can be dropped for free next
+ * time. Every copy below the compute tier carries a CRC-32C, verified on
+ * recall: a mismatch is TKV_ERR_CORRUPT naming the block, and the data is
+ * never used. On a failed spill the block stays where it was (nothing lost)
+ * and the error is returned.
+ *
+ * Capacities are fixed at init; memory is allocated at init or in
+ * tkv_kvs_reserve (prefill), never per token.
  */
 #ifndef TKV_KV_STORE_H
 #define TKV_KV_STORE_H
 
 #include "../runtime/backend.h"
 
+struct tkv_io;
+
 struct tkv_kvs_params {
     uint32_t n_layer, n_head_kv, head_dim;
-    uint32_t block_tokens;  /* B */
-    uint32_t max_tokens;    /* context capacity */
+    uint32_t block_tokens;    /* B (the payload must be a multiple of 4 KiB for O_DIRECT: B*head_dim % 1024 == 0) */
+    uint32_t max_tokens;      /* context capacity */
+    bool     compute_is_host; /* the backend computes on host memory (CPU) */
+    uint64_t compute_bytes;   /* KV capacity of the compute tier; 0 = the whole context */
+    uint64_t host_bytes;      /* host tier below a GPU compute tier; 0 = none */
+    const char *nvme_dir;     /* spill directory; NULL = no NVMe tier */
+    uint64_t nvme_bytes;      /* NVMe tier capacity; 0 = the whole context */
+    const char *pci_bus_id;   /* GPU's bus id for NUMA placement, or NULL */
+};
+
+enum tkv_tier { TKV_TIER_COMPUTE = 0, TKV_TIER_HOST = 1, TKV_TIER_NVME = 2, TKV_TIER_COUNT = 3 };
+
+struct tkv_tier_stats {
+    const char *name;      /* "gpu", "host" or "nvme"; NULL when the tier is absent */
+    uint64_t capacity_bytes;
+    uint64_t bytes_in;     /* written into this tier                       */
+    uint64_t bytes_out;    /* read back from it                            */
+    uint64_t used_bytes, peak_bytes;
+    uint64_t hits, misses; /* block wanted from this tier: present / absent */
+};
+
+struct tkv_kvs_stats {
+    struct tkv_tier_stats tier[TKV_TIER_COUNT];
+    double   stall_seconds;       /* waiting for recalls inside begin_layer   */
+    uint64_t prefetched_blocks;   /* recalls started ahead of need             */
+    uint64_t corrupt_blocks;      /* checksum mismatches detected              */
+    const char *io_engine;        /* "io_uring", "sync" or NULL without NVMe   */
+    bool     nvme_direct;
 };
 
 struct tkv_kvs;
@@ -26,24 +70,50 @@ struct tkv_kvs;
 tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *backend, struct tkv_kvs **out);
 void       tkv_kvs_free(struct tkv_kvs *s);
 
-/* Makes sure blocks exist for positions [0, n_tokens) of every head.
- * TKV_ERR_CONTEXT_FULL past max_tokens; TKV_ERR_NOMEM leaves the store as it
- * was. */
+/* Extends the page table to positions [0, n_tokens) and allocates the
+ * compute-tier storage those blocks can use (up to its capacity).
+ * TKV_ERR_CONTEXT_FULL past max_tokens. */
 tkv_status tkv_kvs_reserve(struct tkv_kvs *s, uint32_t n_tokens);
 
-/* Marks positions [0, n_tokens) as valid (after their K/V were written). */
-void tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens);
+/* Marks positions [0, n_tokens) as valid. Shrinking forgets blocks past the
+ * new end (their storage is released on every tier). */
+void     tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens);
 uint32_t tkv_kvs_length(const struct tkv_kvs *s);
 
-/* The valid blocks of one (layer, KV head), in position order; the last one
- * may be partial. The array stays valid until the next reserve/set_length. */
+/* Brings every valid block of `layer` into the compute tier and pins it; the
+ * blocks holding positions [write_pos, write_pos + n_write) are marked
+ * dirty (they are about to change). Between begin and end, tkv_kvs_view and
+ * tkv_kvs_locate are valid for this layer. */
+tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write);
+void       tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer);
+
+/* Starts recalling blocks of `layer` into free compute slots without
+ * evicting anything; returns at once. begin_layer completes them. */
+void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer);
+
+/* The valid blocks of (layer, head) in position order (inside begin/end). */
 struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head);
 
-/* Where position pos of (layer, head) is stored: K and V row pointers. */
+/* K and V row pointers of position pos (inside begin/end). */
 void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t pos, uint16_t **k, uint16_t **v);
 
 uint32_t tkv_kvs_block_tokens(const struct tkv_kvs *s);
-/* Bytes of KV storage allocated (all blocks, K and V). */
-uint64_t tkv_kvs_bytes_allocated(const struct tkv_kvs *s);
+uint32_t tkv_kvs_block_bytes(const struct tkv_kvs *s);
+
+/* Copies the payload of block b of (layer, head) into dst (host, S bytes),
+ * from whichever tier holds it (verified when it comes from below). */
+tkv_status tkv_kvs_export(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, void *dst);
+/* Stores a payload as block b of (layer, head) (positions must be reserved). */
+tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, const void *src);
+
+/* Moves block b of (layer, head) to a lower tier now (a policy's page-out). */
+tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b);
+
+/* Which tier holds the freshest copy of a block (-1 if none). */
+int tkv_kvs_block_tier(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b);
+
+void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out);
+/* The NVMe tier's I/O engine (tests inject faults through it); NULL if none. */
+struct tkv_io *tkv_kvs_io(struct tkv_kvs *s);
 
 #endif

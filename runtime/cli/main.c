@@ -63,6 +63,13 @@ static void print_help(void)
            "      --kv-budget N     KV tokens kept per head by the policy\n"
            "      --kv-block N      tokens per KV block (default 64)\n"
            "      --device D        cpu, cuda or auto (default cpu)\n"
+           "      --gpu-kv-mem SIZE KV kept in GPU memory (e.g. 2G; default: all of it)\n"
+           "      --host-kv-mem SIZE KV kept in host memory (CPU device: its working memory;\n"
+           "                        below a GPU: the pinned host tier). Default: all of it\n"
+           "      --nvme-dir DIR    spill KV that does not fit to a private file in DIR\n"
+           "      --nvme-kv-max SIZE cap on the NVMe tier (default: the whole context)\n"
+           "      --save-kv FILE    save the context after generation (with -n 0: after the prefill)\n"
+           "      --load-kv FILE    start from a saved context instead of recomputing it\n"
            "      --ignore-eos      keep generating past end-of-sequence tokens\n"
            "      --special         parse special tokens such as <|im_start|> in the prompt\n"
            "      --stats           print timing and memory statistics to stderr\n"
@@ -92,6 +99,31 @@ static bool parse_u64(const char *s, uint64_t *out)
     if (errno || end == s || *end || s[0] == '-')
         return false;
     *out = v;
+    return true;
+}
+
+/* "512M", "8G", "64K", "1T" or a plain byte count. */
+static bool parse_size(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || s[0] == '-')
+        return false;
+    uint64_t mul = 1;
+    switch (*end) {
+    case 0: break;
+    case 'k': case 'K': mul = 1ull << 10; end++; break;
+    case 'm': case 'M': mul = 1ull << 20; end++; break;
+    case 'g': case 'G': mul = 1ull << 30; end++; break;
+    case 't': case 'T': mul = 1ull << 40; end++; break;
+    default: return false;
+    }
+    if ((*end == 'B' || *end == 'b') && mul > 1)
+        end++;
+    if (*end || (v && mul > UINT64_MAX / v))
+        return false;
+    *out = v * mul;
     return true;
 }
 
@@ -147,6 +179,8 @@ static char *read_file(const char *path, size_t *len)
 
 struct options {
     const char *model, *prompt, *file, *policy, *device, *stats_json;
+    const char *nvme_dir, *save_kv, *load_kv;
+    uint64_t gpu_kv_mem, host_kv_mem, nvme_kv_max;
     uint32_t n_predict, n_ctx, n_threads, top_k, kv_budget, kv_block;
     float temp, top_p;
     uint64_t seed;
@@ -228,6 +262,21 @@ static int parse_options(int argc, char **argv, int first, struct options *o)
         } else if (IS("--device", NULL)) {
             NEEDS_VALUE();
             o->device = v;
+        } else if (IS("--gpu-kv-mem", NULL) || IS("--host-kv-mem", NULL) || IS("--nvme-kv-max", NULL)) {
+            NEEDS_VALUE();
+            uint64_t *dst = IS("--gpu-kv-mem", NULL) ? &o->gpu_kv_mem
+                            : IS("--host-kv-mem", NULL) ? &o->host_kv_mem : &o->nvme_kv_max;
+            if (!parse_size(v, dst) || *dst == 0)
+                return usage_error("expected a size like 512M or 8G, got '%s'", v);
+        } else if (IS("--nvme-dir", NULL)) {
+            NEEDS_VALUE();
+            o->nvme_dir = v;
+        } else if (IS("--save-kv", NULL)) {
+            NEEDS_VALUE();
+            o->save_kv = v;
+        } else if (IS("--load-kv", NULL)) {
+            NEEDS_VALUE();
+            o->load_kv = v;
         } else if (IS("--stats-json", NULL)) {
             NEEDS_VALUE();
             o->stats_json = v;
@@ -337,8 +386,8 @@ static int cmd_run(int argc, char **argv)
     int rc = parse_options(argc, argv, 2, &o);
     if (rc)
         return rc;
-    if (!o.prompt && !o.file)
-        return usage_error("%s", "no prompt: give -p TEXT and/or -f FILE");
+    if (!o.prompt && !o.file && !o.load_kv)
+        return usage_error("%s", "no prompt: give -p TEXT and/or -f FILE (or --load-kv FILE)");
     char *text = assemble_prompt(&o);
     if (!text)
         return 1;
@@ -368,10 +417,10 @@ static int cmd_run(int argc, char **argv)
         to_tokenize = chat;
         flags |= TKV_TOK_PARSE_SPECIAL;
     }
-    size_t n_prompt;
-    if (!(toks = tokenize_all(m, to_tokenize, flags | TKV_TOK_ADD_BOS, &n_prompt)))
+    size_t n_prompt = 0;
+    if (to_tokenize[0] && !(toks = tokenize_all(m, to_tokenize, flags | (o.load_kv ? 0 : TKV_TOK_ADD_BOS), &n_prompt)))
         goto out;
-    if (n_prompt == 0) {
+    if (n_prompt == 0 && !o.load_kv) {
         fprintf(stderr, "%s: the prompt is empty after tokenization\n", prog);
         goto out;
     }
@@ -395,6 +444,10 @@ static int cmd_run(int argc, char **argv)
     sp.kv_block = o.kv_block;
     sp.progress = on_progress;
     sp.progress_user = &ps;
+    sp.gpu_kv_mem = o.gpu_kv_mem;
+    sp.host_kv_mem = o.host_kv_mem;
+    sp.nvme_dir = o.nvme_dir;
+    sp.nvme_kv_max = o.nvme_kv_max;
     tkv_status st = tkv_session_init(m, &sp, &s);
     if (st != TKV_OK) {
         fail("cannot start a session", st);
@@ -407,8 +460,23 @@ static int cmd_run(int argc, char **argv)
         goto out;
     }
 
+    if (o.load_kv) {
+        double t0 = now();
+        if ((st = tkv_session_load(s, o.load_kv)) != TKV_OK) {
+            fail("load-kv", st);
+            goto out;
+        }
+        if (o.stats)
+            fprintf(stderr, "load-kv: restored %zu tokens from %s in %.3f s\n", tkv_session_n_past(s), o.load_kv,
+                    now() - t0);
+        if (tkv_session_n_past(s) + n_prompt > n_ctx) {
+            fprintf(stderr, "%s: %zu saved + %zu prompt tokens exceed the context of %u\n", prog,
+                    tkv_session_n_past(s), n_prompt, n_ctx);
+            goto out;
+        }
+    }
     ps.t0 = now();
-    if ((st = tkv_prefill(s, toks, n_prompt)) != TKV_OK) {
+    if (n_prompt > 0 && (st = tkv_prefill(s, toks, n_prompt)) != TKV_OK) {
         fail("prefill", st);
         goto out;
     }
@@ -435,6 +503,16 @@ static int cmd_run(int argc, char **argv)
     if (generated > 0)
         fputc('\n', stdout);
     fflush(stdout);
+    if (o.save_kv) {
+        double t0 = now();
+        if ((st = tkv_session_save(s, o.save_kv)) != TKV_OK) {
+            fail("save-kv", st);
+            goto out;
+        }
+        if (o.stats)
+            fprintf(stderr, "save-kv: saved %zu tokens to %s in %.3f s\n", tkv_session_n_past(s), o.save_kv,
+                    now() - t0);
+    }
 
     if (o.stats || o.stats_json) {
         char json[4096];

@@ -1,0 +1,63 @@
+/*
+ * session.h -- private: the state of a tkv_session, shared by engine.c
+ * (sessions, forward pass) and kv-file.c (save and restore).
+ */
+#ifndef TKV_SESSION_H
+#define TKV_SESSION_H
+
+#include "../tiers/kv-store.h"
+#include "backend.h"
+#include "engine.h"
+#include "policy/policy.h"
+
+#define DEFAULT_KV_BLOCK 64
+#define DEFAULT_PREFILL_CHUNK 512
+/* KV storage is reserved this many tokens ahead during decode, so blocks are
+ * allocated once per span rather than on every token. */
+#define DECODE_RESERVE_AHEAD 256
+
+struct layer_weights {
+    struct tkv_bweight *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *w_gate, *w_up, *w_down;
+};
+
+struct tkv_session {
+    const tkv_model *model;
+    struct tkv_model_info hp;
+    uint32_t n_ctx, chunk, kv_block;
+    char device[16], policy_spec[128];
+    uint32_t kv_budget;
+    tkv_progress_fn progress;
+    void *progress_user;
+
+    struct tkv_backend *be;
+    struct tkv_bweight *tok_embd, *output_norm, *output;
+    struct layer_weights *layers;
+    struct tkv_kvs *kv;
+    struct tkv_policy *policy;
+
+    /* activations, backend memory, sized for `chunk` tokens */
+    float *x;      /* [chunk, E]          residual stream                 */
+    float *h;      /* [chunk, max(E, H*hd)] normed input / matmul output  */
+    float *q;      /* [chunk, H*hd]                                       */
+    float *k, *v;  /* [chunk, Hkv*hd]                                     */
+    float *att;    /* [chunk, H*hd]       attention output                */
+    float *gate;   /* [chunk, F]                                          */
+    float *up;     /* [chunk, F]                                          */
+    float *logits_dev; /* [V]                                             */
+
+    float *logits;   /* host [V]; valid when have_logits                  */
+    bool have_logits;
+    int32_t *pos;    /* host [chunk]                                      */
+    struct tkv_kv_head_view *views;   /* host [Hkv]                       */
+    struct tkv_kv_block_ref *sel_refs;/* host [Hkv][max_blocks] policy-selected blocks */
+    uint32_t *sel_idx;                /* host [max_blocks]                */
+    uint32_t max_blocks;
+
+    uint32_t n_past;
+    tkv_token *tokens;               /* host [n_ctx]: the context's token ids */
+    /* statistics */
+    uint64_t prefill_tokens, decode_tokens, prefill_chunks;
+    double prefill_seconds, decode_seconds;
+};
+
+#endif
