@@ -72,7 +72,8 @@ struct tkv_kvs {
     uint8_t *staging;        /* IO_BATCH payloads, aligned: NVMe <-> GPU and export */
 
     /* scratch sized at init: eviction candidates and I/O batches */
-    uint32_t *cand;          /* [layer*head*max_blocks] eviction candidates */
+    uint32_t *cand[2];       /* [layer*head*max_blocks] eviction candidates per
+                                memory tier (evicting compute may evict host) */
     uint32_t *lists;         /* [2 * head*max_blocks] recall and new-block lists */
     struct io_op *ops;       /* [IO_BATCH] */
     int64_t *results;        /* [IO_BATCH] */
@@ -424,11 +425,13 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
     TKV_TRY(pool_grow(s, t, pl->n + (need - pl->n_free))); /* within capacity: just grow */
     if (pl->n_free >= need)
         return TKV_OK;
-    uint32_t n_cand = 0;
+    uint32_t *cand = s->cand[t], n_cand = 0;
     for (uint32_t slot = 0; slot < pl->n; slot++) {
         int32_t i = pl->owner[slot];
-        if (i >= 0 && !s->blk[i].pinned && !s->blk[i].inflight && (!clean_only || (s->blk[i].valid & ~BIT(t))))
-            s->cand[n_cand++] = (uint32_t)i;
+        /* pinning is about compute residency: a pinned block's host copy may go */
+        if (i >= 0 && !(t == TKV_TIER_COMPUTE && s->blk[i].pinned) && !s->blk[i].inflight &&
+            (!clean_only || (s->blk[i].valid & ~BIT(t))))
+            cand[n_cand++] = (uint32_t)i;
     }
     uint32_t want = need - pl->n_free;
     if (clean_only)
@@ -438,17 +441,22 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
                        "kv-store: the %s tier (%u blocks of %u bytes) cannot hold the blocks in use; raise its "
                        "capacity",
                        tier_names[t], pl->cap, s->S);
-    qsort_r(s->cand, n_cand, sizeof *s->cand, cmp_victim, s);
+    qsort_r(cand, n_cand, sizeof *cand, cmp_victim, s);
     const int below = t == TKV_TIER_COMPUTE && s->pool[TKV_TIER_HOST].present ? TKV_TIER_HOST : TKV_TIER_NVME;
     uint32_t freed = 0;
     for (uint32_t c = 0; c < n_cand && freed < want;) {
-        /* a batch of victims; dirty ones get written below first */
-        uint32_t batch[IO_BATCH], nb = 0, nd = 0, dirty[IO_BATCH];
-        for (; c < n_cand && nb < IO_BATCH && freed + nb < want; c++) {
-            uint32_t i = s->cand[c];
-            batch[nb++] = i;
-            if (!(s->blk[i].valid & ~BIT(t))) /* the only current copy: write it below first */
+        /* a batch of victims. Clean ones (another current copy exists) are
+         * dropped first: spilling the dirty ones may evict host copies,
+         * which would make a clean victim dirty if it were still waiting. */
+        uint32_t nd = 0, dirty[IO_BATCH];
+        for (; c < n_cand && nd < IO_BATCH && freed < want; c++) {
+            uint32_t i = cand[c];
+            if (s->blk[i].valid & ~BIT(t)) {
+                drop_copy(s, i, t);
+                freed++;
+            } else {
                 dirty[nd++] = i;
+            }
         }
         if (nd > 0) {
             if (t == TKV_TIER_HOST || below == TKV_TIER_NVME) {
@@ -461,17 +469,17 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
             } else {
                 TKV_TRY(spill_to_host(s, dirty, nd));
             }
-        }
-        for (uint32_t j = 0; j < nb; j++) {
-            struct blk *k = &s->blk[batch[j]];
-            if (k->valid & ~BIT(t)) {
-                drop_copy(s, batch[j], t);
-                freed++;
-            }
+            for (uint32_t j = 0; j < nd; j++)
+                if (s->blk[dirty[j]].valid & ~BIT(t)) {
+                    drop_copy(s, dirty[j], t);
+                    freed++;
+                }
         }
     }
-    return clean_only || pl->n_free >= need ? TKV_OK
-                                            : tkv_err(TKV_ERR_INTERNAL, "kv-store: eviction freed too few slots");
+    return clean_only || pl->n_free >= need
+               ? TKV_OK
+               : tkv_err(TKV_ERR_INTERNAL, "kv-store: eviction freed too few slots (%s tier: need %u, free %u, %u candidates, freed %u)",
+                         tier_names[t], need, pl->n_free, n_cand, freed);
 }
 
 /* ---- recall --------------------------------------------------------------------- */
@@ -616,11 +624,12 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     }
     s->blk = malloc(total * sizeof *s->blk);
     s->refs = calloc(layer_blocks, sizeof *s->refs);
-    s->cand = malloc(total * sizeof *s->cand);
+    s->cand[0] = malloc(total * sizeof *s->cand[0]);
+    s->cand[1] = malloc(total * sizeof *s->cand[1]);
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->cand || !s->lists || !s->ops || !s->results) {
+    if (!s->blk || !s->refs || !s->cand[0] || !s->cand[1] || !s->lists || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
     }
@@ -714,7 +723,8 @@ void tkv_kvs_free(struct tkv_kvs *s)
             pool_free(s, t);
     free(s->blk);
     free(s->refs);
-    free(s->cand);
+    free(s->cand[0]);
+    free(s->cand[1]);
     free(s->lists);
     free(s->ops);
     free(s->results);
@@ -948,6 +958,7 @@ tkv_status tkv_kvs_export(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, const void *src)
 {
     TKV_TRY(check_block(s, layer, head, b));
+    prefetch_drain(s); /* an in-flight read must not land on top of the import */
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
     if (!(k->valid & BIT(TKV_TIER_COMPUTE))) {
@@ -970,9 +981,10 @@ tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
 {
     TKV_TRY(check_block(s, layer, head, b));
+    prefetch_drain(s);
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
-    if (!(k->valid & BIT(TKV_TIER_COMPUTE)) || k->pinned || k->inflight)
+    if (!(k->valid & BIT(TKV_TIER_COMPUTE)) || k->pinned)
         return TKV_OK;
     if (!(k->valid & (BIT(TKV_TIER_HOST) | BIT(TKV_TIER_NVME)))) {
         if (s->pool[TKV_TIER_HOST].present)
@@ -1006,3 +1018,22 @@ void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out)
 }
 
 struct tkv_io *tkv_kvs_io(struct tkv_kvs *s) { return s->io; }
+
+tkv_status tkv_kvs_test_flip_bit(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, int t)
+{
+    TKV_TRY(check_block(s, layer, head, b));
+    uint32_t i = blk_index(s, layer, head, b);
+    struct blk *k = &s->blk[i];
+    if ((t != TKV_TIER_HOST && t != TKV_TIER_NVME) || !(k->valid & BIT(t)))
+        return block_error(s, TKV_ERR_INVALID_ARG, i, "has no copy on that tier to corrupt");
+    if (t == TKV_TIER_HOST) {
+        slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST])[s->S / 3] ^= 0x10;
+        return TKV_OK;
+    }
+    prefetch_drain(s);
+    s->ops[0] = (struct io_op){.blk = i, .write = false, .buf = s->staging};
+    TKV_TRY(nvme_run(s, s->ops, 1, s->results));
+    s->staging[s->S / 3] ^= 0x10;
+    s->ops[0].write = true;
+    return nvme_run(s, s->ops, 1, s->results);
+}

@@ -116,4 +116,8 @@ void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out);
 /* The NVMe tier's I/O engine (tests inject faults through it); NULL if none. */
 struct tkv_io *tkv_kvs_io(struct tkv_kvs *s);
 
+/* Test hook: flips one bit of the copy of a block on tier t (host or nvme),
+ * as a failing disk or memory would. Not for production use. */
+tkv_status tkv_kvs_test_flip_bit(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, int t);
+
 #endif

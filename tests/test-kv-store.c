@@ -1,0 +1,351 @@
+/*
+ * test-kv-store.c -- the tiered KV store against an in-memory mirror.
+ *
+ * A randomized model-based test: thousands of random appends, layer reads,
+ * prefetches, demotions, exports, imports and truncations, with every K/V
+ * row checked byte for byte against a mirror after each operation, on three
+ * configurations (host compute tier + NVMe; a "device" compute tier + pinned
+ * host tier + NVMe, using the CPU backend's memory as the device; the
+ * synchronous I/O engine). Then fault injection through the I/O hook: a
+ * failing write, ENOSPC, short transfers, a flipped bit in a spilled block;
+ * each gives the expected error and loses no data. File descriptors and
+ * spill files are checked for leaks. Seeds are printed (TKV_SEED replays).
+ */
+#include "io/io.h"
+#include "test.h"
+#include "tiers/kv-store.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+enum { L = 3, H = 2, HD = 64, B = 16, CTX = 256, NB = CTX / B };
+
+static uint64_t rng;
+static struct tkv_backend *be;
+static char spill_dir[256];
+
+/* mirror[l][h][pos][K|V][d] */
+static uint16_t mirror[L][H][CTX][2][HD];
+static uint32_t length;
+
+static int count_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (!d)
+        return -1;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+static int dir_entries(const char *path)
+{
+    int n = 0;
+    DIR *d = opendir(path);
+    struct dirent *e;
+    while (d && (e = readdir(d)))
+        n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    if (d)
+        closedir(d);
+    return n;
+}
+
+/* Compares the views of one layer (inside begin/end) with the mirror. */
+static bool check_layer_views(struct tkv_kvs *s, uint32_t l, const char *when)
+{
+    for (uint32_t h = 0; h < H; h++) {
+        struct tkv_kv_head_view v = tkv_kvs_view(s, l, h);
+        uint32_t want = (length + B - 1) / B;
+        if (v.n_blocks != want) {
+            CHECK(false, "%s: layer %u head %u has %u blocks, expected %u", when, l, h, v.n_blocks, want);
+            return false;
+        }
+        for (uint32_t b = 0; b < v.n_blocks; b++) {
+            const struct tkv_kv_block_ref *r = &v.blocks[b];
+            if (r->pos0 != (int32_t)(b * B) || r->n != TKV_MIN((uint32_t)B, length - b * B)) {
+                CHECK(false, "%s: block %u has pos0 %d n %u", when, b, r->pos0, r->n);
+                return false;
+            }
+            for (uint32_t j = 0; j < r->n; j++) {
+                uint32_t pos = b * B + j;
+                if (memcmp(r->k + (size_t)j * HD, mirror[l][h][pos][0], HD * 2) ||
+                    memcmp(r->v + (size_t)j * HD, mirror[l][h][pos][1], HD * 2)) {
+                    CHECK(false, "%s: layer %u head %u position %u differs from the mirror", when, l, h, pos);
+                    return false;
+                }
+            }
+        }
+    }
+    return true;
+}
+
+static tkv_status append(struct tkv_kvs *s, uint32_t n)
+{
+    TKV_TRY(tkv_kvs_reserve(s, length + n));
+    const uint32_t old = length;
+    tkv_kvs_set_length(s, length + n);
+    length += n;
+    for (uint32_t l = 0; l < L; l++) {
+        tkv_status st = tkv_kvs_begin_layer(s, l, old, n);
+        if (st != TKV_OK) {
+            tkv_kvs_set_length(s, old);
+            length = old;
+            return st;
+        }
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t p = old; p < old + n; p++) {
+                uint16_t *k, *v;
+                tkv_kvs_locate(s, l, h, p, &k, &v);
+                for (uint32_t d = 0; d < HD; d++) {
+                    mirror[l][h][p][0][d] = k[d] = (uint16_t)test_rand_u64(&rng);
+                    mirror[l][h][p][1][d] = v[d] = (uint16_t)test_rand_u64(&rng);
+                }
+            }
+        check_layer_views(s, l, "after append");
+        tkv_kvs_end_layer(s, l);
+    }
+    return TKV_OK;
+}
+
+static void check_all(struct tkv_kvs *s, const char *when)
+{
+    for (uint32_t l = 0; l < L; l++) {
+        tkv_status st = tkv_kvs_begin_layer(s, l, 0, 0);
+        CHECK(st == TKV_OK, "%s: begin_layer(%u): %s", when, l, tkv_last_error());
+        if (st == TKV_OK) {
+            check_layer_views(s, l, when);
+            tkv_kvs_end_layer(s, l);
+        }
+    }
+}
+
+static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks, uint32_t host_blocks, bool nvme)
+{
+    const uint32_t S = 4 * B * HD;
+    struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = HD, .block_tokens = B, .max_tokens = CTX,
+                               .compute_is_host = compute_is_host, .compute_bytes = (uint64_t)compute_blocks * S,
+                               .host_bytes = (uint64_t)host_blocks * S, .nvme_dir = nvme ? spill_dir : NULL};
+    struct tkv_kvs *s = NULL;
+    tkv_status st = tkv_kvs_init(&p, be, &s);
+    CHECK(st == TKV_OK, "kvs_init: %s", tkv_last_error());
+    length = 0;
+    return s;
+}
+
+/* ---- the randomized model-based test ---------------------------------------------- */
+
+static void random_ops(struct tkv_kvs *s, int n_ops, const char *name)
+{
+    uint8_t payload[4 * B * HD];
+    const int fail0 = test_failures_; /* stop this configuration at its first failure */
+    for (int op = 0; op < n_ops && test_failures_ == fail0; op++) {
+        uint32_t r = (uint32_t)(test_rand_u64(&rng) % 100);
+        if (r < 35 && length < CTX) { /* append 1..40 tokens */
+            uint32_t n = 1 + (uint32_t)(test_rand_u64(&rng) % 40);
+            n = TKV_MIN(n, CTX - length);
+            tkv_status st = append(s, n);
+            CHECK(st == TKV_OK, "%s op %d: append %u: %s", name, op, n, tkv_last_error());
+        } else if (r < 55 && length > 0) { /* read a layer */
+            uint32_t l = (uint32_t)(test_rand_u64(&rng) % L);
+            tkv_status st = tkv_kvs_begin_layer(s, l, 0, 0);
+            CHECK(st == TKV_OK, "%s op %d: begin_layer: %s", name, op, tkv_last_error());
+            if (st == TKV_OK) {
+                check_layer_views(s, l, name);
+                tkv_kvs_end_layer(s, l);
+            }
+        } else if (r < 65) { /* prefetch a layer */
+            tkv_kvs_prefetch(s, (uint32_t)(test_rand_u64(&rng) % L));
+        } else if (r < 75 && length > 0) { /* demote a block */
+            uint32_t b = (uint32_t)(test_rand_u64(&rng) % ((length + B - 1) / B));
+            tkv_status st = tkv_kvs_demote(s, (uint32_t)(test_rand_u64(&rng) % L), (uint32_t)(test_rand_u64(&rng) % H), b);
+            CHECK(st == TKV_OK, "%s op %d: demote: %s", name, op, tkv_last_error());
+        } else if (r < 85 && length > 0) { /* export a block and compare */
+            uint32_t l = (uint32_t)(test_rand_u64(&rng) % L), h = (uint32_t)(test_rand_u64(&rng) % H);
+            uint32_t b = (uint32_t)(test_rand_u64(&rng) % ((length + B - 1) / B));
+            tkv_status st = tkv_kvs_export(s, l, h, b, payload);
+            CHECK(st == TKV_OK, "%s op %d: export: %s", name, op, tkv_last_error());
+            for (uint32_t j = 0; st == TKV_OK && j < B && b * B + j < length; j++) {
+                if (memcmp(payload + (size_t)j * HD * 2, mirror[l][h][b * B + j][0], HD * 2) ||
+                    memcmp(payload + (size_t)(B + j) * HD * 2, mirror[l][h][b * B + j][1], HD * 2)) {
+                    CHECK(false, "%s op %d: export of (%u,%u,%u) row %u differs", name, op, l, h, b, j);
+                    break;
+                }
+            }
+        } else if (r < 92 && length > 0) { /* import a block (as a restore does) */
+            uint32_t l = (uint32_t)(test_rand_u64(&rng) % L), h = (uint32_t)(test_rand_u64(&rng) % H);
+            uint32_t b = (uint32_t)(test_rand_u64(&rng) % ((length + B - 1) / B));
+            for (size_t i = 0; i < sizeof payload; i++)
+                payload[i] = (uint8_t)test_rand_u64(&rng);
+            tkv_status st = tkv_kvs_import(s, l, h, b, payload);
+            CHECK(st == TKV_OK, "%s op %d: import: %s", name, op, tkv_last_error());
+            for (uint32_t j = 0; j < B && b * B + j < length; j++) {
+                memcpy(mirror[l][h][b * B + j][0], payload + (size_t)j * HD * 2, HD * 2);
+                memcpy(mirror[l][h][b * B + j][1], payload + (size_t)(B + j) * HD * 2, HD * 2);
+            }
+        } else if (length > 0) { /* truncate */
+            uint32_t n = (uint32_t)(test_rand_u64(&rng) % (length + 1));
+            tkv_kvs_set_length(s, n);
+            length = n;
+        }
+    }
+    check_all(s, name);
+    struct tkv_kvs_stats st;
+    tkv_kvs_get_stats(s, &st);
+    fprintf(stderr, "%s: %d ops; compute hits %llu misses %llu; nvme in %llu out %llu bytes; prefetched %llu\n", name,
+            n_ops, (unsigned long long)st.tier[0].hits, (unsigned long long)st.tier[0].misses,
+            (unsigned long long)st.tier[2].bytes_in, (unsigned long long)st.tier[2].bytes_out,
+            (unsigned long long)st.prefetched_blocks);
+    CHECK(st.tier[2].bytes_in > 0 && st.tier[2].bytes_out > 0, "%s: the test never spilled and recalled", name);
+}
+
+/* ---- faults -------------------------------------------------------------------------- */
+
+static void fill_until_spilling(struct tkv_kvs *s)
+{
+    while (length < CTX) {
+        tkv_status st = append(s, 32);
+        CHECK(st == TKV_OK, "fill: %s", tkv_last_error());
+        if (st != TKV_OK)
+            return;
+    }
+}
+
+static void test_faults(void)
+{
+    /* compute tier of 34 blocks (one layer is 32): most of the KV lives on NVMe */
+    struct tkv_kvs *s = make_store(true, 34, 0, true);
+    REQUIRE_VOID(s);
+    fill_until_spilling(s);
+    struct tkv_io *io = tkv_kvs_io(s);
+    REQUIRE_VOID(io != NULL);
+
+    /* 1. the next reads fail with EIO: a clear error, then everything still there */
+    struct tkv_io_fault f = {.ops_skip = 0, .ops_count = 1000, .op_err = EIO};
+    tkv_io_set_fault(io, &f);
+    tkv_status st = tkv_kvs_begin_layer(s, 0, 0, 0);
+    CHECK(st == TKV_ERR_IO, "EIO on recall: expected TKV_ERR_IO, got %s", tkv_status_str(st));
+    CHECK(strstr(tkv_last_error(), "block (layer"), "EIO message should name the block: %s", tkv_last_error());
+    tkv_io_set_fault(io, NULL);
+    check_all(s, "after EIO");
+
+    /* 2. short transfers are continued: same data */
+    f = (struct tkv_io_fault){.ops_skip = 0, .ops_count = 1000, .short_bytes = 4096};
+    tkv_io_set_fault(io, &f);
+    check_all(s, "with short transfers");
+    tkv_io_set_fault(io, NULL);
+
+    /* 3. ENOSPC while spilling: the append fails, nothing stored is lost */
+    tkv_kvs_set_length(s, 128);
+    length = 128;
+    check_all(s, "after truncation");
+    f = (struct tkv_io_fault){.ops_skip = 0, .ops_count = 1000, .op_err = ENOSPC};
+    tkv_io_set_fault(io, &f);
+    bool saw_enospc = false;
+    for (int i = 0; i < 8 && length < CTX; i++) {
+        st = append(s, 16);
+        if (st != TKV_OK) {
+            saw_enospc = strstr(tkv_last_error(), "space") != NULL;
+            CHECK(st == TKV_ERR_IO, "ENOSPC: expected TKV_ERR_IO, got %s (%s)", tkv_status_str(st), tkv_last_error());
+            break;
+        }
+    }
+    CHECK(saw_enospc, "ENOSPC never surfaced (or its message lacks 'space'): %s", tkv_last_error());
+    tkv_io_set_fault(io, NULL);
+    check_all(s, "after ENOSPC");
+
+    /* 4. a flipped bit in a spilled block: TKV_ERR_CORRUPT naming it, data never used */
+    uint32_t bad_l = 0, bad_h = 0, bad_b = NB;
+    for (uint32_t b = 0; b < (length + B - 1) / B && bad_b == NB; b++)
+        for (uint32_t l = 0; l < L && bad_b == NB; l++)
+            if (tkv_kvs_block_tier(s, l, 1, b) == TKV_TIER_NVME)
+                bad_l = l, bad_h = 1, bad_b = b;
+    REQUIRE_VOID(bad_b < NB);
+    CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_NVME) == TKV_OK, "flip: %s", tkv_last_error());
+    st = tkv_kvs_begin_layer(s, bad_l, 0, 0);
+    CHECK(st == TKV_ERR_CORRUPT, "flipped bit: expected TKV_ERR_CORRUPT, got %s", tkv_status_str(st));
+    char want[96];
+    snprintf(want, sizeof want, "block (layer %u, head %u, block %u)", bad_l, bad_h, bad_b);
+    CHECK(strstr(tkv_last_error(), want), "corruption message should name %s: %s", want, tkv_last_error());
+    uint8_t payload[4 * B * HD];
+    CHECK(tkv_kvs_export(s, bad_l, bad_h, bad_b, payload) == TKV_ERR_CORRUPT, "export of a corrupt block must fail");
+    struct tkv_kvs_stats ks;
+    tkv_kvs_get_stats(s, &ks);
+    CHECK(ks.corrupt_blocks >= 1, "corrupt_blocks %llu", (unsigned long long)ks.corrupt_blocks);
+    tkv_kvs_free(s);
+
+    /* 5. the host tier below a device compute tier is checked the same way */
+    s = make_store(false, 34, 40, true);
+    REQUIRE_VOID(s);
+    fill_until_spilling(s);
+    bad_b = NB;
+    for (uint32_t b = 0; b < NB && bad_b == NB; b++)
+        for (uint32_t l = 0; l < L && bad_b == NB; l++)
+            if (tkv_kvs_block_tier(s, l, 0, b) == TKV_TIER_HOST)
+                bad_l = l, bad_h = 0, bad_b = b;
+    if (bad_b < NB) {
+        CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_HOST) == TKV_OK, "flip: %s", tkv_last_error());
+        st = tkv_kvs_begin_layer(s, bad_l, 0, 0);
+        CHECK(st == TKV_ERR_CORRUPT, "host bit flip: expected TKV_ERR_CORRUPT, got %s", tkv_status_str(st));
+    } else {
+        CHECK(false, "no block was left on the host tier to corrupt");
+    }
+    tkv_kvs_free(s);
+
+    /* 6. without a lower tier, a full compute tier is a clear error */
+    s = make_store(true, 34, 0, false);
+    REQUIRE_VOID(s);
+    st = TKV_OK;
+    while (st == TKV_OK && length < CTX)
+        st = append(s, 32);
+    CHECK(st == TKV_ERR_NOMEM && strstr(tkv_last_error(), "nvme-dir"),
+          "no NVMe tier: expected TKV_ERR_NOMEM mentioning --nvme-dir, got %s: %s", tkv_status_str(st), tkv_last_error());
+    check_all(s, "after a full compute tier");
+    tkv_kvs_free(s);
+
+    /* 7. a compute tier smaller than one layer is refused at init */
+    struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = HD, .block_tokens = B, .max_tokens = CTX,
+                               .compute_is_host = true, .compute_bytes = 4096 * 8};
+    struct tkv_kvs *bad = NULL;
+    CHECK(tkv_kvs_init(&p, be, &bad) == TKV_ERR_INVALID_ARG && !bad, "tiny compute tier must be refused");
+}
+
+int main(void)
+{
+    rng = test_seed();
+    const char *base = getenv("TKV_BUILD_DIR") ? getenv("TKV_BUILD_DIR") : "/var/tmp";
+    snprintf(spill_dir, sizeof spill_dir, "%s/test-kv-store-spill.%d", base, getpid());
+    REQUIRE(mkdir(spill_dir, 0700) == 0, "mkdir %s: %s", spill_dir, strerror(errno));
+    REQUIRE(tkv_backend_create("cpu", 1, &be) == TKV_OK, "%s", tkv_last_error());
+    const int fds_before = count_fds();
+
+    struct tkv_kvs *s = make_store(true, 40, 0, true);
+    if (s) {
+        random_ops(s, 3000, "host+nvme");
+        tkv_kvs_free(s);
+    }
+    s = make_store(false, 36, 40, true);
+    if (s) {
+        random_ops(s, 3000, "device+host+nvme");
+        tkv_kvs_free(s);
+    }
+    setenv("TKV_IO_FORCE_SYNC", "1", 1);
+    s = make_store(true, 40, 0, true);
+    if (s) {
+        random_ops(s, 1500, "host+nvme (sync io)");
+        tkv_kvs_free(s);
+    }
+    unsetenv("TKV_IO_FORCE_SYNC");
+    test_faults();
+
+    CHECK(count_fds() == fds_before, "file descriptors leaked: %d before, %d after", fds_before, count_fds());
+    CHECK(dir_entries(spill_dir) == 0, "spill files left in %s", spill_dir);
+    rmdir(spill_dir);
+    be->ops->free(be);
+    return test_done();
+}
