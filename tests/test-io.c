@@ -8,7 +8,9 @@
  * namespace) print "SKIP: ..." and the rest still runs.
  * Env: TKV_TEST_DISK_DIR (default /var/tmp, else $TKV_BUILD_DIR).
  */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* unshare, CLONE_NEW* */
+#endif
 #include "io/io.h"
 #include "test.h"
 
