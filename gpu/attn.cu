@@ -5,16 +5,21 @@
  *
  * Shared memory of one CTA (HD = head_dim rounded up to 64/128/256,
  * R = 4096 / HD query rows, KT = 64 keys):
- *     Qs  [R][HD]        f32   the tile's queries (zero past head_dim)
- *     Ks  [KT][HD + 8]   f16   keys (rows padded: conflict-free 16 B reads)
- *     Vs  [KT][HD]       f16   values
- *     Ss  [R][KT + 1]    f32   scores, then probabilities
- *     Ms, Ls, Cs [R]     f32   running max (log2 units), sum, correction
- *     kpos [KT], qpos [R] i32
+ *     Qs  [R][HD]          f32   the tile's queries (zero past head_dim)
+ *     Ks  [2][KT][HD + 8]  f16   keys, two stages (rows padded: conflict-free
+ *                                16 B reads)
+ *     Vs  [2][KT][HD]      f16   values, two stages
+ *     Ss  [R][KT + 1]      f32   scores, then probabilities
+ *     Ms, Ls, Cs [R]       f32   running max (log2 units), sum, correction
+ *     kpos [2][KT], qpos [R] i32
+ * Key tiles are double-buffered: the next tile's K/V rows are in flight
+ * (cp.async, 16 B each) while the current one is computed.
  * Scores are kept in log2 units (scaled by scale*log2 e) so exp2f is the
  * exponential; lse = (m + log2 l) * ln 2.
  */
 #include "attn.cuh"
+
+#include <cuda_pipeline.h>
 
 namespace {
 
@@ -29,9 +34,61 @@ template <int HD> struct attn_cfg {
     static constexpr int PAIRS = HD / 2;        /* d pairs per row                */
     static constexpr int RG = NT / PAIRS;       /* row groups, PV phase           */
     static constexpr int RO = R / RG;           /* rows per thread, PV phase      */
-    static constexpr size_t SMEM = (size_t)R * HD * 4 + (size_t)KT * KSTRIDE * 2 + (size_t)KT * HD * 2 +
-                                   (size_t)R * (KT + 1) * 4 + 3 * (size_t)R * 4 + (size_t)KT * 4 + (size_t)R * 4;
+    static constexpr size_t SMEM = (size_t)R * HD * 4 + 2 * ((size_t)KT * KSTRIDE * 2 + (size_t)KT * HD * 2) +
+                                   (size_t)R * (KT + 1) * 4 + 3 * (size_t)R * 4 + 2 * (size_t)KT * 4 + (size_t)R * 4;
 };
+
+/* The blocks of one (KV head, split) still to read: block b from row off. */
+struct kv_cursor {
+    uint32_t b, b_end, off;
+};
+
+/* Gathers up to KT keys at the cursor into Ks/Vs/kpos (every thread walks
+ * the same cursor) and advances it; returns the number of keys. The 16-byte
+ * path only issues cp.async copies: wait for them before reading. */
+template <int HD>
+__device__ int fill_tile(const tkv_cuda_attn_params &p, kv_cursor &c, int32_t pos_max, __half *Ks, __half *Vs,
+                         int *kpos)
+{
+    constexpr int KSTRIDE = attn_cfg<HD>::KSTRIDE;
+    const int tid = threadIdx.x, hd = (int)p.head_dim;
+    int nk = 0;
+    while (nk < KT && c.b < c.b_end) {
+        const tkv_cuda_kv_entry e = p.blocks[c.b];
+        if (e.pos0 > pos_max) { /* blocks are in position order: none later is visible */
+            c.b = c.b_end;
+            break;
+        }
+        const int take = min((int)(e.n - min(c.off, e.n)), KT - nk);
+        if (take > 0) {
+            const uint16_t *ks = e.k + (size_t)c.off * hd, *vs = e.v + (size_t)c.off * hd;
+            if (p.vec16) {
+                const int per_row = hd / 8, total = take * per_row;
+                for (int u = tid; u < total; u += NT) {
+                    const int row = u / per_row, col = u % per_row;
+                    __pipeline_memcpy_async(Ks + (nk + row) * KSTRIDE + col * 8, (const uint4 *)ks + u, 16);
+                    __pipeline_memcpy_async(Vs + (nk + row) * HD + col * 8, (const uint4 *)vs + u, 16);
+                }
+            } else {
+                const int total = take * hd;
+                for (int u = tid; u < total; u += NT) {
+                    const int row = u / hd, col = u % hd;
+                    Ks[(nk + row) * KSTRIDE + col] = __ushort_as_half(ks[u]);
+                    Vs[(nk + row) * HD + col] = __ushort_as_half(vs[u]);
+                }
+            }
+            for (int j = tid; j < take; j += NT)
+                kpos[nk + j] = e.pos0 + (int32_t)(c.off + j);
+        }
+        nk += take;
+        c.off += take;
+        if (c.off >= e.n) {
+            c.b++;
+            c.off = 0;
+        }
+    }
+    return nk;
+}
 
 template <int HD>
 __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
@@ -40,11 +97,11 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
     constexpr int R_MAX = C::R, KSTRIDE = C::KSTRIDE, RS = C::RS, PAIRS = C::PAIRS, RG = C::RG, RO = C::RO;
     extern __shared__ __align__(16) unsigned char smem[];
     float *Qs = (float *)smem;
-    __half *Ks = (__half *)(Qs + R_MAX * HD);
-    __half *Vs = Ks + KT * KSTRIDE;
-    float *Ss = (float *)(Vs + KT * HD);
+    __half *Ks_st = (__half *)(Qs + R_MAX * HD);   /* [2][KT][KSTRIDE] */
+    __half *Vs_st = Ks_st + 2 * KT * KSTRIDE;      /* [2][KT][HD]      */
+    float *Ss = (float *)(Vs_st + 2 * KT * HD);
     float *Ms = Ss + R_MAX * (KT + 1), *Ls = Ms + R_MAX, *Cs = Ls + R_MAX;
-    int *kpos = (int *)(Cs + R_MAX), *qpos = kpos + KT;
+    int *kpos_st = (int *)(Cs + R_MAX), *qpos = kpos_st + 2 * KT;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t g = blockIdx.y, split = blockIdx.z;
@@ -68,9 +125,10 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
 
     /* this split's blocks */
     const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
-    uint32_t b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
-    const uint32_t b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
-    uint32_t off = 0; /* next row inside block b */
+    kv_cursor cur;
+    cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
+    cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+    cur.off = 0;
 
     float2 o[RO];
 #pragma unroll
@@ -79,46 +137,17 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
     const int dp = tid % PAIRS, rg = tid / PAIRS; /* PV-phase ownership */
     __syncthreads();
 
-    for (;;) {
-        /* ---- gather up to KT keys (every thread walks the same cursor) */
-        int nk = 0;
-        while (nk < KT && b < b_end) {
-            const tkv_cuda_kv_entry e = p.blocks[b];
-            if (e.pos0 > pos_max) { /* blocks are in position order: none later is visible */
-                b = b_end;
-                break;
-            }
-            const int take = min((int)(e.n - min(off, e.n)), KT - nk);
-            if (take > 0) {
-                const uint16_t *ks = e.k + (size_t)off * hd, *vs = e.v + (size_t)off * hd;
-                if (p.vec16) {
-                    const int per_row = (int)hd / 8, total = take * per_row;
-                    for (int u = tid; u < total; u += NT) {
-                        const int row = u / per_row, c = u % per_row;
-                        const uint4 kk = __ldg((const uint4 *)ks + u), vv = __ldg((const uint4 *)vs + u);
-                        *(uint4 *)(Ks + (nk + row) * KSTRIDE + c * 8) = kk;
-                        *(uint4 *)(Vs + (nk + row) * HD + c * 8) = vv;
-                    }
-                } else {
-                    const int total = take * (int)hd;
-                    for (int u = tid; u < total; u += NT) {
-                        const int row = u / (int)hd, c = u % (int)hd;
-                        Ks[(nk + row) * KSTRIDE + c] = __ushort_as_half(ks[u]);
-                        Vs[(nk + row) * HD + c] = __ushort_as_half(vs[u]);
-                    }
-                }
-                for (int j = tid; j < take; j += NT)
-                    kpos[nk + j] = e.pos0 + (int32_t)(off + j);
-            }
-            nk += take;
-            off += take;
-            if (off >= e.n) {
-                b++;
-                off = 0;
-            }
-        }
-        if (nk == 0)
-            break;
+    int stage = 0;
+    int nk = fill_tile<HD>(p, cur, pos_max, Ks_st, Vs_st, kpos_st);
+    __pipeline_commit();
+    while (nk > 0) {
+        const __half *Ks = Ks_st + stage * KT * KSTRIDE, *Vs = Vs_st + stage * KT * HD;
+        const int *kpos = kpos_st + stage * KT;
+        /* start the next tile's copies, then wait for the current one */
+        const int nk_next = fill_tile<HD>(p, cur, pos_max, Ks_st + (stage ^ 1) * KT * KSTRIDE,
+                                          Vs_st + (stage ^ 1) * KT * HD, kpos_st + (stage ^ 1) * KT);
+        __pipeline_commit();
+        __pipeline_wait_prior(1);
         __syncthreads();
 
         /* ---- S = Q K^T (log2 units), masked: thread = key j, rows rp + 2i */
@@ -206,7 +235,9 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
                 }
             }
         }
-        __syncthreads(); /* before the next tile overwrites Ks, Vs, Ss */
+        __syncthreads(); /* before the next fill overwrites this stage and Ss */
+        stage ^= 1;
+        nk = nk_next;
     }
 
     /* ---- results: normalised output + lse, or the split's partial */
@@ -288,23 +319,35 @@ int hd_class(uint32_t hd) { return hd <= 64 ? 64 : hd <= 128 ? 128 : 256; }
 
 bool tkv_cuda_attn_supported(uint32_t head_dim) { return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0; }
 
+/* CTAs of each head_dim class that fit on one multiprocessor (set at init). */
+static int g_ctas_per_sm[3] = {1, 1, 1};
+
+template <int HD> static cudaError_t init_class(int *ctas)
+{
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)attn_cfg<HD>::SMEM));
+    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_kernel<HD>, NT, attn_cfg<HD>::SMEM));
+    if (*ctas < 1)
+        *ctas = 1;
+    return cudaSuccess;
+}
+
 cudaError_t tkv_cuda_attn_init(void)
 {
-    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)attn_cfg<64>::SMEM));
-    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)attn_cfg<128>::SMEM));
-    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)attn_cfg<256>::SMEM));
+    TKV_CUDA_TRY(init_class<64>(&g_ctas_per_sm[0]));
+    TKV_CUDA_TRY(init_class<128>(&g_ctas_per_sm[1]));
+    TKV_CUDA_TRY(init_class<256>(&g_ctas_per_sm[2]));
     return cudaSuccess;
 }
 
 size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm)
 {
-    const uint32_t R = 4096 / hd_class(p->head_dim);
+    const int cls = hd_class(p->head_dim);
+    const uint32_t R = 4096 / cls;
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
     const uint32_t items = (rows + R - 1) / R * p->n_head_kv;
-    const uint32_t target = 2u * (uint32_t)(n_sm > 0 ? n_sm : 1);
+    /* enough CTAs for one full wave */
+    const uint32_t target = (uint32_t)(n_sm > 0 ? n_sm : 1) * (uint32_t)g_ctas_per_sm[cls == 64 ? 0 : cls == 128 ? 1 : 2];
     p->n_split = 1;
     if (items < target && max_blocks > 1) {
         uint32_t want = (target + items - 1) / items;

@@ -13,6 +13,11 @@
  * (dequant.cu) and multiplied with cuBLAS (f16 x f16 -> f32, f32 accumulate)
  * or, for up to 8 tokens, with a GEMV kernel that reads the f32 activations
  * directly; vectors (norm weights) are kept in f32.
+ *
+ * Validation mode: with TKV_CUDA_WEIGHTS=f32 in the environment when the
+ * backend is created, matrices are kept as exact f32 dequantizations and
+ * multiplied in f32 (cuBLAS, no TF32): 2x the memory of f16, for measuring
+ * what the f16 storage costs (tests/test-gpu-e2e.c), not for serving.
  */
 #include "attn.cuh"
 #include "common.cuh"
@@ -41,6 +46,7 @@ struct stage_slot {
 struct cuda_backend {
     struct tkv_backend base;       /* first: ops dispatch on &base */
     int device, n_sm;
+    char pci_bus_id[32];           /* "0000:3b:00.0"                          */
     cudaStream_t stream;
     cublasHandle_t blas;
     struct stage_slot stage[N_STAGE];
@@ -49,6 +55,7 @@ struct cuda_backend {
     size_t act16_cap;              /* elements                                */
     float *attn_part;              /* [attn_part_cap] split-K partials        */
     size_t attn_part_cap;          /* floats                                  */
+    bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
 };
@@ -58,6 +65,7 @@ struct tkv_bweight {
     uint32_t n_in, n_out;
     bool is_vec;   /* 1-D tensor: kept as f32 in v32                       */
     __half *w16;   /* matrices: [n_out, n_in] f16                           */
+    float *w32;    /* matrices in the f32 validation mode: [n_out, n_in]    */
     float *v32;    /* vectors:  [n_in] f32                                  */
 };
 
@@ -199,13 +207,20 @@ static void cuda_release(struct tkv_backend *b, void *p)
     }
 }
 
-/* Pageable src: returns once src may be reused (the driver stages it). */
+/* Returns once src may be reused: a pageable src is staged by the driver
+ * before cudaMemcpyAsync returns; a page-locked one (host_register, or
+ * cudaMallocHost'ed) is read by the DMA engine later, so we wait for it. */
 static tkv_status cuda_upload(struct tkv_backend *b, void *dst, const void *src_host, size_t bytes)
 {
     struct cuda_backend *cb = cuda_of(b);
     ALIVE("upload");
-    if (bytes)
-        CU("upload", cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, cb->stream));
+    if (!bytes)
+        return TKV_OK;
+    CU("upload", cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, cb->stream));
+    cudaPointerAttributes attr;
+    if (cudaPointerGetAttributes(&attr, src_host) == cudaSuccess && attr.type == cudaMemoryTypeHost)
+        CU("upload", cudaStreamSynchronize(cb->stream));
+    (void)cudaGetLastError();
     return TKV_OK;
 }
 
@@ -217,6 +232,32 @@ static tkv_status cuda_download(struct tkv_backend *b, void *dst_host, const voi
         CU("download", cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, cb->stream));
     CU("download", cudaStreamSynchronize(cb->stream));
     return TKV_OK;
+}
+
+static const char *cuda_pci_bus_id(struct tkv_backend *b)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    return cb->pci_bus_id[0] ? cb->pci_bus_id : NULL;
+}
+
+static tkv_status cuda_host_register(struct tkv_backend *b, void *p, size_t bytes)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("host_register");
+    CU("host_register", cudaHostRegister(p, bytes, cudaHostRegisterDefault));
+    return TKV_OK;
+}
+
+static void cuda_host_unregister(struct tkv_backend *b, void *p)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    if (!p)
+        return;
+    cudaError_t e = cudaHostUnregister(p);
+    if (e != cudaSuccess) {
+        cu_fail(cb, e, "host_unregister", "cudaHostUnregister");
+        TKV_LOG_W("%s", tkv_last_error());
+    }
 }
 
 static tkv_status cuda_sync(struct tkv_backend *b)
@@ -234,6 +275,7 @@ static void cuda_weight_free(struct tkv_backend *b, struct tkv_bweight *w)
     if (!w)
         return;
     cuda_release(b, w->w16);
+    cuda_release(b, w->w32);
     cuda_release(b, w->v32);
     free(w);
 }
@@ -244,14 +286,16 @@ static tkv_status weight_load(struct cuda_backend *cb, const struct tkv_gguf_ten
     const char *op = "weight_init";
     if (w->is_vec)
         CU(op, cudaMalloc((void **)&w->v32, n_elems * sizeof(float)));
+    else if (cb->f32_weights)
+        CU(op, cudaMalloc((void **)&w->w32, n_elems * sizeof(float)));
     else
         CU(op, cudaMalloc((void **)&w->w16, n_elems * sizeof(__half)));
-    if (t->type == TKV_TYPE_F16 && !w->is_vec) { /* already the storage format */
+    if (t->type == TKV_TYPE_F16 && w->w16) { /* already the storage format */
         CU(op, cudaMemcpyAsync(w->w16, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
     } else {
         CU(op, cudaMalloc(raw, raw_bytes));
         CU(op, cudaMemcpyAsync(*raw, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
-        CU(op, tkv_cuda_dequant(t->type, *raw, n_elems, w->w16, w->v32, cb->stream));
+        CU(op, tkv_cuda_dequant(t->type, *raw, n_elems, w->w16, w->is_vec ? w->v32 : w->w32, cb->stream));
     }
     CU(op, cudaStreamSynchronize(cb->stream));
     return TKV_OK;
@@ -313,7 +357,10 @@ static tkv_status cuda_get_rows(struct tkv_backend *b, const struct tkv_bweight 
     TKV_TRY(stage_take(cb, (size_t)n * sizeof(int32_t), &sl, op));
     memcpy(sl->host, ids, (size_t)n * sizeof(int32_t));
     TKV_TRY(stage_send(cb, sl, (size_t)n * sizeof(int32_t), op));
-    CU(op, tkv_cuda_get_rows_f16(w->w16, w->n_in, (const int32_t *)sl->dev, n, out, cb->stream));
+    if (w->w32)
+        CU(op, tkv_cuda_get_rows_f32(w->w32, w->n_in, (const int32_t *)sl->dev, n, out, cb->stream));
+    else
+        CU(op, tkv_cuda_get_rows_f16(w->w16, w->n_in, (const int32_t *)sl->dev, n, out, cb->stream));
     return TKV_OK;
 }
 
@@ -326,6 +373,14 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
     if (n == 0)
         return TKV_OK;
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t s;
+    if (w->w32) { /* validation mode: plain f32 (the handle's default math mode has no TF32) */
+        s = cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->n_out, (int)n, (int)w->n_in, &one, w->w32,
+                         CUDA_R_32F, (int)w->n_in, x, CUDA_R_32F, (int)w->n_in, &zero, y, CUDA_R_32F, (int)w->n_out,
+                         CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT);
+        return s == CUBLAS_STATUS_SUCCESS ? TKV_OK : blas_fail(s, op);
+    }
     if (tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
         return TKV_OK;
@@ -334,8 +389,7 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
     TKV_TRY(work_reserve(cb, (void **)&cb->act16, &cb->act16_cap, count * sizeof(__half), op));
     CU(op, tkv_cuda_f32_to_f16(x, cb->act16, count, cb->stream));
     /* column-major view: y^T[n_out, n] = W[n_in, n_out]^T . x^T[n_in, n] */
-    const float one = 1.0f, zero = 0.0f;
-    cublasStatus_t s = cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->n_out, (int)n, (int)w->n_in, &one,
+    s = cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->n_out, (int)n, (int)w->n_in, &one,
                                     w->w16, CUDA_R_16F, (int)w->n_in, cb->act16, CUDA_R_16F, (int)w->n_in, &zero, y,
                                     CUDA_R_32F, (int)w->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS)
@@ -506,25 +560,36 @@ static void cuda_free(struct tkv_backend *b)
     free(cb);
 }
 
-static const struct tkv_backend_ops cuda_ops = {
-    /* .name = */ "cuda",
-    /* .free = */ cuda_free,
-    /* .alloc = */ cuda_alloc,
-    /* .release = */ cuda_release,
-    /* .upload = */ cuda_upload,
-    /* .download = */ cuda_download,
-    /* .synchronize = */ cuda_sync,
-    /* .weight_init = */ cuda_weight_init,
-    /* .weight_free = */ cuda_weight_free,
-    /* .get_rows = */ cuda_get_rows,
-    /* .matmul = */ cuda_matmul,
-    /* .rmsnorm = */ cuda_rmsnorm,
-    /* .rope = */ cuda_rope,
-    /* .swiglu = */ cuda_swiglu,
-    /* .add = */ cuda_add,
-    /* .kv_write = */ cuda_kv_write,
-    /* .attention = */ cuda_attention,
-};
+/* Filled by member name (C++ has no designated initializers before C++20),
+ * so optional members added to the interface stay NULL. */
+static struct tkv_backend_ops cuda_make_ops(void)
+{
+    struct tkv_backend_ops o;
+    memset(&o, 0, sizeof o);
+    o.name = "cuda";
+    o.free = cuda_free;
+    o.alloc = cuda_alloc;
+    o.release = cuda_release;
+    o.upload = cuda_upload;
+    o.download = cuda_download;
+    o.synchronize = cuda_sync;
+    o.weight_init = cuda_weight_init;
+    o.weight_free = cuda_weight_free;
+    o.get_rows = cuda_get_rows;
+    o.matmul = cuda_matmul;
+    o.rmsnorm = cuda_rmsnorm;
+    o.rope = cuda_rope;
+    o.swiglu = cuda_swiglu;
+    o.add = cuda_add;
+    o.kv_write = cuda_kv_write;
+    o.attention = cuda_attention;
+    o.pci_bus_id = cuda_pci_bus_id;
+    o.host_register = cuda_host_register;
+    o.host_unregister = cuda_host_unregister;
+    return o;
+}
+static const struct tkv_backend_ops cuda_ops = cuda_make_ops();
+
 
 extern "C" int tkv_cuda_device_count(void)
 {
@@ -543,6 +608,10 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     CU(op, cudaSetDevice(cb->device));
     CU(op, cudaGetDeviceProperties(&prop, cb->device));
     cb->n_sm = prop.multiProcessorCount;
+    if (cudaDeviceGetPCIBusId(cb->pci_bus_id, sizeof cb->pci_bus_id, cb->device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cb->pci_bus_id[0] = 0;
+    }
     CU(op, cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
     cublasStatus_t s = cublasCreate(&cb->blas);
     if (s != CUBLAS_STATUS_SUCCESS) {
@@ -559,8 +628,9 @@ static tkv_status cuda_init(struct cuda_backend *cb)
         CU(op, cudaMalloc(&sl->dev, STAGE_MIN_BYTES));
         sl->cap = STAGE_MIN_BYTES;
     }
-    TKV_LOG_I("cuda: device %d: %s, %d SMs, %.1f GiB, compute capability %d.%d", cb->device, prop.name, cb->n_sm,
-              prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor);
+    TKV_LOG_I("cuda: device %d (%s): %s, %d SMs, %.1f GiB, compute capability %d.%d%s", cb->device, cb->pci_bus_id,
+              prop.name, cb->n_sm, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
+              cb->f32_weights ? " (f32 weights: validation mode)" : "");
     return TKV_OK;
 }
 
@@ -575,6 +645,8 @@ extern "C" tkv_status tkv_cuda_backend_create(uint32_t n_threads, struct tkv_bac
         return tkv_err(TKV_ERR_NOMEM, "cuda: out of memory");
     cb->base.ops = &cuda_ops;
     cb->device = 0;
+    const char *mode = getenv("TKV_CUDA_WEIGHTS");
+    cb->f32_weights = mode && !strcmp(mode, "f32");
     tkv_status st = cuda_init(cb);
     if (st != TKV_OK) {
         cuda_free(&cb->base);

@@ -79,13 +79,17 @@ __global__ void kv_write_kernel(const float *src, size_t stride, uint16_t *dst, 
     dst[i] = __half_as_ushort(__float2half_rn(src[r * stride + d]));
 }
 
-__global__ void get_rows_kernel(const __half *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out)
+__device__ __forceinline__ float to_f32(__half h) { return __half2float(h); }
+__device__ __forceinline__ float to_f32(float f) { return f; }
+
+template <typename T>
+__global__ void get_rows_kernel(const T *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out)
 {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * n_in)
         return;
     const size_t r = i / n_in, d = i % n_in;
-    out[i] = __half2float(w[(size_t)ids[r] * n_in + d]);
+    out[i] = to_f32(w[(size_t)ids[r] * n_in + d]);
 }
 
 __global__ void f32_to_f16_kernel(const float *x, __half *y, size_t count)
@@ -213,7 +217,18 @@ cudaError_t tkv_cuda_get_rows_f16(const __half *w, uint32_t n_in, const int32_t 
     const size_t count = (size_t)n * n_in;
     if (count == 0)
         return cudaSuccess;
-    get_rows_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(w, n_in, ids, n, out);
+    get_rows_kernel<__half><<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(w, n_in, ids, n, out);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_get_rows_f32(const float *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out,
+                                  cudaStream_t s)
+{
+    const size_t count = (size_t)n * n_in;
+    if (count == 0)
+        return cudaSuccess;
+    get_rows_kernel<float><<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(w, n_in, ids, n, out);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }

@@ -39,6 +39,9 @@ cudaError_t tkv_cuda_kv_write(const float *src, size_t src_stride, uint16_t *dst
  * memory, already range-checked. */
 cudaError_t tkv_cuda_get_rows_f16(const __half *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out,
                                   cudaStream_t s);
+/* Same for f32 weights (the TKV_CUDA_WEIGHTS=f32 validation mode). */
+cudaError_t tkv_cuda_get_rows_f32(const float *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out,
+                                  cudaStream_t s);
 
 /* y = f16(x), saturating at +-65504 (NaN stays NaN): activations for the
  * tensor-core GEMM. */
