@@ -1,0 +1,82 @@
+#!/bin/bash
+# gpu-run.sh -- build and test the CUDA backend on the lent GPU machine (the
+# `run` tool of this workplace), from a clean snapshot of the tree.
+#
+# Other engineers edit the shared checkout while GPU runs are in flight, so
+# the device builds a snapshot: the last commit (git archive HEAD) with the
+# GPU files of the working tree laid over it.
+#
+#   scripts/gpu-run.sh snap            here: write .gpu-snap/ (git-ignored)
+#   scripts/gpu-run.sh model           here: split the model into .gpu-model/
+#   scripts/gpu-run.sh test [sanitize] there: build .gpu-snap, run ctest -R gpu
+#                                      (and compute-sanitizer memcheck)
+#   scripts/gpu-run.sh bench           there: build and run bench-attn
+# On the device: carry .device and .gpu-snap, and start the command with
+#   source .device/bootstrap.sh && scripts/gpu-run.sh test
+set -euo pipefail
+root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
+cd "$root"
+snap=.gpu-snap
+gpu_files="gpu tests/test-gpu-backend.c tests/test-gpu-e2e.c bench/bench-attn.c scripts/gpu-run.sh docs/gpu.md"
+
+exclude() {
+    grep -qx "/$1/" .git/info/exclude 2>/dev/null || echo "/$1/" >> .git/info/exclude
+}
+
+build() {
+    cd "$root/$snap"
+    cmake -B /tmp/tkv-build -S . -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > /dev/null
+    cmake --build /tmp/tkv-build -j"$(nproc)" 2>&1 | grep -E "error|warning: .*gpu/|^make.*Error" || true
+    cmake --build /tmp/tkv-build -j"$(nproc)" > /dev/null # fail here if it did not build
+}
+
+case "${1:-}" in
+snap)
+    exclude "$snap"
+    rm -rf "$snap"
+    mkdir -p "$snap"
+    git archive HEAD | tar -x -C "$snap"
+    for f in $gpu_files; do
+        [ -e "$f" ] && { mkdir -p "$snap/$(dirname "$f")"; cp -r "$f" "$snap/$(dirname "$f")/"; }
+    done
+    [ -d tests/data ] && cp -r tests/data "$snap/tests/" || true
+    echo "snapshot of $(git rev-parse --short HEAD) + GPU files in $snap ($(du -sh "$snap" | cut -f1))"
+    ;;
+model)
+    # the model (98 MB) is larger than one call may carry (64 MiB with the
+    # tree): a/ (40 MiB) rides with the first call, b/ (the rest) with the
+    # next, while the machine is still warm; on the device
+    #   mkdir -p /tmp/m && cat .gpu-model/a/* > /tmp/m/part.a           (call 1)
+    #   cat /tmp/m/part.a .gpu-model/b/* > /tmp/m/model.gguf             (call 2)
+    exclude .gpu-model
+    rm -rf .gpu-model && mkdir -p .gpu-model/a .gpu-model/b
+    split -b 40M models/SmolLM2-135M-Instruct.Q4_1.gguf .gpu-model/part.
+    mv .gpu-model/part.aa .gpu-model/a/ && mv .gpu-model/part.a[b-z] .gpu-model/b/
+    ls -l .gpu-model/*/
+    ;;
+test)
+    build
+    cd "$root/$snap"
+    # tests find the model at models/ (tests/CMakeLists.txt); /tmp/m holds it
+    # on the device once both parts were carried
+    if [ -f /tmp/m/model.gguf ]; then
+        mkdir -p models && ln -sf /tmp/m/model.gguf models/SmolLM2-135M-Instruct.Q4_1.gguf
+    fi
+    ctest --test-dir /tmp/tkv-build -R gpu -V > /tmp/ctest.log 2>&1 || rc=$?
+    grep -v "Test command\|Test timeout\|^UpdateCTest\|^Parse\|Environment\|^Constructing\|^Checking\|^Updating\|^Add " /tmp/ctest.log
+    if [ "${2:-}" = sanitize ]; then
+        timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 /tmp/tkv-build/tests/test-gpu-backend 2>&1 \
+            | grep -E "ERROR SUMMARY|Invalid|checks,|SKIP|failed|^=========" | head -40 || true
+    fi
+    exit "${rc:-0}"
+    ;;
+bench)
+    build
+    cd "$root/$snap"
+    /tmp/tkv-build/bench/bench-attn "${@:2}"
+    ;;
+*)
+    sed -n '2,17p' "$0"
+    exit 2
+    ;;
+esac

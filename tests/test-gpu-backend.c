@@ -1,0 +1,662 @@
+/*
+ * test-gpu-backend.c -- Description: every op of the CUDA backend against the
+ * CPU backend (and a double-precision reference where the CPU backend itself
+ * rounds) on fresh random inputs. Skips (77) when no CUDA device is usable.
+ *
+ * Tolerances (why in docs/gpu.md):
+ *   matmul     ||gpu - ref|| / ||ref|| < 1e-3 (n <= 8: f16 weights, f32
+ *              activations) or 2e-3 (cuBLAS: f16 weights and activations),
+ *              ref = double over the exact dequantized weights; and within
+ *              2e-2 of the CPU backend (which quantizes decode activations
+ *              to 8 bits)
+ *   get_rows   |gpu - cpu| <= 2^-11 |cpu| + 2^-25 (f16 storage of the row)
+ *   rmsnorm    max |gpu - cpu| <= 1e-5 max |cpu|
+ *   rope       max |gpu - cpu| <= 1e-5 (angles equal; cos/sin within ulps)
+ *   swiglu     |gpu - cpu| <= 1e-6 max(1, |cpu|);  add: equal
+ *   kv_write   bit-identical f16
+ *   attention  max |gpu - ref| <= 1e-4 on outputs and lse (ref = double),
+ *              and the same against the CPU backend's fast path
+ * Every GPU output is poisoned with NaN first, so an unwritten element fails.
+ */
+#include "cpu/cpu.h"
+#include "cpu/quant.h"
+#include "runtime/backend.h"
+#include "test.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static uint64_t rng;
+static struct tkv_backend *cpu, *gpu;
+static bool f32_mode; /* gpu was created with TKV_CUDA_WEIGHTS=f32 */
+
+/* ---- device helpers ------------------------------------------------------- */
+
+static void *dev_alloc(size_t bytes)
+{
+    void *p = NULL;
+    tkv_status st = gpu->ops->alloc(gpu, bytes, &p);
+    if (st != TKV_OK) {
+        fprintf(stderr, "device alloc of %zu bytes: %s\n", bytes, tkv_last_error());
+        exit(1);
+    }
+    return p;
+}
+
+static void *dev_from(const void *host, size_t bytes)
+{
+    void *p = dev_alloc(bytes);
+    if (gpu->ops->upload(gpu, p, host, bytes) != TKV_OK) {
+        fprintf(stderr, "upload: %s\n", tkv_last_error());
+        exit(1);
+    }
+    return p;
+}
+
+/* A device buffer of n floats filled with NaN. */
+static float *dev_poisoned(size_t n)
+{
+    float *h = malloc(n * sizeof *h);
+    for (size_t i = 0; i < n; i++)
+        h[i] = NAN;
+    float *d = dev_from(h, n * sizeof *h);
+    free(h);
+    return d;
+}
+
+static void to_host(void *host, const void *dev, size_t bytes)
+{
+    if (gpu->ops->download(gpu, host, dev, bytes) != TKV_OK) {
+        fprintf(stderr, "download: %s\n", tkv_last_error());
+        exit(1);
+    }
+}
+
+static void dev_free(void *p) { gpu->ops->release(gpu, p); }
+
+static void fill(float *x, size_t n, float lo, float hi)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = test_rand_f32(&rng, lo, hi);
+}
+
+/* ||a - ref|| / ||ref||; infinite when a holds a NaN. */
+static double rel_l2(const float *a, const double *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]))
+            return INFINITY;
+        num += (a[i] - ref[i]) * (a[i] - ref[i]);
+        den += ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static double rel_l2f(const float *a, const float *b, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) || isnan(b[i]))
+            return INFINITY;
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* ---- weights ---------------------------------------------------------------- */
+
+struct test_weight {
+    struct tkv_gguf_tensor t;
+    void *data;
+    float *deq; /* [n_out][n_in], exact dequantization (cpu/quant-ref.c) */
+};
+
+static uint16_t rand_f16(float lo, float hi) { return tkv_fp32_to_fp16(test_rand_f32(&rng, lo, hi)); }
+
+/* Random weights of any supported type: quantized from random floats where
+ * tkv_quantize_row can, random valid blocks for the K-quants. */
+static void weight_make(struct test_weight *w, uint32_t type, uint32_t n_in, uint32_t n_out, uint32_t n_dims)
+{
+    const struct tkv_type_traits *tr = tkv_type_traits(type);
+    const size_t row = (size_t)n_in / tr->block_elems * tr->block_bytes;
+    memset(w, 0, sizeof *w);
+    snprintf(w->t.name, sizeof w->t.name, "test.%s.%ux%u", tr->name, n_in, n_out);
+    w->t.n_dims = n_dims;
+    w->t.ne[0] = n_in;
+    w->t.ne[1] = n_out;
+    w->t.ne[2] = w->t.ne[3] = 1;
+    w->t.type = type;
+    w->t.n_elems = (uint64_t)n_in * n_out;
+    w->t.nbytes = row * n_out;
+    w->data = malloc(row * n_out);
+    w->deq = malloc((size_t)n_in * n_out * sizeof(float));
+    uint8_t *d = w->data;
+    if (type == TKV_TYPE_Q4_K) {
+        for (size_t b = 0; b < row * n_out / 144; b++) {
+            tkv_block_q4_K *q = (tkv_block_q4_K *)(d + b * 144);
+            q->d = rand_f16(0.001f, 0.01f);
+            q->dmin = rand_f16(0.0f, 0.01f);
+            for (int i = 0; i < 12; i++)
+                q->scales[i] = (uint8_t)test_rand_u64(&rng);
+            for (int i = 0; i < 128; i++)
+                q->qs[i] = (uint8_t)test_rand_u64(&rng);
+        }
+    } else if (type == TKV_TYPE_Q6_K) {
+        for (size_t b = 0; b < row * n_out / 210; b++) {
+            tkv_block_q6_K *q = (tkv_block_q6_K *)(d + b * 210);
+            for (int i = 0; i < 128; i++)
+                q->ql[i] = (uint8_t)test_rand_u64(&rng);
+            for (int i = 0; i < 64; i++)
+                q->qh[i] = (uint8_t)test_rand_u64(&rng);
+            for (int i = 0; i < 16; i++)
+                q->scales[i] = (int8_t)(test_rand_u64(&rng) % 129) - 64;
+            q->d = rand_f16(0.0005f, 0.002f);
+        }
+    } else {
+        float *x = malloc(n_in * sizeof *x);
+        for (uint32_t r = 0; r < n_out; r++) {
+            fill(x, n_in, -1, 1);
+            if (!tkv_quantize_row(type, x, d + row * r, n_in)) {
+                fprintf(stderr, "cannot quantize to %s\n", tr->name);
+                exit(1);
+            }
+        }
+        free(x);
+    }
+    for (uint32_t r = 0; r < n_out; r++)
+        tkv_dequant_row_ref(type, d + row * r, w->deq + (size_t)r * n_in, n_in);
+    w->t.data = w->data;
+}
+
+static void weight_free(struct test_weight *w)
+{
+    free(w->data);
+    free(w->deq);
+}
+
+static const uint32_t all_types[] = {TKV_TYPE_F32, TKV_TYPE_F16, TKV_TYPE_BF16, TKV_TYPE_Q4_0,
+                                     TKV_TYPE_Q4_1, TKV_TYPE_Q8_0, TKV_TYPE_Q4_K, TKV_TYPE_Q6_K};
+#define N_TYPES (sizeof all_types / sizeof all_types[0])
+
+/* ---- matmul ----------------------------------------------------------------- */
+
+static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint32_t n, uint32_t x_offset)
+{
+    struct test_weight tw;
+    weight_make(&tw, type, n_in, n_out, 2);
+    struct tkv_bweight *wc = NULL, *wg = NULL;
+    CHECK(cpu->ops->weight_init(cpu, &tw.t, &wc) == TKV_OK, "cpu weight_init: %s", tkv_last_error());
+    CHECK(gpu->ops->weight_init(gpu, &tw.t, &wg) == TKV_OK, "gpu weight_init: %s", tkv_last_error());
+    if (!wc || !wg) {
+        weight_free(&tw);
+        return;
+    }
+    const size_t nx = (size_t)n * n_in, ny = (size_t)n * n_out;
+    float *x = malloc((nx + x_offset) * sizeof *x), *yc = malloc(ny * sizeof *yc), *yg = malloc(ny * sizeof *yg);
+    double *ref = malloc(ny * sizeof *ref);
+    fill(x, nx + x_offset, -1, 1);
+    const float *xs = x + x_offset;
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t r = 0; r < n_out; r++) {
+            double s = 0;
+            for (uint32_t k = 0; k < n_in; k++)
+                s += (double)tw.deq[(size_t)r * n_in + k] * xs[(size_t)i * n_in + k];
+            ref[(size_t)i * n_out + r] = s;
+        }
+    CHECK(cpu->ops->matmul(cpu, wc, xs, yc, n) == TKV_OK, "cpu matmul: %s", tkv_last_error());
+    float *dx = dev_from(x, (nx + x_offset) * sizeof *x), *dy = dev_poisoned(ny);
+    CHECK(gpu->ops->matmul(gpu, wg, dx + x_offset, dy, n) == TKV_OK, "gpu matmul: %s", tkv_last_error());
+    to_host(yg, dy, ny * sizeof *yg);
+    const double e_gpu = rel_l2(yg, ref, ny), e_cpu = rel_l2(yc, ref, ny), e_gc = rel_l2f(yg, yc, ny);
+    const bool gemv = n <= 8 && x_offset % 4 == 0 && n_in % 8 == 0;
+    const double tol = f32_mode ? 1e-5 : gemv ? 1e-3 : 2e-3;
+    fprintf(stderr, "  matmul%s %-5s %5ux%-5u n=%-3u%s  rel err gpu %.2e cpu %.2e gpu-vs-cpu %.2e\n",
+            f32_mode ? " (f32 mode)" : "", tkv_type_name(type), n_in, n_out, n, x_offset ? " (unaligned x)" : "", e_gpu,
+            e_cpu, e_gc);
+    CHECK(e_gpu < tol, "matmul %s %ux%u n=%u: gpu rel err %.3g >= %.1g", tkv_type_name(type), n_in, n_out, n, e_gpu,
+          tol);
+    CHECK(e_gc < 2e-2, "matmul %s %ux%u n=%u: gpu vs cpu rel diff %.3g", tkv_type_name(type), n_in, n_out, n, e_gc);
+    dev_free(dx);
+    dev_free(dy);
+    cpu->ops->weight_free(cpu, wc);
+    gpu->ops->weight_free(gpu, wg);
+    free(x), free(yc), free(yg), free(ref);
+    weight_free(&tw);
+}
+
+static void test_matmul(void)
+{
+    fprintf(stderr, "matmul:\n");
+    const uint32_t ns[] = {1, 3, 8, 9, 64, 300};
+    for (size_t t = 0; t < N_TYPES; t++) {
+        const uint32_t type = all_types[t];
+        const bool kq = type == TKV_TYPE_Q4_K || type == TKV_TYPE_Q6_K;
+        const uint32_t n_in = kq ? 768 : 576, n_out = type == TKV_TYPE_Q8_0 ? 1537 : 384;
+        for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++)
+            test_matmul_case(type, n_in, n_out, ns[i], 0);
+    }
+    test_matmul_case(TKV_TYPE_Q4_1, 576, 200, 2, 1);  /* unaligned activations: cuBLAS path */
+    test_matmul_case(TKV_TYPE_F32, 100, 70, 1, 0);    /* n_in % 8 != 0: cuBLAS path        */
+    test_matmul_case(TKV_TYPE_F16, 2048, 5000, 1, 0); /* a wide decode GEMV                */
+}
+
+/* ---- get_rows, weights ----------------------------------------------------------- */
+
+static void test_get_rows(void)
+{
+    fprintf(stderr, "get_rows:\n");
+    for (size_t t = 0; t < N_TYPES; t++) {
+        const uint32_t type = all_types[t];
+        const uint32_t n_in = 512, n_out = 100, n = 37;
+        struct test_weight tw;
+        weight_make(&tw, type, n_in, n_out, 2);
+        struct tkv_bweight *wc = NULL, *wg = NULL;
+        CHECK(cpu->ops->weight_init(cpu, &tw.t, &wc) == TKV_OK, "cpu weight_init: %s", tkv_last_error());
+        CHECK(gpu->ops->weight_init(gpu, &tw.t, &wg) == TKV_OK, "gpu weight_init: %s", tkv_last_error());
+        if (!wc || !wg) {
+            weight_free(&tw);
+            continue;
+        }
+        int32_t ids[37];
+        for (uint32_t i = 0; i < n; i++)
+            ids[i] = (int32_t)(test_rand_u64(&rng) % n_out);
+        ids[0] = 0;
+        ids[1] = (int32_t)n_out - 1;
+        float *oc = malloc((size_t)n * n_in * sizeof *oc), *og = malloc((size_t)n * n_in * sizeof *og);
+        float *d = dev_poisoned((size_t)n * n_in);
+        CHECK(cpu->ops->get_rows(cpu, wc, ids, n, oc) == TKV_OK, "cpu get_rows: %s", tkv_last_error());
+        CHECK(gpu->ops->get_rows(gpu, wg, ids, n, d) == TKV_OK, "gpu get_rows: %s", tkv_last_error());
+        to_host(og, d, (size_t)n * n_in * sizeof *og);
+        size_t bad = 0;
+        double worst = 0;
+        for (size_t i = 0; i < (size_t)n * n_in; i++) {
+            const double diff = fabs((double)og[i] - oc[i]), lim = ldexp(fabs(oc[i]), -11) + ldexp(1.0, -25);
+            if (!(diff <= lim))
+                bad++;
+            worst = fmax(worst, diff / lim);
+        }
+        fprintf(stderr, "  get_rows %-5s worst |gpu-cpu| / bound %.3f\n", tkv_type_name(type), worst);
+        CHECK(bad == 0, "get_rows %s: %zu elements beyond f16 rounding", tkv_type_name(type), bad);
+        /* ids out of range fail in both, naming the tensor */
+        int32_t badid[2] = {3, (int32_t)n_out};
+        CHECK(cpu->ops->get_rows(cpu, wc, badid, 2, oc) == TKV_ERR_INVALID_ARG, "cpu accepted a bad id");
+        CHECK(gpu->ops->get_rows(gpu, wg, badid, 2, d) == TKV_ERR_INVALID_ARG, "gpu accepted a bad id");
+        dev_free(d);
+        free(oc), free(og);
+        cpu->ops->weight_free(cpu, wc);
+        gpu->ops->weight_free(gpu, wg);
+        weight_free(&tw);
+    }
+    /* a type the backend cannot run is refused, not crashed on */
+    struct tkv_gguf_tensor bad = {.name = "test.q8_1", .n_dims = 2, .ne = {32, 4, 1, 1}, .type = TKV_TYPE_Q8_1,
+                                  .n_elems = 128, .nbytes = 4 * 36};
+    static uint8_t zeros[4 * 36];
+    bad.data = zeros;
+    struct tkv_bweight *w = NULL;
+    CHECK(gpu->ops->weight_init(gpu, &bad, &w) == TKV_ERR_UNSUPPORTED && !w, "Q8_1 weights accepted");
+}
+
+/* ---- element-wise ops ----------------------------------------------------------------- */
+
+static void test_rmsnorm(void)
+{
+    const uint32_t dims[] = {576, 1000, 4096}, n = 7;
+    for (size_t k = 0; k < 3; k++) {
+        const uint32_t dim = dims[k];
+        struct test_weight tw;
+        float *g = malloc(dim * sizeof *g);
+        fill(g, dim, 0.5f, 1.5f);
+        memset(&tw, 0, sizeof tw);
+        snprintf(tw.t.name, sizeof tw.t.name, "test.norm.%u", dim);
+        tw.t.n_dims = 1;
+        tw.t.ne[0] = dim;
+        tw.t.ne[1] = tw.t.ne[2] = tw.t.ne[3] = 1;
+        tw.t.type = TKV_TYPE_F32;
+        tw.t.n_elems = dim;
+        tw.t.nbytes = dim * sizeof(float);
+        tw.t.data = g;
+        struct tkv_bweight *wc = NULL, *wg = NULL;
+        CHECK(cpu->ops->weight_init(cpu, &tw.t, &wc) == TKV_OK, "%s", tkv_last_error());
+        CHECK(gpu->ops->weight_init(gpu, &tw.t, &wg) == TKV_OK, "%s", tkv_last_error());
+        float *x = malloc((size_t)n * dim * sizeof *x), *yc = malloc((size_t)n * dim * sizeof *yc);
+        float *yg = malloc((size_t)n * dim * sizeof *yg);
+        fill(x, (size_t)n * dim, -3, 3);
+        CHECK(cpu->ops->rmsnorm(cpu, x, wc, yc, n, dim, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+        /* in place on the GPU (y aliases x), as the engine may use it */
+        float *d = dev_from(x, (size_t)n * dim * sizeof *x);
+        CHECK(gpu->ops->rmsnorm(gpu, d, wg, d, n, dim, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+        to_host(yg, d, (size_t)n * dim * sizeof *yg);
+        double err = 0, mx = 0;
+        for (size_t i = 0; i < (size_t)n * dim; i++) {
+            err = isnan(yg[i]) ? INFINITY : fmax(err, fabs(yg[i] - yc[i]));
+            mx = fmax(mx, fabs(yc[i]));
+        }
+        fprintf(stderr, "rmsnorm dim=%u: max |gpu-cpu| %.2e (max |y| %.2f)\n", dim, err, mx);
+        CHECK(err <= 1e-5 * mx, "rmsnorm dim %u: err %.3g", dim, err);
+        /* a matrix is not a norm weight */
+        CHECK(gpu->ops->rmsnorm(gpu, d, wg, d, n, dim + 1, 1e-5f) == TKV_ERR_INVALID_ARG, "bad dim accepted");
+        dev_free(d);
+        cpu->ops->weight_free(cpu, wc);
+        gpu->ops->weight_free(gpu, wg);
+        free(x), free(yc), free(yg), free(g);
+    }
+}
+
+static void test_rope(void)
+{
+    struct {
+        uint32_t n, heads, hd, rot;
+        float base, fs;
+        int32_t max_pos;
+    } cases[] = {
+        {37, 9, 64, 64, 10000.0f, 1.0f, 8192},
+        {300, 3, 64, 64, 100000.0f, 1.0f, 200000},
+        {5, 8, 128, 64, 500000.0f, 0.25f, 1 << 20},
+        {1, 32, 128, 128, 10000.0f, 1.0f, 131072},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const size_t cnt = (size_t)cases[k].n * cases[k].heads * cases[k].hd;
+        float *x = malloc(cnt * sizeof *x), *yg = malloc(cnt * sizeof *yg);
+        int32_t *pos = malloc(cases[k].n * sizeof *pos);
+        fill(x, cnt, -1, 1);
+        int32_t p = (int32_t)(test_rand_u64(&rng) % (uint64_t)cases[k].max_pos);
+        for (uint32_t t = 0; t < cases[k].n; t++)
+            pos[t] = p + (int32_t)t;
+        float *d = dev_from(x, cnt * sizeof *x);
+        CHECK(gpu->ops->rope(gpu, d, cases[k].n, cases[k].heads, cases[k].hd, cases[k].rot, pos, cases[k].base,
+                             cases[k].fs) == TKV_OK,
+              "%s", tkv_last_error());
+        CHECK(cpu->ops->rope(cpu, x, cases[k].n, cases[k].heads, cases[k].hd, cases[k].rot, pos, cases[k].base,
+                             cases[k].fs) == TKV_OK,
+              "%s", tkv_last_error());
+        to_host(yg, d, cnt * sizeof *yg);
+        double err = 0;
+        for (size_t i = 0; i < cnt; i++)
+            err = isnan(yg[i]) ? INFINITY : fmax(err, fabs(yg[i] - x[i]));
+        fprintf(stderr, "rope n=%u heads=%u hd=%u rot=%u pos %d..: max |gpu-cpu| %.2e\n", cases[k].n, cases[k].heads,
+                cases[k].hd, cases[k].rot, p, err);
+        CHECK(err <= 1e-5, "rope case %zu: err %.3g", k, err);
+        dev_free(d);
+        free(x), free(yg), free(pos);
+    }
+    CHECK(gpu->ops->rope(gpu, NULL, 1, 1, 64, 65, (int32_t[]){0}, 1e4f, 1.0f) == TKV_ERR_INVALID_ARG,
+          "odd rope dimension accepted");
+}
+
+static void test_swiglu_add(void)
+{
+    const size_t n = 100003;
+    float *g = malloc(n * sizeof *g), *u = malloc(n * sizeof *u), *oc = malloc(n * sizeof *oc);
+    float *og = malloc(n * sizeof *og);
+    fill(g, n, -12, 12);
+    fill(u, n, -3, 3);
+    CHECK(cpu->ops->swiglu(cpu, g, u, oc, n) == TKV_OK, "%s", tkv_last_error());
+    float *dg = dev_from(g, n * sizeof *g), *du = dev_from(u, n * sizeof *u);
+    CHECK(gpu->ops->swiglu(gpu, dg, du, dg, n) == TKV_OK, "%s", tkv_last_error()); /* out aliases gate */
+    to_host(og, dg, n * sizeof *og);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += !(fabs(og[i] - oc[i]) <= 1e-6 * fmax(1.0, fabs(oc[i])));
+    fprintf(stderr, "swiglu: %zu of %zu beyond 1e-6\n", bad, n);
+    CHECK(bad == 0, "swiglu: %zu elements differ", bad);
+
+    /* add: y += x, exactly (y = the swiglu output, x = up) */
+    float *dy = dev_from(oc, n * sizeof *oc);
+    CHECK(cpu->ops->add(cpu, oc, u, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->add(gpu, dy, du, n) == TKV_OK, "%s", tkv_last_error());
+    to_host(og, dy, n * sizeof *og);
+    CHECK(memcmp(og, oc, n * sizeof *og) == 0, "add differs");
+    dev_free(dg), dev_free(du), dev_free(dy);
+    free(g), free(u), free(oc), free(og);
+}
+
+static void test_kv_write(void)
+{
+    const uint32_t rows = 77, hd = 64;
+    const size_t stride = 3 * hd + 5;
+    float *src = malloc(rows * stride * sizeof *src);
+    fill(src, rows * stride, -70000, 70000);
+    for (size_t i = 0; i < rows * stride; i += 7) /* small values, f16 subnormals */
+        src[i] = test_rand_f32(&rng, -1e-6f, 1e-6f);
+    uint16_t *dc = malloc(rows * hd * 2), *dg_h = malloc(rows * hd * 2);
+    CHECK(cpu->ops->kv_write(cpu, src + hd, stride, dc, rows, hd) == TKV_OK, "%s", tkv_last_error());
+    float *ds = dev_from(src, rows * stride * sizeof *src);
+    uint16_t *dd = dev_alloc(rows * hd * 2);
+    CHECK(gpu->ops->kv_write(gpu, ds + hd, stride, dd, rows, hd) == TKV_OK, "%s", tkv_last_error());
+    to_host(dg_h, dd, rows * hd * 2);
+    CHECK(memcmp(dc, dg_h, rows * hd * 2) == 0, "kv_write: f16 bits differ");
+    fprintf(stderr, "kv_write: %u rows bit-identical: %s\n", rows, memcmp(dc, dg_h, rows * hd * 2) ? "no" : "yes");
+    dev_free(ds), dev_free(dd);
+    free(src), free(dc), free(dg_h);
+}
+
+/* ---- attention -------------------------------------------------------------------------- */
+
+enum view_kind { VIEW_ALL, VIEW_SPARSE, VIEW_WINDOW };
+
+struct kv_fixture {
+    uint32_t nb, B, hd, Hkv;
+    uint16_t *host;                    /* [Hkv][nb][K|V][B][hd] (+ pad)   */
+    uint16_t *dev;                     /* same layout on the device       */
+    struct tkv_kv_block_ref *hrefs, *drefs;  /* [Hkv][nb]               */
+    struct tkv_kv_head_view *hviews, *dviews; /* [Hkv]                   */
+};
+
+static void kv_make(struct kv_fixture *f, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_tokens,
+                    enum view_kind kind, uint32_t shift)
+{
+    const uint32_t nb = (n_tokens + B - 1) / B;
+    const size_t elems = (size_t)Hkv * nb * 2 * B * hd + shift;
+    f->nb = nb, f->B = B, f->hd = hd, f->Hkv = Hkv;
+    f->host = malloc(elems * 2);
+    for (size_t i = 0; i < elems; i++)
+        f->host[i] = tkv_fp32_to_fp16(test_rand_f32(&rng, -2, 2));
+    f->dev = dev_from(f->host, elems * 2);
+    f->hrefs = calloc((size_t)Hkv * nb, sizeof *f->hrefs);
+    f->drefs = calloc((size_t)Hkv * nb, sizeof *f->drefs);
+    f->hviews = calloc(Hkv, sizeof *f->hviews);
+    f->dviews = calloc(Hkv, sizeof *f->dviews);
+    for (uint32_t h = 0; h < Hkv; h++) {
+        uint32_t kept = 0;
+        for (uint32_t b = 0; b < nb; b++) {
+            if (kind == VIEW_SPARSE && b > 0 && b + 1 < nb && (test_rand_u64(&rng) & 1))
+                continue; /* a selecting policy dropped it */
+            if (kind == VIEW_WINDOW && b < nb / 2)
+                continue; /* only the recent half: early queries see nothing */
+            const size_t o = shift + (((size_t)h * nb + b) * 2) * B * hd;
+            const uint32_t n = TKV_MIN(B, n_tokens - b * B);
+            f->hrefs[(size_t)h * nb + kept] = (struct tkv_kv_block_ref){
+                .k = f->host + o, .v = f->host + o + (size_t)B * hd, .pos0 = (int32_t)(b * B), .n = n};
+            f->drefs[(size_t)h * nb + kept] = (struct tkv_kv_block_ref){
+                .k = f->dev + o, .v = f->dev + o + (size_t)B * hd, .pos0 = (int32_t)(b * B), .n = n};
+            kept++;
+        }
+        f->hviews[h] = (struct tkv_kv_head_view){.blocks = f->hrefs + (size_t)h * nb, .n_blocks = kept};
+        f->dviews[h] = (struct tkv_kv_head_view){.blocks = f->drefs + (size_t)h * nb, .n_blocks = kept};
+    }
+}
+
+static void kv_free(struct kv_fixture *f)
+{
+    dev_free(f->dev);
+    free(f->host), free(f->hrefs), free(f->drefs), free(f->hviews), free(f->dviews);
+}
+
+static double max_err(const float *a, const float *b, size_t n)
+{
+    double e = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isinf(a[i]) && isinf(b[i]) && (a[i] > 0) == (b[i] > 0))
+            continue; /* lse of a row that sees nothing: -inf in both */
+        const double d = fabs((double)a[i] - b[i]);
+        if (!(d <= e)) /* NaN makes it infinite */
+            e = isnan(d) ? INFINITY : d;
+    }
+    return e;
+}
+
+static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_ctx, uint32_t n_q,
+                                enum view_kind kind, uint32_t shift)
+{
+    struct kv_fixture f;
+    kv_make(&f, Hkv, hd, B, n_ctx, kind, shift);
+    const size_t qn = (size_t)n_q * H * hd, ln = (size_t)n_q * H;
+    float *q = malloc(qn * sizeof *q), *o_ref = malloc(qn * sizeof *o_ref), *o_cpu = malloc(qn * sizeof *o_cpu);
+    float *o_gpu = malloc(qn * sizeof *o_gpu), *l_ref = malloc(ln * sizeof *l_ref), *l_cpu = malloc(ln * sizeof *l_cpu);
+    float *l_gpu = malloc(ln * sizeof *l_gpu);
+    int32_t *pos = malloc(n_q * sizeof *pos);
+    fill(q, qn, -1, 1);
+    for (uint32_t t = 0; t < n_q; t++) /* the last n_q positions, as in a prefill chunk */
+        pos[t] = (int32_t)(n_ctx - n_q + t);
+    struct tkv_attn_args a = {.q = q, .q_pos = pos, .out = o_ref, .lse = l_ref, .n_q = n_q, .n_head = H,
+                              .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = f.hviews};
+    CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "%s", tkv_last_error());
+    a.out = o_cpu;
+    a.lse = l_cpu;
+    CHECK(cpu->ops->attention(cpu, &a) == TKV_OK, "%s", tkv_last_error());
+    float *dq = dev_from(q, qn * sizeof *q), *dout = dev_poisoned(qn), *dlse = dev_poisoned(ln);
+    a.q = dq;
+    a.out = dout;
+    a.lse = dlse;
+    a.kv = f.dviews;
+    CHECK(gpu->ops->attention(gpu, &a) == TKV_OK, "%s", tkv_last_error());
+    to_host(o_gpu, dout, qn * sizeof *o_gpu);
+    to_host(l_gpu, dlse, ln * sizeof *l_gpu);
+    const double eo = max_err(o_gpu, o_ref, qn), el = max_err(l_gpu, l_ref, ln);
+    const double eoc = max_err(o_gpu, o_cpu, qn), elc = max_err(l_gpu, l_cpu, ln);
+    static const char *kinds[] = {"all", "sparse", "window"};
+    fprintf(stderr,
+            "  attn H=%-2u Hkv=%-2u hd=%-3u B=%-3u ctx=%-5u n_q=%-3u %-6s%s max|out-ref| %.1e |lse-ref| %.1e, "
+            "vs cpu %.1e %.1e\n",
+            H, Hkv, hd, B, n_ctx, n_q, kinds[kind], shift ? " (unaligned)" : "", eo, el, eoc, elc);
+    CHECK(eo <= 1e-4 && el <= 1e-4, "attention H=%u Hkv=%u hd=%u B=%u ctx=%u n_q=%u %s: out err %.3g lse err %.3g", H,
+          Hkv, hd, B, n_ctx, n_q, kinds[kind], eo, el);
+    CHECK(eoc <= 1e-4 && elc <= 1e-4, "attention vs cpu backend: out %.3g lse %.3g", eoc, elc);
+
+    /* without lse the output is the same */
+    float *dout2 = dev_poisoned(qn);
+    a.out = dout2;
+    a.lse = NULL;
+    CHECK(gpu->ops->attention(gpu, &a) == TKV_OK, "%s", tkv_last_error());
+    to_host(o_cpu, dout2, qn * sizeof *o_cpu);
+    CHECK(max_err(o_cpu, o_ref, qn) <= 1e-4, "attention without lse differs");
+
+    dev_free(dq), dev_free(dout), dev_free(dlse), dev_free(dout2);
+    free(q), free(o_ref), free(o_cpu), free(o_gpu), free(l_ref), free(l_cpu), free(l_gpu), free(pos);
+    kv_free(&f);
+}
+
+static void test_attention(void)
+{
+    fprintf(stderr, "attention, prefill:\n");
+    test_attention_case(9, 3, 64, 64, 300, 300, VIEW_ALL, 0);      /* SmolLM2 shape, whole prompt */
+    test_attention_case(32, 8, 128, 32, 1000, 300, VIEW_ALL, 0);   /* Llama-3 8B shape, later chunk */
+    test_attention_case(9, 3, 64, 16, 700, 300, VIEW_SPARSE, 0);   /* selected blocks */
+    test_attention_case(4, 2, 64, 32, 512, 300, VIEW_WINDOW, 0);   /* rows that see no key */
+    test_attention_case(16, 16, 96, 64, 530, 300, VIEW_ALL, 0);    /* MHA, hd 96 */
+    test_attention_case(8, 1, 256, 64, 400, 300, VIEW_ALL, 0);     /* MQA, hd 256 */
+    test_attention_case(9, 3, 64, 64, 200, 5, VIEW_ALL, 0);        /* a few tokens */
+    test_attention_case(9, 3, 64, 64, 300, 300, VIEW_ALL, 2);      /* K/V not 16-byte aligned */
+    fprintf(stderr, "attention, decode:\n");
+    const uint32_t ctxs[] = {1, 63, 64, 65, 1000, 4097, 20000};
+    for (size_t i = 0; i < sizeof ctxs / sizeof ctxs[0]; i++)
+        test_attention_case(9, 3, 64, 64, ctxs[i], 1, VIEW_ALL, 0);
+    test_attention_case(32, 8, 128, 32, 5000, 1, VIEW_SPARSE, 0);
+    test_attention_case(32, 4, 72, 256, 3001, 1, VIEW_ALL, 0);    /* G = 8, hd 72, B 256 */
+    test_attention_case(8, 8, 80, 8, 777, 1, VIEW_WINDOW, 0);
+    test_attention_case(16, 2, 256, 64, 3000, 1, VIEW_SPARSE, 0);
+
+    /* what the kernels cannot do is refused */
+    struct tkv_kv_head_view v = {0};
+    float dummy[20];
+    struct tkv_attn_args bad = {.q = dummy, .q_pos = (int32_t[]){0}, .out = dummy, .n_q = 1, .n_head = 1,
+                                .n_head_kv = 1, .head_dim = 20, .scale = 1, .kv = &v};
+    CHECK(gpu->ops->attention(gpu, &bad) == TKV_ERR_UNSUPPORTED, "head_dim 20 accepted");
+}
+
+/* ---- the f32 validation mode (TKV_CUDA_WEIGHTS=f32) -------------------------------- */
+
+static void test_f32_mode(void)
+{
+    struct tkv_backend *f16_backend = gpu;
+    setenv("TKV_CUDA_WEIGHTS", "f32", 1);
+    tkv_status st = tkv_backend_create("cuda", 0, &gpu);
+    unsetenv("TKV_CUDA_WEIGHTS");
+    CHECK(st == TKV_OK, "%s", tkv_last_error());
+    if (st == TKV_OK) {
+        f32_mode = true;
+        fprintf(stderr, "f32 validation mode:\n");
+        test_matmul_case(TKV_TYPE_Q4_1, 576, 384, 1, 0);
+        test_matmul_case(TKV_TYPE_Q6_K, 768, 384, 64, 0);
+        test_matmul_case(TKV_TYPE_F32, 100, 70, 3, 0);
+        f32_mode = false;
+        gpu->ops->free(gpu);
+    }
+    gpu = f16_backend;
+}
+
+/* ---- optional members: PCI id, page-locked host memory ------------------------- */
+
+static void test_host_memory(void)
+{
+    const char *bus = gpu->ops->pci_bus_id ? gpu->ops->pci_bus_id(gpu) : NULL;
+    fprintf(stderr, "pci bus id: %s\n", bus ? bus : "(none)");
+    CHECK(bus && strlen(bus) >= 12 && bus[4] == ':', "pci bus id '%s'", bus ? bus : "");
+    REQUIRE_VOID(gpu->ops->host_register && gpu->ops->host_unregister);
+    const size_t n = 1 << 20;
+    float *h = NULL, *back = malloc(n * sizeof *back);
+    REQUIRE_VOID(posix_memalign((void **)&h, 4096, n * sizeof *h) == 0);
+    fill(h, n, -1, 1);
+    CHECK(gpu->ops->host_register(gpu, h, n * sizeof *h) == TKV_OK, "%s", tkv_last_error());
+    float first = h[0], last = h[n - 1];
+    float *d = dev_alloc(n * sizeof *h);
+    CHECK(gpu->ops->upload(gpu, d, h, n * sizeof *h) == TKV_OK, "%s", tkv_last_error());
+    h[0] = h[n - 1] = 12345.0f; /* upload returned: the source may be reused */
+    to_host(back, d, n * sizeof *back);
+    CHECK(back[0] == first && back[n - 1] == last, "upload from page-locked memory read the source late");
+    gpu->ops->host_unregister(gpu, h);
+    dev_free(d);
+    free(h), free(back);
+}
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+static void test_errors(void)
+{
+    void *p = NULL;
+    tkv_status st = gpu->ops->alloc(gpu, (size_t)1 << 50, &p);
+    fprintf(stderr, "alloc 1 PiB: %s: %s\n", tkv_status_str(st), tkv_last_error());
+    CHECK(st == TKV_ERR_NOMEM && !p, "huge alloc gave %s", tkv_status_str(st));
+    /* not sticky: the backend still works */
+    p = dev_alloc(1 << 20);
+    CHECK(gpu->ops->synchronize(gpu) == TKV_OK, "%s", tkv_last_error());
+    dev_free(p);
+}
+
+int main(void)
+{
+    if (tkv_backend_cuda_devices() == 0)
+        SKIP("no usable CUDA device");
+    rng = test_seed();
+    REQUIRE(tkv_backend_create("cpu", 0, &cpu) == TKV_OK, "%s", tkv_last_error());
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu) == TKV_OK, "%s", tkv_last_error());
+    REQUIRE(!strcmp(gpu->ops->name, "cuda"), "backend %s", gpu->ops->name);
+    const clock_t t0 = clock();
+    test_matmul();
+    test_get_rows();
+    test_rmsnorm();
+    test_rope();
+    test_swiglu_add();
+    test_kv_write();
+    test_attention();
+    test_f32_mode();
+    test_host_memory();
+    test_errors();
+    fprintf(stderr, "(%.1f s of CPU time)\n", (double)(clock() - t0) / CLOCKS_PER_SEC);
+    gpu->ops->free(gpu);
+    cpu->ops->free(cpu);
+    return test_done();
+}
