@@ -645,16 +645,21 @@ int main(void)
     REQUIRE(tkv_backend_create("cuda", 0, &gpu) == TKV_OK, "%s", tkv_last_error());
     REQUIRE(!strcmp(gpu->ops->name, "cuda"), "backend %s", gpu->ops->name);
     const clock_t t0 = clock();
-    test_matmul();
-    test_get_rows();
-    test_rmsnorm();
-    test_rope();
-    test_swiglu_add();
-    test_kv_write();
-    test_attention();
-    test_f32_mode();
-    test_host_memory();
-    test_errors();
+    /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
+    const char *only = getenv("TKV_TEST_ONLY");
+#define SECTION(name, fn)                     \
+    if (!only || !strcmp(only, name))        \
+        fn();
+    SECTION("matmul", test_matmul);
+    SECTION("get_rows", test_get_rows);
+    SECTION("rmsnorm", test_rmsnorm);
+    SECTION("rope", test_rope);
+    SECTION("swiglu", test_swiglu_add);
+    SECTION("kv_write", test_kv_write);
+    SECTION("attention", test_attention);
+    SECTION("f32", test_f32_mode);
+    SECTION("host", test_host_memory);
+    SECTION("errors", test_errors);
     fprintf(stderr, "(%.1f s of CPU time)\n", (double)(clock() - t0) / CLOCKS_PER_SEC);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
