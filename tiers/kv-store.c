@@ -82,6 +82,7 @@ struct tkv_kvs {
     double stall;
     uint64_t prefetched, corrupt;
     uint32_t n_inflight;     /* prefetch reads not yet completed */
+    bool     broken;         /* the I/O engine lost ops: refuse further work */
 };
 
 /* ---- small helpers ------------------------------------------------------------ */
@@ -539,27 +540,87 @@ static void prefetch_drain(struct tkv_kvs *s)
     }
 }
 
-/* Brings blocks idx[0..n) (not in compute) into compute slots. */
+/* Reads blocks list[0..n) from NVMe straight into their compute slots (host
+ * compute tier), keeping the queue full and verifying each block as it
+ * lands. Blocks that fail keep no compute copy; returns the first error. */
+static tkv_status nvme_stream_reads(struct tkv_kvs *s, const uint32_t *list, uint32_t n)
+{
+    uint32_t next = 0, inflight = 0;
+    tkv_status first = TKV_OK;
+    struct tkv_io_cqe cqe[IO_BATCH];
+    while (next < n || inflight > 0) {
+        while (next < n) {
+            const struct blk *k = &s->blk[list[next]];
+            int rc = tkv_io_read(s->io, s->file, slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]), s->S,
+                                 (uint64_t)k->slot[TKV_TIER_NVME] * s->S, (uint64_t)next << 1);
+            if (rc == -EAGAIN)
+                break;
+            if (rc < 0 && first == TKV_OK)
+                first = tkv_io_status(rc, "recall read");
+            inflight += rc >= 0;
+            next++;
+        }
+        int rc = tkv_io_submit(s->io);
+        int got = rc < 0 ? rc : tkv_io_wait(s->io, 1, cqe, IO_BATCH);
+        if (got < 0 || (got == 0 && inflight > 0)) {
+            /* the engine cannot complete what it holds: never reuse those slots */
+            s->broken = true;
+            return tkv_io_status(got < 0 ? got : -EIO, "kv-store: the I/O engine failed; the NVMe tier is unusable");
+        }
+        for (int c = 0; c < got; c++) {
+            if (cqe[c].user_tag & 1) {
+                prefetch_complete(s, &cqe[c]);
+                continue;
+            }
+            uint32_t i = list[cqe[c].user_tag >> 1];
+            inflight--;
+            const void *data = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[i].slot[TKV_TIER_COMPUTE]);
+            tkv_status st;
+            if (cqe[c].result != (int64_t)s->S)
+                st = cqe[c].result < 0 ? tkv_io_status((int)cqe[c].result, "recall read")
+                                       : tkv_err(TKV_ERR_IO, "io: short read");
+            else
+                st = verify(s, i, data, TKV_TIER_NVME);
+            if (st == TKV_OK) {
+                s->blk[i].valid |= BIT(TKV_TIER_COMPUTE);
+                s->st[TKV_TIER_NVME].bytes_out += s->S;
+                s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+            } else if (first == TKV_OK) {
+                uint32_t l, h, b;
+                blk_coords(s, i, &l, &h, &b);
+                first = st == TKV_ERR_CORRUPT ? st
+                                              : tkv_err_wrap(st, "kv-store: nvme tier, block (layer %u, head %u, block %u)",
+                                                             l, h, b);
+            }
+        }
+    }
+    return first;
+}
+
+/* Brings blocks idx[0..n) (not in compute) into compute slots: host-tier
+ * copies are copied up, NVMe copies read (streamed straight into the slots
+ * on a host compute tier, through the staging buffer below a GPU). On
+ * failure no block keeps a compute slot without a current copy in it. */
 static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
 {
     TKV_TRY(make_room(s, TKV_TIER_COMPUTE, n));
-    uint32_t m = 0;
+    uint32_t *nv = s->cand[TKV_TIER_COMPUTE], n_nv = 0; /* free again after make_room */
     tkv_status st = TKV_OK;
-    for (uint32_t j = 0; j < n; j++) {
+    for (uint32_t j = 0; j < n && st == TKV_OK; j++) {
         uint32_t i = idx[j];
         struct blk *k = &s->blk[i];
         int32_t cs = pool_take(s, TKV_TIER_COMPUTE, i);
-        if (cs < 0)
-            return tkv_err(TKV_ERR_INTERNAL, "kv-store: no compute slot after making room");
+        if (cs < 0) {
+            st = tkv_err(TKV_ERR_INTERNAL, "kv-store: no compute slot after making room");
+            break;
+        }
         k->slot[TKV_TIER_COMPUTE] = cs;
         if (k->valid & BIT(TKV_TIER_HOST)) {
             const uint8_t *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
             if ((st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
                 st = host_to_compute(s, src, cs);
-            if (st != TKV_OK) {
-                drop_copy(s, i, TKV_TIER_COMPUTE);
-                return st;
-            }
+            if (st != TKV_OK)
+                break;
             k->valid |= BIT(TKV_TIER_COMPUTE);
             s->st[TKV_TIER_HOST].hits++;
             s->st[TKV_TIER_HOST].bytes_out += s->S;
@@ -568,33 +629,38 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
             if (s->pool[TKV_TIER_HOST].present)
                 s->st[TKV_TIER_HOST].misses++;
             s->st[TKV_TIER_NVME].hits++;
-            void *buf = s->p.compute_is_host ? slot_ptr(s, TKV_TIER_COMPUTE, cs) : s->staging + (size_t)m * s->S;
-            s->ops[m++] = (struct io_op){.blk = i, .write = false, .buf = buf};
+            nv[n_nv++] = i;
         } else {
-            return block_error(s, TKV_ERR_INTERNAL, i, "has no current copy on any tier");
-        }
-        if (m == IO_BATCH || (j + 1 == n && m > 0)) {
-            st = nvme_run(s, s->ops, m, s->results);
-            for (uint32_t r = 0; r < m && st == TKV_OK; r++) {
-                uint32_t bi = s->ops[r].blk;
-                if ((st = verify(s, bi, s->ops[r].buf, TKV_TIER_NVME)) == TKV_OK && !s->p.compute_is_host)
-                    st = host_to_compute(s, s->ops[r].buf, s->blk[bi].slot[TKV_TIER_COMPUTE]);
-                if (st == TKV_OK) {
-                    s->blk[bi].valid |= BIT(TKV_TIER_COMPUTE);
-                    s->st[TKV_TIER_NVME].bytes_out += s->S;
-                    s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
-                }
-            }
-            if (st != TKV_OK) { /* undo the slots of this batch that did not land */
-                for (uint32_t r = 0; r < m; r++)
-                    if (!(s->blk[s->ops[r].blk].valid & BIT(TKV_TIER_COMPUTE)))
-                        drop_copy(s, s->ops[r].blk, TKV_TIER_COMPUTE);
-                return st;
-            }
-            m = 0;
+            st = block_error(s, TKV_ERR_INTERNAL, i, "has no current copy on any tier");
         }
     }
-    return TKV_OK;
+    if (st == TKV_OK && n_nv > 0) {
+        if (s->p.compute_is_host) {
+            st = nvme_stream_reads(s, nv, n_nv);
+        } else {
+            for (uint32_t j0 = 0; j0 < n_nv && st == TKV_OK; j0 += IO_BATCH) {
+                uint32_t m = TKV_MIN(IO_BATCH, n_nv - j0);
+                for (uint32_t r = 0; r < m; r++)
+                    s->ops[r] = (struct io_op){.blk = nv[j0 + r], .write = false, .buf = s->staging + (size_t)r * s->S};
+                st = nvme_run(s, s->ops, m, s->results);
+                for (uint32_t r = 0; r < m && st == TKV_OK; r++) {
+                    uint32_t bi = s->ops[r].blk;
+                    if ((st = verify(s, bi, s->ops[r].buf, TKV_TIER_NVME)) == TKV_OK)
+                        st = host_to_compute(s, s->ops[r].buf, s->blk[bi].slot[TKV_TIER_COMPUTE]);
+                    if (st == TKV_OK) {
+                        s->blk[bi].valid |= BIT(TKV_TIER_COMPUTE);
+                        s->st[TKV_TIER_NVME].bytes_out += s->S;
+                        s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+                    }
+                }
+            }
+        }
+    }
+    if (st != TKV_OK && !s->broken) /* give back the slots that hold nothing current */
+        for (uint32_t j = 0; j < n; j++)
+            if (!(s->blk[idx[j]].valid & BIT(TKV_TIER_COMPUTE)) && s->blk[idx[j]].slot[TKV_TIER_COMPUTE] >= 0)
+                drop_copy(s, idx[j], TKV_TIER_COMPUTE);
+    return st;
 }
 
 /* ---- public functions -------------------------------------------------------- */
@@ -670,6 +736,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false)) != TKV_OK)
             goto fail;
         struct tkv_io_params iop = tkv_io_default_params();
+        iop.queue_depth = 128; /* a whole layer's recall streams at this depth */
         int rc = tkv_io_init(&iop, &s->io);
         if (rc == 0)
             rc = tkv_io_file_open_tmp(s->io, p->nvme_dir, &s->file);
@@ -768,6 +835,8 @@ tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write
     const uint32_t B = s->p.block_tokens, nb = (s->length + B - 1) / B, H = s->p.n_head_kv;
     if (layer >= s->p.n_layer || nb > s->n_blocks)
         return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: begin_layer(%u) outside the reserved page table", layer);
+    if (s->broken)
+        return tkv_err(TKV_ERR_IO, "kv-store: the NVMe tier failed earlier; the session cannot continue");
     const double t0 = seconds();
     s->cur_layer = layer; /* eviction distances are measured from here */
     prefetch_drain(s);
