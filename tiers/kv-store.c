@@ -736,7 +736,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false)) != TKV_OK)
             goto fail;
         struct tkv_io_params iop = tkv_io_default_params();
-        iop.queue_depth = 128; /* a whole layer's recall streams at this depth */
+        iop.queue_depth = 256; /* a whole layer's recall streams at this depth */
         int rc = tkv_io_init(&iop, &s->io);
         if (rc == 0)
             rc = tkv_io_file_open_tmp(s->io, p->nvme_dir, &s->file);
