@@ -2,10 +2,11 @@
  * cpu-backend.c -- the CPU implementation of struct tkv_backend_ops.
  *
  * Matmul has two paths, chosen by the number of tokens:
- *   - few tokens (decode): the activations are quantized once per token to
- *     the weight type's partner format and every output is one quantized dot
- *     product (cpu/quant.h), output rows split across threads;
- *   - many tokens (prefill): each thread dequantizes a tile of weight rows
+ *   - one token (decode): the activations are quantized once to the weight
+ *     type's partner format and every output is one quantized dot product
+ *     (cpu/quant.h), output rows split across threads; Q8_0 matrices (the
+ *     output projection) take f32 activations instead;
+ *   - more tokens (prefill): each thread dequantizes a tile of weight rows
  *     to f32 and multiplies it with all tokens at once (OpenBLAS sgemm,
  *     single-threaded inside our pool).
  * Memory is plain host memory; weights are used in place from the mapping.
@@ -17,9 +18,16 @@
 #include <math.h>
 #include <stdlib.h>
 #include <unistd.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
-/* Below this many tokens a matmul uses quantized dot products. */
-#define MATMUL_BLAS_MIN_TOKENS 8
+/* A single token (decode) uses quantized dot products; two or more use f32
+ * activations against dequantized tiles (sgemm). Prefill therefore computes
+ * with exact activations: its logits match a float64 evaluation of the
+ * quantized model to ~1e-3, where 8-bit activations (llama.cpp's choice
+ * everywhere) move them by ~0.1-0.5 (tests/test-reference.c prints both). */
+#define MATMUL_BLAS_MIN_TOKENS 2
 /* Weight rows per dequantized tile in the sgemm path. */
 #define MATMUL_TILE_ROWS 64
 
@@ -120,6 +128,47 @@ struct matmul_job {
     bool oom;
 };
 
+/* Q8_0 weights times an f32 activation row (dequantized on the fly). Used
+ * for Q8_0 matrices at decode -- in llama.cpp files typically the output
+ * projection, where 8-bit activations would cost ~0.1 in every logit. */
+static float dot_q8_0_f32(const tkv_block_q8_0 *w, const float *x, int64_t n)
+{
+    const int64_t nb = n / TKV_QK8_0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 d = _mm512_set1_ps(tkv_fp16_to_fp32(w[b].d));
+        const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w[b].qs)));
+        const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w[b].qs + 16))));
+        const __m512 s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + b * 32 + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(x + b * 32)));
+        acc = _mm512_fmadd_ps(d, s, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#else
+    float acc = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        float s = 0;
+        for (int j = 0; j < TKV_QK8_0; j++)
+            s += (float)w[b].qs[j] * x[b * 32 + j];
+        acc += tkv_fp16_to_fp32(w[b].d) * s;
+    }
+    return acc;
+#endif
+}
+
+static void matmul_q8_0_f32_worker(void *ctx, uint32_t ith, uint32_t nth)
+{
+    struct matmul_job *j = ctx;
+    const struct tkv_bweight *w = j->w;
+    uint64_t r0, r1;
+    tkv_split(w->n_out, ith, nth, &r0, &r1);
+    for (uint64_t r = r0; r < r1; r++) {
+        const tkv_block_q8_0 *row = (const tkv_block_q8_0 *)(w->data + r * w->row_bytes);
+        for (uint32_t i = 0; i < j->n; i++)
+            j->y[(size_t)i * w->n_out + r] = dot_q8_0_f32(row, j->x + (size_t)i * w->n_in, w->n_in);
+    }
+}
+
 static void matmul_dot_worker(void *ctx, uint32_t ith, uint32_t nth)
 {
     struct matmul_job *j = ctx;
@@ -171,6 +220,8 @@ static tkv_status cpu_matmul(struct tkv_backend *b, const struct tkv_bweight *w,
     struct matmul_job job = {.cb = cb, .w = w, .x = x, .y = y, .n = n};
     if (n >= MATMUL_BLAS_MIN_TOKENS) {
         tkv_pool_run(cb->pool, matmul_blas_worker, &job);
+    } else if (w->type == TKV_TYPE_Q8_0) {
+        tkv_pool_run(cb->pool, matmul_q8_0_f32_worker, &job);
     } else {
         job.act_bytes = tkv_act_row_bytes(w->type, w->n_in);
         size_t need = job.act_bytes * n;
