@@ -107,7 +107,9 @@ static int uring_reap(struct tkv_io *io, bool wait)
             return r;
         if (count || !wait || !io->n_inflight)
             return 0;
-        r = io_uring_wait_cqe(&io->ring, &cqe);
+        /* SQEs a failed flush left behind must go in with the wait, or no
+         * completion could ever arrive for them. */
+        r = io_uring_sq_ready(&io->ring) ? io_uring_submit_and_wait(&io->ring, 1) : io_uring_wait_cqe(&io->ring, &cqe);
         if (r < 0 && r != -EINTR && r != -EAGAIN)
             return r;
     }
