@@ -3,7 +3,9 @@
  * backend interface (host clock around ops->synchronize; many calls per
  * timing so launch gaps are amortized as in a real forward pass).
  *
- *   bench-attn [-r reps]
+ *   bench-attn [-r reps] [-x]
+ *
+ * -x: only decode attention at 131072 keys (32/8/128), 3 calls, for ncu.
  *
  * Cases: decode attention (n_q = 1) over 1k..128k keys and a 512-token
  * prefill chunk, for a Llama-3-8B-like head layout (32 query heads, 8 KV
@@ -176,10 +178,12 @@ static void bench_matmul(uint32_t n_in, uint32_t n_out, uint32_t n, int reps)
 
 int main(int argc, char **argv)
 {
-    int reps = 50;
+    int reps = 50, profile = 0;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "-r") && i + 1 < argc)
             reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "-x"))
+            profile = 1;
     if (tkv_backend_cuda_devices() == 0) {
         fprintf(stderr, "bench-attn: no CUDA device\n");
         return 77;
@@ -188,6 +192,12 @@ int main(int argc, char **argv)
     die_if(tkv_backend_create("cpu", 0, &cpu));
     printf("| op | shape | size | time/call | bytes rate | compute rate | check |\n");
     printf("| --- | --- | --- | ---: | ---: | ---: | --- |\n");
+    if (profile) {
+        bench_attention(32, 8, 128, 64, 131072, 1, 1);
+        gpu->ops->free(gpu);
+        cpu->ops->free(cpu);
+        return 0;
+    }
     const uint32_t ctxs[] = {1024, 8192, 32768, 131072};
     for (int i = 0; i < 4; i++)
         bench_attention(32, 8, 128, 64, ctxs[i], 1, reps);

@@ -194,6 +194,7 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
             if (m_new == -INFINITY) { /* nothing visible to this row yet */
                 srow[lane] = 0.0f;
                 srow[lane + 32] = 0.0f;
+                __syncwarp();
                 if (lane == 0)
                     Cs[r] = 1.0f;
                 continue;
@@ -203,6 +204,7 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
             srow[lane] = p0;
             srow[lane + 32] = p1;
             const float sum = tkv_warp_sum(p0 + p1);
+            __syncwarp(); /* every lane has read Ms[r] before lane 0 writes it */
             if (lane == 0) {
                 Ms[r] = m_new;
                 Ls[r] = Ls[r] * corr + sum;

@@ -3,20 +3,23 @@
  * CPU and the CUDA backends through the public API (tkv_session_params.device).
  * Skips (77) without a CUDA device or without the model.
  *
- * For each prompt:
- *   1. free-running greedy generation on "cpu" and on "cuda": the tokens must
- *      be identical, except after a near tie: a step where the CPU's own
- *      top-2 logit margin is below NEAR_TIE, i.e. within the logit noise of
- *      either backend's arithmetic (then the divergence is reported and the
- *      comparison goes on with step 2);
- *   2. teacher-forced: the CUDA sessions are fed the CPU's tokens, and the
- *      logits after the prompt and after every generated token must agree:
- *      ||gpu - cpu|| / ||cpu|| < LOGIT_REL and max |gpu - cpu| < LOGIT_ABS;
- *      the argmax must agree wherever the CPU margin is at least NEAR_TIE;
- *   3. attribution: the same teacher-forced run with TKV_CUDA_WEIGHTS=f32
- *      (exact f32 weights and f32 GEMMs on the GPU) tells how much of the
- *      difference the GPU's f16 storage makes and how much is the CPU's own
- *      rounding (its decode matmuls quantize activations to 8 bits).
+ * For each prompt, three sessions: "cpu", "cuda", and "cuda" with
+ * TKV_CUDA_WEIGHTS=f32 (exact f32 weights, f32 GEMMs: the validation mode).
+ *   1. free-running greedy generation: cuda must give the CPU's tokens, and
+ *      cuda the cuda-f32 tokens, except after a near tie (a step where the
+ *      reference's own top-2 logit margin is below NEAR_TIE / NEAR_TIE_F32:
+ *      inside the logit noise below, either token is a correct argmax);
+ *   2. teacher-forced on the CPU's tokens, after the prompt and after every
+ *      token:
+ *        cuda vs cuda-f32: ||d|| / ||ref|| < F32_REL, max |d| < F32_ABS
+ *          (what f16 weight storage and f16 prefill activations cost;
+ *          measured on the H200 <= 2e-3 relative, <= 0.04 absolute);
+ *        cuda vs cpu:      < CPU_REL, < CPU_ABS (the CPU backend quantizes
+ *          decode activations to 8 bits, like llama.cpp: measured up to
+ *          0.10 relative, 1.2 absolute, the same against cuda-f32, so this
+ *          bound is the CPU's rounding, not the GPU's);
+ *      and the argmax must agree wherever the CPU margin is >= CPU_ABS.
+ * Logits of this model are O(10).
  *
  * Prompts: a chat prompt with 32 greedy tokens (one 512-token chunk, KV
  * blocks of 64), and a ~480-token prompt prefilled in chunks of 256 with KV
@@ -31,9 +34,12 @@
 #include <time.h>
 
 #define MAX_GEN 32
-#define LOGIT_REL 3e-2  /* logits are O(10): see the header comment */
-#define LOGIT_ABS 1.0
-#define NEAR_TIE 0.25   /* top-2 margin under which a flip is rounding, not a bug */
+#define F32_REL 1e-2      /* cuda vs cuda-f32 (see the header comment) */
+#define F32_ABS 0.15
+#define CPU_REL 0.15      /* cuda vs cpu */
+#define CPU_ABS 2.5
+#define NEAR_TIE 0.25     /* cpu top-2 margin under which a greedy flip is rounding */
+#define NEAR_TIE_F32 0.1  /* cuda-f32 top-2 margin, likewise */
 
 static double now(void)
 {
@@ -119,84 +125,102 @@ static void print_text(tkv_model *m, const char *label, const tkv_token *t, size
         fprintf(stderr, "    %s \"%s\"\n", label, buf);
 }
 
+/* Index of the first different token, or -1. */
+static int first_difference(const tkv_token *a, const tkv_token *b, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (a[i] != b[i])
+            return i;
+    return -1;
+}
+
+/* Checks free-running greedy tokens against a reference run. */
+static void check_greedy(const char *name, const char *what, const struct run *ref, const struct run *r, int n_gen,
+                         uint32_t V, float near_tie)
+{
+    const int k = first_difference(ref->tok, r->tok, n_gen);
+    if (k < 0) {
+        fprintf(stderr, "  greedy %s: %d of %d tokens identical\n", what, n_gen, n_gen);
+        return;
+    }
+    const float m = top2_margin(ref->logits + (size_t)k * V, V);
+    fprintf(stderr, "  greedy %s: first different token at step %d (%d vs %d), reference top-2 margin %.3f: %s\n",
+            what, k, ref->tok[k], r->tok[k], m, m < near_tie ? "a near tie" : "NOT a near tie");
+    CHECK(m < near_tie, "%s: greedy %s differ from step %d where the margin is %.3f >= %.2f", name, what, k, m,
+          near_tie);
+}
+
 static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, size_t n_prompt, uint32_t chunk,
                      uint32_t kv_block, int n_gen)
 {
     const uint32_t V = tkv_model_n_vocab(m);
-    struct run cpu = {0}, gpu = {0}, gpu_tf = {0}, f32_tf = {0};
+    struct run cpu = {0}, gpu = {0}, g32 = {0}, gpu_tf = {0}, g32_tf = {0};
     fprintf(stderr, "%s: %zu prompt tokens, chunk %u, KV block %u, %d greedy tokens\n", name, n_prompt, chunk,
             kv_block, n_gen);
-
-    /* 1. free-running greedy on both */
     tkv_status st = generate(m, "cpu", prompt, n_prompt, chunk, kv_block, n_gen, NULL, &cpu);
     CHECK(st == TKV_OK, "cpu: %s", tkv_last_error());
-    if (st != TKV_OK)
-        return;
-    st = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, NULL, &gpu);
-    CHECK(st == TKV_OK, "cuda: %s", tkv_last_error());
-    if (st != TKV_OK)
-        return;
-    print_text(m, "cpu :", cpu.tok, n_gen);
-    print_text(m, "cuda:", gpu.tok, n_gen);
-    int first_diff = -1;
-    for (int i = 0; i < n_gen && first_diff < 0; i++)
-        if (cpu.tok[i] != gpu.tok[i])
-            first_diff = i;
-    if (first_diff < 0) {
-        fprintf(stderr, "  greedy: %d of %d tokens identical\n", n_gen, n_gen);
-    } else {
-        const float mc = top2_margin(cpu.logits + (size_t)first_diff * V, V);
-        fprintf(stderr, "  greedy: first different token at step %d (cpu %d, cuda %d), cpu top-2 margin there %.3f: %s\n",
-                first_diff, cpu.tok[first_diff], gpu.tok[first_diff], mc,
-                mc < NEAR_TIE ? "a near tie" : "NOT a near tie");
-        CHECK(mc < NEAR_TIE, "%s: greedy tokens differ from step %d where the CPU margin is %.3f >= %.2f", name,
-              first_diff, mc, NEAR_TIE);
+    if (st == TKV_OK) {
+        st = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, NULL, &gpu);
+        CHECK(st == TKV_OK, "cuda: %s", tkv_last_error());
     }
+    if (st == TKV_OK) {
+        st = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, cpu.tok, &gpu_tf);
+        CHECK(st == TKV_OK, "cuda (forced): %s", tkv_last_error());
+    }
+    if (st == TKV_OK) {
+        setenv("TKV_CUDA_WEIGHTS", "f32", 1);
+        st = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, NULL, &g32);
+        if (st == TKV_OK)
+            st = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, cpu.tok, &g32_tf);
+        unsetenv("TKV_CUDA_WEIGHTS");
+        CHECK(st == TKV_OK, "cuda f32: %s", tkv_last_error());
+    }
+    if (st != TKV_OK)
+        goto out;
+
+    /* 1. free-running greedy */
+    print_text(m, "cpu     :", cpu.tok, n_gen);
+    print_text(m, "cuda    :", gpu.tok, n_gen);
+    print_text(m, "cuda-f32:", g32.tok, n_gen);
+    check_greedy(name, "cuda vs cpu", &cpu, &gpu, n_gen, V, NEAR_TIE);
+    check_greedy(name, "cuda vs cuda-f32", &g32, &gpu, n_gen, V, NEAR_TIE_F32);
     fprintf(stderr, "  time: cpu prefill %.1f ms, decode %.1f tok/s | cuda prefill %.1f ms, decode %.1f tok/s\n",
             cpu.t_prefill * 1e3, n_gen / cpu.t_decode, gpu.t_prefill * 1e3, n_gen / gpu.t_decode);
 
-    /* 2. teacher-forced on the CPU's tokens: f16 (default) and f32 validation mode */
-    st = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, cpu.tok, &gpu_tf);
-    CHECK(st == TKV_OK, "cuda (forced): %s", tkv_last_error());
-    setenv("TKV_CUDA_WEIGHTS", "f32", 1);
-    tkv_status st32 = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, cpu.tok, &f32_tf);
-    unsetenv("TKV_CUDA_WEIGHTS");
-    CHECK(st32 == TKV_OK, "cuda f32 (forced): %s", tkv_last_error());
-    if (st == TKV_OK && st32 == TKV_OK) {
-        double worst_rel = 0, worst_abs = 0, sum_rel[3] = {0};
-        int flips = 0, ties = 0;
-        for (int i = 0; i <= n_gen; i++) {
-            const float *lc = cpu.logits + (size_t)i * V, *lg = gpu_tf.logits + (size_t)i * V;
-            const float *l32 = f32_tf.logits + (size_t)i * V;
-            double rel, mx, rel2, mx2, rel3, mx3;
-            logit_diff(lg, lc, V, &rel, &mx);    /* cuda f16 vs cpu  */
-            logit_diff(lg, l32, V, &rel2, &mx2); /* cuda f16 vs f32  */
-            logit_diff(lc, l32, V, &rel3, &mx3); /* cpu vs cuda f32  */
-            worst_rel = fmax(worst_rel, rel);
-            worst_abs = fmax(worst_abs, mx);
-            sum_rel[0] += rel, sum_rel[1] += rel2, sum_rel[2] += rel3;
-            const float margin = top2_margin(lc, V);
-            const bool same = tkv_argmax(lg, V) == tkv_argmax(lc, V);
-            if (margin < NEAR_TIE)
-                ties++;
-            else if (!same)
-                flips++;
-            if (i == 0 || i == n_gen || !same)
-                fprintf(stderr,
-                        "    step %2d: cuda-vs-cpu rel %.2e max %.3f | cuda-vs-cuda32 rel %.2e max %.3f | "
-                        "cpu-vs-cuda32 rel %.2e max %.3f | cpu margin %.3f%s\n",
-                        i, rel, mx, rel2, mx2, rel3, mx3, margin, same ? "" : " (argmax differs)");
-        }
-        fprintf(stderr,
-                "  teacher-forced, %d steps: worst cuda-vs-cpu rel %.2e, max %.3f; mean rel: cuda-vs-cpu %.2e, "
-                "cuda-vs-cuda32 %.2e, cpu-vs-cuda32 %.2e; near ties %d, argmax flips elsewhere %d\n",
-                n_gen + 1, worst_rel, worst_abs, sum_rel[0] / (n_gen + 1), sum_rel[1] / (n_gen + 1),
-                sum_rel[2] / (n_gen + 1), ties, flips);
-        CHECK(worst_rel < LOGIT_REL && worst_abs < LOGIT_ABS, "%s: logits differ: rel %.3g, max %.3g", name,
-              worst_rel, worst_abs);
-        CHECK(flips == 0, "%s: %d argmax flips at steps with a clear margin", name, flips);
+    /* 2. teacher-forced logits */
+    double w[3][2] = {{0}}; /* worst (rel, abs): cuda-cpu, cuda-f32, cpu-f32 */
+    int flips = 0, ties = 0;
+    for (int i = 0; i <= n_gen; i++) {
+        const float *lc = cpu.logits + (size_t)i * V, *lg = gpu_tf.logits + (size_t)i * V;
+        const float *l32 = g32_tf.logits + (size_t)i * V;
+        double d[3][2];
+        logit_diff(lg, lc, V, &d[0][0], &d[0][1]);
+        logit_diff(lg, l32, V, &d[1][0], &d[1][1]);
+        logit_diff(lc, l32, V, &d[2][0], &d[2][1]);
+        for (int k = 0; k < 3; k++)
+            w[k][0] = fmax(w[k][0], d[k][0]), w[k][1] = fmax(w[k][1], d[k][1]);
+        const float margin = top2_margin(lc, V);
+        const bool same = tkv_argmax(lg, V) == tkv_argmax(lc, V);
+        ties += margin < NEAR_TIE;
+        if (!same && margin >= CPU_ABS)
+            flips++;
+        if (i == 0 || i == n_gen || !same)
+            fprintf(stderr,
+                    "    step %2d: cuda-vs-cpu rel %.2e max %.3f | cuda-vs-f32 rel %.2e max %.3f | "
+                    "cpu-vs-f32 rel %.2e max %.3f | cpu margin %.3f%s\n",
+                    i, d[0][0], d[0][1], d[1][0], d[1][1], d[2][0], d[2][1], margin, same ? "" : " (argmax differs)");
     }
-    free(cpu.logits), free(gpu.logits), free(gpu_tf.logits), free(f32_tf.logits);
+    fprintf(stderr,
+            "  teacher-forced, %d steps, worst (rel, max abs): cuda-vs-cpu %.2e %.3f | cuda-vs-f32 %.2e %.3f | "
+            "cpu-vs-f32 %.2e %.3f; cpu near ties %d\n",
+            n_gen + 1, w[0][0], w[0][1], w[1][0], w[1][1], w[2][0], w[2][1], ties);
+    CHECK(w[1][0] < F32_REL && w[1][1] < F32_ABS, "%s: cuda vs cuda-f32 logits: rel %.3g, max %.3g", name, w[1][0],
+          w[1][1]);
+    CHECK(w[0][0] < CPU_REL && w[0][1] < CPU_ABS, "%s: cuda vs cpu logits: rel %.3g, max %.3g", name, w[0][0],
+          w[0][1]);
+    CHECK(flips == 0, "%s: %d argmax flips at steps with a CPU margin >= %.1f", name, flips, CPU_ABS);
+out:
+    free(cpu.logits), free(gpu.logits), free(g32.logits), free(gpu_tf.logits), free(g32_tf.logits);
 }
 
 static const char *story =
