@@ -207,7 +207,7 @@ int main(int argc, char **argv)
     }
     if (md)
         printf("\nratio = tierkv / llama.cpp (> 1: tierkv faster); decode = %u greedy tokens after the prompt; best of "
-               "%d; llama-cpp-python %s\n",
+               "%d; peer: %s\n",
                d, reps, version[0] ? version : "(not run)");
     free(list);
     tkv_model_free(m);

@@ -24,16 +24,26 @@ cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWI
       -DTKV_SANITIZE=ON -DTKV_CUDA=OFF -DTKV_BUILD_BENCH=OFF -DTKV_FATAL_WARNINGS=ON >/dev/null
 cmake --build build/asan -j "$JOBS"
 
-# ---- 5. tests -----------------------------------------------------------------------
+# ---- 5. TSan tree, for the tests that run threads (pool, I/O, tiers) ---------------
+cmake -S . -B build/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
+      -DTKV_SANITIZE_THREAD=ON -DTKV_CUDA=OFF -DTKV_BUILD_BENCH=OFF -DTKV_FATAL_WARNINGS=ON >/dev/null
+cmake --build build/tsan -j "$JOBS" --target test-cpu-backend test-io test-kv-store test-kv-file test-forward
+TSAN_TESTS='^(test-cpu-backend|test-io|test-kv-store|test-kv-file|test-forward)$'
+
+# ---- 6. tests -----------------------------------------------------------------------
 status=0
 echo "== ctest: Release =="
 ctest --test-dir build/release --output-on-failure -j "$JOBS" 2>&1 | tee build/release/ctest.log || status=1
 echo "== ctest: ASan + UBSan =="
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build/asan --output-on-failure -j "$JOBS" 2>&1 | tee build/asan/ctest.log || status=1
-grep -q "tests failed out of" build/release/ctest.log && grep -q "tests failed out of" build/asan/ctest.log || status=1
+echo "== ctest: TSan (threaded tests) =="
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    ctest --test-dir build/tsan -R "$TSAN_TESTS" --output-on-failure -j "$JOBS" 2>&1 | tee build/tsan/ctest.log || status=1
+for t in release asan tsan; do grep -q "tests failed out of" build/$t/ctest.log || status=1; done
 echo "== summary =="
 echo "release: $(grep 'tests failed out of' build/release/ctest.log)"
+echo "tsan:    $(grep 'tests failed out of' build/tsan/ctest.log)"
 echo "asan:    $(grep 'tests failed out of' build/asan/ctest.log)"
 grep 'tests failed out of' build/asan/ctest.log
 exit $status
