@@ -7,6 +7,7 @@
 #include "test.h"
 
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -146,6 +147,35 @@ int main(void)
     slurp(json, stats, sizeof stats);
     unlink(json);
     CHECK(strstr(stats, "\"decode\"") && strstr(stats, "\"prefill\""), "stats json: %s", stats);
+
+    /* the KV spilled to NVMe, and saved/restored, gives the same tokens */
+    const char *doc = test_data_path("prompt-long.txt");
+    char base_args[4096], spill_dir[256], kv[256];
+    snprintf(spill_dir, sizeof spill_dir, "/tmp/tkv-cli-spill.%d", getpid());
+    snprintf(kv, sizeof kv, "/tmp/tkv-cli-kv.%d", getpid());
+    REQUIRE(mkdir(spill_dir, 0700) == 0, "mkdir %s", spill_dir);
+    snprintf(base_args, sizeof base_args, "run -m %s -f %s -p Summary: -n 12 --temp 0 -t 2 --ignore-eos", model, doc);
+    run(&r, base_args);
+    CHECK(r.status == 0 && r.out[0], "all-in-RAM run: exit %d err %s", r.status, r.err);
+    snprintf(args, sizeof args, "%s --host-kv-mem 8M --nvme-dir %s --stats-json %s", base_args, spill_dir, json);
+    run(&r2, args);
+    CHECK(r2.status == 0 && !strcmp(r.out, r2.out), "spilled run differs: '%s' vs '%s' (%s)", r.out, r2.out, r2.err);
+    slurp(json, stats, sizeof stats);
+    CHECK(strstr(stats, "\"nvme\": {\"present\": true") != NULL, "the spilled run has no NVMe tier: %s", stats);
+    const char *nv = strstr(stats, "\"nvme\"");
+    const char *in = nv ? strstr(nv, "\"bytes_out\": ") : NULL;
+    CHECK(in && strtoull(in + 13, NULL, 10) > 0, "nothing was read back from NVMe: %s", stats);
+    unlink(json);
+    CHECK(rmdir(spill_dir) == 0, "spill files left in %s", spill_dir);
+    snprintf(args, sizeof args, "run -m %s -f %s -p Summary: -n 0 -t 2 --save-kv %s", model, doc, kv);
+    run(&r2, args);
+    CHECK(r2.status == 0 && r2.out[0] == 0, "save-kv: exit %d err %s", r2.status, r2.err);
+    snprintf(args, sizeof args, "run -m %s --load-kv %s -n 12 --temp 0 -t 2 --ignore-eos", model, kv);
+    run(&r2, args);
+    CHECK(r2.status == 0 && !strcmp(r.out, r2.out), "restored run differs: '%s' vs '%s' (%s)", r.out, r2.out, r2.err);
+    unlink(kv);
+    snprintf(args, sizeof args, "run -m %s --load-kv /nonexistent/kv.bin -n 4", model);
+    expect_error(args, 1, "/nonexistent/kv.bin");
 
     /* -n 0: prefill only, no output */
     snprintf(args, sizeof args, "run -m %s -p 'Hello' -n 0", model);

@@ -150,6 +150,16 @@ static tkv_status pool_grow(struct tkv_kvs *s, int t, uint32_t want)
             if (pl->host_memory) {
                 TKV_TRY(tkv_host_mem_alloc(bytes, s->p.pci_bus_id, &pl->slab_host[k]));
                 pl->slab[k] = pl->slab_host[k].ptr;
+                /* below a GPU: page-lock it so copies to the device are asynchronous DMA */
+                if (t == TKV_TIER_HOST && s->be->ops->host_register) {
+                    tkv_status st = s->be->ops->host_register(s->be, pl->slab[k], bytes);
+                    if (st != TKV_OK) {
+                        tkv_host_mem_free(&pl->slab_host[k]);
+                        pl->slab[k] = NULL;
+                        return tkv_err_wrap(st, "kv-store: registering %zu bytes of host KV with %s", bytes,
+                                            s->be->ops->name);
+                    }
+                }
             } else {
                 void *p;
                 tkv_status st = s->be->ops->alloc(s->be, bytes, &p);
@@ -190,6 +200,8 @@ static void pool_free(struct tkv_kvs *s, int t)
     struct pool *pl = &s->pool[t];
     if (pl->slab)
         for (uint32_t k = 0; k * SLAB_SLOTS < pl->n; k++) {
+            if (pl->host_memory && t == TKV_TIER_HOST && s->be->ops->host_unregister && pl->slab[k])
+                s->be->ops->host_unregister(s->be, pl->slab[k]);
             if (pl->host_memory)
                 tkv_host_mem_free(&pl->slab_host[k]);
             else if (pl->slab[k])
@@ -676,8 +688,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     if (!s)
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory");
     s->p = *p;
-    s->p.nvme_dir = NULL; /* not kept: only used here */
-    s->p.pci_bus_id = NULL;
+    s->p.nvme_dir = NULL; /* not kept: only used here (pci_bus_id is the backend's, it outlives us) */
     s->be = backend;
     s->S = 4u * p->block_tokens * p->head_dim;
     s->max_blocks = (p->max_tokens + p->block_tokens - 1) / p->block_tokens;
