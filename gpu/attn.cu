@@ -270,6 +270,162 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
     }
 }
 
+/* ---- decode: few query rows, keys spread over lanes ------------------------------- */
+
+/* For n_q * G <= DR query rows of one KV head (decode, short speculation):
+ * no shared-memory tiles and no block-wide barriers in the main loop. A key's
+ * head_dim is spread over LPK = HD/8 lanes (8 dims each, one 16-byte load of
+ * K and one of V), so a warp works on 32/LPK keys at once, U of them per lane
+ * group in flight; each lane group keeps its own online-softmax state for all
+ * rows, and the states of the CTA's 4 x 32/LPK lane groups are combined in
+ * shared memory at the end (into the output, or a split-K partial). */
+constexpr int DEC_U = 4; /* keys per lane group per step */
+
+template <int HD, int DR>
+__global__ void __launch_bounds__(NT) attn_decode_kernel(const tkv_cuda_attn_params p)
+{
+    constexpr int LPK = HD / 8, KPW = 32 / LPK, NW = NT / 32, SLOTS = NW * KPW;
+    __shared__ float so[SLOTS][DR][HD];
+    __shared__ float sm[SLOTS][DR], sl_[SLOTS][DR];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / LPK, dl = lane % LPK, slot = warp * KPW + sub;
+    const uint32_t g = blockIdx.x, split = blockIdx.y;
+    const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, ld = p.n_head * hd;
+    const int R = (int)(p.n_q * G);
+    const bool dim_ok = dl * 8 < (int)hd;
+
+    float q[DR][8], o[DR][8], m[DR], l[DR];
+    int32_t qp[DR];
+    int32_t pos_max = INT_MIN;
+#pragma unroll
+    for (int r = 0; r < DR; r++) {
+        const uint32_t t = (uint32_t)r / G, h = g * G + (uint32_t)r % G;
+        qp[r] = r < R ? p.q_pos[t] : INT_MIN;
+        pos_max = max(pos_max, qp[r]);
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            q[r][i] = (r < R && dim_ok) ? p.q[(size_t)t * ld + (size_t)h * hd + dl * 8 + i] * p.scale_log2 : 0.0f;
+            o[r][i] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+
+    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
+    const uint32_t b0 = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
+    const uint32_t b1 = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+    for (uint32_t b = b0; b < b1; b++) {
+        const tkv_cuda_kv_entry e = p.blocks[b];
+        if (e.pos0 > pos_max) /* blocks are in position order */
+            break;
+        const int n = (int)e.n;
+        for (int k0 = slot; k0 < n; k0 += SLOTS * DEC_U) {
+            uint4 kr[DEC_U], vr[DEC_U];
+#pragma unroll
+            for (int u = 0; u < DEC_U; u++) {
+                const int key = k0 + u * SLOTS;
+                if (key < n && dim_ok) {
+                    kr[u] = __ldg((const uint4 *)(e.k + (size_t)key * hd) + dl);
+                    vr[u] = __ldg((const uint4 *)(e.v + (size_t)key * hd) + dl);
+                } else {
+                    kr[u] = make_uint4(0, 0, 0, 0);
+                    vr[u] = make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < DR; r++) {
+                if (r >= R)
+                    break;
+                float sc[DEC_U], mx = -INFINITY;
+#pragma unroll
+                for (int u = 0; u < DEC_U; u++) {
+                    const __half2 *k2 = (const __half2 *)&kr[u];
+                    float acc = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float2 kf = __half22float2(k2[i]);
+                        acc += q[r][2 * i] * kf.x + q[r][2 * i + 1] * kf.y;
+                    }
+#pragma unroll
+                    for (int off = LPK / 2; off > 0; off >>= 1) /* stays inside the lane group */
+                        acc += __shfl_xor_sync(0xffffffffu, acc, off);
+                    const int key = k0 + u * SLOTS;
+                    sc[u] = (key < n && e.pos0 + key <= qp[r]) ? acc : -INFINITY;
+                    mx = fmaxf(mx, sc[u]);
+                }
+                const float m_new = fmaxf(m[r], mx);
+                if (m_new != -INFINITY) { /* else nothing visible to this row yet */
+                    const float corr = exp2f(m[r] - m_new);
+                    float lr = l[r] * corr;
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        o[r][i] *= corr;
+#pragma unroll
+                    for (int u = 0; u < DEC_U; u++) {
+                        const float pu = exp2f(sc[u] - m_new); /* 0 for masked keys */
+                        lr += pu;
+                        const __half2 *v2 = (const __half2 *)&vr[u];
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            const float2 vf = __half22float2(v2[i]);
+                            o[r][2 * i] += pu * vf.x;
+                            o[r][2 * i + 1] += pu * vf.y;
+                        }
+                    }
+                    l[r] = lr;
+                    m[r] = m_new;
+                }
+            }
+        }
+    }
+
+    /* combine the lane groups' states */
+#pragma unroll
+    for (int r = 0; r < DR; r++) {
+        if (r < R) {
+            if (dim_ok)
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    so[slot][r][dl * 8 + i] = o[r][i];
+            if (dl == 0) {
+                sm[slot][r] = m[r];
+                sl_[slot][r] = l[r];
+            }
+        }
+    }
+    __syncthreads();
+    const uint32_t n_rows = p.n_q * p.n_head;
+    for (int i = tid; i < R * (int)hd; i += NT) {
+        const int r = i / (int)hd, d = i % (int)hd;
+        float M = -INFINITY;
+        for (int s = 0; s < SLOTS; s++)
+            if (sl_[s][r] > 0.0f)
+                M = fmaxf(M, sm[s][r]);
+        float L = 0.0f, O = 0.0f;
+        if (M != -INFINITY)
+            for (int s = 0; s < SLOTS; s++)
+                if (sl_[s][r] > 0.0f) {
+                    const float w = exp2f(sm[s][r] - M);
+                    L += sl_[s][r] * w;
+                    O += so[s][r][d] * w;
+                }
+        const uint32_t t = (uint32_t)r / G, h = g * G + (uint32_t)r % G, row = t * p.n_head + h;
+        if (p.n_split == 1) {
+            p.out[(size_t)row * hd + d] = L > 0.0f ? O / L : 0.0f;
+            if (p.lse && d == 0)
+                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2 : -INFINITY;
+        } else {
+            float *po = p.part + ((size_t)split * n_rows + row) * (hd + 2);
+            po[d] = O;
+            if (d == 0) {
+                po[hd] = M;
+                po[hd + 1] = L;
+            }
+        }
+    }
+}
+
 /* One warp per (token, head): combine the splits by their log-sum-exp. */
 __global__ void attn_merge_kernel(const float *part, uint32_t n_split, uint32_t n_rows, uint32_t hd, float *out,
                                   float *lse)
@@ -305,10 +461,27 @@ __global__ void attn_merge_kernel(const float *part, uint32_t n_split, uint32_t 
         lse[row] = l > 0.0f ? (m + log2f(l)) * LN2 : -INFINITY;
 }
 
+/* The decode kernel takes up to this many query rows per KV head. */
+constexpr uint32_t DEC_ROWS = 8;
+
+bool use_decode(const tkv_cuda_attn_params *p)
+{
+    return p->vec16 && p->n_q * (p->n_head / p->n_head_kv) <= DEC_ROWS;
+}
+
 template <int HD>
 cudaError_t launch(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
+    if (use_decode(p)) {
+        const dim3 grid(p->n_head_kv, p->n_split);
+        if (rows <= 4)
+            attn_decode_kernel<HD, 4><<<grid, NT, 0, s>>>(*p);
+        else
+            attn_decode_kernel<HD, 8><<<grid, NT, 0, s>>>(*p);
+        TKV_CUDA_LAUNCHED();
+        return cudaSuccess;
+    }
     const dim3 grid((rows + attn_cfg<HD>::R - 1) / attn_cfg<HD>::R, p->n_head_kv, p->n_split);
     attn_kernel<HD><<<grid, NT, attn_cfg<HD>::SMEM, s>>>(*p);
     TKV_CUDA_LAUNCHED();
@@ -321,8 +494,10 @@ int hd_class(uint32_t hd) { return hd <= 64 ? 64 : hd <= 128 ? 128 : 256; }
 
 bool tkv_cuda_attn_supported(uint32_t head_dim) { return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0; }
 
-/* CTAs of each head_dim class that fit on one multiprocessor (set at init). */
+/* CTAs of each head_dim class that fit on one multiprocessor (set at init):
+ * the general kernel, and the decode kernel (8-row instance). */
 static int g_ctas_per_sm[3] = {1, 1, 1};
+static int g_dec_ctas_per_sm[3] = {1, 1, 1};
 
 template <int HD> static cudaError_t init_class(int *ctas)
 {
@@ -334,22 +509,34 @@ template <int HD> static cudaError_t init_class(int *ctas)
     return cudaSuccess;
 }
 
+template <int HD> static cudaError_t init_decode(int *ctas)
+{
+    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_decode_kernel<HD, 8>, NT, 0));
+    if (*ctas < 1)
+        *ctas = 1;
+    return cudaSuccess;
+}
+
 cudaError_t tkv_cuda_attn_init(void)
 {
     TKV_CUDA_TRY(init_class<64>(&g_ctas_per_sm[0]));
     TKV_CUDA_TRY(init_class<128>(&g_ctas_per_sm[1]));
     TKV_CUDA_TRY(init_class<256>(&g_ctas_per_sm[2]));
+    TKV_CUDA_TRY(init_decode<64>(&g_dec_ctas_per_sm[0]));
+    TKV_CUDA_TRY(init_decode<128>(&g_dec_ctas_per_sm[1]));
+    TKV_CUDA_TRY(init_decode<256>(&g_dec_ctas_per_sm[2]));
     return cudaSuccess;
 }
 
 size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm)
 {
-    const int cls = hd_class(p->head_dim);
-    const uint32_t R = 4096 / cls;
+    const int cls = hd_class(p->head_dim), ci = cls == 64 ? 0 : cls == 128 ? 1 : 2;
+    const bool dec = use_decode(p);
+    const uint32_t R = dec ? DEC_ROWS : 4096 / cls;
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
     const uint32_t items = (rows + R - 1) / R * p->n_head_kv;
     /* enough CTAs for one full wave */
-    const uint32_t target = (uint32_t)(n_sm > 0 ? n_sm : 1) * (uint32_t)g_ctas_per_sm[cls == 64 ? 0 : cls == 128 ? 1 : 2];
+    const uint32_t target = (uint32_t)(n_sm > 0 ? n_sm : 1) * (uint32_t)(dec ? g_dec_ctas_per_sm[ci] : g_ctas_per_sm[ci]);
     p->n_split = 1;
     if (items < target && max_blocks > 1) {
         uint32_t want = (target + items - 1) / items;

@@ -568,6 +568,9 @@ static void test_attention(void)
     test_attention_case(32, 4, 72, 256, 3001, 1, VIEW_ALL, 0);    /* G = 8, hd 72, B 256 */
     test_attention_case(8, 8, 80, 8, 777, 1, VIEW_WINDOW, 0);
     test_attention_case(16, 2, 256, 64, 3000, 1, VIEW_SPARSE, 0);
+    test_attention_case(8, 2, 128, 64, 3000, 2, VIEW_ALL, 0);      /* 2 tokens x G 4 = 8 rows per KV head */
+    test_attention_case(4, 4, 64, 32, 512, 3, VIEW_WINDOW, 0);     /* 3 rows, windowed */
+    test_attention_case(9, 3, 64, 64, 1000, 1, VIEW_ALL, 2);       /* unaligned K/V: the general kernel */
 
     /* what the kernels cannot do is refused */
     struct tkv_kv_head_view v = {0};
