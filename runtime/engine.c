@@ -75,7 +75,8 @@ void tkv_session_free(tkv_session *s)
                     if (w[i])
                         be->ops->weight_free(be, w[i]);
             }
-        float *acts[] = {s->x, s->h, s->q, s->k, s->v, s->att, s->gate, s->up, s->logits_dev};
+        float *acts[] = {s->x, s->h, s->q, s->k, s->v, s->att, s->gate, s->up, s->logits_dev,
+                         s->att_full, s->lse_full, s->lse_sel};
         for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
             if (acts[i])
                 be->ops->release(be, acts[i]);
@@ -90,6 +91,8 @@ void tkv_session_free(tkv_session *s)
     free(s->sel_refs);
     free(s->sel_idx);
     free(s->tokens);
+    free(s->obs_q);
+    free(s->ranges);
     free(s);
 }
 
@@ -149,14 +152,25 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
 
     s->max_blocks = (s->n_ctx + s->kv_block - 1) / s->kv_block;
+    /* a selection of ranges splits at block boundaries into at most
+     * ranges + blocks references */
+    s->max_ranges = s->n_ctx / 2 + 4;
+    s->max_refs = s->max_ranges + s->max_blocks;
     s->logits = malloc((size_t)hp->n_vocab * sizeof(float));
     s->pos = malloc(C * sizeof(int32_t));
     s->views = calloc(hp->n_head_kv, sizeof *s->views);
-    s->sel_refs = calloc((size_t)hp->n_head_kv * s->max_blocks, sizeof *s->sel_refs);
+    s->sel_refs = calloc((size_t)hp->n_head_kv * s->max_refs, sizeof *s->sel_refs);
     s->sel_idx = calloc(s->max_blocks, sizeof *s->sel_idx);
     s->tokens = malloc((size_t)s->n_ctx * sizeof *s->tokens);
-    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->sel_idx || !s->tokens)
+    s->ranges = malloc((size_t)s->max_ranges * sizeof *s->ranges);
+    s->obs_q = malloc((size_t)hp->n_layer * OBS_QUERIES * QD * sizeof(float));
+    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->sel_idx || !s->tokens || !s->ranges || !s->obs_q)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    if (s->flags & TKV_SESSION_MEASURE_MASS) {
+        TKV_TRY(alloc_act(s, QD, &s->att_full));
+        TKV_TRY(alloc_act(s, hp->n_head, &s->lse_full));
+        TKV_TRY(alloc_act(s, hp->n_head, &s->lse_sel));
+    }
     return TKV_OK;
 }
 
@@ -199,6 +213,7 @@ tkv_status tkv_session_init(const tkv_model *model, const struct tkv_session_par
     s->kv_budget = p.kv_budget;
     s->progress = p.progress;
     s->progress_user = p.progress_user;
+    s->flags = p.flags;
     strcpy(s->device, device);
     strcpy(s->policy_spec, policy);
     tkv_status st = session_build(s, &p);
@@ -231,21 +246,72 @@ static tkv_status store_kv(tkv_session *s, uint32_t layer, uint32_t n)
     return TKV_OK;
 }
 
-/* The blocks each KV head of `layer` attends to, as the policy decides. */
-static void select_views(tkv_session *s, uint32_t layer)
+/* Turns token ranges into block references (slices of the layer's blocks). */
+static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, uint32_t B, const struct tkv_range *r, uint32_t n,
+                               uint32_t hd, struct tkv_kv_block_ref *out, uint32_t cap)
 {
-    for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
-        struct tkv_kv_head_view all = tkv_kvs_view(s->kv, layer, h);
-        if (!s->policy->ops->select) {
-            s->views[h] = all;
-            continue;
+    uint32_t m = 0;
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t p = r[i].begin; p < r[i].end && m < cap;) {
+            const uint32_t b = p / B;
+            if (b >= all->n_blocks)
+                break;
+            const struct tkv_kv_block_ref *blk = &all->blocks[b];
+            const uint32_t off = p - (uint32_t)blk->pos0;
+            if (off >= blk->n)
+                break;
+            const uint32_t len = TKV_MIN(r[i].end - p, blk->n - off);
+            out[m++] = (struct tkv_kv_block_ref){.k = blk->k + (size_t)off * hd, .v = blk->v + (size_t)off * hd,
+                                                 .pos0 = (int32_t)p, .n = len};
+            p += len;
         }
-        uint32_t n = s->policy->ops->select(s->policy->state, layer, h, all.n_blocks, s->sel_idx);
-        struct tkv_kv_block_ref *refs = s->sel_refs + (size_t)h * s->max_blocks;
-        for (uint32_t i = 0; i < n && i < all.n_blocks; i++)
-            refs[i] = all.blocks[s->sel_idx[i]];
-        s->views[h] = (struct tkv_kv_head_view){.blocks = refs, .n_blocks = TKV_MIN(n, all.n_blocks)};
+    return m;
+}
+
+/* The keys each KV head of `layer` attends to for n queries, as the policy
+ * decides; returns whether any head was restricted. During prefill a
+ * selecting policy names past keys and the chunk's own keys are added. */
+static bool select_views(tkv_session *s, uint32_t layer, uint32_t n)
+{
+    const struct tkv_policy_ops *po = s->policy->ops;
+    const bool decode = s->in_decode;
+    int (*hook)(void *, const struct tkv_policy_view *, uint32_t, struct tkv_range *, uint32_t) =
+        decode ? po->decode_select : po->prefill_select;
+    bool restricted = false;
+    struct tkv_policy_view v = {.layer = layer, .n_past = s->n_past + n, .n_prompt = s->n_prompt, .step = s->step,
+                                .q = s->q, .q_pos = s->pos, .n_q = n, .kv = s->views};
+    for (uint32_t h = 0; h < s->hp.n_head_kv; h++)
+        s->views[h] = tkv_kvs_view(s->kv, layer, h);
+    if (!hook)
+        return false;
+    for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
+        int m = hook(s->policy->state, &v, h, s->ranges, s->max_ranges - 1);
+        if (m < 0)
+            continue;
+        if (!decode) { /* the chunk always sees its own keys (causally) */
+            if (m > 0 && s->ranges[m - 1].end >= s->n_past)
+                s->ranges[m - 1].end = TKV_MAX(s->ranges[m - 1].end, s->n_past + n);
+            else
+                s->ranges[m++] = (struct tkv_range){s->n_past, s->n_past + n};
+        }
+        struct tkv_kv_block_ref *refs = s->sel_refs + (size_t)h * s->max_refs;
+        const uint32_t nr = ranges_to_refs(&s->views[h], s->kv_block, s->ranges, (uint32_t)m, s->hp.head_dim, refs,
+                                           s->max_refs);
+        s->views[h] = (struct tkv_kv_head_view){.blocks = refs, .n_blocks = nr};
+        restricted = true;
     }
+    return restricted;
+}
+
+/* Keeps the last OBS_QUERIES prefill queries of `layer` (the window that
+ * after-prefill policies observe); s->obs_n is updated after the chunk. */
+static void observe_queries(tkv_session *s, uint32_t layer, uint32_t n)
+{
+    const size_t QD = (size_t)s->hp.n_head * s->hp.head_dim;
+    float *buf = s->obs_q + (size_t)layer * OBS_QUERIES * QD;
+    const uint32_t keep_old = n >= OBS_QUERIES ? 0 : TKV_MIN(s->obs_n, OBS_QUERIES - n), take = TKV_MIN(n, OBS_QUERIES);
+    memmove(buf, buf + (size_t)(s->obs_n - keep_old) * QD, (size_t)keep_old * QD * sizeof(float));
+    s->be->ops->download(s->be, buf + (size_t)keep_old * QD, s->q + (size_t)(n - take) * QD, (size_t)take * QD * sizeof(float));
 }
 
 /* One transformer layer on the chunk in s->x (KV blocks of the layer pinned). */
@@ -264,10 +330,33 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
     TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
     TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
     TKV_TRY(store_kv(s, l, n));
-    select_views(s, l);
+    const bool decode = s->in_decode;
+    if (!decode)
+        observe_queries(s, l, n);
+    const bool restricted = select_views(s, l, n);
     struct tkv_attn_args a = {.q = s->q, .q_pos = s->pos, .out = s->att, .lse = NULL, .n_q = n, .n_head = H,
                               .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views};
+    if (restricted && decode && (s->flags & TKV_SESSION_MEASURE_MASS)) {
+        /* the mass the selection keeps: lse over the selection vs over all keys */
+        struct tkv_attn_args full = a;
+        struct tkv_kv_head_view all[256];
+        for (uint32_t h = 0; h < Hkv && h < 256; h++)
+            all[h] = tkv_kvs_view(s->kv, l, h);
+        full.kv = all;
+        full.out = s->att_full;
+        full.lse = s->lse_full;
+        a.lse = s->lse_sel;
+        TKV_TRY(ops->attention(be, &full));
+    }
     TKV_TRY(ops->attention(be, &a));
+    if (a.lse) {
+        float lf[256], ls[256];
+        TKV_TRY(ops->download(be, lf, s->lse_full, H * sizeof(float)));
+        TKV_TRY(ops->download(be, ls, s->lse_sel, H * sizeof(float)));
+        for (uint32_t h = 0; h < H && h < 256; h++)
+            s->mass_sum += ls[h] == -INFINITY ? 0.0 : exp((double)ls[h] - lf[h]);
+        s->mass_count += TKV_MIN(H, 256u);
+    }
     TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
     TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
     /* feed-forward block */
@@ -324,6 +413,14 @@ static tkv_status run_chunk(tkv_session *s, const tkv_token *toks, uint32_t n, b
         return st;
     }
     memcpy(s->tokens + s->n_past, toks, (size_t)n * sizeof *toks);
+    const bool decode = s->in_decode;
+    if (!decode) { /* the observation window moved with this chunk */
+        const uint32_t keep_old = n >= OBS_QUERIES ? 0 : TKV_MIN(s->obs_n, OBS_QUERIES - n), take = TKV_MIN(n, OBS_QUERIES);
+        memmove(s->obs_pos, s->obs_pos + (s->obs_n - keep_old), keep_old * sizeof *s->obs_pos);
+        for (uint32_t i = 0; i < take; i++)
+            s->obs_pos[keep_old + i] = (int32_t)(end - take + i);
+        s->obs_n = keep_old + take;
+    }
     s->n_past = end;
     s->have_logits = want_logits;
     return TKV_OK;
@@ -355,9 +452,35 @@ tkv_status tkv_prefill(tkv_session *s, const tkv_token *toks, size_t n)
             break;
         }
     }
+    s->n_prompt = s->n_past;
+    s->step = 0;
+    if (st == TKV_OK && s->policy->ops->after_prefill)
+        st = tkv_session_after_prefill(s, s);
     s->prefill_tokens += done;
     s->prefill_seconds += now_seconds() - t0;
     return st;
+}
+
+tkv_status tkv_session_after_prefill(tkv_session *s, const tkv_session *src)
+{
+    s->n_prompt = s->n_past;
+    s->step = 0;
+    if (!s->policy->ops->after_prefill || src->obs_n == 0)
+        return TKV_OK;
+    const size_t QD = (size_t)s->hp.n_head * s->hp.head_dim;
+    for (uint32_t l = 0; l < s->hp.n_layer; l++) {
+        TKV_TRY(tkv_kvs_begin_layer(s->kv, l, 0, 0));
+        for (uint32_t h = 0; h < s->hp.n_head_kv; h++)
+            s->views[h] = tkv_kvs_view(s->kv, l, h);
+        struct tkv_policy_view v = {.layer = l, .n_past = s->n_past, .n_prompt = s->n_prompt, .step = 0,
+                                    .q = src->obs_q + (size_t)l * OBS_QUERIES * QD, .q_pos = src->obs_pos,
+                                    .n_q = src->obs_n, .kv = s->views};
+        tkv_status st = s->policy->ops->after_prefill(s->policy->state, &v);
+        tkv_kvs_end_layer(s->kv, l);
+        if (st != TKV_OK)
+            return tkv_err_wrap(st, "policy '%s' after the prefill, layer %u", s->policy->ops->name, l);
+    }
+    return TKV_OK;
 }
 
 tkv_status tkv_decode(tkv_session *s, tkv_token tok)
@@ -367,8 +490,11 @@ tkv_status tkv_decode(tkv_session *s, tkv_token tok)
     if (s->n_past >= s->n_ctx)
         return tkv_err(TKV_ERR_CONTEXT_FULL, "decode: the context of %u tokens is full", s->n_ctx);
     const double t0 = now_seconds();
+    s->in_decode = true;
     tkv_status st = run_chunk(s, &tok, 1, true);
+    s->in_decode = false;
     if (st == TKV_OK) {
+        s->step++;
         s->decode_tokens++;
         s->decode_seconds += now_seconds() - t0;
     }
@@ -386,8 +512,18 @@ void tkv_session_reset(tkv_session *s)
     if (!s)
         return;
     s->n_past = 0;
+    s->n_prompt = 0;
+    s->step = 0;
+    s->obs_n = 0;
     s->have_logits = false;
     tkv_kvs_set_length(s->kv, 0);
+    if (s->policy->ops->reset)
+        s->policy->ops->reset(s->policy->state);
+}
+
+double tkv_session_mass_kept(const tkv_session *s)
+{
+    return s && s->mass_count ? s->mass_sum / (double)s->mass_count : 1.0;
 }
 
 tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, size_t *len_out)

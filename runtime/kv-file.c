@@ -274,3 +274,60 @@ out:
     free(payload);
     return st;
 }
+
+/* ---- fork ---------------------------------------------------------------------- */
+
+tkv_status tkv_session_fork(const tkv_session *src, const struct tkv_session_params *params, tkv_session **out)
+{
+    if (!out)
+        return tkv_err(TKV_ERR_INVALID_ARG, "tkv_session_fork: out is NULL");
+    *out = NULL;
+    if (!src || !params)
+        return tkv_err(TKV_ERR_INVALID_ARG, "tkv_session_fork: NULL argument");
+    if (!src->have_logits)
+        return tkv_err(TKV_ERR_INVALID_ARG, "fork: the source session has no context (prefill first)");
+    if (strcmp(src->policy->ops->name, "full") != 0)
+        return tkv_err(TKV_ERR_INVALID_ARG, "fork: the source session must use the 'full' policy, not '%s'",
+                       src->policy->ops->name);
+    struct tkv_session_params p = *params;
+    if (p.n_ctx == 0)
+        p.n_ctx = src->n_ctx;
+    if (p.kv_block == 0)
+        p.kv_block = src->kv_block;
+    if (p.kv_block != src->kv_block || p.n_ctx < src->n_past)
+        return tkv_err(TKV_ERR_INVALID_ARG, "fork: the copy needs blocks of %u tokens and room for %u tokens",
+                       src->kv_block, src->n_past);
+    tkv_session *s;
+    TKV_TRY(tkv_session_init(src->model, &p, &s));
+    if (s->policy->ops->changes_prefill) {
+        tkv_session_free(s);
+        return tkv_err(TKV_ERR_UNSUPPORTED, "fork: policy '%s' changes the prefill itself; prefill with it instead",
+                       s->policy->ops->name);
+    }
+    tkv_session *mut = (tkv_session *)src; /* export only drains I/O; the context is unchanged */
+    const uint32_t L = s->hp.n_layer, H = s->hp.n_head_kv, nb = blocks_per_head(src);
+    uint8_t *payload = malloc(tkv_kvs_block_bytes(s->kv));
+    tkv_status st = payload ? tkv_kvs_reserve(s->kv, src->n_past) : tkv_err(TKV_ERR_NOMEM, "fork: out of memory");
+    if (st == TKV_OK) {
+        tkv_kvs_set_length(s->kv, src->n_past);
+        for (uint32_t l = 0; l < L && st == TKV_OK; l++)
+            for (uint32_t h = 0; h < H && st == TKV_OK; h++)
+                for (uint32_t b = 0; b < nb && st == TKV_OK; b++)
+                    if ((st = tkv_kvs_export(mut->kv, l, h, b, payload)) == TKV_OK)
+                        st = tkv_kvs_import(s->kv, l, h, b, payload);
+    }
+    free(payload);
+    if (st == TKV_OK) {
+        memcpy(s->tokens, src->tokens, (size_t)src->n_past * sizeof *s->tokens);
+        memcpy(s->logits, src->logits, (size_t)s->hp.n_vocab * sizeof *s->logits);
+        s->n_past = src->n_past;
+        s->have_logits = true;
+        st = tkv_session_after_prefill(s, src);
+    }
+    if (st != TKV_OK) {
+        tkv_session_free(s);
+        return st;
+    }
+    *out = s;
+    return TKV_OK;
+}

@@ -11,6 +11,7 @@
 #include "policy/policy.h"
 
 #define DEFAULT_KV_BLOCK 64
+#define OBS_QUERIES 32
 #define DEFAULT_PREFILL_CHUNK 512
 /* KV storage is reserved this many tokens ahead during decode, so blocks are
  * allocated once per span rather than on every token. */
@@ -54,10 +55,32 @@ struct tkv_session {
     uint32_t max_blocks;
 
     uint32_t n_past;
+    uint32_t n_prompt;               /* tokens the prefill calls processed */
+    uint32_t step;                   /* decode steps since the last prefill */
+    bool in_decode;                  /* the chunk being run is a decode step */
     tkv_token *tokens;               /* host [n_ctx]: the context's token ids */
+    unsigned flags;                  /* TKV_SESSION_* */
+
+    /* the observation window: the last OBS_QUERIES prompt queries of every
+     * layer (post-RoPE), for policies that compress after the prefill */
+    float *obs_q;                    /* host [n_layer][OBS_QUERIES][n_head*head_dim] */
+    int32_t obs_pos[OBS_QUERIES];
+    uint32_t obs_n;
+
+    /* policy selections turned into block lists */
+    struct tkv_range *ranges;        /* host [max_ranges] */
+    uint32_t max_ranges, max_refs;   /* per head */
+    /* attention-mass measurement (TKV_SESSION_MEASURE_MASS) */
+    float *att_full, *lse_full, *lse_sel; /* backend [n_head*head_dim], [n_head], [n_head] */
+    double mass_sum;
+    uint64_t mass_count;
     /* statistics */
     uint64_t prefill_tokens, decode_tokens, prefill_chunks;
     double prefill_seconds, decode_seconds;
 };
+
+/* Runs the policy's after-prefill hook on every layer, with the observation
+ * window of obs_src (the session itself, or the source of a fork). */
+tkv_status tkv_session_after_prefill(tkv_session *s, const tkv_session *obs_src);
 
 #endif

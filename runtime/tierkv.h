@@ -154,7 +154,13 @@ struct tkv_session_params {
                                    below a GPU it is the pinned host tier, 0 = none)   */
     const char *nvme_dir;       /* spill directory for the NVMe tier; NULL = none      */
     uint64_t    nvme_kv_max;    /* NVMe tier capacity                                   */
+    unsigned    flags;          /* TKV_SESSION_* below                                  */
 };
+
+/* Measure, at every decode step, the fraction of the full attention mass
+ * that falls on the keys the policy lets attention read (an extra dense
+ * attention pass per layer: for evaluation, not for speed). */
+#define TKV_SESSION_MEASURE_MASS 1u
 struct tkv_session_params tkv_session_default_params(void);
 
 tkv_status tkv_session_init(const tkv_model *model, const struct tkv_session_params *params,
@@ -186,6 +192,21 @@ tkv_status tkv_session_save(tkv_session *session, const char *path);
  * it is used: TKV_ERR_FORMAT / TKV_ERR_CORRUPT / TKV_ERR_UNSUPPORTED with
  * what did not match. */
 tkv_status tkv_session_load(tkv_session *session, const char *path);
+
+/* A new session holding a copy of src's context (KV, token ids, last logits
+ * and the queries a policy observes at the end of the prefill), with its own
+ * params (policy, budget, tiers). Policies that act after the prefill
+ * (streaming, snapkv, adakv, ...) then compress the copy exactly as if they
+ * had seen the prefill themselves, so one dense prefill can serve many of
+ * them. Policies that change the prefill itself (critiprefill, entropy)
+ * return TKV_ERR_UNSUPPORTED: run their own prefill instead. src must have
+ * been prefilled with the `full` policy. */
+tkv_status tkv_session_fork(const tkv_session *src, const struct tkv_session_params *params, tkv_session **out);
+
+/* Mean fraction of the full attention mass on the keys attention read, over
+ * the decode steps, layers and heads measured (TKV_SESSION_MEASURE_MASS);
+ * 1.0 when nothing was left out or nothing was measured. */
+double tkv_session_mass_kept(const tkv_session *session);
 
 /* The token ids in the context (n_past of them); valid until the next call
  * that changes the session. */

@@ -6,6 +6,9 @@
 
 static const struct tkv_policy_ops *const registry[] = {
     &tkv_policy_full,
+    &tkv_policy_streaming,
+    &tkv_policy_snapkv,
+    &tkv_policy_adakv,
 };
 #define N_POLICIES (sizeof registry / sizeof registry[0])
 

@@ -1,24 +1,37 @@
 /*
  * policy.h -- the KV policy seam.
  *
- * A policy decides, per (layer, KV head) and per step, which KV blocks the
- * attention reads (and, as policies grow, per-head budgets and placement).
- * Policies never touch memory: the engine asks, the policy answers with
- * block indices, and the engine and the KV store carry the answer out.
+ * A policy decides which keys each (layer, KV head) attends to, in three
+ * places of a session's life; it never touches memory: the engine shows it
+ * a read-only view (queries, and the layer's K blocks in host memory) and
+ * turns its answers -- token ranges -- into the block lists attention reads.
  *
- * Spec strings: "NAME" or "NAME:key=value,key=value". Each policy lists the
+ *   prefill_select  before each prefill chunk's attention (block-sparse
+ *                   prefill: CritiPrefill, EntropyInfer). The chunk always
+ *                   also sees its own keys (causally), added by the engine.
+ *   after_prefill   once per layer after the prefill, with the observation
+ *                   window (the last queries of the prompt): post-prefill
+ *                   compression (SnapKV, AdaKV, StreamingLLM).
+ *   decode_select   before each decode step's attention, with the step's
+ *                   query: the keys each head reads now (kept set plus the
+ *                   tokens generated since, re-selection, sliding windows).
+ *
+ * A hook left NULL means "everything". Selections are ascending, disjoint
+ * token ranges [begin, end) of positions < n_past.
+ *
+ * Spec strings: "NAME" or "NAME:key=value,key=value"; each policy lists the
  * keys it accepts; an unknown policy or key is TKV_ERR_INVALID_ARG naming it.
  */
 #ifndef TKV_POLICY_H
 #define TKV_POLICY_H
 
-#include "../tkv-impl.h"
+#include "../backend.h"
 
 /* What a policy may know about the session it serves. */
 struct tkv_policy_env {
     uint32_t n_layer, n_head, n_head_kv, head_dim;
     uint32_t n_ctx, block_tokens;
-    uint32_t budget;          /* --kv-budget tokens per head; 0 = policy default */
+    uint32_t budget;          /* --kv-budget tokens per KV head; 0 = policy default */
 };
 
 #define TKV_POLICY_MAX_ARGS 16
@@ -28,14 +41,37 @@ struct tkv_policy_args {
     char value[TKV_POLICY_MAX_ARGS][64];
 };
 
+struct tkv_range {
+    uint32_t begin, end;
+};
+
+/* A read-only view of one layer for a hook. */
+struct tkv_policy_view {
+    uint32_t layer;
+    uint32_t n_past;              /* tokens in the context, the current ones included */
+    uint32_t n_prompt;            /* tokens the prefill processed                       */
+    uint32_t step;                /* decode steps so far (0 during prefill)             */
+    const float   *q;             /* [n_q, n_head*head_dim] post-RoPE queries           */
+    const int32_t *q_pos;         /* [n_q]                                               */
+    uint32_t n_q;
+    const struct tkv_kv_head_view *kv; /* [n_head_kv] all blocks of the layer, host memory */
+};
+
 struct tkv_policy_ops {
     const char *name;
-    const char *help;  /* one line for `tierkv run --help` */
+    const char *help;             /* one line for `tierkv run --help` and docs */
+    bool changes_prefill;         /* prefill_select restricts the prefill      */
     tkv_status (*create)(const struct tkv_policy_env *env, const struct tkv_policy_args *args, void **state);
     void (*destroy)(void *state);
-    /* Writes the indices (ascending) of the blocks that (layer, head) attends
-     * to into sel[n_blocks] and returns their count. NULL = all blocks. */
-    uint32_t (*select)(void *state, uint32_t layer, uint32_t head, uint32_t n_blocks, uint32_t *sel);
+    /* Each returns the number of ranges written to out[cap] for `head`, or
+     * -1 for "all keys". cap >= n_past / 2 + 2. */
+    int (*prefill_select)(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
+                          uint32_t cap);
+    tkv_status (*after_prefill)(void *state, const struct tkv_policy_view *v);
+    int (*decode_select)(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
+                         uint32_t cap);
+    /* Forget everything about the context (session reset). */
+    void (*reset)(void *state);
 };
 
 struct tkv_policy {
@@ -51,7 +87,61 @@ void       tkv_policy_free(struct tkv_policy *p);
 /* Comma-separated names of the registered policies (for messages, --help). */
 const char *tkv_policy_names(void);
 
+/* ---- helpers shared by the policies (policy-util.c) ---------------------------- */
+
+/* Parameter lookup: sets *out from args[key] (and marks it used); unknown or
+ * malformed values are TKV_ERR_INVALID_ARG naming policy and key. */
+tkv_status tkv_policy_arg_u32(const char *policy, const struct tkv_policy_args *a, const char *key, uint32_t *out);
+tkv_status tkv_policy_arg_f32(const char *policy, const struct tkv_policy_args *a, const char *key, float *out);
+/* After all lookups: an argument nobody asked for is an error. */
+tkv_status tkv_policy_args_done(const char *policy, const struct tkv_policy_args *a, const char *const *known);
+
+/* SnapKV scores of KV head g: for every prefix position j < n_prefix, the
+ * attention probability the observation queries (v->q, causal by q_pos) put
+ * on key j, averaged over the queries and the group's query heads
+ * (softmax over all keys < n_past, scale 1/sqrt(d)). score[n_prefix]. */
+void tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
+                              uint32_t n_prefix, float *score);
+
+/* 1-D max (kind 'm') or average (kind 'a') pooling, stride 1, zero padding
+ * k/2, in place (tmp: n floats). */
+void tkv_policy_pool(float *x, float *tmp, uint32_t n, uint32_t k, char kind);
+
+/* Indices of the k largest of x[n] (ties: lower index), sorted ascending. */
+uint32_t tkv_policy_top_k(const float *x, uint32_t n, uint32_t k, uint32_t *idx);
+
+/* Sorted positions -> ranges (merging neighbours); appends [tail_begin,
+ * tail_end) when non-empty. Returns the count (<= cap). */
+int tkv_policy_ranges(const uint32_t *pos, uint32_t n, uint32_t tail_begin, uint32_t tail_end, struct tkv_range *out,
+                      uint32_t cap);
+
+/* AdaKV's allocation: head g's count of the n_head*per_head largest scores
+ * over all heads (score[g][n]), floored at alpha*per_head and rescaled as
+ * cap = cnt*(1-alpha) + floor(alpha*per_head), rounded so the caps sum to
+ * exactly min(n_head*per_head, n_head*n). n_head <= 256. */
+void tkv_adakv_allocate(const float *const *score, uint32_t n_head, uint32_t n, uint32_t per_head, float alpha,
+                        uint32_t *cap);
+
 /* The registered policies, one file each. */
 extern const struct tkv_policy_ops tkv_policy_full;
+extern const struct tkv_policy_ops tkv_policy_streaming;
+extern const struct tkv_policy_ops tkv_policy_snapkv;
+extern const struct tkv_policy_ops tkv_policy_adakv;
+
+/* Per (layer, KV head) kept sets, for policies that compress once. */
+struct tkv_kept {
+    uint32_t n_layer, n_head_kv;
+    struct tkv_range **r; /* [layer * n_head_kv + head] -> ranges, NULL = all */
+    uint32_t *n;
+};
+tkv_status tkv_kept_init(struct tkv_kept *k, uint32_t n_layer, uint32_t n_head_kv);
+void       tkv_kept_free(struct tkv_kept *k);
+void       tkv_kept_reset(struct tkv_kept *k);
+/* Stores a copy of ranges for (layer, head). */
+tkv_status tkv_kept_set(struct tkv_kept *k, uint32_t layer, uint32_t head, const struct tkv_range *r, uint32_t n);
+/* Kept ranges of (layer, head) plus [from, n_past): what decode attends.
+ * -1 when nothing was compressed for that head. */
+int tkv_kept_select(const struct tkv_kept *k, uint32_t layer, uint32_t head, uint32_t from, uint32_t n_past,
+                    struct tkv_range *out, uint32_t cap);
 
 #endif

@@ -1,0 +1,253 @@
+/* policy-util.c -- helpers the policies share: arguments, key access,
+ * SnapKV window scores, pooling, top-k, ranges. */
+#include "policy.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static const char *arg_value(const struct tkv_policy_args *a, const char *key)
+{
+    for (uint32_t i = 0; i < a->n; i++)
+        if (!strcmp(a->key[i], key))
+            return a->value[i];
+    return NULL;
+}
+
+tkv_status tkv_policy_arg_u32(const char *policy, const struct tkv_policy_args *a, const char *key, uint32_t *out)
+{
+    const char *v = arg_value(a, key);
+    if (!v)
+        return TKV_OK;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (errno || *end || end == v || v[0] == '-' || x > UINT32_MAX)
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': %s=%s is not a non-negative integer", policy, key, v);
+    *out = (uint32_t)x;
+    return TKV_OK;
+}
+
+tkv_status tkv_policy_arg_f32(const char *policy, const struct tkv_policy_args *a, const char *key, float *out)
+{
+    const char *v = arg_value(a, key);
+    if (!v)
+        return TKV_OK;
+    char *end;
+    errno = 0;
+    float x = strtof(v, &end);
+    if (errno || *end || end == v || !isfinite(x))
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': %s=%s is not a number", policy, key, v);
+    *out = x;
+    return TKV_OK;
+}
+
+tkv_status tkv_policy_args_done(const char *policy, const struct tkv_policy_args *a, const char *const *known)
+{
+    for (uint32_t i = 0; i < a->n; i++) {
+        bool ok = false;
+        for (const char *const *k = known; *k && !ok; k++)
+            ok = !strcmp(*k, a->key[i]);
+        if (!ok) {
+            char list[256] = "";
+            for (const char *const *k = known; *k; k++) {
+                size_t len = strlen(list);
+                snprintf(list + len, sizeof list - len, "%s%s", len ? ", " : "", *k);
+            }
+            return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': unknown parameter '%s' (known: %s)", policy, a->key[i],
+                           list[0] ? list : "none");
+        }
+    }
+    return TKV_OK;
+}
+
+/* dot of a float query with an f16 key row */
+static float dot_qk(const float *q, const uint16_t *k, uint32_t d)
+{
+    float s = 0;
+    for (uint32_t i = 0; i < d; i++)
+        s += q[i] * tkv_fp16_to_fp32(k[i]);
+    return s;
+}
+
+void tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
+                              uint32_t n_prefix, float *score)
+{
+    const uint32_t G = env->n_head / env->n_head_kv, d = env->head_dim, n = v->n_past;
+    const float scale = 1.0f / sqrtf((float)d);
+    float *row = malloc((size_t)n * sizeof *row);
+    for (uint32_t j = 0; j < n_prefix; j++)
+        score[j] = 0;
+    if (!row)
+        return;
+    const struct tkv_kv_head_view *kv = &v->kv[g];
+    for (uint32_t hh = 0; hh < G; hh++) {
+        const uint32_t h = g * G + hh;
+        for (uint32_t i = 0; i < v->n_q; i++) {
+            const float *q = v->q + (size_t)i * env->n_head * d + (size_t)h * d;
+            const int32_t qp = v->q_pos[i];
+            float mx = -INFINITY;
+            uint32_t m = 0;
+            for (uint32_t b = 0; b < kv->n_blocks; b++) {
+                const struct tkv_kv_block_ref *r = &kv->blocks[b];
+                for (uint32_t t = 0; t < r->n; t++) {
+                    const uint32_t pos = (uint32_t)r->pos0 + t;
+                    row[pos] = (int32_t)pos <= qp ? dot_qk(q, r->k + (size_t)t * d, d) * scale : -INFINITY;
+                    mx = row[pos] > mx ? row[pos] : mx;
+                    m = pos + 1 > m ? pos + 1 : m;
+                }
+            }
+            double sum = 0;
+            for (uint32_t j = 0; j < m; j++)
+                sum += row[j] == -INFINITY ? 0.0 : exp(row[j] - mx);
+            const double w = 1.0 / (sum * v->n_q * G);
+            for (uint32_t j = 0; j < n_prefix && j < m; j++)
+                if (row[j] != -INFINITY)
+                    score[j] += (float)(exp(row[j] - mx) * w);
+        }
+    }
+    free(row);
+}
+
+void tkv_policy_pool(float *x, float *tmp, uint32_t n, uint32_t k, char kind)
+{
+    if (k <= 1 || n == 0)
+        return;
+    const int32_t half = (int32_t)(k / 2);
+    for (int32_t i = 0; i < (int32_t)n; i++) {
+        float acc = kind == 'm' ? -INFINITY : 0.0f;
+        for (int32_t j = i - half; j <= i + half; j++) {
+            float val = (j < 0 || j >= (int32_t)n) ? 0.0f : x[j]; /* zero padding, as PyTorch */
+            if (kind == 'm')
+                acc = val > acc ? val : acc;
+            else
+                acc += val;
+        }
+        tmp[i] = kind == 'm' ? acc : acc / (float)k;
+    }
+    memcpy(x, tmp, n * sizeof *x);
+}
+
+struct scored {
+    float s;
+    uint32_t i;
+};
+
+static int cmp_scored(const void *a, const void *b)
+{
+    const struct scored *x = a, *y = b;
+    if (x->s != y->s)
+        return x->s > y->s ? -1 : 1;
+    return x->i < y->i ? -1 : x->i > y->i;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+uint32_t tkv_policy_top_k(const float *x, uint32_t n, uint32_t k, uint32_t *idx)
+{
+    if (k >= n) {
+        for (uint32_t i = 0; i < n; i++)
+            idx[i] = i;
+        return n;
+    }
+    struct scored *s = malloc((size_t)n * sizeof *s);
+    if (!s)
+        return 0;
+    for (uint32_t i = 0; i < n; i++)
+        s[i] = (struct scored){x[i], i};
+    qsort(s, n, sizeof *s, cmp_scored);
+    for (uint32_t i = 0; i < k; i++)
+        idx[i] = s[i].i;
+    free(s);
+    qsort(idx, k, sizeof *idx, cmp_u32);
+    return k;
+}
+
+int tkv_policy_ranges(const uint32_t *pos, uint32_t n, uint32_t tail_begin, uint32_t tail_end, struct tkv_range *out,
+                      uint32_t cap)
+{
+    uint32_t m = 0;
+    for (uint32_t i = 0; i < n && m < cap; i++) {
+        if (m > 0 && out[m - 1].end == pos[i])
+            out[m - 1].end++;
+        else
+            out[m++] = (struct tkv_range){pos[i], pos[i] + 1};
+    }
+    if (tail_end > tail_begin) {
+        if (m > 0 && out[m - 1].end >= tail_begin)
+            out[m - 1].end = tail_end > out[m - 1].end ? tail_end : out[m - 1].end;
+        else if (m < cap)
+            out[m++] = (struct tkv_range){tail_begin, tail_end};
+    }
+    return (int)m;
+}
+
+/* ---- kept sets -------------------------------------------------------------- */
+
+tkv_status tkv_kept_init(struct tkv_kept *k, uint32_t n_layer, uint32_t n_head_kv)
+{
+    k->n_layer = n_layer;
+    k->n_head_kv = n_head_kv;
+    k->r = calloc((size_t)n_layer * n_head_kv, sizeof *k->r);
+    k->n = calloc((size_t)n_layer * n_head_kv, sizeof *k->n);
+    if (!k->r || !k->n) {
+        tkv_kept_free(k);
+        return tkv_err(TKV_ERR_NOMEM, "policy: out of memory");
+    }
+    return TKV_OK;
+}
+
+void tkv_kept_reset(struct tkv_kept *k)
+{
+    if (!k->r)
+        return;
+    for (size_t i = 0; i < (size_t)k->n_layer * k->n_head_kv; i++) {
+        free(k->r[i]);
+        k->r[i] = NULL;
+        k->n[i] = 0;
+    }
+}
+
+void tkv_kept_free(struct tkv_kept *k)
+{
+    tkv_kept_reset(k);
+    free(k->r);
+    free(k->n);
+    k->r = NULL;
+    k->n = NULL;
+}
+
+tkv_status tkv_kept_set(struct tkv_kept *k, uint32_t layer, uint32_t head, const struct tkv_range *r, uint32_t n)
+{
+    const size_t i = (size_t)layer * k->n_head_kv + head;
+    struct tkv_range *copy = malloc((n ? n : 1) * sizeof *copy);
+    if (!copy)
+        return tkv_err(TKV_ERR_NOMEM, "policy: out of memory");
+    memcpy(copy, r, n * sizeof *copy);
+    free(k->r[i]);
+    k->r[i] = copy;
+    k->n[i] = n;
+    return TKV_OK;
+}
+
+int tkv_kept_select(const struct tkv_kept *k, uint32_t layer, uint32_t head, uint32_t from, uint32_t n_past,
+                    struct tkv_range *out, uint32_t cap)
+{
+    const size_t i = (size_t)layer * k->n_head_kv + head;
+    if (!k->r || !k->r[i])
+        return -1;
+    uint32_t m = TKV_MIN(k->n[i], cap);
+    memcpy(out, k->r[i], m * sizeof *out);
+    if (n_past > from) {
+        if (m > 0 && out[m - 1].end >= from)
+            out[m - 1].end = TKV_MAX(out[m - 1].end, n_past);
+        else if (m < cap)
+            out[m++] = (struct tkv_range){from, n_past};
+    }
+    return (int)m;
+}
