@@ -125,6 +125,12 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         TKV_TRY(weight(s, src->w_down, &dst->w_down));
     }
 
+    struct tkv_policy_env env = {.n_layer = hp->n_layer, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv,
+                                 .head_dim = hp->head_dim, .n_ctx = s->n_ctx, .block_tokens = s->kv_block,
+                                 .budget = s->kv_budget};
+    TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
+    if (s->policy->ops->segment) /* the policy's segments are the prefill chunks */
+        s->chunk = TKV_MIN(TKV_MIN(s->policy->ops->segment(s->policy->state), s->n_ctx), 8192u);
     const size_t C = s->chunk, E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim;
     const size_t KD = (size_t)hp->n_head_kv * hp->head_dim, F = hp->n_ff;
     TKV_TRY(alloc_act(s, C * E, &s->x));
@@ -146,10 +152,6 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
                                 .pci_bus_id = s->be->ops->pci_bus_id ? s->be->ops->pci_bus_id(s->be) : NULL};
     TKV_TRY(tkv_kvs_init(&kp, s->be, &s->kv));
 
-    struct tkv_policy_env env = {.n_layer = hp->n_layer, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv,
-                                 .head_dim = hp->head_dim, .n_ctx = s->n_ctx, .block_tokens = s->kv_block,
-                                 .budget = s->kv_budget};
-    TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
 
     s->max_blocks = (s->n_ctx + s->kv_block - 1) / s->kv_block;
     /* a selection of ranges splits at block boundaries into at most
@@ -279,7 +281,8 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n)
         decode ? po->decode_select : po->prefill_select;
     bool restricted = false;
     struct tkv_policy_view v = {.layer = layer, .n_past = s->n_past + n, .n_prompt = s->n_prompt, .step = s->step,
-                                .q = s->q, .q_pos = s->pos, .n_q = n, .kv = s->views};
+                                .prefill_end = s->prefill_end, .q = s->q, .q_pos = s->pos, .n_q = n,
+                                .kv = s->views};
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++)
         s->views[h] = tkv_kvs_view(s->kv, layer, h);
     if (!hook)
@@ -437,6 +440,7 @@ tkv_status tkv_prefill(tkv_session *s, const tkv_token *toks, size_t n)
                        s->n_past, s->n_ctx);
     /* reserve the whole prompt up front: one explicit allocation step */
     TKV_TRY(tkv_kvs_reserve(s->kv, s->n_past + (uint32_t)n));
+    s->prefill_end = s->n_past + (uint32_t)n;
     const double t0 = now_seconds();
     size_t done = 0;
     tkv_status st = TKV_OK;

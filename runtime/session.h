@@ -56,6 +56,7 @@ struct tkv_session {
 
     uint32_t n_past;
     uint32_t n_prompt;               /* tokens the prefill calls processed */
+    uint32_t prefill_end;            /* where the running prefill call ends */
     uint32_t step;                   /* decode steps since the last prefill */
     bool in_decode;                  /* the chunk being run is a decode step */
     tkv_token *tokens;               /* host [n_ctx]: the context's token ids */

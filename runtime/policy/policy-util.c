@@ -93,6 +93,8 @@ void tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_
                 const struct tkv_kv_block_ref *r = &kv->blocks[b];
                 for (uint32_t t = 0; t < r->n; t++) {
                     const uint32_t pos = (uint32_t)r->pos0 + t;
+                    if (pos >= n) /* keys past the view's context (e.g. this step's own) */
+                        break;
                     row[pos] = (int32_t)pos <= qp ? dot_qk(q, r->k + (size_t)t * d, d) * scale : -INFINITY;
                     mx = row[pos] > mx ? row[pos] : mx;
                     m = pos + 1 > m ? pos + 1 : m;
@@ -250,4 +252,76 @@ int tkv_kept_select(const struct tkv_kept *k, uint32_t layer, uint32_t head, uin
             out[m++] = (struct tkv_range){from, n_past};
     }
     return (int)m;
+}
+
+/* ---- segment block scores (CritiPrefill / EntropyInfer) --------------------------- */
+
+uint32_t tkv_segment_block_probs(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
+                                 uint32_t block, float *P)
+{
+    const uint32_t d = env->head_dim, G = env->n_head / env->n_head_kv, QD = env->n_head * d;
+    const uint32_t seg_start = v->n_past - v->n_q, nb = seg_start / block;
+    if (nb == 0 || v->n_q == 0)
+        return 0;
+    float *qmid = malloc((size_t)G * d * sizeof *qmid), *kmax = malloc((size_t)d * sizeof *kmax),
+          *kmin = malloc((size_t)d * sizeof *kmin);
+    if (!qmid || !kmax || !kmin) {
+        free(qmid), free(kmax), free(kmin);
+        return 0;
+    }
+    for (uint32_t hh = 0; hh < G; hh++) /* midrange query of the segment, per query head */
+        for (uint32_t c = 0; c < d; c++) {
+            float mx = -INFINITY, mn = INFINITY;
+            for (uint32_t t = 0; t < v->n_q; t++) {
+                float x = v->q[(size_t)t * QD + (size_t)(g * G + hh) * d + c];
+                mx = x > mx ? x : mx;
+                mn = x < mn ? x : mn;
+            }
+            qmid[hh * d + c] = 0.5f * (mx + mn);
+        }
+    const struct tkv_kv_head_view *kv = &v->kv[g];
+    uint32_t b = 0; /* storage block holding the next position */
+    float mx = -INFINITY;
+    for (uint32_t j = 0; j < nb; j++) {
+        for (uint32_t c = 0; c < d; c++)
+            kmax[c] = -INFINITY, kmin[c] = INFINITY;
+        for (uint32_t p = j * block; p < (j + 1) * block; p++) {
+            while (b < kv->n_blocks && p >= (uint32_t)kv->blocks[b].pos0 + kv->blocks[b].n)
+                b++;
+            if (b == kv->n_blocks)
+                break;
+            const uint16_t *k = kv->blocks[b].k + (size_t)(p - (uint32_t)kv->blocks[b].pos0) * d;
+            for (uint32_t c = 0; c < d; c++) {
+                float x = tkv_fp16_to_fp32(k[c]);
+                kmax[c] = x > kmax[c] ? x : kmax[c];
+                kmin[c] = x < kmin[c] ? x : kmin[c];
+            }
+        }
+        double a = 0;
+        for (uint32_t hh = 0; hh < G; hh++) {
+            double s1 = 0, s2 = 0;
+            for (uint32_t c = 0; c < d; c++) {
+                s1 += (double)qmid[hh * d + c] * kmax[c];
+                s2 += (double)qmid[hh * d + c] * kmin[c];
+            }
+            a += s1 > s2 ? s1 : s2;
+        }
+        P[j] = (float)(a / G);
+        mx = P[j] > mx ? P[j] : mx;
+    }
+    double sum = 0;
+    for (uint32_t j = 0; j < nb; j++)
+        sum += (P[j] = expf(P[j] - mx));
+    for (uint32_t j = 0; j < nb; j++)
+        P[j] = (float)(P[j] / sum);
+    free(qmid), free(kmax), free(kmin);
+    return nb;
+}
+
+double tkv_entropy(const float *P, uint32_t n)
+{
+    double h = 0;
+    for (uint32_t j = 0; j < n; j++)
+        h -= P[j] * log(P[j] + 1e-9);
+    return h;
 }

@@ -9,6 +9,8 @@ static const struct tkv_policy_ops *const registry[] = {
     &tkv_policy_streaming,
     &tkv_policy_snapkv,
     &tkv_policy_adakv,
+    &tkv_policy_critiprefill,
+    &tkv_policy_entropy,
 };
 #define N_POLICIES (sizeof registry / sizeof registry[0])
 

@@ -51,6 +51,7 @@ struct tkv_policy_view {
     uint32_t n_past;              /* tokens in the context, the current ones included */
     uint32_t n_prompt;            /* tokens the prefill processed                       */
     uint32_t step;                /* decode steps so far (0 during prefill)             */
+    uint32_t prefill_end;         /* position where the running prefill call ends       */
     const float   *q;             /* [n_q, n_head*head_dim] post-RoPE queries           */
     const int32_t *q_pos;         /* [n_q]                                               */
     uint32_t n_q;
@@ -72,6 +73,8 @@ struct tkv_policy_ops {
                          uint32_t cap);
     /* Forget everything about the context (session reset). */
     void (*reset)(void *state);
+    /* Prefill chunk length the policy's segments need (0: any). */
+    uint32_t (*segment)(void *state);
 };
 
 struct tkv_policy {
@@ -115,6 +118,18 @@ uint32_t tkv_policy_top_k(const float *x, uint32_t n, uint32_t k, uint32_t *idx)
 int tkv_policy_ranges(const uint32_t *pos, uint32_t n, uint32_t tail_begin, uint32_t tail_end, struct tkv_range *out,
                       uint32_t cap);
 
+/* The CritiPrefill/EntropyInfer block-score distribution of KV head g for
+ * the segment of queries in v (v->q rows, positions [v->n_past - v->n_q,
+ * v->n_past)): candidate key blocks are the whole `block`-token blocks
+ * before the segment; each is scored max(q·k+, q·k-) with q the segment's
+ * midrange query (per query head, averaged over the group) and k+/k- the
+ * block's element-wise max/min keys, unscaled; P = softmax over blocks.
+ * Writes P[n] and returns n (0 if no block precedes the segment). */
+uint32_t tkv_segment_block_probs(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
+                                 uint32_t block, float *P);
+/* Shannon entropy (nats) of P[n]: -sum P ln(P + 1e-9). */
+double tkv_entropy(const float *P, uint32_t n);
+
 /* AdaKV's allocation: head g's count of the n_head*per_head largest scores
  * over all heads (score[g][n]), floored at alpha*per_head and rescaled as
  * cap = cnt*(1-alpha) + floor(alpha*per_head), rounded so the caps sum to
@@ -127,6 +142,8 @@ extern const struct tkv_policy_ops tkv_policy_full;
 extern const struct tkv_policy_ops tkv_policy_streaming;
 extern const struct tkv_policy_ops tkv_policy_snapkv;
 extern const struct tkv_policy_ops tkv_policy_adakv;
+extern const struct tkv_policy_ops tkv_policy_critiprefill;
+extern const struct tkv_policy_ops tkv_policy_entropy;
 
 /* Per (layer, KV head) kept sets, for policies that compress once. */
 struct tkv_kept {
