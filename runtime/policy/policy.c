@@ -58,7 +58,7 @@ tkv_status tkv_policy_create(const char *spec, const struct tkv_policy_env *env,
     char name[64];
     const char *colon = strchr(spec, ':');
     size_t nlen = colon ? (size_t)(colon - spec) : strlen(spec);
-    if (nlen == 0 || nlen >= sizeof name)
+    if (nlen == 0 || nlen >= sizeof name || (colon && colon[1] == 0))
         return tkv_err(TKV_ERR_INVALID_ARG, "policy: bad spec '%s' (expected NAME[:key=value,...])", spec);
     memcpy(name, spec, nlen);
     name[nlen] = 0;
