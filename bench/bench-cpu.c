@@ -4,6 +4,8 @@
  *
  *   bench-cpu -m MODEL [-c 512,2048,8192] [-t 2] [-d 32] [-r 2]
  *             [--peer-python PY] [--no-peer] [-o md|jsonl]
+ *   bench-cpu -m MODEL -c 8192 --policies 'full;critiprefill;entropy:faithful=1;entropy'
+ *             (prefill time per KV policy, speedup over full, in one run)
  *
  * For each context N: an N-token prompt (the GPL-3 text, repeated) is
  * prefilled in a fresh session, then D tokens are decoded greedily; the best
@@ -60,7 +62,8 @@ struct result {
     double prefill_tok_s, decode_tok_s;
 };
 
-static int run_ours(const tkv_model *m, size_t n, uint32_t d, uint32_t threads, int reps, struct result *r)
+static int run_ours(const tkv_model *m, size_t n, uint32_t d, uint32_t threads, int reps, const char *policy,
+                    struct result *r)
 {
     tkv_token *prompt = make_prompt(m, n);
     if (!prompt)
@@ -70,6 +73,7 @@ static int run_ours(const tkv_model *m, size_t n, uint32_t d, uint32_t threads, 
         struct tkv_session_params sp = tkv_session_default_params();
         sp.n_ctx = (uint32_t)n + d + 16;
         sp.n_threads = threads;
+        sp.policy = policy;
         tkv_session *s;
         if (tkv_session_init(m, &sp, &s) != TKV_OK)
             return die("session");
@@ -144,6 +148,7 @@ int main(int argc, char **argv)
     uint32_t threads = 2, d = 32;
     int reps = 2;
     int peer = 1;
+    const char *policies = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-m") && v)
@@ -162,9 +167,11 @@ int main(int argc, char **argv)
             python = v, i++;
         else if (!strcmp(a, "--no-peer"))
             peer = 0;
+        else if (!strcmp(a, "--policies") && v)
+            policies = v, i++;
         else {
             fprintf(stderr, "usage: bench-cpu -m MODEL [-c 512,2048,8192] [-t 2] [-d 32] [-r 2] [--peer-python PY] "
-                            "[--no-peer] [-o md|jsonl]\n");
+                            "[--no-peer] [-o md|jsonl] [--policies 'full;critiprefill;entropy']\n");
             return 2;
         }
     }
@@ -176,6 +183,29 @@ int main(int argc, char **argv)
     if (tkv_model_load(model, &m) != TKV_OK)
         return die("load");
     const int md = !strcmp(fmt, "md");
+    if (policies) { /* prefill time per KV policy, against full, in one run */
+        printf("| ctx | policy | prefill s | prefill tok/s | speedup vs full | decode tok/s |\n|---:|---|---:|---:|---:|---:|\n");
+        char *list = strdup(ctxs);
+        for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
+            size_t n = (size_t)atol(tok);
+            double full_tps = 0;
+            char *pl = strdup(policies), *save = NULL;
+            for (char *p = strtok_r(pl, ";", &save); p; p = strtok_r(NULL, ";", &save)) {
+                struct result r;
+                if (run_ours(m, n, d, threads, reps, p, &r))
+                    return 1;
+                if (!strcmp(p, "full"))
+                    full_tps = r.prefill_tok_s;
+                printf("| %zu | %s | %.2f | %.1f | %.2f | %.1f |\n", n, p, n / r.prefill_tok_s, r.prefill_tok_s,
+                       full_tps > 0 ? r.prefill_tok_s / full_tps : 0, r.decode_tok_s);
+                fflush(stdout);
+            }
+            free(pl);
+        }
+        free(list);
+        tkv_model_free(m);
+        return 0;
+    }
     if (md) {
         printf("| ctx | threads | prefill tok/s (tierkv) | prefill tok/s (llama.cpp) | ratio | decode tok/s (tierkv) | "
                "decode tok/s (llama.cpp) | ratio |\n");
@@ -188,7 +218,7 @@ int main(int argc, char **argv)
         if (n == 0)
             continue;
         struct result ours, theirs = {0, 0};
-        if (run_ours(m, n, d, threads, reps, &ours))
+        if (run_ours(m, n, d, threads, reps, "full", &ours))
             return 1;
         if (peer && run_peer(python, model, n, d, threads, reps, &theirs, version, sizeof version))
             peer = 0;
