@@ -129,6 +129,11 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
                                  .head_dim = hp->head_dim, .n_ctx = s->n_ctx, .block_tokens = s->kv_block,
                                  .budget = s->kv_budget};
     TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
+    /* policy statistics read K in host memory; the GPU statistics kernels
+     * are not written yet */
+    if (strcmp(s->be->ops->name, "cpu") != 0 && (s->policy->ops->prefill_select || s->policy->ops->after_prefill))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "policy '%s' needs its statistics on the CPU backend (use --device cpu)",
+                       s->policy->ops->name);
     if (s->policy->ops->segment) /* the policy's segments are the prefill chunks */
         s->chunk = TKV_MIN(TKV_MIN(s->policy->ops->segment(s->policy->state), s->n_ctx), 8192u);
     const size_t C = s->chunk, E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim;

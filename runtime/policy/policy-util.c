@@ -6,6 +6,26 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* f16 -> f32: the F16C instruction where the build has it (same results as
+ * tkv_fp16_to_fp32 for every non-NaN half), the scalar reference otherwise */
+static inline float f16(uint16_t h)
+{
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return tkv_fp16_to_fp32(h);
+#endif
+}
+
+static void f16_row(const uint16_t *src, float *dst, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        dst[i] = f16(src[i]);
+}
 
 static const char *arg_value(const struct tkv_policy_args *a, const char *key)
 {
@@ -62,54 +82,54 @@ tkv_status tkv_policy_args_done(const char *policy, const struct tkv_policy_args
     return TKV_OK;
 }
 
-/* dot of a float query with an f16 key row */
-static float dot_qk(const float *q, const uint16_t *k, uint32_t d)
-{
-    float s = 0;
-    for (uint32_t i = 0; i < d; i++)
-        s += q[i] * tkv_fp16_to_fp32(k[i]);
-    return s;
-}
-
 void tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
                               uint32_t n_prefix, float *score)
 {
-    const uint32_t G = env->n_head / env->n_head_kv, d = env->head_dim, n = v->n_past;
+    const uint32_t G = env->n_head / env->n_head_kv, d = env->head_dim, n = v->n_past, R = G * v->n_q;
     const float scale = 1.0f / sqrtf((float)d);
-    float *row = malloc((size_t)n * sizeof *row);
     for (uint32_t j = 0; j < n_prefix; j++)
         score[j] = 0;
-    if (!row)
+    /* logits[r][pos] for the R = group heads x window queries; each key row
+     * is converted once and dotted with all of them */
+    float *logit = malloc((size_t)R * n * sizeof *logit), *kf = malloc((size_t)d * sizeof *kf);
+    if (!logit || !kf) {
+        free(logit), free(kf);
         return;
+    }
     const struct tkv_kv_head_view *kv = &v->kv[g];
-    for (uint32_t hh = 0; hh < G; hh++) {
-        const uint32_t h = g * G + hh;
-        for (uint32_t i = 0; i < v->n_q; i++) {
-            const float *q = v->q + (size_t)i * env->n_head * d + (size_t)h * d;
-            const int32_t qp = v->q_pos[i];
-            float mx = -INFINITY;
-            uint32_t m = 0;
-            for (uint32_t b = 0; b < kv->n_blocks; b++) {
-                const struct tkv_kv_block_ref *r = &kv->blocks[b];
-                for (uint32_t t = 0; t < r->n; t++) {
-                    const uint32_t pos = (uint32_t)r->pos0 + t;
-                    if (pos >= n) /* keys past the view's context (e.g. this step's own) */
-                        break;
-                    row[pos] = (int32_t)pos <= qp ? dot_qk(q, r->k + (size_t)t * d, d) * scale : -INFINITY;
-                    mx = row[pos] > mx ? row[pos] : mx;
-                    m = pos + 1 > m ? pos + 1 : m;
-                }
+    uint32_t m = 0; /* positions seen */
+    for (uint32_t b = 0; b < kv->n_blocks; b++) {
+        const struct tkv_kv_block_ref *blk = &kv->blocks[b];
+        for (uint32_t t = 0; t < blk->n; t++) {
+            const uint32_t pos = (uint32_t)blk->pos0 + t;
+            if (pos >= n) /* keys past the view's context (e.g. this step's own) */
+                break;
+            f16_row(blk->k + (size_t)t * d, kf, d);
+            for (uint32_t r = 0; r < R; r++) {
+                const uint32_t hh = r / v->n_q, i = r % v->n_q;
+                const float *q = v->q + (size_t)i * env->n_head * d + (size_t)(g * G + hh) * d;
+                float s = 0;
+                for (uint32_t c = 0; c < d; c++)
+                    s += q[c] * kf[c];
+                logit[(size_t)r * n + pos] = (int32_t)pos <= v->q_pos[i] ? s * scale : -INFINITY;
             }
-            double sum = 0;
-            for (uint32_t j = 0; j < m; j++)
-                sum += row[j] == -INFINITY ? 0.0 : exp(row[j] - mx);
-            const double w = 1.0 / (sum * v->n_q * G);
-            for (uint32_t j = 0; j < n_prefix && j < m; j++)
-                if (row[j] != -INFINITY)
-                    score[j] += (float)(exp(row[j] - mx) * w);
+            m = pos + 1 > m ? pos + 1 : m;
         }
     }
-    free(row);
+    for (uint32_t r = 0; r < R; r++) { /* softmax per query, averaged into the scores */
+        float *row = logit + (size_t)r * n, mx = -INFINITY;
+        for (uint32_t j = 0; j < m; j++)
+            mx = row[j] > mx ? row[j] : mx;
+        double sum = 0;
+        for (uint32_t j = 0; j < m; j++)
+            sum += row[j] == -INFINITY ? 0.0 : exp(row[j] - mx);
+        const double w = 1.0 / (sum * R);
+        for (uint32_t j = 0; j < n_prefix && j < m; j++)
+            if (row[j] != -INFINITY)
+                score[j] += (float)(exp(row[j] - mx) * w);
+    }
+    free(logit);
+    free(kf);
 }
 
 void tkv_policy_pool(float *x, float *tmp, uint32_t n, uint32_t k, char kind)
@@ -292,7 +312,7 @@ uint32_t tkv_segment_block_probs(const struct tkv_policy_view *v, const struct t
                 break;
             const uint16_t *k = kv->blocks[b].k + (size_t)(p - (uint32_t)kv->blocks[b].pos0) * d;
             for (uint32_t c = 0; c < d; c++) {
-                float x = tkv_fp16_to_fp32(k[c]);
+                float x = f16(k[c]);
                 kmax[c] = x > kmax[c] ? x : kmax[c];
                 kmin[c] = x < kmin[c] ? x : kmin[c];
             }
