@@ -93,15 +93,7 @@ static int crit_prefill(void *state, const struct tkv_policy_view *v, uint32_t h
     c->prev_layer[head] = v->layer;
     c->prev_seg[head] = seg_start;
     const uint32_t k = tkv_policy_top_k(P, nb, c->budget / c->block, c->idx);
-    uint32_t m = 0;
-    for (uint32_t i = 0; i < k && m < cap; i++) {
-        const uint32_t b0 = c->idx[i] * c->block;
-        if (m > 0 && out[m - 1].end == b0)
-            out[m - 1].end += c->block;
-        else
-            out[m++] = (struct tkv_range){b0, b0 + c->block};
-    }
-    return (int)m;
+    return (int)tkv_policy_block_ranges(c->idx, k, c->block, out, cap);
 }
 
 const struct tkv_policy_ops tkv_policy_critiprefill = {

@@ -211,16 +211,7 @@ static void select_segment(struct entropy *e, const struct tkv_policy_view *v)
             continue;
         /* faithful: every head takes the layer's maximum count; ours: its own */
         const uint32_t k = tkv_policy_top_k(e->P, nb, e->faithful ? k_max : kc[g], e->idx);
-        struct tkv_range *r = e->sel + (size_t)g * e->max_ranges;
-        uint32_t m = 0;
-        for (uint32_t i = 0; i < k; i++) {
-            const uint32_t b0 = e->idx[i] * e->block;
-            if (m > 0 && r[m - 1].end == b0)
-                r[m - 1].end += e->block;
-            else
-                r[m++] = (struct tkv_range){b0, b0 + e->block};
-        }
-        e->n_sel[g] = m;
+        e->n_sel[g] = tkv_policy_block_ranges(e->idx, k, e->block, e->sel + (size_t)g * e->max_ranges, e->max_ranges);
     }
     if (e->faithful && !dense) /* heads scored before the maximum grew: redo with the final k_max */
         for (uint32_t g = 0; g < H; g++) {
@@ -228,16 +219,7 @@ static void select_segment(struct entropy *e, const struct tkv_policy_view *v)
                 continue;
             const uint32_t nb = tkv_segment_block_probs(v, &e->env, g, e->block, e->P);
             const uint32_t k = tkv_policy_top_k(e->P, nb, k_max, e->idx);
-            struct tkv_range *r = e->sel + (size_t)g * e->max_ranges;
-            uint32_t m = 0;
-            for (uint32_t i = 0; i < k; i++) {
-                const uint32_t b0 = e->idx[i] * e->block;
-                if (m > 0 && r[m - 1].end == b0)
-                    r[m - 1].end += e->block;
-                else
-                    r[m++] = (struct tkv_range){b0, b0 + e->block};
-            }
-            e->n_sel[g] = m;
+            e->n_sel[g] = tkv_policy_block_ranges(e->idx, k, e->block, e->sel + (size_t)g * e->max_ranges, e->max_ranges);
         }
 }
 

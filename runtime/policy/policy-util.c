@@ -345,3 +345,16 @@ double tkv_entropy(const float *P, uint32_t n)
         h -= P[j] * log(P[j] + 1e-9);
     return h;
 }
+
+uint32_t tkv_policy_block_ranges(const uint32_t *idx, uint32_t k, uint32_t block, struct tkv_range *out, uint32_t cap)
+{
+    uint32_t m = 0;
+    for (uint32_t i = 0; i < k; i++) {
+        const uint32_t b0 = idx[i] * block;
+        if (m > 0 && out[m - 1].end == b0)
+            out[m - 1].end += block;
+        else if (m < cap)
+            out[m++] = (struct tkv_range){b0, b0 + block};
+    }
+    return m;
+}

@@ -127,6 +127,9 @@ int tkv_policy_ranges(const uint32_t *pos, uint32_t n, uint32_t tail_begin, uint
  * Writes P[n] and returns n (0 if no block precedes the segment). */
 uint32_t tkv_segment_block_probs(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
                                  uint32_t block, float *P);
+/* Block indices (ascending) of `block` tokens each -> merged token ranges. */
+uint32_t tkv_policy_block_ranges(const uint32_t *idx, uint32_t k, uint32_t block, struct tkv_range *out, uint32_t cap);
+
 /* Shannon entropy (nats) of P[n]: -sum P ln(P + 1e-9). */
 double tkv_entropy(const float *P, uint32_t n);
 
