@@ -25,7 +25,7 @@
 enum { L = 3, H = 2, HD = 64, B = 16, CTX = 256, NB = CTX / B };
 
 static uint64_t rng;
-static struct tkv_backend *be;
+static struct tkv_backend *be;  /* the compute tier's backend: cpu, or cuda where a GPU is */
 static char spill_dir[256];
 
 /* mirror[l][h][pos][K|V][d] */
@@ -72,10 +72,12 @@ static bool check_layer_views(struct tkv_kvs *s, uint32_t l, const char *when)
                 CHECK(false, "%s: block %u has pos0 %d n %u", when, b, r->pos0, r->n);
                 return false;
             }
+            uint16_t k[B][HD], v[B][HD]; /* through the backend: the rows may be GPU memory */
+            be->ops->download(be, k, r->k, (size_t)r->n * HD * 2);
+            be->ops->download(be, v, r->v, (size_t)r->n * HD * 2);
             for (uint32_t j = 0; j < r->n; j++) {
                 uint32_t pos = b * B + j;
-                if (memcmp(r->k + (size_t)j * HD, mirror[l][h][pos][0], HD * 2) ||
-                    memcmp(r->v + (size_t)j * HD, mirror[l][h][pos][1], HD * 2)) {
+                if (memcmp(k[j], mirror[l][h][pos][0], HD * 2) || memcmp(v[j], mirror[l][h][pos][1], HD * 2)) {
                     CHECK(false, "%s: layer %u head %u position %u differs from the mirror", when, l, h, pos);
                     return false;
                 }
@@ -103,9 +105,11 @@ static tkv_status append(struct tkv_kvs *s, uint32_t n)
                 uint16_t *k, *v;
                 tkv_kvs_locate(s, l, h, p, &k, &v);
                 for (uint32_t d = 0; d < HD; d++) {
-                    mirror[l][h][p][0][d] = k[d] = (uint16_t)test_rand_u64(&rng);
-                    mirror[l][h][p][1][d] = v[d] = (uint16_t)test_rand_u64(&rng);
+                    mirror[l][h][p][0][d] = (uint16_t)test_rand_u64(&rng);
+                    mirror[l][h][p][1][d] = (uint16_t)test_rand_u64(&rng);
                 }
+                be->ops->upload(be, k, mirror[l][h][p][0], HD * 2);
+                be->ops->upload(be, v, mirror[l][h][p][1], HD * 2);
             }
         check_layer_views(s, l, "after append");
         tkv_kvs_end_layer(s, l);
@@ -342,6 +346,22 @@ int main(void)
     }
     unsetenv("TKV_IO_FORCE_SYNC");
     test_faults();
+
+    /* the real GPU tiers where a GPU is: device memory, pinned host tier
+     * (hwloc, registered with CUDA), NVMe */
+    struct tkv_backend *cpu = be, *gpu = NULL;
+    if (tkv_backend_create("cuda", 1, &gpu) == TKV_OK) {
+        be = gpu;
+        s = make_store(false, 36, 40, true);
+        if (s) {
+            random_ops(s, 3000, "gpu+host+nvme");
+            tkv_kvs_free(s);
+        }
+        be = cpu;
+        gpu->ops->free(gpu);
+    } else {
+        fprintf(stderr, "no usable GPU (%s): the gpu+host+nvme configuration did not run\n", tkv_last_error());
+    }
 
     CHECK(count_fds() == fds_before, "file descriptors leaked: %d before, %d after", fds_before, count_fds());
     CHECK(dir_entries(spill_dir) == 0, "spill files left in %s", spill_dir);
