@@ -272,7 +272,11 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
 
 /* ---- decode: few query rows, keys spread over lanes ------------------------------- */
 
-/* For n_q * G <= DR query rows of one KV head (decode, short speculation):
+/* NOT YET VALIDATED ON A GPU; off unless TKV_CUDA_ATTN_DECODE=1 (see
+ * docs/gpu.md). Its first version hung on the H200 (a per-lane-group loop
+ * bound around full-warp shuffles), fixed below but not yet re-run.
+ *
+ * For n_q * G <= DR query rows of one KV head (decode, short speculation):
  * no shared-memory tiles and no block-wide barriers in the main loop. A key's
  * head_dim is spread over LPK = HD/8 lanes (8 dims each, one 16-byte load of
  * K and one of V), so a warp works on 32/LPK keys at once, U of them per lane
@@ -320,7 +324,11 @@ __global__ void __launch_bounds__(NT) attn_decode_kernel(const tkv_cuda_attn_par
         if (e.pos0 > pos_max) /* blocks are in position order */
             break;
         const int n = (int)e.n;
-        for (int k0 = slot; k0 < n; k0 += SLOTS * DEC_U) {
+        /* the loop bound is the warp's, not the lane group's: every lane must
+         * reach the shuffles below (a per-group bound hung the GPU on a
+         * one-key block) */
+        for (int kw = warp * KPW; kw < n; kw += SLOTS * DEC_U) {
+            const int k0 = kw + sub;
             uint4 kr[DEC_U], vr[DEC_U];
 #pragma unroll
             for (int u = 0; u < DEC_U; u++) {
@@ -466,7 +474,7 @@ constexpr uint32_t DEC_ROWS = 8;
 
 bool use_decode(const tkv_cuda_attn_params *p)
 {
-    return p->vec16 && p->n_q * (p->n_head / p->n_head_kv) <= DEC_ROWS;
+    return p->decode_kernel && p->vec16 && p->n_q * (p->n_head / p->n_head_kv) <= DEC_ROWS;
 }
 
 template <int HD>

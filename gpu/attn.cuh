@@ -46,6 +46,8 @@ struct tkv_cuda_attn_params {
     uint32_t n_split;                       /* set by tkv_cuda_attn_plan        */
     float scale_log2;                       /* scale * log2(e)                  */
     int vec16;                              /* all K/V rows 16-byte aligned     */
+    int decode_kernel;                      /* allow the decode kernel (opt-in,
+                                               not yet validated on a GPU)      */
 };
 
 /* head_dim the kernels handle. */

@@ -56,6 +56,7 @@ struct cuda_backend {
     float *attn_part;              /* [attn_part_cap] split-K partials        */
     size_t attn_part_cap;          /* floats                                  */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
+    bool attn_decode;              /* TKV_CUDA_ATTN_DECODE=1: decode kernel   */
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
 };
@@ -521,6 +522,7 @@ static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_ar
     p.head_dim = a->head_dim;
     p.scale_log2 = a->scale * 1.44269504088896341f;
     p.vec16 = (addr_bits % 16) == 0;
+    p.decode_kernel = cb->attn_decode;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, cb->n_sm);
     if (part) {
         TKV_TRY(work_reserve(cb, (void **)&cb->attn_part, &cb->attn_part_cap, part * sizeof(float), op));
@@ -647,6 +649,8 @@ extern "C" tkv_status tkv_cuda_backend_create(uint32_t n_threads, struct tkv_bac
     cb->device = 0;
     const char *mode = getenv("TKV_CUDA_WEIGHTS");
     cb->f32_weights = mode && !strcmp(mode, "f32");
+    const char *dec = getenv("TKV_CUDA_ATTN_DECODE");
+    cb->attn_decode = dec && !strcmp(dec, "1");
     tkv_status st = cuda_init(cb);
     if (st != TKV_OK) {
         cuda_free(&cb->base);
