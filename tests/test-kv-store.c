@@ -346,6 +346,8 @@ int main(void)
     }
     unsetenv("TKV_IO_FORCE_SYNC");
     test_faults();
+    /* before the GPU part: the CUDA driver keeps its device files open */
+    CHECK(count_fds() == fds_before, "file descriptors leaked: %d before, %d after", fds_before, count_fds());
 
     /* the real GPU tiers where a GPU is: device memory, pinned host tier
      * (hwloc, registered with CUDA), NVMe */
@@ -363,7 +365,6 @@ int main(void)
         fprintf(stderr, "no usable GPU (%s): the gpu+host+nvme configuration did not run\n", tkv_last_error());
     }
 
-    CHECK(count_fds() == fds_before, "file descriptors leaked: %d before, %d after", fds_before, count_fds());
     CHECK(dir_entries(spill_dir) == 0, "spill files left in %s", spill_dir);
     rmdir(spill_dir);
     be->ops->free(be);
