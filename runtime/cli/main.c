@@ -10,6 +10,7 @@
  * 1 runtime failure, 2 bad usage.
  */
 #include "tierkv.h"
+#include "eval.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -46,6 +47,7 @@ static void print_help(void)
            "  run       generate text from a prompt\n"
            "  info      validate a GGUF model fully and print a summary\n"
            "  tokenize  print the token ids of a text\n"
+           "  eval      RULER-style long-context tasks per KV policy and budget (eval --help)\n"
            "\n"
            "run options:\n"
            "  -m, --model FILE      GGUF model (llama architecture)\n"
@@ -622,5 +624,7 @@ int main(int argc, char **argv)
         return cmd_info(argc, argv);
     if (!strcmp(cmd, "tokenize"))
         return cmd_tokenize(argc, argv);
+    if (!strcmp(cmd, "eval"))
+        return cmd_eval(argc, argv);
     return usage_error("unknown command '%s' (expected run, info or tokenize)", cmd);
 }
