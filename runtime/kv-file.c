@@ -300,9 +300,11 @@ tkv_status tkv_session_fork(const tkv_session *src, const struct tkv_session_par
     tkv_session *s;
     TKV_TRY(tkv_session_init(src->model, &p, &s));
     if (s->policy->ops->changes_prefill) {
+        tkv_status e = tkv_err(TKV_ERR_UNSUPPORTED,
+                               "fork: policy '%s' changes the prefill itself; prefill with it instead",
+                               s->policy->ops->name);
         tkv_session_free(s);
-        return tkv_err(TKV_ERR_UNSUPPORTED, "fork: policy '%s' changes the prefill itself; prefill with it instead",
-                       s->policy->ops->name);
+        return e;
     }
     tkv_session *mut = (tkv_session *)src; /* export only drains I/O; the context is unchanged */
     const uint32_t L = s->hp.n_layer, H = s->hp.n_head_kv, nb = blocks_per_head(src);

@@ -612,7 +612,7 @@ static int cmd_tokenize(int argc, char **argv)
 int main(int argc, char **argv)
 {
     if (argc < 2)
-        return usage_error("%s", "no command given (run, info or tokenize)");
+        return usage_error("%s", "no command given (run, eval, info or tokenize)");
     const char *cmd = argv[1];
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         print_help();
@@ -626,5 +626,5 @@ int main(int argc, char **argv)
         return cmd_tokenize(argc, argv);
     if (!strcmp(cmd, "eval"))
         return cmd_eval(argc, argv);
-    return usage_error("unknown command '%s' (expected run, info or tokenize)", cmd);
+    return usage_error("unknown command '%s' (expected run, eval, info or tokenize)", cmd);
 }
