@@ -93,6 +93,8 @@ void tkv_session_free(tkv_session *s)
     free(s->tokens);
     free(s->obs_q);
     free(s->ranges);
+    free(s->plan_ranges);
+    free(s->need);
     free(s);
 }
 
@@ -170,8 +172,11 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     s->sel_idx = calloc(s->max_blocks, sizeof *s->sel_idx);
     s->tokens = malloc((size_t)s->n_ctx * sizeof *s->tokens);
     s->ranges = malloc((size_t)s->max_ranges * sizeof *s->ranges);
+    s->plan_ranges = malloc((size_t)hp->n_head_kv * s->max_ranges * sizeof *s->plan_ranges);
+    s->need = malloc((size_t)hp->n_head_kv * tkv_kvs_max_blocks(s->kv));
     s->obs_q = malloc((size_t)hp->n_layer * OBS_QUERIES * QD * sizeof(float));
-    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->sel_idx || !s->tokens || !s->ranges || !s->obs_q)
+    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->sel_idx || !s->tokens || !s->ranges || !s->obs_q ||
+        !s->plan_ranges || !s->need)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
         TKV_TRY(alloc_act(s, QD, &s->att_full));
@@ -278,7 +283,7 @@ static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, uint32_t B, c
 /* The keys each KV head of `layer` attends to for n queries, as the policy
  * decides; returns whether any head was restricted. During prefill a
  * selecting policy names past keys and the chunk's own keys are added. */
-static bool select_views(tkv_session *s, uint32_t layer, uint32_t n)
+static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *plan)
 {
     const struct tkv_policy_ops *po = s->policy->ops;
     const bool decode = s->in_decode;
@@ -293,22 +298,52 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n)
     if (!hook)
         return false;
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
-        int m = hook(s->policy->state, &v, h, s->ranges, s->max_ranges - 1);
+        struct tkv_range *ranges = plan ? s->plan_ranges + (size_t)h * s->max_ranges : s->ranges;
+        int m = plan ? plan[h] : hook(s->policy->state, &v, h, ranges, s->max_ranges - 1);
         if (m < 0)
             continue;
         if (!decode) { /* the chunk always sees its own keys (causally) */
-            if (m > 0 && s->ranges[m - 1].end >= s->n_past)
-                s->ranges[m - 1].end = TKV_MAX(s->ranges[m - 1].end, s->n_past + n);
+            if (m > 0 && ranges[m - 1].end >= s->n_past)
+                ranges[m - 1].end = TKV_MAX(ranges[m - 1].end, s->n_past + n);
             else
-                s->ranges[m++] = (struct tkv_range){s->n_past, s->n_past + n};
+                ranges[m++] = (struct tkv_range){s->n_past, s->n_past + n};
         }
         struct tkv_kv_block_ref *refs = s->sel_refs + (size_t)h * s->max_refs;
-        const uint32_t nr = ranges_to_refs(&s->views[h], s->kv_block, s->ranges, (uint32_t)m, s->hp.head_dim, refs,
+        const uint32_t nr = ranges_to_refs(&s->views[h], s->kv_block, ranges, (uint32_t)m, s->hp.head_dim, refs,
                                            s->max_refs);
         s->views[h] = (struct tkv_kv_head_view){.blocks = refs, .n_blocks = nr};
         restricted = true;
     }
     return restricted;
+}
+
+/* Decode with a policy that can answer without keys: asks it which keys each
+ * head reads (plan[h] ranges, or -1 for all) and marks the blocks they touch
+ * in s->need, so the store recalls only those. False: bring in everything. */
+static bool plan_decode(tkv_session *s, uint32_t layer, int *plan)
+{
+    const struct tkv_policy_ops *po = s->policy->ops;
+    if (!s->in_decode || !po->decode_select || (s->flags & TKV_SESSION_MEASURE_MASS))
+        return false;
+    const struct tkv_policy_view v = {.layer = layer, .n_past = s->n_past + 1, .n_prompt = s->n_prompt,
+                                      .step = s->step, .prefill_end = s->prefill_end, .q = s->q, .q_pos = s->pos,
+                                      .n_q = 1, .kv = NULL};
+    if (po->decode_needs_keys && po->decode_needs_keys(s->policy->state, &v))
+        return false;
+    const uint32_t MB = tkv_kvs_max_blocks(s->kv), B = s->kv_block, nb = (s->n_past + 1 + B - 1) / B;
+    memset(s->need, 0, (size_t)s->hp.n_head_kv * MB);
+    for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
+        struct tkv_range *r = s->plan_ranges + (size_t)h * s->max_ranges;
+        plan[h] = po->decode_select(s->policy->state, &v, h, r, s->max_ranges - 1);
+        uint8_t *need = s->need + (size_t)h * MB;
+        if (plan[h] < 0)
+            memset(need, 1, nb);
+        else
+            for (int i = 0; i < plan[h]; i++)
+                for (uint32_t b = r[i].begin / B; b < nb && b * B < r[i].end; b++)
+                    need[b] = 1;
+    }
+    return true;
 }
 
 /* Keeps the last OBS_QUERIES prefill queries of `layer` (the window that
@@ -322,7 +357,10 @@ static void observe_queries(tkv_session *s, uint32_t layer, uint32_t n)
     s->be->ops->download(s->be, buf + (size_t)keep_old * QD, s->q + (size_t)(n - take) * QD, (size_t)take * QD * sizeof(float));
 }
 
-/* One transformer layer on the chunk in s->x (KV blocks of the layer pinned). */
+static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const int *plan);
+
+/* One transformer layer on the chunk in s->x: brings the layer's KV in (all
+ * of it, or at decode what the policy selects), runs it, lets the KV go. */
 static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
 {
     const struct tkv_backend_ops *ops = s->be->ops;
@@ -337,11 +375,38 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
     TKV_TRY(ops->matmul(be, w->wv, s->h, s->v, n));
     TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
     TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+    int plan[256];
+    const bool planned = Hkv <= 256 && plan_decode(s, l, plan);
+    TKV_TRY(tkv_kvs_begin_layer_sel(s->kv, l, s->n_past, n, planned ? s->need : NULL));
+    if (!planned) /* overlaps the next layer's recall with this one */
+        tkv_kvs_prefetch(s->kv, l + 1);
+    tkv_status st = layer_attention(s, l, n, planned ? plan : NULL);
+    tkv_kvs_end_layer(s->kv, l);
+    TKV_TRY(st);
+    TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
+    TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+    /* feed-forward block */
+    TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
+    TKV_TRY(ops->matmul(be, w->w_gate, s->h, s->gate, n));
+    TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
+    TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
+    TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
+    TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+    return TKV_OK;
+}
+
+/* The attention of layer l for the chunk (its KV brought in): K/V rows into
+ * the blocks, the policy's selection, attention into s->att. */
+static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const int *plan)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    struct tkv_backend *be = s->be;
+    const uint32_t H = s->hp.n_head, Hkv = s->hp.n_head_kv, hd = s->hp.head_dim;
     TKV_TRY(store_kv(s, l, n));
     const bool decode = s->in_decode;
     if (!decode)
         observe_queries(s, l, n);
-    const bool restricted = select_views(s, l, n);
+    const bool restricted = select_views(s, l, n, plan);
     struct tkv_attn_args a = {.q = s->q, .q_pos = s->pos, .out = s->att, .lse = NULL, .n_q = n, .n_head = H,
                               .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views};
     if (restricted && decode && (s->flags & TKV_SESSION_MEASURE_MASS)) {
@@ -365,15 +430,6 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
             s->mass_sum += ls[h] == -INFINITY ? 0.0 : exp((double)ls[h] - lf[h]);
         s->mass_count += TKV_MIN(H, 256u);
     }
-    TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
-    TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
-    /* feed-forward block */
-    TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
-    TKV_TRY(ops->matmul(be, w->w_gate, s->h, s->gate, n));
-    TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
-    TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
-    TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
-    TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
     return TKV_OK;
 }
 
@@ -388,13 +444,8 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
         s->pos[i] = (int32_t)(s->n_past + i);
     TKV_TRY(ops->get_rows(be, s->tok_embd, toks, n, s->x));
 
-    for (uint32_t l = 0; l < hp->n_layer; l++) {
-        TKV_TRY(tkv_kvs_begin_layer(s->kv, l, s->n_past, n));
-        tkv_kvs_prefetch(s->kv, l + 1); /* overlaps the next layer's recall with this one */
-        tkv_status st = layer_forward(s, l, n);
-        tkv_kvs_end_layer(s->kv, l);
-        TKV_TRY(st);
-    }
+    for (uint32_t l = 0; l < hp->n_layer; l++)
+        TKV_TRY(layer_forward(s, l, n));
 
     if (want_logits) {
         TKV_TRY(ops->rmsnorm(be, s->x + (size_t)(n - 1) * E, s->output_norm, s->h, 1, E, hp->rms_eps));

@@ -70,6 +70,8 @@ struct tkv_session {
 
     /* policy selections turned into block lists */
     struct tkv_range *ranges;        /* host [max_ranges] */
+    struct tkv_range *plan_ranges;   /* host [n_head_kv][max_ranges]: a decode plan */
+    uint8_t *need;                   /* host [n_head_kv][max blocks]: blocks a plan touches */
     uint32_t max_ranges, max_refs;   /* per head */
     /* attention-mass measurement (TKV_SESSION_MEASURE_MASS) */
     float *att_full, *lse_full, *lse_sel; /* backend [n_head*head_dim], [n_head], [n_head] */

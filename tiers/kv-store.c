@@ -843,6 +843,14 @@ uint32_t tkv_kvs_length(const struct tkv_kvs *s) { return s->length; }
 
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write)
 {
+    return tkv_kvs_begin_layer_sel(s, layer, write_pos, n_write, NULL);
+}
+
+uint32_t tkv_kvs_max_blocks(const struct tkv_kvs *s) { return s->max_blocks; }
+
+tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write,
+                                   const uint8_t *need)
+{
     const uint32_t B = s->p.block_tokens, nb = (s->length + B - 1) / B, H = s->p.n_head_kv;
     if (layer >= s->p.n_layer || nb > s->n_blocks)
         return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: begin_layer(%u) outside the reserved page table", layer);
@@ -853,8 +861,12 @@ tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write
     prefetch_drain(s);
     uint32_t n_missing = 0;
     s->clock++;
+    const uint32_t w0 = n_write ? write_pos / B : UINT32_MAX, w1 = n_write ? (write_pos + n_write - 1) / B : 0;
+#define NEEDED(h, b) (!need || need[(size_t)(h) * s->max_blocks + (b)] || ((b) >= w0 && (b) <= w1))
     for (uint32_t h = 0; h < H; h++)
         for (uint32_t b = 0; b < nb; b++) {
+            if (!NEEDED(h, b))
+                continue;
             uint32_t i = blk_index(s, layer, h, b);
             struct blk *k = &s->blk[i];
             k->pinned = 1;
@@ -899,14 +911,17 @@ tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write
                     drop_copy(s, i, TKV_TIER_HOST);
                 s->blk[i].valid = BIT(TKV_TIER_COMPUTE); /* the NVMe slot is kept for the next spill */
             }
-    /* the views of this layer */
+    /* the views of this layer (blocks left out: no pointers) */
     for (uint32_t h = 0; h < H; h++)
         for (uint32_t b = 0; b < nb; b++) {
-            uint8_t *p = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[blk_index(s, layer, h, b)].slot[TKV_TIER_COMPUTE]);
+            uint8_t *p = NEEDED(h, b) ? slot_ptr(s, TKV_TIER_COMPUTE,
+                                                 s->blk[blk_index(s, layer, h, b)].slot[TKV_TIER_COMPUTE])
+                                      : NULL;
             s->refs[(size_t)h * s->max_blocks + b] = (struct tkv_kv_block_ref){
-                .k = (uint16_t *)p, .v = (uint16_t *)p + (size_t)B * s->p.head_dim, .pos0 = (int32_t)(b * B),
-                .n = TKV_MIN(B, s->length - b * B)};
+                .k = (uint16_t *)p, .v = p ? (uint16_t *)p + (size_t)B * s->p.head_dim : NULL,
+                .pos0 = (int32_t)(b * B), .n = TKV_MIN(B, s->length - b * B)};
         }
+#undef NEEDED
     s->cur_layer = layer;
     s->in_layer = true;
 out:

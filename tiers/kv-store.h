@@ -85,6 +85,13 @@ uint32_t tkv_kvs_length(const struct tkv_kvs *s);
  * dirty (they are about to change). Between begin and end, tkv_kvs_view and
  * tkv_kvs_locate are valid for this layer. */
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write);
+/* The same for a selection: only blocks with need[head * blocks_per_head + b]
+ * set (and those being written) are recalled and pinned; the others stay
+ * wherever they are and their view entries have k = v = NULL. need = NULL
+ * means every block. blocks_per_head: tkv_kvs_max_blocks(). */
+tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write,
+                                   const uint8_t *need);
+uint32_t tkv_kvs_max_blocks(const struct tkv_kvs *s);
 void       tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer);
 
 /* Starts recalling blocks of `layer` into free compute slots without

@@ -308,6 +308,16 @@ static tkv_status compress_layer(struct entropy *e, const struct tkv_policy_view
     return st;
 }
 
+/* The compressing steps score every key; the others only replay kept sets. */
+static bool ent_needs_keys(void *state, const struct tkv_policy_view *v)
+{
+    const struct entropy *e = state;
+    const uint32_t step = v->step + 1;
+    const bool first = step == e->gap + 1 && e->compressed_at == 0;
+    const bool again = !e->faithful && e->resel && e->compressed_at && (step - e->gap - 1) % e->resel == 0;
+    return first || again;
+}
+
 static int ent_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
                       uint32_t cap)
 {
@@ -347,6 +357,7 @@ const struct tkv_policy_ops tkv_policy_entropy = {
     .prefill_select = ent_prefill,
     .after_prefill = ent_after_prefill,
     .decode_select = ent_decode,
+    .decode_needs_keys = ent_needs_keys,
     .reset = ent_reset,
     .segment = ent_segment,
 };

@@ -17,7 +17,9 @@
  *                   tokens generated since, re-selection, sliding windows).
  *
  * A hook left NULL means "everything". Selections are ascending, disjoint
- * token ranges [begin, end) of positions < n_past.
+ * token ranges [begin, end) of positions < n_past. At decode, the engine
+ * recalls only the blocks a selection touches (unless decode_needs_keys),
+ * so what a policy leaves out can stay paged to a lower tier.
  *
  * Spec strings: "NAME" or "NAME:key=value,key=value"; each policy lists the
  * keys it accepts; an unknown policy or key is TKV_ERR_INVALID_ARG naming it.
@@ -71,6 +73,11 @@ struct tkv_policy_ops {
     tkv_status (*after_prefill)(void *state, const struct tkv_policy_view *v);
     int (*decode_select)(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
                          uint32_t cap);
+    /* Whether decode_select needs the layer's keys (v->kv) at this step.
+     * NULL or false: decode_select is called with v->kv == NULL, before the
+     * store brings the layer in, and only the blocks it names are recalled
+     * -- the rest stay paged out. */
+    bool (*decode_needs_keys)(void *state, const struct tkv_policy_view *v);
     /* Forget everything about the context (session reset). */
     void (*reset)(void *state);
     /* Prefill chunk length the policy's segments need (0: any). */
