@@ -299,7 +299,8 @@ tkv_status tkv_session_fork(const tkv_session *src, const struct tkv_session_par
                        src->kv_block, src->n_past);
     tkv_session *s;
     TKV_TRY(tkv_session_init(src->model, &p, &s));
-    if (s->policy->ops->changes_prefill) {
+    if (s->policy->ops->changes_prefill &&
+        !(s->policy->ops->prefill_dense && s->policy->ops->prefill_dense(s->policy->state, src->n_past))) {
         tkv_status e = tkv_err(TKV_ERR_UNSUPPORTED,
                                "fork: policy '%s' changes the prefill itself; prefill with it instead",
                                s->policy->ops->name);

@@ -199,7 +199,9 @@ tkv_status tkv_session_load(tkv_session *session, const char *path);
  * (streaming, snapkv, adakv, ...) then compress the copy exactly as if they
  * had seen the prefill themselves, so one dense prefill can serve many of
  * them. Policies that change the prefill itself (critiprefill, entropy)
- * return TKV_ERR_UNSUPPORTED: run their own prefill instead. src must have
+ * return TKV_ERR_UNSUPPORTED -- run their own prefill instead -- unless their
+ * rules make this prompt's prefill dense anyway (e.g. critiprefill below its
+ * threshold). src must have
  * been prefilled with the `full` policy. */
 tkv_status tkv_session_fork(const tkv_session *src, const struct tkv_session_params *params, tkv_session **out);
 

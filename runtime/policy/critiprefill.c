@@ -96,6 +96,14 @@ static int crit_prefill(void *state, const struct tkv_policy_view *v, uint32_t h
     return (int)tkv_policy_block_ranges(c->idx, k, c->block, out, cap);
 }
 
+/* Every segment starts before the threshold, or is the last one. */
+static bool crit_dense(void *state, uint32_t n)
+{
+    const struct critiprefill *c = state;
+    const uint32_t n_seg = (n + c->segment - 1) / c->segment, dense_segs = (c->threshold + c->segment - 1) / c->segment;
+    return n_seg <= dense_segs + 1;
+}
+
 const struct tkv_policy_ops tkv_policy_critiprefill = {
     .name = "critiprefill",
     .help = "segment-sparse prefill (CritiPrefill): segment=512, block=32, budget=2048, threshold=4096, fusion=0.25",
@@ -104,4 +112,5 @@ const struct tkv_policy_ops tkv_policy_critiprefill = {
     .destroy = crit_destroy,
     .prefill_select = crit_prefill,
     .segment = crit_segment,
+    .prefill_dense = crit_dense,
 };

@@ -348,6 +348,17 @@ static int ent_decode(void *state, const struct tkv_policy_view *v, uint32_t hea
     return tkv_kept_select(&e->kept, l, head, e->compressed_at, v->n_past, out, cap);
 }
 
+/* faithful: dense when every segment starts before the threshold or is the
+ * last one; the online variant scales its threshold to the prompt: never. */
+static bool ent_dense(void *state, uint32_t n)
+{
+    const struct entropy *e = state;
+    if (!e->faithful)
+        return false;
+    const uint32_t n_seg = (n + e->segment - 1) / e->segment, dense_segs = (e->threshold + e->segment - 1) / e->segment;
+    return n_seg <= dense_segs + 1;
+}
+
 const struct tkv_policy_ops tkv_policy_entropy = {
     .name = "entropy",
     .help = "EntropyInfer (faithful=1: as released); default: online Rigid/Dynamic, per-head budgets, re-selection",
@@ -360,4 +371,5 @@ const struct tkv_policy_ops tkv_policy_entropy = {
     .decode_needs_keys = ent_needs_keys,
     .reset = ent_reset,
     .segment = ent_segment,
+    .prefill_dense = ent_dense,
 };

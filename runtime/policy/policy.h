@@ -82,6 +82,10 @@ struct tkv_policy_ops {
     void (*reset)(void *state);
     /* Prefill chunk length the policy's segments need (0: any). */
     uint32_t (*segment)(void *state);
+    /* For a policy that changes_prefill: whether a prompt of n tokens gets a
+     * dense prefill anyway (its rules make every segment dense), so a fork
+     * of a dense prefill is exactly what it would compute. NULL: never. */
+    bool (*prefill_dense)(void *state, uint32_t n_tokens);
 };
 
 struct tkv_policy {
