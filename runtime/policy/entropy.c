@@ -20,8 +20,8 @@
  *   entropy:faithful=1  as the released code behaves: Rigid only if below e_t
  *       in every segment so far (the released test looks at all segments;
  *       a chunked prefill can only look back), the layer's maximum block
- *       count for every head, threshold 4096, base 2048, keep 1024, one
- *       compression, evicted tokens dropped.
+ *       count for every head, threshold 4096, base 2048, keep = --kv-budget
+ *       (1024 as released), one compression, evicted tokens dropped.
  *   entropy (default)  classification online with hysteresis (Rigid after
  *       `rigid_after` consecutive near-zero segments, Dynamic again on the
  *       first segment above e_t), per-head budgets, Rigid heads at base/4,
@@ -98,7 +98,7 @@ static tkv_status ent_create(const struct tkv_policy_env *env, const struct tkv_
     TKV_TRY(tkv_policy_arg_u32("entropy", args, "faithful", &faithful));
     struct entropy p = {.env = *env, .faithful = faithful != 0, .segment = 512, .block = 8,
                         .threshold = faithful ? 4096 : 1024, .layer_skip = 1, .base = 2048, .gap = 16, .window = 32,
-                        .keep = faithful ? 1024 : (env->budget ? env->budget : 1024), .resel = faithful ? 0 : 64,
+                        .keep = env->budget ? env->budget : 1024, .resel = faithful ? 0 : 64,
                         .rigid_after = 2, .drop = faithful ? 1 : 0, .e_t = 1e-5f, .delta = 0.4f, .alpha = 0.5f};
     if (!faithful && env->budget)
         p.base = env->budget;
