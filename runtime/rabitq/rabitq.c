@@ -1,0 +1,772 @@
+/*
+ * rabitq.c -- the RaBitQ key index (rabitq.h): lifecycle, centroids, query
+ * preparation, top-p selection, kernel dispatch, and the scalar reference
+ * kernels that the SIMD ones (rabitq-simd.c) must match bit for bit.
+ */
+#include "rabitq-impl.h"
+
+#include <float.h>
+#include <stdlib.h>
+
+// --- small helpers --------------------------------------------------------
+
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+uint64_t tkv_rabitq_seed(uint64_t base, uint32_t layer, uint32_t head)
+{
+    uint64_t s = base ^ ((uint64_t)layer << 32 | head);
+    splitmix64(&s);
+    return splitmix64(&s);
+}
+
+static void *rq_alloc(size_t bytes)
+{
+    return aligned_alloc(64, tkv_align_up(bytes ? bytes : 1, 64));
+}
+
+// --- scalar reference kernels ----------------------------------------------
+
+/* Unnormalised Walsh-Hadamard transform, stage h = 1, 2, 4, ... */
+static void fwht_ref(float *x, uint32_t n)
+{
+    for (uint32_t h = 1; h < n; h <<= 1)
+        for (uint32_t i = 0; i < n; i += 2 * h)
+            for (uint32_t j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+}
+
+static void rotate_ref(const struct tkv_rabitq *ix, float *y)
+{
+    const uint32_t D = ix->dim_pad;
+    for (int r = 0; r < 3; r++) {
+        const float *s = ix->sign + (size_t)r * D;
+        for (uint32_t i = 0; i < D; i++)
+            y[i] *= s[i];
+        fwht_ref(y, D);
+    }
+    for (uint32_t i = 0; i < D; i++)
+        y[i] *= ix->rot_scale;
+}
+
+static void encode_ref(struct tkv_rabitq *ix, const uint16_t *k, size_t row_stride, uint32_t n, uint32_t at)
+{
+    const uint32_t D = ix->dim_pad, W = ix->words;
+    float kf[TKV_RABITQ_MAX_DIM], y[TKV_RABITQ_MAX_DIM];
+    for (uint32_t r = 0; r < n; r++) {
+        const uint16_t *row = k + r * row_stride;
+        for (uint32_t i = 0; i < D; i++)
+            kf[i] = i < ix->dim ? tkv_fp16_to_fp32(row[i]) : 0.0f;
+        float rr[16] = {0}, t[16] = {0}, l1[16] = {0};
+        for (uint32_t i = 0; i < D; i++) {
+            y[i] = kf[i] - ix->ck[i];
+            rr[i % 16] = fmaf(y[i], y[i], rr[i % 16]);
+            t[i % 16] = fmaf(ix->cq[i], kf[i], t[i % 16]);
+        }
+        rotate_ref(ix, y);
+        uint64_t *code = ix->code + (size_t)(at + r) * W;
+        uint32_t pc = 0;
+        for (uint32_t w = 0; w < W; w++) {
+            uint64_t bits = 0;
+            for (uint32_t j = 0; j < 64; j++) {
+                const float v = y[64 * w + j];
+                l1[j % 16] = l1[j % 16] + fabsf(v);
+                bits |= (uint64_t)(v > 0.0f) << j;
+            }
+            code[w] = bits;
+            pc += (uint32_t)__builtin_popcountll(bits);
+        }
+        ix->pc[at + r] = (uint16_t)pc;
+        ix->a[at + r] = rq_fold16(rr);
+        ix->e[at + r] = rq_fold16(l1);
+        ix->t[at + r] = rq_fold16(t);
+    }
+}
+
+static void estimate_ref(const struct tkv_rabitq *ix, const struct tkv_rabitq_query *q, uint32_t first, uint32_t n,
+                         float *est, float *bound)
+{
+    for (uint32_t i = 0; i < n; i++)
+        rq_estimate_one(ix, q, first + i, est + i, bound ? bound + i : NULL);
+}
+
+const struct rq_kernels rq_kernels_scalar = {rotate_ref, encode_ref, estimate_ref};
+
+// --- dispatch -----------------------------------------------------------------
+
+static const struct rq_kernels *kernels_of(enum tkv_rabitq_isa isa)
+{
+    switch (isa) {
+    case TKV_RABITQ_ISA_SCALAR: return &rq_kernels_scalar;
+    case TKV_RABITQ_ISA_AVX2:   return rq_kernels_avx2;
+    case TKV_RABITQ_ISA_AVX512: return rq_kernels_avx512;
+    default:                    return NULL;
+    }
+}
+
+bool tkv_rabitq_isa_supported(enum tkv_rabitq_isa isa)
+{
+    if (!kernels_of(isa))
+        return false;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (isa == TKV_RABITQ_ISA_AVX2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("popcnt");
+    if (isa == TKV_RABITQ_ISA_AVX512)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512vpopcntdq");
+#endif
+    return isa == TKV_RABITQ_ISA_SCALAR;
+}
+
+const char *tkv_rabitq_isa_name(enum tkv_rabitq_isa isa)
+{
+    static const char *const names[] = {"scalar", "avx2", "avx512"};
+    return (unsigned)isa < TKV_RABITQ_ISA_COUNT ? names[isa] : "?";
+}
+
+tkv_status tkv_rabitq_set_isa(struct tkv_rabitq *ix, enum tkv_rabitq_isa isa)
+{
+    if (!ix || (unsigned)isa >= TKV_RABITQ_ISA_COUNT)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: set_isa: bad index or isa %d", (int)isa);
+    if (!tkv_rabitq_isa_supported(isa))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "rabitq: %s kernels are not available on this CPU or build",
+                       tkv_rabitq_isa_name(isa));
+    ix->isa = isa;
+    ix->kern = kernels_of(isa);
+    return TKV_OK;
+}
+
+enum tkv_rabitq_isa tkv_rabitq_get_isa(const struct tkv_rabitq *ix) { return ix ? ix->isa : TKV_RABITQ_ISA_SCALAR; }
+
+/* The best variant, or the one TKV_RABITQ_FORCE names. */
+static tkv_status default_isa(enum tkv_rabitq_isa *out)
+{
+    const char *f = getenv("TKV_RABITQ_FORCE");
+    if (f && *f) {
+        for (int i = 0; i < TKV_RABITQ_ISA_COUNT; i++)
+            if (!strcmp(f, tkv_rabitq_isa_name((enum tkv_rabitq_isa)i))) {
+                if (!tkv_rabitq_isa_supported((enum tkv_rabitq_isa)i))
+                    return tkv_err(TKV_ERR_UNSUPPORTED, "rabitq: TKV_RABITQ_FORCE=%s: not available on this CPU", f);
+                *out = (enum tkv_rabitq_isa)i;
+                return TKV_OK;
+            }
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: TKV_RABITQ_FORCE=%s: expected scalar, avx2 or avx512", f);
+    }
+    *out = tkv_rabitq_isa_supported(TKV_RABITQ_ISA_AVX512) ? TKV_RABITQ_ISA_AVX512
+         : tkv_rabitq_isa_supported(TKV_RABITQ_ISA_AVX2)   ? TKV_RABITQ_ISA_AVX2
+                                                           : TKV_RABITQ_ISA_SCALAR;
+    return TKV_OK;
+}
+
+// --- lifecycle ------------------------------------------------------------------
+
+tkv_status tkv_rabitq_init(uint32_t head_dim, uint64_t seed, struct tkv_rabitq **out)
+{
+    if (!out)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: init: out is NULL");
+    *out = NULL;
+    if (head_dim == 0 || head_dim > TKV_RABITQ_MAX_DIM)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: head_dim %u outside 1..%u", head_dim, TKV_RABITQ_MAX_DIM);
+    enum tkv_rabitq_isa isa = TKV_RABITQ_ISA_SCALAR;
+    TKV_TRY(default_isa(&isa));
+    uint32_t D = 64;
+    while (D < head_dim)
+        D <<= 1;
+    struct tkv_rabitq *ix = calloc(1, sizeof *ix);
+    float *f = rq_alloc((size_t)5 * D * sizeof(float));
+    if (!ix || !f) {
+        free(ix);
+        free(f);
+        return tkv_err(TKV_ERR_NOMEM, "rabitq: init: out of memory");
+    }
+    ix->dim = head_dim;
+    ix->dim_pad = D;
+    ix->words = D / 64;
+    ix->seed = seed;
+    ix->isa = isa;
+    ix->kern = kernels_of(isa);
+    ix->rot_scale = (float)pow((double)D, -1.5);
+    ix->sign = f;
+    ix->ck = f + 3 * D;
+    ix->cq = f + 4 * D;
+    uint64_t s = seed, bits = 0;
+    for (uint32_t i = 0; i < 3 * D; i++) {
+        if (i % 64 == 0)
+            bits = splitmix64(&s);
+        ix->sign[i] = (bits >> (i % 64)) & 1 ? -1.0f : 1.0f;
+    }
+    memset(ix->ck, 0, (size_t)2 * D * sizeof(float));
+    *out = ix;
+    return TKV_OK;
+}
+
+static void free_arrays(struct tkv_rabitq *ix)
+{
+    free(ix->code);
+    free(ix->a);
+    free(ix->e);
+    free(ix->t);
+    free(ix->pc);
+}
+
+void tkv_rabitq_free(struct tkv_rabitq *ix)
+{
+    if (!ix)
+        return;
+    free_arrays(ix);
+    free(ix->sign);
+    free(ix);
+}
+
+tkv_status tkv_rabitq_set_centroids(struct tkv_rabitq *ix, const float *c_k, const float *c_q)
+{
+    if (!ix)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: set_centroids: index is NULL");
+    if (ix->n)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: set_centroids on an index holding %u keys (reset it first)", ix->n);
+    for (uint32_t i = 0; i < ix->dim; i++)
+        if ((c_k && !isfinite(c_k[i])) || (c_q && !isfinite(c_q[i])))
+            return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: set_centroids: %s[%u] is not finite",
+                           c_k && !isfinite(c_k[i]) ? "c_k" : "c_q", i);
+    double cc = 0;
+    for (uint32_t i = 0; i < ix->dim; i++) {
+        ix->ck[i] = c_k ? c_k[i] : 0.0f;
+        ix->cq[i] = c_q ? c_q[i] : 0.0f;
+        cc += (double)ix->ck[i] * ix->cq[i];
+    }
+    ix->cqck = cc;
+    ix->gen++;
+    ix->centred = true;
+    return TKV_OK;
+}
+
+tkv_status tkv_rabitq_reserve(struct tkv_rabitq *ix, uint32_t n_keys)
+{
+    if (!ix)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: reserve: index is NULL");
+    if (n_keys <= ix->cap)
+        return TKV_OK;
+    const size_t n = n_keys, W = ix->words;
+    uint64_t *code = rq_alloc(n * W * sizeof *code);
+    float *a = rq_alloc(n * sizeof *a), *e = rq_alloc(n * sizeof *e), *t = rq_alloc(n * sizeof *t);
+    uint16_t *pc = rq_alloc(n * sizeof *pc);
+    if (!code || !a || !e || !t || !pc) {
+        free(code);
+        free(a);
+        free(e);
+        free(t);
+        free(pc);
+        return tkv_err(TKV_ERR_NOMEM, "rabitq: reserve: no memory for %u keys", n_keys);
+    }
+    if (ix->n) {
+        memcpy(code, ix->code, (size_t)ix->n * W * sizeof *code);
+        memcpy(a, ix->a, (size_t)ix->n * sizeof *a);
+        memcpy(e, ix->e, (size_t)ix->n * sizeof *e);
+        memcpy(t, ix->t, (size_t)ix->n * sizeof *t);
+        memcpy(pc, ix->pc, (size_t)ix->n * sizeof *pc);
+    }
+    free_arrays(ix);
+    ix->code = code;
+    ix->a = a;
+    ix->e = e;
+    ix->t = t;
+    ix->pc = pc;
+    ix->cap = n_keys;
+    return TKV_OK;
+}
+
+/* Raw sums -> stored scalars (spec 1.4, 1.7), in double. */
+static bool finish_keys(struct tkv_rabitq *ix, uint32_t at, uint32_t n, uint32_t *bad)
+{
+    const double sqrt_d = sqrt((double)ix->dim_pad);
+    for (uint32_t i = at; i < at + n; i++) {
+        const double rr = ix->a[i], l1 = ix->e[i];
+        if (!isfinite(rr) || !isfinite(l1) || !isfinite(ix->t[i])) {
+            *bad = i - at;
+            return false;
+        }
+        if (rr > 0 && l1 > 0) {
+            const double nk = sqrt(rr);
+            double alpha = l1 / (sqrt_d * nk);
+            if (alpha > 1)
+                alpha = 1;
+            ix->a[i] = (float)(rr / l1);
+            ix->e[i] = (float)(nk * sqrt(1 - alpha * alpha) / alpha);
+        } else {
+            ix->a[i] = 0;
+            ix->e[i] = 0;
+        }
+    }
+    return true;
+}
+
+tkv_status tkv_rabitq_append_f16(struct tkv_rabitq *ix, const uint16_t *k, size_t row_stride, uint32_t n)
+{
+    if (!ix || (!k && n))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append: index or rows NULL");
+    if (n == 0)
+        return TKV_OK;
+    if (!ix->centred)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append before set_centroids");
+    if (row_stride < ix->dim)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append: row stride %zu < head_dim %u", row_stride, ix->dim);
+    if (n > ix->cap - ix->n)
+        return tkv_err(TKV_ERR_TOO_SMALL, "rabitq: append of %u keys to %u of %u reserved (reserve %u more)", n, ix->n,
+                       ix->cap, n - (ix->cap - ix->n));
+    ix->kern->encode(ix, k, row_stride, n, ix->n);
+    uint32_t bad;
+    if (!finish_keys(ix, ix->n, n, &bad))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append: key row %u of the batch is not finite", bad);
+    ix->n += n;
+    return TKV_OK;
+}
+
+void tkv_rabitq_reset(struct tkv_rabitq *ix)
+{
+    if (ix)
+        ix->n = 0;
+}
+
+uint32_t tkv_rabitq_size(const struct tkv_rabitq *ix) { return ix ? ix->n : 0; }
+uint32_t tkv_rabitq_capacity(const struct tkv_rabitq *ix) { return ix ? ix->cap : 0; }
+
+void tkv_rabitq_get_arrays(const struct tkv_rabitq *ix, struct tkv_rabitq_arrays *out)
+{
+    if (!out)
+        return;
+    memset(out, 0, sizeof *out);
+    if (!ix)
+        return;
+    *out = (struct tkv_rabitq_arrays){.code = ix->code, .a = ix->a, .e = ix->e, .t = ix->t, .pc = ix->pc,
+                                      .n = ix->n, .words = ix->words, .dim = ix->dim, .dim_pad = ix->dim_pad};
+}
+
+tkv_status tkv_rabitq_rotate(const struct tkv_rabitq *ix, const float *x, float *y)
+{
+    if (!ix || !x || !y)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: rotate: NULL argument");
+    float buf[TKV_RABITQ_MAX_DIM] __attribute__((aligned(64)));
+    for (uint32_t i = 0; i < ix->dim_pad; i++)
+        buf[i] = i < ix->dim ? x[i] : 0.0f;
+    ix->kern->rotate(ix, buf);
+    memcpy(y, buf, ix->dim_pad * sizeof *y);
+    return TKV_OK;
+}
+
+// --- centroid means ---------------------------------------------------------------
+
+tkv_status tkv_rabitq_mean_init(struct tkv_rabitq_mean *m, uint32_t dim)
+{
+    if (!m || dim == 0 || dim > TKV_RABITQ_MAX_DIM)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean_init: NULL or dim %u outside 1..%u", dim, TKV_RABITQ_MAX_DIM);
+    m->dim = dim;
+    m->n = 0;
+    memset(m->sum, 0, sizeof m->sum);
+    return TKV_OK;
+}
+
+tkv_status tkv_rabitq_mean_add_f16(struct tkv_rabitq_mean *m, const uint16_t *rows, size_t row_stride, uint32_t n)
+{
+    if (!m || (!rows && n) || row_stride < m->dim)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean_add: NULL or row stride %zu < dim", row_stride);
+    for (uint32_t r = 0; r < n; r++)
+        for (uint32_t i = 0; i < m->dim; i++)
+            m->sum[i] += tkv_fp16_to_fp32(rows[r * row_stride + i]);
+    m->n += n;
+    return TKV_OK;
+}
+
+tkv_status tkv_rabitq_mean_add_f32(struct tkv_rabitq_mean *m, const float *rows, size_t row_stride, uint32_t n)
+{
+    if (!m || (!rows && n) || row_stride < m->dim)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean_add: NULL or row stride %zu < dim", row_stride);
+    for (uint32_t r = 0; r < n; r++)
+        for (uint32_t i = 0; i < m->dim; i++)
+            m->sum[i] += rows[r * row_stride + i];
+    m->n += n;
+    return TKV_OK;
+}
+
+tkv_status tkv_rabitq_mean_get(const struct tkv_rabitq_mean *m, float *out)
+{
+    if (!m || !out)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean_get: NULL argument");
+    for (uint32_t i = 0; i < m->dim; i++)
+        out[i] = m->n ? (float)(m->sum[i] / (double)m->n) : 0.0f;
+    return TKV_OK;
+}
+
+// --- query and estimate --------------------------------------------------------------
+
+tkv_status tkv_rabitq_query_prepare(const struct tkv_rabitq *ix, const float *q, float eps0,
+                                    struct tkv_rabitq_query *out)
+{
+    if (!ix || !q || !out)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: query_prepare: NULL argument");
+    if (!(eps0 >= 0) || !isfinite(eps0))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: query_prepare: eps0 %g must be >= 0", (double)eps0);
+    if (eps0 == 0)
+        eps0 = TKV_RABITQ_EPS0;
+    const uint32_t D = ix->dim_pad;
+    float u[TKV_RABITQ_MAX_DIM] __attribute__((aligned(64)));
+    double nn = 0, qck = 0;
+    for (uint32_t i = 0; i < D; i++) {
+        if (i < ix->dim && !isfinite(q[i]))
+            return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: query_prepare: q[%u] is not finite", i);
+        u[i] = i < ix->dim ? q[i] - ix->cq[i] : 0.0f;
+        nn += (double)u[i] * u[i];
+        if (i < ix->dim)
+            qck += (double)q[i] * ix->ck[i];
+    }
+    ix->kern->rotate(ix, u);
+    float lo = u[0], hi = u[0];
+    for (uint32_t i = 1; i < D; i++) {
+        lo = fminf(lo, u[i]);
+        hi = fmaxf(hi, u[i]);
+    }
+    memset(out, 0, sizeof *out);
+    const float delta = (hi - lo) / 15.0f;
+    int32_t sum = 0;
+    for (uint32_t i = 0; i < D; i++) {
+        int v = delta > 0 ? (int)floorf((u[i] - lo) / delta + 0.5f) : 0;
+        v = v < 0 ? 0 : v > 15 ? 15 : v;
+        sum += v;
+        for (int j = 0; j < 4; j++)
+            out->plane[j][i / 64] |= (uint64_t)((v >> j) & 1) << (i % 64);
+    }
+    out->delta = delta;
+    out->vl = lo;
+    out->sum_q = sum;
+    out->add = (float)(qck - ix->cqck);
+    out->norm = (float)sqrt(nn);
+    const double e2 = (double)eps0 * eps0;
+    out->bound_u = (float)(e2 * nn / (D - 1));
+    out->bound_w = (float)(e2 * (double)delta * delta * D / 12.0);
+    out->eps0 = eps0;
+    out->words = ix->words;
+    out->dim_pad = D;
+    out->gen = ix->gen;
+    out->ix = ix;
+    return TKV_OK;
+}
+
+tkv_status tkv_rabitq_estimate(const struct tkv_rabitq *ix, const struct tkv_rabitq_query *q, uint32_t first,
+                               uint32_t n, float *est, float *bound)
+{
+    if (!ix || !q || (!est && n))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: estimate: NULL argument");
+    if (q->ix != ix || q->gen != ix->gen || q->words != ix->words)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: estimate: the query was prepared for another index or centroids");
+    if (first > ix->n || n > ix->n - first)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: estimate: keys [%u, %llu) outside the %u encoded", first,
+                       (unsigned long long)first + n, ix->n);
+    if (n)
+        ix->kern->estimate(ix, q, first, n, est, bound);
+    return TKV_OK;
+}
+
+// --- top-p selection ------------------------------------------------------------------
+/*
+ * With l_i = e^(s_i - d_i), u_i = e^(s_i + d_i) (s, d scaled; d = 0 for plain
+ * top-p, so l = u), F the exact mass of forced tokens outside est, S the kept
+ * set (forced keys included) and N = sum_S l + F, C = sum_notS u, the rule is
+ *     N / (N + C) >= p   <=>   (1 - p) N >= p C.
+ * Moving key i into S raises (1-p) N - p C by v_i = (1-p) l_i + p u_i, so the
+ * fewest keys come in by decreasing v (log-value g = log v). The test is made
+ * on N and C themselves, C summed from the smallest terms up: written as
+ * sum v >= p U - ..., it would cancel catastrophically when d is large (l << u).
+ *
+ * No sort of all keys: a histogram of g (NBINS bins of 1/BPN nat below the
+ * largest g, the last bin taking everything lower) finds the bin where the
+ * rule is met; only that bin's members are sorted.
+ */
+#define NBINS 4096
+#define BPN   64.0f
+
+struct cand {
+    double   c;  /* after sorting: sum of u over this member and the ones after it */
+    float    g;
+    uint32_t i;
+};
+
+static inline bool cand_before(const struct cand *a, const struct cand *b)
+{
+    return a->g > b->g || (a->g == b->g && a->i < b->i);
+}
+
+/* min-heap on cand_before (the last in order at the root), for an in-place heapsort into order */
+static void sift_down(struct cand *h, size_t n, size_t i)
+{
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= n)
+            return;
+        if (c + 1 < n && cand_before(&h[c], &h[c + 1]))
+            c++;
+        if (!cand_before(&h[i], &h[c]))
+            return;
+        struct cand t = h[i];
+        h[i] = h[c];
+        h[c] = t;
+        i = c;
+    }
+}
+
+static void sort_cands(struct cand *h, size_t n)
+{
+    for (size_t i = n / 2; i-- > 0;)
+        sift_down(h, n, i);
+    for (size_t e = n; e > 1; e--) { /* the root is the last in order: move it to the end */
+        struct cand t = h[0];
+        h[0] = h[e - 1];
+        h[e - 1] = t;
+        sift_down(h, e - 1, 0);
+    }
+}
+
+static inline uint32_t bin_of(float g, float gmax)
+{
+    float d = (gmax - g) * BPN;                 /* >= 0; +inf or NaN for g = -inf, -inf for a taken key */
+    d = d < (float)(NBINS - 1) ? d : (float)(NBINS - 1);
+    return (uint32_t)(int32_t)(d > 0 ? d : 0); /* (taken keys are told apart before) */
+}
+
+struct topp_work {
+    float *g;             /* [n] log-value of each key; +inf once taken from the threshold bin */
+    struct cand *cand;    /* [n] members of the threshold bin                                   */
+    double *hl, *hu;      /* [NBINS] sums of l and u per bin (hu: then suffix sums)             */
+    uint32_t *hc;         /* [NBINS] counts                                                     */
+};
+
+size_t tkv_rabitq_topp_work_bytes(uint32_t n)
+{
+    return tkv_align_up((size_t)n * sizeof(float), 8) + (size_t)n * sizeof(struct cand) +
+           NBINS * (2 * sizeof(double) + sizeof(uint32_t));
+}
+
+static struct topp_work topp_carve(void *work, uint32_t n)
+{
+    struct topp_work w;
+    char *p = work;
+    w.g = (float *)p;
+    p += tkv_align_up((size_t)n * sizeof(float), 8);
+    w.cand = (struct cand *)p;
+    p += (size_t)n * sizeof(struct cand);
+    w.hl = (double *)p;
+    w.hu = w.hl + NBINS;
+    w.hc = (uint32_t *)(w.hu + NBINS);
+    return w;
+}
+
+/* l = e^(s-d-M) and u = e^(s+d-M) of key i, the same wherever needed (float
+ * exponentials, summed in double: mass to ~1e-7 relative) */
+static inline void key_lu(const float *est, const float *bound, uint32_t i, float scale, float M, double *l, double *u)
+{
+    const float s = scale * est[i], d = bound ? scale * bound[i] : 0.0f;
+    *u = expf(s + d - M);
+    *l = bound ? expf(s - d - M) : *u;
+}
+
+/* Splits est indices [0, n) into runs, all forced or none: returns the end
+ * of the run starting at i (position pos0 + i); *r walks the ranges. */
+static inline uint32_t run_end(const struct tkv_rabitq_topp_params *pp, uint32_t n, uint32_t i, uint32_t *r,
+                               bool *forced)
+{
+    const uint64_t x = (uint64_t)pp->pos0 + i;
+    while (*r < pp->n_forced && pp->forced[*r].end <= x)
+        (*r)++;
+    if (*r < pp->n_forced && pp->forced[*r].begin <= x) {
+        *forced = true;
+        return (uint32_t)TKV_MIN((uint64_t)pp->forced[*r].end - pp->pos0, (uint64_t)n);
+    }
+    *forced = false;
+    return *r < pp->n_forced ? (uint32_t)TKV_MIN((uint64_t)pp->forced[*r].begin - pp->pos0, (uint64_t)n) : n;
+}
+
+tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t n,
+                                  const struct tkv_rabitq_topp_params *pp, void *work, size_t work_bytes,
+                                  uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res)
+{
+    if (!pp || !res || (n && !est) || (cap && !pos))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: NULL argument");
+    memset(res, 0, sizeof *res);
+    const float p = pp->p, scale = pp->scale;
+    if (!(p > 0 && p <= 1))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: p %g outside (0, 1]", (double)p);
+    if (!(scale > 0) || !isfinite(scale))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: scale %g must be positive", (double)scale);
+    if (isnan(pp->extra_lse) || pp->extra_lse == INFINITY)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: extra_lse %g", (double)pp->extra_lse);
+    if ((uint64_t)pp->pos0 + n > UINT32_MAX)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: positions %u + %u overflow", pp->pos0, n);
+    if (pp->n_forced && !pp->forced)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: forced ranges NULL");
+    for (uint32_t r = 0; r < pp->n_forced; r++)
+        if (pp->forced[r].begin > pp->forced[r].end || (r && pp->forced[r].begin < pp->forced[r - 1].end))
+            return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: forced range %u [%u, %u) not ascending and disjoint", r,
+                           pp->forced[r].begin, pp->forced[r].end);
+    if (n && (!work || work_bytes < tkv_rabitq_topp_work_bytes(n) || ((uintptr_t)work & 7)))
+        return tkv_err(TKV_ERR_TOO_SMALL, "rabitq: topp: work of %zu bytes, %zu needed (8-byte aligned)", work_bytes,
+                       tkv_rabitq_topp_work_bytes(n));
+
+    struct topp_work w = {0};
+    if (n)
+        w = topp_carve(work, n);
+    const double lp = 1 - (double)p;
+    /* pass 1: log-values, maxima, input checks */
+    float gmax = -INFINITY, umax = -INFINITY;
+    uint32_t n_cand = 0, r = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const float s = scale * est[i], d = bound ? scale * bound[i] : 0.0f;
+        if (isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || s + d == INFINITY)
+            return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: key %u: estimate %g or bound %g", i, (double)est[i],
+                           bound ? (double)bound[i] : 0.0);
+        /* g = log((1-p) e^(s-d) + p e^(s+d)) = s + d + log(p + (1-p) e^(-2d)) */
+        w.g[i] = bound ? s + d + logf(p + (1 - p) * expf(-2 * d)) : s;
+        umax = umax > s + d ? umax : s + d;
+    }
+    for (uint32_t i = 0, e; i < n; i = e) {
+        bool forced;
+        e = run_end(pp, n, i, &r, &forced);
+        if (!forced) {
+            for (uint32_t j = i; j < e; j++)
+                gmax = gmax > w.g[j] ? gmax : w.g[j];
+            n_cand += e - i;
+        }
+    }
+    float M = umax > pp->extra_lse ? umax : pp->extra_lse; /* every exp below is of something <= 0 */
+    if (M == -INFINITY)
+        M = 0;
+    /* pass 2: the forced keys' l, and the histogram of the candidates */
+    double N = expf(pp->extra_lse - M);
+    if (n)
+        memset(w.hl, 0, NBINS * 2 * sizeof(double) + NBINS * sizeof(uint32_t));
+    r = 0;
+    for (uint32_t i = 0, e; i < n; i = e) {
+        bool forced;
+        e = run_end(pp, n, i, &r, &forced);
+        for (uint32_t j = i; j < e; j++) {
+            double el, eu;
+            key_lu(est, bound, j, scale, M, &el, &eu);
+            if (forced) {
+                N += el;
+            } else {
+                const uint32_t b = bin_of(w.g[j], gmax);
+                w.hl[b] += el;
+                w.hu[b] += eu;
+                w.hc[b]++;
+            }
+        }
+    }
+    /* hu[b] <- sum of u over bins b.. (from the smallest up) */
+    for (int b = NBINS - 2; b >= 0 && n; b--)
+        w.hu[b] += w.hu[b + 1];
+    /* bins < bstar are kept whole; with partial, bin bstar's first members too */
+    uint32_t bstar = 0, cnt = 0;
+    const uint32_t keep_cap = pp->max_keep ? pp->max_keep : UINT32_MAX;
+    double C = n ? w.hu[0] : 0.0;
+    bool partial = false;
+    if (n_cand && !(lp * N >= p * C)) {
+        for (; bstar < NBINS; bstar++) {
+            if (!w.hc[bstar])
+                continue;
+            const double C_after = bstar + 1 < NBINS ? w.hu[bstar + 1] : 0.0;
+            if (lp * (N + w.hl[bstar]) >= p * C_after || w.hc[bstar] > keep_cap - cnt) {
+                partial = true; /* (the last non-empty bin always ends here: C_after = 0) */
+                break;
+            }
+            N += w.hl[bstar];
+            C = C_after;
+            cnt += w.hc[bstar];
+            if (cnt == keep_cap) {
+                bstar++;
+                break;
+            }
+        }
+    }
+    if (partial) {
+        uint32_t m = 0;
+        r = 0;
+        for (uint32_t i = 0, e; i < n; i = e) {
+            bool forced;
+            e = run_end(pp, n, i, &r, &forced);
+            for (uint32_t j = i; j < e && !forced; j++)
+                if (bin_of(w.g[j], gmax) == bstar)
+                    w.cand[m++] = (struct cand){0, w.g[j], j};
+        }
+        sort_cands(w.cand, m);
+        const double C_after = bstar + 1 < NBINS ? w.hu[bstar + 1] : 0.0;
+        double acc = C_after;
+        for (uint32_t j = m; j-- > 0;) {
+            double l, u;
+            key_lu(est, bound, w.cand[j].i, scale, M, &l, &u);
+            w.cand[j].c = acc += u;
+        }
+        for (uint32_t j = 0; j < m; j++) {
+            C = w.cand[j].c;
+            if (lp * N >= p * C || cnt >= keep_cap)
+                break;
+            double l, u;
+            key_lu(est, bound, w.cand[j].i, scale, M, &l, &u);
+            N += l;
+            w.g[w.cand[j].i] = INFINITY; /* taken */
+            cnt++;
+            C = j + 1 < m ? w.cand[j + 1].c : C_after;
+        }
+    }
+    /* pass 3: the output, ascending, forced ranges merged in */
+    uint64_t count = 0; /* (forced ranges can be long) */
+    const uint32_t end = pp->pos0 + n;
+#define EMIT(x)                          \
+    do {                                 \
+        if (count < cap)                 \
+            pos[count] = (x);            \
+        count++;                         \
+    } while (0)
+    r = 0;
+    for (; r < pp->n_forced && pp->forced[r].begin < pp->pos0; r++) { /* forced positions before est */
+        for (uint32_t x = pp->forced[r].begin; x < TKV_MIN(pp->forced[r].end, pp->pos0); x++)
+            EMIT(x);
+        if (pp->forced[r].end > pp->pos0)
+            break; /* it goes on into est (and maybe past it) */
+    }
+    uint32_t r2 = r;
+    for (uint32_t i = 0, e; i < n; i = e) {
+        bool forced;
+        e = run_end(pp, n, i, &r2, &forced);
+        if (forced) {
+            for (uint32_t j = i; j < e; j++)
+                EMIT(pp->pos0 + j);
+        } else if (count + (e - i) <= cap) { /* room for all: branch-free */
+            for (uint32_t j = i; j < e; j++) {
+                pos[count] = pp->pos0 + j;
+                count += w.g[j] == INFINITY || bin_of(w.g[j], gmax) < bstar;
+            }
+        } else {
+            for (uint32_t j = i; j < e; j++)
+                if (w.g[j] == INFINITY || bin_of(w.g[j], gmax) < bstar)
+                    EMIT(pp->pos0 + j);
+        }
+    }
+    for (; r < pp->n_forced; r++) /* forced positions at or past the end of est */
+        for (uint32_t x = TKV_MAX(pp->forced[r].begin, end); x < pp->forced[r].end; x++)
+            EMIT(x);
+#undef EMIT
+    res->n_pos = (uint32_t)TKV_MIN(count, (uint64_t)UINT32_MAX);
+    res->n_chosen = cnt;
+    res->mass = N + C > 0 ? N / (N + C) : 1.0;
+    if (count > cap)
+        return tkv_err(TKV_ERR_TOO_SMALL, "rabitq: topp: %llu positions selected, room for %u", (unsigned long long)count,
+                       cap);
+    return TKV_OK;
+}

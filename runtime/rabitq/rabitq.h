@@ -1,0 +1,205 @@
+/*
+ * rabitq.h -- the RaBitQ key index of one (sequence, layer, KV head): keys
+ * centred and randomly rotated, kept as 1 bit per dimension plus 3 floats;
+ * a query centred, rotated and quantized to 4 bits; a popcount estimate of
+ * every q.k with a per-key error bound; top-p selection on the estimates.
+ * Math, layout and measured numbers: docs/rabitq.md. Source of the method:
+ * shared/specs/rabitqcache.md (sections 1.2-1.7 and 3.4).
+ *
+ * Life of an index (all calls return a tkv_status, none aborts):
+ *
+ *     tkv_rabitq_init(head_dim, tkv_rabitq_seed(base, layer, head), &ix);
+ *     tkv_rabitq_set_centroids(ix, c_k, c_q);    // prefill means, then frozen
+ *     tkv_rabitq_reserve(ix, n_prompt + 512);    // the only growth point
+ *     tkv_rabitq_append_f16(ix, k_rows, head_dim, n);   // K rows of KV blocks;
+ *                                                // lazily, a batch at a time
+ *     per decode step and query head:
+ *         tkv_rabitq_query_prepare(ix, q, 0, &qq);        // 0: eps0 = 3
+ *         tkv_rabitq_estimate(ix, &qq, 0, n, est, bound); // est ~ q.k
+ *         tkv_rabitq_select_topp(est, bound, n, &tp, work, work_bytes, pos, cap, &res);
+ *     tkv_rabitq_free(ix);
+ *
+ * Only init and reserve allocate. query_prepare, estimate and get_arrays only
+ * read the index: any number of threads may call them at once, as long as
+ * no thread appends, reserves or sets centroids meanwhile.
+ *
+ * Kernels: scalar reference, AVX2 (+FMA, F16C) and AVX-512 (F/BW/VL/DQ +
+ * VPOPCNTDQ), picked at init by __builtin_cpu_supports; the environment
+ * variable TKV_RABITQ_FORCE=scalar|avx2|avx512 overrides the choice. All
+ * variants give bit-identical codes, scalars, estimates and bounds.
+ */
+#ifndef TKV_RABITQ_H
+#define TKV_RABITQ_H
+
+#include "../policy/policy.h" /* struct tkv_range */
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TKV_RABITQ_MAX_DIM   512  /* padded head_dim limit                        */
+#define TKV_RABITQ_MAX_WORDS (TKV_RABITQ_MAX_DIM / 64)
+#define TKV_RABITQ_EPS0      3.0f /* default eps0: ~99.8% per-key coverage (spec 1.7) */
+
+struct tkv_rabitq;
+
+enum tkv_rabitq_isa {
+    TKV_RABITQ_ISA_SCALAR = 0,
+    TKV_RABITQ_ISA_AVX2   = 1,
+    TKV_RABITQ_ISA_AVX512 = 2,
+    TKV_RABITQ_ISA_COUNT  = 3,
+};
+
+/* ---- index ------------------------------------------------------------- */
+
+/* A seed for the rotation of (layer, head), mixed from a base seed (splitmix64). */
+uint64_t tkv_rabitq_seed(uint64_t base, uint32_t layer, uint32_t head);
+
+/* Creates an empty index for keys of head_dim dimensions (1..512). Keys are
+ * zero-padded to dim_pad = the next power of two >= max(head_dim, 64) (the
+ * Walsh-Hadamard transform needs a power of two). The rotation is 3 rounds
+ * of random +-1 signs then a Walsh-Hadamard transform, scaled to be
+ * orthonormal; it depends only on seed. The kernels are chosen here
+ * (TKV_RABITQ_FORCE: TKV_ERR_INVALID_ARG for an unknown name,
+ * TKV_ERR_UNSUPPORTED when this CPU lacks it). The caller frees *out. */
+tkv_status tkv_rabitq_init(uint32_t head_dim, uint64_t seed, struct tkv_rabitq **out);
+void       tkv_rabitq_free(struct tkv_rabitq *ix); /* NULL: no-op */
+
+/* Sets the key and query centroids c_k, c_q ([head_dim] each; NULL = zero,
+ * the "no centering" ablation). Only on an empty index (codes depend on
+ * c_k): TKV_ERR_INVALID_ARG otherwise; tkv_rabitq_reset empties it. Queries
+ * prepared before are invalidated. */
+tkv_status tkv_rabitq_set_centroids(struct tkv_rabitq *ix, const float *c_k, const float *c_q);
+
+/* Makes room for n_keys keys in total (never shrinks). The only call that
+ * grows the index: append does not allocate. */
+tkv_status tkv_rabitq_reserve(struct tkv_rabitq *ix, uint32_t n_keys);
+
+/* Encodes n keys, row r at k + r*row_stride (f16, head_dim values each;
+ * row_stride in elements, >= head_dim), as keys size .. size+n-1. Needs the
+ * centroids set and room reserved (TKV_ERR_TOO_SMALL naming the shortfall
+ * otherwise). A non-finite key is TKV_ERR_INVALID_ARG naming its row, and
+ * nothing of the batch is kept. */
+tkv_status tkv_rabitq_append_f16(struct tkv_rabitq *ix, const uint16_t *k, size_t row_stride, uint32_t n);
+
+/* Forgets all keys (capacity and centroids stay). */
+void tkv_rabitq_reset(struct tkv_rabitq *ix);
+
+uint32_t tkv_rabitq_size(const struct tkv_rabitq *ix);
+uint32_t tkv_rabitq_capacity(const struct tkv_rabitq *ix);
+
+/* The encoded keys, borrowed: valid until the next reserve/reset/free.
+ * With r = k - c_k and y = P r (P the rotation, dim_pad wide):
+ *   code[i*words + w] bit j = [y_(64w+j) > 0]                (same order as the query planes)
+ *   a[i]  = |r|^2 / |y|_1              the factor of X in the estimate (= |r| / (sqrt(dim_pad) alpha))
+ *   e[i]  = |r| sqrt(1 - alpha^2) / alpha, alpha = |y|_1 / (sqrt(dim_pad) |r|)   (bound factor)
+ *   t[i]  = c_q . k
+ *   pc[i] = popcount of the code
+ * (r = 0 gives a = e = 0: the estimate is then the exact cross terms). */
+struct tkv_rabitq_arrays {
+    const uint64_t *code; /* [n, words] */
+    const float    *a;    /* [n] */
+    const float    *e;    /* [n] */
+    const float    *t;    /* [n] */
+    const uint16_t *pc;   /* [n] */
+    uint32_t n, words, dim, dim_pad;
+};
+void tkv_rabitq_get_arrays(const struct tkv_rabitq *ix, struct tkv_rabitq_arrays *out);
+
+/* y[dim_pad] = P x, x[head_dim] zero-padded (for tests and other backends:
+ * the GPU encoder must reproduce it). */
+tkv_status tkv_rabitq_rotate(const struct tkv_rabitq *ix, const float *x, float *y);
+
+/* Which kernels an index runs; set_isa: TKV_ERR_UNSUPPORTED when this CPU
+ * (or this build) lacks them. */
+bool                tkv_rabitq_isa_supported(enum tkv_rabitq_isa isa);
+const char         *tkv_rabitq_isa_name(enum tkv_rabitq_isa isa); /* "scalar", "avx2", "avx512" */
+tkv_status          tkv_rabitq_set_isa(struct tkv_rabitq *ix, enum tkv_rabitq_isa isa);
+enum tkv_rabitq_isa tkv_rabitq_get_isa(const struct tkv_rabitq *ix);
+
+/* Running mean of rows, to make the centroids from prefill keys (f16, from
+ * KV blocks) or queries (f32). Caller-owned, no allocation. */
+struct tkv_rabitq_mean {
+    uint32_t dim;
+    uint64_t n;
+    double   sum[TKV_RABITQ_MAX_DIM];
+};
+tkv_status tkv_rabitq_mean_init(struct tkv_rabitq_mean *m, uint32_t dim);
+tkv_status tkv_rabitq_mean_add_f16(struct tkv_rabitq_mean *m, const uint16_t *rows, size_t row_stride, uint32_t n);
+tkv_status tkv_rabitq_mean_add_f32(struct tkv_rabitq_mean *m, const float *rows, size_t row_stride, uint32_t n);
+/* out[dim] = the mean (zeros when no row was added). */
+tkv_status tkv_rabitq_mean_get(const struct tkv_rabitq_mean *m, float *out);
+
+/* ---- query and estimate --------------------------------------------------- */
+
+/* A query prepared for one index: u' = P (q - c_q), quantized as
+ * u'_i ~ vl + delta * qb_i, qb_i in 0..15 (nearest, half up). Caller-owned
+ * (stack is fine); only valid with the index and centroids it came from. */
+struct tkv_rabitq_query {
+    uint64_t plane[4][TKV_RABITQ_MAX_WORDS]; /* bit j of qb, packed like the codes */
+    float    delta, vl;
+    int32_t  sum_q;             /* sum of qb_i                                     */
+    float    add;               /* q.c_k - c_q.c_k, part of every estimate         */
+    float    norm;              /* |q - c_q|                                       */
+    float    bound_u, bound_w;  /* bound_k^2 = e_k^2 bound_u + a_k^2 bound_w       */
+    float    eps0;
+    uint32_t words, dim_pad, gen;
+    const struct tkv_rabitq *ix;
+};
+
+/* Prepares q[head_dim] (f32, post-RoPE) with error-bound width eps0 (0 =
+ * TKV_RABITQ_EPS0). TKV_ERR_INVALID_ARG for a non-finite q or eps0 < 0. */
+tkv_status tkv_rabitq_query_prepare(const struct tkv_rabitq *ix, const float *q, float eps0,
+                                    struct tkv_rabitq_query *out);
+
+/* For keys first .. first+n-1: est[i] ~ q.k (unscaled logit) and, when
+ * bound != NULL, bound[i] such that |q.k - est[i]| <= bound[i] with high
+ * probability over the rotation (eps0 = 3: ~99.8% of keys):
+ *   X       = delta (2 ip - sum_q) + vl (2 pc - dim_pad),  ip = sum_j 2^j popc(code & plane_j)
+ *   est     = a X + t + add
+ *   bound^2 = eps0^2 (e^2 |u'|^2 / (dim_pad - 1) + a^2 delta^2 dim_pad / 12)
+ * (the second term covers the 4-bit query). */
+tkv_status tkv_rabitq_estimate(const struct tkv_rabitq *ix, const struct tkv_rabitq_query *q, uint32_t first,
+                               uint32_t n, float *est, float *bound);
+
+/* ---- top-p selection -------------------------------------------------------- */
+
+struct tkv_rabitq_topp_params {
+    float    p;         /* attention mass to keep, (0, 1]                                 */
+    float    scale;     /* logit = scale * q.k: usually 1/sqrt(head_dim)                  */
+    float    extra_lse; /* log sum exp(logit) over forced tokens that have no estimate
+                           (exact logits of the sinks and tail outside est), so that p
+                           is a fraction of the whole softmax; -INFINITY: normalise over
+                           the estimated keys (and forced ones among them) only           */
+    uint32_t pos0;      /* position of est[0]                                             */
+    const struct tkv_range *forced; /* ascending, disjoint position ranges always kept:
+                                       sinks, the not-yet-encoded tail                    */
+    uint32_t n_forced;
+    uint32_t max_keep;  /* at most this many keys chosen besides the forced; 0 = no cap   */
+};
+
+struct tkv_rabitq_topp_result {
+    uint32_t n_pos;    /* positions written (or needed, with TKV_ERR_TOO_SMALL)              */
+    uint32_t n_chosen; /* of those, chosen from the estimates (not forced)                    */
+    double   mass;     /* plain: the estimated kept fraction; safe: its lower bound            */
+};
+
+/* Bytes of work memory select_topp needs for n estimates. */
+size_t tkv_rabitq_topp_work_bytes(uint32_t n);
+
+/* Writes to pos[] the ascending positions of the forced ranges and of the
+ * fewest estimated keys that reach the target:
+ *   bound == NULL (plain top-p): estimated softmax mass of the kept set >= p;
+ *   bound != NULL (safe top-p): with every true logit within est +- bound,
+ *     the kept set's true mass is >= p for sure: the lower bound
+ *     sum_S e^(s-d) / (sum_S e^(s-d) + sum_notS e^(s+d)) >= p (s, d scaled).
+ *     Keys go in by decreasing (1-p) e^(s-d) + p e^(s+d), which minimises
+ *     the count.
+ * Ties are broken by position. With max_keep the target may be missed (see
+ * res->mass). TKV_ERR_TOO_SMALL (res->n_pos = the count needed) when cap is
+ * short; work: tkv_rabitq_topp_work_bytes(n) bytes, 8-byte aligned. */
+tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t n,
+                                  const struct tkv_rabitq_topp_params *params, void *work, size_t work_bytes,
+                                  uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res);
+
+#endif /* TKV_RABITQ_H */
