@@ -21,6 +21,7 @@
  *      own. Only when they disagree somewhere does a second session B =
  *      fork(P, policy) generate greedily, free-running, for the score.
  */
+#include "cli-util.h"
 #include "eval.h"
 #include "eval/eval.h"
 
@@ -40,13 +41,6 @@
 #define MAX_BUDGETS  64
 
 static const char *prog = "tierkv eval";
-
-#define TRY(expr)                          \
-    do {                                   \
-        tkv_status try_s_ = (expr);        \
-        if (try_s_ != TKV_OK)              \
-            return try_s_;                 \
-    } while (0)
 
 static void print_eval_help(void)
 {
@@ -85,35 +79,6 @@ static int usage_error(const char *fmt, const char *arg)
     fprintf(stderr, fmt, arg);
     fprintf(stderr, " (see 'tierkv eval --help')\n");
     return EXIT_USAGE;
-}
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static bool parse_u32(const char *s, uint32_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end || v > UINT32_MAX || s[0] == '-' || s[0] == ' ')
-        return false;
-    *out = (uint32_t)v;
-    return true;
-}
-
-static bool parse_u64(const char *s, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end || s[0] == '-' || s[0] == ' ')
-        return false;
-    *out = v;
-    return true;
 }
 
 /* ---- options ---------------------------------------------------------------------- */
@@ -214,7 +179,7 @@ static int add_budgets(struct opts *o, const char *list)
     int rc = 0;
     for (char *t = strtok_r(copy, ",", &save); t && !rc; t = strtok_r(NULL, ",", &save)) {
         uint32_t b;
-        if (!parse_u32(t, &b))
+        if (!cli_parse_u32(t, &b))
             rc = usage_error("--budget expects token counts, got '%s'", t);
         else if (o->n_budgets == MAX_BUDGETS)
             rc = usage_error("more than %s budgets", "64");
@@ -225,11 +190,6 @@ static int add_budgets(struct opts *o, const char *list)
     return rc;
 }
 
-static bool is_opt(const char *arg, const char *short_name, const char *long_name)
-{
-    return !strcmp(arg, short_name) || (long_name && !strcmp(arg, long_name));
-}
-
 static int parse_opts(int argc, char **argv, struct opts *o)
 {
     *o = (struct opts){.ctx = 4096, .samples = 10, .seed = 42, .device = "cpu"};
@@ -237,7 +197,7 @@ static int parse_opts(int argc, char **argv, struct opts *o)
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         int rc = 0;
-#define IS(s, l) is_opt(a, s, l)
+#define IS(s, l) cli_is_opt(a, s, l)
 #define VALUE()                                                  \
     do {                                                         \
         if (!v)                                                  \
@@ -256,15 +216,15 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             rc = add_tasks(o, v);
         } else if (IS("-c", "--ctx")) {
             VALUE();
-            if (!parse_u32(v, &o->ctx) || o->ctx < 64 || o->ctx > (1u << 24))
+            if (!cli_parse_u32(v, &o->ctx) || o->ctx < 64 || o->ctx > (1u << 24))
                 return usage_error("--ctx expects 64..16777216 tokens, got '%s'", v);
         } else if (IS("--samples", NULL)) {
             VALUE();
-            if (!parse_u32(v, &o->samples) || o->samples == 0)
+            if (!cli_parse_u32(v, &o->samples) || o->samples == 0)
                 return usage_error("--samples expects a count >= 1, got '%s'", v);
         } else if (IS("--seed", NULL)) {
             VALUE();
-            if (!parse_u64(v, &o->seed))
+            if (!cli_parse_u64(v, &o->seed))
                 return usage_error("--seed expects a non-negative integer, got '%s'", v);
         } else if (IS("--policy", "--policies")) {
             VALUE();
@@ -274,7 +234,7 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             rc = add_budgets(o, v);
         } else if (IS("--max-gen", NULL)) {
             VALUE();
-            if (!parse_u32(v, &o->max_gen) || o->max_gen == 0 || o->max_gen > 65536)
+            if (!cli_parse_u32(v, &o->max_gen) || o->max_gen == 0 || o->max_gen > 65536)
                 return usage_error("--max-gen expects 1..65536 tokens, got '%s'", v);
         } else if (IS("--out", "-o")) {
             VALUE();
@@ -286,14 +246,14 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             o->keep_going = true;
         } else if (IS("-t", "--threads")) {
             VALUE();
-            if (!parse_u32(v, &o->threads) || o->threads == 0 || o->threads > 1024)
+            if (!cli_parse_u32(v, &o->threads) || o->threads == 0 || o->threads > 1024)
                 return usage_error("-t expects 1..1024 threads, got '%s'", v);
         } else if (IS("--device", NULL)) {
             VALUE();
             o->device = v;
         } else if (IS("--kv-block", NULL)) {
             VALUE();
-            if (!parse_u32(v, &o->kv_block))
+            if (!cli_parse_u32(v, &o->kv_block))
                 return usage_error("--kv-block expects a token count, got '%s'", v);
         } else if (IS("-v", "--verbose")) {
             o->verbose = true;
@@ -418,44 +378,6 @@ static double kl_div(const float *logp, const float *q_logits, uint32_t n)
     return kl > 0 ? kl : 0;
 }
 
-static char *detokenize_all(const tkv_model *m, const tkv_token *toks, size_t n)
-{
-    size_t cap = n * 16 + 16, len = 0;
-    char *buf = malloc(cap);
-    if (!buf)
-        return NULL;
-    tkv_status st = tkv_detokenize(m, toks, n, 0, buf, cap - 1, &len); /* room for the NUL */
-    if (st == TKV_ERR_TOO_SMALL) {
-        char *nb = realloc(buf, len + 1);
-        if (!nb) {
-            free(buf);
-            return NULL;
-        }
-        buf = nb;
-        st = tkv_detokenize(m, toks, n, 0, buf, len + 1, &len);
-    }
-    if (st != TKV_OK) {
-        free(buf);
-        return NULL;
-    }
-    buf[len] = 0;
-    return buf;
-}
-
-static tkv_token *tokenize_all(const tkv_model *m, const char *text, size_t *n)
-{
-    size_t need = 0;
-    tkv_status st = tkv_tokenize(m, text, -1, TKV_EVAL_TOK_FLAGS, NULL, 0, &need);
-    if (st != TKV_OK && st != TKV_ERR_TOO_SMALL)
-        return NULL;
-    tkv_token *toks = malloc((need ? need : 1) * sizeof *toks);
-    if (!toks || tkv_tokenize(m, text, -1, TKV_EVAL_TOK_FLAGS, toks, need, n) != TKV_OK) {
-        free(toks);
-        return NULL;
-    }
-    return toks;
-}
-
 static struct tkv_session_params base_params(const struct run *r, uint32_t n_ctx)
 {
     struct tkv_session_params sp = tkv_session_default_params();
@@ -483,7 +405,7 @@ static tkv_status greedy(struct run *r, tkv_session *s, uint32_t max_gen, char *
         if (n < max_gen && (st = tkv_decode(s, t)) != TKV_OK)
             break;
     }
-    if (st == TKV_OK && !(*out_text = detokenize_all(r->model, ans, n)))
+    if (st == TKV_OK && !(*out_text = cli_detokenize(r->model, ans, n)))
         st = TKV_ERR_NOMEM;
     free(ans);
     return st;
@@ -495,7 +417,7 @@ static tkv_status run_reference(struct run *r, tkv_session *P, uint32_t n_ctx, u
 {
     struct tkv_session_params sp = base_params(r, n_ctx);
     tkv_session *R = NULL;
-    TRY(tkv_session_fork(P, &sp, &R));
+    CLI_TRY(tkv_session_fork(P, &sp, &R));
     tkv_status st = TKV_OK;
     ref->n_answer = ref->n_steps = 0;
     for (;;) {
@@ -513,7 +435,7 @@ static tkv_status run_reference(struct run *r, tkv_session *P, uint32_t n_ctx, u
             break;
     }
     tkv_session_free(R);
-    if (st == TKV_OK && !(ref->text = detokenize_all(r->model, ref->answer, ref->n_answer)))
+    if (st == TKV_OK && !(ref->text = cli_detokenize(r->model, ref->answer, ref->n_answer)))
         st = TKV_ERR_NOMEM;
     return st;
 }
@@ -544,7 +466,7 @@ static tkv_status run_policy(struct run *r, const struct tkv_eval_sample *smp, t
                              uint32_t b, struct cell *c, const char **what)
 {
     const struct opts *o = r->o;
-    const double t0 = now();
+    const double t0 = cli_now();
     struct tkv_session_params sp = base_params(r, n_ctx);
     sp.policy = o->policies[p];
     sp.kv_budget = o->budgets[b];
@@ -552,7 +474,7 @@ static tkv_status run_policy(struct run *r, const struct tkv_eval_sample *smp, t
     tkv_session *A = NULL;
     bool fresh;
     *what = "open a session (fork or prefill)";
-    TRY(open_policy(r, P, toks, n, &sp, &A, &fresh));
+    CLI_TRY(open_policy(r, P, toks, n, &sp, &A, &fresh));
     double kl = 0;
     uint32_t agree = 0;
     bool diverged = false;
@@ -576,7 +498,7 @@ static tkv_status run_policy(struct run *r, const struct tkv_eval_sample *smp, t
         sp.flags = 0;
         tkv_session *B = NULL;
         *what = "free-running generation";
-        TRY(open_policy(r, P, toks, n, &sp, &B, &fresh));
+        CLI_TRY(open_policy(r, P, toks, n, &sp, &B, &fresh));
         st = greedy(r, B, max_gen, &text);
         tkv_session_free(B);
         if (st != TKV_OK)
@@ -597,10 +519,10 @@ static tkv_status run_policy(struct run *r, const struct tkv_eval_sample *smp, t
     }
     c->fresh += fresh;
     c->n++;
-    c->seconds += now() - t0;
+    c->seconds += cli_now() - t0;
     fprintf(stderr, "    %-28s budget %-6u score %.2f  kl %.4f  top1 %.3f  mass %.3f%s%s  (%.1f s)\n", o->policies[p],
             o->budgets[b], score, kl / ref->n_steps, (double)agree / ref->n_steps, ref->n_steps > 1 ? mass : 1.0,
-            fresh ? "  [own prefill]" : "", diverged ? "  [free-running]" : "", now() - t0);
+            fresh ? "  [own prefill]" : "", diverged ? "  [free-running]" : "", cli_now() - t0);
     return TKV_OK;
 }
 
@@ -618,7 +540,7 @@ static int run_sample(struct run *r, uint32_t ti, uint32_t index)
         return 1;
     }
     size_t n = 0;
-    tkv_token *toks = tokenize_all(r->model, smp.prompt, &n);
+    tkv_token *toks = cli_tokenize(r->model, smp.prompt, TKV_EVAL_TOK_FLAGS, &n);
     struct reference ref = {0};
     tkv_session *P = NULL;
     int rc = 1;
@@ -635,12 +557,12 @@ static int run_sample(struct run *r, uint32_t ti, uint32_t index)
         goto out;
     }
     struct tkv_session_params sp = base_params(r, n_ctx);
-    const double tp = now();
+    const double tp = cli_now();
     if ((st = tkv_session_init(r->model, &sp, &P)) != TKV_OK || (st = tkv_prefill(P, toks, n)) != TKV_OK) {
         fprintf(stderr, "%s: full prefill: %s (%s)\n", prog, tkv_last_error(), tkv_status_str(st));
         goto out;
     }
-    const double prefill_s = now() - tp;
+    const double prefill_s = cli_now() - tp;
     if ((st = run_reference(r, P, n_ctx, max_gen, &ref)) != TKV_OK) {
         fprintf(stderr, "%s: full generation: %s (%s)\n", prog, tkv_last_error(), tkv_status_str(st));
         goto out;
@@ -655,7 +577,7 @@ static int run_sample(struct run *r, uint32_t ti, uint32_t index)
     fprintf(stderr, "[%s %u/%u] %zu tokens (%u %s), full: prefill %.1f s, %u answer tokens in %.1f s, score %.2f"
                     "  [%.0f s elapsed]\n",
             info->name, index + 1, o->samples, n, smp.units, info->unit, prefill_s, ref.n_answer,
-            now() - tp - prefill_s, full_score, now() - r->t0);
+            cli_now() - tp - prefill_s, full_score, cli_now() - r->t0);
     if (o->verbose) {
         fprintf(stderr, "    references:");
         for (uint32_t i = 0; i < smp.n_refs; i++)
@@ -961,7 +883,7 @@ int cmd_eval(int argc, char **argv)
         opts_free(&o);
         return rc;
     }
-    struct run r = {.o = &o, .t0 = now()};
+    struct run r = {.o = &o, .t0 = cli_now()};
     rc = 1;
     tkv_status st = tkv_model_load(o.model, &r.model);
     if (st != TKV_OK) {
@@ -986,15 +908,15 @@ int cmd_eval(int argc, char **argv)
     if (!preflight(&r))
         goto out;
     for (uint32_t t = 0; t < o.n_tasks; t++) {
-        const double t0 = now();
+        const double t0 = cli_now();
         for (uint32_t i = 0; i < o.samples; i++)
             if (run_sample(&r, t, i))
                 goto out;
-        r.stats[t].wall_s = now() - t0;
+        r.stats[t].wall_s = cli_now() - t0;
         fprintf(stderr, "%s: %s: %u samples in %.1f s\n", prog,
                 tkv_eval_task_get((enum tkv_eval_task)o.tasks[t])->name, o.samples, r.stats[t].wall_s);
     }
-    const double wall = now() - r.t0;
+    const double wall = cli_now() - r.t0;
     print_summary(&r);
     if ((rc = write_json(&r, wall)) != 0)
         goto out;

@@ -9,6 +9,7 @@
  * progress, statistics and errors go to stderr. Exit status: 0 success,
  * 1 runtime failure, 2 bad usage.
  */
+#include "cli-util.h"
 #include "tierkv.h"
 #include "eval.h"
 
@@ -82,64 +83,6 @@ static void print_help(void)
 
 /* ---- small helpers ---------------------------------------------------------- */
 
-static bool parse_u32(const char *s, uint32_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end || v > UINT32_MAX || s[0] == '-')
-        return false;
-    *out = (uint32_t)v;
-    return true;
-}
-
-static bool parse_u64(const char *s, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end || s[0] == '-')
-        return false;
-    *out = v;
-    return true;
-}
-
-/* "512M", "8G", "64K", "1T" or a plain byte count. */
-static bool parse_size(const char *s, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || s[0] == '-')
-        return false;
-    uint64_t mul = 1;
-    switch (*end) {
-    case 0: break;
-    case 'k': case 'K': mul = 1ull << 10; end++; break;
-    case 'm': case 'M': mul = 1ull << 20; end++; break;
-    case 'g': case 'G': mul = 1ull << 30; end++; break;
-    case 't': case 'T': mul = 1ull << 40; end++; break;
-    default: return false;
-    }
-    if ((*end == 'B' || *end == 'b') && mul > 1)
-        end++;
-    if (*end || (v && mul > UINT64_MAX / v))
-        return false;
-    *out = v * mul;
-    return true;
-}
-
-static bool parse_float(const char *s, float *out)
-{
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end)
-        return false;
-    *out = v;
-    return true;
-}
-
 /* Reads a whole file into a NUL-terminated buffer; NULL with a message. */
 static char *read_file(const char *path, size_t *len)
 {
@@ -189,11 +132,6 @@ struct options {
     bool seed_set, chat, stats, special, ignore_eos;
 };
 
-static bool is_opt(const char *arg, const char *short_name, const char *long_name)
-{
-    return !strcmp(arg, short_name) || (long_name && !strcmp(arg, long_name));
-}
-
 /* Parses argv[first..]; returns 0 or an exit status. */
 static int parse_options(int argc, char **argv, int first, struct options *o)
 {
@@ -208,7 +146,7 @@ static int parse_options(int argc, char **argv, int first, struct options *o)
             return usage_error("option '%s' needs a value", a); \
         i++; \
     } while (0)
-#define IS(s, l) is_opt(a, s, l)
+#define IS(s, l) cli_is_opt(a, s, l)
         if (IS("-h", "--help")) {
             print_help();
             exit(0);
@@ -223,31 +161,31 @@ static int parse_options(int argc, char **argv, int first, struct options *o)
             o->file = v;
         } else if (IS("-n", "--n-predict")) {
             NEEDS_VALUE();
-            if (!parse_u32(v, &o->n_predict))
+            if (!cli_parse_u32(v, &o->n_predict))
                 return usage_error("-n expects a count, got '%s'", v);
         } else if (IS("-c", "--ctx-size")) {
             NEEDS_VALUE();
-            if (!parse_u32(v, &o->n_ctx))
+            if (!cli_parse_u32(v, &o->n_ctx))
                 return usage_error("-c expects a token count, got '%s'", v);
         } else if (IS("-t", "--threads")) {
             NEEDS_VALUE();
-            if (!parse_u32(v, &o->n_threads) || o->n_threads == 0 || o->n_threads > 1024)
+            if (!cli_parse_u32(v, &o->n_threads) || o->n_threads == 0 || o->n_threads > 1024)
                 return usage_error("-t expects 1..1024 threads, got '%s'", v);
         } else if (IS("--temp", NULL)) {
             NEEDS_VALUE();
-            if (!parse_float(v, &o->temp) || o->temp < 0)
+            if (!cli_parse_float(v, &o->temp) || o->temp < 0)
                 return usage_error("--temp expects a number >= 0, got '%s'", v);
         } else if (IS("--top-k", NULL)) {
             NEEDS_VALUE();
-            if (!parse_u32(v, &o->top_k))
+            if (!cli_parse_u32(v, &o->top_k))
                 return usage_error("--top-k expects a count, got '%s'", v);
         } else if (IS("--top-p", NULL)) {
             NEEDS_VALUE();
-            if (!parse_float(v, &o->top_p) || !(o->top_p > 0 && o->top_p <= 1))
+            if (!cli_parse_float(v, &o->top_p) || !(o->top_p > 0 && o->top_p <= 1))
                 return usage_error("--top-p expects a number in (0, 1], got '%s'", v);
         } else if (IS("--seed", NULL)) {
             NEEDS_VALUE();
-            if (!parse_u64(v, &o->seed))
+            if (!cli_parse_u64(v, &o->seed))
                 return usage_error("--seed expects a non-negative integer, got '%s'", v);
             o->seed_set = true;
         } else if (IS("--policy", NULL)) {
@@ -255,11 +193,11 @@ static int parse_options(int argc, char **argv, int first, struct options *o)
             o->policy = v;
         } else if (IS("--kv-budget", NULL)) {
             NEEDS_VALUE();
-            if (!parse_u32(v, &o->kv_budget))
+            if (!cli_parse_u32(v, &o->kv_budget))
                 return usage_error("--kv-budget expects a token count, got '%s'", v);
         } else if (IS("--kv-block", NULL)) {
             NEEDS_VALUE();
-            if (!parse_u32(v, &o->kv_block))
+            if (!cli_parse_u32(v, &o->kv_block))
                 return usage_error("--kv-block expects a token count, got '%s'", v);
         } else if (IS("--device", NULL)) {
             NEEDS_VALUE();
@@ -268,7 +206,7 @@ static int parse_options(int argc, char **argv, int first, struct options *o)
             NEEDS_VALUE();
             uint64_t *dst = IS("--gpu-kv-mem", NULL) ? &o->gpu_kv_mem
                             : IS("--host-kv-mem", NULL) ? &o->host_kv_mem : &o->nvme_kv_max;
-            if (!parse_size(v, dst) || *dst == 0)
+            if (!cli_parse_size(v, dst) || *dst == 0)
                 return usage_error("expected a size like 512M or 8G, got '%s'", v);
         } else if (IS("--nvme-dir", NULL)) {
             NEEDS_VALUE();
@@ -325,25 +263,12 @@ static char *assemble_prompt(const struct options *o)
     return out;
 }
 
-/* Tokenizes text, growing the buffer as needed. NULL with a message. */
+/* Tokenizes text; NULL after printing why. */
 static tkv_token *tokenize_all(const tkv_model *m, const char *text, unsigned flags, size_t *n)
 {
-    size_t cap = strlen(text) + 16;
-    tkv_token *toks = malloc(cap * sizeof *toks);
-    if (!toks) {
-        fprintf(stderr, "%s: out of memory\n", prog);
-        return NULL;
-    }
-    tkv_status st = tkv_tokenize(m, text, -1, flags, toks, cap, n);
-    if (st == TKV_ERR_TOO_SMALL) {
-        tkv_token *nt = realloc(toks, *n * sizeof *toks);
-        st = nt ? tkv_tokenize(m, text, -1, flags, (toks = nt), *n, n) : TKV_ERR_NOMEM;
-    }
-    if (st != TKV_OK) {
-        fail("tokenize", st);
-        free(toks);
-        return NULL;
-    }
+    tkv_token *toks = cli_tokenize(m, text, flags, n);
+    if (!toks)
+        fprintf(stderr, "%s: tokenize: %s\n", prog, tkv_last_error()[0] ? tkv_last_error() : "out of memory");
     return toks;
 }
 
@@ -360,20 +285,13 @@ struct progress_state {
     double t0;
 };
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static int on_progress(size_t done, size_t total, void *user)
 {
     struct progress_state *ps = user;
     if (!ps->tty)
         return 0;
     const int width = 40, fill = (int)(width * done / (total ? total : 1));
-    const double dt = now() - ps->t0;
+    const double dt = cli_now() - ps->t0;
     fprintf(stderr, "\rprefill [%.*s%*s] %zu/%zu tokens, %.0f tok/s", fill,
             "########################################", width - fill, "", done, total, dt > 0 ? done / dt : 0.0);
     if (done == total)
@@ -436,7 +354,7 @@ static int cmd_run(int argc, char **argv)
         goto out;
     }
 
-    struct progress_state ps = {.tty = isatty(2) != 0, .t0 = now()};
+    struct progress_state ps = {.tty = isatty(2) != 0, .t0 = cli_now()};
     struct tkv_session_params sp = tkv_session_default_params();
     sp.n_ctx = n_ctx;
     sp.n_threads = o.n_threads;
@@ -463,21 +381,21 @@ static int cmd_run(int argc, char **argv)
     }
 
     if (o.load_kv) {
-        double t0 = now();
+        double t0 = cli_now();
         if ((st = tkv_session_load(s, o.load_kv)) != TKV_OK) {
             fail("load-kv", st);
             goto out;
         }
         if (o.stats)
             fprintf(stderr, "load-kv: restored %zu tokens from %s in %.3f s\n", tkv_session_n_past(s), o.load_kv,
-                    now() - t0);
+                    cli_now() - t0);
         if (tkv_session_n_past(s) + n_prompt > n_ctx) {
             fprintf(stderr, "%s: %zu saved + %zu prompt tokens exceed the context of %u\n", prog,
                     tkv_session_n_past(s), n_prompt, n_ctx);
             goto out;
         }
     }
-    ps.t0 = now();
+    ps.t0 = cli_now();
     if (n_prompt > 0 && (st = tkv_prefill(s, toks, n_prompt)) != TKV_OK) {
         fail("prefill", st);
         goto out;
@@ -506,14 +424,14 @@ static int cmd_run(int argc, char **argv)
         fputc('\n', stdout);
     fflush(stdout);
     if (o.save_kv) {
-        double t0 = now();
+        double t0 = cli_now();
         if ((st = tkv_session_save(s, o.save_kv)) != TKV_OK) {
             fail("save-kv", st);
             goto out;
         }
         if (o.stats)
             fprintf(stderr, "save-kv: saved %zu tokens to %s in %.3f s\n", tkv_session_n_past(s), o.save_kv,
-                    now() - t0);
+                    cli_now() - t0);
     }
 
     if (o.stats || o.stats_json) {
