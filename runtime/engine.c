@@ -23,14 +23,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 struct tkv_session_params tkv_session_default_params(void)
 {
@@ -89,10 +82,8 @@ void tkv_session_free(tkv_session *s)
     free(s->pos);
     free(s->views);
     free(s->sel_refs);
-    free(s->sel_idx);
     free(s->tokens);
     free(s->obs_q);
-    free(s->ranges);
     free(s->plan_ranges);
     free(s->need);
     free(s);
@@ -169,13 +160,11 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     s->pos = malloc(C * sizeof(int32_t));
     s->views = calloc(hp->n_head_kv, sizeof *s->views);
     s->sel_refs = calloc((size_t)hp->n_head_kv * s->max_refs, sizeof *s->sel_refs);
-    s->sel_idx = calloc(s->max_blocks, sizeof *s->sel_idx);
     s->tokens = malloc((size_t)s->n_ctx * sizeof *s->tokens);
-    s->ranges = malloc((size_t)s->max_ranges * sizeof *s->ranges);
     s->plan_ranges = malloc((size_t)hp->n_head_kv * s->max_ranges * sizeof *s->plan_ranges);
     s->need = malloc((size_t)hp->n_head_kv * tkv_kvs_max_blocks(s->kv));
     s->obs_q = malloc((size_t)hp->n_layer * OBS_QUERIES * QD * sizeof(float));
-    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->sel_idx || !s->tokens || !s->ranges || !s->obs_q ||
+    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->tokens || !s->obs_q ||
         !s->plan_ranges || !s->need)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
@@ -298,7 +287,7 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
     if (!hook)
         return false;
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
-        struct tkv_range *ranges = plan ? s->plan_ranges + (size_t)h * s->max_ranges : s->ranges;
+        struct tkv_range *ranges = s->plan_ranges + (size_t)h * s->max_ranges;
         int m = plan ? plan[h] : hook(s->policy->state, &v, h, ranges, s->max_ranges - 1);
         if (m < 0)
             continue;
@@ -497,7 +486,7 @@ tkv_status tkv_prefill(tkv_session *s, const tkv_token *toks, size_t n)
     /* reserve the whole prompt up front: one explicit allocation step */
     TKV_TRY(tkv_kvs_reserve(s->kv, s->n_past + (uint32_t)n));
     s->prefill_end = s->n_past + (uint32_t)n;
-    const double t0 = now_seconds();
+    const double t0 = tkv_now_seconds();
     size_t done = 0;
     tkv_status st = TKV_OK;
     while (done < n) {
@@ -517,7 +506,7 @@ tkv_status tkv_prefill(tkv_session *s, const tkv_token *toks, size_t n)
     if (st == TKV_OK && s->policy->ops->after_prefill)
         st = tkv_session_after_prefill(s, s);
     s->prefill_tokens += done;
-    s->prefill_seconds += now_seconds() - t0;
+    s->prefill_seconds += tkv_now_seconds() - t0;
     return st;
 }
 
@@ -549,14 +538,14 @@ tkv_status tkv_decode(tkv_session *s, tkv_token tok)
         return tkv_err(TKV_ERR_INVALID_ARG, "tkv_decode: session is NULL");
     if (s->n_past >= s->n_ctx)
         return tkv_err(TKV_ERR_CONTEXT_FULL, "decode: the context of %u tokens is full", s->n_ctx);
-    const double t0 = now_seconds();
+    const double t0 = tkv_now_seconds();
     s->in_decode = true;
     tkv_status st = run_chunk(s, &tok, 1, true);
     s->in_decode = false;
     if (st == TKV_OK) {
         s->step++;
         s->decode_tokens++;
-        s->decode_seconds += now_seconds() - t0;
+        s->decode_seconds += tkv_now_seconds() - t0;
     }
     return st;
 }

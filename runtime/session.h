@@ -50,9 +50,8 @@ struct tkv_session {
     bool have_logits;
     int32_t *pos;    /* host [chunk]                                      */
     struct tkv_kv_head_view *views;   /* host [Hkv]                       */
-    struct tkv_kv_block_ref *sel_refs;/* host [Hkv][max_blocks] policy-selected blocks */
-    uint32_t *sel_idx;                /* host [max_blocks]                */
-    uint32_t max_blocks;
+    struct tkv_kv_block_ref *sel_refs;/* host [Hkv][max_refs] policy-selected block slices */
+    uint32_t max_blocks;              /* blocks per head of the whole context */
 
     uint32_t n_past;
     uint32_t n_prompt;               /* tokens the prefill calls processed */
@@ -69,8 +68,7 @@ struct tkv_session {
     uint32_t obs_n;
 
     /* policy selections turned into block lists */
-    struct tkv_range *ranges;        /* host [max_ranges] */
-    struct tkv_range *plan_ranges;   /* host [n_head_kv][max_ranges]: a decode plan */
+    struct tkv_range *plan_ranges;   /* host [n_head_kv][max_ranges]: each head's selection (a decode plan) */
     uint8_t *need;                   /* host [n_head_kv][max blocks]: blocks a plan touches */
     uint32_t max_ranges, max_refs;   /* per head */
     /* attention-mass measurement (TKV_SESSION_MEASURE_MASS) */

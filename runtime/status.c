@@ -1,8 +1,9 @@
-/* status.c -- status names, the per-thread last-error message, logging. */
+/* status.c -- status names, the per-thread last-error message, logging, the clock. */
 #include "tkv-impl.h"
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <time.h>
 
 static _Thread_local char tkv_last_error_buf[1024];
 
@@ -82,4 +83,11 @@ void tkv_log(enum tkv_log_level level, const char *fmt, ...)
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     tkv_log_sink(level, msg, tkv_log_user);
+}
+
+double tkv_now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }

@@ -54,6 +54,9 @@ static inline bool tkv_add_ok(uint64_t a, uint64_t b, uint64_t *out) { return !_
 
 static inline uint64_t tkv_align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
+/* Seconds on a monotonic clock (for statistics). */
+double tkv_now_seconds(void);
+
 /* IEEE half <-> float, exact for all finite values, NaN and Inf (scalar
  * reference; the CPU kernels use F16C where the build allows). */
 static inline float tkv_fp16_to_fp32(uint16_t h)

@@ -15,7 +15,6 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
 #define SLAB_SLOTS 64  /* slots per memory slab                       */
 #define IO_BATCH   32  /* blocks per batch of NVMe reads or writes    */
@@ -64,7 +63,6 @@ struct tkv_kvs {
     struct pool pool[TKV_TIER_COUNT];
     struct tkv_kv_block_ref *refs; /* [head][max_blocks] views of the current layer */
     uint32_t cur_layer;
-    bool     in_layer;
 
     struct tkv_io *io;
     struct tkv_io_file *file;
@@ -87,12 +85,6 @@ struct tkv_kvs {
 
 /* ---- small helpers ------------------------------------------------------------ */
 
-static double seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static uint32_t blk_index(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
 {
@@ -839,7 +831,6 @@ void tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens)
     s->length = n_tokens;
 }
 
-uint32_t tkv_kvs_length(const struct tkv_kvs *s) { return s->length; }
 
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write)
 {
@@ -856,7 +847,7 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
         return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: begin_layer(%u) outside the reserved page table", layer);
     if (s->broken)
         return tkv_err(TKV_ERR_IO, "kv-store: the NVMe tier failed earlier; the session cannot continue");
-    const double t0 = seconds();
+    const double t0 = tkv_now_seconds();
     s->cur_layer = layer; /* eviction distances are measured from here */
     prefetch_drain(s);
     uint32_t n_missing = 0;
@@ -923,9 +914,8 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
         }
 #undef NEEDED
     s->cur_layer = layer;
-    s->in_layer = true;
 out:
-    s->stall += seconds() - t0;
+    s->stall += tkv_now_seconds() - t0;
     if (st != TKV_OK)
         tkv_kvs_end_layer(s, layer);
     return st;
@@ -937,7 +927,6 @@ void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
         for (uint32_t b = 0; b < nb; b++)
             s->blk[blk_index(s, layer, h, b)].pinned = 0;
-    s->in_layer = false;
 }
 
 void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
@@ -1003,7 +992,6 @@ void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
     *v = r->v + (size_t)(pos % B) * s->p.head_dim;
 }
 
-uint32_t tkv_kvs_block_tokens(const struct tkv_kvs *s) { return s->p.block_tokens; }
 uint32_t tkv_kvs_block_bytes(const struct tkv_kvs *s) { return s->S; }
 
 int tkv_kvs_block_tier(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)

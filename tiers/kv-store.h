@@ -78,7 +78,6 @@ tkv_status tkv_kvs_reserve(struct tkv_kvs *s, uint32_t n_tokens);
 /* Marks positions [0, n_tokens) as valid. Shrinking forgets blocks past the
  * new end (their storage is released on every tier). */
 void     tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens);
-uint32_t tkv_kvs_length(const struct tkv_kvs *s);
 
 /* Brings every valid block of `layer` into the compute tier and pins it; the
  * blocks holding positions [write_pos, write_pos + n_write) are marked
@@ -104,7 +103,6 @@ struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, ui
 /* K and V row pointers of position pos (inside begin/end). */
 void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t pos, uint16_t **k, uint16_t **v);
 
-uint32_t tkv_kvs_block_tokens(const struct tkv_kvs *s);
 uint32_t tkv_kvs_block_bytes(const struct tkv_kvs *s);
 
 /* Copies the payload of block b of (layer, head) into dst (host, S bytes),
