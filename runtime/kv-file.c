@@ -96,14 +96,6 @@ tkv_status tkv_session_save(tkv_session *s, const char *path)
         st = tkv_err(TKV_ERR_NOMEM, "save-kv: out of memory");
         goto out;
     }
-    /* checksums first (the table precedes the payloads), then the file */
-    for (uint32_t l = 0, j = 0; l < L; l++)
-        for (uint32_t hh = 0; hh < H; hh++)
-            for (uint32_t b = 0; b < nb; b++, j++) {
-                if ((st = tkv_kvs_export(s->kv, l, hh, b, payload)) != TKV_OK)
-                    goto out;
-                crcs[j] = tkv_crc32c(0, payload, S);
-            }
     /* written to PATH.tmp and renamed: a failed save never leaves a torn file */
     if (!(f = fopen(tmp_path, "wb"))) {
         st = tkv_err(TKV_ERR_IO, "save-kv: cannot create '%s': %s", tmp_path, strerror(errno));
@@ -111,16 +103,28 @@ tkv_status tkv_session_save(tkv_session *s, const char *path)
     }
     if ((st = write_all(f, &h, sizeof h, path)) != TKV_OK ||
         (st = write_crc(f, s->tokens, (size_t)s->n_past * sizeof(tkv_token), path)) != TKV_OK ||
-        (st = write_crc(f, s->logits, (size_t)s->hp.n_vocab * sizeof(float), path)) != TKV_OK ||
-        (st = write_crc(f, crcs, n_blk * sizeof *crcs, path)) != TKV_OK)
+        (st = write_crc(f, s->logits, (size_t)s->hp.n_vocab * sizeof(float), path)) != TKV_OK)
         goto out;
-    for (uint32_t l = 0; l < L; l++)
+    /* the checksum table precedes the payloads: leave room for it, write
+     * each block once (checksumming it on the way), then fill the table in */
+    const long table_at = ftell(f);
+    memset(crcs, 0, (n_blk + 1) * sizeof *crcs);
+    if (table_at < 0 || (st = write_all(f, crcs, (n_blk + 1) * sizeof *crcs, path)) != TKV_OK) {
+        st = st != TKV_OK ? st : tkv_err(TKV_ERR_IO, "save-kv: '%s': %s", path, strerror(errno));
+        goto out;
+    }
+    for (uint32_t l = 0, j = 0; l < L; l++)
         for (uint32_t hh = 0; hh < H; hh++)
-            for (uint32_t b = 0; b < nb; b++) {
+            for (uint32_t b = 0; b < nb; b++, j++) {
                 if ((st = tkv_kvs_export(s->kv, l, hh, b, payload)) != TKV_OK ||
                     (st = write_all(f, payload, S, path)) != TKV_OK)
                     goto out;
+                crcs[j] = tkv_crc32c(0, payload, S);
             }
+    if (fseek(f, table_at, SEEK_SET) != 0 || (st = write_crc(f, crcs, n_blk * sizeof *crcs, path)) != TKV_OK) {
+        st = st != TKV_OK ? st : tkv_err(TKV_ERR_IO, "save-kv: seeking in '%s': %s", path, strerror(errno));
+        goto out;
+    }
     if (fflush(f) != 0 || ferror(f)) {
         st = tkv_err(TKV_ERR_IO, "save-kv: writing '%s': %s", path, strerror(errno));
         goto out;
