@@ -21,6 +21,7 @@
 #include "cpu/quant.h"
 #include "runtime/backend.h"
 
+#include "bench.h"
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,13 +35,6 @@ static float frand(void)
 {
     rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
     return (float)((rng * 0x2545F4914F6CDD1DULL) >> 40) / 16777216.0f * 2.0f - 1.0f;
-}
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 static void *dalloc(size_t bytes)

@@ -16,6 +16,7 @@
  */
 #include "io/io.h"
 
+#include "bench.h"
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -29,20 +30,6 @@
 
 #define MAXL 16
 #define FILL_QD 8
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t rng = 0x853c49e6748fea9bull;
-static uint64_t rnd(void)
-{
-    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return rng;
-}
 
 static int parse_size(const char *s, uint64_t *out)
 {

@@ -12,24 +12,12 @@
  */
 #include "cpu/quant.h"
 
+#include "bench.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-static double now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static uint64_t rnd(void)
-{
-    rng ^= rng >> 12; rng ^= rng << 25; rng ^= rng >> 27;
-    return rng * 0x2545F4914F6CDD1DULL;
-}
 static float rndf(void) { return (float)((rnd() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
 
 static volatile float sink;

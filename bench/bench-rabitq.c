@@ -17,6 +17,7 @@
 #include "runtime/rabitq/rabitq.h"
 #include "runtime/tkv-impl.h"
 
+#include "bench.h"
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,21 +27,6 @@
 #include <immintrin.h>
 #endif
 
-static double now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static uint64_t rnd(void)
-{
-    rng ^= rng >> 12;
-    rng ^= rng << 25;
-    rng ^= rng >> 27;
-    return rng * 0x2545F4914F6CDD1DULL;
-}
 static float gauss(void)
 {
     const double u1 = ((rnd() >> 11) + 1) * (1.0 / 9007199254740993.0), u2 = (rnd() >> 11) * (1.0 / 9007199254740992.0);
