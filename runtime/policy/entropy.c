@@ -53,7 +53,7 @@ struct entropy {
     struct tkv_range *sel;            /* [head][max_ranges] selection of the current (layer, segment) */
     uint32_t *n_sel;                  /* [head]; UINT32_MAX = dense */
     uint32_t max_ranges;
-    float *P;                         /* [max_blocks] */
+    float *P;                         /* [head][max_blocks] this segment's distributions */
     uint32_t *idx;                    /* [max_blocks] */
     uint32_t max_blocks;
     /* decode */
@@ -122,6 +122,8 @@ static tkv_status ent_create(const struct tkv_policy_env *env, const struct tkv_
     TKV_TRY(tkv_policy_arg_f32(n, args, "delta", &p.delta));
     TKV_TRY(tkv_policy_arg_f32(n, args, "alpha", &p.alpha));
     TKV_TRY(tkv_policy_args_done(n, args, known));
+    if (env->n_head_kv > 256)
+        return tkv_err(TKV_ERR_UNSUPPORTED, "policy 'entropy': %u KV heads per layer (at most 256)", env->n_head_kv);
     if (p.block == 0 || p.segment % p.block || p.base < p.block || p.window < 2 || p.window > MAX_WINDOW ||
         p.keep <= p.window || p.rigid_after == 0)
         return tkv_err(TKV_ERR_INVALID_ARG, "policy 'entropy': need block | segment, base >= block, 2 <= window <= %d, "
@@ -137,7 +139,7 @@ static tkv_status ent_create(const struct tkv_policy_env *env, const struct tkv_
     e->hs = calloc(L * H, sizeof *e->hs);
     e->sel = malloc(H * e->max_ranges * sizeof *e->sel);
     e->n_sel = malloc(H * sizeof *e->n_sel);
-    e->P = malloc(e->max_blocks * sizeof *e->P);
+    e->P = malloc(H * e->max_blocks * sizeof *e->P);
     e->idx = malloc(e->max_blocks * sizeof *e->idx);
     e->obs = malloc(L * (p.window / 2) * QD * sizeof *e->obs);
     e->gen = malloc(L * p.window * QD * sizeof *e->gen);
@@ -193,34 +195,32 @@ static void select_segment(struct entropy *e, const struct tkv_policy_view *v)
         threshold = TKV_MIN(threshold, TKV_MAX(e->segment, quarter));
     }
     const bool dense = v->layer < e->layer_skip || seg_start < threshold || v->n_past >= v->prefill_end;
-    uint32_t kc[256], k_max = 0;
+    /* pass 1: every head's distribution, entropy, class and block count */
+    uint32_t kc[256], nb[256], k_max = 0;
     for (uint32_t g = 0; g < H; g++) {
         e->n_sel[g] = UINT32_MAX;
-        kc[g] = 0;
+        kc[g] = nb[g] = 0;
         if (v->layer < e->layer_skip)
             continue;
-        const uint32_t nb = tkv_segment_block_probs(v, &e->env, g, e->block, e->P);
-        if (nb == 0)
+        float *P = e->P + (size_t)g * e->max_blocks;
+        if ((nb[g] = tkv_segment_block_probs(v, &e->env, g, e->block, P)) == 0)
             continue;
         struct head_state *s = &e->hs[(size_t)v->layer * H + g];
-        update_head(e, s, tkv_entropy(e->P, nb), seg, base);
+        update_head(e, s, tkv_entropy(P, nb[g]), seg, base);
         float b = s->rigid && !e->faithful ? base / 4 : s->budget;
-        kc[g] = TKV_MIN((uint32_t)(b / (float)e->block), nb);
+        kc[g] = TKV_MIN((uint32_t)(b / (float)e->block), nb[g]);
         k_max = TKV_MAX(k_max, kc[g]);
-        if (dense)
+    }
+    if (dense)
+        return;
+    /* pass 2: the blocks -- faithful: every head takes the layer's maximum
+     * count; ours: its own */
+    for (uint32_t g = 0; g < H; g++) {
+        if (nb[g] == 0)
             continue;
-        /* faithful: every head takes the layer's maximum count; ours: its own */
-        const uint32_t k = tkv_policy_top_k(e->P, nb, e->faithful ? k_max : kc[g], e->idx);
+        const uint32_t k = tkv_policy_top_k(e->P + (size_t)g * e->max_blocks, nb[g], e->faithful ? k_max : kc[g], e->idx);
         e->n_sel[g] = tkv_policy_block_ranges(e->idx, k, e->block, e->sel + (size_t)g * e->max_ranges, e->max_ranges);
     }
-    if (e->faithful && !dense) /* heads scored before the maximum grew: redo with the final k_max */
-        for (uint32_t g = 0; g < H; g++) {
-            if (e->n_sel[g] == UINT32_MAX || kc[g] == k_max)
-                continue;
-            const uint32_t nb = tkv_segment_block_probs(v, &e->env, g, e->block, e->P);
-            const uint32_t k = tkv_policy_top_k(e->P, nb, k_max, e->idx);
-            e->n_sel[g] = tkv_policy_block_ranges(e->idx, k, e->block, e->sel + (size_t)g * e->max_ranges, e->max_ranges);
-        }
 }
 
 static int ent_prefill(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
@@ -323,8 +323,6 @@ static int ent_decode(void *state, const struct tkv_policy_view *v, uint32_t hea
 {
     struct entropy *e = state;
     const uint32_t l = v->layer, step = v->step + 1; /* 1-based generated token */
-    if (step <= e->gap && head == 0 && l == 0)
-        e->compress_now = 0;
     if (head == 0) {
         if (l == 0) { /* all layers compress on the same step */
             const bool first = step == e->gap + 1 && e->compressed_at == 0;
