@@ -335,13 +335,22 @@ static bool plan_decode(tkv_session *s, uint32_t layer, int *plan)
     return true;
 }
 
+/* How the observation window moves with an n-token prefill chunk: the rows
+ * of it that stay (the newest ones) and the chunk's rows that enter. */
+static void obs_shift(const tkv_session *s, uint32_t n, uint32_t *keep_old, uint32_t *take)
+{
+    *keep_old = n >= OBS_QUERIES ? 0 : TKV_MIN(s->obs_n, OBS_QUERIES - n);
+    *take = TKV_MIN(n, OBS_QUERIES);
+}
+
 /* Keeps the last OBS_QUERIES prefill queries of `layer` (the window that
  * after-prefill policies observe); s->obs_n is updated after the chunk. */
 static void observe_queries(tkv_session *s, uint32_t layer, uint32_t n)
 {
     const size_t QD = (size_t)s->hp.n_head * s->hp.head_dim;
     float *buf = s->obs_q + (size_t)layer * OBS_QUERIES * QD;
-    const uint32_t keep_old = n >= OBS_QUERIES ? 0 : TKV_MIN(s->obs_n, OBS_QUERIES - n), take = TKV_MIN(n, OBS_QUERIES);
+    uint32_t keep_old, take;
+    obs_shift(s, n, &keep_old, &take);
     memmove(buf, buf + (size_t)(s->obs_n - keep_old) * QD, (size_t)keep_old * QD * sizeof(float));
     s->be->ops->download(s->be, buf + (size_t)keep_old * QD, s->q + (size_t)(n - take) * QD, (size_t)take * QD * sizeof(float));
 }
@@ -463,7 +472,8 @@ static tkv_status run_chunk(tkv_session *s, const tkv_token *toks, uint32_t n, b
     memcpy(s->tokens + s->n_past, toks, (size_t)n * sizeof *toks);
     const bool decode = s->in_decode;
     if (!decode) { /* the observation window moved with this chunk */
-        const uint32_t keep_old = n >= OBS_QUERIES ? 0 : TKV_MIN(s->obs_n, OBS_QUERIES - n), take = TKV_MIN(n, OBS_QUERIES);
+        uint32_t keep_old, take;
+        obs_shift(s, n, &keep_old, &take);
         memmove(s->obs_pos, s->obs_pos + (s->obs_n - keep_old), keep_old * sizeof *s->obs_pos);
         for (uint32_t i = 0; i < take; i++)
             s->obs_pos[keep_old + i] = (int32_t)(end - take + i);
