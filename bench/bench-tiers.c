@@ -164,6 +164,7 @@ int main(int argc, char **argv)
                 return die("recall");
             tkv_kvs_end_layer(s, l);
         }
+        be->ops->synchronize(be); /* the recalled bytes have landed */
         double dt = now() - t0;
         tkv_kvs_get_stats(s, &st1);
         ours_r[r] = (st1.tier[below].bytes_out - st0.tier[below].bytes_out) / dt / 1e9;

@@ -21,6 +21,7 @@
  */
 #include "attn.cuh"
 #include "common.cuh"
+#include "copy.cuh"
 #include "dequant.cuh"
 #include "ops.cuh"
 
@@ -34,6 +35,19 @@ extern "C" {
 
 #define N_STAGE 16                  /* staging slots in the ring               */
 #define STAGE_MIN_BYTES (64 << 10)  /* initial size of each slot               */
+#define N_GATHER 4                  /* block-upload tables in flight           */
+
+/* The table of one upload_blocks call: filled on the host, copied to the
+ * device and read by the gather kernel (or handed to cudaMemcpyBatchAsync);
+ * reused once `ev` (recorded after the copies) has passed. */
+struct gather_slot {
+    struct tkv_cuda_copy *host;  /* pinned [cap]                              */
+    struct tkv_cuda_copy *dev;   /* device [cap]                              */
+    void **dsts; const void **srcs; size_t *sizes; /* [cap] for the memcpy path */
+    uint32_t cap;
+    cudaEvent_t ev;
+    bool pending;
+};
 
 struct stage_slot {
     void *host;      /* pinned [cap] */
@@ -57,6 +71,17 @@ struct cuda_backend {
     size_t attn_part_cap;          /* floats                                  */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
     bool attn_decode;              /* TKV_CUDA_ATTN_DECODE=1: decode kernel   */
+    /* block uploads: a second stream, so recalls and prefetches overlap the
+     * compute queued after them until upload_fence */
+    cudaStream_t copy_stream;
+    cudaEvent_t ev_main, ev_copy;  /* compute -> copy and copy -> compute order */
+    struct gather_slot gather[N_GATHER];
+    unsigned next_gather;
+    bool uploads_pending;          /* copies queued since the last upload_wait  */
+    bool gather_kernel;            /* the device reads registered host memory at
+                                      its host address: use the gather kernel;
+                                      else (or TKV_CUDA_UPLOAD=memcpy) batched
+                                      cudaMemcpy                               */
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
 };
@@ -245,7 +270,8 @@ static tkv_status cuda_host_register(struct tkv_backend *b, void *p, size_t byte
 {
     struct cuda_backend *cb = cuda_of(b);
     ALIVE("host_register");
-    CU("host_register", cudaHostRegister(p, bytes, cudaHostRegisterDefault));
+    /* mapped: the gather kernel reads it at its host address */
+    CU("host_register", cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
     return TKV_OK;
 }
 
@@ -261,11 +287,130 @@ static void cuda_host_unregister(struct tkv_backend *b, void *p)
     }
 }
 
+/* ---- asynchronous block uploads ------------------------------------------ */
+
+/* Makes sure slot sl can hold n copies (after its previous use completed). */
+static tkv_status gather_slot_take(struct cuda_backend *cb, uint32_t n, struct gather_slot **out)
+{
+    const char *op = "upload_blocks";
+    struct gather_slot *sl = &cb->gather[cb->next_gather++ % N_GATHER];
+    if (sl->pending) {
+        CU(op, cudaEventSynchronize(sl->ev));
+        sl->pending = false;
+    }
+    if (n > sl->cap) {
+        uint32_t cap = TKV_MAX(n, TKV_MAX(2 * sl->cap, 1024u));
+        cudaFreeHost(sl->host);
+        cudaFree(sl->dev);
+        free(sl->dsts);
+        free(sl->srcs);
+        free(sl->sizes);
+        memset(sl, 0, offsetof(struct gather_slot, ev));
+        CU(op, cudaMallocHost(&sl->host, cap * sizeof *sl->host));
+        CU(op, cudaMalloc(&sl->dev, cap * sizeof *sl->dev));
+        sl->dsts = (void **)malloc(cap * sizeof *sl->dsts);
+        sl->srcs = (const void **)malloc(cap * sizeof *sl->srcs);
+        sl->sizes = (size_t *)malloc(cap * sizeof *sl->sizes);
+        if (!sl->dsts || !sl->srcs || !sl->sizes)
+            return tkv_err(TKV_ERR_NOMEM, "cuda: upload_blocks: out of host memory for %u copies", cap);
+        sl->cap = cap;
+    }
+    *out = sl;
+    return TKV_OK;
+}
+
+static tkv_status cuda_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
+                                     size_t bytes)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "upload_blocks";
+    ALIVE(op);
+    if (n == 0 || bytes == 0)
+        return TKV_OK;
+    struct gather_slot *sl;
+    TKV_TRY(gather_slot_take(cb, n, &sl));
+    bool kernel = cb->gather_kernel;
+    for (uint32_t j = 0; j < n; j++) {
+        sl->host[j] = (struct tkv_cuda_copy){src[j], dst[j]};
+        kernel = kernel && tkv_cuda_gather_ok(src[j], dst[j], bytes);
+    }
+    /* the copies come after everything queued so far on the compute stream
+     * (a destination slot may still be read there) */
+    CU(op, cudaEventRecord(cb->ev_main, cb->stream));
+    CU(op, cudaStreamWaitEvent(cb->copy_stream, cb->ev_main, 0));
+    if (kernel) {
+        CU(op, cudaMemcpyAsync(sl->dev, sl->host, n * sizeof *sl->host, cudaMemcpyHostToDevice, cb->copy_stream));
+        CU(op, tkv_cuda_gather(sl->dev, n, bytes, cb->copy_stream));
+    } else {
+        for (uint32_t j = 0; j < n; j++) {
+            sl->dsts[j] = dst[j];
+            sl->srcs[j] = src[j];
+            sl->sizes[j] = bytes;
+        }
+        struct cudaMemcpyAttributes attr;
+        memset(&attr, 0, sizeof attr);
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+        size_t attr_idx = 0;
+        cudaError_t e = cudaMemcpyBatchAsync(sl->dsts, (const void *const *)sl->srcs, sl->sizes, n, &attr, &attr_idx,
+                                             1, cb->copy_stream);
+        if (e == cudaErrorNotSupported || e == cudaErrorInvalidValue) { /* older driver: one copy each */
+            (void)cudaGetLastError();
+            for (uint32_t j = 0; j < n; j++)
+                CU(op, cudaMemcpyAsync(dst[j], src[j], bytes, cudaMemcpyHostToDevice, cb->copy_stream));
+        } else if (e != cudaSuccess) {
+            return cu_fail(cb, e, op, "cudaMemcpyBatchAsync");
+        }
+    }
+    CU(op, cudaEventRecord(sl->ev, cb->copy_stream));
+    sl->pending = true;
+    cb->uploads_pending = true;
+    return TKV_OK;
+}
+
+static tkv_status cuda_upload_fence(struct tkv_backend *b)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("upload_fence");
+    if (!cb->uploads_pending)
+        return TKV_OK;
+    CU("upload_fence", cudaEventRecord(cb->ev_copy, cb->copy_stream));
+    CU("upload_fence", cudaStreamWaitEvent(cb->stream, cb->ev_copy, 0));
+    return TKV_OK;
+}
+
+static tkv_status cuda_upload_wait(struct tkv_backend *b, bool block, bool *done)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("upload_wait");
+    if (done)
+        *done = true;
+    if (!cb->uploads_pending)
+        return TKV_OK;
+    CU("upload_wait", cudaEventRecord(cb->ev_copy, cb->copy_stream));
+    if (block) {
+        CU("upload_wait", cudaEventSynchronize(cb->ev_copy));
+    } else {
+        cudaError_t e = cudaEventQuery(cb->ev_copy);
+        if (e == cudaErrorNotReady) {
+            (void)cudaGetLastError();
+            if (done)
+                *done = false;
+            return TKV_OK;
+        }
+        CU("upload_wait", e);
+    }
+    cb->uploads_pending = false;
+    return TKV_OK;
+}
+
 static tkv_status cuda_sync(struct tkv_backend *b)
 {
     struct cuda_backend *cb = cuda_of(b);
     ALIVE("synchronize");
     CU("synchronize", cudaStreamSynchronize(cb->stream));
+    if (cb->uploads_pending) /* copies not fenced into the stream yet */
+        TKV_TRY(cuda_upload_wait(b, true, NULL));
     return TKV_OK;
 }
 
@@ -541,6 +686,24 @@ static void cuda_free(struct tkv_backend *b)
         return;
     if (cb->stream)
         cudaStreamSynchronize(cb->stream);
+    if (cb->copy_stream)
+        cudaStreamSynchronize(cb->copy_stream);
+    for (int i = 0; i < N_GATHER; i++) {
+        struct gather_slot *sl = &cb->gather[i];
+        cudaFreeHost(sl->host);
+        cudaFree(sl->dev);
+        free(sl->dsts);
+        free(sl->srcs);
+        free(sl->sizes);
+        if (sl->ev)
+            cudaEventDestroy(sl->ev);
+    }
+    if (cb->ev_main)
+        cudaEventDestroy(cb->ev_main);
+    if (cb->ev_copy)
+        cudaEventDestroy(cb->ev_copy);
+    if (cb->copy_stream)
+        cudaStreamDestroy(cb->copy_stream);
     if (cb->blas)
         cublasDestroy(cb->blas);
     for (int i = 0; i < N_STAGE; i++) {
@@ -588,6 +751,9 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.pci_bus_id = cuda_pci_bus_id;
     o.host_register = cuda_host_register;
     o.host_unregister = cuda_host_unregister;
+    o.upload_blocks = cuda_upload_blocks;
+    o.upload_fence = cuda_upload_fence;
+    o.upload_wait = cuda_upload_wait;
     return o;
 }
 static const struct tkv_backend_ops cuda_ops = cuda_make_ops();
@@ -615,6 +781,15 @@ static tkv_status cuda_init(struct cuda_backend *cb)
         cb->pci_bus_id[0] = 0;
     }
     CU(op, cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+    CU(op, cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking));
+    CU(op, cudaEventCreateWithFlags(&cb->ev_main, cudaEventDisableTiming));
+    CU(op, cudaEventCreateWithFlags(&cb->ev_copy, cudaEventDisableTiming));
+    for (int i = 0; i < N_GATHER; i++)
+        CU(op, cudaEventCreateWithFlags(&cb->gather[i].ev, cudaEventDisableTiming));
+    int host_ptr_ok = 0;
+    CU(op, cudaDeviceGetAttribute(&host_ptr_ok, cudaDevAttrCanUseHostPointerForRegisteredMem, cb->device));
+    const char *up = getenv("TKV_CUDA_UPLOAD");
+    cb->gather_kernel = host_ptr_ok && !(up && !strcmp(up, "memcpy"));
     cublasStatus_t s = cublasCreate(&cb->blas);
     if (s != CUBLAS_STATUS_SUCCESS) {
         cb->blas = NULL;

@@ -91,6 +91,19 @@ struct tkv_backend_ops {
     /* page-lock host memory for fast asynchronous copies, and undo it */
     tkv_status (*host_register)(struct tkv_backend *b, void *p, size_t bytes);
     void       (*host_unregister)(struct tkv_backend *b, void *p);
+    /* Asynchronous block uploads (the KV store's recalls and prefetches).
+     * upload_blocks queues n copies of `bytes` each, src[i] (host memory
+     * registered with host_register) -> dst[i] (device memory), after all work
+     * queued so far, and returns at once; the copies overlap ops queued later
+     * until upload_fence. Until upload_wait reports them done, the sources
+     * must not change and the host must not reuse dst and src arrays' targets.
+     * upload_fence: every op queued after it sees the copies (no host wait).
+     * upload_wait: block = true waits for the copies; false polls: *done says
+     * whether they have finished. */
+    tkv_status (*upload_blocks)(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
+                                size_t bytes);
+    tkv_status (*upload_fence)(struct tkv_backend *b);
+    tkv_status (*upload_wait)(struct tkv_backend *b, bool block, bool *done);
 };
 
 struct tkv_backend {

@@ -142,6 +142,77 @@ static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks,
     return s;
 }
 
+/* ---- a device whose block uploads land late ------------------------------------- */
+
+/* Wraps the CPU backend as a "device" with asynchronous block uploads: the
+ * copies of upload_blocks are only carried out at upload_fence, upload_wait
+ * or synchronize -- the latest a GPU's copy stream may land them (uploads
+ * and downloads on the compute stream are not ordered after them).
+ * A store that used an uploaded block before fencing it would read stale
+ * bytes, and the mirror check would catch it. */
+enum { MAX_DEFERRED = 4096 };
+static struct deferred {
+    struct tkv_backend base;
+    struct tkv_backend *inner;
+    struct { void *dst; const void *src; size_t bytes; } q[MAX_DEFERRED];
+    uint32_t n;
+    uint64_t queued, fences;
+} dfr;
+
+static void dfr_flush(void)
+{
+    for (uint32_t j = 0; j < dfr.n; j++)
+        memcpy(dfr.q[j].dst, dfr.q[j].src, dfr.q[j].bytes);
+    dfr.n = 0;
+}
+static void dfr_free(struct tkv_backend *b) { (void)b; }
+static tkv_status dfr_alloc(struct tkv_backend *b, size_t n, void **out) { (void)b; return dfr.inner->ops->alloc(dfr.inner, n, out); }
+static void dfr_release(struct tkv_backend *b, void *p) { (void)b; dfr.inner->ops->release(dfr.inner, p); }
+static tkv_status dfr_upload(struct tkv_backend *b, void *dst, const void *src, size_t n)
+{
+    (void)b; /* the compute stream: not ordered after unfenced block uploads */
+    return dfr.inner->ops->upload(dfr.inner, dst, src, n);
+}
+static tkv_status dfr_download(struct tkv_backend *b, void *dst, const void *src, size_t n)
+{
+    (void)b;
+    return dfr.inner->ops->download(dfr.inner, dst, src, n);
+}
+static tkv_status dfr_sync(struct tkv_backend *b) { (void)b; dfr_flush(); return TKV_OK; }
+static tkv_status dfr_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
+                                    size_t bytes)
+{
+    (void)b;
+    for (uint32_t j = 0; j < n; j++) {
+        if (dfr.n == MAX_DEFERRED)
+            dfr_flush();
+        dfr.q[dfr.n++] = (typeof(dfr.q[0])){dst[j], src[j], bytes};
+    }
+    dfr.queued += n;
+    return TKV_OK;
+}
+static tkv_status dfr_fence(struct tkv_backend *b) { (void)b; dfr.fences++; dfr_flush(); return TKV_OK; }
+static tkv_status dfr_wait(struct tkv_backend *b, bool block, bool *done)
+{
+    (void)b, (void)block;
+    dfr_flush();
+    if (done)
+        *done = true;
+    return TKV_OK;
+}
+static struct tkv_backend_ops dfr_ops;
+
+static struct tkv_backend *deferred_backend(struct tkv_backend *inner)
+{
+    dfr_ops = (struct tkv_backend_ops){.name = "deferred", .free = dfr_free, .alloc = dfr_alloc,
+                                       .release = dfr_release, .upload = dfr_upload, .download = dfr_download,
+                                       .synchronize = dfr_sync, .upload_blocks = dfr_upload_blocks,
+                                       .upload_fence = dfr_fence, .upload_wait = dfr_wait};
+    dfr.base.ops = &dfr_ops;
+    dfr.inner = inner;
+    return &dfr.base;
+}
+
 /* ---- the randomized model-based test ---------------------------------------------- */
 
 static void random_ops(struct tkv_kvs *s, int n_ops, const char *name)
@@ -283,23 +354,43 @@ static void test_faults(void)
     CHECK(ks.corrupt_blocks >= 1, "corrupt_blocks %llu", (unsigned long long)ks.corrupt_blocks);
     tkv_kvs_free(s);
 
-    /* 5. the host tier below a device compute tier is checked the same way */
-    s = make_store(false, 34, 40, true);
-    REQUIRE_VOID(s);
-    fill_until_spilling(s);
-    bad_b = NB;
-    for (uint32_t b = 0; b < NB && bad_b == NB; b++)
-        for (uint32_t l = 0; l < L && bad_b == NB; l++)
-            if (tkv_kvs_block_tier(s, l, 0, b) == TKV_TIER_HOST)
-                bad_l = l, bad_h = 0, bad_b = b;
-    if (bad_b < NB) {
-        CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_HOST) == TKV_OK, "flip: %s", tkv_last_error());
-        st = tkv_kvs_begin_layer(s, bad_l, 0, 0);
-        CHECK(st == TKV_ERR_CORRUPT, "host bit flip: expected TKV_ERR_CORRUPT, got %s", tkv_status_str(st));
-    } else {
-        CHECK(false, "no block was left on the host tier to corrupt");
+    /* 5. the host tier below a device compute tier is checked the same way,
+     * on a recall and on a prefetch (synchronous and asynchronous uploads) */
+    struct tkv_backend *const backends[2] = {be, deferred_backend(be)};
+    for (int bi = 0; bi < 2; bi++) {
+        struct tkv_backend *saved = be;
+        be = backends[bi];
+        for (int via_prefetch = 0; via_prefetch < 2; via_prefetch++) {
+            s = make_store(false, 34, 40, true);
+            REQUIRE_VOID(s);
+            fill_until_spilling(s);
+            bad_b = NB;
+            for (uint32_t b = 0; b < NB && bad_b == NB; b++)
+                for (uint32_t l = 0; l < L && bad_b == NB; l++)
+                    if (tkv_kvs_block_tier(s, l, 0, b) == TKV_TIER_HOST)
+                        bad_l = l, bad_h = 0, bad_b = b;
+            if (bad_b < NB) {
+                CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_HOST) == TKV_OK, "flip: %s",
+                      tkv_last_error());
+                if (via_prefetch) {
+                    tkv_kvs_prefetch(s, bad_l);
+                    CHECK(tkv_kvs_prefetch_wait(s) == TKV_OK, "prefetch wait: %s", tkv_last_error());
+                    CHECK(tkv_kvs_prefetch_done(s), "prefetch not done after wait");
+                    CHECK(tkv_kvs_block_tier(s, bad_l, bad_h, bad_b) == TKV_TIER_HOST,
+                          "%s: a corrupt block was prefetched", be->ops->name);
+                }
+                st = tkv_kvs_begin_layer(s, bad_l, 0, 0);
+                CHECK(st == TKV_ERR_CORRUPT, "%s host bit flip%s: expected TKV_ERR_CORRUPT, got %s", be->ops->name,
+                      via_prefetch ? " (after a prefetch)" : "", tkv_status_str(st));
+                /* every other block of the layer still reads back intact */
+                bad_b = NB;
+            } else {
+                CHECK(false, "no block was left on the host tier to corrupt");
+            }
+            tkv_kvs_free(s);
+        }
+        be = saved;
     }
-    tkv_kvs_free(s);
 
     /* 6. without a lower tier, a full compute tier is a clear error */
     s = make_store(true, 34, 0, false);
@@ -317,6 +408,45 @@ static void test_faults(void)
                                .compute_is_host = true, .compute_bytes = 4096 * 8};
     struct tkv_kvs *bad = NULL;
     CHECK(tkv_kvs_init(&p, be, &bad) == TKV_ERR_INVALID_ARG && !bad, "tiny compute tier must be refused");
+}
+
+/* The backend's block uploads on their own: n scattered blocks from
+ * registered host memory to device memory, in a random order, sizes that
+ * take the gather kernel (multiples of 16) and the copy-engine path. */
+static void test_gpu_upload_blocks(struct tkv_backend *g)
+{
+    enum { NBLK = 300 };
+    const size_t sizes[] = {16384, 4096 + 16, 1000};
+    for (int si = 0; si < 3; si++) {
+        const size_t S = sizes[si], total = (size_t)NBLK * S;
+        uint8_t *host = tkv_io_alloc_aligned(total), *back = malloc(total);
+        void *dev = NULL;
+        REQUIRE_VOID(host && back && g->ops->alloc(g, total, &dev) == TKV_OK);
+        REQUIRE_VOID(g->ops->host_register(g, host, total) == TKV_OK);
+        for (size_t i = 0; i < total; i++)
+            host[i] = (uint8_t)test_rand_u64(&rng);
+        void *dst[NBLK];
+        const void *src[NBLK];
+        for (uint32_t j = 0; j < NBLK; j++) { /* block j goes to slot (j * 7) % NBLK */
+            src[j] = host + (size_t)j * S;
+            dst[j] = (uint8_t *)dev + (size_t)((j * 7) % NBLK) * S;
+        }
+        CHECK(g->ops->upload_blocks(g, dst, src, NBLK, S) == TKV_OK, "upload_blocks: %s", tkv_last_error());
+        CHECK(g->ops->upload_fence(g) == TKV_OK, "upload_fence: %s", tkv_last_error());
+        bool done = false;
+        CHECK(g->ops->upload_wait(g, false, &done) == TKV_OK, "upload_wait (poll): %s", tkv_last_error());
+        CHECK(g->ops->upload_wait(g, true, &done) == TKV_OK && done, "upload_wait: %s", tkv_last_error());
+        CHECK(g->ops->download(g, back, dev, total) == TKV_OK, "download: %s", tkv_last_error());
+        uint32_t wrong = 0;
+        for (uint32_t j = 0; j < NBLK; j++)
+            wrong += memcmp(back + (size_t)((j * 7) % NBLK) * S, host + (size_t)j * S, S) != 0;
+        CHECK(wrong == 0, "upload_blocks of %zu bytes: %u of %d blocks differ", S, wrong, NBLK);
+        fprintf(stderr, "upload_blocks: %d blocks of %zu bytes, %u differ\n", NBLK, S, wrong);
+        g->ops->host_unregister(g, host);
+        g->ops->release(g, dev);
+        tkv_io_free_aligned(host);
+        free(back);
+    }
 }
 
 int main(void)
@@ -338,6 +468,17 @@ int main(void)
         random_ops(s, 3000, "device+host+nvme");
         tkv_kvs_free(s);
     }
+    /* the asynchronous upload path (recalls, prefetches, staged NVMe reads) */
+    struct tkv_backend *cpu_be = be;
+    be = deferred_backend(cpu_be);
+    s = make_store(false, 36, 40, true);
+    if (s) {
+        random_ops(s, 3000, "device (late uploads)+host+nvme");
+        tkv_kvs_free(s);
+    }
+    CHECK(dfr.queued > 0 && dfr.fences > 0, "the asynchronous uploads were never used (%llu queued)",
+          (unsigned long long)dfr.queued);
+    be = cpu_be;
     setenv("TKV_IO_FORCE_SYNC", "1", 1);
     s = make_store(true, 40, 0, true);
     if (s) {
@@ -359,6 +500,7 @@ int main(void)
             random_ops(s, 3000, "gpu+host+nvme");
             tkv_kvs_free(s);
         }
+        test_gpu_upload_blocks(gpu);
         be = cpu;
         gpu->ops->free(gpu);
     } else {

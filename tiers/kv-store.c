@@ -8,6 +8,7 @@
  */
 #include "kv-store.h"
 
+#include "../cpu/threadpool.h"
 #include "../io/io.h"
 #include "crc32c.h"
 #include "host-mem.h"
@@ -15,6 +16,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #define SLAB_SLOTS 64  /* slots per memory slab                       */
 #define IO_BATCH   32  /* blocks per batch of NVMe reads or writes    */
@@ -81,6 +83,19 @@ struct tkv_kvs {
     uint64_t prefetched, corrupt;
     uint32_t n_inflight;     /* prefetch reads not yet completed */
     bool     broken;         /* the I/O engine lost ops: refuse further work */
+
+    /* Below a GPU whose backend queues block uploads (upload_blocks): a
+     * layer's host-tier blocks go up in one asynchronous batch while their
+     * checksums are verified on a few CPU threads. */
+    bool     async_up;
+    bool     up_unfenced;    /* prefetched uploads later ops must wait for   */
+    void   **up_dst;         /* [head*max_blocks] one batch's destinations   */
+    const void **up_src;     /* [head*max_blocks] and sources                */
+    uint32_t *up_idx;        /* [head*max_blocks] and blocks                 */
+    uint8_t *up_bad;         /* [head*max_blocks] checksum mismatches        */
+    struct tkv_pool *crc_pool; /* NULL: verify on the calling thread        */
+    bool     staging_registered; /* page-locked by us (unregister at free)   */
+    bool     staging_async;  /* NVMe recalls go up with upload_blocks         */
 };
 
 /* ---- small helpers ------------------------------------------------------------ */
@@ -490,15 +505,72 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
 /* ---- recall --------------------------------------------------------------------- */
 
 /* Verifies a recalled payload against the block's checksum. */
+static tkv_status corrupt_error(struct tkv_kvs *s, uint32_t i, int from);
+
 static tkv_status verify(struct tkv_kvs *s, uint32_t i, const void *data, int from)
 {
     if (tkv_crc32c(0, data, s->S) == s->blk[i].crc)
         return TKV_OK;
+    return corrupt_error(s, i, from);
+}
+
+/* Checksums of n payloads data[j] of blocks idx[j]; bad[j] = 1 where one does
+ * not match. Spread over the CRC threads when there are enough bytes. */
+struct verify_job {
+    const struct tkv_kvs *s;
+    const uint32_t *idx;
+    const void *const *data;
+    uint8_t *bad;
+    uint32_t n;
+};
+
+static void verify_part(void *ctx, uint32_t ith, uint32_t nth)
+{
+    const struct verify_job *j = ctx;
+    uint64_t b, e;
+    tkv_split(j->n, ith, nth, &b, &e);
+    for (uint64_t r = b; r < e; r++)
+        j->bad[r] = tkv_crc32c(0, j->data[r], j->s->S) != j->s->blk[j->idx[r]].crc;
+}
+
+static void verify_batch(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n, uint8_t *bad)
+{
+    struct verify_job job = {s, idx, data, bad, n};
+    if (s->crc_pool && (uint64_t)n * s->S >= (1u << 20))
+        tkv_pool_run(s->crc_pool, verify_part, &job);
+    else
+        verify_part(&job, 0, 1);
+}
+
+/* The error for a block whose recalled copy failed its checksum. */
+static tkv_status corrupt_error(struct tkv_kvs *s, uint32_t i, int from)
+{
     s->corrupt++;
     char what[96];
     snprintf(what, sizeof what, "checksum mismatch on recall from the %s tier; the data was not used",
              tier_names[from]);
     return block_error(s, TKV_ERR_CORRUPT, i, what);
+}
+
+/* Prefetched uploads: every op queued from here on sees them. */
+static tkv_status uploads_fence(struct tkv_kvs *s)
+{
+    if (!s->up_unfenced)
+        return TKV_OK;
+    s->up_unfenced = false;
+    return s->be->ops->upload_fence(s->be);
+}
+
+/* Queues the upload of n verified host payloads into their compute slots
+ * (up_src / up_dst / up_idx) and marks them current there. */
+static tkv_status upload_batch(struct tkv_kvs *s, uint32_t n, int from)
+{
+    TKV_TRY(s->be->ops->upload_blocks(s->be, s->up_dst, s->up_src, n, s->S));
+    for (uint32_t j = 0; j < n; j++)
+        s->blk[s->up_idx[j]].valid |= BIT(TKV_TIER_COMPUTE);
+    s->st[from].bytes_out += (uint64_t)n * s->S;
+    s->st[TKV_TIER_COMPUTE].bytes_in += (uint64_t)n * s->S;
+    return TKV_OK;
 }
 
 /* A prefetch read finished: keep the block if it arrived intact; otherwise
@@ -605,10 +677,82 @@ static tkv_status nvme_stream_reads(struct tkv_kvs *s, const uint32_t *list, uin
  * copies are copied up, NVMe copies read (streamed straight into the slots
  * on a host compute tier, through the staging buffer below a GPU). On
  * failure no block keeps a compute slot without a current copy in it. */
+/* Uploads the n host-tier blocks in up_idx/up_src/up_dst: the copies are
+ * queued first, so the link works while the CPU checks the sums; blocks
+ * whose sum fails are not marked current (recall drops their slots). */
+static tkv_status recall_host_async(struct tkv_kvs *s, uint32_t n)
+{
+    TKV_TRY(s->be->ops->upload_blocks(s->be, s->up_dst, s->up_src, n, s->S));
+    verify_batch(s, s->up_idx, s->up_src, n, s->up_bad);
+    tkv_status st = TKV_OK;
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t i = s->up_idx[j];
+        if (s->up_bad[j]) {
+            tkv_status e = corrupt_error(s, i, TKV_TIER_HOST);
+            st = st == TKV_OK ? e : st;
+            continue;
+        }
+        s->blk[i].valid |= BIT(TKV_TIER_COMPUTE);
+        s->st[TKV_TIER_HOST].bytes_out += s->S;
+        s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+    }
+    /* always: a dropped slot's late copy must land before its next user */
+    tkv_status f = s->be->ops->upload_fence(s->be);
+    return st != TKV_OK ? st : f;
+}
+
+/* NVMe -> GPU: blocks nv[0..n) through the staging buffer, IO_BATCH at a
+ * time (read, verify, upload). */
+static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint32_t n)
+{
+    tkv_status st = TKV_OK;
+    for (uint32_t j0 = 0; j0 < n && st == TKV_OK; j0 += IO_BATCH) {
+        uint32_t m = TKV_MIN(IO_BATCH, n - j0);
+        for (uint32_t r = 0; r < m; r++)
+            s->ops[r] = (struct io_op){.blk = nv[j0 + r], .write = false, .buf = s->staging + (size_t)r * s->S};
+        if ((st = nvme_run(s, s->ops, m, s->results)) != TKV_OK)
+            break;
+        if (s->staging_async) {
+            uint32_t k = 0;
+            for (uint32_t r = 0; r < m; r++) {
+                s->up_idx[r] = s->ops[r].blk;
+                s->up_src[r] = s->ops[r].buf;
+            }
+            verify_batch(s, s->up_idx, s->up_src, m, s->up_bad);
+            for (uint32_t r = 0; r < m; r++) {
+                uint32_t bi = s->ops[r].blk;
+                if (s->up_bad[r]) {
+                    st = st == TKV_OK ? corrupt_error(s, bi, TKV_TIER_NVME) : st;
+                    continue;
+                }
+                s->up_idx[k] = bi;
+                s->up_src[k] = s->ops[r].buf;
+                s->up_dst[k++] = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[bi].slot[TKV_TIER_COMPUTE]);
+            }
+            tkv_status u = upload_batch(s, k, TKV_TIER_NVME);
+            tkv_status w = s->be->ops->upload_wait(s->be, true, NULL); /* the staging buffer is reused */
+            st = st != TKV_OK ? st : u != TKV_OK ? u : w;
+            continue;
+        }
+        for (uint32_t r = 0; r < m && st == TKV_OK; r++) {
+            uint32_t bi = s->ops[r].blk;
+            if ((st = verify(s, bi, s->ops[r].buf, TKV_TIER_NVME)) == TKV_OK)
+                st = host_to_compute(s, s->ops[r].buf, s->blk[bi].slot[TKV_TIER_COMPUTE]);
+            if (st == TKV_OK) {
+                s->blk[bi].valid |= BIT(TKV_TIER_COMPUTE);
+                s->st[TKV_TIER_NVME].bytes_out += s->S;
+                s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+            }
+        }
+    }
+    return st;
+}
+
 static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
 {
     TKV_TRY(make_room(s, TKV_TIER_COMPUTE, n));
     uint32_t *nv = s->cand[TKV_TIER_COMPUTE], n_nv = 0; /* free again after make_room */
+    uint32_t n_up = 0;                                   /* host-tier blocks for recall_host_async */
     tkv_status st = TKV_OK;
     for (uint32_t j = 0; j < n && st == TKV_OK; j++) {
         uint32_t i = idx[j];
@@ -619,7 +763,12 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
             break;
         }
         k->slot[TKV_TIER_COMPUTE] = cs;
-        if (k->valid & BIT(TKV_TIER_HOST)) {
+        if ((k->valid & BIT(TKV_TIER_HOST)) && s->async_up) {
+            s->up_idx[n_up] = i;
+            s->up_src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+            s->up_dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
+            s->st[TKV_TIER_HOST].hits++;
+        } else if (k->valid & BIT(TKV_TIER_HOST)) {
             const uint8_t *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
             if ((st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
                 st = host_to_compute(s, src, cs);
@@ -638,28 +787,12 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
             st = block_error(s, TKV_ERR_INTERNAL, i, "has no current copy on any tier");
         }
     }
-    if (st == TKV_OK && n_nv > 0) {
-        if (s->p.compute_is_host) {
-            st = nvme_stream_reads(s, nv, n_nv);
-        } else {
-            for (uint32_t j0 = 0; j0 < n_nv && st == TKV_OK; j0 += IO_BATCH) {
-                uint32_t m = TKV_MIN(IO_BATCH, n_nv - j0);
-                for (uint32_t r = 0; r < m; r++)
-                    s->ops[r] = (struct io_op){.blk = nv[j0 + r], .write = false, .buf = s->staging + (size_t)r * s->S};
-                st = nvme_run(s, s->ops, m, s->results);
-                for (uint32_t r = 0; r < m && st == TKV_OK; r++) {
-                    uint32_t bi = s->ops[r].blk;
-                    if ((st = verify(s, bi, s->ops[r].buf, TKV_TIER_NVME)) == TKV_OK)
-                        st = host_to_compute(s, s->ops[r].buf, s->blk[bi].slot[TKV_TIER_COMPUTE]);
-                    if (st == TKV_OK) {
-                        s->blk[bi].valid |= BIT(TKV_TIER_COMPUTE);
-                        s->st[TKV_TIER_NVME].bytes_out += s->S;
-                        s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
-                    }
-                }
-            }
-        }
+    if (n_up > 0) {
+        tkv_status u = recall_host_async(s, n_up);
+        st = st != TKV_OK ? st : u;
     }
+    if (st == TKV_OK && n_nv > 0)
+        st = s->p.compute_is_host ? nvme_stream_reads(s, nv, n_nv) : recall_nvme_staged(s, nv, n_nv);
     if (st != TKV_OK && !s->broken) /* give back the slots that hold nothing current */
         for (uint32_t j = 0; j < n; j++)
             if (!(s->blk[idx[j]].valid & BIT(TKV_TIER_COMPUTE)) && s->blk[idx[j]].slot[TKV_TIER_COMPUTE] >= 0)
@@ -760,6 +893,31 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
             goto fail;
         }
     }
+    const struct tkv_backend_ops *bo = backend->ops;
+    s->async_up = !p->compute_is_host && bo->upload_blocks && bo->upload_fence && bo->upload_wait;
+    if (s->async_up) {
+        s->up_dst = malloc(layer_blocks * sizeof *s->up_dst);
+        s->up_src = malloc(layer_blocks * sizeof *s->up_src);
+        s->up_idx = malloc(layer_blocks * sizeof *s->up_idx);
+        s->up_bad = malloc(layer_blocks * sizeof *s->up_bad);
+        if (!s->up_dst || !s->up_src || !s->up_idx || !s->up_bad) {
+            st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the upload lists");
+            goto fail;
+        }
+        /* checksums at the link's rate: one CRC-32C thread does ~10-20 GB/s,
+         * PCIe 5 carries ~50 */
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        uint32_t n_crc = (uint32_t)TKV_MIN(4, cpus > 1 ? cpus / 2 : 1);
+        if (n_crc > 1 && (st = tkv_pool_init(n_crc, &s->crc_pool)) != TKV_OK)
+            goto fail;
+        if (s->staging && bo->host_register) {
+            s->staging_registered = bo->host_register(backend, s->staging, (size_t)IO_BATCH * s->S) == TKV_OK;
+            if (!s->staging_registered)
+                TKV_LOG_W("kv-store: could not page-lock the staging buffer (%s); NVMe recalls copy block by block",
+                          tkv_last_error());
+        }
+        s->staging_async = s->staging && (s->staging_registered || !bo->host_register);
+    }
     const char *compute_name = p->compute_is_host ? "host" : "gpu";
     s->st[TKV_TIER_COMPUTE].name = compute_name;
     s->st[TKV_TIER_COMPUTE].capacity_bytes = (uint64_t)s->pool[TKV_TIER_COMPUTE].cap * s->S;
@@ -782,6 +940,16 @@ void tkv_kvs_free(struct tkv_kvs *s)
 {
     if (!s)
         return;
+    if (s->async_up && s->be->ops->upload_wait(s->be, true, NULL) != TKV_OK) /* nothing may still read our memory */
+        TKV_LOG_W("%s", tkv_last_error());
+    if (s->staging_registered && s->be->ops->host_unregister)
+        s->be->ops->host_unregister(s->be, s->staging);
+    if (s->crc_pool)
+        tkv_pool_free(s->crc_pool);
+    free(s->up_dst);
+    free(s->up_src);
+    free(s->up_idx);
+    free(s->up_bad);
     if (s->io) {
         prefetch_drain(s);
         tkv_io_file_close(s->file);
@@ -819,6 +987,8 @@ void tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens)
     const uint32_t B = s->p.block_tokens, keep = (n_tokens + B - 1) / B, had = (s->length + B - 1) / B;
     if (keep < had) {
         prefetch_drain(s);
+        if (uploads_fence(s) != TKV_OK)
+            TKV_LOG_W("%s", tkv_last_error());
         for (uint32_t l = 0; l < s->p.n_layer; l++)
             for (uint32_t h = 0; h < s->p.n_head_kv; h++)
                 for (uint32_t b = keep; b < had; b++) {
@@ -850,6 +1020,9 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
     const double t0 = tkv_now_seconds();
     s->cur_layer = layer; /* eviction distances are measured from here */
     prefetch_drain(s);
+    tkv_status st = uploads_fence(s);
+    if (st != TKV_OK)
+        goto out;
     uint32_t n_missing = 0;
     s->clock++;
     const uint32_t w0 = n_write ? write_pos / B : UINT32_MAX, w1 = n_write ? (write_pos + n_write - 1) / B : 0;
@@ -872,7 +1045,6 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
     /* new blocks (never stored) need just a slot; the others a recall.
      * lists[0, n_missing) holds the missing blocks; partition it in place:
      * recalls first, new blocks after. */
-    tkv_status st = TKV_OK;
     uint32_t n_recall = 0, n_new = 0;
     uint32_t *lists = s->lists;
     for (uint32_t j = 0; j < n_missing; j++) {
@@ -929,18 +1101,50 @@ void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
             s->blk[blk_index(s, layer, h, b)].pinned = 0;
 }
 
+/* Queues the uploads of the n prefetch candidates in up_idx/up_src/up_dst
+ * whose checksums hold; the others give their slots back (begin_layer
+ * recalls them and reports the error). */
+static void prefetch_host_blocks(struct tkv_kvs *s, uint32_t n)
+{
+    verify_batch(s, s->up_idx, s->up_src, n, s->up_bad);
+    uint32_t k = 0;
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t i = s->up_idx[j];
+        if (s->up_bad[j]) {
+            drop_copy(s, i, TKV_TIER_COMPUTE);
+            continue;
+        }
+        s->up_idx[k] = i;
+        s->up_src[k] = s->up_src[j];
+        s->up_dst[k++] = s->up_dst[j];
+    }
+    if (k == 0)
+        return;
+    if (upload_batch(s, k, TKV_TIER_HOST) != TKV_OK) {
+        for (uint32_t j = 0; j < k; j++)
+            drop_copy(s, s->up_idx[j], TKV_TIER_COMPUTE);
+        return;
+    }
+    s->up_unfenced = true;
+    s->prefetched += k;
+}
+
 void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
 {
-    if (!s->io || !s->p.compute_is_host)
+    /* NVMe -> a host compute tier by io_uring; pinned host -> GPU by the
+     * backend's asynchronous uploads */
+    const bool from_nvme = s->io && s->p.compute_is_host;
+    const bool from_host = s->async_up && s->pool[TKV_TIER_HOST].present;
+    if (!from_nvme && !from_host)
         return;
+    const int from = from_nvme ? TKV_TIER_NVME : TKV_TIER_HOST;
     layer %= s->p.n_layer; /* after the last layer comes the first (next step) */
     const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);
+#define WANTED(k) (!((k)->valid & BIT(TKV_TIER_COMPUTE)) && !(k)->inflight && ((k)->valid & BIT(from)))
     uint32_t wanted = 0;
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
-        for (uint32_t b = 0; b < nb; b++) {
-            const struct blk *k = &s->blk[blk_index(s, layer, h, b)];
-            wanted += !(k->valid & BIT(TKV_TIER_COMPUTE)) && !k->inflight && (k->valid & BIT(TKV_TIER_NVME));
-        }
+        for (uint32_t b = 0; b < nb; b++)
+            wanted += WANTED(&s->blk[blk_index(s, layer, h, b)]);
     if (wanted == 0)
         return;
     /* room from clean blocks needed after `layer` (never the pinned current layer) */
@@ -954,28 +1158,66 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
         for (uint32_t b = 0; b < nb; b++)
             s->blk[blk_index(s, layer, h, b)].pinned--;
+    uint32_t n_up = 0;
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
         for (uint32_t b = 0; b < nb; b++) {
             uint32_t i = blk_index(s, layer, h, b);
             struct blk *k = &s->blk[i];
-            if ((k->valid & BIT(TKV_TIER_COMPUTE)) || k->inflight || !(k->valid & BIT(TKV_TIER_NVME)))
+            if (!WANTED(k))
                 continue;
             if (s->pool[TKV_TIER_COMPUTE].n_free == 0)
-                goto submit; /* only free slots: a prefetch never evicts */
+                goto issue; /* only free slots: a prefetch never evicts */
             int32_t cs = pool_take(s, TKV_TIER_COMPUTE, i);
+            if (from_host) {
+                k->slot[TKV_TIER_COMPUTE] = cs;
+                s->up_idx[n_up] = i;
+                s->up_src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                s->up_dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
+                continue;
+            }
             int rc = tkv_io_read(s->io, s->file, slot_ptr(s, TKV_TIER_COMPUTE, cs), s->S,
                                  (uint64_t)k->slot[TKV_TIER_NVME] * s->S, ((uint64_t)i << 1) | 1);
             if (rc < 0) {
                 pool_give(s, TKV_TIER_COMPUTE, cs);
-                goto submit;
+                goto issue;
             }
             k->slot[TKV_TIER_COMPUTE] = cs;
             k->inflight = 1;
             s->n_inflight++;
             s->prefetched++;
         }
-submit:
-    tkv_io_submit(s->io);
+#undef WANTED
+issue:
+    if (from_host)
+        prefetch_host_blocks(s, n_up);
+    else
+        tkv_io_submit(s->io);
+}
+
+bool tkv_kvs_prefetch_done(struct tkv_kvs *s)
+{
+    if (s->io && s->n_inflight > 0) {
+        struct tkv_io_cqe cqe[IO_BATCH];
+        int got;
+        while ((got = tkv_io_poll(s->io, cqe, IO_BATCH)) > 0)
+            for (int c = 0; c < got; c++)
+                if (cqe[c].user_tag & 1)
+                    prefetch_complete(s, &cqe[c]);
+        if (s->n_inflight > 0)
+            return false;
+    }
+    bool done = true;
+    if (s->up_unfenced && s->be->ops->upload_wait(s->be, false, &done) != TKV_OK)
+        return true; /* the error comes back from the next begin_layer */
+    return done;
+}
+
+tkv_status tkv_kvs_prefetch_wait(struct tkv_kvs *s)
+{
+    prefetch_drain(s);
+    if (s->up_unfenced)
+        TKV_TRY(s->be->ops->upload_wait(s->be, true, NULL));
+    return TKV_OK;
 }
 
 struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head)
@@ -1017,6 +1259,7 @@ tkv_status tkv_kvs_export(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 {
     TKV_TRY(check_block(s, layer, head, b));
     prefetch_drain(s);
+    TKV_TRY(uploads_fence(s));
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
     if (k->valid & BIT(TKV_TIER_COMPUTE))
@@ -1042,6 +1285,7 @@ tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 {
     TKV_TRY(check_block(s, layer, head, b));
     prefetch_drain(s); /* an in-flight read must not land on top of the import */
+    TKV_TRY(uploads_fence(s));
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
     if (!(k->valid & BIT(TKV_TIER_COMPUTE))) {
@@ -1065,6 +1309,7 @@ tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 {
     TKV_TRY(check_block(s, layer, head, b));
     prefetch_drain(s);
+    TKV_TRY(uploads_fence(s));
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
     if (!(k->valid & BIT(TKV_TIER_COMPUTE)) || k->pinned)
@@ -1110,6 +1355,8 @@ tkv_status tkv_kvs_test_flip_bit(struct tkv_kvs *s, uint32_t layer, uint32_t hea
     if ((t != TKV_TIER_HOST && t != TKV_TIER_NVME) || !(k->valid & BIT(t)))
         return block_error(s, TKV_ERR_INVALID_ARG, i, "has no copy on that tier to corrupt");
     if (t == TKV_TIER_HOST) {
+        if (s->async_up) /* a queued upload may still read it */
+            TKV_TRY(s->be->ops->upload_wait(s->be, true, NULL));
         slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST])[s->S / 3] ^= 0x10;
         return TKV_OK;
     }

@@ -94,8 +94,16 @@ uint32_t tkv_kvs_max_blocks(const struct tkv_kvs *s);
 void       tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer);
 
 /* Starts recalling blocks of `layer` into free compute slots without
- * evicting anything; returns at once. begin_layer completes them. */
+ * evicting anything (other than clean copies needed later than `layer`);
+ * returns at once. From NVMe to a host compute tier the reads go through
+ * io_uring; from pinned host memory to a GPU, the backend's asynchronous
+ * uploads (a copy stream) carry them while compute continues, their
+ * checksums verified before they are queued. begin_layer completes them. */
 void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer);
+/* Whether every prefetch has landed (polls, never blocks). */
+bool tkv_kvs_prefetch_done(struct tkv_kvs *s);
+/* Blocks until every prefetch has landed. */
+tkv_status tkv_kvs_prefetch_wait(struct tkv_kvs *s);
 
 /* The valid blocks of (layer, head) in position order (inside begin/end). */
 struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head);

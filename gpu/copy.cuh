@@ -1,0 +1,34 @@
+/*
+ * copy.cuh -- gathering KV blocks from page-locked host memory into device
+ * memory with one kernel launch (the KV store's recalls and prefetches).
+ *
+ * The store moves many small blocks (16-64 KiB) at once. One cudaMemcpyAsync
+ * per block costs a few microseconds of driver and copy-engine setup each,
+ * more than the transfer itself at PCIe 5 rates, so a layer's recall ran at a
+ * few percent of the link. Here every CTA of one launch copies a 16 KiB chunk
+ * of one block, reading the host memory directly over the link (mapped,
+ * registered memory that the device addresses with the host pointer), with
+ * four 16-byte loads in flight per thread; enough CTAs keep the link busy.
+ */
+#ifndef TKV_GPU_COPY_CUH
+#define TKV_GPU_COPY_CUH
+
+#include "common.cuh"
+
+/* One copy: `bytes` from src (host pointer, device-accessible) to dst. */
+struct tkv_cuda_copy {
+    const void *src;
+    void *dst;
+};
+
+/* Copies table[0..n) of `bytes` each; table is device-readable memory (a
+ * pinned host buffer works). bytes must be a multiple of 16 and src/dst
+ * 16-byte aligned (tkv_cuda_gather_ok). */
+cudaError_t tkv_cuda_gather(const struct tkv_cuda_copy *table, uint32_t n, size_t bytes, cudaStream_t s);
+
+static inline bool tkv_cuda_gather_ok(const void *src, const void *dst, size_t bytes)
+{
+    return bytes % 16 == 0 && (uintptr_t)src % 16 == 0 && (uintptr_t)dst % 16 == 0;
+}
+
+#endif
