@@ -907,7 +907,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         /* checksums at the link's rate: one CRC-32C thread does ~10-20 GB/s,
          * PCIe 5 carries ~50 */
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-        uint32_t n_crc = (uint32_t)TKV_MIN(4, cpus > 1 ? cpus / 2 : 1);
+        uint32_t n_crc = (uint32_t)TKV_MIN(8, cpus > 1 ? cpus / 2 : 1);
         if (n_crc > 1 && (st = tkv_pool_init(n_crc, &s->crc_pool)) != TKV_OK)
             goto fail;
         if (s->staging && bo->host_register) {
