@@ -45,6 +45,24 @@ static int count_fds(void)
     return n;
 }
 
+/* Prints what the open descriptors are (when a leak is reported). */
+static void list_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        char path[300], target[256];
+        snprintf(path, sizeof path, "/proc/self/fd/%s", e->d_name);
+        ssize_t n = readlink(path, target, sizeof target - 1);
+        if (n > 0) {
+            target[n] = 0;
+            fprintf(stderr, "  fd %s -> %s\n", e->d_name, target);
+        }
+    }
+    if (d)
+        closedir(d);
+}
+
 static int dir_entries(const char *path)
 {
     int n = 0;
@@ -511,7 +529,10 @@ int main(void)
     unsetenv("TKV_IO_FORCE_SYNC");
     test_faults();
     /* before the GPU part: the CUDA driver keeps its device files open */
-    CHECK(count_fds() == fds_before, "file descriptors leaked: %d before, %d after", fds_before, count_fds());
+    const int fds_after = count_fds();
+    CHECK(fds_after == fds_before, "file descriptors leaked: %d before, %d after", fds_before, fds_after);
+    if (fds_after != fds_before)
+        list_fds();
 
     /* the real GPU tiers where a GPU is: device memory, pinned host tier
      * (hwloc, registered with CUDA), NVMe */
