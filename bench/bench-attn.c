@@ -3,20 +3,27 @@
  * backend interface (host clock around ops->synchronize; many calls per
  * timing so launch gaps are amortized as in a real forward pass).
  *
- *   bench-attn [-r reps] [-x]
+ *   bench-attn [-r reps] [-s all|decode|prefill|matmul] [-j decode.json] [-x]
  *
  * -x: only decode attention at 131072 keys (32/8/128), 3 calls, for ncu.
+ * -j: one JSON object per decode case (the section `decode`) into a file,
+ *     for scripts/bench-torch-attn.py, which puts torch SDPA and the copy
+ *     bandwidth beside it.
  *
- * Cases: decode attention (n_q = 1) over 1k..128k keys and a 512-token
- * prefill chunk, for a Llama-3-8B-like head layout (32 query heads, 8 KV
- * heads, head_dim 128, KV blocks of 64), and SmolLM2-135M's (9/3/64);
- * matmul GEMV (n = 1) and GEMM (n = 512) on f16 weights. Before timing, each
- * attention case is checked against the CPU backend (max |diff| <= 1e-4).
+ * Sections:
+ *   decode   n_q = 1 over 32K, 128K and 1M keys, Llama-3-8B heads (32/8,
+ *            head_dim 128, KV blocks of 64): the default kernel (decode
+ *            kernel, fused merge), the decode kernel with a separate merge
+ *            kernel, and the general kernel (TKV_CUDA_ATTN_DECODE=0), each
+ *            checked against the general kernel (and the CPU up to 128K);
+ *            plus the host time to queue one call (block table packing and
+ *            copy, launches), which overlaps the GPU's work of earlier calls
+ *   all      also decode at 1K/8K (L2-resident: L2 rates) and SmolLM2's 9/3/64
+ *            heads, a 512-token prefill chunk, and matmul GEMV (n = 1) and
+ *            GEMM (n = 512) on f16 weights
  * Prints a Markdown table: median time per call, and the rate against the
  * bytes that must be read (KV or weights) or the FLOPs done. Matmul weights
- * are cycled through copies larger than the L2 together; attention KV of
- * less than ~60 MB (decode at 8k keys and below) stays in the L2 between
- * calls, so those rates are L2 rates.
+ * are cycled through copies larger than the L2 together.
  */
 #include "cpu/quant.h"
 #include "runtime/backend.h"
@@ -29,6 +36,8 @@
 #include <time.h>
 
 static struct tkv_backend *gpu, *cpu;
+static struct tkv_backend *gpu_merge, *gpu_general; /* TKV_CUDA_ATTN_DECODE=merge, =0 */
+static FILE *json;
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 
 static float frand(void)
@@ -79,29 +88,86 @@ static int cmp_double(const void *a, const void *b)
         ts_[3];                                               \
     })
 
-static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t ctx, uint32_t n_q, int reps)
+/* Median over 7 of the host time to queue one call on an idle GPU. */
+static double host_time(struct tkv_backend *be, const struct tkv_attn_args *a)
+{
+    double ts[7];
+    for (int b = 0; b < 7; b++) {
+        die_if(be->ops->synchronize(be));
+        const double t0 = now();
+        die_if(be->ops->attention(be, a));
+        ts[b] = now() - t0;
+        die_if(be->ops->synchronize(be));
+    }
+    qsort(ts, 7, sizeof(double), cmp_double);
+    return ts[3];
+}
+
+/* Times the attention call `a` on backend be (median of 7 batches of reps). */
+static double time_on(struct tkv_backend *be, const struct tkv_attn_args *a, int reps)
+{
+    struct tkv_backend *saved = gpu;
+    gpu = be; /* TIME_IT synchronizes `gpu` */
+    const double t = TIME_IT(reps, be->ops->attention(be, a));
+    gpu = saved;
+    return t;
+}
+
+static double max_abs(const float *a, const float *b, size_t n)
+{
+    double e = 0;
+    for (size_t i = 0; i < n; i++)
+        e = fmax(e, isnan(a[i]) || isnan(b[i]) ? INFINITY : fabs(a[i] - b[i]));
+    return e;
+}
+
+/* Runs a on be into dout and brings the result to host. */
+static void run_to(struct tkv_backend *be, struct tkv_attn_args *a, float *dout, float *host, size_t n)
+{
+    a->out = dout;
+    die_if(be->ops->attention(be, a));
+    die_if(be->ops->synchronize(be));
+    die_if(gpu->ops->download(gpu, host, dout, n * 4));
+}
+
+/* KV pool: random f16 values tiled over the KV (generating gigabytes one
+ * value at a time would take longer than the benchmark). */
+#define POOL_HALVES ((size_t)16 << 20)
+
+static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t ctx, uint32_t n_q, int reps,
+                            bool variants)
 {
     const uint32_t nb = (ctx + B - 1) / B;
     const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half;
-    uint16_t *kv = malloc(elems * 2);
-    for (size_t i = 0; i < elems; i++)
-        kv[i] = tkv_fp32_to_fp16(frand());
-    uint16_t *dkv = dalloc(elems * 2);
-    die_if(gpu->ops->upload(gpu, dkv, kv, elems * 2));
+    const bool check_cpu = (double)n_q * ctx <= 512.0 * 32768 && ctx <= 131072;
+    static uint16_t *pool;
+    if (!pool) {
+        pool = malloc(POOL_HALVES * 2);
+        for (size_t i = 0; i < POOL_HALVES; i++)
+            pool[i] = tkv_fp32_to_fp16(frand());
+    }
+    uint16_t *dkv = dalloc(elems * 2), *kv = check_cpu ? malloc(elems * 2) : NULL;
+    for (size_t o = 0; o < elems; o += POOL_HALVES) {
+        const size_t n = elems - o < POOL_HALVES ? elems - o : POOL_HALVES;
+        die_if(gpu->ops->upload(gpu, dkv + o, pool, n * 2));
+        if (kv)
+            memcpy(kv + o, pool, n * 2);
+    }
     struct tkv_kv_block_ref *hr = malloc((size_t)Hkv * nb * sizeof *hr), *dr = malloc((size_t)Hkv * nb * sizeof *dr);
     struct tkv_kv_head_view hv[64], dv[64];
     for (uint32_t h = 0; h < Hkv; h++) {
         for (uint32_t b = 0; b < nb; b++) {
             const size_t o = ((size_t)h * nb + b) * 2 * half;
             const uint32_t n = ctx - b * B < B ? ctx - b * B : B;
-            hr[h * nb + b] = (struct tkv_kv_block_ref){kv + o, kv + o + half, (int32_t)(b * B), n};
+            if (kv)
+                hr[h * nb + b] = (struct tkv_kv_block_ref){kv + o, kv + o + half, (int32_t)(b * B), n};
             dr[h * nb + b] = (struct tkv_kv_block_ref){dkv + o, dkv + o + half, (int32_t)(b * B), n};
         }
         hv[h] = (struct tkv_kv_head_view){hr + (size_t)h * nb, nb};
         dv[h] = (struct tkv_kv_head_view){dr + (size_t)h * nb, nb};
     }
     const size_t qn = (size_t)n_q * H * hd;
-    float *q = malloc(qn * 4), *oc = malloc(qn * 4), *og = malloc(qn * 4);
+    float *q = malloc(qn * 4), *oc = malloc(qn * 4), *og = malloc(qn * 4), *ox = malloc(qn * 4);
     int32_t *pos = malloc(n_q * 4);
     for (size_t i = 0; i < qn; i++)
         q[i] = frand();
@@ -111,34 +177,67 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
     die_if(gpu->ops->upload(gpu, dq, q, qn * 4));
     struct tkv_attn_args a = {.q = q, .q_pos = pos, .out = oc, .n_q = n_q, .n_head = H, .n_head_kv = Hkv,
                               .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = hv};
-    double err = -1;
-    if ((double)n_q * ctx <= 512.0 * 32768) { /* check before timing (CPU time permitting) */
+    /* checks before timing: against the CPU (time permitting) and the general kernel */
+    double err = -1, err_general = -1;
+    struct tkv_attn_args ga = a;
+    ga.q = dq, ga.kv = dv;
+    run_to(gpu, &ga, dout, og, qn);
+    if (check_cpu) {
         die_if(cpu->ops->attention(cpu, &a));
-        struct tkv_attn_args ga = a;
-        ga.q = dq, ga.out = dout, ga.kv = dv;
-        die_if(gpu->ops->attention(gpu, &ga));
-        die_if(gpu->ops->download(gpu, og, dout, qn * 4));
-        err = 0;
-        for (size_t i = 0; i < qn; i++)
-            err = fmax(err, isnan(og[i]) ? INFINITY : fabs(og[i] - oc[i]));
-        if (!(err <= 1e-4)) {
-            fprintf(stderr, "bench-attn: attention differs from the CPU: %.3g\n", err);
-            exit(1);
-        }
+        err = max_abs(og, oc, qn);
     }
-    a.q = dq, a.out = dout, a.kv = dv;
-    const double t = TIME_IT(reps, gpu->ops->attention(gpu, &a));
+    if (gpu_general && n_q * (H / Hkv) <= 8) {
+        run_to(gpu_general, &ga, dout, ox, qn);
+        err_general = max_abs(og, ox, qn);
+    }
+    if (!(err <= 1e-4) && err >= 0) {
+        fprintf(stderr, "bench-attn: attention differs from the CPU: %.3g\n", err);
+        exit(1);
+    }
+    if (!(err_general <= 1e-4) && err_general >= 0) {
+        fprintf(stderr, "bench-attn: attention differs from the general kernel: %.3g\n", err_general);
+        exit(1);
+    }
+    ga.out = dout;
+    const double t = time_on(gpu, &ga, reps);
     /* bytes: every visible K and V row once; FLOPs: 4 hd per (query head, visible key) */
     const double kv_bytes = (double)Hkv * ctx * hd * 2 * 2;
     double pairs = 0;
     for (uint32_t i = 0; i < n_q; i++)
         pairs += ctx - n_q + i + 1;
     const double flops = 4.0 * hd * H * pairs;
-    printf("| attention | H=%u Hkv=%u hd=%u B=%u | ctx %6u, n_q %3u | %9.1f us | %7.1f GB/s | %6.2f TFLOP/s | %s |\n",
-           H, Hkv, hd, B, ctx, n_q, t * 1e6, kv_bytes / t / 1e9, flops / t / 1e12,
-           err >= 0 ? "checked" : "-");
+    char check[64];
+    snprintf(check, sizeof check, "%s%s", err >= 0 ? "cpu " : "", err_general >= 0 ? "general" : "");
+    printf("| attention | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | %6.2f TFLOP/s | %s |\n",
+           H, Hkv, hd, B, ctx, n_q, t * 1e6, kv_bytes / t / 1e9, flops / t / 1e12, check[0] ? check : "-");
+    if (variants) {
+        const double th = host_time(gpu, &ga);
+        double tm = -1, tg = -1;
+        if (gpu_merge) {
+            tm = time_on(gpu_merge, &ga, reps);
+            printf("| attention, separate merge | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | "
+                   "%6.2f TFLOP/s | - |\n",
+                   H, Hkv, hd, B, ctx, n_q, tm * 1e6, kv_bytes / tm / 1e9, flops / tm / 1e12);
+        }
+        if (gpu_general) {
+            tg = time_on(gpu_general, &ga, reps / 10 + 1);
+            printf("| attention, general kernel | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | "
+                   "%6.2f TFLOP/s | - |\n",
+                   H, Hkv, hd, B, ctx, n_q, tg * 1e6, kv_bytes / tg / 1e9, flops / tg / 1e12);
+        }
+        printf("| attention, host time to queue a call | %u blocks x %u heads | ctx %7u | %9.1f us | | | |\n", nb, Hkv,
+               ctx, th * 1e6);
+        if (json)
+            fprintf(json,
+                    "{\"op\": \"decode_attention\", \"H\": %u, \"Hkv\": %u, \"hd\": %u, \"B\": %u, \"ctx\": %u, "
+                    "\"n_q\": %u, \"kv_bytes\": %.0f, \"us\": %.3f, \"gbps\": %.1f, \"us_separate_merge\": %.3f, "
+                    "\"us_general_kernel\": %.3f, \"host_us_per_call\": %.3f, \"max_err_vs_cpu\": %.3g, "
+                    "\"max_err_vs_general\": %.3g}\n",
+                    H, Hkv, hd, B, ctx, n_q, kv_bytes, t * 1e6, kv_bytes / t / 1e9, tm * 1e6, tg * 1e6, th * 1e6,
+                    err, err_general);
+    }
     gpu->ops->release(gpu, dkv), gpu->ops->release(gpu, dq), gpu->ops->release(gpu, dout);
-    free(kv), free(hr), free(dr), free(q), free(oc), free(og), free(pos);
+    free(kv), free(hr), free(dr), free(q), free(oc), free(og), free(ox), free(pos);
 }
 
 static void bench_matmul(uint32_t n_in, uint32_t n_out, uint32_t n, int reps)
@@ -170,41 +269,84 @@ static void bench_matmul(uint32_t n_in, uint32_t n_out, uint32_t n, int reps)
     free(w), free(x);
 }
 
+static struct tkv_backend *gpu_with_attn_mode(const char *mode)
+{
+    struct tkv_backend *be = NULL;
+    setenv("TKV_CUDA_ATTN_DECODE", mode, 1);
+    die_if(tkv_backend_create("cuda", 0, &be));
+    unsetenv("TKV_CUDA_ATTN_DECODE");
+    return be;
+}
+
 int main(int argc, char **argv)
 {
     int reps = 50, profile = 0;
+    const char *section = "all", *json_path = NULL;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "-r") && i + 1 < argc)
             reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "-s") && i + 1 < argc)
+            section = argv[++i];
+        else if (!strcmp(argv[i], "-j") && i + 1 < argc)
+            json_path = argv[++i];
         else if (!strcmp(argv[i], "-x"))
             profile = 1;
+        else {
+            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|prefill|matmul] [-j decode.json] [-x]\n");
+            return 2;
+        }
     if (tkv_backend_cuda_devices() == 0) {
         fprintf(stderr, "bench-attn: no CUDA device\n");
         return 77;
     }
+    if (json_path && !(json = fopen(json_path, "w"))) {
+        fprintf(stderr, "bench-attn: cannot write %s\n", json_path);
+        return 1;
+    }
+    unsetenv("TKV_CUDA_ATTN_DECODE");
     die_if(tkv_backend_create("cuda", 0, &gpu));
     die_if(tkv_backend_create("cpu", 0, &cpu));
     printf("| op | shape | size | time/call | bytes rate | compute rate | check |\n");
     printf("| --- | --- | --- | ---: | ---: | ---: | --- |\n");
     if (profile) {
-        bench_attention(32, 8, 128, 64, 131072, 1, 1);
+        bench_attention(32, 8, 128, 64, 131072, 1, 1, false);
         gpu->ops->free(gpu);
         cpu->ops->free(cpu);
         return 0;
     }
-    const uint32_t ctxs[] = {1024, 8192, 32768, 131072};
-    for (int i = 0; i < 4; i++)
-        bench_attention(32, 8, 128, 64, ctxs[i], 1, reps);
-    for (int i = 0; i < 3; i++)
-        bench_attention(9, 3, 64, 64, ctxs[i], 1, reps);
-    bench_attention(32, 8, 128, 64, 8192, 512, reps / 5 + 1);
-    bench_attention(32, 8, 128, 64, 32768, 512, reps / 10 + 1);
-    bench_attention(9, 3, 64, 64, 4096, 512, reps / 5 + 1);
-    bench_matmul(4096, 4096, 1, reps);
-    bench_matmul(4096, 14336, 1, reps);
-    bench_matmul(576, 1536, 1, reps);
-    bench_matmul(4096, 4096, 512, reps);
-    bench_matmul(4096, 14336, 512, reps);
+    const bool all = !strcmp(section, "all");
+    if (all || !strcmp(section, "decode")) {
+        gpu_merge = gpu_with_attn_mode("merge");
+        gpu_general = gpu_with_attn_mode("0");
+        const uint32_t ctxs[] = {32768, 131072, 1048576};
+        for (int i = 0; i < 3; i++)
+            bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, true);
+    }
+    if (all) {
+        bench_attention(32, 8, 128, 64, 1024, 1, reps, false);
+        bench_attention(32, 8, 128, 64, 8192, 1, reps, false);
+        const uint32_t small[] = {1024, 8192, 32768};
+        for (int i = 0; i < 3; i++)
+            bench_attention(9, 3, 64, 64, small[i], 1, reps, false);
+    }
+    if (all || !strcmp(section, "prefill")) {
+        bench_attention(32, 8, 128, 64, 8192, 512, reps / 5 + 1, false);
+        bench_attention(32, 8, 128, 64, 32768, 512, reps / 10 + 1, false);
+        bench_attention(9, 3, 64, 64, 4096, 512, reps / 5 + 1, false);
+    }
+    if (all || !strcmp(section, "matmul")) {
+        bench_matmul(4096, 4096, 1, reps);
+        bench_matmul(4096, 14336, 1, reps);
+        bench_matmul(576, 1536, 1, reps);
+        bench_matmul(4096, 4096, 512, reps);
+        bench_matmul(4096, 14336, 512, reps);
+    }
+    if (json)
+        fclose(json);
+    if (gpu_merge)
+        gpu_merge->ops->free(gpu_merge);
+    if (gpu_general)
+        gpu_general->ops->free(gpu_general);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return 0;

@@ -1,7 +1,9 @@
 /*
- * attn.cu -- see attn.cuh. The simple, correct kernel: f32 CUDA-core math
- * over shared-memory tiles; the Hopper fast path (wgmma, TMA) comes later and
- * is checked against this one.
+ * attn.cu -- see attn.cuh. The general kernel: f32 CUDA-core math over
+ * shared-memory tiles, for any number of query rows; it is also the
+ * reference the faster kernels are checked against (TKV_CUDA_ATTN_DECODE=0
+ * runs it for decode too). The host side of the attention op (block tables,
+ * plan, work buffers) is at the end of this file.
  *
  * Shared memory of one CTA (HD = head_dim rounded up to 64/128/256,
  * R = 4096 / HD query rows, KT = 64 keys):
@@ -18,8 +20,10 @@
  * exponential; lse = (m + log2 l) * ln 2.
  */
 #include "attn.cuh"
+#include "attn-decode.cuh"
 
 #include <cuda_pipeline.h>
+#include <stdlib.h>
 
 namespace {
 
@@ -270,170 +274,6 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
     }
 }
 
-/* ---- decode: few query rows, keys spread over lanes ------------------------------- */
-
-/* NOT YET VALIDATED ON A GPU; off unless TKV_CUDA_ATTN_DECODE=1 (see
- * docs/gpu.md). Its first version hung on the H200 (a per-lane-group loop
- * bound around full-warp shuffles), fixed below but not yet re-run.
- *
- * For n_q * G <= DR query rows of one KV head (decode, short speculation):
- * no shared-memory tiles and no block-wide barriers in the main loop. A key's
- * head_dim is spread over LPK = HD/8 lanes (8 dims each, one 16-byte load of
- * K and one of V), so a warp works on 32/LPK keys at once, U of them per lane
- * group in flight; each lane group keeps its own online-softmax state for all
- * rows, and the states of the CTA's 4 x 32/LPK lane groups are combined in
- * shared memory at the end (into the output, or a split-K partial). */
-constexpr int DEC_U = 4; /* keys per lane group per step */
-
-template <int HD, int DR>
-__global__ void __launch_bounds__(NT) attn_decode_kernel(const tkv_cuda_attn_params p)
-{
-    constexpr int LPK = HD / 8, KPW = 32 / LPK, NW = NT / 32, SLOTS = NW * KPW;
-    __shared__ float so[SLOTS][DR][HD];
-    __shared__ float sm[SLOTS][DR], sl_[SLOTS][DR];
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int sub = lane / LPK, dl = lane % LPK, slot = warp * KPW + sub;
-    const uint32_t g = blockIdx.x, split = blockIdx.y;
-    const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, ld = p.n_head * hd;
-    const int R = (int)(p.n_q * G);
-    const bool dim_ok = dl * 8 < (int)hd;
-
-    float q[DR][8], o[DR][8], m[DR], l[DR];
-    int32_t qp[DR];
-    int32_t pos_max = INT_MIN;
-#pragma unroll
-    for (int r = 0; r < DR; r++) {
-        const uint32_t t = (uint32_t)r / G, h = g * G + (uint32_t)r % G;
-        qp[r] = r < R ? p.q_pos[t] : INT_MIN;
-        pos_max = max(pos_max, qp[r]);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            q[r][i] = (r < R && dim_ok) ? p.q[(size_t)t * ld + (size_t)h * hd + dl * 8 + i] * p.scale_log2 : 0.0f;
-            o[r][i] = 0.0f;
-        }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
-
-    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
-    const uint32_t b0 = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
-    const uint32_t b1 = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
-    for (uint32_t b = b0; b < b1; b++) {
-        const tkv_cuda_kv_entry e = p.blocks[b];
-        if (e.pos0 > pos_max) /* blocks are in position order */
-            break;
-        const int n = (int)e.n;
-        /* the loop bound is the warp's, not the lane group's: every lane must
-         * reach the shuffles below (a per-group bound hung the GPU on a
-         * one-key block) */
-        for (int kw = warp * KPW; kw < n; kw += SLOTS * DEC_U) {
-            const int k0 = kw + sub;
-            uint4 kr[DEC_U], vr[DEC_U];
-#pragma unroll
-            for (int u = 0; u < DEC_U; u++) {
-                const int key = k0 + u * SLOTS;
-                if (key < n && dim_ok) {
-                    kr[u] = __ldg((const uint4 *)(e.k + (size_t)key * hd) + dl);
-                    vr[u] = __ldg((const uint4 *)(e.v + (size_t)key * hd) + dl);
-                } else {
-                    kr[u] = make_uint4(0, 0, 0, 0);
-                    vr[u] = make_uint4(0, 0, 0, 0);
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < DR; r++) {
-                if (r >= R)
-                    break;
-                float sc[DEC_U], mx = -INFINITY;
-#pragma unroll
-                for (int u = 0; u < DEC_U; u++) {
-                    const __half2 *k2 = (const __half2 *)&kr[u];
-                    float acc = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const float2 kf = __half22float2(k2[i]);
-                        acc += q[r][2 * i] * kf.x + q[r][2 * i + 1] * kf.y;
-                    }
-#pragma unroll
-                    for (int off = LPK / 2; off > 0; off >>= 1) /* stays inside the lane group */
-                        acc += __shfl_xor_sync(0xffffffffu, acc, off);
-                    const int key = k0 + u * SLOTS;
-                    sc[u] = (key < n && e.pos0 + key <= qp[r]) ? acc : -INFINITY;
-                    mx = fmaxf(mx, sc[u]);
-                }
-                const float m_new = fmaxf(m[r], mx);
-                if (m_new != -INFINITY) { /* else nothing visible to this row yet */
-                    const float corr = exp2f(m[r] - m_new);
-                    float lr = l[r] * corr;
-#pragma unroll
-                    for (int i = 0; i < 8; i++)
-                        o[r][i] *= corr;
-#pragma unroll
-                    for (int u = 0; u < DEC_U; u++) {
-                        const float pu = exp2f(sc[u] - m_new); /* 0 for masked keys */
-                        lr += pu;
-                        const __half2 *v2 = (const __half2 *)&vr[u];
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            const float2 vf = __half22float2(v2[i]);
-                            o[r][2 * i] += pu * vf.x;
-                            o[r][2 * i + 1] += pu * vf.y;
-                        }
-                    }
-                    l[r] = lr;
-                    m[r] = m_new;
-                }
-            }
-        }
-    }
-
-    /* combine the lane groups' states */
-#pragma unroll
-    for (int r = 0; r < DR; r++) {
-        if (r < R) {
-            if (dim_ok)
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-                    so[slot][r][dl * 8 + i] = o[r][i];
-            if (dl == 0) {
-                sm[slot][r] = m[r];
-                sl_[slot][r] = l[r];
-            }
-        }
-    }
-    __syncthreads();
-    const uint32_t n_rows = p.n_q * p.n_head;
-    for (int i = tid; i < R * (int)hd; i += NT) {
-        const int r = i / (int)hd, d = i % (int)hd;
-        float M = -INFINITY;
-        for (int s = 0; s < SLOTS; s++)
-            if (sl_[s][r] > 0.0f)
-                M = fmaxf(M, sm[s][r]);
-        float L = 0.0f, O = 0.0f;
-        if (M != -INFINITY)
-            for (int s = 0; s < SLOTS; s++)
-                if (sl_[s][r] > 0.0f) {
-                    const float w = exp2f(sm[s][r] - M);
-                    L += sl_[s][r] * w;
-                    O += so[s][r][d] * w;
-                }
-        const uint32_t t = (uint32_t)r / G, h = g * G + (uint32_t)r % G, row = t * p.n_head + h;
-        if (p.n_split == 1) {
-            p.out[(size_t)row * hd + d] = L > 0.0f ? O / L : 0.0f;
-            if (p.lse && d == 0)
-                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2 : -INFINITY;
-        } else {
-            float *po = p.part + ((size_t)split * n_rows + row) * (hd + 2);
-            po[d] = O;
-            if (d == 0) {
-                po[hd] = M;
-                po[hd + 1] = L;
-            }
-        }
-    }
-}
-
 /* One warp per (token, head): combine the splits by their log-sum-exp. */
 __global__ void attn_merge_kernel(const float *part, uint32_t n_split, uint32_t n_rows, uint32_t hd, float *out,
                                   float *lse)
@@ -469,27 +309,16 @@ __global__ void attn_merge_kernel(const float *part, uint32_t n_split, uint32_t 
         lse[row] = l > 0.0f ? (m + log2f(l)) * LN2 : -INFINITY;
 }
 
-/* The decode kernel takes up to this many query rows per KV head. */
-constexpr uint32_t DEC_ROWS = 8;
-
 bool use_decode(const tkv_cuda_attn_params *p)
 {
-    return p->decode_kernel && p->vec16 && p->n_q * (p->n_head / p->n_head_kv) <= DEC_ROWS;
+    return p->decode_mode != TKV_ATTN_DECODE_OFF && p->vec16 &&
+           p->n_q * (p->n_head / p->n_head_kv) <= TKV_ATTN_DECODE_ROWS;
 }
 
 template <int HD>
 cudaError_t launch(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
-    if (use_decode(p)) {
-        const dim3 grid(p->n_head_kv, p->n_split);
-        if (rows <= 4)
-            attn_decode_kernel<HD, 4><<<grid, NT, 0, s>>>(*p);
-        else
-            attn_decode_kernel<HD, 8><<<grid, NT, 0, s>>>(*p);
-        TKV_CUDA_LAUNCHED();
-        return cudaSuccess;
-    }
     const dim3 grid((rows + attn_cfg<HD>::R - 1) / attn_cfg<HD>::R, p->n_head_kv, p->n_split);
     attn_kernel<HD><<<grid, NT, attn_cfg<HD>::SMEM, s>>>(*p);
     TKV_CUDA_LAUNCHED();
@@ -502,10 +331,9 @@ int hd_class(uint32_t hd) { return hd <= 64 ? 64 : hd <= 128 ? 128 : 256; }
 
 bool tkv_cuda_attn_supported(uint32_t head_dim) { return head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0; }
 
-/* CTAs of each head_dim class that fit on one multiprocessor (set at init):
- * the general kernel, and the decode kernel (8-row instance). */
+/* CTAs of the general kernel of each head_dim class that fit on one
+ * multiprocessor (set at init). */
 static int g_ctas_per_sm[3] = {1, 1, 1};
-static int g_dec_ctas_per_sm[3] = {1, 1, 1};
 
 template <int HD> static cudaError_t init_class(int *ctas)
 {
@@ -517,40 +345,36 @@ template <int HD> static cudaError_t init_class(int *ctas)
     return cudaSuccess;
 }
 
-template <int HD> static cudaError_t init_decode(int *ctas)
-{
-    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_decode_kernel<HD, 8>, NT, 0));
-    if (*ctas < 1)
-        *ctas = 1;
-    return cudaSuccess;
-}
-
 cudaError_t tkv_cuda_attn_init(void)
 {
     TKV_CUDA_TRY(init_class<64>(&g_ctas_per_sm[0]));
     TKV_CUDA_TRY(init_class<128>(&g_ctas_per_sm[1]));
     TKV_CUDA_TRY(init_class<256>(&g_ctas_per_sm[2]));
-    TKV_CUDA_TRY(init_decode<64>(&g_dec_ctas_per_sm[0]));
-    TKV_CUDA_TRY(init_decode<128>(&g_dec_ctas_per_sm[1]));
-    TKV_CUDA_TRY(init_decode<256>(&g_dec_ctas_per_sm[2]));
+    TKV_CUDA_TRY(tkv_cuda_attn_decode_init());
     return cudaSuccess;
 }
 
 size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm)
 {
     const int cls = hd_class(p->head_dim), ci = cls == 64 ? 0 : cls == 128 ? 1 : 2;
-    const bool dec = use_decode(p);
-    const uint32_t R = dec ? DEC_ROWS : 4096 / cls;
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
-    const uint32_t items = (rows + R - 1) / R * p->n_head_kv;
+    uint32_t items, target, cap = 1024;
+    if (use_decode(p)) { /* one CTA per (KV head, split) */
+        items = p->n_head_kv;
+        target = (uint32_t)(n_sm > 0 ? n_sm : 1) * (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows);
+        cap = TKV_ATTN_DECODE_MAX_SPLIT;
+    } else {
+        const uint32_t R = 4096 / cls;
+        items = (rows + R - 1) / R * p->n_head_kv;
+        target = (uint32_t)(n_sm > 0 ? n_sm : 1) * (uint32_t)g_ctas_per_sm[ci];
+    }
     /* enough CTAs for one full wave */
-    const uint32_t target = (uint32_t)(n_sm > 0 ? n_sm : 1) * (uint32_t)(dec ? g_dec_ctas_per_sm[ci] : g_ctas_per_sm[ci]);
     p->n_split = 1;
     if (items < target && max_blocks > 1) {
-        uint32_t want = (target + items - 1) / items;
+        const uint32_t want = (target + items - 1) / items;
         p->n_split = want < max_blocks ? want : max_blocks;
-        if (p->n_split > 1024)
-            p->n_split = 1024;
+        if (p->n_split > cap)
+            p->n_split = cap;
     }
     return p->n_split > 1 ? (size_t)p->n_split * p->n_q * p->n_head * (p->head_dim + 2) : 0;
 }
@@ -559,6 +383,8 @@ cudaError_t tkv_cuda_attention(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
     if (p->n_q == 0)
         return cudaSuccess;
+    if (use_decode(p))
+        return tkv_cuda_attn_decode(p, s);
     switch (hd_class(p->head_dim)) {
     case 64: TKV_CUDA_TRY(launch<64>(p, s)); break;
     case 128: TKV_CUDA_TRY(launch<128>(p, s)); break;
@@ -569,5 +395,189 @@ cudaError_t tkv_cuda_attention(const tkv_cuda_attn_params *p, cudaStream_t s)
         attn_merge_kernel<<<n_rows, 32, 0, s>>>(p->part, p->n_split, n_rows, p->head_dim, p->out, p->lse);
         TKV_CUDA_LAUNCHED();
     }
+    return cudaSuccess;
+}
+
+/* ---- the attention op's host side ----------------------------------------------- */
+
+#define N_TABLES 4 /* block tables in flight */
+
+struct attn_table {
+    void *host;           /* pinned [cap]                                         */
+    void *dev;            /* device [cap]                                         */
+    size_t cap;
+    cudaEvent_t copied;   /* on the copy stream: the table is on the device        */
+    cudaEvent_t used;     /* on the compute stream: the kernels that read it ended */
+    bool pending;         /* `used` was recorded and may not have passed           */
+};
+
+struct tkv_cuda_attn_state {
+    cudaStream_t copy;             /* host-to-device copies of the tables */
+    struct attn_table tab[N_TABLES];
+    unsigned next;
+    float *part;                   /* [part_cap] split-K partials          */
+    size_t part_cap;               /* floats                               */
+    uint32_t *counters;            /* [counters_cap], zero between calls   */
+    uint32_t counters_cap;
+    int decode_mode;
+};
+
+void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
+{
+    if (!st)
+        return;
+    if (st->copy)
+        cudaStreamSynchronize(st->copy);
+    for (int i = 0; i < N_TABLES; i++) {
+        struct attn_table *t = &st->tab[i];
+        if (t->pending)
+            cudaEventSynchronize(t->used);
+        if (t->host)
+            cudaFreeHost(t->host);
+        if (t->dev)
+            cudaFree(t->dev);
+        if (t->copied)
+            cudaEventDestroy(t->copied);
+        if (t->used)
+            cudaEventDestroy(t->used);
+    }
+    if (st->part)
+        cudaFree(st->part);
+    if (st->counters)
+        cudaFree(st->counters);
+    if (st->copy)
+        cudaStreamDestroy(st->copy);
+    free(st);
+}
+
+cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **out)
+{
+    *out = NULL;
+    tkv_cuda_attn_state *st = (tkv_cuda_attn_state *)calloc(1, sizeof *st);
+    if (!st)
+        return cudaErrorMemoryAllocation;
+    st->decode_mode = decode_mode;
+    cudaError_t e = cudaStreamCreateWithFlags(&st->copy, cudaStreamNonBlocking);
+    for (int i = 0; i < N_TABLES && e == cudaSuccess; i++) {
+        e = cudaEventCreateWithFlags(&st->tab[i].copied, cudaEventDisableTiming);
+        if (e == cudaSuccess)
+            e = cudaEventCreateWithFlags(&st->tab[i].used, cudaEventDisableTiming);
+    }
+    if (e != cudaSuccess) {
+        tkv_cuda_attn_state_free(st);
+        return e;
+    }
+    *out = st;
+    return cudaSuccess;
+}
+
+/* Grows *buf to at least n elements of size el; the old buffer may still be
+ * read by kernels queued on s, so s is drained first. zero: clear the new one. */
+static cudaError_t grow(void **buf, size_t *cap, size_t n, size_t el, bool zero, cudaStream_t s)
+{
+    if (n <= *cap)
+        return cudaSuccess;
+    const size_t c = n > *cap + *cap / 2 ? n : *cap + *cap / 2;
+    TKV_CUDA_TRY(cudaStreamSynchronize(s));
+    if (*buf)
+        TKV_CUDA_TRY(cudaFree(*buf));
+    *buf = NULL;
+    *cap = 0;
+    TKV_CUDA_TRY(cudaMalloc(buf, c * el));
+    if (zero)
+        TKV_CUDA_TRY(cudaMemsetAsync(*buf, 0, c * el, s));
+    *cap = c;
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s)
+{
+    if (a->n_q == 0)
+        return cudaSuccess;
+    uint64_t total = 0;
+    uint32_t max_blocks = 0;
+    for (uint32_t g = 0; g < a->n_head_kv; g++) {
+        total += a->kv[g].n_blocks;
+        max_blocks = a->kv[g].n_blocks > max_blocks ? a->kv[g].n_blocks : max_blocks;
+    }
+    const size_t off_h = ((size_t)a->n_q * sizeof(int32_t) + 7) & ~(size_t)7;
+    const size_t off_e = off_h + ((((size_t)a->n_head_kv + 1) * sizeof(uint32_t) + 7) & ~(size_t)7);
+    const size_t bytes = off_e + (size_t)total * sizeof(struct tkv_cuda_kv_entry);
+
+    /* a table buffer whose last kernels have finished (host and device side free) */
+    struct attn_table *t = &st->tab[st->next++ % N_TABLES];
+    if (t->pending) {
+        TKV_CUDA_TRY(cudaEventSynchronize(t->used));
+        t->pending = false;
+    }
+    if (bytes > t->cap) {
+        const size_t cap = bytes > 2 * t->cap ? (bytes > (64u << 10) ? bytes : (64u << 10)) : 2 * t->cap;
+        if (t->host)
+            TKV_CUDA_TRY(cudaFreeHost(t->host));
+        if (t->dev)
+            TKV_CUDA_TRY(cudaFree(t->dev));
+        t->host = t->dev = NULL;
+        t->cap = 0;
+        TKV_CUDA_TRY(cudaMallocHost(&t->host, cap));
+        TKV_CUDA_TRY(cudaMalloc(&t->dev, cap));
+        t->cap = cap;
+    }
+
+    /* pack */
+    uint8_t *h = (uint8_t *)t->host;
+    memcpy(h, a->q_pos, (size_t)a->n_q * sizeof(int32_t));
+    uint32_t *head_off = (uint32_t *)(h + off_h);
+    struct tkv_cuda_kv_entry *ent = (struct tkv_cuda_kv_entry *)(h + off_e);
+    uintptr_t addr_bits = 0;
+    uint32_t k = 0;
+    for (uint32_t g = 0; g < a->n_head_kv; g++) {
+        head_off[g] = k;
+        const struct tkv_kv_block_ref *r = a->kv[g].blocks;
+        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++, k++) {
+            ent[k].k = r[i].k;
+            ent[k].v = r[i].v;
+            ent[k].pos0 = r[i].pos0;
+            ent[k].n = r[i].n;
+            addr_bits |= (uintptr_t)r[i].k | (uintptr_t)r[i].v;
+        }
+    }
+    head_off[a->n_head_kv] = k;
+
+    /* copy on the copy stream (overlapping the compute queued before), and
+     * make the compute stream wait for it */
+    TKV_CUDA_TRY(cudaMemcpyAsync(t->dev, t->host, bytes, cudaMemcpyHostToDevice, st->copy));
+    TKV_CUDA_TRY(cudaEventRecord(t->copied, st->copy));
+    TKV_CUDA_TRY(cudaEventRecord(t->used, st->copy)); /* until the kernels are queued */
+    t->pending = true;
+    TKV_CUDA_TRY(cudaStreamWaitEvent(s, t->copied, 0));
+
+    tkv_cuda_attn_params p;
+    memset(&p, 0, sizeof p);
+    p.q = a->q;
+    p.q_pos = (const int32_t *)t->dev;
+    p.out = a->out;
+    p.lse = a->lse;
+    p.blocks = (const struct tkv_cuda_kv_entry *)((uint8_t *)t->dev + off_e);
+    p.head_off = (const uint32_t *)((uint8_t *)t->dev + off_h);
+    p.n_q = a->n_q;
+    p.n_head = a->n_head;
+    p.n_head_kv = a->n_head_kv;
+    p.head_dim = a->head_dim;
+    p.scale_log2 = a->scale * 1.44269504088896341f;
+    p.vec16 = (addr_bits % 16) == 0 && a->head_dim % 8 == 0;
+    p.decode_mode = st->decode_mode;
+    const size_t part = tkv_cuda_attn_plan(&p, max_blocks, n_sm);
+    if (part) {
+        TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));
+        p.part = st->part;
+    }
+    if (use_decode(&p) && p.n_split > 1 && p.decode_mode == TKV_ATTN_DECODE_FUSED) {
+        size_t cap = st->counters_cap;
+        TKV_CUDA_TRY(grow((void **)&st->counters, &cap, a->n_head_kv, sizeof(uint32_t), true, s));
+        st->counters_cap = (uint32_t)cap;
+        p.counters = st->counters;
+    }
+    TKV_CUDA_TRY(tkv_cuda_attention(&p, s));
+    TKV_CUDA_TRY(cudaEventRecord(t->used, s));
     return cudaSuccess;
 }

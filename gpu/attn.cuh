@@ -13,12 +13,17 @@
  * Queries q [n_q, n_head*head_dim] f32, positions q_pos [n_q] (device,
  * non-decreasing); query head h reads KV head h / (n_head / n_head_kv).
  *
- * Work split: the query rows of one KV head (n_q tokens x G heads of the
- * group, flattened token-major) are cut into tiles of R rows; one CTA per
- * (row tile, KV head, key split) walks its share of the blocks in tiles of
- * 64 keys held in shared memory (S = Q K^T, online softmax, O += P V, all
- * f32 on CUDA cores). With n_split > 1 each CTA writes an unnormalised
- * partial (O, m, l) and a merge kernel combines them.
+ * Two kernels:
+ *   - the general one (attn.cu, also the reference): the query rows of one
+ *     KV head (n_q tokens x G heads of the group, flattened token-major) are
+ *     cut into tiles of R rows; one CTA per (row tile, KV head, key split)
+ *     walks its share of the blocks in tiles of 64 keys held in shared memory
+ *     (S = Q K^T, online softmax, O += P V, all f32 on CUDA cores);
+ *   - the decode one (attn-decode.cu) for at most 8 query rows per KV head
+ *     and 16-byte-aligned K/V: streams K/V with cp.async, all rows of a KV
+ *     head from each load, split-K over the blocks with a fused merge.
+ * With n_split > 1 each CTA writes an unnormalised partial (O, m, l) and the
+ * partials are combined exactly by log-sum-exp.
  *
  * Limits: head_dim a multiple of 8, at most 256 (tkv_cuda_attn_supported).
  */
@@ -46,8 +51,16 @@ struct tkv_cuda_attn_params {
     uint32_t n_split;                       /* set by tkv_cuda_attn_plan        */
     float scale_log2;                       /* scale * log2(e)                  */
     int vec16;                              /* all K/V rows 16-byte aligned     */
-    int decode_kernel;                      /* allow the decode kernel (opt-in,
-                                               not yet validated on a GPU)      */
+    int decode_mode;                        /* enum tkv_cuda_attn_decode_mode   */
+    uint32_t *counters;                     /* [n_head_kv], zero between calls:
+                                               finished splits (fused merge)    */
+};
+
+/* Which kernels serve calls of at most 8 query rows per KV head. */
+enum tkv_cuda_attn_decode_mode {
+    TKV_ATTN_DECODE_OFF = 0,   /* the general kernel (the reference)                */
+    TKV_ATTN_DECODE_MERGE = 1, /* the decode kernel, then a merge kernel            */
+    TKV_ATTN_DECODE_FUSED = 2, /* the decode kernel; the last CTA of a head merges  */
 };
 
 /* head_dim the kernels handle. */
@@ -63,5 +76,21 @@ size_t tkv_cuda_attn_plan(struct tkv_cuda_attn_params *p, uint32_t max_blocks, i
 
 /* Runs the attention (and the merge when split). */
 cudaError_t tkv_cuda_attention(const struct tkv_cuda_attn_params *p, cudaStream_t s);
+
+/* ---- the attention op's host side ------------------------------------------
+ * One per backend: a ring of block-table buffers (pinned host + device), each
+ * call's table copied on a stream of its own so that the copy overlaps the
+ * kernels queued before it; the split-K partials; the merge counters. */
+struct tkv_cuda_attn_state;
+
+cudaError_t tkv_cuda_attn_state_create(int decode_mode, struct tkv_cuda_attn_state **out);
+void tkv_cuda_attn_state_free(struct tkv_cuda_attn_state *st); /* NULL is a no-op */
+
+/* Packs a's block table (a->kv: host memory holding device pointers) as
+ *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | entries [total]
+ * copies it, plans the split and queues the kernels on s. The caller has
+ * validated a (head counts, supported head_dim, fewer than 2^31 blocks). */
+cudaError_t tkv_cuda_attn_run(struct tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm,
+                              cudaStream_t s);
 
 #endif

@@ -5,9 +5,10 @@
  *
  * Everything runs in order on one non-blocking stream per backend, so ops are
  * asynchronous until download() or synchronize(). Host-side arguments (token
- * ids, positions, the KV block table of an attention call) travel through a
- * ring of pinned staging slots, each paired with a device buffer and an event
- * that says when the slot's last copy has left the host buffer.
+ * ids, positions) travel through a ring of pinned staging slots, each paired
+ * with a device buffer and an event that says when the slot's last copy has
+ * left the host buffer; an attention call's KV block table has a ring of its
+ * own, copied on a second stream (attn.cu, tkv_cuda_attn_run).
  *
  * Weights: matrices are dequantized on the GPU to f16 once at load
  * (dequant.cu) and multiplied with cuBLAS (f16 x f16 -> f32, f32 accumulate)
@@ -67,10 +68,8 @@ struct cuda_backend {
     unsigned next_stage;
     __half *act16;                 /* [act16_cap] f16 activations for cuBLAS  */
     size_t act16_cap;              /* elements                                */
-    float *attn_part;              /* [attn_part_cap] split-K partials        */
-    size_t attn_part_cap;          /* floats                                  */
+    struct tkv_cuda_attn_state *attn; /* block tables, partials (attn.cu)  */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
-    bool attn_decode;              /* TKV_CUDA_ATTN_DECODE=1: decode kernel   */
     /* block uploads: a second stream, so recalls and prefetches overlap the
      * compute queued after them until upload_fence */
     cudaStream_t copy_stream;
@@ -603,9 +602,11 @@ static tkv_status cuda_kv_write(struct tkv_backend *b, const float *src, size_t 
     return TKV_OK;
 }
 
-/* The block table of one call, packed into a staging slot as
- *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | entries [total]
- * (each part 8-byte aligned). */
+/* Attention: validated here, run by attn.cu (block table, plan, kernels).
+ * TKV_CUDA_ATTN_DECODE in the environment when the backend is created picks
+ * the kernels of calls with at most 8 query rows per KV head: unset or "1"
+ * the decode kernel with its fused merge, "merge" the decode kernel and a
+ * separate merge kernel, "0" the general (reference) kernel. */
 static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -624,56 +625,11 @@ static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_ar
     if (a->n_q == 0)
         return TKV_OK;
     uint64_t total = 0;
-    uint32_t max_blocks = 0;
-    for (uint32_t g = 0; g < a->n_head_kv; g++) {
+    for (uint32_t g = 0; g < a->n_head_kv; g++)
         total += a->kv[g].n_blocks;
-        max_blocks = TKV_MAX(max_blocks, a->kv[g].n_blocks);
-    }
     if (total > UINT32_MAX / 2)
         return tkv_err(TKV_ERR_INVALID_ARG, "attention: %llu KV blocks in one call", (unsigned long long)total);
-    const size_t off_h = tkv_align_up((size_t)a->n_q * sizeof(int32_t), 8);
-    const size_t off_e = off_h + tkv_align_up(((size_t)a->n_head_kv + 1) * sizeof(uint32_t), 8);
-    const size_t bytes = off_e + (size_t)total * sizeof(struct tkv_cuda_kv_entry);
-    struct stage_slot *sl;
-    TKV_TRY(stage_take(cb, bytes, &sl, op));
-    uint8_t *h = (uint8_t *)sl->host;
-    memcpy(h, a->q_pos, (size_t)a->n_q * sizeof(int32_t));
-    uint32_t *head_off = (uint32_t *)(h + off_h);
-    struct tkv_cuda_kv_entry *ent = (struct tkv_cuda_kv_entry *)(h + off_e);
-    uintptr_t addr_bits = 0;
-    uint32_t k = 0;
-    for (uint32_t g = 0; g < a->n_head_kv; g++) {
-        head_off[g] = k;
-        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++, k++) {
-            const struct tkv_kv_block_ref *r = &a->kv[g].blocks[i];
-            ent[k] = (struct tkv_cuda_kv_entry){r->k, r->v, r->pos0, r->n};
-            addr_bits |= (uintptr_t)r->k | (uintptr_t)r->v;
-        }
-    }
-    head_off[a->n_head_kv] = k;
-    TKV_TRY(stage_send(cb, sl, bytes, op));
-
-    struct tkv_cuda_attn_params p;
-    memset(&p, 0, sizeof p);
-    p.q = a->q;
-    p.q_pos = (const int32_t *)sl->dev;
-    p.out = a->out;
-    p.lse = a->lse;
-    p.blocks = (const struct tkv_cuda_kv_entry *)((uint8_t *)sl->dev + off_e);
-    p.head_off = (const uint32_t *)((uint8_t *)sl->dev + off_h);
-    p.n_q = a->n_q;
-    p.n_head = a->n_head;
-    p.n_head_kv = a->n_head_kv;
-    p.head_dim = a->head_dim;
-    p.scale_log2 = a->scale * 1.44269504088896341f;
-    p.vec16 = (addr_bits % 16) == 0;
-    p.decode_kernel = cb->attn_decode;
-    const size_t part = tkv_cuda_attn_plan(&p, max_blocks, cb->n_sm);
-    if (part) {
-        TKV_TRY(work_reserve(cb, (void **)&cb->attn_part, &cb->attn_part_cap, part * sizeof(float), op));
-        p.part = cb->attn_part;
-    }
-    CU(op, tkv_cuda_attention(&p, cb->stream));
+    CU(op, tkv_cuda_attn_run(cb->attn, a, cb->n_sm, cb->stream));
     return TKV_OK;
 }
 
@@ -717,8 +673,7 @@ static void cuda_free(struct tkv_backend *b)
     }
     if (cb->act16)
         cudaFree(cb->act16);
-    if (cb->attn_part)
-        cudaFree(cb->attn_part);
+    tkv_cuda_attn_state_free(cb->attn);
     if (cb->stream)
         cudaStreamDestroy(cb->stream);
     (void)cudaGetLastError();
@@ -798,6 +753,11 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     if ((s = cublasSetStream(cb->blas, cb->stream)) != CUBLAS_STATUS_SUCCESS)
         return blas_fail(s, op);
     CU(op, tkv_cuda_attn_init());
+    const char *dec = getenv("TKV_CUDA_ATTN_DECODE");
+    const int attn_mode = dec && !strcmp(dec, "0")       ? TKV_ATTN_DECODE_OFF
+                          : dec && !strcmp(dec, "merge") ? TKV_ATTN_DECODE_MERGE
+                                                         : TKV_ATTN_DECODE_FUSED;
+    CU(op, tkv_cuda_attn_state_create(attn_mode, &cb->attn));
     for (int i = 0; i < N_STAGE; i++) {
         struct stage_slot *sl = &cb->stage[i];
         CU(op, cudaEventCreateWithFlags(&sl->ev, cudaEventDisableTiming));
@@ -824,8 +784,6 @@ extern "C" tkv_status tkv_cuda_backend_create(uint32_t n_threads, struct tkv_bac
     cb->device = 0;
     const char *mode = getenv("TKV_CUDA_WEIGHTS");
     cb->f32_weights = mode && !strcmp(mode, "f32");
-    const char *dec = getenv("TKV_CUDA_ATTN_DECODE");
-    cb->attn_decode = dec && !strcmp(dec, "1");
     tkv_status st = cuda_init(cb);
     if (st != TKV_OK) {
         cuda_free(&cb->base);

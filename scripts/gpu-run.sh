@@ -6,18 +6,27 @@
 # the device builds a snapshot: the last commit (git archive HEAD) with the
 # GPU files of the working tree laid over it.
 #
-#   scripts/gpu-run.sh snap            here: write .gpu-snap/ (git-ignored)
+#   scripts/gpu-run.sh snap [--head]   here: write .gpu-snap/ (git-ignored);
+#                                      --head: the last commit only (when
+#                                      others' uncommitted GPU files would
+#                                      not build)
 #   scripts/gpu-run.sh model           here: split the model into .gpu-model/
 #   scripts/gpu-run.sh test [sanitize] there: build .gpu-snap, run ctest -R gpu
 #                                      (and compute-sanitizer memcheck)
 #   scripts/gpu-run.sh bench           there: build and run bench-attn
+#   scripts/gpu-run.sh attn [sanitize] there: build only test-gpu-backend and
+#                                      bench-attn; the test (and memcheck over
+#                                      its attention section), then the decode
+#                                      benchmark beside torch SDPA and the copy
+#                                      bandwidth (scripts/bench-torch-attn.py);
+#                                      logs and JSON under $OUT
 # On the device: carry .device and .gpu-snap, and start the command with
 #   source .device/bootstrap.sh && scripts/gpu-run.sh test
 set -euo pipefail
 root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
 cd "$root"
 snap=.gpu-snap
-gpu_files="gpu tests/test-gpu-backend.c tests/test-gpu-e2e.c bench/bench-attn.c scripts/gpu-run.sh docs/gpu.md"
+gpu_files="gpu tests/test-gpu-backend.c tests/test-gpu-e2e.c bench/bench-attn.c scripts/gpu-run.sh scripts/bench-torch-attn.py docs/gpu.md"
 
 exclude() {
     grep -qx "/$1/" .git/info/exclude 2>/dev/null || echo "/$1/" >> .git/info/exclude
@@ -36,9 +45,11 @@ snap)
     rm -rf "$snap"
     mkdir -p "$snap"
     git archive HEAD | tar -x -C "$snap"
-    for f in $gpu_files; do
-        [ -e "$f" ] && { mkdir -p "$snap/$(dirname "$f")"; cp -r "$f" "$snap/$(dirname "$f")/"; }
-    done
+    if [ "${2:-}" != --head ]; then
+        for f in $gpu_files; do
+            [ -e "$f" ] && { mkdir -p "$snap/$(dirname "$f")"; cp -r "$f" "$snap/$(dirname "$f")/"; }
+        done
+    fi
     [ -d tests/data ] && cp -r tests/data "$snap/tests/" || true
     echo "snapshot of $(git rev-parse --short HEAD) + GPU files in $snap ($(du -sh "$snap" | cut -f1))"
     ;;
@@ -69,6 +80,41 @@ test)
             | grep -E "ERROR SUMMARY|Invalid|checks,|SKIP|failed|^=========" | head -40 || true
     fi
     exit "${rc:-0}"
+    ;;
+attn)
+    cd "$root/$snap"
+    out=${OUT:-/tmp/tkv-out}
+    mkdir -p "$out"
+    t0=$(date +%s)
+    cmake -B /tmp/tkv-build -S . -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/cmake.log" 2>&1 \
+        || { tail -30 "$out/cmake.log"; exit 1; }
+    if ! cmake --build /tmp/tkv-build -j"$(nproc)" --target test-gpu-backend bench-attn > "$out/build.log" 2>&1; then
+        grep -E "error|Error" "$out/build.log" | head -30
+        exit 1
+    fi
+    grep -E "warning: .*gpu/" "$out/build.log" | head -10 || true
+    echo "== built in $(( $(date +%s) - t0 )) s"
+    rc=0
+    timeout 120 /tmp/tkv-build/tests/test-gpu-backend > "$out/test.log" 2>&1 || rc=$?
+    grep -E "^attention|  attn |checks|FAIL|fail" "$out/test.log" | head -70
+    echo "== test-gpu-backend exit $rc ($(( $(date +%s) - t0 )) s)"
+    if [ "${2:-}" = sanitize ]; then
+        src=0
+        TKV_TEST_ONLY=attention timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+            /tmp/tkv-build/tests/test-gpu-backend > "$out/memcheck.log" 2>&1 || src=$?
+        grep -E "ERROR SUMMARY|Invalid|checks,|^=========" "$out/memcheck.log" | head -20
+        echo "== memcheck (attention section) exit $src ($(( $(date +%s) - t0 )) s)"
+    fi
+    brc=0
+    timeout 150 /tmp/tkv-build/bench/bench-attn -s decode -j "$out/decode.json" > "$out/bench.log" 2>&1 || brc=$?
+    cat "$out/bench.log"
+    echo "== bench-attn exit $brc ($(( $(date +%s) - t0 )) s)"
+    PYTHONUNBUFFERED=1 timeout 150 python3 scripts/bench-torch-attn.py --ours "$out/decode.json" \
+        --json "$out/decode-vs-torch.json" > "$out/torch.log" 2>&1 || echo "== torch exit $?"
+    grep -v '^{' "$out/torch.log"
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu --format=csv
+    echo "== done in $(( $(date +%s) - t0 )) s"
+    exit "$rc"
     ;;
 bench)
     build

@@ -15,7 +15,9 @@
  *   swiglu     |gpu - cpu| <= 1e-6 max(1, |cpu|);  add: equal
  *   kv_write   bit-identical f16
  *   attention  max |gpu - ref| <= 1e-4 on outputs and lse (ref = double),
- *              and the same against the CPU backend's fast path
+ *              and the same against the CPU backend's fast path; for each
+ *              of the decode kernel (fused or separate merge) and the
+ *              general kernel, and between them
  * Every GPU output is poisoned with NaN first, so an unwritten element fails.
  */
 #include "cpu/cpu.h"
@@ -435,13 +437,20 @@ static void test_kv_write(void)
 
 /* ---- attention -------------------------------------------------------------------------- */
 
-enum view_kind { VIEW_ALL, VIEW_SPARSE, VIEW_WINDOW };
+/* Every case runs on three CUDA backends: the default one (the decode kernel
+ * with its fused merge for <= 8 query rows per KV head), the general kernel
+ * (TKV_CUDA_ATTN_DECODE=0, the reference the fast kernels are checked
+ * against) and the decode kernel with a separate merge kernel
+ * (TKV_CUDA_ATTN_DECODE=merge). */
+static struct tkv_backend *gpu_attn_ref, *gpu_attn_merge;
+
+enum view_kind { VIEW_ALL, VIEW_SPARSE, VIEW_WINDOW, VIEW_SLICES };
 
 struct kv_fixture {
     uint32_t nb, B, hd, Hkv;
     uint16_t *host;                    /* [Hkv][nb][K|V][B][hd] (+ pad)   */
     uint16_t *dev;                     /* same layout on the device       */
-    struct tkv_kv_block_ref *hrefs, *drefs;  /* [Hkv][nb]               */
+    struct tkv_kv_block_ref *hrefs, *drefs;  /* [Hkv][2 nb]             */
     struct tkv_kv_head_view *hviews, *dviews; /* [Hkv]                   */
 };
 
@@ -455,12 +464,13 @@ static void kv_make(struct kv_fixture *f, uint32_t Hkv, uint32_t hd, uint32_t B,
     for (size_t i = 0; i < elems; i++)
         f->host[i] = tkv_fp32_to_fp16(test_rand_f32(&rng, -2, 2));
     f->dev = dev_from(f->host, elems * 2);
-    f->hrefs = calloc((size_t)Hkv * nb, sizeof *f->hrefs);
-    f->drefs = calloc((size_t)Hkv * nb, sizeof *f->drefs);
+    f->hrefs = calloc((size_t)Hkv * nb * 2, sizeof *f->hrefs);
+    f->drefs = calloc((size_t)Hkv * nb * 2, sizeof *f->drefs);
     f->hviews = calloc(Hkv, sizeof *f->hviews);
     f->dviews = calloc(Hkv, sizeof *f->dviews);
     for (uint32_t h = 0; h < Hkv; h++) {
         uint32_t kept = 0;
+        struct tkv_kv_block_ref *hr = f->hrefs + (size_t)h * nb * 2, *dr = f->drefs + (size_t)h * nb * 2;
         for (uint32_t b = 0; b < nb; b++) {
             if (kind == VIEW_SPARSE && b > 0 && b + 1 < nb && (test_rand_u64(&rng) & 1))
                 continue; /* a selecting policy dropped it */
@@ -468,14 +478,27 @@ static void kv_make(struct kv_fixture *f, uint32_t Hkv, uint32_t hd, uint32_t B,
                 continue; /* only the recent half: early queries see nothing */
             const size_t o = shift + (((size_t)h * nb + b) * 2) * B * hd;
             const uint32_t n = TKV_MIN(B, n_tokens - b * B);
-            f->hrefs[(size_t)h * nb + kept] = (struct tkv_kv_block_ref){
-                .k = f->host + o, .v = f->host + o + (size_t)B * hd, .pos0 = (int32_t)(b * B), .n = n};
-            f->drefs[(size_t)h * nb + kept] = (struct tkv_kv_block_ref){
-                .k = f->dev + o, .v = f->dev + o + (size_t)B * hd, .pos0 = (int32_t)(b * B), .n = n};
-            kept++;
+            /* VIEW_SLICES: blocks cut in two at a random row (as the engine's
+             * token ranges do), sometimes with rows left out between */
+            uint32_t cut = n, skip = 0;
+            if (kind == VIEW_SLICES && n > 1 && (test_rand_u64(&rng) % 3)) {
+                cut = 1 + (uint32_t)(test_rand_u64(&rng) % (n - 1));
+                skip = (test_rand_u64(&rng) & 1) ? (uint32_t)(test_rand_u64(&rng) % (n - cut)) : 0;
+            }
+            hr[kept] = (struct tkv_kv_block_ref){
+                .k = f->host + o, .v = f->host + o + (size_t)B * hd, .pos0 = (int32_t)(b * B), .n = cut};
+            dr[kept++] = (struct tkv_kv_block_ref){
+                .k = f->dev + o, .v = f->dev + o + (size_t)B * hd, .pos0 = (int32_t)(b * B), .n = cut};
+            if (cut + skip < n) {
+                const size_t r0 = (size_t)(cut + skip) * hd;
+                hr[kept] = (struct tkv_kv_block_ref){.k = f->host + o + r0, .v = f->host + o + (size_t)B * hd + r0,
+                                                     .pos0 = (int32_t)(b * B + cut + skip), .n = n - cut - skip};
+                dr[kept++] = (struct tkv_kv_block_ref){.k = f->dev + o + r0, .v = f->dev + o + (size_t)B * hd + r0,
+                                                       .pos0 = (int32_t)(b * B + cut + skip), .n = n - cut - skip};
+            }
         }
-        f->hviews[h] = (struct tkv_kv_head_view){.blocks = f->hrefs + (size_t)h * nb, .n_blocks = kept};
-        f->dviews[h] = (struct tkv_kv_head_view){.blocks = f->drefs + (size_t)h * nb, .n_blocks = kept};
+        f->hviews[h] = (struct tkv_kv_head_view){.blocks = hr, .n_blocks = kept};
+        f->dviews[h] = (struct tkv_kv_head_view){.blocks = dr, .n_blocks = kept};
     }
 }
 
@@ -498,6 +521,20 @@ static double max_err(const float *a, const float *b, size_t n)
     return e;
 }
 
+/* Runs a (device pointers) on backend be into fresh poisoned outputs. */
+static void attn_on(struct tkv_backend *be, struct tkv_attn_args *a, float *o_host, float *l_host)
+{
+    const size_t qn = (size_t)a->n_q * a->n_head * a->head_dim, ln = (size_t)a->n_q * a->n_head;
+    float *dout = dev_poisoned(qn), *dlse = dev_poisoned(ln);
+    a->out = dout;
+    a->lse = dlse;
+    CHECK(be->ops->attention(be, a) == TKV_OK, "%s", tkv_last_error());
+    CHECK(be->ops->synchronize(be) == TKV_OK, "%s", tkv_last_error());
+    to_host(o_host, dout, qn * sizeof *o_host);
+    to_host(l_host, dlse, ln * sizeof *l_host);
+    dev_free(dout), dev_free(dlse);
+}
+
 static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_ctx, uint32_t n_q,
                                 enum view_kind kind, uint32_t shift)
 {
@@ -506,7 +543,7 @@ static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t 
     const size_t qn = (size_t)n_q * H * hd, ln = (size_t)n_q * H;
     float *q = malloc(qn * sizeof *q), *o_ref = malloc(qn * sizeof *o_ref), *o_cpu = malloc(qn * sizeof *o_cpu);
     float *o_gpu = malloc(qn * sizeof *o_gpu), *l_ref = malloc(ln * sizeof *l_ref), *l_cpu = malloc(ln * sizeof *l_cpu);
-    float *l_gpu = malloc(ln * sizeof *l_gpu);
+    float *l_gpu = malloc(ln * sizeof *l_gpu), *o_x = malloc(qn * sizeof *o_x), *l_x = malloc(ln * sizeof *l_x);
     int32_t *pos = malloc(n_q * sizeof *pos);
     fill(q, qn, -1, 1);
     for (uint32_t t = 0; t < n_q; t++) /* the last n_q positions, as in a prefill chunk */
@@ -517,24 +554,37 @@ static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t 
     a.out = o_cpu;
     a.lse = l_cpu;
     CHECK(cpu->ops->attention(cpu, &a) == TKV_OK, "%s", tkv_last_error());
-    float *dq = dev_from(q, qn * sizeof *q), *dout = dev_poisoned(qn), *dlse = dev_poisoned(ln);
+    float *dq = dev_from(q, qn * sizeof *q);
     a.q = dq;
-    a.out = dout;
-    a.lse = dlse;
     a.kv = f.dviews;
-    CHECK(gpu->ops->attention(gpu, &a) == TKV_OK, "%s", tkv_last_error());
-    to_host(o_gpu, dout, qn * sizeof *o_gpu);
-    to_host(l_gpu, dlse, ln * sizeof *l_gpu);
+    attn_on(gpu, &a, o_gpu, l_gpu);
     const double eo = max_err(o_gpu, o_ref, qn), el = max_err(l_gpu, l_ref, ln);
     const double eoc = max_err(o_gpu, o_cpu, qn), elc = max_err(l_gpu, l_cpu, ln);
-    static const char *kinds[] = {"all", "sparse", "window"};
+    static const char *kinds[] = {"all", "sparse", "window", "slices"};
     fprintf(stderr,
             "  attn H=%-2u Hkv=%-2u hd=%-3u B=%-3u ctx=%-5u n_q=%-3u %-6s%s max|out-ref| %.1e |lse-ref| %.1e, "
-            "vs cpu %.1e %.1e\n",
+            "vs cpu %.1e %.1e",
             H, Hkv, hd, B, n_ctx, n_q, kinds[kind], shift ? " (unaligned)" : "", eo, el, eoc, elc);
     CHECK(eo <= 1e-4 && el <= 1e-4, "attention H=%u Hkv=%u hd=%u B=%u ctx=%u n_q=%u %s: out err %.3g lse err %.3g", H,
           Hkv, hd, B, n_ctx, n_q, kinds[kind], eo, el);
     CHECK(eoc <= 1e-4 && elc <= 1e-4, "attention vs cpu backend: out %.3g lse %.3g", eoc, elc);
+
+    /* the general (reference) kernel, and the separate merge kernel, on the same inputs */
+    struct tkv_backend *others[2] = {gpu_attn_ref, gpu_attn_merge};
+    static const char *names[2] = {"general kernel", "merge kernel"};
+    for (int i = 0; i < 2; i++) {
+        if (!others[i])
+            continue;
+        attn_on(others[i], &a, o_x, l_x);
+        const double xo = max_err(o_x, o_ref, qn), xl = max_err(l_x, l_ref, ln);
+        const double fo = max_err(o_gpu, o_x, qn), fl = max_err(l_gpu, l_x, ln);
+        fprintf(stderr, i ? ", merge-kernel vs ref %.1e %.1e" : ", |default-general| %.1e %.1e", i ? xo : fo,
+                i ? xl : fl);
+        CHECK(xo <= 1e-4 && xl <= 1e-4, "attention (%s) H=%u Hkv=%u hd=%u ctx=%u n_q=%u: out err %.3g lse err %.3g",
+              names[i], H, Hkv, hd, n_ctx, n_q, xo, xl);
+        CHECK(fo <= 1e-4 && fl <= 1e-4, "attention: default vs %s: out %.3g lse %.3g", names[i], fo, fl);
+    }
+    fprintf(stderr, "\n");
 
     /* without lse the output is the same */
     float *dout2 = dev_poisoned(qn);
@@ -544,13 +594,27 @@ static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t 
     to_host(o_cpu, dout2, qn * sizeof *o_cpu);
     CHECK(max_err(o_cpu, o_ref, qn) <= 1e-4, "attention without lse differs");
 
-    dev_free(dq), dev_free(dout), dev_free(dlse), dev_free(dout2);
-    free(q), free(o_ref), free(o_cpu), free(o_gpu), free(l_ref), free(l_cpu), free(l_gpu), free(pos);
+    dev_free(dq), dev_free(dout2);
+    free(q), free(o_ref), free(o_cpu), free(o_gpu), free(l_ref), free(l_cpu), free(l_gpu), free(o_x), free(l_x);
+    free(pos);
     kv_free(&f);
+}
+
+/* A CUDA backend created with TKV_CUDA_ATTN_DECODE=mode (NULL on failure). */
+static struct tkv_backend *gpu_with_attn_mode(const char *mode)
+{
+    struct tkv_backend *be = NULL;
+    setenv("TKV_CUDA_ATTN_DECODE", mode, 1);
+    tkv_status st = tkv_backend_create("cuda", 0, &be);
+    unsetenv("TKV_CUDA_ATTN_DECODE");
+    CHECK(st == TKV_OK, "TKV_CUDA_ATTN_DECODE=%s: %s", mode, tkv_last_error());
+    return st == TKV_OK ? be : NULL;
 }
 
 static void test_attention(void)
 {
+    gpu_attn_ref = gpu_with_attn_mode("0");
+    gpu_attn_merge = gpu_with_attn_mode("merge");
     fprintf(stderr, "attention, prefill:\n");
     test_attention_case(9, 3, 64, 64, 300, 300, VIEW_ALL, 0);      /* SmolLM2 shape, whole prompt */
     test_attention_case(32, 8, 128, 32, 1000, 300, VIEW_ALL, 0);   /* Llama-3 8B shape, later chunk */
@@ -560,6 +624,7 @@ static void test_attention(void)
     test_attention_case(8, 1, 256, 64, 400, 300, VIEW_ALL, 0);     /* MQA, hd 256 */
     test_attention_case(9, 3, 64, 64, 200, 5, VIEW_ALL, 0);        /* a few tokens */
     test_attention_case(9, 3, 64, 64, 300, 300, VIEW_ALL, 2);      /* K/V not 16-byte aligned */
+    test_attention_case(8, 2, 64, 32, 400, 100, VIEW_SLICES, 0);   /* blocks cut in slices */
     fprintf(stderr, "attention, decode:\n");
     const uint32_t ctxs[] = {1, 63, 64, 65, 1000, 4097, 20000};
     for (size_t i = 0; i < sizeof ctxs / sizeof ctxs[0]; i++)
@@ -571,6 +636,12 @@ static void test_attention(void)
     test_attention_case(8, 2, 128, 64, 3000, 2, VIEW_ALL, 0);      /* 2 tokens x G 4 = 8 rows per KV head */
     test_attention_case(4, 4, 64, 32, 512, 3, VIEW_WINDOW, 0);     /* 3 rows, windowed */
     test_attention_case(9, 3, 64, 64, 1000, 1, VIEW_ALL, 2);       /* unaligned K/V: the general kernel */
+    test_attention_case(32, 8, 128, 64, 70000, 1, VIEW_ALL, 0);    /* long: many splits, many blocks per warp */
+    test_attention_case(32, 8, 128, 64, 9000, 1, VIEW_SLICES, 0);  /* slices of blocks */
+    test_attention_case(32, 8, 128, 16, 3000, 2, VIEW_SLICES, 0);  /* 8 rows, slices of 16-key blocks */
+    test_attention_case(8, 1, 64, 48, 2500, 1, VIEW_SPARSE, 0);    /* G = 8 at hd 64, B not a power of 2 */
+    test_attention_case(32, 8, 128, 64, 1, 1, VIEW_ALL, 0);        /* one key */
+    test_attention_case(8, 8, 128, 64, 4000, 1, VIEW_ALL, 0);      /* MHA: 1 row per KV head */
 
     /* what the kernels cannot do is refused */
     struct tkv_kv_head_view v = {0};
@@ -578,6 +649,11 @@ static void test_attention(void)
     struct tkv_attn_args bad = {.q = dummy, .q_pos = (int32_t[]){0}, .out = dummy, .n_q = 1, .n_head = 1,
                                 .n_head_kv = 1, .head_dim = 20, .scale = 1, .kv = &v};
     CHECK(gpu->ops->attention(gpu, &bad) == TKV_ERR_UNSUPPORTED, "head_dim 20 accepted");
+    if (gpu_attn_ref)
+        gpu_attn_ref->ops->free(gpu_attn_ref);
+    if (gpu_attn_merge)
+        gpu_attn_merge->ops->free(gpu_attn_merge);
+    gpu_attn_ref = gpu_attn_merge = NULL;
 }
 
 /* ---- the f32 validation mode (TKV_CUDA_WEIGHTS=f32) -------------------------------- */

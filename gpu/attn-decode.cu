@@ -1,0 +1,529 @@
+/*
+ * attn-decode.cu -- see attn-decode.cuh. Decode is bound by reading K and V
+ * once (HBM); the design keeps enough bytes in flight and the arithmetic per
+ * byte small:
+ *
+ *   - a key's head_dim is spread over LPK = HD/8 lanes (16 bytes of K and of
+ *     V per lane), so a warp covers NG = 32/LPK keys per 16-byte load; a
+ *     chunk is U loads deep (CH = NG*U keys, 8 KiB of K+V per warp for U = 8);
+ *   - each lane copies its own 16-byte pieces with cp.async into a private
+ *     slice of shared memory and reads them back itself: no barrier in the
+ *     main loop; 3 stages, so two chunks are in flight while one is computed;
+ *   - each lane multiplies its 8 dims of K with the 8 dims of every query row
+ *     (q in registers, pre-scaled to log2 units), then the LPK partial dot
+ *     products of U keys x DR rows are summed by a transposing butterfly:
+ *     each step halves the values a lane holds, so after log2(LPK) steps
+ *     lane dl holds the NF = U*DR/LPK full scores [dl*NF, dl*NF+NF) of the
+ *     list ordered (row, key): one row per lane, W = LPK/DR lanes per row;
+ *   - online softmax once per chunk; the probabilities go through a small
+ *     per-warp buffer to every lane, which adds p * V over its 8 dims.
+ *
+ * Shared memory (dynamic), NW = 4 warps:
+ *     pipe [NW][NS][K|V][U][32 lanes] uint4    the cp.async stages
+ *     pbuf [NW][NG][U*DR + 4] f32              probabilities of a chunk
+ *     cm, cl [NW*NG][DR] f32                   each lane group's (m, l)
+ *     flag                                      "this CTA merges"
+ * After the main loop pipe is reused for so [NW*NG][DR][HD] (each lane
+ * group's O), then for the merge's weights [n_split][8].
+ *
+ * Scores are in log2 units (q scaled by scale*log2 e), so exp2f is the
+ * exponential and lse = (m + log2 l) * ln 2, as in attn.cu.
+ */
+#include "attn-decode.cuh"
+
+namespace {
+
+constexpr int NT = 128;      /* threads per CTA */
+constexpr int NW = NT / 32;  /* warps per CTA   */
+constexpr int NS = 3;        /* cp.async stages */
+constexpr float LN2f = 0.693147180559945309f;
+constexpr int MERGE_DR = 8;  /* row stride of the merge weights */
+
+template <int HD, int DR> struct dec_cfg {
+    static constexpr int U = DR <= 4 ? 8 : 4;   /* 16-byte loads of K (and of V) per lane per chunk */
+    static constexpr int LPK = HD / 8;          /* lanes per key                                    */
+    static constexpr int NG = 32 / LPK;         /* keys per warp-wide load                          */
+    static constexpr int CH = NG * U;           /* keys per chunk                                   */
+    static constexpr int V = U * DR;            /* partial sums per lane                            */
+    static constexpr int NF = V / LPK;          /* full sums per lane after the butterfly           */
+    static constexpr int W = LPK / DR;          /* lanes sharing one row's scores                   */
+    static constexpr int SLOTS = NW * NG;       /* lane groups per CTA                              */
+    static constexpr size_t PIPE = (size_t)NW * NS * 2 * U * 32 * 16;
+    static constexpr int PSTRIDE = V + 4;       /* floats per lane group in pbuf (bank offset)      */
+    static constexpr size_t SMEM = PIPE + (size_t)NW * NG * PSTRIDE * 4 + 2 * (size_t)SLOTS * DR * 4 + 16;
+    static_assert(NF >= 1 && NF <= U && U % NF == 0 && W >= 1, "lane mapping");
+    static_assert((size_t)SLOTS * DR * HD * 4 <= PIPE, "so[] must fit in the pipeline buffer");
+    static_assert((size_t)TKV_ATTN_DECODE_MAX_SPLIT * MERGE_DR * 4 + 64 <= PIPE, "merge weights must fit");
+};
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    /* src-size 0: nothing is read, the 16 bytes are zero-filled */
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void h8_to_f32(const uint4 r, float f[8])
+{
+    const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __half2 h;
+        memcpy(&h, &w[i], 4);
+        const float2 t = __half22float2(h);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+/* Transposing butterfly over the lanes of a group (bits below 2*OFF of the
+ * lane id): s[0..N) per lane become s[0..N/(2*OFF)) holding full sums. */
+template <int N, int OFF> __device__ __forceinline__ void xreduce(float *s, int lane)
+{
+    if constexpr (OFF >= 1) {
+        const bool up = (lane & OFF) != 0;
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) {
+            const float send = up ? s[i] : s[i + N / 2];
+            const float keep = up ? s[i + N / 2] : s[i];
+            s[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+        }
+        xreduce<N / 2, OFF / 2>(s, lane);
+    }
+}
+
+/* A chunk the warp has in flight: keys at positions kpos0 + kk, kk < nvalid
+ * (nvalid < 0: no chunk, the warp is done). */
+struct chunk_meta {
+    int32_t kpos0;
+    int nvalid;
+};
+
+/* The warp's walk over its chunks: chunk j of block b, then j + NW (chunks
+ * numbered across the CTA's blocks). en is the next block's entry, loaded one
+ * block ahead. */
+struct dec_cursor {
+    uint32_t b, b_end;
+    int j;
+    tkv_cuda_kv_entry e, en;
+};
+
+__device__ __forceinline__ tkv_cuda_kv_entry load_entry(const tkv_cuda_kv_entry *blocks, uint32_t b)
+{
+    tkv_cuda_kv_entry e;
+    e.k = (const uint16_t *)__ldg((const unsigned long long *)&blocks[b].k);
+    e.v = (const uint16_t *)__ldg((const unsigned long long *)&blocks[b].v);
+    e.pos0 = __ldg(&blocks[b].pos0);
+    e.n = __ldg(&blocks[b].n);
+    return e;
+}
+
+/* Moves the cursor `step` chunks on (skipping to later blocks as needed). */
+template <int CH>
+__device__ __forceinline__ void cursor_advance(dec_cursor &c, int step, const tkv_cuda_kv_entry *blocks,
+                                               int32_t pos_max)
+{
+    c.j += step;
+    while (c.b < c.b_end && c.j * CH >= (int)c.e.n) {
+        c.j -= ((int)c.e.n + CH - 1) / CH;
+        c.b++;
+        if (c.b < c.b_end) {
+            c.e = c.en;
+            if (c.b + 1 < c.b_end)
+                c.en = load_entry(blocks, c.b + 1);
+            if (c.e.pos0 > pos_max) /* blocks are in position order: none later is visible */
+                c.b = c.b_end;
+        }
+    }
+}
+
+/* Issues the cp.async copies of the cursor's chunk into one stage (always
+ * commits a group, empty when the walk is over). */
+template <int HD, int DR>
+__device__ __forceinline__ chunk_meta issue_chunk(const dec_cursor &c, uint4 *kst, uint4 *vst, int lane, int sub,
+                                                  int dl, uint32_t hd)
+{
+    using C = dec_cfg<HD, DR>;
+    chunk_meta m;
+    m.nvalid = -1;
+    m.kpos0 = 0;
+    if (c.b < c.b_end) {
+        const int k0 = c.j * C::CH;
+        m.kpos0 = c.e.pos0 + k0;
+        m.nvalid = min(C::CH, (int)c.e.n - k0);
+        const bool dim_ok = dl * 8 < (int)hd;
+#pragma unroll
+        for (int u = 0; u < C::U; u++) {
+            const int kk = u * C::NG + sub;
+            const bool ok = dim_ok && kk < m.nvalid;
+            const size_t off = ok ? (size_t)(k0 + kk) * hd + (size_t)dl * 8 : 0;
+            cp_async16(kst + u * 32 + lane, c.e.k + off, ok);
+            cp_async16(vst + u * 32 + lane, c.e.v + off, ok);
+        }
+    }
+    cp_async_commit();
+    return m;
+}
+
+/* Merges the n_split partials of KV head g (decode layout) into out / lse.
+ * All NT threads; smem: at least n_split * MERGE_DR + 2 * MERGE_DR floats. */
+__device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, float *smem)
+{
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, n_rows = p.n_q * p.n_head;
+    const int R = (int)(p.n_q * G), S = (int)p.n_split;
+    const float *po = p.part, *pml = p.part + (size_t)S * n_rows * hd;
+    float *wt = smem, *Mr = wt + (size_t)S * MERGE_DR, *Lr = Mr + MERGE_DR;
+    for (int r = warp; r < R; r += NW) {
+        const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
+        float mx = -INFINITY;
+        for (int s = lane; s < S; s += 32) {
+            const float m = __ldcg(pml + ((size_t)s * n_rows + row) * 2), l = __ldcg(pml + ((size_t)s * n_rows + row) * 2 + 1);
+            if (l > 0.0f)
+                mx = fmaxf(mx, m);
+        }
+        mx = tkv_warp_max(mx);
+        float sum = 0.0f;
+        for (int s = lane; s < S; s += 32) {
+            const float m = __ldcg(pml + ((size_t)s * n_rows + row) * 2), l = __ldcg(pml + ((size_t)s * n_rows + row) * 2 + 1);
+            const float w = l > 0.0f ? exp2f(m - mx) : 0.0f; /* l > 0 somewhere, so mx is finite */
+            wt[s * MERGE_DR + r] = w;
+            sum += l * w;
+        }
+        sum = tkv_warp_sum(sum);
+        if (lane == 0) {
+            Mr[r] = mx;
+            Lr[r] = sum;
+        }
+    }
+    __syncthreads();
+    const int nd4 = (int)hd / 4;
+    for (int i = tid; i < R * nd4; i += NT) {
+        const int r = i / nd4, d4 = i % nd4;
+        const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+        for (int s = 0; s < S; s++) {
+            const float w = wt[s * MERGE_DR + r];
+            const float4 v = __ldcg((const float4 *)(po + ((size_t)s * n_rows + row) * hd) + d4);
+            acc.x += w * v.x;
+            acc.y += w * v.y;
+            acc.z += w * v.z;
+            acc.w += w * v.w;
+        }
+        const float L = Lr[r], inv = L > 0.0f ? 1.0f / L : 0.0f;
+        float *out = p.out + (size_t)row * hd + 4 * d4;
+        out[0] = acc.x * inv;
+        out[1] = acc.y * inv;
+        out[2] = acc.z * inv;
+        out[3] = acc.w * inv;
+        if (p.lse && d4 == 0)
+            p.lse[row] = L > 0.0f ? (Mr[r] + log2f(L)) * LN2f : -INFINITY;
+    }
+}
+
+template <int HD, int DR>
+__global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_params p)
+{
+    using C = dec_cfg<HD, DR>;
+    constexpr int U = C::U, LPK = C::LPK, NG = C::NG, V = C::V, NF = C::NF, W = C::W, SLOTS = C::SLOTS;
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4 *pipe = (uint4 *)smem;
+    float *pbuf = (float *)(smem + C::PIPE);
+    float *cm = pbuf + NW * NG * C::PSTRIDE, *cl = cm + SLOTS * DR;
+    int *flag = (int *)(cl + SLOTS * DR);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / LPK, dl = lane % LPK, slot = warp * NG + sub;
+    const uint32_t g = blockIdx.x, split = blockIdx.y;
+    const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, ld = p.n_head * hd;
+    const int R = (int)(p.n_q * G);
+    const bool dim_ok = dl * 8 < (int)hd;
+
+    /* the rows' queries (8 dims of this lane), in log2 units */
+    float q[DR][8];
+    int32_t pos_max = INT_MIN;
+#pragma unroll
+    for (int r = 0; r < DR; r++) {
+        const uint32_t t = (uint32_t)r / G, h = g * G + (uint32_t)r % G;
+        if (r < R)
+            pos_max = max(pos_max, p.q_pos[t]);
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[r][i] = (r < R && dim_ok) ? p.q[(size_t)t * ld + (size_t)h * hd + dl * 8 + i] * p.scale_log2 : 0.0f;
+    }
+    /* the row whose scores this lane holds after the butterfly */
+    const int r_own = dl / W, u_own = (dl % W) * NF;
+    const int32_t qp_own = r_own < R ? p.q_pos[(uint32_t)r_own / G] : INT_MIN;
+
+    float o[DR][8], m[DR];
+#pragma unroll
+    for (int r = 0; r < DR; r++) {
+        m[r] = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            o[r][i] = 0.0f;
+    }
+    float m_own = -INFINITY, l_own = 0.0f;
+
+    /* this split's blocks; the warp's first chunk */
+    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
+    dec_cursor cur;
+    cur.e.k = cur.e.v = nullptr;
+    cur.e.pos0 = 0;
+    cur.e.n = 0;
+    cur.en = cur.e;
+    cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
+    cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+    cur.j = 0;
+    if (cur.b < cur.b_end) {
+        cur.e = load_entry(p.blocks, cur.b);
+        cur.en = cur.b + 1 < cur.b_end ? load_entry(p.blocks, cur.b + 1) : cur.e;
+        if (cur.e.pos0 > pos_max)
+            cur.b = cur.b_end;
+    }
+    cursor_advance<C::CH>(cur, warp, p.blocks, pos_max);
+
+    uint4 *wpipe = pipe + (size_t)warp * NS * 2 * U * 32; /* [NS][K|V][U][32] */
+    float *pb = pbuf + (size_t)(warp * NG + sub) * C::PSTRIDE;
+
+    /* prologue: NS - 1 chunks in flight */
+    chunk_meta meta[NS];
+#pragma unroll
+    for (int st = 0; st < NS - 1; st++) {
+        meta[st] = issue_chunk<HD, DR>(cur, wpipe + (st * 2) * U * 32, wpipe + (st * 2 + 1) * U * 32, lane, sub, dl,
+                                       hd);
+        cursor_advance<C::CH>(cur, NW, p.blocks, pos_max);
+    }
+
+    for (int it = 0;; it++) {
+        const int sc = it % NS, sn = (it + NS - 1) % NS;
+        /* refill the stage computed in the previous iteration (its reads of
+         * that stage are ordered before the copies) */
+        __syncwarp();
+        meta[NS - 1] = issue_chunk<HD, DR>(cur, wpipe + (sn * 2) * U * 32, wpipe + (sn * 2 + 1) * U * 32, lane, sub,
+                                           dl, hd);
+        cursor_advance<C::CH>(cur, NW, p.blocks, pos_max);
+        cp_async_wait<NS - 1>(); /* this thread's copies of chunk `it` have landed */
+        const chunk_meta mc = meta[0];
+#pragma unroll
+        for (int st = 0; st < NS - 1; st++)
+            meta[st] = meta[st + 1];
+        if (mc.nvalid < 0) /* warp-uniform: every lane walks the same cursor */
+            break;
+        const uint4 *ks = wpipe + (sc * 2) * U * 32, *vs = wpipe + (sc * 2 + 1) * U * 32;
+
+        /* ---- partial scores: s[r*U + u] over this lane's 8 dims */
+        float s[V];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float kf[8];
+            h8_to_f32(ks[u * 32 + lane], kf);
+#pragma unroll
+            for (int r = 0; r < DR; r++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    a = fmaf(q[r][i], kf[i], a);
+                s[r * U + u] = a;
+            }
+        }
+        xreduce<V, LPK / 2>(s, lane);
+
+        /* ---- mask; this lane's row: max over the chunk */
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < NF; j++) {
+            const int kk = (u_own + j) * NG + sub;
+            const bool ok = kk < mc.nvalid && mc.kpos0 + kk <= qp_own;
+            s[j] = ok ? s[j] : -INFINITY;
+            mx = fmaxf(mx, s[j]);
+        }
+#pragma unroll
+        for (int off = W / 2; off > 0; off >>= 1)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+
+        /* ---- online softmax: every row's correction (for o), own row's sum */
+        const int gbase = lane & ~(LPK - 1);
+#pragma unroll
+        for (int r = 0; r < DR; r++) {
+            const float mt = __shfl_sync(0xffffffffu, mx, gbase + r * W);
+            const float mn = fmaxf(m[r], mt);
+            const float corr = exp2f(m[r] - (mn == -INFINITY ? 0.0f : mn)); /* 0 when m[r] = -inf */
+            m[r] = mn;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                o[r][i] *= corr;
+        }
+        {
+            const float mn = fmaxf(m_own, mx), mu = mn == -INFINITY ? 0.0f : mn;
+            const float corr = exp2f(m_own - mu);
+            float ps = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NF; j++) {
+                s[j] = exp2f(s[j] - mu); /* 0 for masked keys */
+                ps += s[j];
+            }
+            l_own = l_own * corr + ps;
+            m_own = mn;
+        }
+
+        /* ---- probabilities to every lane of the group, then O += P V */
+        __syncwarp(); /* the previous chunk's reads of pb are done */
+#pragma unroll
+        for (int j = 0; j < NF; j++)
+            pb[dl * NF + j] = s[j];
+        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float vf[8];
+            h8_to_f32(vs[u * 32 + lane], vf);
+#pragma unroll
+            for (int r = 0; r < DR; r++) {
+                const float pr = pb[r * U + u];
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    o[r][i] = fmaf(pr, vf[i], o[r][i]);
+            }
+        }
+    }
+    cp_async_wait_all();
+
+    /* ---- combine the CTA's lane groups */
+#pragma unroll
+    for (int off = W / 2; off > 0; off >>= 1)
+        l_own += __shfl_xor_sync(0xffffffffu, l_own, off);
+    __syncthreads(); /* every warp is done with pipe: so[] reuses it */
+    float *so = (float *)smem; /* [SLOTS][DR][HD] */
+#pragma unroll
+    for (int r = 0; r < DR; r++)
+        if (r < R && dim_ok) {
+            float4 *dst = (float4 *)(so + ((size_t)slot * DR + r) * HD + dl * 8);
+            dst[0] = make_float4(o[r][0], o[r][1], o[r][2], o[r][3]);
+            dst[1] = make_float4(o[r][4], o[r][5], o[r][6], o[r][7]);
+        }
+    if (dl % W == 0) {
+        cm[slot * DR + r_own] = m_own;
+        cl[slot * DR + r_own] = l_own;
+    }
+    __syncthreads();
+    const uint32_t n_rows = p.n_q * p.n_head;
+    for (int i = tid; i < R * (int)hd; i += NT) {
+        const int r = i / (int)hd, d = i % (int)hd;
+        float M = -INFINITY;
+#pragma unroll
+        for (int sl = 0; sl < SLOTS; sl++)
+            if (cl[sl * DR + r] > 0.0f)
+                M = fmaxf(M, cm[sl * DR + r]);
+        float L = 0.0f, O = 0.0f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int sl = 0; sl < SLOTS; sl++)
+                if (cl[sl * DR + r] > 0.0f) {
+                    const float w = exp2f(cm[sl * DR + r] - M);
+                    L += cl[sl * DR + r] * w;
+                    O += so[((size_t)sl * DR + r) * HD + d] * w;
+                }
+        }
+        const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
+        if (p.n_split == 1) {
+            p.out[(size_t)row * hd + d] = L > 0.0f ? O / L : 0.0f;
+            if (p.lse && d == 0)
+                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2f : -INFINITY;
+        } else {
+            p.part[((size_t)split * n_rows + row) * hd + d] = O;
+            if (d == 0) {
+                float *ml = p.part + (size_t)p.n_split * n_rows * hd + ((size_t)split * n_rows + row) * 2;
+                ml[0] = M;
+                ml[1] = L;
+            }
+        }
+    }
+    if (p.n_split == 1 || p.decode_mode != TKV_ATTN_DECODE_FUSED)
+        return;
+
+    /* ---- the last CTA of this KV head to finish merges the head's splits */
+    __threadfence(); /* this thread's partials are visible device-wide ... */
+    __syncthreads(); /* ... for every thread, before the count goes up */
+    if (tid == 0) {
+        const unsigned done = atomicAdd(&p.counters[g], 1u);
+        const int last = done == p.n_split - 1;
+        if (last)
+            atomicExch(&p.counters[g], 0u); /* ready for the next call */
+        *flag = last;
+    }
+    __syncthreads();
+    if (*flag) {
+        __threadfence();
+        merge_head(p, g, (float *)smem);
+    }
+}
+
+__global__ void __launch_bounds__(NT) attn_decode_merge_kernel(const tkv_cuda_attn_params p)
+{
+    extern __shared__ __align__(16) unsigned char smem[];
+    merge_head(p, blockIdx.x, (float *)smem);
+}
+
+template <int HD, int DR> cudaError_t launch_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    const dim3 grid(p->n_head_kv, p->n_split);
+    attn_decode_kernel<HD, DR><<<grid, NT, dec_cfg<HD, DR>::SMEM, s>>>(*p);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+template <int HD, int DR> cudaError_t init_decode(int *ctas)
+{
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<HD, DR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)dec_cfg<HD, DR>::SMEM));
+    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_decode_kernel<HD, DR>, NT,
+                                                               dec_cfg<HD, DR>::SMEM));
+    if (*ctas < 1)
+        *ctas = 1;
+    return cudaSuccess;
+}
+
+int hd_index(uint32_t hd) { return hd <= 64 ? 0 : hd <= 128 ? 1 : 2; }
+
+/* CTAs per SM of each instance: [head_dim class][rows <= 4, <= 8] */
+int g_ctas[3][2] = {{1, 1}, {1, 1}, {1, 1}};
+
+} // namespace
+
+cudaError_t tkv_cuda_attn_decode_init(void)
+{
+    TKV_CUDA_TRY((init_decode<64, 4>(&g_ctas[0][0])));
+    TKV_CUDA_TRY((init_decode<64, 8>(&g_ctas[0][1])));
+    TKV_CUDA_TRY((init_decode<128, 4>(&g_ctas[1][0])));
+    TKV_CUDA_TRY((init_decode<128, 8>(&g_ctas[1][1])));
+    TKV_CUDA_TRY((init_decode<256, 4>(&g_ctas[2][0])));
+    TKV_CUDA_TRY((init_decode<256, 8>(&g_ctas[2][1])));
+    return cudaSuccess;
+}
+
+int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows)
+{
+    return g_ctas[hd_index(head_dim)][rows <= 4 ? 0 : 1];
+}
+
+cudaError_t tkv_cuda_attn_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
+    const bool small = rows <= 4;
+    switch (hd_index(p->head_dim)) {
+    case 0: TKV_CUDA_TRY((small ? launch_decode<64, 4>(p, s) : launch_decode<64, 8>(p, s))); break;
+    case 1: TKV_CUDA_TRY((small ? launch_decode<128, 4>(p, s) : launch_decode<128, 8>(p, s))); break;
+    default: TKV_CUDA_TRY((small ? launch_decode<256, 4>(p, s) : launch_decode<256, 8>(p, s))); break;
+    }
+    if (p->n_split > 1 && p->decode_mode != TKV_ATTN_DECODE_FUSED) {
+        const size_t smem = ((size_t)p->n_split * MERGE_DR + 2 * MERGE_DR) * sizeof(float);
+        attn_decode_merge_kernel<<<p->n_head_kv, NT, smem, s>>>(*p);
+        TKV_CUDA_LAUNCHED();
+    }
+    return cudaSuccess;
+}

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""bench-torch-attn.py -- the torch peer of bench/bench-attn's decode section.
+
+Measures, on the GPU torch sees:
+  * the device-to-device copy bandwidth (torch's copy_ of a contiguous 2 GiB
+    buffer is one cudaMemcpyAsync; bytes read + bytes written per second):
+    the HBM roofline the decode attention is held against;
+  * torch.nn.functional.scaled_dot_product_attention for one query token
+    (decode) over N keys, 32 query / 8 KV heads (enable_gqa), head_dim 128,
+    f16 and bf16, with each SDPA backend that accepts the call and with
+    torch's own choice;
+and prints them beside our numbers when --ours names the JSON lines that
+`bench-attn -s decode -j FILE` wrote.
+
+  bench-torch-attn.py [--sizes 32768,131072,1048576] [--ours FILE] [--json OUT]
+
+Timing: CUDA events around batches of back-to-back calls, median of 7
+batches, after warm-up (the same protocol as bench-attn's host clock around
+a synchronize). Rates count the K and V bytes once (what must be read).
+"""
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def time_calls(fn, reps, batches=7):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(batches):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(ts)
+
+
+def copy_bandwidth():
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    t = time_calls(lambda: dst.copy_(src), 10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / t / 1e9  # read + written
+
+
+def sdpa_decode(n_keys, dtype, reps):
+    """Seconds per call for each SDPA backend that runs the shape."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, Hkv, hd = 32, 8, 128
+    q = torch.randn(1, H, 1, hd, dtype=dtype, device="cuda")
+    k = torch.randn(1, Hkv, n_keys, hd, dtype=dtype, device="cuda")
+    v = torch.randn(1, Hkv, n_keys, hd, dtype=dtype, device="cuda")
+    out = {}
+    call = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    try:
+        out["default"] = time_calls(call, reps)
+    except RuntimeError as e:
+        out["default"] = None
+        print(f"  torch default, {n_keys} keys, {dtype}: {str(e).splitlines()[0]}", file=sys.stderr)
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                     ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                out[name] = time_calls(call, reps)
+        except RuntimeError as e:
+            out[name] = None
+            print(f"  torch {name}, {n_keys} keys, {dtype}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="32768,131072,1048576")
+    ap.add_argument("--ours", help="JSON lines from bench-attn -s decode -j FILE")
+    ap.add_argument("--json", help="write the combined results here")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    ours = {}
+    if args.ours:
+        with open(args.ours) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    ours[r["ctx"]] = r
+
+    dev = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    print(f"device: {dev.name}, {dev.multi_processor_count} SMs; torch {torch.__version__}; "
+          f"device-to-device copy {bw:.0f} GB/s (read + write)")
+    rows = []
+    for n in sizes:
+        kv_bytes = 8 * n * 128 * 2 * 2  # f16/bf16 K and V, 8 KV heads
+        reps = args.reps if n <= 131072 else max(args.reps // 5, 5)
+        res = {"ctx": n, "kv_bytes": kv_bytes, "copy_gbps": bw}
+        for dt, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+            for be, t in sdpa_decode(n, dt, reps).items():
+                res[f"torch_{name}_{be}_us"] = None if t is None else t * 1e6
+        rows.append(res)
+
+    def best(r, dt):
+        ts = [v for k, v in r.items() if k.startswith(f"torch_{dt}_") and v is not None]
+        return min(ts) if ts else None
+
+    print()
+    print("| keys | KV MB | ours us | ours GB/s | ours % of copy | torch f16 best us | GB/s | % of copy "
+          "| torch bf16 best us | GB/s | ours / torch f16 time |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        n, kvb = r["ctx"], r["kv_bytes"]
+        o = ours.get(n)
+        tf, tb = best(r, "f16"), best(r, "bf16")
+        f = lambda us: f"{us:.1f}" if us else "-"
+        g = lambda us: f"{kvb / us / 1e3:.0f}" if us else "-"
+        pc = lambda us: f"{kvb / us / 1e3 / bw * 100:.0f}%" if us else "-"
+        ou = o["us"] if o else None
+        ratio = f"{ou / tf:.2f}" if ou and tf else "-"
+        print(f"| {n} | {kvb / 1e6:.0f} | {f(ou)} | {g(ou)} | {pc(ou)} | {f(tf)} | {g(tf)} | {pc(tf)} | {f(tb)} | {g(tb)} "
+              f"| {ratio} |")
+        if o:
+            r["ours"] = o
+    print()
+    print("per backend (us per call):")
+    for r in rows:
+        print(f"  {r['ctx']:8d} keys: " + ", ".join(
+            f"{k[6:-3]} {v:.1f}" for k, v in r.items() if k.startswith("torch_") and v is not None))
+    doc = {"device": dev.name, "torch": torch.__version__, "copy_gbps": bw, "decode": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    print()
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()
