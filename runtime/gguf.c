@@ -1010,7 +1010,8 @@ static uint64_t header_size(const tkv_gguf_writer *w)
     return n;
 }
 
-static tkv_status emit(const tkv_gguf_writer *w, struct sink *s)
+/* Everything before the data section: header, kvs, tensor infos, padding. */
+static tkv_status emit_header(const tkv_gguf_writer *w, struct sink *s)
 {
     TKV_TRY(sink_u32(s, GGUF_MAGIC));
     TKV_TRY(sink_u32(s, 3));
@@ -1029,7 +1030,12 @@ static tkv_status emit(const tkv_gguf_writer *w, struct sink *s)
         TKV_TRY(sink_u64(s, t->offset));
     }
     uint64_t data_start = tkv_align_up(s->pos, GGUF_DEFAULT_ALIGN);
-    TKV_TRY(sink_put(s, NULL, data_start - s->pos));
+    return sink_put(s, NULL, data_start - s->pos);
+}
+
+static tkv_status emit(const tkv_gguf_writer *w, struct sink *s)
+{
+    TKV_TRY(emit_header(w, s));
     /* every tensor is padded to the alignment, the last one too (as ggml does) */
     for (size_t i = 0; i < w->n_tensors; i++) {
         const struct wtensor *t = &w->tensors[i];
@@ -1074,4 +1080,125 @@ tkv_status tkv_gguf_write_mem(const tkv_gguf_writer *w, void **out, size_t *size
     *out = s.buf;
     *size = (size_t)total;
     return TKV_OK;
+}
+
+// ---- streaming writer ------------------------------------------------------
+
+/* Writes all n bytes of p at off (pwrite may write less than asked). */
+static tkv_status pwrite_all(int fd, const char *path, const uint8_t *p, uint64_t n, uint64_t off)
+{
+    while (n) {
+        ssize_t k = pwrite(fd, p, (size_t)TKV_MIN(n, (uint64_t)1 << 30), (off_t)off);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return tkv_err(TKV_ERR_IO, "gguf writer: cannot write '%s' at offset %llu: %s", path,
+                           (unsigned long long)off, k < 0 ? strerror(errno) : "no progress");
+        p += k;
+        n -= (uint64_t)k;
+        off += (uint64_t)k;
+    }
+    return TKV_OK;
+}
+
+/* Rows of a tensor (elements / ne[0]) and bytes per row. */
+static void tensor_rows(const struct wtensor *t, uint64_t *n_rows, uint64_t *row_bytes)
+{
+    *n_rows = (uint64_t)t->ne[1] * (uint64_t)t->ne[2] * (uint64_t)t->ne[3];
+    *row_bytes = t->nbytes / *n_rows;
+}
+
+/* The header, then every tensor's data chunk by chunk, into fd. */
+static tkv_status stream_to(const tkv_gguf_writer *w, int fd, const char *path, uint64_t data_start,
+                            size_t chunk_bytes, tkv_gguf_rows_fn fn, void *user)
+{
+    struct sink hs = {.buf = malloc(data_start ? data_start : 1)};
+    if (!hs.buf)
+        return tkv_err(TKV_ERR_NOMEM, "gguf writer: no memory for a header of %llu bytes",
+                       (unsigned long long)data_start);
+    tkv_status st = emit_header(w, &hs);
+    if (st == TKV_OK && hs.pos != data_start)
+        st = tkv_err(TKV_ERR_INTERNAL, "gguf writer: header of %llu bytes, planned %llu",
+                     (unsigned long long)hs.pos, (unsigned long long)data_start);
+    if (st == TKV_OK)
+        st = pwrite_all(fd, path, hs.buf, data_start, 0);
+    free(hs.buf);
+    TKV_TRY(st);
+
+    /* one buffer for the largest chunk: whole rows, at least one */
+    uint64_t buf_bytes = 1;
+    for (size_t i = 0; i < w->n_tensors; i++) {
+        uint64_t n_rows, row_bytes;
+        tensor_rows(&w->tensors[i], &n_rows, &row_bytes);
+        uint64_t per = TKV_MAX(chunk_bytes / row_bytes, (uint64_t)1);
+        buf_bytes = TKV_MAX(buf_bytes, TKV_MIN(per, n_rows) * row_bytes);
+    }
+    uint8_t *buf = buf_bytes <= SIZE_MAX ? malloc((size_t)buf_bytes) : NULL;
+    if (!buf)
+        return tkv_err(TKV_ERR_NOMEM, "gguf writer: no memory for a chunk of %llu bytes",
+                       (unsigned long long)buf_bytes);
+    for (size_t i = 0; i < w->n_tensors && st == TKV_OK; i++) {
+        const struct wtensor *t = &w->tensors[i];
+        uint64_t n_rows, row_bytes;
+        tensor_rows(t, &n_rows, &row_bytes);
+        uint64_t per = TKV_MAX(chunk_bytes / row_bytes, (uint64_t)1);
+        for (uint64_t r = 0; r < n_rows && st == TKV_OK; r += per) {
+            uint64_t k = TKV_MIN(per, n_rows - r);
+            st = fn(user, i, r, k, buf);
+            if (st == TKV_OK)
+                st = pwrite_all(fd, path, buf, k * row_bytes, data_start + t->offset + r * row_bytes);
+        }
+    }
+    free(buf);
+    return st;
+}
+
+tkv_status tkv_gguf_write_file_stream(const tkv_gguf_writer *w, const char *path, size_t chunk_bytes,
+                                      tkv_gguf_rows_fn fn, void *user)
+{
+    if (!w || !path || !fn)
+        return tkv_err(TKV_ERR_INVALID_ARG, "gguf writer: write_file_stream: NULL argument");
+    uint64_t data_start = tkv_align_up(header_size(w), GGUF_DEFAULT_ALIGN), total;
+    if (!tkv_add_ok(data_start, w->data_size, &total) || total > INT64_MAX)
+        return tkv_err(TKV_ERR_INVALID_ARG, "gguf writer: file of %llu + %llu bytes is too large",
+                       (unsigned long long)data_start, (unsigned long long)w->data_size);
+
+    struct stat sb;
+    if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return tkv_err(TKV_ERR_IO, "gguf writer: cannot write '%s': it is a directory", path);
+
+    /* the file appears at path only when complete */
+    size_t tmp_len = strlen(path) + 32;
+    char *tmp = malloc(tmp_len);
+    if (!tmp)
+        return tkv_err(TKV_ERR_NOMEM, "gguf writer: no memory");
+    snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0) {
+        tkv_status e = tkv_err(TKV_ERR_IO, "gguf writer: cannot create '%s' (via '%s'): %s", path, tmp,
+                               strerror(errno));
+        free(tmp);
+        return e;
+    }
+
+    tkv_status st = TKV_OK;
+    /* reserve the space now so that a full disk fails before any work; file
+     * systems without fallocate just skip this */
+    if (total > 0 && fallocate(fd, 0, 0, (off_t)total) != 0 && errno != EOPNOTSUPP && errno != ENOSYS &&
+        errno != EINVAL)
+        st = tkv_err(TKV_ERR_IO, "gguf writer: cannot reserve %llu bytes for '%s': %s", (unsigned long long)total,
+                     path, strerror(errno));
+    if (st == TKV_OK)
+        st = stream_to(w, fd, path, data_start, chunk_bytes, fn, user);
+    if (st == TKV_OK && ftruncate(fd, (off_t)total) != 0) /* the padding after the last tensor */
+        st = tkv_err(TKV_ERR_IO, "gguf writer: cannot size '%s' to %llu bytes: %s", path,
+                     (unsigned long long)total, strerror(errno));
+    if (close(fd) != 0 && st == TKV_OK)
+        st = tkv_err(TKV_ERR_IO, "gguf writer: cannot write '%s': %s", path, strerror(errno));
+    if (st == TKV_OK && rename(tmp, path) != 0)
+        st = tkv_err(TKV_ERR_IO, "gguf writer: cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+    if (st != TKV_OK)
+        unlink(tmp);
+    free(tmp);
+    return st;
 }

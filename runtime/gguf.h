@@ -174,4 +174,27 @@ tkv_status tkv_gguf_write_file(const tkv_gguf_writer *w, const char *path);
 /* Same, into a malloc'd buffer the caller frees. */
 tkv_status tkv_gguf_write_mem(const tkv_gguf_writer *w, void **out, size_t *size);
 
+/* ---- streaming writer (tierkv gen-model: files larger than memory) ------ */
+
+/* Fills rows [row0, row0 + n_rows) of tensor `index` (0-based, in the order
+ * the tensors were added) into buf, packed: a row is ne[0] elements of the
+ * tensor's type, and a tensor has ne[1]*ne[2]*ne[3] rows. Returns TKV_OK, or
+ * a failure (reported with tkv_err) that abandons the file. */
+typedef tkv_status (*tkv_gguf_rows_fn)(void *user, size_t index, uint64_t row0, uint64_t n_rows, void *buf);
+
+/* Writes the same bytes as tkv_gguf_write_file, but takes tensor data from
+ * fn instead of the pointers given to add_tensor (ignored here). The header
+ * goes first (offsets follow from the shapes), then each tensor in order:
+ * fn fills up to chunk_bytes of whole rows (at least one row per call) and
+ * the chunk is written with pwrite before the next call. Memory: the header
+ * plus one chunk.
+ * The file appears at path only once complete: it is written as
+ * "<path>.tmp.<pid>" (space reserved up front with fallocate where the file
+ * system allows, so a full disk fails before any data is made) and renamed
+ * over path at the end. On any failure the temporary file is removed and
+ * path is left as it was. TKV_ERR_IO names the path; fn's failures pass
+ * through unchanged. */
+tkv_status tkv_gguf_write_file_stream(const tkv_gguf_writer *w, const char *path, size_t chunk_bytes,
+                                      tkv_gguf_rows_fn fn, void *user);
+
 #endif /* TKV_GGUF_H */

@@ -4,6 +4,7 @@
  *   tierkv run      -m MODEL [-f FILE] [-p TEXT] [options]   generate text
  *   tierkv info     -m MODEL                                  validate and describe a model
  *   tierkv tokenize -m MODEL (-p TEXT | -f FILE) [--special]  print token ids
+ *   tierkv gen-model --shape S --type T --out FILE             synthetic random-weight model (gen-model.c)
  *
  * stdout carries only the generated text (run) or the requested listing;
  * progress, statistics and errors go to stderr. Exit status: 0 success,
@@ -23,6 +24,8 @@
 #include <unistd.h>
 
 #define EXIT_USAGE 2
+
+int cmd_gen_model(int argc, char **argv); /* gen-model.c */
 
 static const char *prog = "tierkv";
 
@@ -49,6 +52,7 @@ static void print_help(void)
            "  info      validate a GGUF model fully and print a summary\n"
            "  tokenize  print the token ids of a text\n"
            "  eval      RULER-style long-context tasks per KV policy and budget (eval --help)\n"
+           "  gen-model write a synthetic model with random weights (gen-model --help)\n"
            "\n"
            "run options:\n"
            "  -m, --model FILE      GGUF model (llama architecture)\n"
@@ -530,7 +534,7 @@ static int cmd_tokenize(int argc, char **argv)
 int main(int argc, char **argv)
 {
     if (argc < 2)
-        return usage_error("%s", "no command given (run, eval, info or tokenize)");
+        return usage_error("%s", "no command given (run, eval, info, tokenize or gen-model)");
     const char *cmd = argv[1];
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         print_help();
@@ -544,5 +548,7 @@ int main(int argc, char **argv)
         return cmd_tokenize(argc, argv);
     if (!strcmp(cmd, "eval"))
         return cmd_eval(argc, argv);
-    return usage_error("unknown command '%s' (expected run, eval, info or tokenize)", cmd);
+    if (!strcmp(cmd, "gen-model"))
+        return cmd_gen_model(argc, argv);
+    return usage_error("unknown command '%s' (expected run, eval, info, tokenize or gen-model)", cmd);
 }
