@@ -77,7 +77,14 @@ uint32_t tkv_crc32c(uint32_t crc, const void *data, size_t len)
             c1 = _mm_crc32_u64(c1, v1);
             c2 = _mm_crc32_u64(c2, v2);
         }
-        const uint32_t shift = x_pow_8n(8 * n8);
+        /* blocks come in one size: keep the constant of the last length */
+        static _Thread_local size_t last_n8;
+        static _Thread_local uint32_t last_shift;
+        if (n8 != last_n8) {
+            last_shift = x_pow_8n(8 * n8);
+            last_n8 = n8;
+        }
+        const uint32_t shift = last_shift;
         c = gf2_mulmod((uint32_t)c, shift) ^ (uint32_t)c1;
         c = gf2_mulmod((uint32_t)c, shift) ^ (uint32_t)c2;
         p += 24 * n8;
