@@ -340,6 +340,11 @@ static tkv_status cpu_attention(struct tkv_backend *b, const struct tkv_attn_arg
     return tkv_cpu_attention(cpu_of(b), a);
 }
 
+static tkv_status cpu_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
+{
+    return tkv_cpu_attn_stats(cpu_of(b), a);
+}
+
 /* ---- lifetime ------------------------------------------------------------- */
 
 static void cpu_free(struct tkv_backend *b)
@@ -375,6 +380,7 @@ static const struct tkv_backend_ops cpu_ops = {
     .add = cpu_add,
     .kv_write = cpu_kv_write,
     .attention = cpu_attention,
+    .attn_stats = cpu_attn_stats,
 };
 
 tkv_status tkv_cpu_backend_create(uint32_t n_threads, struct tkv_backend **out)

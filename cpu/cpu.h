@@ -36,4 +36,7 @@ float *tkv_cpu_scratch(struct tkv_cpu_backend *cb, uint32_t ith, size_t n);
 tkv_status tkv_cpu_attention(struct tkv_cpu_backend *cb, const struct tkv_attn_args *a);
 tkv_status tkv_cpu_attention_ref(const struct tkv_attn_args *a);
 
+/* The policies' attention statistics (backend.h attn_stats; attn-stats.c). */
+tkv_status tkv_cpu_attn_stats(struct tkv_cpu_backend *cb, const struct tkv_attn_stats_args *a);
+
 #endif

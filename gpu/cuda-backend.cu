@@ -25,6 +25,7 @@
 #include "copy.cuh"
 #include "dequant.cuh"
 #include "ops.cuh"
+#include "stats.cuh"
 
 extern "C" {
 #include "tkv-cuda.h"
@@ -69,6 +70,8 @@ struct cuda_backend {
     __half *act16;                 /* [act16_cap] f16 activations for cuBLAS  */
     size_t act16_cap;              /* elements                                */
     struct tkv_cuda_attn_state *attn; /* block tables, partials (attn.cu)  */
+    void *stats_work;              /* [stats_work_cap] attn_stats work memory */
+    size_t stats_work_cap;         /* bytes                                   */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
     /* block uploads: a second stream, so recalls and prefetches overlap the
      * compute queued after them until upload_fence */
@@ -633,6 +636,109 @@ static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_ar
     return TKV_OK;
 }
 
+/* The policies' statistics (gpu/stats.cu). The keys' block table goes
+ * through a staging slot as for attention,
+ *     q [n_q, n_head*head_dim] f32 (q_host only) | q_pos [n_q] i32 (WINDOW) |
+ *     head_off [n_head_kv + 1] u32 | entries [total]      (16-byte aligned parts)
+ * and the results come back to the host arrays of the call, which returns
+ * once they are there. */
+static tkv_status cuda_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "attn_stats";
+    ALIVE(op);
+    uint32_t nb;
+    TKV_TRY(tkv_attn_stats_check(a, &nb));
+    if (!tkv_cuda_stats_supported(a->head_dim))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "cuda: attn_stats: head_dim %u (at most 256)", a->head_dim);
+    const uint32_t H = a->n_head_kv;
+    const bool window = a->kind == TKV_ATTN_STATS_WINDOW;
+    if (!window && nb == 0) { /* no block before the segment: the reference writes no P, H = 0 */
+        if (a->entropy)
+            memset(a->entropy, 0, H * sizeof(double));
+        return TKV_OK;
+    }
+    if (window && a->n_prefix == 0)
+        return TKV_OK;
+    if (window && (a->n_q == 0 || a->n_past == 0)) { /* no query or no key: every score is 0 */
+        memset(a->scores, 0, (size_t)H * a->n_prefix * sizeof(float));
+        return TKV_OK;
+    }
+    if (window && (uint64_t)(a->n_head / H) * a->n_q > (1u << 24))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "cuda: attn_stats: %u window queries x %u heads per group", a->n_q,
+                       a->n_head / H);
+    uint64_t total = 0;
+    uint32_t max_blocks = 0;
+    for (uint32_t g = 0; g < H; g++) {
+        total += a->kv[g].n_blocks;
+        max_blocks = TKV_MAX(max_blocks, a->kv[g].n_blocks);
+    }
+    if (total > UINT32_MAX / 2)
+        return tkv_err(TKV_ERR_INVALID_ARG, "attn_stats: %llu KV blocks in one call", (unsigned long long)total);
+    const uint32_t n_qpos = window ? a->n_q : 0;
+    const size_t q_bytes = a->q_host ? (size_t)a->n_q * a->n_head * a->head_dim * sizeof(float) : 0;
+    const size_t off_p = tkv_align_up(q_bytes, 16);
+    const size_t off_h = off_p + tkv_align_up((size_t)n_qpos * sizeof(int32_t), 16);
+    const size_t off_e = off_h + tkv_align_up(((size_t)H + 1) * sizeof(uint32_t), 16);
+    const size_t bytes = off_e + (size_t)total * sizeof(struct tkv_cuda_stats_block);
+    struct stage_slot *sl;
+    TKV_TRY(stage_take(cb, bytes, &sl, op));
+    uint8_t *h = (uint8_t *)sl->host;
+    if (q_bytes)
+        memcpy(h, a->q, q_bytes);
+    if (n_qpos)
+        memcpy(h + off_p, a->q_pos, (size_t)n_qpos * sizeof(int32_t));
+    uint32_t *head_off = (uint32_t *)(h + off_h);
+    struct tkv_cuda_stats_block *ent = (struct tkv_cuda_stats_block *)(h + off_e);
+    uint32_t k = 0;
+    for (uint32_t g = 0; g < H; g++) {
+        head_off[g] = k;
+        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++, k++) {
+            const struct tkv_kv_block_ref *r = &a->kv[g].blocks[i];
+            ent[k] = (struct tkv_cuda_stats_block){r->k, r->pos0, r->n};
+        }
+    }
+    head_off[H] = k;
+    TKV_TRY(stage_send(cb, sl, bytes, op));
+
+    struct tkv_cuda_stats_params p;
+    memset(&p, 0, sizeof p);
+    p.kind = (int)a->kind;
+    p.q = q_bytes ? (const float *)sl->dev : a->q;
+    p.q_pos = n_qpos ? (const int32_t *)((uint8_t *)sl->dev + off_p) : NULL;
+    p.blocks = (const struct tkv_cuda_stats_block *)((uint8_t *)sl->dev + off_e);
+    p.head_off = (const uint32_t *)((uint8_t *)sl->dev + off_h);
+    p.n_q = a->n_q;
+    p.n_head = a->n_head;
+    p.n_head_kv = H;
+    p.head_dim = a->head_dim;
+    p.n_past = a->n_past;
+    p.max_blocks = max_blocks;
+    p.block = a->block;
+    p.n_blocks = nb;
+    p.n_prefix = a->n_prefix;
+    p.pool = a->pool;
+    p.pool_max = a->pool_kind == 'm';
+    p.scale = 1.0f / sqrtf((float)a->head_dim); /* as tkv_policy_window_scores computes it */
+    const size_t work = tkv_cuda_stats_plan(&p, cb->n_sm);
+    TKV_TRY(work_reserve(cb, &cb->stats_work, &cb->stats_work_cap, work, op));
+    p.work = cb->stats_work;
+    CU(op, tkv_cuda_stats(&p, cb->stream));
+    if (window) {
+        CU(op, cudaMemcpyAsync(a->scores, p.scores, (size_t)H * a->n_prefix * sizeof(float), cudaMemcpyDeviceToHost,
+                               cb->stream));
+    } else {
+        if (a->probs)
+            CU(op, cudaMemcpy2DAsync(a->probs, (size_t)a->probs_stride * sizeof(float), p.probs,
+                                     (size_t)nb * sizeof(float), (size_t)nb * sizeof(float), H,
+                                     cudaMemcpyDeviceToHost, cb->stream));
+        if (a->entropy)
+            CU(op, cudaMemcpyAsync(a->entropy, p.entropy, H * sizeof(double), cudaMemcpyDeviceToHost, cb->stream));
+    }
+    CU(op, cudaStreamSynchronize(cb->stream));
+    return TKV_OK;
+}
+
 /* ---- lifetime ------------------------------------------------------------------- */
 
 static void cuda_free(struct tkv_backend *b)
@@ -674,6 +780,8 @@ static void cuda_free(struct tkv_backend *b)
     if (cb->act16)
         cudaFree(cb->act16);
     tkv_cuda_attn_state_free(cb->attn);
+    if (cb->stats_work)
+        cudaFree(cb->stats_work);
     if (cb->stream)
         cudaStreamDestroy(cb->stream);
     (void)cudaGetLastError();
@@ -703,6 +811,7 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.add = cuda_add;
     o.kv_write = cuda_kv_write;
     o.attention = cuda_attention;
+    o.attn_stats = cuda_attn_stats;
     o.pci_bus_id = cuda_pci_bus_id;
     o.host_register = cuda_host_register;
     o.host_unregister = cuda_host_unregister;

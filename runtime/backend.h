@@ -48,6 +48,59 @@ struct tkv_attn_args {
     const struct tkv_kv_head_view *kv; /* host [n_head_kv]                   */
 };
 
+/* Attention statistics the KV policies score keys with (runtime/policy/):
+ * one call covers every KV head of a layer. The queries are in backend
+ * memory, or in host memory with q_host (the policies' observation windows
+ * live on the host; the backend copies them), the KV view's blocks in
+ * backend memory (host array of device pointers, as for attention); the
+ * outputs are HOST memory and are written when the op returns (the CUDA
+ * backend waits for its stream). Each KV head's view must
+ * hold its blocks in position order and cover the positions the statistic
+ * reads without gaps (the layer's whole view, as the engine passes it):
+ * [0, n_blocks*block) for SEGMENT, [0, n_past) for WINDOW.
+ *
+ * TKV_ATTN_STATS_SEGMENT -- CritiPrefill/EntropyInfer's block distribution
+ *   of a prefill segment (tkv_segment_block_probs, tkv_entropy): the n_q
+ *   queries are positions [n_past - n_q, n_past); candidate key blocks are
+ *   the n_blocks = (n_past - n_q) / block whole `block`-token blocks before
+ *   the segment. Per KV head g: P[g][j] = softmax_j of the group mean of
+ *   max(qmid.kmax_j, qmid.kmin_j) (midrange query per query head, element-
+ *   wise max/min keys of block j, unscaled), and H[g] = -sum P ln(P + 1e-9).
+ * TKV_ATTN_STATS_WINDOW -- SnapKV's scores (tkv_policy_window_scores, then
+ *   tkv_policy_pool): per KV head g, for every position j < n_prefix, the
+ *   softmax probability (scale 1/sqrt(head_dim), over all keys < n_past,
+ *   causal by q_pos) the n_q window queries of the group's query heads put
+ *   on key j, divided by n_q*G; then 1-D max ('m') or average ('a') pooling
+ *   with kernel `pool` (odd, zero padding; 0 or 1: none). */
+enum tkv_attn_stats_kind {
+    TKV_ATTN_STATS_SEGMENT = 1,
+    TKV_ATTN_STATS_WINDOW = 2,
+};
+
+struct tkv_attn_stats_args {
+    enum tkv_attn_stats_kind kind;
+    const float   *q;          /* [n_q, n_head*head_dim] post-RoPE queries          */
+    bool           q_host;     /* q is in host memory, not backend memory            */
+    const int32_t *q_pos;      /* host [n_q]: WINDOW's causal mask (SEGMENT: unused) */
+    uint32_t n_q, n_head, n_head_kv, head_dim;
+    uint32_t n_past;           /* keys at positions < n_past exist                   */
+    const struct tkv_kv_head_view *kv; /* host [n_head_kv]                          */
+    /* SEGMENT */
+    uint32_t block;            /* key block tokens (EntropyInfer 8, CritiPrefill 32) */
+    float   *probs;            /* host [n_head_kv][probs_stride] P, or NULL          */
+    uint32_t probs_stride;     /* floats per head row, >= n_blocks                   */
+    double  *entropy;          /* host [n_head_kv] H in nats, or NULL                */
+    /* WINDOW */
+    uint32_t n_prefix;         /* scores for positions [0, n_prefix)                 */
+    uint32_t pool;             /* pooling kernel (odd), 0 or 1: none                 */
+    char     pool_kind;        /* 'm' max, 'a' average                               */
+    float   *scores;           /* host [n_head_kv][n_prefix]                         */
+};
+
+/* Checks a's shape and pointers (TKV_ERR_INVALID_ARG naming the field) and
+ * returns in *n_blocks the SEGMENT block count (0 for WINDOW). */
+tkv_status tkv_attn_stats_check(const struct tkv_attn_stats_args *a, uint32_t *n_blocks);
+
 struct tkv_backend_ops {
     const char *name;
     void (*free)(struct tkv_backend *b);
@@ -86,6 +139,9 @@ struct tkv_backend_ops {
     tkv_status (*attention)(struct tkv_backend *b, const struct tkv_attn_args *a);
 
     /* optional members: NULL where they do not apply (the CPU backend) */
+    /* the statistics above; NULL: the policies compute them on the host
+     * (the CPU backend's implementation is that computation, the reference) */
+    tkv_status (*attn_stats)(struct tkv_backend *b, const struct tkv_attn_stats_args *a);
     /* PCI bus id of the device ("0000:3b:00.0"), for NUMA placement */
     const char *(*pci_bus_id)(struct tkv_backend *b);
     /* page-lock host memory for fast asynchronous copies, and undo it */

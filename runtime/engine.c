@@ -122,8 +122,9 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
                                  .head_dim = hp->head_dim, .n_ctx = s->n_ctx, .block_tokens = s->kv_block,
                                  .budget = s->kv_budget};
     TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
-    /* policy statistics read K in host memory; the GPU statistics kernels
-     * are not written yet */
+    /* policy statistics read K and queries in host memory; the backend op
+     * that computes them on the GPU (attn_stats) is not wired into the
+     * policies yet (docs/gpu.md, "What is left") */
     if (strcmp(s->be->ops->name, "cpu") != 0 && (s->policy->ops->prefill_select || s->policy->ops->after_prefill))
         return tkv_err(TKV_ERR_UNSUPPORTED, "policy '%s' needs its statistics on the CPU backend (use --device cpu)",
                        s->policy->ops->name);

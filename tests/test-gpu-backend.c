@@ -18,11 +18,15 @@
  *              and the same against the CPU backend's fast path; for each
  *              of the decode kernel (fused or separate merge) and the
  *              general kernel, and between them
+ *   attn_stats against the CPU backend (= the policies' own computation):
+ *              segment P |gpu - cpu| <= 1e-5 cpu, entropy <= 1e-6 + 1e-5 H;
+ *              window scores |gpu - cpu| <= 1e-5 |cpu|
  * Every GPU output is poisoned with NaN first, so an unwritten element fails.
  */
 #include "cpu/cpu.h"
 #include "cpu/quant.h"
 #include "runtime/backend.h"
+#include "runtime/policy/policy.h"
 #include "test.h"
 
 #include <stdlib.h>
@@ -656,6 +660,260 @@ static void test_attention(void)
     gpu_attn_ref = gpu_attn_merge = NULL;
 }
 
+/* ---- attention statistics (attn_stats): the policies' scores ------------------------------ */
+
+/* Keys of Hkv heads for positions [0, n) in blocks of B (the last partial),
+ * on the host and the device. Random in [-1, 1); 8-token blocks j with
+ * j % 5 == 2 scaled by `hot`; head 0's first 8 keys a sink of size `sink`
+ * along sign(dir) (peaked and near-one-hot block distributions). */
+struct stats_kv {
+    uint32_t nb;
+    uint16_t *host, *dev;
+    struct tkv_kv_block_ref *hrefs, *drefs;
+    struct tkv_kv_head_view *hviews, *dviews;
+};
+
+static void stats_kv_make(struct stats_kv *f, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n, float hot,
+                          float sink, const float *dir)
+{
+    f->nb = (n + B - 1) / B;
+    const size_t per_head = (size_t)f->nb * B * hd;
+    f->host = malloc(Hkv * per_head * 2);
+    for (uint32_t g = 0; g < Hkv; g++)
+        for (uint32_t p = 0; p < f->nb * B; p++)
+            for (uint32_t c = 0; c < hd; c++) {
+                float x = test_rand_f32(&rng, -1, 1);
+                if ((p / 8) % 5 == 2)
+                    x *= hot;
+                if (g == 0 && sink != 0 && p < 8)
+                    x = dir[c] >= 0 ? sink : -sink;
+                f->host[g * per_head + (size_t)p * hd + c] = tkv_fp32_to_fp16(x);
+            }
+    f->dev = dev_from(f->host, Hkv * per_head * 2);
+    f->hrefs = calloc((size_t)Hkv * f->nb, sizeof *f->hrefs);
+    f->drefs = calloc((size_t)Hkv * f->nb, sizeof *f->drefs);
+    f->hviews = calloc(Hkv, sizeof *f->hviews);
+    f->dviews = calloc(Hkv, sizeof *f->dviews);
+    for (uint32_t g = 0; g < Hkv; g++) {
+        for (uint32_t b = 0; b < f->nb; b++) {
+            const size_t o = g * per_head + (size_t)b * B * hd;
+            const uint32_t rows = TKV_MIN(B, n - b * B);
+            f->hrefs[(size_t)g * f->nb + b] =
+                (struct tkv_kv_block_ref){.k = f->host + o, .pos0 = (int32_t)(b * B), .n = rows};
+            f->drefs[(size_t)g * f->nb + b] =
+                (struct tkv_kv_block_ref){.k = f->dev + o, .pos0 = (int32_t)(b * B), .n = rows};
+        }
+        f->hviews[g] = (struct tkv_kv_head_view){.blocks = f->hrefs + (size_t)g * f->nb, .n_blocks = f->nb};
+        f->dviews[g] = (struct tkv_kv_head_view){.blocks = f->drefs + (size_t)g * f->nb, .n_blocks = f->nb};
+    }
+}
+
+static void stats_kv_free(struct stats_kv *f)
+{
+    dev_free(f->dev);
+    free(f->host), free(f->hrefs), free(f->drefs), free(f->hviews), free(f->dviews);
+}
+
+/* Queries [n_q][H*hd]: a per-(head, dim) bias in [-1, 1) plus noise. */
+static float *stats_queries(uint32_t n_q, uint32_t H, uint32_t hd, float noise, float *bias)
+{
+    float *q = malloc((size_t)n_q * H * hd * sizeof *q);
+    for (uint32_t j = 0; j < H * hd; j++)
+        bias[j] = test_rand_f32(&rng, -1, 1);
+    for (uint32_t t = 0; t < n_q; t++)
+        for (uint32_t j = 0; j < H * hd; j++)
+            q[(size_t)t * H * hd + j] = bias[j] + test_rand_f32(&rng, -noise, noise);
+    return q;
+}
+
+/* Worst |gpu - cpu| / (rel |cpu| + abs) over n (> 1 fails); counts the
+ * bit-identical elements. NaN anywhere fails. */
+static double stats_err(const float *gpu_v, const float *cpu_v, size_t n, double rel, double abs, size_t *same)
+{
+    double e = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(gpu_v[i]) || isnan(cpu_v[i]))
+            return INFINITY;
+        *same += memcmp(&gpu_v[i], &cpu_v[i], sizeof(float)) == 0;
+        const double d = fabs((double)gpu_v[i] - cpu_v[i]) / (rel * fabs((double)cpu_v[i]) + abs);
+        e = d > e ? d : e;
+    }
+    return e;
+}
+
+static double seconds_per_call(const struct tkv_attn_stats_args *a, int reps)
+{
+    const double t0 = tkv_now_seconds();
+    for (int i = 0; i < reps; i++)
+        CHECK(gpu->ops->attn_stats(gpu, a) == TKV_OK, "%s", tkv_last_error());
+    return (tkv_now_seconds() - t0) / reps;
+}
+
+/* SEGMENT: P within 1e-5 relative, H within 1e-6 + 1e-5 H (docs/gpu.md). */
+static void test_stats_segment(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t seg_start, uint32_t n_q,
+                               uint32_t block, float hot, float sink, bool q_host, bool timed)
+{
+    const uint32_t n_past = seg_start + n_q, nb = seg_start / block, stride = nb + 1;
+    float *bias = malloc((size_t)H * hd * sizeof *bias);
+    float *q = stats_queries(n_q, H, hd, 0.3f, bias);
+    struct stats_kv f;
+    stats_kv_make(&f, Hkv, hd, B, n_past, hot, sink, bias);
+    float *pc = malloc((size_t)Hkv * stride * sizeof *pc), *pg = malloc((size_t)Hkv * stride * sizeof *pg);
+    double *hc = malloc(Hkv * sizeof *hc), *hg = malloc(Hkv * sizeof *hg);
+    for (size_t i = 0; i < (size_t)Hkv * stride; i++)
+        pc[i] = pg[i] = NAN;
+    for (uint32_t g = 0; g < Hkv; g++)
+        hg[g] = NAN;
+    struct tkv_attn_stats_args a = {.kind = TKV_ATTN_STATS_SEGMENT, .q = q, .n_q = n_q, .n_head = H, .n_head_kv = Hkv,
+                                    .head_dim = hd, .n_past = n_past, .kv = f.hviews, .block = block, .probs = pc,
+                                    .probs_stride = stride, .entropy = hc};
+    const double t_cpu = tkv_now_seconds();
+    CHECK(cpu->ops->attn_stats(cpu, &a) == TKV_OK, "%s", tkv_last_error());
+    const double cpu_s = tkv_now_seconds() - t_cpu;
+    float *dq = dev_from(q, (size_t)n_q * H * hd * sizeof *q);
+    a.q = q_host ? q : dq;
+    a.q_host = q_host;
+    a.kv = f.dviews;
+    a.probs = pg;
+    a.entropy = hg;
+    CHECK(gpu->ops->attn_stats(gpu, &a) == TKV_OK, "%s", tkv_last_error());
+    double ep = 0, eh = 0, h_lo = INFINITY, h_hi = -INFINITY;
+    size_t same = 0, same_h = 0;
+    bool untouched = true;
+    for (uint32_t g = 0; g < Hkv; g++) {
+        const double e = stats_err(pg + (size_t)g * stride, pc + (size_t)g * stride, nb, 1e-5, 1e-30, &same);
+        ep = e > ep ? e : ep;
+        const double d = fabs(hg[g] - hc[g]) / (1e-6 + 1e-5 * fabs(hc[g]));
+        eh = !(d <= eh) ? (isnan(d) ? INFINITY : d) : eh;
+        same_h += hg[g] == hc[g];
+        untouched &= isnan(pg[(size_t)g * stride + nb]);
+        h_lo = hc[g] < h_lo ? hc[g] : h_lo;
+        h_hi = hc[g] > h_hi ? hc[g] : h_hi;
+    }
+    char timing[96] = "";
+    if (timed) {
+        a.probs = NULL;
+        snprintf(timing, sizeof timing, "  %.3f ms/call (cpu backend %.1f ms)", 1e3 * seconds_per_call(&a, 5),
+                 1e3 * cpu_s);
+    }
+    fprintf(stderr,
+            "  segment H=%-2u Hkv=%-2u hd=%-3u B=%-3u block=%-2u start=%-5u n_q=%-3u%s H in [%.1e, %.2f]  "
+            "err/tol P %.2f H %.2f  identical P %zu/%zu H %zu/%u%s\n",
+            H, Hkv, hd, B, block, seg_start, n_q, q_host ? " (q host)" : "", h_lo, h_hi, ep, eh, same,
+            (size_t)Hkv * nb, same_h, Hkv, timing);
+    CHECK(ep <= 1 && eh <= 1, "segment H=%u Hkv=%u hd=%u B=%u block=%u: P err/tol %.3g, H err/tol %.3g", H, Hkv, hd, B,
+          block, ep, eh);
+    CHECK(untouched, "segment: the GPU wrote past n_blocks in a probs row");
+    dev_free(dq);
+    free(bias), free(q), free(pc), free(pg), free(hc), free(hg);
+    stats_kv_free(&f);
+}
+
+/* WINDOW: scores within 1e-5 relative (docs/gpu.md). */
+static void test_stats_window(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_past, uint32_t extra,
+                              uint32_t W, uint32_t n_prefix, uint32_t pool, char kind, bool q_host, bool timed)
+{
+    float *bias = malloc((size_t)H * hd * sizeof *bias);
+    float *q = stats_queries(W, H, hd, 1.0f, bias);
+    int32_t *pos = malloc(W * sizeof *pos);
+    for (uint32_t t = 0; t < W; t++)
+        pos[t] = (int32_t)(n_past - W + t);
+    struct stats_kv f; /* `extra` keys past n_past in the view (a decode step's own) */
+    stats_kv_make(&f, Hkv, hd, B, n_past + extra, 3.0f, 0, NULL);
+    const size_t n_out = (size_t)Hkv * n_prefix;
+    float *sc = malloc(n_out * sizeof *sc), *sg = malloc(n_out * sizeof *sg);
+    for (size_t i = 0; i < n_out; i++)
+        sg[i] = NAN;
+    struct tkv_attn_stats_args a = {.kind = TKV_ATTN_STATS_WINDOW, .q = q, .q_pos = pos, .n_q = W, .n_head = H,
+                                    .n_head_kv = Hkv, .head_dim = hd, .n_past = n_past, .kv = f.hviews,
+                                    .n_prefix = n_prefix, .pool = pool, .pool_kind = kind, .scores = sc};
+    const double t_cpu = tkv_now_seconds();
+    CHECK(cpu->ops->attn_stats(cpu, &a) == TKV_OK, "%s", tkv_last_error());
+    const double cpu_s = tkv_now_seconds() - t_cpu;
+    float *dq = dev_from(q, (size_t)W * H * hd * sizeof *q);
+    a.q = q_host ? q : dq;
+    a.q_host = q_host;
+    a.kv = f.dviews;
+    a.scores = sg;
+    CHECK(gpu->ops->attn_stats(gpu, &a) == TKV_OK, "%s", tkv_last_error());
+    size_t same = 0;
+    const double e = stats_err(sg, sc, n_out, 1e-5, 1e-30, &same);
+    /* what the policy does with them: the top eighth of positions per head */
+    const uint32_t k = TKV_MAX(n_prefix / 8, 1u);
+    uint32_t *ic = malloc(k * sizeof *ic), *ig = malloc(k * sizeof *ig);
+    bool same_sel = true;
+    for (uint32_t g = 0; g < Hkv; g++) {
+        const uint32_t kc = tkv_policy_top_k(sc + (size_t)g * n_prefix, n_prefix, k, ic);
+        const uint32_t kg = tkv_policy_top_k(sg + (size_t)g * n_prefix, n_prefix, k, ig);
+        same_sel &= kc == kg && memcmp(ic, ig, kc * sizeof *ic) == 0;
+    }
+    char timing[96] = "";
+    if (timed)
+        snprintf(timing, sizeof timing, "  %.3f ms/call (cpu backend %.1f ms)", 1e3 * seconds_per_call(&a, 5),
+                 1e3 * cpu_s);
+    fprintf(stderr,
+            "  window  H=%-2u Hkv=%-2u hd=%-3u B=%-3u n_past=%-5u(+%u) W=%-2u n_prefix=%-5u pool %c%u%s  "
+            "err/tol %.2f  identical %zu/%zu  top-1/8 same: %s%s\n",
+            H, Hkv, hd, B, n_past, extra, W, n_prefix, pool > 1 ? kind : '-', pool, q_host ? " (q host)" : "", e,
+            same, n_out, same_sel ? "yes" : "no", timing);
+    CHECK(e <= 1, "window H=%u Hkv=%u hd=%u B=%u n_past=%u: err/tol %.3g", H, Hkv, hd, B, n_past, e);
+    dev_free(dq);
+    free(bias), free(q), free(pos), free(sc), free(sg), free(ic), free(ig);
+    stats_kv_free(&f);
+}
+
+static void test_stats(void)
+{
+    REQUIRE_VOID(gpu->ops->attn_stats && cpu->ops->attn_stats);
+    fprintf(stderr, "attention statistics, segment (EntropyInfer block 8, CritiPrefill block 32):\n");
+    test_stats_segment(9, 3, 64, 64, 1024, 512, 8, 3.0f, 6.0f, false, false);      /* SmolLM2, a sink head */
+    test_stats_segment(32, 8, 128, 64, 4096, 512, 8, 3.0f, 8.0f, false, false);    /* Llama-3 8B */
+    test_stats_segment(8, 2, 128, 20, 600, 300, 8, 1.0f, 0, true, false);          /* key blocks straddle B = 20 */
+    test_stats_segment(4, 4, 64, 32, 1536, 512, 32, 4.0f, 8.0f, false, false);     /* MHA, block 32 */
+    test_stats_segment(8, 1, 64, 12, 333, 77, 8, 2.0f, 0, true, false);            /* MQA, partial last block */
+    test_stats_segment(6, 2, 128, 4, 100, 20, 8, 2.0f, 0, false, false);           /* blocks of 4 < a key block */
+    test_stats_segment(64, 1, 128, 64, 2048, 256, 8, 2.0f, 0, false, false);       /* 64 query heads per KV head */
+    test_stats_segment(32, 8, 128, 64, 32768, 512, 8, 3.0f, 8.0f, false, true);    /* 32K context */
+    fprintf(stderr, "attention statistics, window (SnapKV max 7, EntropyInfer avg 5):\n");
+    test_stats_window(9, 3, 64, 64, 1500, 0, 32, 1468, 7, 'm', false, false);
+    test_stats_window(32, 8, 128, 64, 8192, 0, 32, 8160, 7, 'm', false, false);
+    test_stats_window(8, 2, 128, 32, 777, 1, 32, 745, 5, 'a', true, false);        /* one key past n_past in the view */
+    test_stats_window(4, 4, 64, 20, 300, 0, 32, 268, 0, 'm', true, false);         /* no pooling, partial blocks */
+    test_stats_window(16, 2, 64, 64, 2000, 0, 16, 1984, 7, 'm', false, false);
+    test_stats_window(8, 8, 128, 8, 100, 0, 32, 68, 7, 'm', false, false);
+    test_stats_window(64, 1, 64, 64, 1000, 0, 32, 968, 7, 'm', true, false);       /* 2048 rows per KV head */
+    test_stats_window(9, 3, 64, 16, 64, 0, 32, 32, 7, 'm', false, false);          /* causal within the window */
+    test_stats_window(9, 3, 64, 64, 40, 0, 32, 3, 7, 'm', false, false);           /* fewer positions than the kernel */
+    test_stats_window(32, 8, 128, 64, 32768, 0, 32, 32736, 7, 'm', false, true);   /* 32K context */
+
+    /* what the kernels cannot do is refused; empty cases */
+    struct stats_kv f;
+    stats_kv_make(&f, 1, 300, 16, 20, 1.0f, 0, NULL);
+    float *dq = dev_poisoned(300), out[20];
+    int32_t pos[1] = {19};
+    struct tkv_attn_stats_args a = {.kind = TKV_ATTN_STATS_WINDOW, .q = dq, .q_pos = pos, .n_q = 1, .n_head = 1,
+                                    .n_head_kv = 1, .head_dim = 300, .n_past = 20, .kv = f.dviews, .n_prefix = 20,
+                                    .scores = out};
+    CHECK(gpu->ops->attn_stats(gpu, &a) == TKV_ERR_UNSUPPORTED, "head_dim 300 accepted");
+    a.head_dim = 64; /* (the keys' rows are 300 apart: only n_q = 0 is run) */
+    a.n_q = 0;
+    for (int i = 0; i < 20; i++)
+        out[i] = NAN;
+    CHECK(gpu->ops->attn_stats(gpu, &a) == TKV_OK && out[0] == 0 && out[19] == 0, "no queries: scores not 0");
+    a.kind = TKV_ATTN_STATS_SEGMENT;
+    a.n_q = 1;
+    a.n_past = 5;
+    a.block = 8;
+    double h = 7;
+    a.entropy = &h;
+    CHECK(gpu->ops->attn_stats(gpu, &a) == TKV_OK && h == 0, "segment without blocks: H %g", h);
+    a.kind = 0;
+    CHECK(gpu->ops->attn_stats(gpu, &a) == TKV_ERR_INVALID_ARG, "kind 0 accepted");
+    CHECK(gpu->ops->synchronize(gpu) == TKV_OK, "%s", tkv_last_error());
+    dev_free(dq);
+    stats_kv_free(&f);
+}
+
 /* ---- the f32 validation mode (TKV_CUDA_WEIGHTS=f32) -------------------------------- */
 
 static void test_f32_mode(void)
@@ -736,6 +994,7 @@ int main(void)
     SECTION("swiglu", test_swiglu_add);
     SECTION("kv_write", test_kv_write);
     SECTION("attention", test_attention);
+    SECTION("stats", test_stats);
     SECTION("f32", test_f32_mode);
     SECTION("host", test_host_memory);
     SECTION("errors", test_errors);

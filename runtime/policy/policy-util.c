@@ -82,8 +82,8 @@ tkv_status tkv_policy_args_done(const char *policy, const struct tkv_policy_args
     return TKV_OK;
 }
 
-void tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
-                              uint32_t n_prefix, float *score)
+tkv_status tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
+                                    uint32_t n_prefix, float *score)
 {
     const uint32_t G = env->n_head / env->n_head_kv, d = env->head_dim, n = v->n_past, R = G * v->n_q;
     const float scale = 1.0f / sqrtf((float)d);
@@ -94,7 +94,7 @@ void tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_
     float *logit = malloc((size_t)R * n * sizeof *logit), *kf = malloc((size_t)d * sizeof *kf);
     if (!logit || !kf) {
         free(logit), free(kf);
-        return;
+        return tkv_err(TKV_ERR_NOMEM, "policy: out of memory for window scores");
     }
     const struct tkv_kv_head_view *kv = &v->kv[g];
     uint32_t m = 0; /* positions seen */
@@ -130,6 +130,7 @@ void tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_
     }
     free(logit);
     free(kf);
+    return TKV_OK;
 }
 
 void tkv_policy_pool(float *x, float *tmp, uint32_t n, uint32_t k, char kind)

@@ -113,9 +113,10 @@ tkv_status tkv_policy_args_done(const char *policy, const struct tkv_policy_args
 /* SnapKV scores of KV head g: for every prefix position j < n_prefix, the
  * attention probability the observation queries (v->q, causal by q_pos) put
  * on key j, averaged over the queries and the group's query heads
- * (softmax over all keys < n_past, scale 1/sqrt(d)). score[n_prefix]. */
-void tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
-                              uint32_t n_prefix, float *score);
+ * (softmax over all keys < n_past, scale 1/sqrt(d)). score[n_prefix].
+ * TKV_ERR_NOMEM (scores all zero) when its scratch cannot be allocated. */
+tkv_status tkv_policy_window_scores(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t g,
+                                    uint32_t n_prefix, float *score);
 
 /* 1-D max (kind 'm') or average (kind 'a') pooling, stride 1, zero padding
  * k/2, in place (tmp: n floats). */
