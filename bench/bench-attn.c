@@ -13,8 +13,8 @@
  * Sections:
  *   decode   n_q = 1 over 32K, 128K and 1M keys, Llama-3-8B heads (32/8,
  *            head_dim 128, KV blocks of 64): the default kernel (decode
- *            kernel, fused merge), the decode kernel with a separate merge
- *            kernel, and the general kernel (TKV_CUDA_ATTN_DECODE=0), each
+ *            kernel, fused merge) and the other paths (alt_env: the general
+ *            kernel, a separate merge kernel, other configurations), each
  *            checked against the general kernel (and the CPU up to 128K);
  *            plus the host time to queue one call (block table packing and
  *            copy, launches), which overlaps the GPU's work of earlier calls
@@ -36,7 +36,20 @@
 #include <time.h>
 
 static struct tkv_backend *gpu, *cpu;
-static struct tkv_backend *gpu_merge, *gpu_general; /* TKV_CUDA_ATTN_DECODE=merge, =0 */
+/* the decode section's other paths: backends created with these attention
+ * settings (TKV_CUDA_ATTN_DECODE, _CFG, _TABLE); [0] is the general kernel */
+#define N_ALT 5
+static const struct {
+    const char *name, *decode, *cfg, *table;
+} alt_env[N_ALT] = {
+    {"general kernel", "0", "0", "copy"},
+    {"separate merge", "merge", "0", "copy"},
+    {"cfg 1 (4 loads x 6 stages)", "1", "1", "copy"},
+    {"cfg 2 (4 loads x 4 stages)", "1", "2", "copy"},
+    {"table copied on the compute stream", "1", "0", "main"},
+};
+static struct tkv_backend *alt[N_ALT];
+#define gpu_general alt[0]
 static FILE *json;
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 
@@ -212,29 +225,38 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
            H, Hkv, hd, B, ctx, n_q, t * 1e6, kv_bytes / t / 1e9, flops / t / 1e12, check[0] ? check : "-");
     if (variants) {
         const double th = host_time(gpu, &ga);
-        double tm = -1, tg = -1;
-        if (gpu_merge) {
-            tm = time_on(gpu_merge, &ga, reps);
-            printf("| attention, separate merge | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | "
-                   "%6.2f TFLOP/s | - |\n",
-                   H, Hkv, hd, B, ctx, n_q, tm * 1e6, kv_bytes / tm / 1e9, flops / tm / 1e12);
+        double ta[N_ALT];
+        for (int i = 0; i < N_ALT; i++) {
+            ta[i] = -1e-6;
+            if (!alt[i])
+                continue;
+            if (i > 0) { /* every path is checked against the general kernel first */
+                run_to(alt[i], &ga, dout, og, qn);
+                const double e = max_abs(og, ox, qn);
+                if (!(e <= 1e-4)) {
+                    fprintf(stderr, "bench-attn: %s differs from the general kernel: %.3g\n", alt_env[i].name, e);
+                    exit(1);
+                }
+            }
+            ta[i] = time_on(alt[i], &ga, i == 0 ? reps / 10 + 1 : reps);
+            printf("| attention, %s | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | "
+                   "%6.2f TFLOP/s | general |\n",
+                   alt_env[i].name, H, Hkv, hd, B, ctx, n_q, ta[i] * 1e6, kv_bytes / ta[i] / 1e9,
+                   flops / ta[i] / 1e12);
         }
-        if (gpu_general) {
-            tg = time_on(gpu_general, &ga, reps / 10 + 1);
-            printf("| attention, general kernel | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | "
-                   "%6.2f TFLOP/s | - |\n",
-                   H, Hkv, hd, B, ctx, n_q, tg * 1e6, kv_bytes / tg / 1e9, flops / tg / 1e12);
-        }
+        ga.out = dout;
         printf("| attention, host time to queue a call | %u blocks x %u heads | ctx %7u | %9.1f us | | | |\n", nb, Hkv,
                ctx, th * 1e6);
-        if (json)
+        if (json) {
             fprintf(json,
                     "{\"op\": \"decode_attention\", \"H\": %u, \"Hkv\": %u, \"hd\": %u, \"B\": %u, \"ctx\": %u, "
-                    "\"n_q\": %u, \"kv_bytes\": %.0f, \"us\": %.3f, \"gbps\": %.1f, \"us_separate_merge\": %.3f, "
-                    "\"us_general_kernel\": %.3f, \"host_us_per_call\": %.3f, \"max_err_vs_cpu\": %.3g, "
-                    "\"max_err_vs_general\": %.3g}\n",
-                    H, Hkv, hd, B, ctx, n_q, kv_bytes, t * 1e6, kv_bytes / t / 1e9, tm * 1e6, tg * 1e6, th * 1e6,
-                    err, err_general);
+                    "\"n_q\": %u, \"kv_bytes\": %.0f, \"us\": %.3f, \"gbps\": %.1f, \"host_us_per_call\": %.3f, "
+                    "\"max_err_vs_cpu\": %.3g, \"max_err_vs_general\": %.3g",
+                    H, Hkv, hd, B, ctx, n_q, kv_bytes, t * 1e6, kv_bytes / t / 1e9, th * 1e6, err, err_general);
+            for (int i = 0; i < N_ALT; i++)
+                fprintf(json, ", \"us %s\": %.3f", alt_env[i].name, ta[i] * 1e6);
+            fprintf(json, "}\n");
+        }
     }
     gpu->ops->release(gpu, dkv), gpu->ops->release(gpu, dq), gpu->ops->release(gpu, dout);
     free(kv), free(hr), free(dr), free(q), free(oc), free(og), free(ox), free(pos);
@@ -269,12 +291,14 @@ static void bench_matmul(uint32_t n_in, uint32_t n_out, uint32_t n, int reps)
     free(w), free(x);
 }
 
-static struct tkv_backend *gpu_with_attn_mode(const char *mode)
+static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *cfg, const char *table)
 {
     struct tkv_backend *be = NULL;
-    setenv("TKV_CUDA_ATTN_DECODE", mode, 1);
+    setenv("TKV_CUDA_ATTN_DECODE", decode, 1);
+    setenv("TKV_CUDA_ATTN_CFG", cfg, 1);
+    setenv("TKV_CUDA_ATTN_TABLE", table, 1);
     die_if(tkv_backend_create("cuda", 0, &be));
-    unsetenv("TKV_CUDA_ATTN_DECODE");
+    unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_CFG"), unsetenv("TKV_CUDA_ATTN_TABLE");
     return be;
 }
 
@@ -303,7 +327,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench-attn: cannot write %s\n", json_path);
         return 1;
     }
-    unsetenv("TKV_CUDA_ATTN_DECODE");
+    unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_CFG"), unsetenv("TKV_CUDA_ATTN_TABLE");
     die_if(tkv_backend_create("cuda", 0, &gpu));
     die_if(tkv_backend_create("cpu", 0, &cpu));
     printf("| op | shape | size | time/call | bytes rate | compute rate | check |\n");
@@ -316,8 +340,8 @@ int main(int argc, char **argv)
     }
     const bool all = !strcmp(section, "all");
     if (all || !strcmp(section, "decode")) {
-        gpu_merge = gpu_with_attn_mode("merge");
-        gpu_general = gpu_with_attn_mode("0");
+        for (int i = 0; i < N_ALT; i++)
+            alt[i] = gpu_with_attn_env(alt_env[i].decode, alt_env[i].cfg, alt_env[i].table);
         const uint32_t ctxs[] = {32768, 131072, 1048576};
         for (int i = 0; i < 3; i++)
             bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, true);
@@ -343,10 +367,9 @@ int main(int argc, char **argv)
     }
     if (json)
         fclose(json);
-    if (gpu_merge)
-        gpu_merge->ops->free(gpu_merge);
-    if (gpu_general)
-        gpu_general->ops->free(gpu_general);
+    for (int i = 0; i < N_ALT; i++)
+        if (alt[i])
+            alt[i]->ops->free(alt[i]);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return 0;

@@ -18,13 +18,13 @@
  *   - online softmax once per chunk; the probabilities go through a small
  *     per-warp buffer to every lane, which adds p * V over its 8 dims.
  *
- * Shared memory (dynamic), NW = 4 warps:
+ * Shared memory (dynamic), NW = 4 warps, NS stages (see cfg0/cfg1):
  *     pipe [NW][NS][K|V][U][32 lanes] uint4    the cp.async stages
  *     pbuf [NW][NG][U*DR + 4] f32              probabilities of a chunk
  *     cm, cl [NW*NG][DR] f32                   each lane group's (m, l)
  *     flag                                      "this CTA merges"
  * After the main loop pipe is reused for so [NW*NG][DR][HD] (each lane
- * group's O), then for the merge's weights [n_split][8].
+ * group's O), then for the merge's (m, l) per split and row.
  *
  * Scores are in log2 units (q scaled by scale*log2 e), so exp2f is the
  * exponential and lse = (m + log2 l) * ln 2, as in attn.cu.
@@ -35,12 +35,14 @@ namespace {
 
 constexpr int NT = 128;      /* threads per CTA */
 constexpr int NW = NT / 32;  /* warps per CTA   */
-constexpr int NS = 3;        /* cp.async stages */
 constexpr float LN2f = 0.693147180559945309f;
-constexpr int MERGE_DR = 8;  /* row stride of the merge weights */
+constexpr int MERGE_DR = 8;  /* row stride of the merge's arrays */
 
-template <int HD, int DR> struct dec_cfg {
-    static constexpr int U = DR <= 4 ? 8 : 4;   /* 16-byte loads of K (and of V) per lane per chunk */
+template <int HD_, int DR_, int U_, int NS_> struct dec_cfg {
+    static constexpr int HD = HD_;              /* head_dim class                                   */
+    static constexpr int DR = DR_;              /* query rows (registers)                           */
+    static constexpr int U = U_;                /* 16-byte loads of K (and of V) per lane per chunk */
+    static constexpr int NS = NS_;              /* cp.async stages (NS - 1 chunks in flight)        */
     static constexpr int LPK = HD / 8;          /* lanes per key                                    */
     static constexpr int NG = 32 / LPK;         /* keys per warp-wide load                          */
     static constexpr int CH = NG * U;           /* keys per chunk                                   */
@@ -53,8 +55,19 @@ template <int HD, int DR> struct dec_cfg {
     static constexpr size_t SMEM = PIPE + (size_t)NW * NG * PSTRIDE * 4 + 2 * (size_t)SLOTS * DR * 4 + 16;
     static_assert(NF >= 1 && NF <= U && U % NF == 0 && W >= 1, "lane mapping");
     static_assert((size_t)SLOTS * DR * HD * 4 <= PIPE, "so[] must fit in the pipeline buffer");
-    static_assert((size_t)TKV_ATTN_DECODE_MAX_SPLIT * MERGE_DR * 4 + 64 <= PIPE, "merge weights must fit");
+    static_assert((2 * (size_t)TKV_ATTN_DECODE_MAX_SPLIT * MERGE_DR + 2 * MERGE_DR) * 4 <= PIPE,
+                  "the merge's arrays must fit");
 };
+
+/* The configurations (TKV_CUDA_ATTN_CFG picks): 0: chunks of 8 loads, 3
+ * stages; 1: chunks of 4 loads, 6 stages (5/6 of the buffer in flight
+ * instead of 2/3, the same shared memory); 2: chunks of 4 loads, 4 stages
+ * (2/3 of the shared memory: 3 CTAs per SM where registers allow). head_dim
+ * 256 with <= 4 rows needs U*DR >= 32 lanes, so it keeps configuration 0. */
+template <int HD, int DR> using cfg0 = dec_cfg<HD, DR, DR <= 4 ? 8 : 4, 3>;
+template <int HD, int DR> using cfg1 = dec_cfg<HD, DR, (DR <= 4 && HD == 256) ? 8 : 4, (DR <= 4 && HD == 256) ? 3 : 6>;
+template <int HD, int DR> using cfg2 = dec_cfg<HD, DR, (DR <= 4 && HD == 256) ? 8 : 4, (DR <= 4 && HD == 256) ? 3 : 4>;
+constexpr int N_CFG = 3;
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid)
 {
@@ -143,11 +156,10 @@ __device__ __forceinline__ void cursor_advance(dec_cursor &c, int step, const tk
 
 /* Issues the cp.async copies of the cursor's chunk into one stage (always
  * commits a group, empty when the walk is over). */
-template <int HD, int DR>
+template <class C>
 __device__ __forceinline__ chunk_meta issue_chunk(const dec_cursor &c, uint4 *kst, uint4 *vst, int lane, int sub,
                                                   int dl, uint32_t hd)
 {
-    using C = dec_cfg<HD, DR>;
     chunk_meta m;
     m.nvalid = -1;
     m.kpos0 = 0;
@@ -170,28 +182,34 @@ __device__ __forceinline__ chunk_meta issue_chunk(const dec_cursor &c, uint4 *ks
 }
 
 /* Merges the n_split partials of KV head g (decode layout) into out / lse.
- * All NT threads; smem: at least n_split * MERGE_DR + 2 * MERGE_DR floats. */
+ * All NT threads; smem: 2 * n_split * MERGE_DR + 2 * MERGE_DR floats. The
+ * loads of each phase are independent, so they are in flight together. */
 __device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, float *smem)
 {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, n_rows = p.n_q * p.n_head;
     const int R = (int)(p.n_q * G), S = (int)p.n_split;
     const float *po = p.part, *pml = p.part + (size_t)S * n_rows * hd;
-    float *wt = smem, *Mr = wt + (size_t)S * MERGE_DR, *Lr = Mr + MERGE_DR;
-    for (int r = warp; r < R; r += NW) {
+    float *ms = smem, *ls = ms + (size_t)S * MERGE_DR, *Mr = ls + (size_t)S * MERGE_DR, *Lr = Mr + MERGE_DR;
+    for (int i = tid; i < S * R; i += NT) {
+        const int s = i / R, r = i % R;
         const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
+        const float2 ml = __ldcg((const float2 *)(pml + ((size_t)s * n_rows + row) * 2));
+        ms[s * MERGE_DR + r] = ml.x;
+        ls[s * MERGE_DR + r] = ml.y;
+    }
+    __syncthreads();
+    for (int r = warp; r < R; r += NW) { /* a warp per row: its max, the weights, its sum */
         float mx = -INFINITY;
-        for (int s = lane; s < S; s += 32) {
-            const float m = __ldcg(pml + ((size_t)s * n_rows + row) * 2), l = __ldcg(pml + ((size_t)s * n_rows + row) * 2 + 1);
-            if (l > 0.0f)
-                mx = fmaxf(mx, m);
-        }
+        for (int s = lane; s < S; s += 32)
+            if (ls[s * MERGE_DR + r] > 0.0f)
+                mx = fmaxf(mx, ms[s * MERGE_DR + r]);
         mx = tkv_warp_max(mx);
         float sum = 0.0f;
         for (int s = lane; s < S; s += 32) {
-            const float m = __ldcg(pml + ((size_t)s * n_rows + row) * 2), l = __ldcg(pml + ((size_t)s * n_rows + row) * 2 + 1);
-            const float w = l > 0.0f ? exp2f(m - mx) : 0.0f; /* l > 0 somewhere, so mx is finite */
-            wt[s * MERGE_DR + r] = w;
+            const float l = ls[s * MERGE_DR + r];
+            const float w = l > 0.0f ? exp2f(ms[s * MERGE_DR + r] - mx) : 0.0f; /* then mx is finite */
+            ms[s * MERGE_DR + r] = w;                                            /* m -> weight */
             sum += l * w;
         }
         sum = tkv_warp_sum(sum);
@@ -205,11 +223,13 @@ __device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, float *sme
     for (int i = tid; i < R * nd4; i += NT) {
         const int r = i / nd4, d4 = i % nd4;
         const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
+        const float4 *src = (const float4 *)(po + (size_t)row * hd) + d4;
+        const size_t stride4 = (size_t)n_rows * hd / 4; /* one split, in float4 */
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 4
+#pragma unroll 16
         for (int s = 0; s < S; s++) {
-            const float w = wt[s * MERGE_DR + r];
-            const float4 v = __ldcg((const float4 *)(po + ((size_t)s * n_rows + row) * hd) + d4);
+            const float w = ms[s * MERGE_DR + r];
+            const float4 v = __ldcg(src + (size_t)s * stride4);
             acc.x += w * v.x;
             acc.y += w * v.y;
             acc.z += w * v.z;
@@ -226,11 +246,11 @@ __device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, float *sme
     }
 }
 
-template <int HD, int DR>
+template <class C>
 __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_params p)
 {
-    using C = dec_cfg<HD, DR>;
-    constexpr int U = C::U, LPK = C::LPK, NG = C::NG, V = C::V, NF = C::NF, W = C::W, SLOTS = C::SLOTS;
+    constexpr int HD = C::HD, DR = C::DR, U = C::U, NS = C::NS, LPK = C::LPK, NG = C::NG, V = C::V, NF = C::NF,
+                  W = C::W, SLOTS = C::SLOTS;
     extern __shared__ __align__(16) unsigned char smem[];
     uint4 *pipe = (uint4 *)smem;
     float *pbuf = (float *)(smem + C::PIPE);
@@ -295,7 +315,7 @@ __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_
     chunk_meta meta[NS];
 #pragma unroll
     for (int st = 0; st < NS - 1; st++) {
-        meta[st] = issue_chunk<HD, DR>(cur, wpipe + (st * 2) * U * 32, wpipe + (st * 2 + 1) * U * 32, lane, sub, dl,
+        meta[st] = issue_chunk<C>(cur, wpipe + (st * 2) * U * 32, wpipe + (st * 2 + 1) * U * 32, lane, sub, dl,
                                        hd);
         cursor_advance<C::CH>(cur, NW, p.blocks, pos_max);
     }
@@ -305,7 +325,7 @@ __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_
         /* refill the stage computed in the previous iteration (its reads of
          * that stage are ordered before the copies) */
         __syncwarp();
-        meta[NS - 1] = issue_chunk<HD, DR>(cur, wpipe + (sn * 2) * U * 32, wpipe + (sn * 2 + 1) * U * 32, lane, sub,
+        meta[NS - 1] = issue_chunk<C>(cur, wpipe + (sn * 2) * U * 32, wpipe + (sn * 2 + 1) * U * 32, lane, sub,
                                            dl, hd);
         cursor_advance<C::CH>(cur, NW, p.blocks, pos_max);
         cp_async_wait<NS - 1>(); /* this thread's copies of chunk `it` have landed */
@@ -469,20 +489,18 @@ __global__ void __launch_bounds__(NT) attn_decode_merge_kernel(const tkv_cuda_at
     merge_head(p, blockIdx.x, (float *)smem);
 }
 
-template <int HD, int DR> cudaError_t launch_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
+template <class C> cudaError_t launch_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
     const dim3 grid(p->n_head_kv, p->n_split);
-    attn_decode_kernel<HD, DR><<<grid, NT, dec_cfg<HD, DR>::SMEM, s>>>(*p);
+    attn_decode_kernel<C><<<grid, NT, C::SMEM, s>>>(*p);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
 
-template <int HD, int DR> cudaError_t init_decode(int *ctas)
+template <class C> cudaError_t init_decode(int *ctas)
 {
-    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<HD, DR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)dec_cfg<HD, DR>::SMEM));
-    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_decode_kernel<HD, DR>, NT,
-                                                               dec_cfg<HD, DR>::SMEM));
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
+    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_decode_kernel<C>, NT, C::SMEM));
     if (*ctas < 1)
         *ctas = 1;
     return cudaSuccess;
@@ -490,38 +508,55 @@ template <int HD, int DR> cudaError_t init_decode(int *ctas)
 
 int hd_index(uint32_t hd) { return hd <= 64 ? 0 : hd <= 128 ? 1 : 2; }
 
-/* CTAs per SM of each instance: [head_dim class][rows <= 4, <= 8] */
-int g_ctas[3][2] = {{1, 1}, {1, 1}, {1, 1}};
+/* CTAs per SM of each instance: [configuration][head_dim class][rows <= 4, <= 8] */
+int g_ctas[N_CFG][3][2];
+
+template <template <int, int> class CF> cudaError_t init_all(int ctas[3][2])
+{
+    TKV_CUDA_TRY((init_decode<CF<64, 4>>(&ctas[0][0])));
+    TKV_CUDA_TRY((init_decode<CF<64, 8>>(&ctas[0][1])));
+    TKV_CUDA_TRY((init_decode<CF<128, 4>>(&ctas[1][0])));
+    TKV_CUDA_TRY((init_decode<CF<128, 8>>(&ctas[1][1])));
+    TKV_CUDA_TRY((init_decode<CF<256, 4>>(&ctas[2][0])));
+    TKV_CUDA_TRY((init_decode<CF<256, 8>>(&ctas[2][1])));
+    return cudaSuccess;
+}
+
+template <template <int, int> class CF> cudaError_t launch_all(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    const bool small = p->n_q * (p->n_head / p->n_head_kv) <= 4;
+    switch (hd_index(p->head_dim)) {
+    case 0: return small ? launch_decode<CF<64, 4>>(p, s) : launch_decode<CF<64, 8>>(p, s);
+    case 1: return small ? launch_decode<CF<128, 4>>(p, s) : launch_decode<CF<128, 8>>(p, s);
+    default: return small ? launch_decode<CF<256, 4>>(p, s) : launch_decode<CF<256, 8>>(p, s);
+    }
+}
 
 } // namespace
 
 cudaError_t tkv_cuda_attn_decode_init(void)
 {
-    TKV_CUDA_TRY((init_decode<64, 4>(&g_ctas[0][0])));
-    TKV_CUDA_TRY((init_decode<64, 8>(&g_ctas[0][1])));
-    TKV_CUDA_TRY((init_decode<128, 4>(&g_ctas[1][0])));
-    TKV_CUDA_TRY((init_decode<128, 8>(&g_ctas[1][1])));
-    TKV_CUDA_TRY((init_decode<256, 4>(&g_ctas[2][0])));
-    TKV_CUDA_TRY((init_decode<256, 8>(&g_ctas[2][1])));
+    TKV_CUDA_TRY(init_all<cfg0>(g_ctas[0]));
+    TKV_CUDA_TRY(init_all<cfg1>(g_ctas[1]));
+    TKV_CUDA_TRY(init_all<cfg2>(g_ctas[2]));
     return cudaSuccess;
 }
 
-int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows)
+int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows, int cfg)
 {
-    return g_ctas[hd_index(head_dim)][rows <= 4 ? 0 : 1];
+    const int c = g_ctas[cfg >= 0 && cfg < N_CFG ? cfg : 0][hd_index(head_dim)][rows <= 4 ? 0 : 1];
+    return c > 0 ? c : 1;
 }
 
 cudaError_t tkv_cuda_attn_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
-    const bool small = rows <= 4;
-    switch (hd_index(p->head_dim)) {
-    case 0: TKV_CUDA_TRY((small ? launch_decode<64, 4>(p, s) : launch_decode<64, 8>(p, s))); break;
-    case 1: TKV_CUDA_TRY((small ? launch_decode<128, 4>(p, s) : launch_decode<128, 8>(p, s))); break;
-    default: TKV_CUDA_TRY((small ? launch_decode<256, 4>(p, s) : launch_decode<256, 8>(p, s))); break;
+    switch (p->decode_cfg) {
+    case 1: TKV_CUDA_TRY(launch_all<cfg1>(p, s)); break;
+    case 2: TKV_CUDA_TRY(launch_all<cfg2>(p, s)); break;
+    default: TKV_CUDA_TRY(launch_all<cfg0>(p, s)); break;
     }
     if (p->n_split > 1 && p->decode_mode != TKV_ATTN_DECODE_FUSED) {
-        const size_t smem = ((size_t)p->n_split * MERGE_DR + 2 * MERGE_DR) * sizeof(float);
+        const size_t smem = (2 * (size_t)p->n_split * MERGE_DR + 2 * MERGE_DR) * sizeof(float);
         attn_decode_merge_kernel<<<p->n_head_kv, NT, smem, s>>>(*p);
         TKV_CUDA_LAUNCHED();
     }

@@ -361,7 +361,8 @@ size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm
     uint32_t items, target, cap = 1024;
     if (use_decode(p)) { /* one CTA per (KV head, split) */
         items = p->n_head_kv;
-        target = (uint32_t)(n_sm > 0 ? n_sm : 1) * (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows);
+        target = (uint32_t)(n_sm > 0 ? n_sm : 1) *
+                 (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows, p->decode_cfg);
         cap = TKV_ATTN_DECODE_MAX_SPLIT;
     } else {
         const uint32_t R = 4096 / cls;
@@ -375,6 +376,10 @@ size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm
         p->n_split = want < max_blocks ? want : max_blocks;
         if (p->n_split > cap)
             p->n_split = cap;
+        /* as few splits as give the same largest split: equal work per CTA
+         * (512 blocks in 33 splits take as long as in 32 of 16 each) */
+        const uint32_t per = (max_blocks + p->n_split - 1) / p->n_split;
+        p->n_split = (max_blocks + per - 1) / per;
     }
     return p->n_split > 1 ? (size_t)p->n_split * p->n_q * p->n_head * (p->head_dim + 2) : 0;
 }
@@ -419,7 +424,8 @@ struct tkv_cuda_attn_state {
     size_t part_cap;               /* floats                               */
     uint32_t *counters;            /* [counters_cap], zero between calls   */
     uint32_t counters_cap;
-    int decode_mode;
+    int decode_mode, decode_cfg;
+    bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
 };
 
 void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
@@ -457,6 +463,9 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **ou
     if (!st)
         return cudaErrorMemoryAllocation;
     st->decode_mode = decode_mode;
+    const char *cfg = getenv("TKV_CUDA_ATTN_CFG"), *tab = getenv("TKV_CUDA_ATTN_TABLE");
+    st->decode_cfg = cfg && (cfg[0] == '1' || cfg[0] == '2') && !cfg[1] ? cfg[0] - '0' : 0;
+    st->table_on_main = tab && !strcmp(tab, "main");
     cudaError_t e = cudaStreamCreateWithFlags(&st->copy, cudaStreamNonBlocking);
     for (int i = 0; i < N_TABLES && e == cudaSuccess; i++) {
         e = cudaEventCreateWithFlags(&st->tab[i].copied, cudaEventDisableTiming);
@@ -545,11 +554,14 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
 
     /* copy on the copy stream (overlapping the compute queued before), and
      * make the compute stream wait for it */
-    TKV_CUDA_TRY(cudaMemcpyAsync(t->dev, t->host, bytes, cudaMemcpyHostToDevice, st->copy));
-    TKV_CUDA_TRY(cudaEventRecord(t->copied, st->copy));
-    TKV_CUDA_TRY(cudaEventRecord(t->used, st->copy)); /* until the kernels are queued */
+    cudaStream_t cs = st->table_on_main ? s : st->copy;
+    TKV_CUDA_TRY(cudaMemcpyAsync(t->dev, t->host, bytes, cudaMemcpyHostToDevice, cs));
+    TKV_CUDA_TRY(cudaEventRecord(t->used, cs)); /* until the kernels are queued */
     t->pending = true;
-    TKV_CUDA_TRY(cudaStreamWaitEvent(s, t->copied, 0));
+    if (cs != s) {
+        TKV_CUDA_TRY(cudaEventRecord(t->copied, cs));
+        TKV_CUDA_TRY(cudaStreamWaitEvent(s, t->copied, 0));
+    }
 
     tkv_cuda_attn_params p;
     memset(&p, 0, sizeof p);
@@ -566,6 +578,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.scale_log2 = a->scale * 1.44269504088896341f;
     p.vec16 = (addr_bits % 16) == 0 && a->head_dim % 8 == 0;
     p.decode_mode = st->decode_mode;
+    p.decode_cfg = st->decode_cfg;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, n_sm);
     if (part) {
         TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));

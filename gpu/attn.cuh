@@ -52,6 +52,7 @@ struct tkv_cuda_attn_params {
     float scale_log2;                       /* scale * log2(e)                  */
     int vec16;                              /* all K/V rows 16-byte aligned     */
     int decode_mode;                        /* enum tkv_cuda_attn_decode_mode   */
+    int decode_cfg;                         /* decode kernel configuration 0..2 */
     uint32_t *counters;                     /* [n_head_kv], zero between calls:
                                                finished splits (fused merge)    */
 };
@@ -83,6 +84,9 @@ cudaError_t tkv_cuda_attention(const struct tkv_cuda_attn_params *p, cudaStream_
  * kernels queued before it; the split-K partials; the merge counters. */
 struct tkv_cuda_attn_state;
 
+/* Two knobs for measuring alternatives, read from the environment here:
+ * TKV_CUDA_ATTN_CFG=1 or 2 (decode kernel configurations, attn-decode.cu) and
+ * TKV_CUDA_ATTN_TABLE=main (copy the block table on the compute stream). */
 cudaError_t tkv_cuda_attn_state_create(int decode_mode, struct tkv_cuda_attn_state **out);
 void tkv_cuda_attn_state_free(struct tkv_cuda_attn_state *st); /* NULL is a no-op */
 

@@ -100,16 +100,16 @@ attn)
     echo "== test-gpu-backend exit $rc ($(( $(date +%s) - t0 )) s)"
     if [ "${2:-}" = sanitize ]; then
         src=0
-        TKV_TEST_ONLY=attention timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        TKV_TEST_ONLY=attention timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
             /tmp/tkv-build/tests/test-gpu-backend > "$out/memcheck.log" 2>&1 || src=$?
         grep -E "ERROR SUMMARY|Invalid|checks,|^=========" "$out/memcheck.log" | head -20
         echo "== memcheck (attention section) exit $src ($(( $(date +%s) - t0 )) s)"
     fi
     brc=0
-    timeout 150 /tmp/tkv-build/bench/bench-attn -s decode -j "$out/decode.json" > "$out/bench.log" 2>&1 || brc=$?
+    timeout 120 /tmp/tkv-build/bench/bench-attn -s decode -j "$out/decode.json" > "$out/bench.log" 2>&1 || brc=$?
     cat "$out/bench.log"
     echo "== bench-attn exit $brc ($(( $(date +%s) - t0 )) s)"
-    PYTHONUNBUFFERED=1 timeout 150 python3 scripts/bench-torch-attn.py --ours "$out/decode.json" \
+    PYTHONUNBUFFERED=1 timeout 120 python3 scripts/bench-torch-attn.py --ours "$out/decode.json" \
         --json "$out/decode-vs-torch.json" > "$out/torch.log" 2>&1 || echo "== torch exit $?"
     grep -v '^{' "$out/torch.log"
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu --format=csv

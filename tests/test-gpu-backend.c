@@ -16,8 +16,8 @@
  *   kv_write   bit-identical f16
  *   attention  max |gpu - ref| <= 1e-4 on outputs and lse (ref = double),
  *              and the same against the CPU backend's fast path; for each
- *              of the decode kernel (fused or separate merge) and the
- *              general kernel, and between them
+ *              of the decode kernel (fused or separate merge, its
+ *              configurations) and the general kernel, and between them
  *   attn_stats against the CPU backend (= the policies' own computation):
  *              segment P |gpu - cpu| <= 1e-5 cpu, entropy <= 1e-6 + 1e-5 H;
  *              window scores |gpu - cpu| <= 1e-5 |cpu|
@@ -441,12 +441,16 @@ static void test_kv_write(void)
 
 /* ---- attention -------------------------------------------------------------------------- */
 
-/* Every case runs on three CUDA backends: the default one (the decode kernel
- * with its fused merge for <= 8 query rows per KV head), the general kernel
- * (TKV_CUDA_ATTN_DECODE=0, the reference the fast kernels are checked
- * against) and the decode kernel with a separate merge kernel
- * (TKV_CUDA_ATTN_DECODE=merge). */
-static struct tkv_backend *gpu_attn_ref, *gpu_attn_merge;
+/* Every case runs on several CUDA backends: the default one (the decode
+ * kernel with its fused merge for <= 8 query rows per KV head), the general
+ * kernel (TKV_CUDA_ATTN_DECODE=0, the reference the fast kernels are checked
+ * against), the decode kernel with a separate merge kernel
+ * (TKV_CUDA_ATTN_DECODE=merge), and its other configurations
+ * (TKV_CUDA_ATTN_CFG=1 with the block table copied on the compute stream,
+ * TKV_CUDA_ATTN_CFG=2). */
+#define N_ATTN_ALT 4
+static struct tkv_backend *gpu_attn_alt[N_ATTN_ALT]; /* [0]: the general kernel */
+static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "cfg1", "cfg2"};
 
 enum view_kind { VIEW_ALL, VIEW_SPARSE, VIEW_WINDOW, VIEW_SLICES };
 
@@ -573,22 +577,22 @@ static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t 
           Hkv, hd, B, n_ctx, n_q, kinds[kind], eo, el);
     CHECK(eoc <= 1e-4 && elc <= 1e-4, "attention vs cpu backend: out %.3g lse %.3g", eoc, elc);
 
-    /* the general (reference) kernel, and the separate merge kernel, on the same inputs */
-    struct tkv_backend *others[2] = {gpu_attn_ref, gpu_attn_merge};
-    static const char *names[2] = {"general kernel", "merge kernel"};
-    for (int i = 0; i < 2; i++) {
-        if (!others[i])
+    /* the general (reference) kernel and the other paths, on the same inputs */
+    double worst_o = 0, worst_l = 0;
+    for (int i = 0; i < N_ATTN_ALT; i++) {
+        if (!gpu_attn_alt[i])
             continue;
-        attn_on(others[i], &a, o_x, l_x);
+        attn_on(gpu_attn_alt[i], &a, o_x, l_x);
         const double xo = max_err(o_x, o_ref, qn), xl = max_err(l_x, l_ref, ln);
         const double fo = max_err(o_gpu, o_x, qn), fl = max_err(l_gpu, l_x, ln);
-        fprintf(stderr, i ? ", merge-kernel vs ref %.1e %.1e" : ", |default-general| %.1e %.1e", i ? xo : fo,
-                i ? xl : fl);
+        if (i == 0)
+            fprintf(stderr, ", |default-general| %.1e %.1e", fo, fl);
+        worst_o = fmax(worst_o, xo), worst_l = fmax(worst_l, xl);
         CHECK(xo <= 1e-4 && xl <= 1e-4, "attention (%s) H=%u Hkv=%u hd=%u ctx=%u n_q=%u: out err %.3g lse err %.3g",
-              names[i], H, Hkv, hd, n_ctx, n_q, xo, xl);
-        CHECK(fo <= 1e-4 && fl <= 1e-4, "attention: default vs %s: out %.3g lse %.3g", names[i], fo, fl);
+              attn_alt_names[i], H, Hkv, hd, n_ctx, n_q, xo, xl);
+        CHECK(fo <= 1e-4 && fl <= 1e-4, "attention: default vs %s: out %.3g lse %.3g", attn_alt_names[i], fo, fl);
     }
-    fprintf(stderr, "\n");
+    fprintf(stderr, ", others vs ref %.1e %.1e\n", worst_o, worst_l);
 
     /* without lse the output is the same */
     float *dout2 = dev_poisoned(qn);
@@ -604,21 +608,26 @@ static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t 
     kv_free(&f);
 }
 
-/* A CUDA backend created with TKV_CUDA_ATTN_DECODE=mode (NULL on failure). */
-static struct tkv_backend *gpu_with_attn_mode(const char *mode)
+/* A CUDA backend created with these attention settings in the environment
+ * (NULL on failure). */
+static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *cfg, const char *table)
 {
     struct tkv_backend *be = NULL;
-    setenv("TKV_CUDA_ATTN_DECODE", mode, 1);
+    setenv("TKV_CUDA_ATTN_DECODE", decode, 1);
+    setenv("TKV_CUDA_ATTN_CFG", cfg, 1);
+    setenv("TKV_CUDA_ATTN_TABLE", table, 1);
     tkv_status st = tkv_backend_create("cuda", 0, &be);
-    unsetenv("TKV_CUDA_ATTN_DECODE");
-    CHECK(st == TKV_OK, "TKV_CUDA_ATTN_DECODE=%s: %s", mode, tkv_last_error());
+    unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_CFG"), unsetenv("TKV_CUDA_ATTN_TABLE");
+    CHECK(st == TKV_OK, "TKV_CUDA_ATTN_DECODE=%s CFG=%s TABLE=%s: %s", decode, cfg, table, tkv_last_error());
     return st == TKV_OK ? be : NULL;
 }
 
 static void test_attention(void)
 {
-    gpu_attn_ref = gpu_with_attn_mode("0");
-    gpu_attn_merge = gpu_with_attn_mode("merge");
+    gpu_attn_alt[0] = gpu_with_attn_env("0", "0", "copy");
+    gpu_attn_alt[1] = gpu_with_attn_env("merge", "0", "copy");
+    gpu_attn_alt[2] = gpu_with_attn_env("1", "1", "main");
+    gpu_attn_alt[3] = gpu_with_attn_env("1", "2", "copy");
     fprintf(stderr, "attention, prefill:\n");
     test_attention_case(9, 3, 64, 64, 300, 300, VIEW_ALL, 0);      /* SmolLM2 shape, whole prompt */
     test_attention_case(32, 8, 128, 32, 1000, 300, VIEW_ALL, 0);   /* Llama-3 8B shape, later chunk */
@@ -653,11 +662,11 @@ static void test_attention(void)
     struct tkv_attn_args bad = {.q = dummy, .q_pos = (int32_t[]){0}, .out = dummy, .n_q = 1, .n_head = 1,
                                 .n_head_kv = 1, .head_dim = 20, .scale = 1, .kv = &v};
     CHECK(gpu->ops->attention(gpu, &bad) == TKV_ERR_UNSUPPORTED, "head_dim 20 accepted");
-    if (gpu_attn_ref)
-        gpu_attn_ref->ops->free(gpu_attn_ref);
-    if (gpu_attn_merge)
-        gpu_attn_merge->ops->free(gpu_attn_merge);
-    gpu_attn_ref = gpu_attn_merge = NULL;
+    for (int i = 0; i < N_ATTN_ALT; i++) {
+        if (gpu_attn_alt[i])
+            gpu_attn_alt[i]->ops->free(gpu_attn_alt[i]);
+        gpu_attn_alt[i] = NULL;
+    }
 }
 
 /* ---- attention statistics (attn_stats): the policies' scores ------------------------------ */
