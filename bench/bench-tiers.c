@@ -188,7 +188,7 @@ int main(int argc, char **argv)
                         src[j] = (const uint8_t *)host + ((uint64_t)l * nl + j) * S;
                         dst[j] = (uint8_t *)dev + ((uint64_t)l * nl + (uint64_t)j * 7919 % nl) * S;
                     }
-                    be->ops->upload_blocks(be, dst, src, nl, S);
+                    be->ops->upload_blocks(be, dst, src, nl, S, NULL, NULL);
                 }
                 be->ops->upload_wait(be, true, NULL);
                 copy_r[r] = total / (now() - g0) / 1e9;

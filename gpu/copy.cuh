@@ -15,16 +15,29 @@
 
 #include "common.cuh"
 
-/* One copy: `bytes` from src (host pointer, device-accessible) to dst. */
+/* One copy: `bytes` from src (host pointer, device-accessible) to dst;
+ * with verification, crc is the expected CRC-32C of the bytes and bad is set
+ * to 1 when the copy that landed does not match it (else 0). */
 struct tkv_cuda_copy {
     const void *src;
     void *dst;
+    uint32_t crc;
+    uint32_t bad;
 };
 
 /* Copies table[0..n) of `bytes` each; table is device-readable memory (a
  * pinned host buffer works). bytes must be a multiple of 16 and src/dst
  * 16-byte aligned (tkv_cuda_gather_ok). */
 cudaError_t tkv_cuda_gather(const struct tkv_cuda_copy *table, uint32_t n, size_t bytes, cudaStream_t s);
+
+/* Sets table[j].bad for j < n: the CRC-32C of table[j].dst's `bytes` (device
+ * memory) against table[j].crc. One CTA per copy: each of 256 threads takes
+ * the CRC register of a 1/256 slice, and a tree joins them with the shift
+ * constants of tiers/crc32c.h. bytes must be a multiple of 4096
+ * (tkv_cuda_verify_ok). */
+cudaError_t tkv_cuda_verify(struct tkv_cuda_copy *table, uint32_t n, size_t bytes, cudaStream_t s);
+
+static inline bool tkv_cuda_verify_ok(size_t bytes) { return bytes > 0 && bytes % 4096 == 0; }
 
 static inline bool tkv_cuda_gather_ok(const void *src, const void *dst, size_t bytes)
 {

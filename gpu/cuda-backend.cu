@@ -47,6 +47,8 @@ struct gather_slot {
     struct tkv_cuda_copy *dev;   /* device [cap]                              */
     void **dsts; const void **srcs; size_t *sizes; /* [cap] for the memcpy path */
     uint32_t cap;
+    uint32_t n;                  /* copies of the last use                    */
+    uint8_t *bad;                /* the caller's verdicts, filled at upload_wait */
     cudaEvent_t ev;
     bool pending;
 };
@@ -291,15 +293,45 @@ static void cuda_host_unregister(struct tkv_backend *b, void *p)
 
 /* ---- asynchronous block uploads ------------------------------------------ */
 
+/* A slot's copies have finished: hand its verdicts to the caller. */
+static void gather_slot_done(struct gather_slot *sl)
+{
+    if (sl->bad)
+        for (uint32_t j = 0; j < sl->n; j++)
+            sl->bad[j] = (uint8_t)(sl->host[j].bad != 0);
+    sl->bad = NULL;
+    sl->pending = false;
+}
+
+/* Completes slot sl's previous use (block) or reports whether it is done. */
+static tkv_status gather_slot_finish(struct cuda_backend *cb, struct gather_slot *sl, bool block, bool *done)
+{
+    const char *op = "upload_wait";
+    *done = true;
+    if (!sl->pending)
+        return TKV_OK;
+    if (block) {
+        CU(op, cudaEventSynchronize(sl->ev));
+    } else {
+        cudaError_t e = cudaEventQuery(sl->ev);
+        if (e == cudaErrorNotReady) {
+            (void)cudaGetLastError();
+            *done = false;
+            return TKV_OK;
+        }
+        CU(op, e);
+    }
+    gather_slot_done(sl);
+    return TKV_OK;
+}
+
 /* Makes sure slot sl can hold n copies (after its previous use completed). */
 static tkv_status gather_slot_take(struct cuda_backend *cb, uint32_t n, struct gather_slot **out)
 {
     const char *op = "upload_blocks";
     struct gather_slot *sl = &cb->gather[cb->next_gather++ % N_GATHER];
-    if (sl->pending) {
-        CU(op, cudaEventSynchronize(sl->ev));
-        sl->pending = false;
-    }
+    bool done;
+    TKV_TRY(gather_slot_finish(cb, sl, true, &done));
     if (n > sl->cap) {
         uint32_t cap = TKV_MAX(n, TKV_MAX(2 * sl->cap, 1024u));
         cudaFreeHost(sl->host);
@@ -307,7 +339,7 @@ static tkv_status gather_slot_take(struct cuda_backend *cb, uint32_t n, struct g
         free(sl->dsts);
         free(sl->srcs);
         free(sl->sizes);
-        memset(sl, 0, offsetof(struct gather_slot, ev));
+        memset(sl, 0, offsetof(struct gather_slot, n));
         CU(op, cudaMallocHost(&sl->host, cap * sizeof *sl->host));
         CU(op, cudaMalloc(&sl->dev, cap * sizeof *sl->dev));
         sl->dsts = (void **)malloc(cap * sizeof *sl->dsts);
@@ -322,26 +354,31 @@ static tkv_status gather_slot_take(struct cuda_backend *cb, uint32_t n, struct g
 }
 
 static tkv_status cuda_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
-                                     size_t bytes)
+                                     size_t bytes, const uint32_t *crc, uint8_t *bad)
 {
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "upload_blocks";
     ALIVE(op);
+    if (crc && !tkv_cuda_verify_ok(bytes))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "cuda: upload_blocks: cannot verify blocks of %zu bytes on the device "
+                                            "(a multiple of 4096 is needed)", bytes);
     if (n == 0 || bytes == 0)
         return TKV_OK;
     struct gather_slot *sl;
     TKV_TRY(gather_slot_take(cb, n, &sl));
     bool kernel = cb->gather_kernel;
     for (uint32_t j = 0; j < n; j++) {
-        sl->host[j] = (struct tkv_cuda_copy){src[j], dst[j]};
+        sl->host[j] = (struct tkv_cuda_copy){src[j], dst[j], crc ? crc[j] : 0u, 0u};
         kernel = kernel && tkv_cuda_gather_ok(src[j], dst[j], bytes);
     }
+    sl->n = n;
     /* the copies come after everything queued so far on the compute stream
      * (a destination slot may still be read there) */
     CU(op, cudaEventRecord(cb->ev_main, cb->stream));
     CU(op, cudaStreamWaitEvent(cb->copy_stream, cb->ev_main, 0));
-    if (kernel) {
+    if (kernel || crc)
         CU(op, cudaMemcpyAsync(sl->dev, sl->host, n * sizeof *sl->host, cudaMemcpyHostToDevice, cb->copy_stream));
+    if (kernel) {
         CU(op, tkv_cuda_gather(sl->dev, n, bytes, cb->copy_stream));
     } else {
         for (uint32_t j = 0; j < n; j++) {
@@ -363,6 +400,11 @@ static tkv_status cuda_upload_blocks(struct tkv_backend *b, void *const *dst, co
         } else if (e != cudaSuccess) {
             return cu_fail(cb, e, op, "cudaMemcpyBatchAsync");
         }
+    }
+    if (crc) { /* check what landed; the verdicts come back with the table */
+        CU(op, tkv_cuda_verify(sl->dev, n, bytes, cb->copy_stream));
+        CU(op, cudaMemcpyAsync(sl->host, sl->dev, n * sizeof *sl->host, cudaMemcpyDeviceToHost, cb->copy_stream));
+        sl->bad = bad;
     }
     CU(op, cudaEventRecord(sl->ev, cb->copy_stream));
     sl->pending = true;
@@ -389,20 +431,17 @@ static tkv_status cuda_upload_wait(struct tkv_backend *b, bool block, bool *done
         *done = true;
     if (!cb->uploads_pending)
         return TKV_OK;
-    CU("upload_wait", cudaEventRecord(cb->ev_copy, cb->copy_stream));
-    if (block) {
-        CU("upload_wait", cudaEventSynchronize(cb->ev_copy));
-    } else {
-        cudaError_t e = cudaEventQuery(cb->ev_copy);
-        if (e == cudaErrorNotReady) {
-            (void)cudaGetLastError();
-            if (done)
-                *done = false;
-            return TKV_OK;
-        }
-        CU("upload_wait", e);
+    /* every use of the slots was recorded on the copy stream in order */
+    bool all = true;
+    for (int i = 0; i < N_GATHER; i++) {
+        bool d;
+        TKV_TRY(gather_slot_finish(cb, &cb->gather[i], block, &d));
+        all = all && d;
     }
-    cb->uploads_pending = false;
+    if (done)
+        *done = all;
+    if (all)
+        cb->uploads_pending = false;
     return TKV_OK;
 }
 

@@ -152,12 +152,16 @@ struct tkv_backend_ops {
      * registered with host_register) -> dst[i] (device memory), after all work
      * queued so far, and returns at once; the copies overlap ops queued later
      * until upload_fence. Until upload_wait reports them done, the sources
-     * must not change and the host must not reuse dst and src arrays' targets.
+     * must not change. With crc != NULL the device also checks each copy
+     * that landed against crc[i] (CRC-32C) and bad[i] (host memory, valid
+     * until then) is set to 1 on a mismatch, 0 otherwise, by the time
+     * upload_wait reports the copies done; a backend that cannot check this
+     * size returns TKV_ERR_UNSUPPORTED and queues nothing.
      * upload_fence: every op queued after it sees the copies (no host wait).
      * upload_wait: block = true waits for the copies; false polls: *done says
      * whether they have finished. */
     tkv_status (*upload_blocks)(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
-                                size_t bytes);
+                                size_t bytes, const uint32_t *crc, uint8_t *bad);
     tkv_status (*upload_fence)(struct tkv_backend *b);
     tkv_status (*upload_wait)(struct tkv_backend *b, bool block, bool *done);
 };

@@ -174,15 +174,18 @@ enum { MAX_DEFERRED = 4096 };
 static struct deferred {
     struct tkv_backend base;
     struct tkv_backend *inner;
-    struct { void *dst; const void *src; size_t bytes; } q[MAX_DEFERRED];
+    struct { void *dst; const void *src; size_t bytes; uint32_t crc; uint8_t *bad; } q[MAX_DEFERRED];
     uint32_t n;
     uint64_t queued, fences;
 } dfr;
 
 static void dfr_flush(void)
 {
-    for (uint32_t j = 0; j < dfr.n; j++)
+    for (uint32_t j = 0; j < dfr.n; j++) {
         memcpy(dfr.q[j].dst, dfr.q[j].src, dfr.q[j].bytes);
+        if (dfr.q[j].bad) /* the "device" checks what landed */
+            *dfr.q[j].bad = tkv_crc32c(0, dfr.q[j].dst, dfr.q[j].bytes) != dfr.q[j].crc;
+    }
     dfr.n = 0;
 }
 static void dfr_free(struct tkv_backend *b) { (void)b; }
@@ -200,13 +203,15 @@ static tkv_status dfr_download(struct tkv_backend *b, void *dst, const void *src
 }
 static tkv_status dfr_sync(struct tkv_backend *b) { (void)b; dfr_flush(); return TKV_OK; }
 static tkv_status dfr_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
-                                    size_t bytes)
+                                    size_t bytes, const uint32_t *crc, uint8_t *bad)
 {
     (void)b;
     for (uint32_t j = 0; j < n; j++) {
         if (dfr.n == MAX_DEFERRED)
             dfr_flush();
-        dfr.q[dfr.n++] = (typeof(dfr.q[0])){dst[j], src[j], bytes};
+        dfr.q[dfr.n++] = (typeof(dfr.q[0])){dst[j], src[j], bytes, crc ? crc[j] : 0, crc ? &bad[j] : NULL};
+        if (bad)
+            bad[j] = 0xAA; /* not known until the wait */
     }
     dfr.queued += n;
     return TKV_OK;
@@ -451,11 +456,31 @@ static void test_gpu_upload_blocks(struct tkv_backend *g)
             src[j] = host + (size_t)j * S;
             dst[j] = (uint8_t *)dev + (size_t)((j * 7) % NBLK) * S;
         }
-        CHECK(g->ops->upload_blocks(g, dst, src, NBLK, S) == TKV_OK, "upload_blocks: %s", tkv_last_error());
+        /* checksums of what should land; two deliberately wrong */
+        uint32_t crc[NBLK];
+        uint8_t bad[NBLK];
+        for (uint32_t j = 0; j < NBLK; j++)
+            crc[j] = tkv_crc32c(0, src[j], S) ^ (j == 5 || j == 250 ? 0x100u : 0u);
+        const bool verify = S % 4096 == 0;
+        tkv_status ust = g->ops->upload_blocks(g, dst, src, NBLK, S, crc, bad);
+        CHECK(verify ? ust == TKV_OK : ust == TKV_ERR_UNSUPPORTED, "upload_blocks with checksums of %zu bytes: %s", S,
+              tkv_status_str(ust));
+        if (ust != TKV_OK)
+            ust = g->ops->upload_blocks(g, dst, src, NBLK, S, NULL, NULL);
+        CHECK(ust == TKV_OK, "upload_blocks: %s", tkv_last_error());
         CHECK(g->ops->upload_fence(g) == TKV_OK, "upload_fence: %s", tkv_last_error());
         bool done = false;
         CHECK(g->ops->upload_wait(g, false, &done) == TKV_OK, "upload_wait (poll): %s", tkv_last_error());
         CHECK(g->ops->upload_wait(g, true, &done) == TKV_OK && done, "upload_wait: %s", tkv_last_error());
+        if (verify) {
+            uint32_t flagged = 0, right = 0;
+            for (uint32_t j = 0; j < NBLK; j++) {
+                flagged += bad[j] == 1;
+                right += bad[j] == (j == 5 || j == 250);
+            }
+            CHECK(right == NBLK, "device checksums of %zu-byte blocks: %u of %d verdicts right (%u flagged, want 2)",
+                  S, right, NBLK, flagged);
+        }
         CHECK(g->ops->download(g, back, dev, total) == TKV_OK, "download: %s", tkv_last_error());
         uint32_t wrong = 0;
         for (uint32_t j = 0; j < NBLK; j++)
@@ -488,6 +513,14 @@ static void test_crc32c(void)
             CHECK(false, "crc32c of %zu bytes at +%zu from %08x: fast %08x, reference %08x", len, off, c0, fast, ref);
     }
     CHECK(tkv_crc32c(0, "123456789", 9) == 0xE3069283u, "crc32c check value");
+    /* the algebra the GPU verification joins slices with */
+    for (int r = 0; r < 20; r++) {
+        size_t a = (size_t)(test_rand_u64(&rng) % 5000), b = (size_t)(test_rand_u64(&rng) % 5000);
+        uint32_t ra = ~tkv_crc32c_ref(0xFFFFFFFFu, buf, a), rb = ~tkv_crc32c_ref(0xFFFFFFFFu, buf + a, b);
+        uint32_t joined = tkv_crc32c_mulmod(ra, tkv_crc32c_x8n(b)) ^ rb;
+        uint32_t std = ~(joined ^ tkv_crc32c_mulmod(0xFFFFFFFFu, tkv_crc32c_x8n(a + b)));
+        CHECK(std == tkv_crc32c_ref(0, buf, a + b), "crc join of %zu + %zu bytes", a, b);
+    }
 }
 
 int main(void)

@@ -20,10 +20,9 @@ uint32_t tkv_crc32c_ref(uint32_t crc, const void *data, size_t len)
     return ~crc;
 }
 
-#if defined(__SSE4_2__) && defined(__x86_64__)
 /* a * b mod P, polynomials over GF(2) in CRC-32C's reflected order (bit 31
  * is the coefficient of x^0). */
-static uint32_t gf2_mulmod(uint32_t a, uint32_t b)
+uint32_t tkv_crc32c_mulmod(uint32_t a, uint32_t b)
 {
     uint32_t p = 0;
     for (int i = 0; i < 32; i++, a <<= 1) {
@@ -35,17 +34,18 @@ static uint32_t gf2_mulmod(uint32_t a, uint32_t b)
 }
 
 /* x^(8n) mod P: what n zero bytes multiply the CRC register by. */
-static uint32_t x_pow_8n(uint64_t n)
+uint32_t tkv_crc32c_x8n(uint64_t n)
 {
     uint32_t r = 0x80000000u, sq = 0x40000000u; /* x^0, x^1 */
     for (uint64_t e = 8 * n; e; e >>= 1) {
         if (e & 1)
-            r = gf2_mulmod(r, sq);
-        sq = gf2_mulmod(sq, sq);
+            r = tkv_crc32c_mulmod(r, sq);
+        sq = tkv_crc32c_mulmod(sq, sq);
     }
     return r;
 }
 
+#if defined(__SSE4_2__) && defined(__x86_64__)
 static uint64_t crc_words(uint64_t c, const uint8_t *p, size_t n8)
 {
     for (size_t i = 0; i < n8; i++) {
@@ -81,12 +81,12 @@ uint32_t tkv_crc32c(uint32_t crc, const void *data, size_t len)
         static _Thread_local size_t last_n8;
         static _Thread_local uint32_t last_shift;
         if (n8 != last_n8) {
-            last_shift = x_pow_8n(8 * n8);
+            last_shift = tkv_crc32c_x8n(8 * n8);
             last_n8 = n8;
         }
         const uint32_t shift = last_shift;
-        c = gf2_mulmod((uint32_t)c, shift) ^ (uint32_t)c1;
-        c = gf2_mulmod((uint32_t)c, shift) ^ (uint32_t)c2;
+        c = tkv_crc32c_mulmod((uint32_t)c, shift) ^ (uint32_t)c1;
+        c = tkv_crc32c_mulmod((uint32_t)c, shift) ^ (uint32_t)c2;
         p += 24 * n8;
         len -= 24 * n8;
     }

@@ -15,4 +15,12 @@
 uint32_t tkv_crc32c(uint32_t crc, const void *data, size_t len);
 uint32_t tkv_crc32c_ref(uint32_t crc, const void *data, size_t len);
 
+/* The algebra that joins CRCs of pieces (and lets a GPU compute one in
+ * parallel): the CRC register is linear, so for the raw register (no
+ * pre/post inversion) reg(A||B) = mulmod(reg(A), x8n(|B|)) ^ reg(B), and
+ * crc(M) = ~(reg0(M) ^ mulmod(0xFFFFFFFF, x8n(|M|))), reg0 starting at 0.
+ * mulmod: a*b mod P in CRC-32C's reflected bit order; x8n: x^(8n) mod P. */
+uint32_t tkv_crc32c_mulmod(uint32_t a, uint32_t b);
+uint32_t tkv_crc32c_x8n(uint64_t n);
+
 #endif
