@@ -270,6 +270,24 @@ static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, uint32_t B, c
     return m;
 }
 
+/* Accounts one KV head's read at a decode step: refs[nr] (ascending slices,
+ * none across a block boundary) of a context of n tokens; all_in: the store
+ * brought every block in. */
+static void account_read(tkv_session *s, const struct tkv_kv_block_ref *refs, uint32_t nr, uint32_t n, bool all_in)
+{
+    const uint32_t B = s->kv_block, nb = (n + B - 1) / B;
+    uint32_t tokens = 0, blocks = 0, last = UINT32_MAX;
+    for (uint32_t i = 0; i < nr; i++) {
+        const uint32_t b = (uint32_t)refs[i].pos0 / B;
+        tokens += refs[i].n;
+        blocks += b != last;
+        last = b;
+    }
+    s->read_tokens += n ? (double)tokens / n : 1.0;
+    s->read_blocks += all_in || !nb ? 1.0 : (double)blocks / nb;
+    s->read_count++;
+}
+
 /* The keys each KV head of `layer` attends to for n queries, as the policy
  * decides; returns whether any head was restricted. During prefill a
  * selecting policy names past keys and the chunk's own keys are added. */
@@ -287,11 +305,16 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
         s->views[h] = tkv_kvs_view(s->kv, layer, h);
     if (!hook)
         return false;
+    /* (asked before the hook runs: a policy may catch up on keys in it) */
+    const bool all_in = decode && po->decode_needs_keys && po->decode_needs_keys(s->policy->state, &v);
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
         struct tkv_range *ranges = s->plan_ranges + (size_t)h * s->max_ranges;
         int m = plan ? plan[h] : hook(s->policy->state, &v, h, ranges, s->max_ranges - 1);
-        if (m < 0)
+        if (m < 0) {
+            if (decode)
+                account_read(s, NULL, 0, 0, true);
             continue;
+        }
         if (!decode) { /* the chunk always sees its own keys (causally) */
             if (m > 0 && ranges[m - 1].end >= s->n_past)
                 ranges[m - 1].end = TKV_MAX(ranges[m - 1].end, s->n_past + n);
@@ -303,6 +326,8 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
                                            s->max_refs);
         s->views[h] = (struct tkv_kv_head_view){.blocks = refs, .n_blocks = nr};
         restricted = true;
+        if (decode)
+            account_read(s, refs, nr, v.n_past, all_in);
     }
     return restricted;
 }
@@ -586,6 +611,15 @@ double tkv_session_mass_kept(const tkv_session *s)
     return s && s->mass_count ? s->mass_sum / (double)s->mass_count : 1.0;
 }
 
+void tkv_session_kv_read(const tkv_session *s, double *tokens, double *blocks)
+{
+    const bool any = s && s->read_count;
+    if (tokens)
+        *tokens = any ? s->read_tokens / (double)s->read_count : 1.0;
+    if (blocks)
+        *blocks = any ? s->read_blocks / (double)s->read_count : 1.0;
+}
+
 tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, size_t *len_out)
 {
     if (!s || !len_out || (cap && !buf))
@@ -601,6 +635,11 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
         s->prefill_seconds, s->prefill_seconds > 0 ? s->prefill_tokens / s->prefill_seconds : 0.0);
     OUT(" \"decode\": {\"tokens\": %llu, \"seconds\": %.6f, \"tok_s\": %.3f},\n", (unsigned long long)s->decode_tokens,
         s->decode_seconds, s->decode_seconds > 0 ? s->decode_tokens / s->decode_seconds : 0.0);
+    double read_tok, read_blk;
+    tkv_session_kv_read(s, &read_tok, &read_blk);
+    const struct tkv_policy_ops *po = s->policy->ops;
+    OUT(" \"selection\": {\"read_tokens\": %.6f, \"read_blocks\": %.6f, \"policy_bytes\": %llu},\n", read_tok,
+        read_blk, (unsigned long long)(po->memory_bytes ? po->memory_bytes(s->policy->state) : 0));
     OUT(" \"kv\": {\"block_tokens\": %u, \"block_bytes\": %u, \"bytes_per_token\": %llu, \"io_engine\": \"%s\", "
         "\"nvme_direct\": %s, \"prefetched_blocks\": %llu, \"corrupt_blocks\": %llu,\n",
         s->kv_block, tkv_kvs_block_bytes(s->kv), (unsigned long long)s->hp.n_layer * s->hp.n_head_kv * s->hp.head_dim * 4,

@@ -75,6 +75,10 @@ struct tkv_session {
     float *att_full, *lse_full, *lse_sel; /* backend [n_head*head_dim], [n_head], [n_head] */
     double mass_sum;
     uint64_t mass_count;
+    /* what decode attention read (select_views): sums over (step, layer,
+     * KV head) of the share of the context's tokens and blocks */
+    double read_tokens, read_blocks;
+    uint64_t read_count;
     /* statistics */
     uint64_t prefill_tokens, decode_tokens, prefill_chunks;
     double prefill_seconds, decode_seconds;

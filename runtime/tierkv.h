@@ -210,6 +210,12 @@ tkv_status tkv_session_fork(const tkv_session *src, const struct tkv_session_par
  * 1.0 when nothing was left out or nothing was measured. */
 double tkv_session_mass_kept(const tkv_session *session);
 
+/* Mean share of the context that decode attention read, over the decode
+ * steps, layers and KV heads so far: *tokens attended, and *blocks the KV
+ * store had to bring in for them (all of a layer's blocks on a step where
+ * the policy needed every key). 1.0 when the policy left nothing out. */
+void tkv_session_kv_read(const tkv_session *session, double *tokens, double *blocks);
+
 /* The token ids in the context (n_past of them); valid until the next call
  * that changes the session. */
 const tkv_token *tkv_session_tokens(const tkv_session *session);

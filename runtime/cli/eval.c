@@ -50,7 +50,8 @@ static void print_eval_help(void)
            "dense `full` policy on them and every (policy, budget), and writes per (task, policy,\n"
            "budget): score (RULER's metric, 0-1), kl (mean next-token KL(full || policy) over full's\n"
            "answer tokens), top1 (argmax agreement with full), mass_kept (attention mass on the keys\n"
-           "the policy kept).\n"
+           "the policy kept), kv_read and kv_read_blocks (share of the context's tokens and KV blocks\n"
+           "decode attention read per step).\n"
            "\n"
            "  -m, --model FILE     GGUF model\n"
            "      --task LIST      comma-separated, or 'all': niah_single, niah_multikey, niah_multivalue,\n"
@@ -286,6 +287,7 @@ static int parse_opts(int argc, char **argv, struct opts *o)
 
 struct cell {
     double score_sum, kl_sum, mass_sum, seconds;
+    double read_tok_sum, read_blk_sum; /* share of the context decode read, per sample (mass_n of them) */
     uint64_t steps, agree;
     uint32_t n, mass_n, free_runs, fresh;
     bool failed;
@@ -490,6 +492,8 @@ static tkv_status run_policy(struct run *r, const struct tkv_eval_sample *smp, t
             st = tkv_decode(A, ref->answer[t]);
     }
     const double mass = tkv_session_mass_kept(A);
+    double read_tok, read_blk;
+    tkv_session_kv_read(A, &read_tok, &read_blk);
     tkv_session_free(A);
     if (st != TKV_OK)
         return st;
@@ -515,13 +519,17 @@ static tkv_status run_policy(struct run *r, const struct tkv_eval_sample *smp, t
     c->agree += agree;
     if (ref->n_steps > 1) { /* mass is measured at decode steps */
         c->mass_sum += mass;
+        c->read_tok_sum += read_tok;
+        c->read_blk_sum += read_blk;
         c->mass_n++;
     }
     c->fresh += fresh;
     c->n++;
     c->seconds += cli_now() - t0;
-    fprintf(stderr, "    %-28s budget %-6u score %.2f  kl %.4f  top1 %.3f  mass %.3f%s%s  (%.1f s)\n", o->policies[p],
-            o->budgets[b], score, kl / ref->n_steps, (double)agree / ref->n_steps, ref->n_steps > 1 ? mass : 1.0,
+    fprintf(stderr,
+            "    %-28s budget %-6u score %.2f  kl %.4f  top1 %.3f  mass %.3f  read %.3f (blocks %.3f)%s%s  (%.1f s)\n",
+            o->policies[p], o->budgets[b], score, kl / ref->n_steps, (double)agree / ref->n_steps,
+            ref->n_steps > 1 ? mass : 1.0, ref->n_steps > 1 ? read_tok : 1.0, ref->n_steps > 1 ? read_blk : 1.0,
             fresh ? "  [own prefill]" : "", diverged ? "  [free-running]" : "", cli_now() - t0);
     return TKV_OK;
 }
@@ -691,6 +699,10 @@ static int write_json(const struct run *r, double wall_s)
                 json_num(f, c->steps ? (double)c->agree / (double)c->steps : 1.0, ok);
                 fputs(", \"mass_kept\": ", f);
                 json_num(f, c->mass_n ? c->mass_sum / c->mass_n : 1.0, ok);
+                fputs(", \"kv_read\": ", f);
+                json_num(f, c->mass_n ? c->read_tok_sum / c->mass_n : 1.0, ok);
+                fputs(", \"kv_read_blocks\": ", f);
+                json_num(f, c->mass_n ? c->read_blk_sum / c->mass_n : 1.0, ok);
                 fprintf(f, ", \"answer_steps\": %llu, \"policy_s\": %.3f, \"free_runs\": %u, \"own_prefills\": %u",
                         (unsigned long long)c->steps, c->seconds, c->free_runs, c->fresh);
                 if (c->failed) {
@@ -831,8 +843,8 @@ static int plot(const struct run *r)
 static void print_summary(const struct run *r)
 {
     const struct opts *o = r->o;
-    fprintf(stderr, "\n%-16s %-28s %7s %7s %9s %7s %9s\n", "task", "policy", "budget", "score", "kl", "top1",
-            "mass_kept");
+    fprintf(stderr, "\n%-16s %-28s %7s %7s %9s %7s %9s %7s %7s\n", "task", "policy", "budget", "score", "kl", "top1",
+            "mass_kept", "kv_read", "blocks");
     for (uint32_t t = 0; t < o->n_tasks; t++)
         for (uint32_t p = 0; p < o->n_policies; p++)
             for (uint32_t b = 0; b < o->n_budgets; b++) {
@@ -843,10 +855,10 @@ static void print_summary(const struct run *r)
                             c->failed ? "failed" : "no samples");
                     continue;
                 }
-                fprintf(stderr, "%-16s %-28s %7u %7.3f %9.4f %7.3f %9.3f\n", name, o->policies[p], o->budgets[b],
-                        c->score_sum / c->n, c->steps ? c->kl_sum / (double)c->steps : 0.0,
-                        c->steps ? (double)c->agree / (double)c->steps : 1.0,
-                        c->mass_n ? c->mass_sum / c->mass_n : 1.0);
+                fprintf(stderr, "%-16s %-28s %7u %7.3f %9.4f %7.3f %9.3f %7.3f %7.3f\n", name, o->policies[p],
+                        o->budgets[b], c->score_sum / c->n, c->steps ? c->kl_sum / (double)c->steps : 0.0,
+                        c->steps ? (double)c->agree / (double)c->steps : 1.0, c->mass_n ? c->mass_sum / c->mass_n : 1.0,
+                        c->mass_n ? c->read_tok_sum / c->mass_n : 1.0, c->mass_n ? c->read_blk_sum / c->mass_n : 1.0);
             }
 }
 

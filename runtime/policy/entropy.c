@@ -346,6 +346,12 @@ static int ent_decode(void *state, const struct tkv_policy_view *v, uint32_t hea
     return tkv_kept_select(&e->kept, l, head, e->compressed_at, v->n_past, out, cap);
 }
 
+bool tkv_entropy_rigid(const void *state, uint32_t layer, uint32_t head)
+{
+    const struct entropy *e = state;
+    return layer < e->env.n_layer && head < e->env.n_head_kv && e->hs[(size_t)layer * e->env.n_head_kv + head].rigid;
+}
+
 /* faithful: dense when every segment starts before the threshold or is the
  * last one; the online variant scales its threshold to the prompt: never. */
 static bool ent_dense(void *state, uint32_t n)

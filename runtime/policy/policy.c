@@ -11,6 +11,8 @@ static const struct tkv_policy_ops *const registry[] = {
     &tkv_policy_adakv,
     &tkv_policy_critiprefill,
     &tkv_policy_entropy,
+    &tkv_policy_rabitq,
+    &tkv_policy_entropy_rabitq,
 };
 #define N_POLICIES (sizeof registry / sizeof registry[0])
 

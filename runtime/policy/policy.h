@@ -86,6 +86,9 @@ struct tkv_policy_ops {
      * dense prefill anyway (its rules make every segment dense), so a fork
      * of a dense prefill is exactly what it would compute. NULL: never. */
     bool (*prefill_dense)(void *state, uint32_t n_tokens);
+    /* Bytes of memory the policy holds (indexes, kept sets), for the
+     * session statistics. NULL: negligible. */
+    size_t (*memory_bytes)(void *state);
 };
 
 struct tkv_policy {
@@ -159,6 +162,12 @@ extern const struct tkv_policy_ops tkv_policy_snapkv;
 extern const struct tkv_policy_ops tkv_policy_adakv;
 extern const struct tkv_policy_ops tkv_policy_critiprefill;
 extern const struct tkv_policy_ops tkv_policy_entropy;
+extern const struct tkv_policy_ops tkv_policy_rabitq;
+extern const struct tkv_policy_ops tkv_policy_entropy_rabitq;
+
+/* Whether the entropy policy (state from tkv_policy_entropy.create) has
+ * classified KV head `head` of `layer` Rigid so far (for entropy+rabitq). */
+bool tkv_entropy_rigid(const void *state, uint32_t layer, uint32_t head);
 
 /* Per (layer, KV head) kept sets, for policies that compress once. */
 struct tkv_kept {

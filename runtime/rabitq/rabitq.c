@@ -340,6 +340,16 @@ void tkv_rabitq_reset(struct tkv_rabitq *ix)
 uint32_t tkv_rabitq_size(const struct tkv_rabitq *ix) { return ix ? ix->n : 0; }
 uint32_t tkv_rabitq_capacity(const struct tkv_rabitq *ix) { return ix ? ix->cap : 0; }
 
+size_t tkv_rabitq_bytes(const struct tkv_rabitq *ix)
+{
+    if (!ix)
+        return 0;
+    const size_t n = ix->cap; /* each array is rounded up to 64 bytes, as rq_alloc does */
+    return sizeof *ix + tkv_align_up((size_t)5 * ix->dim_pad * sizeof(float), 64) +
+           tkv_align_up(n * ix->words * sizeof(uint64_t), 64) + 3 * tkv_align_up(n * sizeof(float), 64) +
+           tkv_align_up(n * sizeof(uint16_t), 64);
+}
+
 void tkv_rabitq_get_arrays(const struct tkv_rabitq *ix, struct tkv_rabitq_arrays *out)
 {
     if (!out)

@@ -87,6 +87,9 @@ void tkv_rabitq_reset(struct tkv_rabitq *ix);
 
 uint32_t tkv_rabitq_size(const struct tkv_rabitq *ix);
 uint32_t tkv_rabitq_capacity(const struct tkv_rabitq *ix);
+/* Bytes the index holds: its struct, rotation signs and centroids, and the
+ * per-key arrays at their reserved capacity (0 for NULL). */
+size_t   tkv_rabitq_bytes(const struct tkv_rabitq *ix);
 
 /* The encoded keys, borrowed: valid until the next reserve/reset/free.
  * With r = k - c_k and y = P r (P the rotation, dim_pad wide):

@@ -1,0 +1,451 @@
+/*
+ * rabitq.c -- decode-time top-p selection from a RaBitQ key index
+ * (runtime/rabitq/, docs/rabitq.md; spec shared/specs/rabitqcache.md, 3.3-3.7):
+ *
+ *   rabitq          every KV head of the layers >= `dense`;
+ *   entropy+rabitq  EntropyInfer's prefill as is (segment-sparse, Rigid or
+ *                   Dynamic per KV head); at decode its Dynamic heads read
+ *                   everything and its Rigid heads are selected by top-p.
+ *                   EntropyInfer's own decode compression is not used.
+ *
+ * After the prefill, per (layer, KV head) selected by top-p: c_k = the mean
+ * of the prompt keys, c_q = the mean of the observation window (the last 32
+ * prompt queries of the group's query heads, post-RoPE: what a fork carries
+ * and what the decode queries resemble most); then every prompt key is
+ * encoded. At each decode step, per KV head and per query head of its group
+ * (GQA handling (a) of the spec, 3.7): the query prepared (4 bits), every
+ * indexed key estimated, top-p on the estimates with the sinks and the
+ * `recent` window forced (safe=1: using the error bound, so that the kept
+ * set holds >= p of the query head's true attention mass; safe=0: the
+ * estimated mass reaches p). The KV head reads the union of its query heads'
+ * sets -- a superset of each, so each query head keeps >= p -- plus the
+ * tail of keys not yet encoded. The top-p normalises over the indexed keys
+ * only (the tail's exact logits would need its keys): leaving the tail's
+ * mass out of both sides only raises the kept fraction.
+ *
+ * Lazy encoding (spec 3.5): keys generated at decode join the index once
+ * `batch` of them are pending; until then they are the tail, always read.
+ * Encoding needs the keys, so the step where a batch completes answers yes
+ * to decode_needs_keys (the store brings the layer in); every other step
+ * selects without keys, before anything is recalled, and the store recalls
+ * only the blocks the selection touches.
+ *
+ * Parameters: p (0.9, in (0, 1]), safe (1), eps (3, the bound's width eps0,
+ * > 0), sink (64), recent (64), batch (64), dense (2: layers below it are
+ * read whole), whole (0; 1: widen each touched KV block to all its tokens --
+ * the store brings whole blocks in anyway).
+ */
+#include "policy.h"
+#include "../rabitq/rabitq.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#define SEED_BASE 0x7261626974714b56ull /* "rabitqKV": rotations are fixed per (layer, head) */
+
+struct rabitq {
+    struct tkv_policy_env env;
+    float p, eps;
+    uint32_t safe, sink, recent, batch, dense, whole;
+    struct tkv_rabitq **ix; /* [layer][head]: the index, NULL until first built */
+    bool *use;              /* [layer][head]: selected by top-p (else read whole) */
+    bool *ready;            /* [layer][head]: the index holds the prompt's keys */
+    /* scratch of one selection, for n_ctx keys: no allocation per step */
+    float *est, *bound;     /* [n_ctx] */
+    void *work;             /* tkv_rabitq_topp_work_bytes(n_ctx) */
+    size_t work_bytes;
+    uint32_t *pos;          /* [n_ctx] positions top-p kept */
+    uint8_t *mark;          /* [n_ctx] union over the group's query heads */
+};
+
+static const char *const rq_keys[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", NULL};
+
+static void rq_destroy(void *state)
+{
+    struct rabitq *r = state;
+    if (!r)
+        return;
+    if (r->ix)
+        for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++)
+            tkv_rabitq_free(r->ix[i]);
+    free(r->ix), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
+        free(r->mark);
+    free(r);
+}
+
+static void rq_reset(void *state)
+{
+    struct rabitq *r = state;
+    memset(r->ready, 0, (size_t)r->env.n_layer * r->env.n_head_kv * sizeof *r->ready);
+}
+
+/* Parses the rabitq parameters of args (all of them: the caller has checked
+ * for unknown keys) and allocates the state; name is for messages. */
+static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, const struct tkv_policy_args *args,
+                          struct rabitq **out)
+{
+    *out = NULL;
+    struct rabitq p = {.env = *env, .p = 0.9f, .eps = TKV_RABITQ_EPS0, .safe = 1, .sink = 64, .recent = 64,
+                       .batch = 64, .dense = 2, .whole = 0};
+    TKV_TRY(tkv_policy_arg_f32(name, args, "p", &p.p));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "safe", &p.safe));
+    TKV_TRY(tkv_policy_arg_f32(name, args, "eps", &p.eps));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "sink", &p.sink));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "recent", &p.recent));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "batch", &p.batch));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "dense", &p.dense));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "whole", &p.whole));
+    if (!(p.p > 0 && p.p <= 1))
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': p=%g must be in (0, 1]", name, (double)p.p);
+    if (!(p.eps > 0))
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': eps=%g must be > 0 (the bound's width eps0)", name,
+                       (double)p.eps);
+    if (p.safe > 1 || p.whole > 1)
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': safe and whole are 0 or 1 (safe=%u, whole=%u)", name, p.safe,
+                       p.whole);
+    if (p.batch == 0)
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': batch=0 (keys are encoded in batches of >= 1)", name);
+    if (env->head_dim == 0 || env->head_dim > TKV_RABITQ_MAX_DIM || env->n_head_kv == 0 ||
+        env->n_head % env->n_head_kv)
+        return tkv_err(TKV_ERR_UNSUPPORTED, "policy '%s': head_dim %u (at most %u) or %u heads over %u KV heads", name,
+                       env->head_dim, TKV_RABITQ_MAX_DIM, env->n_head, env->n_head_kv);
+    struct rabitq *r = calloc(1, sizeof *r);
+    if (!r)
+        return tkv_err(TKV_ERR_NOMEM, "policy '%s': out of memory", name);
+    *r = p;
+    const size_t LH = (size_t)env->n_layer * env->n_head_kv, n = env->n_ctx ? env->n_ctx : 1;
+    r->ix = calloc(LH, sizeof *r->ix);
+    r->use = calloc(LH, sizeof *r->use);
+    r->ready = calloc(LH, sizeof *r->ready);
+    r->est = malloc(n * sizeof *r->est);
+    r->bound = malloc(n * sizeof *r->bound);
+    r->work_bytes = tkv_rabitq_topp_work_bytes((uint32_t)n);
+    r->work = malloc(r->work_bytes);
+    r->pos = malloc(n * sizeof *r->pos);
+    r->mark = malloc(n);
+    if (!r->ix || !r->use || !r->ready || !r->est || !r->bound || !r->work || !r->pos || !r->mark) {
+        rq_destroy(r);
+        return tkv_err(TKV_ERR_NOMEM, "policy '%s': out of memory", name);
+    }
+    for (uint32_t l = p.dense; l < env->n_layer; l++) /* plain rabitq: every head of the sparse layers */
+        for (uint32_t g = 0; g < env->n_head_kv; g++)
+            r->use[(size_t)l * env->n_head_kv + g] = true;
+    *out = r;
+    return TKV_OK;
+}
+
+static tkv_status rq_create(const struct tkv_policy_env *env, const struct tkv_policy_args *args, void **state)
+{
+    TKV_TRY(tkv_policy_args_done("rabitq", args, rq_keys));
+    return rq_make("rabitq", env, args, (struct rabitq **)state);
+}
+
+/* Makes room for n keys in the index (geometric growth: called after the
+ * prefill and at batch encodes, never per token). */
+static tkv_status rq_reserve(struct rabitq *r, struct tkv_rabitq *ix, uint32_t n)
+{
+    const uint32_t cap = tkv_rabitq_capacity(ix);
+    if (n <= cap)
+        return TKV_OK;
+    uint64_t want = (uint64_t)cap + cap / 4 + r->batch;
+    want = TKV_MIN(want, (uint64_t)TKV_MAX(r->env.n_ctx, n));
+    return tkv_rabitq_reserve(ix, (uint32_t)TKV_MAX(want, (uint64_t)n));
+}
+
+/* Appends the keys of positions [from, to) of head view kv to ix.
+ * TKV_ERR_INTERNAL if a block holding them is not in memory. */
+static tkv_status append_keys(struct tkv_rabitq *ix, const struct tkv_kv_head_view *kv, uint32_t hd, uint32_t from,
+                              uint32_t to)
+{
+    uint32_t at = from;
+    for (uint32_t b = 0; b < kv->n_blocks && at < to; b++) {
+        const struct tkv_kv_block_ref *blk = &kv->blocks[b];
+        const uint32_t p0 = (uint32_t)blk->pos0, p1 = p0 + blk->n;
+        if (p1 <= at || p0 > at)
+            continue;
+        if (!blk->k)
+            return tkv_err(TKV_ERR_INTERNAL, "rabitq: the block of position %u is not in memory", at);
+        const uint32_t n = TKV_MIN(p1, to) - at;
+        TKV_TRY(tkv_rabitq_append_f16(ix, blk->k + (size_t)(at - p0) * hd, hd, n));
+        at += n;
+    }
+    if (at < to)
+        return tkv_err(TKV_ERR_INTERNAL, "rabitq: keys [%u, %u) missing from the layer's view", at, to);
+    return TKV_OK;
+}
+
+/* Builds the index of (layer, g) from the prompt's keys and the window. */
+static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, uint32_t g)
+{
+    const uint32_t hd = r->env.head_dim, G = r->env.n_head / r->env.n_head_kv, n = v->n_past;
+    const size_t QD = (size_t)r->env.n_head * hd, i = (size_t)v->layer * r->env.n_head_kv + g;
+    if (!r->ix[i])
+        TKV_TRY(tkv_rabitq_init(hd, tkv_rabitq_seed(SEED_BASE, v->layer, g), &r->ix[i]));
+    struct tkv_rabitq *ix = r->ix[i];
+    struct tkv_rabitq_mean mk, mq;
+    float ck[TKV_RABITQ_MAX_DIM], cq[TKV_RABITQ_MAX_DIM];
+    TKV_TRY(tkv_rabitq_mean_init(&mk, hd));
+    TKV_TRY(tkv_rabitq_mean_init(&mq, hd));
+    const struct tkv_kv_head_view *kv = &v->kv[g];
+    for (uint32_t b = 0; b < kv->n_blocks; b++) {
+        const struct tkv_kv_block_ref *blk = &kv->blocks[b];
+        if ((uint32_t)blk->pos0 >= n)
+            continue;
+        if (!blk->k)
+            return tkv_err(TKV_ERR_INTERNAL, "rabitq: block at position %d is not in memory", blk->pos0);
+        TKV_TRY(tkv_rabitq_mean_add_f16(&mk, blk->k, hd, TKV_MIN(blk->n, n - (uint32_t)blk->pos0)));
+    }
+    for (uint32_t hh = 0; hh < G; hh++) /* the group's query heads, every window query */
+        TKV_TRY(tkv_rabitq_mean_add_f32(&mq, v->q + (size_t)(g * G + hh) * hd, QD, v->n_q));
+    TKV_TRY(tkv_rabitq_mean_get(&mk, ck));
+    TKV_TRY(tkv_rabitq_mean_get(&mq, cq));
+    tkv_rabitq_reset(ix);
+    TKV_TRY(tkv_rabitq_set_centroids(ix, ck, cq));
+    TKV_TRY(rq_reserve(r, ix, n));
+    return append_keys(ix, kv, hd, 0, n);
+}
+
+static tkv_status rq_after_prefill(void *state, const struct tkv_policy_view *v)
+{
+    struct rabitq *r = state;
+    for (uint32_t g = 0; g < r->env.n_head_kv; g++) {
+        const size_t i = (size_t)v->layer * r->env.n_head_kv + g;
+        r->ready[i] = false;
+        if (!r->use[i] || v->n_past == 0)
+            continue;
+        TKV_TRY(build_head(r, v, g));
+        r->ready[i] = true;
+    }
+    return TKV_OK;
+}
+
+/* Keys of (layer, head) pending encoding: before this step's own token. */
+static uint32_t pending(const struct rabitq *r, const struct tkv_policy_view *v, size_t i)
+{
+    const uint32_t n_enc = tkv_rabitq_size(r->ix[i]);
+    return v->n_past > n_enc + 1 ? v->n_past - 1 - n_enc : 0;
+}
+
+static bool rq_needs_keys(void *state, const struct tkv_policy_view *v)
+{
+    const struct rabitq *r = state;
+    for (uint32_t g = 0; g < r->env.n_head_kv; g++) {
+        const size_t i = (size_t)v->layer * r->env.n_head_kv + g;
+        if (r->ready[i] && pending(r, v, i) >= r->batch)
+            return true;
+    }
+    return false;
+}
+
+static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out, uint32_t cap)
+{
+    struct rabitq *r = state;
+    const uint32_t hd = r->env.head_dim, G = r->env.n_head / r->env.n_head_kv;
+    const size_t i = (size_t)v->layer * r->env.n_head_kv + head, QD = (size_t)r->env.n_head * hd;
+    if (!r->ready[i] || v->n_q == 0)
+        return -1;
+    struct tkv_rabitq *ix = r->ix[i];
+    /* a completed batch joins the index when the keys are at hand (the
+     * step decode_needs_keys asked for them) */
+    if (v->kv && pending(r, v, i) >= r->batch) {
+        const uint32_t from = tkv_rabitq_size(ix), to = v->n_past - 1;
+        if (rq_reserve(r, ix, to) != TKV_OK || append_keys(ix, &v->kv[head], hd, from, to) != TKV_OK) {
+            r->ready[i] = false; /* out of memory: read this head whole from now on */
+            return -1;
+        }
+    }
+    const uint32_t n = TKV_MIN(tkv_rabitq_size(ix), v->n_past), sink_end = TKV_MIN(r->sink, n);
+    const uint32_t recent_begin = TKV_MAX(sink_end, v->n_past > r->recent ? v->n_past - r->recent : 0);
+    if (TKV_MIN(recent_begin, n) <= sink_end || n > r->env.n_ctx) /* nothing to choose: all of it is forced */
+        return -1;
+    struct tkv_range forced[2];
+    uint32_t n_forced = 0;
+    if (sink_end > 0)
+        forced[n_forced++] = (struct tkv_range){0, sink_end};
+    if (recent_begin < n)
+        forced[n_forced++] = (struct tkv_range){recent_begin, n};
+    const struct tkv_rabitq_topp_params tp = {.p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
+                                              .pos0 = 0, .forced = forced, .n_forced = n_forced};
+    memset(r->mark, 0, n);
+    const float *q = v->q + (size_t)(v->n_q - 1) * QD; /* this step's query */
+    for (uint32_t hh = 0; hh < G; hh++) {
+        struct tkv_rabitq_query qq;
+        struct tkv_rabitq_topp_result res;
+        if (tkv_rabitq_query_prepare(ix, q + (size_t)(head * G + hh) * hd, r->eps, &qq) != TKV_OK ||
+            tkv_rabitq_estimate(ix, &qq, 0, n, r->est, r->safe ? r->bound : NULL) != TKV_OK ||
+            tkv_rabitq_select_topp(r->est, r->safe ? r->bound : NULL, n, &tp, r->work, r->work_bytes, r->pos, n,
+                                   &res) != TKV_OK)
+            return -1; /* a non-finite query: read everything */
+        for (uint32_t j = 0; j < res.n_pos; j++)
+            r->mark[r->pos[j]] = 1;
+    }
+    if (r->whole) { /* every token of a touched block */
+        const uint32_t B = r->env.block_tokens ? r->env.block_tokens : 64;
+        for (uint32_t b0 = 0; b0 < n; b0 += B) {
+            const uint32_t b1 = TKV_MIN(b0 + B, n);
+            if (memchr(r->mark + b0, 1, b1 - b0))
+                memset(r->mark + b0, 1, b1 - b0);
+        }
+    }
+    uint32_t m = 0;
+    for (uint32_t j = 0; j < n;) {
+        if (!r->mark[j]) {
+            j++;
+            continue;
+        }
+        const uint32_t b = j;
+        while (j < n && r->mark[j])
+            j++;
+        if (m == cap)
+            return -1;
+        out[m++] = (struct tkv_range){b, j};
+    }
+    if (n < v->n_past) { /* the tail not yet encoded, this step's token included */
+        if (m > 0 && out[m - 1].end == n)
+            out[m - 1].end = v->n_past;
+        else if (m < cap)
+            out[m++] = (struct tkv_range){n, v->n_past};
+        else
+            return -1;
+    }
+    return (int)m;
+}
+
+static size_t rq_memory(void *state)
+{
+    const struct rabitq *r = state;
+    size_t bytes = sizeof *r + r->work_bytes + (size_t)r->env.n_ctx * (2 * sizeof(float) + sizeof(uint32_t) + 1);
+    for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++)
+        bytes += tkv_rabitq_bytes(r->ix[i]) + sizeof r->ix[i] + 2 * sizeof(bool);
+    return bytes;
+}
+
+const struct tkv_policy_ops tkv_policy_rabitq = {
+    .name = "rabitq",
+    .help = "RaBitQ top-p at decode: p=0.9, safe=1, eps=3, sink=64, recent=64, batch=64, dense=2, whole=0",
+    .create = rq_create,
+    .destroy = rq_destroy,
+    .after_prefill = rq_after_prefill,
+    .decode_select = rq_decode,
+    .decode_needs_keys = rq_needs_keys,
+    .reset = rq_reset,
+    .memory_bytes = rq_memory,
+};
+
+/* ---- entropy+rabitq ------------------------------------------------------------------ */
+
+struct entropy_rabitq {
+    void *ent;        /* the entropy policy's state: prefill and classification */
+    struct rabitq *rq;
+};
+
+/* entropy's parameters that act at decode, where the composition uses top-p */
+static const char *const ent_decode_keys[] = {"gap", "window", "keep", "budget", "resel", "drop", NULL};
+
+static void er_destroy(void *state)
+{
+    struct entropy_rabitq *c = state;
+    if (!c)
+        return;
+    if (c->ent)
+        tkv_policy_entropy.destroy(c->ent);
+    rq_destroy(c->rq);
+    free(c);
+}
+
+static tkv_status er_create(const struct tkv_policy_env *env, const struct tkv_policy_args *args, void **state)
+{
+    const char *name = "entropy+rabitq";
+    static const char *const known[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole",
+                                        "faithful", "segment", "block", "threshold", "layer_skip", "base",
+                                        "rigid_after", "e_t", "delta", "alpha", NULL};
+    for (uint32_t i = 0; i < args->n; i++)
+        for (const char *const *k = ent_decode_keys; *k; k++)
+            if (!strcmp(*k, args->key[i]))
+                return tkv_err(TKV_ERR_INVALID_ARG,
+                               "policy '%s': '%s' is an entropy decode parameter; here decode is rabitq top-p", name,
+                               *k);
+    TKV_TRY(tkv_policy_args_done(name, args, known));
+    struct tkv_policy_args ra = {0}, ea = {0}; /* split: rabitq's keys, the rest entropy's */
+    for (uint32_t i = 0; i < args->n; i++) {
+        bool mine = false;
+        for (const char *const *k = rq_keys; *k && !mine; k++)
+            mine = !strcmp(*k, args->key[i]);
+        struct tkv_policy_args *to = mine ? &ra : &ea;
+        memcpy(to->key[to->n], args->key[i], sizeof to->key[0]);
+        memcpy(to->value[to->n], args->value[i], sizeof to->value[0]);
+        to->n++;
+    }
+    struct entropy_rabitq *c = calloc(1, sizeof *c);
+    if (!c)
+        return tkv_err(TKV_ERR_NOMEM, "policy '%s': out of memory", name);
+    tkv_status st = tkv_policy_entropy.create(env, &ea, &c->ent);
+    if (st == TKV_OK)
+        st = rq_make(name, env, &ra, &c->rq);
+    if (st != TKV_OK) {
+        er_destroy(c);
+        return st;
+    }
+    memset(c->rq->use, 0, (size_t)env->n_layer * env->n_head_kv * sizeof *c->rq->use); /* set after the prefill */
+    *state = c;
+    return TKV_OK;
+}
+
+static int er_prefill(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
+                      uint32_t cap)
+{
+    return tkv_policy_entropy.prefill_select(((struct entropy_rabitq *)state)->ent, v, head, out, cap);
+}
+
+/* The prefill has classified every head: top-p for the Rigid ones. */
+static tkv_status er_after_prefill(void *state, const struct tkv_policy_view *v)
+{
+    struct entropy_rabitq *c = state;
+    const uint32_t H = c->rq->env.n_head_kv;
+    for (uint32_t g = 0; g < H; g++)
+        c->rq->use[(size_t)v->layer * H + g] = v->layer >= c->rq->dense && tkv_entropy_rigid(c->ent, v->layer, g);
+    return rq_after_prefill(c->rq, v);
+}
+
+static int er_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out, uint32_t cap)
+{
+    return rq_decode(((struct entropy_rabitq *)state)->rq, v, head, out, cap);
+}
+
+static bool er_needs_keys(void *state, const struct tkv_policy_view *v)
+{
+    return rq_needs_keys(((struct entropy_rabitq *)state)->rq, v);
+}
+
+static void er_reset(void *state)
+{
+    struct entropy_rabitq *c = state;
+    tkv_policy_entropy.reset(c->ent);
+    rq_reset(c->rq);
+}
+
+static uint32_t er_segment(void *state) { return tkv_policy_entropy.segment(((struct entropy_rabitq *)state)->ent); }
+
+static bool er_dense(void *state, uint32_t n)
+{
+    return tkv_policy_entropy.prefill_dense(((struct entropy_rabitq *)state)->ent, n);
+}
+
+static size_t er_memory(void *state) { return rq_memory(((struct entropy_rabitq *)state)->rq); }
+
+const struct tkv_policy_ops tkv_policy_entropy_rabitq = {
+    .name = "entropy+rabitq",
+    .help = "EntropyInfer's prefill; at decode Dynamic heads dense, Rigid heads rabitq top-p (rabitq's and "
+            "entropy's prefill parameters)",
+    .changes_prefill = true,
+    .create = er_create,
+    .destroy = er_destroy,
+    .prefill_select = er_prefill,
+    .after_prefill = er_after_prefill,
+    .decode_select = er_decode,
+    .decode_needs_keys = er_needs_keys,
+    .reset = er_reset,
+    .segment = er_segment,
+    .prefill_dense = er_dense,
+    .memory_bytes = er_memory,
+};
