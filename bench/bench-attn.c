@@ -3,7 +3,7 @@
  * backend interface (host clock around ops->synchronize; many calls per
  * timing so launch gaps are amortized as in a real forward pass).
  *
- *   bench-attn [-r reps] [-s all|decode|prefill|matmul] [-j decode.json] [-x]
+ *   bench-attn [-r reps] [-s all|decode|prefill|prefill-long|matmul] [-j out.json] [-x]
  *
  * -x: only decode attention at 131072 keys (32/8/128), 3 calls, for ncu.
  * -j: one JSON object per decode case (the section `decode`) into a file,
@@ -18,6 +18,11 @@
  *            checked against the general kernel (and the CPU up to 128K);
  *            plus the host time to queue one call (block table packing and
  *            copy, launches), which overlaps the GPU's work of earlier calls
+ *   prefill-long  a whole 8K, 32K, 128K-token prompt in one call (causal,
+ *            32/8/128): the tensor-core kernel in both precisions, and the
+ *            general kernel at 8K; TFLOP/s over the causal FLOPs
+ *   prefill  that, and 512-token chunks after 8K/32K keys (the prefill
+ *            kernel the backend picks by default, TKV_CUDA_ATTN_PREFILL)
  *   all      also decode at 1K/8K (L2-resident: L2 rates) and SmolLM2's 9/3/64
  *            heads, a 512-token prefill chunk, and matmul GEMV (n = 1) and
  *            GEMM (n = 512) on f16 weights
@@ -262,6 +267,93 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
     free(kv), free(hr), free(dr), free(q), free(oc), free(og), free(ox), free(pos);
 }
 
+/* Prefill of a whole N-token prompt in one call (n_q = N, causal), 32/8
+ * heads, head_dim 128, blocks of 64: the tensor-core kernel in its two
+ * precisions (TKV_CUDA_ATTN_PREFILL=mma, mma16) and, at 8K, the general
+ * kernel; outputs compared (general vs both at 8K, f16 vs split above).
+ * Times: one warm-up call, then the median of 3 calls, each synchronized. */
+static struct tkv_backend *pf_be[2]; /* mma (split precision), mma16 */
+static const char *const pf_names[2] = {"tensor cores, split precision (mma)", "tensor cores, f16 (mma16)"};
+
+static double time_calls(struct tkv_backend *be, const struct tkv_attn_args *a)
+{
+    double ts[3];
+    die_if(be->ops->attention(be, a));
+    die_if(be->ops->synchronize(be));
+    for (int i = 0; i < 3; i++) {
+        const double t0 = now();
+        die_if(be->ops->attention(be, a));
+        die_if(be->ops->synchronize(be));
+        ts[i] = now() - t0;
+    }
+    qsort(ts, 3, sizeof(double), cmp_double);
+    return ts[1];
+}
+
+static void bench_prefill(uint32_t N)
+{
+    const uint32_t H = 32, Hkv = 8, hd = 128, B = 64, nb = (N + B - 1) / B;
+    const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half, qn = (size_t)N * H * hd;
+    uint16_t *pool = malloc(POOL_HALVES * 2);
+    for (size_t i = 0; i < POOL_HALVES; i++)
+        pool[i] = tkv_fp32_to_fp16(frand());
+    uint16_t *dkv = dalloc(elems * 2);
+    for (size_t o = 0; o < elems; o += POOL_HALVES)
+        die_if(gpu->ops->upload(gpu, dkv + o, pool, (elems - o < POOL_HALVES ? elems - o : POOL_HALVES) * 2));
+    float *qpool = malloc(POOL_HALVES * 4);
+    for (size_t i = 0; i < POOL_HALVES; i++)
+        qpool[i] = frand();
+    float *dq = dalloc(qn * 4), *dout = dalloc(qn * 4);
+    for (size_t o = 0; o < qn; o += POOL_HALVES)
+        die_if(gpu->ops->upload(gpu, dq + o, qpool, (qn - o < POOL_HALVES ? qn - o : POOL_HALVES) * 4));
+    struct tkv_kv_block_ref *dr = malloc((size_t)Hkv * nb * sizeof *dr);
+    struct tkv_kv_head_view dv[8];
+    for (uint32_t h = 0; h < Hkv; h++) {
+        for (uint32_t b = 0; b < nb; b++) {
+            const size_t o = ((size_t)h * nb + b) * 2 * half;
+            dr[h * nb + b] = (struct tkv_kv_block_ref){dkv + o, dkv + o + half, (int32_t)(b * B),
+                                                       N - b * B < B ? N - b * B : B};
+        }
+        dv[h] = (struct tkv_kv_head_view){dr + (size_t)h * nb, nb};
+    }
+    int32_t *pos = malloc((size_t)N * 4);
+    for (uint32_t t = 0; t < N; t++)
+        pos[t] = (int32_t)t;
+    struct tkv_attn_args a = {.q = dq, .q_pos = pos, .out = dout, .n_q = N, .n_head = H, .n_head_kv = Hkv,
+                              .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = dv};
+    const double flops = 4.0 * hd * H * ((double)N * (N + 1) / 2);
+    float *ref = malloc(qn * 4), *cur = malloc(qn * 4);
+    double t_general = -1, t_pf[2] = {-1, -1}, err[2] = {-1, -1};
+    if (N <= 8192) { /* the general kernel: the reference, and the old speed */
+        run_to(gpu, &a, dout, ref, qn);
+        t_general = time_calls(gpu, &a);
+        printf("| prefill attention, general kernel | H=%u Hkv=%u hd=%u B=%u | n %6u causal | %9.1f us | | %6.2f TFLOP/s "
+               "| - |\n",
+               H, Hkv, hd, B, N, t_general * 1e6, flops / t_general / 1e12);
+    }
+    for (int i = 0; i < 2; i++) {
+        if (!pf_be[i])
+            continue;
+        run_to(pf_be[i], &a, dout, i == 0 && N > 8192 ? ref : cur, qn);
+        if (N <= 8192 || i == 1)
+            err[i] = max_abs(i == 0 && N > 8192 ? ref : cur, ref, qn);
+        t_pf[i] = time_calls(pf_be[i], &a);
+        printf("| prefill attention, %s | H=%u Hkv=%u hd=%u B=%u | n %6u causal | %9.1f us | | %6.2f TFLOP/s | "
+               "max diff %.1e vs %s |\n",
+               pf_names[i], H, Hkv, hd, B, N, t_pf[i] * 1e6, flops / t_pf[i] / 1e12, err[i],
+               N <= 8192 ? "general" : "mma");
+    }
+    if (json)
+        fprintf(json,
+                "{\"op\": \"prefill_attention\", \"H\": %u, \"Hkv\": %u, \"hd\": %u, \"B\": %u, \"n\": %u, \"flops\": %.4g, "
+                "\"us_general\": %.1f, \"us_mma\": %.1f, \"us_mma16\": %.1f, \"max_diff_mma\": %.3g, "
+                "\"max_diff_mma16\": %.3g}\n",
+                H, Hkv, hd, B, N, flops, t_general * 1e6, t_pf[0] * 1e6, t_pf[1] * 1e6, err[0], err[1]);
+    fflush(stdout);
+    gpu->ops->release(gpu, dkv), gpu->ops->release(gpu, dq), gpu->ops->release(gpu, dout);
+    free(pool), free(qpool), free(dr), free(pos), free(ref), free(cur);
+}
+
 static void bench_matmul(uint32_t n_in, uint32_t n_out, uint32_t n, int reps)
 {
     uint16_t *w = malloc((size_t)n_in * n_out * 2);
@@ -291,14 +383,17 @@ static void bench_matmul(uint32_t n_in, uint32_t n_out, uint32_t n, int reps)
     free(w), free(x);
 }
 
-static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *cfg, const char *table)
+static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *cfg, const char *table,
+                                             const char *prefill)
 {
     struct tkv_backend *be = NULL;
     setenv("TKV_CUDA_ATTN_DECODE", decode, 1);
     setenv("TKV_CUDA_ATTN_CFG", cfg, 1);
     setenv("TKV_CUDA_ATTN_TABLE", table, 1);
+    setenv("TKV_CUDA_ATTN_PREFILL", prefill, 1);
     die_if(tkv_backend_create("cuda", 0, &be));
     unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_CFG"), unsetenv("TKV_CUDA_ATTN_TABLE");
+    unsetenv("TKV_CUDA_ATTN_PREFILL");
     return be;
 }
 
@@ -316,7 +411,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "-x"))
             profile = 1;
         else {
-            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|prefill|matmul] [-j decode.json] [-x]\n");
+            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|prefill|prefill-long|matmul] [-j out.json] "
+                            "[-x]\n");
             return 2;
         }
     if (tkv_backend_cuda_devices() == 0) {
@@ -328,6 +424,7 @@ int main(int argc, char **argv)
         return 1;
     }
     unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_CFG"), unsetenv("TKV_CUDA_ATTN_TABLE");
+    unsetenv("TKV_CUDA_ATTN_PREFILL");
     die_if(tkv_backend_create("cuda", 0, &gpu));
     die_if(tkv_backend_create("cpu", 0, &cpu));
     printf("| op | shape | size | time/call | bytes rate | compute rate | check |\n");
@@ -341,7 +438,7 @@ int main(int argc, char **argv)
     const bool all = !strcmp(section, "all");
     if (all || !strcmp(section, "decode")) {
         for (int i = 0; i < N_ALT; i++)
-            alt[i] = gpu_with_attn_env(alt_env[i].decode, alt_env[i].cfg, alt_env[i].table);
+            alt[i] = gpu_with_attn_env(alt_env[i].decode, alt_env[i].cfg, alt_env[i].table, "general");
         const uint32_t ctxs[] = {32768, 131072, 1048576};
         for (int i = 0; i < 3; i++)
             bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, true);
@@ -352,6 +449,15 @@ int main(int argc, char **argv)
         const uint32_t small[] = {1024, 8192, 32768};
         for (int i = 0; i < 3; i++)
             bench_attention(9, 3, 64, 64, small[i], 1, reps, false);
+    }
+    if (all || !strcmp(section, "prefill") || !strcmp(section, "prefill-long")) {
+        pf_be[0] = gpu_with_attn_env("1", "0", "copy", "mma");
+        pf_be[1] = gpu_with_attn_env("1", "0", "copy", "mma16");
+        const uint32_t ns[] = {8192, 32768, 131072};
+        for (int i = 0; i < 3; i++)
+            bench_prefill(ns[i]);
+        for (int i = 0; i < 2; i++)
+            pf_be[i]->ops->free(pf_be[i]);
     }
     if (all || !strcmp(section, "prefill")) {
         bench_attention(32, 8, 128, 64, 8192, 512, reps / 5 + 1, false);

@@ -21,6 +21,7 @@
  */
 #include "attn.cuh"
 #include "attn-decode.cuh"
+#include "attn-prefill.cuh"
 
 #include <cuda_pipeline.h>
 #include <stdlib.h>
@@ -351,6 +352,7 @@ cudaError_t tkv_cuda_attn_init(void)
     TKV_CUDA_TRY(init_class<128>(&g_ctas_per_sm[1]));
     TKV_CUDA_TRY(init_class<256>(&g_ctas_per_sm[2]));
     TKV_CUDA_TRY(tkv_cuda_attn_decode_init());
+    TKV_CUDA_TRY(tkv_cuda_attn_prefill_init());
     return cudaSuccess;
 }
 
@@ -364,6 +366,11 @@ size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm
         target = (uint32_t)(n_sm > 0 ? n_sm : 1) *
                  (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows, p->decode_cfg);
         cap = TKV_ATTN_DECODE_MAX_SPLIT;
+    } else if (tkv_cuda_attn_prefill_ok(p)) {
+        const uint32_t R = TKV_ATTN_PREFILL_ROWS;
+        items = (rows + R - 1) / R * p->n_head_kv;
+        target = (uint32_t)(n_sm > 0 ? n_sm : 1) *
+                 (uint32_t)tkv_cuda_attn_prefill_ctas_per_sm(p->head_dim, p->prefill_mode);
     } else {
         const uint32_t R = 4096 / cls;
         items = (rows + R - 1) / R * p->n_head_kv;
@@ -390,10 +397,14 @@ cudaError_t tkv_cuda_attention(const tkv_cuda_attn_params *p, cudaStream_t s)
         return cudaSuccess;
     if (use_decode(p))
         return tkv_cuda_attn_decode(p, s);
-    switch (hd_class(p->head_dim)) {
-    case 64: TKV_CUDA_TRY(launch<64>(p, s)); break;
-    case 128: TKV_CUDA_TRY(launch<128>(p, s)); break;
-    default: TKV_CUDA_TRY(launch<256>(p, s)); break;
+    if (tkv_cuda_attn_prefill_ok(p)) {
+        TKV_CUDA_TRY(tkv_cuda_attn_prefill(p, s));
+    } else {
+        switch (hd_class(p->head_dim)) {
+        case 64: TKV_CUDA_TRY(launch<64>(p, s)); break;
+        case 128: TKV_CUDA_TRY(launch<128>(p, s)); break;
+        default: TKV_CUDA_TRY(launch<256>(p, s)); break;
+        }
     }
     if (p->n_split > 1) {
         const uint32_t n_rows = p->n_q * p->n_head;
@@ -424,7 +435,7 @@ struct tkv_cuda_attn_state {
     size_t part_cap;               /* floats                               */
     uint32_t *counters;            /* [counters_cap], zero between calls   */
     uint32_t counters_cap;
-    int decode_mode, decode_cfg;
+    int decode_mode, decode_cfg, prefill_mode;
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
 };
 
@@ -466,6 +477,10 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **ou
     const char *cfg = getenv("TKV_CUDA_ATTN_CFG"), *tab = getenv("TKV_CUDA_ATTN_TABLE");
     st->decode_cfg = cfg && (cfg[0] == '1' || cfg[0] == '2') && !cfg[1] ? cfg[0] - '0' : 0;
     st->table_on_main = tab && !strcmp(tab, "main");
+    const char *pf = getenv("TKV_CUDA_ATTN_PREFILL");
+    st->prefill_mode = pf && !strcmp(pf, "mma")     ? TKV_ATTN_PREFILL_SPLIT
+                       : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
+                                                    : TKV_ATTN_PREFILL_GENERAL;
     cudaError_t e = cudaStreamCreateWithFlags(&st->copy, cudaStreamNonBlocking);
     for (int i = 0; i < N_TABLES && e == cudaSuccess; i++) {
         e = cudaEventCreateWithFlags(&st->tab[i].copied, cudaEventDisableTiming);
@@ -579,6 +594,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.vec16 = (addr_bits % 16) == 0 && a->head_dim % 8 == 0;
     p.decode_mode = st->decode_mode;
     p.decode_cfg = st->decode_cfg;
+    p.prefill_mode = st->prefill_mode;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, n_sm);
     if (part) {
         TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));

@@ -21,7 +21,9 @@
  *     (S = Q K^T, online softmax, O += P V, all f32 on CUDA cores);
  *   - the decode one (attn-decode.cu) for at most 8 query rows per KV head
  *     and 16-byte-aligned K/V: streams K/V with cp.async, all rows of a KV
- *     head from each load, split-K over the blocks with a fused merge.
+ *     head from each load, split-K over the blocks with a fused merge;
+ *   - the tensor-core one (attn-prefill.cu, opt-in) for more rows, head_dim
+ *     64 or 128 and 16-byte-aligned K/V: mma.sync over 64x64 tiles.
  * With n_split > 1 each CTA writes an unnormalised partial (O, m, l) and the
  * partials are combined exactly by log-sum-exp.
  *
@@ -53,6 +55,7 @@ struct tkv_cuda_attn_params {
     int vec16;                              /* all K/V rows 16-byte aligned     */
     int decode_mode;                        /* enum tkv_cuda_attn_decode_mode   */
     int decode_cfg;                         /* decode kernel configuration 0..2 */
+    int prefill_mode;                       /* enum tkv_cuda_attn_prefill_mode  */
     uint32_t *counters;                     /* [n_head_kv], zero between calls:
                                                finished splits (fused merge)    */
 };
@@ -62,6 +65,13 @@ enum tkv_cuda_attn_decode_mode {
     TKV_ATTN_DECODE_OFF = 0,   /* the general kernel (the reference)                */
     TKV_ATTN_DECODE_MERGE = 1, /* the decode kernel, then a merge kernel            */
     TKV_ATTN_DECODE_FUSED = 2, /* the decode kernel; the last CTA of a head merges  */
+};
+
+/* Which kernel serves calls of more query rows (attn-prefill.cuh). */
+enum tkv_cuda_attn_prefill_mode {
+    TKV_ATTN_PREFILL_GENERAL = 0, /* the general kernel (f32 CUDA cores)           */
+    TKV_ATTN_PREFILL_SPLIT = 1,   /* tensor cores, Q and P as f16 hi + lo          */
+    TKV_ATTN_PREFILL_F16 = 2,     /* tensor cores, Q and P in f16                  */
 };
 
 /* head_dim the kernels handle. */
@@ -86,7 +96,9 @@ struct tkv_cuda_attn_state;
 
 /* Two knobs for measuring alternatives, read from the environment here:
  * TKV_CUDA_ATTN_CFG=1 or 2 (decode kernel configurations, attn-decode.cu) and
- * TKV_CUDA_ATTN_TABLE=main (copy the block table on the compute stream). */
+ * TKV_CUDA_ATTN_TABLE=main (copy the block table on the compute stream);
+ * and the prefill kernel: TKV_CUDA_ATTN_PREFILL=mma (tensor cores, split
+ * precision), mma16 (tensor cores, f16), else the general kernel. */
 cudaError_t tkv_cuda_attn_state_create(int decode_mode, struct tkv_cuda_attn_state **out);
 void tkv_cuda_attn_state_free(struct tkv_cuda_attn_state *st); /* NULL is a no-op */
 

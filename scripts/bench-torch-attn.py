@@ -10,9 +10,13 @@ Measures, on the GPU torch sees:
     f16 and bf16, with each SDPA backend that accepts the call and with
     torch's own choice;
 and prints them beside our numbers when --ours names the JSON lines that
-`bench-attn -s decode -j FILE` wrote.
+`bench-attn -s decode -j FILE` wrote. With --prefill N,...: causal prefill of
+an N-token prompt (32/8 heads, head_dim 128, f16 and bf16) with the flash and
+cuDNN backends, beside `bench-attn -s prefill-long` (TFLOP/s over the causal
+FLOPs 4 * hd * H * N(N+1)/2, as bench-attn counts them).
 
-  bench-torch-attn.py [--sizes 32768,131072,1048576] [--ours FILE] [--json OUT]
+  bench-torch-attn.py [--sizes 32768,131072,1048576] [--prefill 8192,32768,131072]
+                      [--ours FILE] [--json OUT]
 
 Timing: CUDA events around batches of back-to-back calls, median of 7
 batches, after warm-up (the same protocol as bench-attn's host clock around
@@ -82,21 +86,47 @@ def sdpa_decode(n_keys, dtype, reps):
     return out
 
 
+def sdpa_prefill(n, dtype):
+    """Seconds per causal prefill call for the flash and cuDNN backends."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    H, Hkv, hd = 32, 8, 128
+    q = torch.randn(1, H, n, hd, dtype=dtype, device="cuda")
+    k = torch.randn(1, Hkv, n, hd, dtype=dtype, device="cuda")
+    v = torch.randn(1, Hkv, n, hd, dtype=dtype, device="cuda")
+    out = {}
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                out[name] = time_calls(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                enable_gqa=True), 1, batches=3)
+        except RuntimeError as e:
+            out[name] = None
+            print(f"  torch {name} prefill, {n}, {dtype}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="32768,131072,1048576")
     ap.add_argument("--ours", help="JSON lines from bench-attn -s decode -j FILE")
     ap.add_argument("--json", help="write the combined results here")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--prefill", default="", help="causal prefill sizes (none by default)")
     args = ap.parse_args()
-    sizes = [int(x) for x in args.sizes.split(",")]
-    ours = {}
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    ours, ours_pf = {}, {}
     if args.ours:
         with open(args.ours) as f:
             for line in f:
                 if line.strip():
                     r = json.loads(line)
-                    ours[r["ctx"]] = r
+                    if r.get("op") == "prefill_attention":
+                        ours_pf[r["n"]] = r
+                    else:
+                        ours[r["ctx"]] = r
 
     dev = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
@@ -138,7 +168,31 @@ def main():
     for r in rows:
         print(f"  {r['ctx']:8d} keys: " + ", ".join(
             f"{k[6:-3]} {v:.1f}" for k, v in r.items() if k.startswith("torch_") and v is not None))
-    doc = {"device": dev.name, "torch": torch.__version__, "copy_gbps": bw, "decode": rows}
+    pf_rows = []
+    pf_sizes = [int(x) for x in args.prefill.split(",") if x]
+    if pf_sizes:
+        print()
+        print("causal prefill, 32/8 heads, head_dim 128 (TFLOP/s; ours: f16 KV, f32 Q/out):")
+        print("| tokens | ours mma (split) | ours mma16 (f16) | ours general | torch flash f16 | torch flash bf16 "
+              "| torch cuDNN f16 | torch cuDNN bf16 | mma16 / flash bf16 |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in pf_sizes:
+        fl = 4.0 * 128 * 32 * n * (n + 1) / 2
+        r = {"n": n, "flops": fl}
+        for dt, name in ((torch.float16, "f16"), (torch.bfloat16, "bf16")):
+            for be, t in sdpa_prefill(n, dt).items():
+                r[f"torch_{be}_{name}_us"] = None if t is None else t * 1e6
+        o = ours_pf.get(n, {})
+        r["ours"] = o or None
+        pf_rows.append(r)
+        tf = lambda us: f"{fl / us / 1e6:.1f}" if us and us > 0 else "-"
+        ratio = "-"
+        if o.get("us_mma16", -1) > 0 and r.get("torch_flash_bf16_us"):
+            ratio = f"{r['torch_flash_bf16_us'] / o['us_mma16']:.2f}"
+        print(f"| {n} | {tf(o.get('us_mma'))} | {tf(o.get('us_mma16'))} | {tf(o.get('us_general'))} "
+              f"| {tf(r.get('torch_flash_f16_us'))} | {tf(r.get('torch_flash_bf16_us'))} "
+              f"| {tf(r.get('torch_cudnn_f16_us'))} | {tf(r.get('torch_cudnn_bf16_us'))} | {ratio} |")
+    doc = {"device": dev.name, "torch": torch.__version__, "copy_gbps": bw, "decode": rows, "prefill": pf_rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -14,11 +14,13 @@
 #   scripts/gpu-run.sh test [sanitize] there: build .gpu-snap, run ctest -R gpu
 #                                      (and compute-sanitizer memcheck)
 #   scripts/gpu-run.sh bench           there: build and run bench-attn
-#   scripts/gpu-run.sh attn [sanitize] there: build only test-gpu-backend and
+#   scripts/gpu-run.sh attn [sanitize|-] [decode|prefill|decode,prefill]
+#                                      there: build only test-gpu-backend and
 #                                      bench-attn; the test (and memcheck over
 #                                      its attention section), then the decode
-#                                      benchmark beside torch SDPA and the copy
-#                                      bandwidth (scripts/bench-torch-attn.py);
+#                                      benchmark (default) and/or the causal
+#                                      prefill one, beside torch SDPA and the
+#                                      copy bandwidth (scripts/bench-torch-attn.py);
 #                                      logs and JSON under $OUT
 # On the device: carry .device and .gpu-snap, and start the command with
 #   source .device/bootstrap.sh && scripts/gpu-run.sh test
@@ -105,13 +107,22 @@ attn)
         grep -E "ERROR SUMMARY|Invalid|checks,|^=========" "$out/memcheck.log" | head -20
         echo "== memcheck (attention section) exit $src ($(( $(date +%s) - t0 )) s)"
     fi
-    brc=0
-    timeout 120 /tmp/tkv-build/bench/bench-attn -s decode -j "$out/decode.json" > "$out/bench.log" 2>&1 || brc=$?
-    cat "$out/bench.log"
-    echo "== bench-attn exit $brc ($(( $(date +%s) - t0 )) s)"
-    PYTHONUNBUFFERED=1 timeout 120 python3 scripts/bench-torch-attn.py --ours "$out/decode.json" \
-        --json "$out/decode-vs-torch.json" > "$out/torch.log" 2>&1 || echo "== torch exit $?"
-    grep -v '^{' "$out/torch.log"
+    sections=${3:-decode}
+    : > "$out/ours.json"
+    dsizes=; psizes=
+    for sec in ${sections//,/ }; do
+        brc=0
+        [ "$sec" = prefill ] && bsec=prefill-long || bsec=$sec
+        timeout 150 /tmp/tkv-build/bench/bench-attn -s "$bsec" -j "$out/$sec.json" > "$out/bench-$sec.log" 2>&1 || brc=$?
+        cat "$out/bench-$sec.log"
+        cat "$out/$sec.json" >> "$out/ours.json" 2>/dev/null || true
+        echo "== bench-attn -s $bsec exit $brc ($(( $(date +%s) - t0 )) s)"
+        [ "$sec" = decode ] && dsizes=32768,131072,1048576
+        [ "$sec" = prefill ] && psizes=8192,32768,131072
+    done
+    PYTHONUNBUFFERED=1 timeout 150 python3 scripts/bench-torch-attn.py --ours "$out/ours.json" --sizes "$dsizes" \
+        --prefill "$psizes" --json "$out/vs-torch.json" > "$out/torch.log" 2>&1 || echo "== torch exit $?"
+    grep -v '^{' "$out/torch.log" | grep -v "UserWarning\|call = lambda\|lambda: F.scaled"
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu --format=csv
     echo "== done in $(( $(date +%s) - t0 )) s"
     exit "$rc"

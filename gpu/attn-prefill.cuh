@@ -1,0 +1,37 @@
+/*
+ * attn-prefill.cuh -- the tensor-core attention kernel for many query rows
+ * per KV head (prefill): FlashAttention-2 style, mma.sync m16n8k16 with f16
+ * operands and f32 accumulation, ldmatrix fragments, K/V tiles gathered from
+ * the block table with cp.async (double-buffered), causal block skipping.
+ * Internal to gpu/attn*.cu; the backend reaches it through tkv_cuda_attention.
+ *
+ * Work split: as the general kernel (attn.cu): the query rows of a KV head
+ * (n_q tokens x G heads, token-major) in tiles of 64 rows, one CTA of 4 warps
+ * (16 rows each) per (row tile, KV head, key split), 64 keys per step; split
+ * partials in the general kernel's layout, merged by its merge kernel.
+ *
+ * Precision: TKV_ATTN_PREFILL_SPLIT writes Q and P each as the sum of two f16
+ * numbers (hi + lo) and multiplies both parts (twice the matrix work), which
+ * keeps the result within ~1e-6 of f32 arithmetic; TKV_ATTN_PREFILL_F16 uses
+ * one f16 each (as FlashAttention does), ~1e-3.
+ */
+#ifndef TKV_GPU_ATTN_PREFILL_CUH
+#define TKV_GPU_ATTN_PREFILL_CUH
+
+#include "attn.cuh"
+
+/* Rows of one CTA's tile. */
+#define TKV_ATTN_PREFILL_ROWS 64u
+
+cudaError_t tkv_cuda_attn_prefill_init(void);
+
+/* Whether the kernel takes this call (head_dim 64 or 128, 16-byte-aligned K/V). */
+bool tkv_cuda_attn_prefill_ok(const struct tkv_cuda_attn_params *p);
+
+/* CTAs per SM of the instance that serves head_dim in mode (prefill_mode). */
+int tkv_cuda_attn_prefill_ctas_per_sm(uint32_t head_dim, int mode);
+
+/* Runs the kernel (the caller launches the merge when n_split > 1). */
+cudaError_t tkv_cuda_attn_prefill(const struct tkv_cuda_attn_params *p, cudaStream_t s);
+
+#endif
