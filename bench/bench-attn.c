@@ -14,15 +14,16 @@
  *   decode   n_q = 1 over 32K, 128K and 1M keys, Llama-3-8B heads (32/8,
  *            head_dim 128, KV blocks of 64): the default kernel (decode
  *            kernel, fused merge) and the other paths (alt_env: the general
- *            kernel, a separate merge kernel, other configurations), each
+ *            kernel, a separate merge kernel, the table copied on the
+ *            compute stream), each
  *            checked against the general kernel (and the CPU up to 128K);
  *            plus the host time to queue one call (block table packing and
  *            copy, launches), which overlaps the GPU's work of earlier calls
  *   prefill-long  a whole 8K, 32K, 128K-token prompt in one call (causal,
  *            32/8/128): the tensor-core kernel in both precisions, and the
  *            general kernel at 8K; TFLOP/s over the causal FLOPs
- *   prefill  that, and 512-token chunks after 8K/32K keys (the prefill
- *            kernel the backend picks by default, TKV_CUDA_ATTN_PREFILL)
+ *   prefill  that, and 512-token chunks after 8K/32K keys (the default
+ *            kernel: tensor cores, split precision), checked against the CPU
  *   all      also decode at 1K/8K (L2-resident: L2 rates) and SmolLM2's 9/3/64
  *            heads, a 512-token prefill chunk, and matmul GEMV (n = 1) and
  *            GEMM (n = 512) on f16 weights
@@ -42,16 +43,14 @@
 
 static struct tkv_backend *gpu, *cpu;
 /* the decode section's other paths: backends created with these attention
- * settings (TKV_CUDA_ATTN_DECODE, _CFG, _TABLE); [0] is the general kernel */
-#define N_ALT 5
+ * settings (TKV_CUDA_ATTN_DECODE, _TABLE); [0] is the general kernel */
+#define N_ALT 3
 static const struct {
-    const char *name, *decode, *cfg, *table;
+    const char *name, *decode, *table;
 } alt_env[N_ALT] = {
-    {"general kernel", "0", "0", "copy"},
-    {"separate merge", "merge", "0", "copy"},
-    {"cfg 1 (4 loads x 6 stages)", "1", "1", "copy"},
-    {"cfg 2 (4 loads x 4 stages)", "1", "2", "copy"},
-    {"table copied on the compute stream", "1", "0", "main"},
+    {"general kernel", "0", "copy"},
+    {"separate merge", "merge", "copy"},
+    {"table copied on the compute stream", "1", "main"},
 };
 static struct tkv_backend *alt[N_ALT];
 #define gpu_general alt[0]
@@ -273,6 +272,7 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
  * kernel; outputs compared (general vs both at 8K, f16 vs split above).
  * Times: one warm-up call, then the median of 3 calls, each synchronized. */
 static struct tkv_backend *pf_be[2]; /* mma (split precision), mma16 */
+static struct tkv_backend *pf_general; /* TKV_CUDA_ATTN_PREFILL=general   */
 static const char *const pf_names[2] = {"tensor cores, split precision (mma)", "tensor cores, f16 (mma16)"};
 
 static double time_calls(struct tkv_backend *be, const struct tkv_attn_args *a)
@@ -324,9 +324,9 @@ static void bench_prefill(uint32_t N)
     const double flops = 4.0 * hd * H * ((double)N * (N + 1) / 2);
     float *ref = malloc(qn * 4), *cur = malloc(qn * 4);
     double t_general = -1, t_pf[2] = {-1, -1}, err[2] = {-1, -1};
-    if (N <= 8192) { /* the general kernel: the reference, and the old speed */
-        run_to(gpu, &a, dout, ref, qn);
-        t_general = time_calls(gpu, &a);
+    if (N <= 8192 && pf_general) { /* the general kernel: the reference, and the old speed */
+        run_to(pf_general, &a, dout, ref, qn);
+        t_general = time_calls(pf_general, &a);
         printf("| prefill attention, general kernel | H=%u Hkv=%u hd=%u B=%u | n %6u causal | %9.1f us | | %6.2f TFLOP/s "
                "| - |\n",
                H, Hkv, hd, B, N, t_general * 1e6, flops / t_general / 1e12);
@@ -383,17 +383,14 @@ static void bench_matmul(uint32_t n_in, uint32_t n_out, uint32_t n, int reps)
     free(w), free(x);
 }
 
-static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *cfg, const char *table,
-                                             const char *prefill)
+static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *table, const char *prefill)
 {
     struct tkv_backend *be = NULL;
     setenv("TKV_CUDA_ATTN_DECODE", decode, 1);
-    setenv("TKV_CUDA_ATTN_CFG", cfg, 1);
     setenv("TKV_CUDA_ATTN_TABLE", table, 1);
     setenv("TKV_CUDA_ATTN_PREFILL", prefill, 1);
     die_if(tkv_backend_create("cuda", 0, &be));
-    unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_CFG"), unsetenv("TKV_CUDA_ATTN_TABLE");
-    unsetenv("TKV_CUDA_ATTN_PREFILL");
+    unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_TABLE"), unsetenv("TKV_CUDA_ATTN_PREFILL");
     return be;
 }
 
@@ -423,8 +420,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench-attn: cannot write %s\n", json_path);
         return 1;
     }
-    unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_CFG"), unsetenv("TKV_CUDA_ATTN_TABLE");
-    unsetenv("TKV_CUDA_ATTN_PREFILL");
+    unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_TABLE"), unsetenv("TKV_CUDA_ATTN_PREFILL");
     die_if(tkv_backend_create("cuda", 0, &gpu));
     die_if(tkv_backend_create("cpu", 0, &cpu));
     printf("| op | shape | size | time/call | bytes rate | compute rate | check |\n");
@@ -438,7 +434,7 @@ int main(int argc, char **argv)
     const bool all = !strcmp(section, "all");
     if (all || !strcmp(section, "decode")) {
         for (int i = 0; i < N_ALT; i++)
-            alt[i] = gpu_with_attn_env(alt_env[i].decode, alt_env[i].cfg, alt_env[i].table, "general");
+            alt[i] = gpu_with_attn_env(alt_env[i].decode, alt_env[i].table, i == 0 ? "general" : "mma");
         const uint32_t ctxs[] = {32768, 131072, 1048576};
         for (int i = 0; i < 3; i++)
             bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, true);
@@ -451,13 +447,15 @@ int main(int argc, char **argv)
             bench_attention(9, 3, 64, 64, small[i], 1, reps, false);
     }
     if (all || !strcmp(section, "prefill") || !strcmp(section, "prefill-long")) {
-        pf_be[0] = gpu_with_attn_env("1", "0", "copy", "mma");
-        pf_be[1] = gpu_with_attn_env("1", "0", "copy", "mma16");
+        pf_be[0] = gpu_with_attn_env("1", "copy", "mma");
+        pf_be[1] = gpu_with_attn_env("1", "copy", "mma16");
+        pf_general = gpu_with_attn_env("0", "copy", "general");
         const uint32_t ns[] = {8192, 32768, 131072};
         for (int i = 0; i < 3; i++)
             bench_prefill(ns[i]);
         for (int i = 0; i < 2; i++)
             pf_be[i]->ops->free(pf_be[i]);
+        pf_general->ops->free(pf_general);
     }
     if (all || !strcmp(section, "prefill")) {
         bench_attention(32, 8, 128, 64, 8192, 512, reps / 5 + 1, false);

@@ -18,7 +18,7 @@
  *   - online softmax once per chunk; the probabilities go through a small
  *     per-warp buffer to every lane, which adds p * V over its 8 dims.
  *
- * Shared memory (dynamic), NW = 4 warps, NS stages (see cfg0/cfg1):
+ * Shared memory (dynamic), NW = 4 warps, NS stages (see cfg0):
  *     pipe [NW][NS][K|V][U][32 lanes] uint4    the cp.async stages
  *     pbuf [NW][NG][U*DR + 4] f32              probabilities of a chunk
  *     cm, cl [NW*NG][DR] f32                   each lane group's (m, l)
@@ -59,15 +59,12 @@ template <int HD_, int DR_, int U_, int NS_> struct dec_cfg {
                   "the merge's arrays must fit");
 };
 
-/* The configurations (TKV_CUDA_ATTN_CFG picks): 0: chunks of 8 loads, 3
- * stages; 1: chunks of 4 loads, 6 stages (5/6 of the buffer in flight
- * instead of 2/3, the same shared memory); 2: chunks of 4 loads, 4 stages
- * (2/3 of the shared memory: 3 CTAs per SM where registers allow). head_dim
- * 256 with <= 4 rows needs U*DR >= 32 lanes, so it keeps configuration 0. */
+/* The configuration: chunks of 8 loads (4 for 8 rows, for registers), 3
+ * stages. Measured on the H200 (docs/gpu.md), 32/8/128 at 32K-1M keys:
+ * chunks of 4 loads with 6 stages (5/6 of the same buffer in flight) were
+ * 3-11% slower, and 4 loads x 4 stages (3 CTAs per SM) 8-42% slower: the
+ * per-chunk work (butterfly, softmax update, cursor) counts. */
 template <int HD, int DR> using cfg0 = dec_cfg<HD, DR, DR <= 4 ? 8 : 4, 3>;
-template <int HD, int DR> using cfg1 = dec_cfg<HD, DR, (DR <= 4 && HD == 256) ? 8 : 4, (DR <= 4 && HD == 256) ? 3 : 6>;
-template <int HD, int DR> using cfg2 = dec_cfg<HD, DR, (DR <= 4 && HD == 256) ? 8 : 4, (DR <= 4 && HD == 256) ? 3 : 4>;
-constexpr int N_CFG = 3;
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid)
 {
@@ -508,8 +505,8 @@ template <class C> cudaError_t init_decode(int *ctas)
 
 int hd_index(uint32_t hd) { return hd <= 64 ? 0 : hd <= 128 ? 1 : 2; }
 
-/* CTAs per SM of each instance: [configuration][head_dim class][rows <= 4, <= 8] */
-int g_ctas[N_CFG][3][2];
+/* CTAs per SM of each instance: [head_dim class][rows <= 4, <= 8] */
+int g_ctas[3][2];
 
 template <template <int, int> class CF> cudaError_t init_all(int ctas[3][2])
 {
@@ -536,25 +533,18 @@ template <template <int, int> class CF> cudaError_t launch_all(const tkv_cuda_at
 
 cudaError_t tkv_cuda_attn_decode_init(void)
 {
-    TKV_CUDA_TRY(init_all<cfg0>(g_ctas[0]));
-    TKV_CUDA_TRY(init_all<cfg1>(g_ctas[1]));
-    TKV_CUDA_TRY(init_all<cfg2>(g_ctas[2]));
-    return cudaSuccess;
+    return init_all<cfg0>(g_ctas);
 }
 
-int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows, int cfg)
+int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows)
 {
-    const int c = g_ctas[cfg >= 0 && cfg < N_CFG ? cfg : 0][hd_index(head_dim)][rows <= 4 ? 0 : 1];
+    const int c = g_ctas[hd_index(head_dim)][rows <= 4 ? 0 : 1];
     return c > 0 ? c : 1;
 }
 
 cudaError_t tkv_cuda_attn_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    switch (p->decode_cfg) {
-    case 1: TKV_CUDA_TRY(launch_all<cfg1>(p, s)); break;
-    case 2: TKV_CUDA_TRY(launch_all<cfg2>(p, s)); break;
-    default: TKV_CUDA_TRY(launch_all<cfg0>(p, s)); break;
-    }
+    TKV_CUDA_TRY(launch_all<cfg0>(p, s));
     if (p->n_split > 1 && p->decode_mode != TKV_ATTN_DECODE_FUSED) {
         const size_t smem = (2 * (size_t)p->n_split * MERGE_DR + 2 * MERGE_DR) * sizeof(float);
         attn_decode_merge_kernel<<<p->n_head_kv, NT, smem, s>>>(*p);

@@ -6,9 +6,9 @@
  *
  * Work split: one CTA of 4 warps per (KV head, key split); a split is a
  * contiguous range of the head's blocks. Inside a CTA the range is cut into
- * chunks of keys (8 or 4 16-byte loads per lane, see attn-decode.cu), dealt
- * to the warps round-robin, each warp streaming its chunks through a
- * cp.async pipeline of its own (3 or 6 stages). All query rows of the KV head (the G
+ * chunks of keys (8 16-byte loads of K and of V per lane, 4 for 8 rows),
+ * dealt to the warps round-robin, each warp streaming its chunks through a
+ * 3-stage cp.async pipeline of its own. All query rows of the KV head (the G
  * query heads of the group x n_q tokens, at most TKV_ATTN_DECODE_ROWS) are
  * computed together from each K/V chunk, so the KV is read once per head.
  *
@@ -34,9 +34,8 @@
 /* Once per process and device: shared-memory limits, occupancy. */
 cudaError_t tkv_cuda_attn_decode_init(void);
 
-/* CTAs of the kernel that serves (head_dim, rows) in configuration cfg
- * (params.decode_cfg) resident per SM. */
-int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows, int cfg);
+/* CTAs of the kernel that serves (head_dim, rows) resident per SM. */
+int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows);
 
 /* Runs the decode kernel (and the merge kernel in TKV_ATTN_DECODE_MERGE
  * mode). Needs p->vec16 and n_q * G <= TKV_ATTN_DECODE_ROWS. */

@@ -3,7 +3,8 @@
  * per KV head (prefill): FlashAttention-2 style, mma.sync m16n8k16 with f16
  * operands and f32 accumulation, ldmatrix fragments, K/V tiles gathered from
  * the block table with cp.async (double-buffered), causal block skipping.
- * Internal to gpu/attn*.cu; the backend reaches it through tkv_cuda_attention.
+ * Internal to gpu/attn*.cu; the backend reaches it through tkv_cuda_attention;
+ * the default for head_dim 64 and 128 (TKV_CUDA_ATTN_PREFILL, attn.cuh).
  *
  * Work split: as the general kernel (attn.cu): the query rows of a KV head
  * (n_q tokens x G heads, token-major) in tiles of 64 rows, one CTA of 4 warps

@@ -364,7 +364,7 @@ size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm
     if (use_decode(p)) { /* one CTA per (KV head, split) */
         items = p->n_head_kv;
         target = (uint32_t)(n_sm > 0 ? n_sm : 1) *
-                 (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows, p->decode_cfg);
+                 (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows);
         cap = TKV_ATTN_DECODE_MAX_SPLIT;
     } else if (tkv_cuda_attn_prefill_ok(p)) {
         const uint32_t R = TKV_ATTN_PREFILL_ROWS;
@@ -435,7 +435,7 @@ struct tkv_cuda_attn_state {
     size_t part_cap;               /* floats                               */
     uint32_t *counters;            /* [counters_cap], zero between calls   */
     uint32_t counters_cap;
-    int decode_mode, decode_cfg, prefill_mode;
+    int decode_mode, prefill_mode;
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
 };
 
@@ -474,13 +474,11 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **ou
     if (!st)
         return cudaErrorMemoryAllocation;
     st->decode_mode = decode_mode;
-    const char *cfg = getenv("TKV_CUDA_ATTN_CFG"), *tab = getenv("TKV_CUDA_ATTN_TABLE");
-    st->decode_cfg = cfg && (cfg[0] == '1' || cfg[0] == '2') && !cfg[1] ? cfg[0] - '0' : 0;
+    const char *tab = getenv("TKV_CUDA_ATTN_TABLE"), *pf = getenv("TKV_CUDA_ATTN_PREFILL");
     st->table_on_main = tab && !strcmp(tab, "main");
-    const char *pf = getenv("TKV_CUDA_ATTN_PREFILL");
-    st->prefill_mode = pf && !strcmp(pf, "mma")     ? TKV_ATTN_PREFILL_SPLIT
+    st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
-                                                    : TKV_ATTN_PREFILL_GENERAL;
+                                                    : TKV_ATTN_PREFILL_SPLIT;
     cudaError_t e = cudaStreamCreateWithFlags(&st->copy, cudaStreamNonBlocking);
     for (int i = 0; i < N_TABLES && e == cudaSuccess; i++) {
         e = cudaEventCreateWithFlags(&st->tab[i].copied, cudaEventDisableTiming);
@@ -593,7 +591,6 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.scale_log2 = a->scale * 1.44269504088896341f;
     p.vec16 = (addr_bits % 16) == 0 && a->head_dim % 8 == 0;
     p.decode_mode = st->decode_mode;
-    p.decode_cfg = st->decode_cfg;
     p.prefill_mode = st->prefill_mode;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, n_sm);
     if (part) {

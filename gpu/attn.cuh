@@ -22,8 +22,8 @@
  *   - the decode one (attn-decode.cu) for at most 8 query rows per KV head
  *     and 16-byte-aligned K/V: streams K/V with cp.async, all rows of a KV
  *     head from each load, split-K over the blocks with a fused merge;
- *   - the tensor-core one (attn-prefill.cu, opt-in) for more rows, head_dim
- *     64 or 128 and 16-byte-aligned K/V: mma.sync over 64x64 tiles.
+ *   - the tensor-core one (attn-prefill.cu) for more rows, head_dim 64 or
+ *     128 and 16-byte-aligned K/V: mma.sync over 64x64 tiles.
  * With n_split > 1 each CTA writes an unnormalised partial (O, m, l) and the
  * partials are combined exactly by log-sum-exp.
  *
@@ -54,7 +54,6 @@ struct tkv_cuda_attn_params {
     float scale_log2;                       /* scale * log2(e)                  */
     int vec16;                              /* all K/V rows 16-byte aligned     */
     int decode_mode;                        /* enum tkv_cuda_attn_decode_mode   */
-    int decode_cfg;                         /* decode kernel configuration 0..2 */
     int prefill_mode;                       /* enum tkv_cuda_attn_prefill_mode  */
     uint32_t *counters;                     /* [n_head_kv], zero between calls:
                                                finished splits (fused merge)    */
@@ -94,11 +93,11 @@ cudaError_t tkv_cuda_attention(const struct tkv_cuda_attn_params *p, cudaStream_
  * kernels queued before it; the split-K partials; the merge counters. */
 struct tkv_cuda_attn_state;
 
-/* Two knobs for measuring alternatives, read from the environment here:
- * TKV_CUDA_ATTN_CFG=1 or 2 (decode kernel configurations, attn-decode.cu) and
- * TKV_CUDA_ATTN_TABLE=main (copy the block table on the compute stream);
- * and the prefill kernel: TKV_CUDA_ATTN_PREFILL=mma (tensor cores, split
- * precision), mma16 (tensor cores, f16), else the general kernel. */
+/* Read from the environment here: the prefill kernel,
+ * TKV_CUDA_ATTN_PREFILL=mma (default: tensor cores, split precision), mma16
+ * (tensor cores, f16) or general (the reference kernel); and a knob that
+ * measured the table's copy stream, TKV_CUDA_ATTN_TABLE=main (copy the
+ * block table on the compute stream instead). */
 cudaError_t tkv_cuda_attn_state_create(int decode_mode, struct tkv_cuda_attn_state **out);
 void tkv_cuda_attn_state_free(struct tkv_cuda_attn_state *st); /* NULL is a no-op */
 
