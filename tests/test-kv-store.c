@@ -154,7 +154,8 @@ static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks,
     const uint32_t S = 4 * B * HD;
     struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = HD, .block_tokens = B, .max_tokens = CTX,
                                .compute_is_host = compute_is_host, .compute_bytes = (uint64_t)compute_blocks * S,
-                               .host_bytes = (uint64_t)host_blocks * S, .nvme_dir = nvme ? spill_dir : NULL};
+                               .host_bytes = (uint64_t)host_blocks * S, .nvme_dir = nvme ? spill_dir : NULL,
+                               .upload_piece_bytes = 3 * S}; /* recalls in several pieces */
     struct tkv_kvs *s = NULL;
     tkv_status st = tkv_kvs_init(&p, be, &s);
     CHECK(st == TKV_OK, "kvs_init: %s", tkv_last_error());

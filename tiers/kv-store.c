@@ -20,6 +20,7 @@
 
 #define SLAB_SLOTS 64  /* slots per memory slab                       */
 #define IO_BATCH   32  /* blocks per batch of NVMe reads or writes    */
+#define UP_PIECE_BYTES (8u << 20) /* default upload_piece_bytes */
 #define BIT(t) (1u << (t))
 
 static const char *const tier_names[TKV_TIER_COUNT] = {"compute", "host", "nvme"};
@@ -30,6 +31,7 @@ struct blk {
     uint8_t  pinned;               /* in use by the layer being processed     */
     uint8_t  inflight;             /* compute slot being filled by a prefetch */
     uint32_t crc;                  /* CRC-32C of the payload below compute   */
+    uint32_t layer;                /* its layer (eviction order, no division) */
     uint64_t lru;
 };
 
@@ -416,10 +418,10 @@ static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t
  * last is the one whose layer comes furthest after the current one: evicting
  * in that order is Belady's optimal choice for the forward pass. Blocks of
  * one layer tie and fall back to least recently used. */
-static uint32_t next_use_distance(const struct tkv_kvs *s, uint32_t i)
+static inline uint32_t next_use_distance(const struct tkv_kvs *s, uint32_t i)
 {
-    const uint32_t L = s->p.n_layer, layer = i / s->max_blocks / s->p.n_head_kv;
-    return (layer + L - s->cur_layer) % L;
+    const uint32_t layer = s->blk[i].layer; /* both < n_layer */
+    return layer >= s->cur_layer ? layer - s->cur_layer : layer + s->p.n_layer - s->cur_layer;
 }
 
 static int cmp_victim(const void *a, const void *b, void *ctx)
@@ -710,40 +712,67 @@ static tkv_status nvme_stream_reads(struct tkv_kvs *s, const uint32_t *list, uin
     return first;
 }
 
-/* Brings blocks idx[0..n) (not in compute) into compute slots: host-tier
- * copies are copied up, NVMe copies read (streamed straight into the slots
- * on a host compute tier, through the staging buffer below a GPU). On
- * failure no block keeps a compute slot without a current copy in it. */
-/* Uploads the n host-tier blocks in up_idx/up_src/up_dst. The device checks
- * each copy that landed against the block's CRC where the backend can (the
- * host then only waits: no CPU reads the payloads, which kept a PCIe 5 link
- * to ~75% when 8 CPU threads summed them); otherwise the copies are queued
- * first, so the link works while the CPU checks the sums. Blocks whose sum
- * fails are not marked current (recall drops their slots). */
-static tkv_status recall_host_async(struct tkv_kvs *s, uint32_t n)
+/* Host-tier blocks go up to the GPU in pieces while recall() is still
+ * taking slots for the rest, so the link starts after the first piece's
+ * bookkeeping instead of the whole layer's: up_send queues up_*[first,
+ * first + n); up_finish waits for every piece sent and marks the blocks.
+ *
+ * The device checks each copy that landed against the block's CRC where the
+ * backend can (the host then only waits: no CPU reads the payloads, which
+ * kept a PCIe 5 link to ~75% when 8 CPU threads summed them); otherwise the
+ * copies are queued first, so the link works while the CPU checks the sums
+ * in up_finish. Blocks whose sum fails are not marked current (recall drops
+ * their slots). */
+struct up_batch {
+    uint32_t sent;      /* up_*[0, sent) queued                        */
+    bool     on_device; /* the backend verifies (else the CPU, after)  */
+};
+
+static tkv_status up_send(struct tkv_kvs *s, struct up_batch *ub, uint32_t n)
 {
-    for (uint32_t j = 0; j < n; j++)
+    const uint32_t first = ub->sent;
+    if (n == first)
+        return TKV_OK;
+    for (uint32_t j = first; j < n; j++)
         s->up_crc[j] = s->blk[s->up_idx[j]].crc;
-    tkv_status st = s->be->ops->upload_blocks(s->be, s->up_dst, s->up_src, n, s->S, s->up_crc, s->up_bad);
-    const bool on_device = st == TKV_OK;
-    if (st == TKV_ERR_UNSUPPORTED)
-        st = s->be->ops->upload_blocks(s->be, s->up_dst, s->up_src, n, s->S, NULL, NULL);
-    TKV_TRY(st);
-    if (on_device)
-        TKV_TRY(s->be->ops->upload_wait(s->be, true, NULL)); /* the verdicts */
+    tkv_status st = TKV_ERR_UNSUPPORTED;
+    if (first == 0 || ub->on_device)
+        st = s->be->ops->upload_blocks(s->be, s->up_dst + first, s->up_src + first, n - first, s->S,
+                                       s->up_crc + first, s->up_bad + first);
+    if (first == 0)
+        ub->on_device = st == TKV_OK;
+    if (st == TKV_ERR_UNSUPPORTED) /* this size: the CPU checks them in up_finish */
+        st = s->be->ops->upload_blocks(s->be, s->up_dst + first, s->up_src + first, n - first, s->S, NULL, NULL);
+    if (st == TKV_OK)
+        ub->sent = n;
+    return st;
+}
+
+static tkv_status up_finish(struct tkv_kvs *s, const struct up_batch *ub)
+{
+    if (ub->sent == 0)
+        return TKV_OK;
+    const uint32_t n = ub->sent;
+    tkv_status st = TKV_OK;
+    if (ub->on_device)
+        st = s->be->ops->upload_wait(s->be, true, NULL); /* the verdicts */
     else
         verify_batch(s, s->up_idx, s->up_src, n, s->up_bad);
-    for (uint32_t j = 0; j < n; j++) {
+    uint32_t good = 0;
+    tkv_status bad = TKV_OK; /* the first corrupt block; the others stay usable */
+    for (uint32_t j = 0; j < n && st == TKV_OK; j++) { /* a failed wait gives no verdicts */
         uint32_t i = s->up_idx[j];
         if (s->up_bad[j]) {
             tkv_status e = corrupt_error(s, i, TKV_TIER_HOST);
-            st = st == TKV_OK ? e : st;
+            bad = bad == TKV_OK ? e : bad;
             continue;
         }
         s->blk[i].valid |= BIT(TKV_TIER_COMPUTE);
-        s->st[TKV_TIER_HOST].bytes_out += s->S;
-        s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+        good++;
     }
+    st = st != TKV_OK ? st : bad;
+    s->st[TKV_TIER_HOST].bytes_out += (uint64_t)good * s->S;
+    s->st[TKV_TIER_COMPUTE].bytes_in += (uint64_t)good * s->S;
     /* always: a dropped slot's late copy must land before its next user */
     tkv_status f = s->be->ops->upload_fence(s->be);
     return st != TKV_OK ? st : f;
@@ -796,11 +825,18 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
     return st;
 }
 
+/* Brings blocks idx[0..n) (not in compute) into compute slots: host-tier
+ * copies are copied up (in pieces, see up_send), NVMe copies read (streamed
+ * straight into the slots on a host compute tier, through the staging
+ * buffer below a GPU). On failure no block keeps a compute slot without a
+ * current copy in it. */
 static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
 {
     TKV_TRY(make_room(s, TKV_TIER_COMPUTE, n));
     uint32_t *nv = s->cand[TKV_TIER_COMPUTE], n_nv = 0; /* free again after make_room */
-    uint32_t n_up = 0;                                   /* host-tier blocks for recall_host_async */
+    uint32_t n_up = 0;                                   /* host-tier blocks in up_* */
+    struct up_batch ub = {0};
+    const uint32_t piece = TKV_MAX((s->p.upload_piece_bytes ? s->p.upload_piece_bytes : UP_PIECE_BYTES) / s->S, 1u);
     tkv_status st = TKV_OK;
     for (uint32_t j = 0; j < n && st == TKV_OK; j++) {
         uint32_t i = idx[j];
@@ -816,6 +852,8 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
             s->up_src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
             s->up_dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
             s->st[TKV_TIER_HOST].hits++;
+            if (n_up - ub.sent >= piece)
+                st = up_send(s, &ub, n_up);
         } else if (k->valid & BIT(TKV_TIER_HOST)) {
             const uint8_t *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
             if ((st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
@@ -836,8 +874,9 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
         }
     }
     if (n_up > 0) {
-        tkv_status u = recall_host_async(s, n_up);
-        st = st != TKV_OK ? st : u;
+        tkv_status u = st == TKV_OK ? up_send(s, &ub, n_up) : TKV_OK;
+        tkv_status f = up_finish(s, &ub); /* also after an error: what was sent lands first */
+        st = st != TKV_OK ? st : u != TKV_OK ? u : f;
     }
     if (st == TKV_OK && n_nv > 0)
         st = s->p.compute_is_host ? nvme_stream_reads(s, nv, n_nv) : recall_nvme_staged(s, nv, n_nv);
@@ -886,7 +925,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         goto fail;
     }
     for (uint64_t i = 0; i < total; i++)
-        s->blk[i] = (struct blk){.slot = {-1, -1, -1}};
+        s->blk[i] = (struct blk){.slot = {-1, -1, -1}, .layer = (uint32_t)(i / layer_blocks)};
 
     /* compute tier: must hold at least one layer's blocks for the whole context */
     uint64_t cap = p->compute_bytes ? p->compute_bytes / s->S : total;
