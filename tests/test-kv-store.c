@@ -399,11 +399,27 @@ static void test_faults(void)
                 CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_HOST) == TKV_OK, "flip: %s",
                       tkv_last_error());
                 if (via_prefetch) {
+                    struct tkv_kvs_stats k0, k1;
+                    uint32_t on_compute0 = 0, on_compute1 = 0;
+                    for (uint32_t h = 0; h < H; h++)
+                        for (uint32_t b = 0; b < NB; b++)
+                            on_compute0 += tkv_kvs_block_tier(s, bad_l, h, b) == TKV_TIER_COMPUTE;
+                    tkv_kvs_get_stats(s, &k0);
                     tkv_kvs_prefetch(s, bad_l);
                     CHECK(tkv_kvs_prefetch_wait(s) == TKV_OK, "prefetch wait: %s", tkv_last_error());
                     CHECK(tkv_kvs_prefetch_done(s), "prefetch not done after wait");
                     CHECK(tkv_kvs_block_tier(s, bad_l, bad_h, bad_b) == TKV_TIER_HOST,
                           "%s: a corrupt block was prefetched", be->ops->name);
+                    /* the intact blocks it moved are current on the compute tier */
+                    tkv_kvs_get_stats(s, &k1);
+                    for (uint32_t h = 0; h < H; h++)
+                        for (uint32_t b = 0; b < NB; b++)
+                            on_compute1 += tkv_kvs_block_tier(s, bad_l, h, b) == TKV_TIER_COMPUTE;
+                    const uint64_t moved = k1.prefetched_blocks - k0.prefetched_blocks;
+                    CHECK(bi == 0 || moved > 1, "%s: the prefetch moved %llu blocks", be->ops->name,
+                          (unsigned long long)moved);
+                    CHECK(on_compute1 - on_compute0 + 1 >= moved, "%s: %llu blocks prefetched, %u became current",
+                          be->ops->name, (unsigned long long)moved, on_compute1 - on_compute0);
                 }
                 st = tkv_kvs_begin_layer(s, bad_l, 0, 0);
                 CHECK(st == TKV_ERR_CORRUPT, "%s host bit flip%s: expected TKV_ERR_CORRUPT, got %s", be->ops->name,

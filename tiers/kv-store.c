@@ -49,6 +49,12 @@ struct pool {
     uint64_t used, peak;     /* bytes                                 */
 };
 
+/* Uploads queued from up_* (see up_send). */
+struct up_batch {
+    uint32_t sent;      /* up_*[0, sent) queued                        */
+    bool     on_device; /* the backend verifies (else the CPU, after)  */
+};
+
 struct io_op {
     uint32_t blk;
     bool     write;
@@ -92,7 +98,7 @@ struct tkv_kvs {
      * layer's host-tier blocks go up in one asynchronous batch while their
      * checksums are verified on a few CPU threads. */
     bool     async_up;
-    bool     up_unfenced;    /* prefetched uploads later ops must wait for   */
+    struct up_batch pf;      /* prefetched uploads not yet settled (up_*)    */
     void   **up_dst;         /* [head*max_blocks] one batch's destinations   */
     const void **up_src;     /* [head*max_blocks] and sources                */
     uint32_t *up_idx;        /* [head*max_blocks] and blocks                 */
@@ -591,23 +597,22 @@ static tkv_status corrupt_error(struct tkv_kvs *s, uint32_t i, int from)
     return block_error(s, TKV_ERR_CORRUPT, i, what);
 }
 
-/* Prefetched uploads: every op queued from here on sees them. */
-static tkv_status uploads_fence(struct tkv_kvs *s)
-{
-    if (!s->up_unfenced)
-        return TKV_OK;
-    s->up_unfenced = false;
-    return s->be->ops->upload_fence(s->be);
-}
+static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report);
 
-/* Queues the upload of n verified host payloads into their compute slots
- * (up_src / up_dst / up_idx) and marks them current there. */
-static tkv_status upload_batch(struct tkv_kvs *s, uint32_t n, int from)
+/* Settles the prefetched uploads: waits for them, takes their verdicts and
+ * makes the intact blocks current (the others give their slots back; the
+ * next begin_layer recalls them and reports the error). Every public call
+ * that may use up_* or move blocks settles first. */
+static tkv_status prefetch_settle(struct tkv_kvs *s) { return up_finish(s, &s->pf, false); }
+
+/* Queues the upload of n verified staged NVMe payloads (up_src / up_dst /
+ * up_idx) and marks them current on the compute tier. */
+static tkv_status upload_batch(struct tkv_kvs *s, uint32_t n)
 {
     TKV_TRY(s->be->ops->upload_blocks(s->be, s->up_dst, s->up_src, n, s->S, NULL, NULL));
     for (uint32_t j = 0; j < n; j++)
         s->blk[s->up_idx[j]].valid |= BIT(TKV_TIER_COMPUTE);
-    s->st[from].bytes_out += (uint64_t)n * s->S;
+    s->st[TKV_TIER_NVME].bytes_out += (uint64_t)n * s->S;
     s->st[TKV_TIER_COMPUTE].bytes_in += (uint64_t)n * s->S;
     return TKV_OK;
 }
@@ -723,11 +728,6 @@ static tkv_status nvme_stream_reads(struct tkv_kvs *s, const uint32_t *list, uin
  * copies are queued first, so the link works while the CPU checks the sums
  * in up_finish. Blocks whose sum fails are not marked current (recall drops
  * their slots). */
-struct up_batch {
-    uint32_t sent;      /* up_*[0, sent) queued                        */
-    bool     on_device; /* the backend verifies (else the CPU, after)  */
-};
-
 static tkv_status up_send(struct tkv_kvs *s, struct up_batch *ub, uint32_t n)
 {
     const uint32_t first = ub->sent;
@@ -748,23 +748,34 @@ static tkv_status up_send(struct tkv_kvs *s, struct up_batch *ub, uint32_t n)
     return st;
 }
 
-static tkv_status up_finish(struct tkv_kvs *s, const struct up_batch *ub)
+/* Waits for the pieces of ub, takes their verdicts (the CPU checks the sums
+ * here when the device could not) and makes the blocks that arrived intact
+ * current on the compute tier; the others give their slots back. report:
+ * a corrupt block is an error naming it (a demand recall), else silent (a
+ * prefetch: the block is recalled again when needed). */
+static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
 {
-    if (ub->sent == 0)
-        return TKV_OK;
     const uint32_t n = ub->sent;
+    const bool on_device = ub->on_device;
+    if (n == 0)
+        return TKV_OK;
+    *ub = (struct up_batch){0};
     tkv_status st = TKV_OK;
-    if (ub->on_device)
+    if (on_device)
         st = s->be->ops->upload_wait(s->be, true, NULL); /* the verdicts */
     else
         verify_batch(s, s->up_idx, s->up_src, n, s->up_bad);
     uint32_t good = 0;
     tkv_status bad = TKV_OK; /* the first corrupt block; the others stay usable */
-    for (uint32_t j = 0; j < n && st == TKV_OK; j++) { /* a failed wait gives no verdicts */
+    for (uint32_t j = 0; j < n; j++) {
         uint32_t i = s->up_idx[j];
-        if (s->up_bad[j]) {
-            tkv_status e = corrupt_error(s, i, TKV_TIER_HOST);
-            bad = bad == TKV_OK ? e : bad;
+        s->blk[i].inflight = 0;
+        if (st != TKV_OK || s->up_bad[j]) { /* a failed wait gives no verdicts */
+            if (st == TKV_OK && report) {
+                tkv_status e = corrupt_error(s, i, TKV_TIER_HOST);
+                bad = bad == TKV_OK ? e : bad;
+            }
+            drop_copy(s, i, TKV_TIER_COMPUTE);
             continue;
         }
         s->blk[i].valid |= BIT(TKV_TIER_COMPUTE);
@@ -806,7 +817,7 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
                 s->up_src[k] = s->ops[r].buf;
                 s->up_dst[k++] = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[bi].slot[TKV_TIER_COMPUTE]);
             }
-            tkv_status u = upload_batch(s, k, TKV_TIER_NVME);
+            tkv_status u = upload_batch(s, k);
             tkv_status w = s->be->ops->upload_wait(s->be, true, NULL); /* the staging buffer is reused */
             st = st != TKV_OK ? st : u != TKV_OK ? u : w;
             continue;
@@ -875,7 +886,7 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
     }
     if (n_up > 0) {
         tkv_status u = st == TKV_OK ? up_send(s, &ub, n_up) : TKV_OK;
-        tkv_status f = up_finish(s, &ub); /* also after an error: what was sent lands first */
+        tkv_status f = up_finish(s, &ub, true); /* also after an error: what was sent lands first */
         st = st != TKV_OK ? st : u != TKV_OK ? u : f;
     }
     if (st == TKV_OK && n_nv > 0)
@@ -1080,7 +1091,7 @@ void tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens)
     const uint32_t B = s->p.block_tokens, keep = (n_tokens + B - 1) / B, had = (s->length + B - 1) / B;
     if (keep < had) {
         prefetch_drain(s);
-        if (uploads_fence(s) != TKV_OK)
+        if (prefetch_settle(s) != TKV_OK)
             TKV_LOG_W("%s", tkv_last_error());
         for (uint32_t l = 0; l < s->p.n_layer; l++)
             for (uint32_t h = 0; h < s->p.n_head_kv; h++)
@@ -1113,7 +1124,7 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
     const double t0 = tkv_now_seconds();
     s->cur_layer = layer; /* eviction distances are measured from here */
     prefetch_drain(s);
-    tkv_status st = uploads_fence(s);
+    tkv_status st = prefetch_settle(s);
     if (st != TKV_OK)
         goto out;
     uint32_t n_missing = 0;
@@ -1194,34 +1205,6 @@ void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
             s->blk[blk_index(s, layer, h, b)].pinned = 0;
 }
 
-/* Queues the uploads of the n prefetch candidates in up_idx/up_src/up_dst
- * whose checksums hold; the others give their slots back (begin_layer
- * recalls them and reports the error). */
-static void prefetch_host_blocks(struct tkv_kvs *s, uint32_t n)
-{
-    verify_batch(s, s->up_idx, s->up_src, n, s->up_bad);
-    uint32_t k = 0;
-    for (uint32_t j = 0; j < n; j++) {
-        uint32_t i = s->up_idx[j];
-        if (s->up_bad[j]) {
-            drop_copy(s, i, TKV_TIER_COMPUTE);
-            continue;
-        }
-        s->up_idx[k] = i;
-        s->up_src[k] = s->up_src[j];
-        s->up_dst[k++] = s->up_dst[j];
-    }
-    if (k == 0)
-        return;
-    if (upload_batch(s, k, TKV_TIER_HOST) != TKV_OK) {
-        for (uint32_t j = 0; j < k; j++)
-            drop_copy(s, s->up_idx[j], TKV_TIER_COMPUTE);
-        return;
-    }
-    s->up_unfenced = true;
-    s->prefetched += k;
-}
-
 void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
 {
     /* NVMe -> a host compute tier by io_uring; pinned host -> GPU by the
@@ -1240,6 +1223,8 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
             wanted += WANTED(&s->blk[blk_index(s, layer, h, b)]);
     if (wanted == 0)
         return;
+    if (from_host && prefetch_settle(s) != TKV_OK) /* up_* are free again */
+        return; /* the error comes back from the next begin_layer */
     /* room from clean blocks needed after `layer` (never the pinned current layer) */
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
         for (uint32_t b = 0; b < nb; b++)
@@ -1252,6 +1237,7 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
         for (uint32_t b = 0; b < nb; b++)
             s->blk[blk_index(s, layer, h, b)].pinned--;
     uint32_t n_up = 0;
+    const uint32_t piece = TKV_MAX((s->p.upload_piece_bytes ? s->p.upload_piece_bytes : UP_PIECE_BYTES) / s->S, 1u);
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
         for (uint32_t b = 0; b < nb; b++) {
             uint32_t i = blk_index(s, layer, h, b);
@@ -1261,11 +1247,14 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
             if (s->pool[TKV_TIER_COMPUTE].n_free == 0)
                 goto issue; /* only free slots: a prefetch never evicts */
             int32_t cs = pool_take(s, TKV_TIER_COMPUTE, i);
-            if (from_host) {
+            if (from_host) { /* in flight until prefetch_settle */
                 k->slot[TKV_TIER_COMPUTE] = cs;
+                k->inflight = 1;
                 s->up_idx[n_up] = i;
                 s->up_src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
                 s->up_dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
+                if (n_up - s->pf.sent >= piece && up_send(s, &s->pf, n_up) != TKV_OK)
+                    goto issue;
                 continue;
             }
             int rc = tkv_io_read(s->io, s->file, slot_ptr(s, TKV_TIER_COMPUTE, cs), s->S,
@@ -1281,10 +1270,17 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
         }
 #undef WANTED
 issue:
-    if (from_host)
-        prefetch_host_blocks(s, n_up);
-    else
+    if (!from_host) {
         tkv_io_submit(s->io);
+        return;
+    }
+    if (s->pf.sent < n_up)
+        (void)up_send(s, &s->pf, n_up); /* on failure the rest is given back below */
+    s->prefetched += s->pf.sent; /* settled above: all of them this call's */
+    for (uint32_t j = s->pf.sent; j < n_up; j++) { /* not queued */
+        s->blk[s->up_idx[j]].inflight = 0;
+        drop_copy(s, s->up_idx[j], TKV_TIER_COMPUTE);
+    }
 }
 
 bool tkv_kvs_prefetch_done(struct tkv_kvs *s)
@@ -1300,7 +1296,7 @@ bool tkv_kvs_prefetch_done(struct tkv_kvs *s)
             return false;
     }
     bool done = true;
-    if (s->up_unfenced && s->be->ops->upload_wait(s->be, false, &done) != TKV_OK)
+    if (s->pf.sent && s->be->ops->upload_wait(s->be, false, &done) != TKV_OK)
         return true; /* the error comes back from the next begin_layer */
     return done;
 }
@@ -1308,9 +1304,7 @@ bool tkv_kvs_prefetch_done(struct tkv_kvs *s)
 tkv_status tkv_kvs_prefetch_wait(struct tkv_kvs *s)
 {
     prefetch_drain(s);
-    if (s->up_unfenced)
-        TKV_TRY(s->be->ops->upload_wait(s->be, true, NULL));
-    return TKV_OK;
+    return prefetch_settle(s);
 }
 
 struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head)
@@ -1352,7 +1346,7 @@ tkv_status tkv_kvs_export(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 {
     TKV_TRY(check_block(s, layer, head, b));
     prefetch_drain(s);
-    TKV_TRY(uploads_fence(s));
+    TKV_TRY(prefetch_settle(s));
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
     if (k->valid & BIT(TKV_TIER_COMPUTE))
@@ -1378,7 +1372,7 @@ tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 {
     TKV_TRY(check_block(s, layer, head, b));
     prefetch_drain(s); /* an in-flight read must not land on top of the import */
-    TKV_TRY(uploads_fence(s));
+    TKV_TRY(prefetch_settle(s));
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
     if (!(k->valid & BIT(TKV_TIER_COMPUTE))) {
@@ -1402,7 +1396,7 @@ tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 {
     TKV_TRY(check_block(s, layer, head, b));
     prefetch_drain(s);
-    TKV_TRY(uploads_fence(s));
+    TKV_TRY(prefetch_settle(s));
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
     if (!(k->valid & BIT(TKV_TIER_COMPUTE)) || k->pinned)

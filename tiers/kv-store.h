@@ -99,8 +99,10 @@ void       tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer);
  * evicting anything (other than clean copies needed later than `layer`);
  * returns at once. From NVMe to a host compute tier the reads go through
  * io_uring; from pinned host memory to a GPU, the backend's asynchronous
- * uploads (a copy stream) carry them while compute continues, their
- * checksums verified before they are queued. begin_layer completes them. */
+ * uploads (a copy stream) carry them while compute continues, each copy
+ * checked against its checksum on the device as it lands (on the CPU where
+ * the device cannot). The next call of the store (begin_layer, ...) takes
+ * the verdicts; a block that failed is recalled again and reported there. */
 void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer);
 /* Whether every prefetch has landed (polls, never blocks). */
 bool tkv_kvs_prefetch_done(struct tkv_kvs *s);
