@@ -13,6 +13,7 @@
 #include "cli-util.h"
 #include "tierkv.h"
 #include "eval.h"
+#include "runtime/backend.h" /* tkv_backend_cuda_devices */
 
 #include <errno.h>
 #include <limits.h>
@@ -69,7 +70,9 @@ static void print_help(void)
            "      --policy SPEC     KV policy NAME[:key=value,...] (default full)\n"
            "      --kv-budget N     KV tokens kept per head by the policy\n"
            "      --kv-block N      tokens per KV block (default 64)\n"
-           "      --device D        cpu, cuda or auto (default cpu)\n"
+           "      --device D        cpu, cuda or auto (default: cuda when a GPU is present,\n"
+           "                        else cpu; a policy or model the GPU cannot run falls\n"
+           "                        back to the CPU with a note unless cuda was asked for)\n"
            "      --gpu-kv-mem SIZE KV kept in GPU memory (e.g. 2G; default: all of it)\n"
            "      --host-kv-mem SIZE KV kept in host memory (CPU device: its working memory;\n"
            "                        below a GPU: the pinned host tier). Default: all of it\n"
@@ -139,7 +142,7 @@ struct options {
 /* Parses argv[first..]; returns 0 or an exit status. */
 static int parse_options(int argc, char **argv, int first, struct options *o)
 {
-    *o = (struct options){.n_predict = 256, .top_k = 40, .top_p = 0.95f, .temp = 0.0f, .device = "cpu",
+    *o = (struct options){.n_predict = 256, .top_k = 40, .top_p = 0.95f, .temp = 0.0f, .device = NULL,
                           .policy = "full"};
     for (int i = first; i < argc; i++) {
         const char *a = argv[i];
@@ -362,7 +365,8 @@ static int cmd_run(int argc, char **argv)
     struct tkv_session_params sp = tkv_session_default_params();
     sp.n_ctx = n_ctx;
     sp.n_threads = o.n_threads;
-    sp.device = o.device;
+    /* default: the GPU when there is one */
+    sp.device = o.device ? o.device : tkv_backend_cuda_devices() > 0 ? "cuda" : "cpu";
     sp.policy = o.policy;
     sp.kv_budget = o.kv_budget;
     sp.kv_block = o.kv_block;
@@ -373,6 +377,14 @@ static int cmd_run(int argc, char **argv)
     sp.nvme_dir = o.nvme_dir;
     sp.nvme_kv_max = o.nvme_kv_max;
     tkv_status st = tkv_session_init(m, &sp, &s);
+    if (st == TKV_ERR_UNSUPPORTED && !o.device && strcmp(sp.device, "cpu") != 0) {
+        /* the default device cannot run this (a policy that computes its
+         * statistics on the CPU, a weight type): the CPU can */
+        fprintf(stderr, "%s: note: %s; running on the CPU (--device cpu says so, --device cuda insists)\n", prog,
+                tkv_last_error());
+        sp.device = "cpu";
+        st = tkv_session_init(m, &sp, &s);
+    }
     if (st != TKV_OK) {
         fail("cannot start a session", st);
         goto out;
