@@ -25,10 +25,12 @@
 #include "copy.cuh"
 #include "dequant.cuh"
 #include "ops.cuh"
+#include "rabitq.cuh"
 #include "stats.cuh"
 
 extern "C" {
 #include "tkv-cuda.h"
+#include "../runtime/rabitq/rabitq.h" /* struct tkv_rabitq_query */
 }
 
 #include <cublas_v2.h>
@@ -73,6 +75,7 @@ struct cuda_backend {
     size_t act16_cap;              /* elements                                */
     struct tkv_cuda_attn_state *attn; /* block tables, partials (attn.cu)  */
     void *stats_work;              /* [stats_work_cap] attn_stats work memory */
+    uint32_t *rq_bad;              /* rabitq_encode's first non-finite row      */
     size_t stats_work_cap;         /* bytes                                   */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
     /* block uploads: a second stream, so recalls and prefetches overlap the
@@ -780,6 +783,62 @@ static tkv_status cuda_attn_stats(struct tkv_backend *b, const struct tkv_attn_s
 
 /* ---- lifetime ------------------------------------------------------------------- */
 
+/* ---- RaBitQ (gpu/rabitq.cuh) ------------------------------------------------ */
+
+static_assert(TKV_CUDA_RQ_MAX_WORDS == TKV_RABITQ_MAX_WORDS, "query planes of the same width");
+
+static struct tkv_cuda_rq_index rq_index(const struct tkv_rabitq_dev *ix)
+{
+    return (struct tkv_cuda_rq_index){ix->dim, ix->dim_pad, ix->words, ix->rot_scale, ix->sign, ix->ck, ix->cq,
+                                      ix->code, ix->a, ix->e, ix->t, ix->pc};
+}
+
+/* Encodes on the compute stream and waits for the verdict on the batch. */
+static tkv_status cuda_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
+                                     size_t row_stride, uint32_t n, uint32_t at)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "rabitq_encode";
+    ALIVE(op);
+    if (n == 0)
+        return TKV_OK;
+    if (ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || ix->words * 64 != ix->dim_pad)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_encode: dim_pad %u", ix->dim_pad);
+    if (!cb->rq_bad)
+        CU(op, cudaMalloc(&cb->rq_bad, sizeof *cb->rq_bad));
+    CU(op, cudaMemsetAsync(cb->rq_bad, 0xff, sizeof *cb->rq_bad, cb->stream));
+    const struct tkv_cuda_rq_index d = rq_index(ix);
+    CU(op, tkv_cuda_rq_encode(&d, k, row_stride, n, at, cb->rq_bad, cb->stream));
+    uint32_t bad = 0;
+    CU(op, cudaMemcpyAsync(&bad, cb->rq_bad, sizeof bad, cudaMemcpyDeviceToHost, cb->stream));
+    CU(op, cudaStreamSynchronize(cb->stream));
+    if (bad != UINT32_MAX)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append: key row %u of the batch is not finite", bad);
+    return TKV_OK;
+}
+
+static tkv_status cuda_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                       const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
+                                       float *bound)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "rabitq_estimate";
+    ALIVE(op);
+    if (ix->words == 0 || ix->words > TKV_CUDA_RQ_MAX_WORDS || q->words != ix->words)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_estimate: %u code words, query %u", ix->words, q->words);
+    struct tkv_cuda_rq_query cq;
+    memcpy(cq.plane, q->plane, sizeof cq.plane);
+    cq.delta = q->delta;
+    cq.vl = q->vl;
+    cq.add = q->add;
+    cq.bound_u = q->bound_u;
+    cq.bound_w = q->bound_w;
+    cq.sum_q = q->sum_q;
+    const struct tkv_cuda_rq_index d = rq_index(ix);
+    CU(op, tkv_cuda_rq_estimate(&d, &cq, first, n, est, bound, cb->stream));
+    return TKV_OK;
+}
+
 static void cuda_free(struct tkv_backend *b)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -805,6 +864,7 @@ static void cuda_free(struct tkv_backend *b)
         cudaEventDestroy(cb->ev_copy);
     if (cb->copy_stream)
         cudaStreamDestroy(cb->copy_stream);
+    cudaFree(cb->rq_bad);
     if (cb->blas)
         cublasDestroy(cb->blas);
     for (int i = 0; i < N_STAGE; i++) {
@@ -857,6 +917,8 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.upload_blocks = cuda_upload_blocks;
     o.upload_fence = cuda_upload_fence;
     o.upload_wait = cuda_upload_wait;
+    o.rabitq_encode = cuda_rabitq_encode;
+    o.rabitq_estimate = cuda_rabitq_estimate;
     return o;
 }
 static const struct tkv_backend_ops cuda_ops = cuda_make_ops();

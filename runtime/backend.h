@@ -101,6 +101,20 @@ struct tkv_attn_stats_args {
  * returns in *n_blocks the SEGMENT block count (0 for WINDOW). */
 tkv_status tkv_attn_stats_check(const struct tkv_attn_stats_args *a, uint32_t *n_blocks);
 
+/* RaBitQ keys in backend memory: the device twin of an index
+ * (runtime/rabitq/rabitq.h has the math and the layout; rabitq-dev.c owns
+ * these arrays). */
+struct tkv_rabitq_query; /* runtime/rabitq/rabitq.h */
+struct tkv_rabitq_dev {
+    uint32_t dim, dim_pad, words; /* head_dim, its padding, dim_pad / 64        */
+    float    rot_scale;
+    const float *sign;            /* [3, dim_pad]                                */
+    const float *ck, *cq;         /* [dim_pad] centroids                         */
+    uint64_t *code;               /* [cap, words]                                */
+    float    *a, *e, *t;          /* [cap]                                       */
+    uint16_t *pc;                 /* [cap]                                       */
+};
+
 struct tkv_backend_ops {
     const char *name;
     void (*free)(struct tkv_backend *b);
@@ -164,6 +178,18 @@ struct tkv_backend_ops {
                                 size_t bytes, const uint32_t *crc, uint8_t *bad);
     tkv_status (*upload_fence)(struct tkv_backend *b);
     tkv_status (*upload_wait)(struct tkv_backend *b, bool block, bool *done);
+    /* RaBitQ on the device, bit-identical to the CPU kernels.
+     * rabitq_encode: keys at .. at+n-1 of ix from n f16 rows (backend memory,
+     * row r at k + r * row_stride), as tkv_rabitq_append_f16 encodes them;
+     * waits for the result: TKV_ERR_INVALID_ARG naming the row when a key is
+     * not finite (the caller then does not count the batch).
+     * rabitq_estimate: est[i] and bound[i] (backend memory; bound may be
+     * NULL) for keys first .. first+n-1, as tkv_rabitq_estimate; queued. */
+    tkv_status (*rabitq_encode)(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
+                                size_t row_stride, uint32_t n, uint32_t at);
+    tkv_status (*rabitq_estimate)(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                  const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
+                                  float *bound);
 };
 
 struct tkv_backend {

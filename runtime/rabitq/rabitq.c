@@ -301,7 +301,9 @@ static bool finish_keys(struct tkv_rabitq *ix, uint32_t at, uint32_t n, uint32_t
             if (alpha > 1)
                 alpha = 1;
             ix->a[i] = (float)(rr / l1);
-            ix->e[i] = (float)(nk * sqrt(1 - alpha * alpha) / alpha);
+            /* explicit fma: with -ffp-contract=fast GCC fuses 1 - alpha*alpha
+             * where the ISA has FMA, and the GPU encoder must round alike */
+            ix->e[i] = (float)(nk * sqrt(fma(-alpha, alpha, 1.0)) / alpha);
         } else {
             ix->a[i] = 0;
             ix->e[i] = 0;
@@ -358,7 +360,8 @@ void tkv_rabitq_get_arrays(const struct tkv_rabitq *ix, struct tkv_rabitq_arrays
     if (!ix)
         return;
     *out = (struct tkv_rabitq_arrays){.code = ix->code, .a = ix->a, .e = ix->e, .t = ix->t, .pc = ix->pc,
-                                      .n = ix->n, .words = ix->words, .dim = ix->dim, .dim_pad = ix->dim_pad};
+                                      .n = ix->n, .words = ix->words, .dim = ix->dim, .dim_pad = ix->dim_pad,
+                                      .sign = ix->sign, .ck = ix->ck, .cq = ix->cq, .rot_scale = ix->rot_scale};
 }
 
 tkv_status tkv_rabitq_rotate(const struct tkv_rabitq *ix, const float *x, float *y)

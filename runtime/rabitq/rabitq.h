@@ -106,6 +106,10 @@ struct tkv_rabitq_arrays {
     const float    *t;    /* [n] */
     const uint16_t *pc;   /* [n] */
     uint32_t n, words, dim, dim_pad;
+    /* what an encoder elsewhere (the GPU's) needs to reproduce the codes */
+    const float    *sign;      /* [3, dim_pad] the rotation's +-1 rounds */
+    const float    *ck, *cq;   /* [dim_pad] centroids, zero past dim     */
+    float           rot_scale; /* dim_pad^-3/2                            */
 };
 void tkv_rabitq_get_arrays(const struct tkv_rabitq *ix, struct tkv_rabitq_arrays *out);
 
@@ -132,6 +136,30 @@ tkv_status tkv_rabitq_mean_add_f16(struct tkv_rabitq_mean *m, const uint16_t *ro
 tkv_status tkv_rabitq_mean_add_f32(struct tkv_rabitq_mean *m, const float *rows, size_t row_stride, uint32_t n);
 /* out[dim] = the mean (zeros when no row was added). */
 tkv_status tkv_rabitq_mean_get(const struct tkv_rabitq_mean *m, float *out);
+
+/* ---- the device twin -------------------------------------------------------- */
+
+/* An index's keys in backend memory, encoded and estimated by the backend's
+ * rabitq_encode / rabitq_estimate ops (bit-identical to the CPU kernels):
+ * on a GPU the index stays beside the KV it summarises. The rotation and
+ * centroids are those of a host index (tkv_rabitq_set_centroids done),
+ * which also prepares the queries. TKV_ERR_UNSUPPORTED when the backend
+ * lacks the ops. */
+struct tkv_rabitq_dev_index;
+tkv_status tkv_rabitq_dev_create(struct tkv_backend *be, const struct tkv_rabitq *ix, uint32_t cap,
+                                 struct tkv_rabitq_dev_index **out);
+void       tkv_rabitq_dev_free(struct tkv_rabitq_dev_index *d); /* NULL: no-op */
+uint32_t   tkv_rabitq_dev_size(const struct tkv_rabitq_dev_index *d);
+/* Appends n keys from f16 rows in backend memory (row r at k + r*row_stride):
+ * TKV_ERR_TOO_SMALL past the capacity, TKV_ERR_INVALID_ARG for a non-finite
+ * key (nothing of the batch kept). */
+tkv_status tkv_rabitq_dev_append(struct tkv_rabitq_dev_index *d, const uint16_t *k, size_t row_stride, uint32_t n);
+/* est / bound (backend memory, bound may be NULL) for keys first .. first+n-1
+ * with a query prepared by the host index d was created from. */
+tkv_status tkv_rabitq_dev_estimate(const struct tkv_rabitq_dev_index *d, const struct tkv_rabitq_query *q,
+                                   uint32_t first, uint32_t n, float *est, float *bound);
+/* The arrays in backend memory (tests download and compare them). */
+const struct tkv_rabitq_dev *tkv_rabitq_dev_arrays(const struct tkv_rabitq_dev_index *d);
 
 /* ---- query and estimate --------------------------------------------------- */
 

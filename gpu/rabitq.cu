@@ -1,0 +1,155 @@
+/*
+ * rabitq.cu -- RaBitQ encoding and estimation on the GPU (rabitq.cuh says
+ * what and why they match the CPU bit for bit).
+ */
+#include "rabitq.cuh"
+
+#define RQ_FULL  0xffffffffu
+#define RQ_WARPS 4 /* keys (one warp each) per block of the encoder */
+
+/* The fixed-order fold of 16 lane sums (lanes 0..15 of the warp): lane j
+ * adds lane j+s for s = 8, 4, 2, 1, as rq_fold16 does with acc[j] += acc[j+s].
+ * Lane 0 returns the result; every lane must call it. */
+static __device__ __forceinline__ float rq_fold16(float v)
+{
+#pragma unroll
+    for (int s = 8; s >= 1; s >>= 1)
+        v = __fadd_rn(v, __shfl_down_sync(RQ_FULL, v, s));
+    return v;
+}
+
+/* One warp per key: f16 row -> r = k - c_k -> y = P r (three rounds of signs
+ * and Walsh-Hadamard butterflies, then the scale) -> code bits y > 0, and the
+ * sums |r|^2, |y|_1, c_q . k, finished into a, e, t in double. */
+__global__ void rq_encode_kernel(struct tkv_cuda_rq_index ix, const uint16_t *k, size_t row_stride, uint32_t n,
+                                 uint32_t at, uint32_t *bad)
+{
+    __shared__ float ys[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM], ks[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM];
+    const unsigned wp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t r = blockIdx.x * RQ_WARPS + wp;
+    if (r >= n) /* the whole warp leaves: only warp-level synchronisation below */
+        return;
+    float *y = ys[wp], *kf = ks[wp];
+    const uint32_t D = ix.dim_pad;
+    const __half *row = (const __half *)(k + (size_t)r * row_stride);
+    for (uint32_t i = lane; i < D; i += 32) {
+        const float x = i < ix.dim ? __half2float(row[i]) : 0.0f;
+        kf[i] = x;
+        y[i] = __fsub_rn(x, ix.ck[i]);
+    }
+    __syncwarp();
+    float rr = 0.0f, t = 0.0f; /* lane j < 16: elements j, j+16, ... ascending */
+    if (lane < 16)
+        for (uint32_t i = lane; i < D; i += 16) {
+            rr = fmaf(y[i], y[i], rr);
+            t = fmaf(ix.cq[i], kf[i], t);
+        }
+    rr = rq_fold16(rr);
+    t = rq_fold16(t);
+    for (int round = 0; round < 3; round++) {
+        const float *sg = ix.sign + (size_t)round * D;
+        for (uint32_t i = lane; i < D; i += 32)
+            y[i] = __fmul_rn(y[i], sg[i]);
+        __syncwarp();
+        for (uint32_t h = 1; h < D; h <<= 1) { /* stage h: pairs (j, j+h), j in the low half of each 2h run */
+            for (uint32_t b = lane; b < D / 2; b += 32) {
+                const uint32_t j = (b / h) * 2 * h + b % h;
+                const float a = y[j], c = y[j + h];
+                y[j] = __fadd_rn(a, c);
+                y[j + h] = __fsub_rn(a, c);
+            }
+            __syncwarp();
+        }
+    }
+    for (uint32_t i = lane; i < D; i += 32)
+        y[i] = __fmul_rn(y[i], ix.rot_scale);
+    __syncwarp();
+    uint32_t pc = 0;
+    uint64_t *code = ix.code + (size_t)(at + r) * ix.words;
+    for (uint32_t w = 0; w < ix.words; w++) {
+        const uint64_t lo = __ballot_sync(RQ_FULL, y[64 * w + lane] > 0.0f);
+        const uint64_t hi = __ballot_sync(RQ_FULL, y[64 * w + 32 + lane] > 0.0f);
+        const uint64_t bits = lo | hi << 32;
+        if (lane == 0)
+            code[w] = bits;
+        pc += (uint32_t)__popcll(bits);
+    }
+    float l1 = 0.0f;
+    if (lane < 16)
+        for (uint32_t i = lane; i < D; i += 16)
+            l1 = __fadd_rn(l1, fabsf(y[i]));
+    l1 = rq_fold16(l1);
+    if (lane != 0)
+        return;
+    /* finish_keys (runtime/rabitq/rabitq.c), in double */
+    const double rrd = rr, l1d = l1;
+    if (!isfinite(rrd) || !isfinite(l1d) || !isfinite(t))
+        atomicMin(bad, r);
+    float a_out = 0.0f, e_out = 0.0f;
+    if (rrd > 0 && l1d > 0) {
+        const double nk = sqrt(rrd);
+        double alpha = __ddiv_rn(l1d, __dmul_rn(sqrt((double)D), nk));
+        if (alpha > 1)
+            alpha = 1;
+        a_out = (float)__ddiv_rn(rrd, l1d);
+        e_out = (float)__ddiv_rn(__dmul_rn(nk, sqrt(fma(-alpha, alpha, 1.0))), alpha);
+    }
+    ix.a[at + r] = a_out;
+    ix.e[at + r] = e_out;
+    ix.t[at + r] = t;
+    ix.pc[at + r] = (uint16_t)pc;
+}
+
+/* One thread per key: rq_estimate_one (runtime/rabitq/rabitq-impl.h). */
+__global__ void rq_estimate_kernel(struct tkv_cuda_rq_index ix, struct tkv_cuda_rq_query q, uint32_t first,
+                                   uint32_t n, float *est, float *bound)
+{
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n)
+        return;
+    const uint32_t key = first + i;
+    const uint64_t *c = ix.code + (size_t)key * ix.words;
+    uint64_t cw[TKV_CUDA_RQ_MAX_WORDS];
+    for (uint32_t w = 0; w < ix.words; w++)
+        cw[w] = c[w];
+    uint32_t ip = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        uint32_t s = 0;
+        for (uint32_t w = 0; w < ix.words; w++)
+            s += (uint32_t)__popcll(cw[w] & q.plane[j][w]);
+        ip += s << j;
+    }
+    const int32_t xa = 2 * (int32_t)ip - q.sum_q, xb = 2 * (int32_t)ix.pc[key] - (int32_t)ix.dim_pad;
+    const float a = ix.a[key];
+    const float x = fmaf(q.delta, (float)xa, __fmul_rn(q.vl, (float)xb));
+    est[i] = fmaf(a, x, __fadd_rn(ix.t[key], q.add));
+    if (bound) {
+        const float e = ix.e[key];
+        bound[i] = __fsqrt_rn(fmaf(__fmul_rn(e, e), q.bound_u, __fmul_rn(__fmul_rn(a, a), q.bound_w)));
+    }
+}
+
+cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const uint16_t *k, size_t row_stride, uint32_t n,
+                               uint32_t at, uint32_t *bad, cudaStream_t s)
+{
+    if (n == 0)
+        return cudaSuccess;
+    if (ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || ix->words * 64 != ix->dim_pad)
+        return cudaErrorInvalidValue;
+    rq_encode_kernel<<<tkv_cuda_blocks(n, RQ_WARPS), RQ_WARPS * 32, 0, s>>>(*ix, k, row_stride, n, at, bad);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_query *q,
+                                 uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s)
+{
+    if (n == 0)
+        return cudaSuccess;
+    if (ix->words == 0 || ix->words > TKV_CUDA_RQ_MAX_WORDS)
+        return cudaErrorInvalidValue;
+    rq_estimate_kernel<<<tkv_cuda_blocks(n, 256), 256, 0, s>>>(*ix, *q, first, n, est, bound);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}

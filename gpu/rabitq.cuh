@@ -1,0 +1,55 @@
+/*
+ * rabitq.cuh -- the RaBitQ key index on the GPU (the device side of
+ * backend.h's rabitq_encode / rabitq_estimate ops): keys encoded into 1-bit
+ * codes and three scalars, and the popcount estimate of q.k with its error
+ * bound, for every key of an index.
+ *
+ * The math and the layout are runtime/rabitq/rabitq.h's. The results are
+ * bit-identical to the CPU kernels because these kernels follow the same
+ * three rules (runtime/rabitq/rabitq-impl.h): the rotation is a fixed
+ * sequence of exact sign flips and a + b / a - b butterflies; every sum over
+ * a key's dimensions is kept in 16 lanes (element i in lane i % 16, ascending
+ * i, fmaf for products) and folded j += j+8, +4, +2, +1; every a*b+c of the
+ * estimate is an explicit fmaf and no other product meets an add (the
+ * kernels use __fmul_rn / __fadd_rn, which nvcc never contracts). The
+ * per-key scalars are finished in double, as finish_keys does.
+ */
+#ifndef TKV_GPU_RABITQ_CUH
+#define TKV_GPU_RABITQ_CUH
+
+#include "common.cuh"
+
+#define TKV_CUDA_RQ_MAX_DIM   512 /* = TKV_RABITQ_MAX_DIM */
+#define TKV_CUDA_RQ_MAX_WORDS (TKV_CUDA_RQ_MAX_DIM / 64)
+
+/* One index in device memory. */
+struct tkv_cuda_rq_index {
+    uint32_t dim, dim_pad, words; /* head_dim, its power-of-two padding (>= 64), dim_pad / 64 */
+    float rot_scale;              /* dim_pad^-3/2                                            */
+    const float *sign;            /* [3, dim_pad] +-1                                        */
+    const float *ck, *cq;         /* [dim_pad] centroids, zero past dim                      */
+    uint64_t *code;               /* [cap, words]                                            */
+    float *a, *e, *t;             /* [cap]                                                   */
+    uint16_t *pc;                 /* [cap]                                                   */
+};
+
+/* A prepared query (tkv_rabitq_query_prepare on the host), by value. */
+struct tkv_cuda_rq_query {
+    uint64_t plane[4][TKV_CUDA_RQ_MAX_WORDS];
+    float delta, vl, add, bound_u, bound_w;
+    int32_t sum_q;
+};
+
+/* Encodes n keys (f16 rows, row r at k + r * row_stride, device memory) as
+ * keys at .. at+n-1. *bad (device) is lowered to the first row whose sums
+ * are not finite (the caller sets it to UINT32_MAX first and discards the
+ * batch if it changed). */
+cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const uint16_t *k, size_t row_stride, uint32_t n,
+                               uint32_t at, uint32_t *bad, cudaStream_t s);
+
+/* est[i] (and bound[i] unless bound is NULL), device memory, for keys
+ * first .. first+n-1. */
+cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_query *q,
+                                 uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s);
+
+#endif /* TKV_GPU_RABITQ_CUH */
