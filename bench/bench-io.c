@@ -62,17 +62,6 @@ static int parse_list(const char *arg, uint64_t *out, int *n, bool sizes)
     return *n ? 0 : -1;
 }
 
-static void build_commit(char *out, size_t cap)
-{
-    snprintf(out, cap, "unknown");
-    FILE *p = popen("git -C '" TKV_SOURCE_DIR "' describe --always --dirty 2>/dev/null", "r");
-    if (!p)
-        return;
-    if (fgets(out, (int)cap, p))
-        out[strcspn(out, "\n")] = 0;
-    pclose(p);
-}
-
 enum pattern { SEQ_READ, RAND_READ, SEQ_WRITE, RAND_WRITE, N_PATTERN };
 static const char *pattern_name[] = {"seq-read", "rand-read", "seq-write", "rand-write"};
 

@@ -1,11 +1,14 @@
 /*
- * bench.h -- what the benchmark programs share: a monotonic clock and a
- * small deterministic generator for synthetic inputs (header-only).
+ * bench.h -- what the benchmark programs share: a monotonic clock, a small
+ * deterministic generator for synthetic inputs, and the build's commit for
+ * their reports (header-only).
  */
 #ifndef TKV_BENCH_H
 #define TKV_BENCH_H
 
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 #include <time.h>
 
 /* Seconds on a monotonic clock. */
@@ -24,6 +27,19 @@ static inline uint64_t rnd(void)
     bench_rng_state ^= bench_rng_state << 25;
     bench_rng_state ^= bench_rng_state >> 27;
     return bench_rng_state * 0x2545F4914F6CDD1Dull;
+}
+
+/* `git describe --always --dirty` of the source tree, "unknown" outside a
+ * checkout (bench targets define TKV_SOURCE_DIR). */
+static inline void build_commit(char *out, size_t cap)
+{
+    snprintf(out, cap, "unknown");
+    FILE *p = popen("git -C '" TKV_SOURCE_DIR "' describe --always --dirty 2>/dev/null", "r");
+    if (!p)
+        return;
+    if (fgets(out, (int)cap, p))
+        out[strcspn(out, "\n")] = 0;
+    pclose(p);
 }
 
 #endif

@@ -257,6 +257,16 @@ static tkv_status cuda_upload(struct tkv_backend *b, void *dst, const void *src_
     return TKV_OK;
 }
 
+static tkv_status cuda_copy(struct tkv_backend *b, void *dst, const void *src, size_t bytes)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("copy");
+    if (!bytes)
+        return TKV_OK;
+    CU("copy", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cb->stream));
+    return TKV_OK;
+}
+
 static tkv_status cuda_download(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -899,6 +909,7 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.release = cuda_release;
     o.upload = cuda_upload;
     o.download = cuda_download;
+    o.copy = cuda_copy;
     o.synchronize = cuda_sync;
     o.weight_init = cuda_weight_init;
     o.weight_free = cuda_weight_free;

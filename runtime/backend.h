@@ -125,6 +125,10 @@ struct tkv_backend_ops {
     tkv_status (*upload)(struct tkv_backend *b, void *dst, const void *src_host, size_t bytes);
     tkv_status (*download)(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes);
     tkv_status (*synchronize)(struct tkv_backend *b);
+    /* optional (NULL on the CPU, whose memory is the host's: memcpy):
+     * dst = src, bytes, both in backend memory, queued like the ops; what
+     * bench-decode measures the memory's bandwidth with */
+    tkv_status (*copy)(struct tkv_backend *b, void *dst, const void *src, size_t bytes);
 
     /* weights: t's data stays mapped for the lifetime of the weight */
     tkv_status (*weight_init)(struct tkv_backend *b, const struct tkv_gguf_tensor *t, struct tkv_bweight **out);
