@@ -157,8 +157,9 @@ struct tkv_backend_ops {
     tkv_status (*attention)(struct tkv_backend *b, const struct tkv_attn_args *a);
 
     /* optional members: NULL where they do not apply (the CPU backend) */
-    /* the statistics above; NULL: the policies compute them on the host
-     * (the CPU backend's implementation is that computation, the reference) */
+    /* the statistics above, which the policies score keys with
+     * (runtime/policy/policy.h); NULL: a policy that needs them is refused
+     * (the CPU backend's implementation is the reference) */
     tkv_status (*attn_stats)(struct tkv_backend *b, const struct tkv_attn_stats_args *a);
     /* PCI bus id of the device ("0000:3b:00.0"), for NUMA placement */
     const char *(*pci_bus_id)(struct tkv_backend *b);
@@ -203,6 +204,14 @@ struct tkv_backend {
 /* Creates the backend for a device name: "cpu", "cuda" or "auto".
  * n_threads: CPU threads the backend may use (0 = all online cores). */
 tkv_status tkv_backend_create(const char *device, uint32_t n_threads, struct tkv_backend **out);
+
+/* Tests: a factory tkv_backend_create asks first (NULL: none). It returns
+ * TKV_OK with *out set for the device names it makes, anything else (and
+ * *out NULL) to leave the name to the built-in backends; e.g. a wrapper
+ * backend that keeps its memory out of the policies' reach. Not thread-safe:
+ * set it before creating sessions. */
+typedef tkv_status (*tkv_backend_factory)(const char *device, uint32_t n_threads, struct tkv_backend **out);
+void tkv_backend_set_test_factory(tkv_backend_factory make);
 
 /* Number of usable CUDA devices; 0 when built without CUDA or none usable. */
 int tkv_backend_cuda_devices(void);

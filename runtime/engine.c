@@ -84,6 +84,7 @@ void tkv_session_free(tkv_session *s)
     free(s->sel_refs);
     free(s->tokens);
     free(s->obs_q);
+    free(s->q_step);
     free(s->plan_ranges);
     free(s->need);
     free(s);
@@ -94,6 +95,7 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     const struct tkv_llama *m = &s->model->llama;
     const struct tkv_model_info *hp = &s->hp;
     TKV_TRY(tkv_backend_create(s->device, p->n_threads, &s->be));
+    s->be_host = !strcmp(s->be->ops->name, "cpu");
 
     TKV_TRY(weight(s, m->tok_embd, &s->tok_embd));
     TKV_TRY(weight(s, m->output_norm, &s->output_norm));
@@ -122,12 +124,16 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
                                  .head_dim = hp->head_dim, .n_ctx = s->n_ctx, .block_tokens = s->kv_block,
                                  .budget = s->kv_budget};
     TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
-    /* policy statistics read K and queries in host memory; the backend op
-     * that computes them on the GPU (attn_stats) is not wired into the
-     * policies yet (docs/gpu.md, "What is left") */
-    if (strcmp(s->be->ops->name, "cpu") != 0 && (s->policy->ops->prefill_select || s->policy->ops->after_prefill))
-        return tkv_err(TKV_ERR_UNSUPPORTED, "policy '%s' needs its statistics on the CPU backend (use --device cpu)",
-                       s->policy->ops->name);
+    /* policies compute their statistics through the backend's attn_stats op
+     * (policy.h); one that reads the keys itself needs them in host memory */
+    const struct tkv_policy_ops *po = s->policy->ops;
+    if (!s->be_host && po->reads_keys)
+        return tkv_err(TKV_ERR_UNSUPPORTED,
+                       "policy '%s' reads the keys in host memory (its index runs on the CPU): use --device cpu",
+                       po->name);
+    if (!s->be->ops->attn_stats && !po->reads_keys && (po->prefill_select || po->after_prefill))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "policy '%s' needs attention statistics, which backend '%s' lacks",
+                       po->name, s->be->ops->name);
     if (s->policy->ops->segment) /* the policy's segments are the prefill chunks */
         s->chunk = TKV_MIN(TKV_MIN(s->policy->ops->segment(s->policy->state), s->n_ctx), 8192u);
     const size_t C = s->chunk, E = hp->n_embd, QD = (size_t)hp->n_head * hp->head_dim;
@@ -142,7 +148,7 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     TKV_TRY(alloc_act(s, C * F, &s->up));
     TKV_TRY(alloc_act(s, hp->n_vocab, &s->logits_dev));
 
-    const bool on_host = !strcmp(s->be->ops->name, "cpu");
+    const bool on_host = s->be_host;
     struct tkv_kvs_params kp = {.n_layer = hp->n_layer, .n_head_kv = hp->n_head_kv, .head_dim = hp->head_dim,
                                 .block_tokens = s->kv_block, .max_tokens = s->n_ctx, .compute_is_host = on_host,
                                 .compute_bytes = on_host ? p->host_kv_mem : p->gpu_kv_mem,
@@ -165,7 +171,8 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     s->plan_ranges = malloc((size_t)hp->n_head_kv * s->max_ranges * sizeof *s->plan_ranges);
     s->need = malloc((size_t)hp->n_head_kv * tkv_kvs_max_blocks(s->kv));
     s->obs_q = malloc((size_t)hp->n_layer * OBS_QUERIES * QD * sizeof(float));
-    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->tokens || !s->obs_q ||
+    s->q_step = malloc(QD * sizeof(float));
+    if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->tokens || !s->obs_q || !s->q_step ||
         !s->plan_ranges || !s->need)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
@@ -288,6 +295,19 @@ static void account_read(tkv_session *s, const struct tkv_kv_block_ref *refs, ui
     s->read_count++;
 }
 
+/* The policy's view of `layer` for the n queries in s->q (kv: NULL or the
+ * layer's head views). A decode step's query is in host memory for a policy
+ * that reads it (layer_forward copied it to s->q_step on a device backend). */
+static struct tkv_policy_view policy_view(const tkv_session *s, uint32_t layer, uint32_t n,
+                                          const struct tkv_kv_head_view *kv)
+{
+    const bool copied = s->in_decode && !s->be_host && s->policy->ops->decode_reads_query;
+    return (struct tkv_policy_view){.layer = layer, .n_past = s->n_past + n, .n_prompt = s->n_prompt,
+                                    .step = s->step, .prefill_end = s->prefill_end, .q = copied ? s->q_step : s->q,
+                                    .q_host = copied || s->be_host, .q_pos = s->pos, .n_q = n, .kv = kv,
+                                    .be = s->be};
+}
+
 /* The keys each KV head of `layer` attends to for n queries, as the policy
  * decides; returns whether any head was restricted. During prefill a
  * selecting policy names past keys and the chunk's own keys are added. */
@@ -298,9 +318,7 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
     int (*hook)(void *, const struct tkv_policy_view *, uint32_t, struct tkv_range *, uint32_t) =
         decode ? po->decode_select : po->prefill_select;
     bool restricted = false;
-    struct tkv_policy_view v = {.layer = layer, .n_past = s->n_past + n, .n_prompt = s->n_prompt, .step = s->step,
-                                .prefill_end = s->prefill_end, .q = s->q, .q_pos = s->pos, .n_q = n,
-                                .kv = s->views};
+    const struct tkv_policy_view v = policy_view(s, layer, n, s->views);
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++)
         s->views[h] = tkv_kvs_view(s->kv, layer, h);
     if (!hook)
@@ -340,9 +358,7 @@ static bool plan_decode(tkv_session *s, uint32_t layer, int *plan)
     const struct tkv_policy_ops *po = s->policy->ops;
     if (!s->in_decode || !po->decode_select || (s->flags & TKV_SESSION_MEASURE_MASS))
         return false;
-    const struct tkv_policy_view v = {.layer = layer, .n_past = s->n_past + 1, .n_prompt = s->n_prompt,
-                                      .step = s->step, .prefill_end = s->prefill_end, .q = s->q, .q_pos = s->pos,
-                                      .n_q = 1, .kv = NULL};
+    const struct tkv_policy_view v = policy_view(s, layer, 1, NULL);
     if (po->decode_needs_keys && po->decode_needs_keys(s->policy->state, &v))
         return false;
     const uint32_t MB = tkv_kvs_max_blocks(s->kv), B = s->kv_block, nb = (s->n_past + 1 + B - 1) / B;
@@ -399,6 +415,8 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
     TKV_TRY(ops->matmul(be, w->wv, s->h, s->v, n));
     TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
     TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+    if (s->in_decode && !s->be_host && s->policy->ops->decode_reads_query) /* the policy reads the query */
+        TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
     int plan[256];
     const bool planned = Hkv <= 256 && plan_decode(s, l, plan);
     TKV_TRY(tkv_kvs_begin_layer_sel(s->kv, l, s->n_past, n, planned ? s->need : NULL));
@@ -558,8 +576,8 @@ tkv_status tkv_session_after_prefill(tkv_session *s, const tkv_session *src)
         for (uint32_t h = 0; h < s->hp.n_head_kv; h++)
             s->views[h] = tkv_kvs_view(s->kv, l, h);
         struct tkv_policy_view v = {.layer = l, .n_past = s->n_past, .n_prompt = s->n_prompt, .step = 0,
-                                    .q = src->obs_q + (size_t)l * OBS_QUERIES * QD, .q_pos = src->obs_pos,
-                                    .n_q = src->obs_n, .kv = s->views};
+                                    .q = src->obs_q + (size_t)l * OBS_QUERIES * QD, .q_host = true,
+                                    .q_pos = src->obs_pos, .n_q = src->obs_n, .kv = s->views, .be = s->be};
         tkv_status st = s->policy->ops->after_prefill(s->policy->state, &v);
         tkv_kvs_end_layer(s->kv, l);
         if (st != TKV_OK)

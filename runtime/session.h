@@ -31,6 +31,7 @@ struct tkv_session {
     void *progress_user;
 
     struct tkv_backend *be;
+    bool be_host;  /* the backend's memory is host memory (the CPU backend) */
     struct tkv_bweight *tok_embd, *output_norm, *output;
     struct layer_weights *layers;
     struct tkv_kvs *kv;
@@ -49,6 +50,8 @@ struct tkv_session {
     float *logits;   /* host [V]; valid when have_logits                  */
     bool have_logits;
     int32_t *pos;    /* host [chunk]                                      */
+    float *q_step;   /* host [H*hd]: a decode step's query, for policies that
+                        read it (decode_reads_query) on a device backend   */
     struct tkv_kv_head_view *views;   /* host [Hkv]                       */
     struct tkv_kv_block_ref *sel_refs;/* host [Hkv][max_refs] policy-selected block slices */
     uint32_t max_blocks;              /* blocks per head of the whole context */

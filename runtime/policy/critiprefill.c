@@ -20,6 +20,8 @@ struct critiprefill {
     uint32_t segment, block, budget, threshold, layer_skip;
     float fusion;
     float *P, *prev;          /* [n_head_kv][max_blocks]        */
+    uint32_t nb;              /* blocks in P (0: dense)           */
+    uint32_t p_layer, p_past, p_nq; /* the segment P was scored for  */
     uint32_t *n_prev;         /* [n_head_kv] valid entries        */
     uint32_t *prev_layer, *prev_seg; /* [n_head_kv] what prev holds */
     uint32_t *idx;            /* [max_blocks]                     */
@@ -79,8 +81,17 @@ static int crit_prefill(void *state, const struct tkv_policy_view *v, uint32_t h
     const uint32_t seg_start = v->n_past - v->n_q;
     if (v->layer < c->layer_skip || seg_start < c->threshold || v->n_past >= v->prefill_end)
         return -1;
+    /* every head's distribution in one backend call, at head 0 (or for a
+     * segment not scored yet) */
+    if (head == 0 || c->p_layer != v->layer || c->p_past != v->n_past || c->p_nq != v->n_q) {
+        c->p_layer = v->layer, c->p_past = v->n_past, c->p_nq = v->n_q;
+        if (tkv_policy_segment_stats(v, &c->env, c->block, c->P, c->max_blocks, NULL, &c->nb) != TKV_OK) {
+            TKV_LOG_W("policy 'critiprefill': layer %u: %s", v->layer, tkv_last_error());
+            c->nb = 0; /* the segment stays dense */
+        }
+    }
     float *P = c->P + (size_t)head * c->max_blocks, *prev = c->prev + (size_t)head * c->max_blocks;
-    const uint32_t nb = tkv_segment_block_probs(v, &c->env, head, c->block, P);
+    const uint32_t nb = c->nb;
     if (nb == 0)
         return -1;
     /* cross-layer smoothing with the previous layer's distribution for this segment */

@@ -195,18 +195,25 @@ static void select_segment(struct entropy *e, const struct tkv_policy_view *v)
         threshold = TKV_MIN(threshold, TKV_MAX(e->segment, quarter));
     }
     const bool dense = v->layer < e->layer_skip || seg_start < threshold || v->n_past >= v->prefill_end;
-    /* pass 1: every head's distribution, entropy, class and block count */
-    uint32_t kc[256], nb[256], k_max = 0;
-    for (uint32_t g = 0; g < H; g++) {
+    /* pass 1: every head's distribution and entropy (one backend call),
+     * class and block count */
+    uint32_t kc[256], nb[256], k_max = 0, n_blocks = 0;
+    double ent[256];
+    for (uint32_t g = 0; g < H; g++)
         e->n_sel[g] = UINT32_MAX;
+    if (v->layer < e->layer_skip)
+        return;
+    tkv_status st = tkv_policy_segment_stats(v, &e->env, e->block, e->P, e->max_blocks, ent, &n_blocks);
+    if (st != TKV_OK) { /* the segment stays dense, the classes as they were */
+        TKV_LOG_W("policy 'entropy': layer %u: %s", v->layer, tkv_last_error());
+        return;
+    }
+    for (uint32_t g = 0; g < H; g++) {
         kc[g] = nb[g] = 0;
-        if (v->layer < e->layer_skip)
-            continue;
-        float *P = e->P + (size_t)g * e->max_blocks;
-        if ((nb[g] = tkv_segment_block_probs(v, &e->env, g, e->block, P)) == 0)
+        if ((nb[g] = n_blocks) == 0)
             continue;
         struct head_state *s = &e->hs[(size_t)v->layer * H + g];
-        update_head(e, s, tkv_entropy(P, nb[g]), seg, base);
+        update_head(e, s, ent[g], seg, base);
         float b = s->rigid && !e->faithful ? base / 4 : s->budget;
         kc[g] = TKV_MIN((uint32_t)(b / (float)e->block), nb[g]);
         k_max = TKV_MAX(k_max, kc[g]);
@@ -285,24 +292,25 @@ static tkv_status compress_layer(struct entropy *e, const struct tkv_policy_view
     tkv_status st = TKV_OK;
     if (n_ctx > e->keep && n > 0) {
         const uint32_t recent = TKV_MIN(e->window, n_ctx), n_prefix = n_ctx - recent, keep = e->keep - recent;
-        struct tkv_policy_view w = *v;
+        struct tkv_policy_view w = *v; /* the window's queries, the layer's keys */
         w.q = wq;
+        w.q_host = true;
         w.q_pos = wpos;
         w.n_q = n;
         w.n_past = n_ctx;
-        float *score = malloc((size_t)n_prefix * sizeof *score), *tmp = malloc((size_t)n_prefix * sizeof *tmp);
+        float *score = malloc((size_t)e->env.n_head_kv * n_prefix * sizeof *score);
         uint32_t *idx = malloc((size_t)n_prefix * sizeof *idx);
         struct tkv_range *r = malloc(((size_t)n_prefix + 2) * sizeof *r);
-        if (!score || !tmp || !idx || !r)
+        if (!score || !idx || !r)
             st = tkv_err(TKV_ERR_NOMEM, "policy 'entropy': out of memory");
+        if (st == TKV_OK) /* every head's scores, average-pooled over 5 */
+            st = tkv_policy_window_stats(&w, &e->env, n_prefix, 5, 'a', score);
         for (uint32_t g = 0; g < e->env.n_head_kv && st == TKV_OK; g++) {
-            tkv_policy_window_scores(&w, &e->env, g, n_prefix, score);
-            tkv_policy_pool(score, tmp, n_prefix, 5, 'a');
-            const uint32_t k = tkv_policy_top_k(score, n_prefix, keep, idx);
+            const uint32_t k = tkv_policy_top_k(score + (size_t)g * n_prefix, n_prefix, keep, idx);
             const int m = tkv_policy_ranges(idx, k, n_prefix, n_ctx, r, n_prefix + 2);
             st = tkv_kept_set(&e->kept, l, g, r, (uint32_t)m);
         }
-        free(score), free(tmp), free(idx), free(r);
+        free(score), free(idx), free(r);
     }
     free(wq);
     return st;
@@ -329,8 +337,11 @@ static int ent_decode(void *state, const struct tkv_policy_view *v, uint32_t hea
             const bool again = !e->faithful && e->resel && e->compressed_at && (step - e->gap - 1) % e->resel == 0;
             e->compress_now = first ? 1 : again ? 2 : 0;
         }
-        if (e->compress_now && compress_layer(e, v, e->compress_now == 1) != TKV_OK)
-            tkv_kept_reset(&e->kept); /* out of memory: attend everything rather than stale sets */
+        if (e->compress_now && compress_layer(e, v, e->compress_now == 1) != TKV_OK) {
+            /* no memory, or the backend failed: attend everything rather than stale sets */
+            TKV_LOG_W("policy 'entropy': decode compression, layer %u: %s", l, tkv_last_error());
+            tkv_kept_reset(&e->kept);
+        }
         if (e->compress_now && l + 1 == e->env.n_layer)
             e->compressed_at = v->n_past - 1;
         /* record this step's query after scoring: the first compression's
@@ -367,6 +378,7 @@ const struct tkv_policy_ops tkv_policy_entropy = {
     .name = "entropy",
     .help = "EntropyInfer (faithful=1: as released); default: online Rigid/Dynamic, per-head budgets, re-selection",
     .changes_prefill = true,
+    .decode_reads_query = true, /* it records the generated queries */
     .create = ent_create,
     .destroy = ent_destroy,
     .prefill_select = ent_prefill,

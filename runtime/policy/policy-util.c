@@ -359,3 +359,75 @@ uint32_t tkv_policy_block_ranges(const uint32_t *idx, uint32_t k, uint32_t block
     }
     return m;
 }
+
+/* ---- statistics through the backend op ------------------------------------------ */
+
+tkv_status tkv_attn_stats_heads(const struct tkv_attn_stats_args *a, uint32_t n_blocks, uint32_t g0, uint32_t g1,
+                                float *scratch)
+{
+    const struct tkv_policy_view v = {.n_past = a->n_past, .q = a->q, .q_pos = a->q_pos, .n_q = a->n_q, .kv = a->kv};
+    const struct tkv_policy_env env = {.n_head = a->n_head, .n_head_kv = a->n_head_kv, .head_dim = a->head_dim};
+    for (uint32_t g = g0; g < g1; g++) {
+        if (a->kind == TKV_ATTN_STATS_SEGMENT) {
+            float *row = a->probs ? a->probs + (size_t)g * a->probs_stride : scratch;
+            if (tkv_segment_block_probs(&v, &env, g, a->block, row) != n_blocks) /* 0: its scratch failed */
+                return tkv_err(TKV_ERR_NOMEM, "policy: out of memory for segment statistics");
+            if (a->entropy)
+                a->entropy[g] = tkv_entropy(row, n_blocks);
+        } else if (a->n_prefix) {
+            float *score = a->scores + (size_t)g * a->n_prefix;
+            if (a->n_q == 0 || a->n_past == 0) { /* no query or no key: every score is 0 */
+                memset(score, 0, (size_t)a->n_prefix * sizeof *score);
+                continue;
+            }
+            TKV_TRY(tkv_policy_window_scores(&v, &env, g, a->n_prefix, score));
+            if (a->pool > 1)
+                tkv_policy_pool(score, scratch, a->n_prefix, a->pool, a->pool_kind);
+        }
+    }
+    return TKV_OK;
+}
+
+/* Runs a: on v's backend, or here on the host. */
+static tkv_status run_stats(const struct tkv_policy_view *v, const struct tkv_attn_stats_args *a)
+{
+    if (v->be) {
+        if (!v->be->ops->attn_stats)
+            return tkv_err(TKV_ERR_UNSUPPORTED, "policy: backend '%s' has no attn_stats op", v->be->ops->name);
+        return v->be->ops->attn_stats(v->be, a);
+    }
+    uint32_t nb;
+    TKV_TRY(tkv_attn_stats_check(a, &nb));
+    const uint32_t n = TKV_MAX(TKV_MAX(nb, a->kind == TKV_ATTN_STATS_WINDOW ? a->n_prefix : 0u), 1u);
+    float *scratch = malloc((size_t)n * sizeof *scratch);
+    if (!scratch)
+        return tkv_err(TKV_ERR_NOMEM, "policy: out of memory for statistics");
+    tkv_status st = tkv_attn_stats_heads(a, nb, 0, a->n_head_kv, scratch);
+    free(scratch);
+    return st;
+}
+
+tkv_status tkv_policy_segment_stats(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t block,
+                                    float *P, uint32_t stride, double *H, uint32_t *n_blocks)
+{
+    const struct tkv_attn_stats_args a = {
+        .kind = TKV_ATTN_STATS_SEGMENT, .q = v->q, .q_host = v->q_host, .q_pos = v->q_pos, .n_q = v->n_q,
+        .n_head = env->n_head, .n_head_kv = env->n_head_kv, .head_dim = env->head_dim, .n_past = v->n_past,
+        .kv = v->kv, .block = block, .probs = P, .probs_stride = stride, .entropy = H};
+    *n_blocks = 0;
+    uint32_t nb;
+    TKV_TRY(tkv_attn_stats_check(&a, &nb));
+    TKV_TRY(run_stats(v, &a));
+    *n_blocks = nb;
+    return TKV_OK;
+}
+
+tkv_status tkv_policy_window_stats(const struct tkv_policy_view *v, const struct tkv_policy_env *env,
+                                   uint32_t n_prefix, uint32_t pool, char pool_kind, float *score)
+{
+    const struct tkv_attn_stats_args a = {
+        .kind = TKV_ATTN_STATS_WINDOW, .q = v->q, .q_host = v->q_host, .q_pos = v->q_pos, .n_q = v->n_q,
+        .n_head = env->n_head, .n_head_kv = env->n_head_kv, .head_dim = env->head_dim, .n_past = v->n_past,
+        .kv = v->kv, .n_prefix = n_prefix, .pool = pool > 1 ? pool : 0, .pool_kind = pool_kind, .scores = score};
+    return run_stats(v, &a);
+}

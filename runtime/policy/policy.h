@@ -3,15 +3,19 @@
  *
  * A policy decides which keys each (layer, KV head) attends to, in three
  * places of a session's life; it never touches memory: the engine shows it
- * a read-only view (queries, and the layer's K blocks in host memory) and
- * turns its answers -- token ranges -- into the block lists attention reads.
+ * a read-only view (queries, and the layer's K blocks in the backend's
+ * memory) and turns its answers -- token ranges -- into the block lists
+ * attention reads. The attention statistics a policy scores keys with go
+ * through the backend's attn_stats op (tkv_policy_segment_stats,
+ * tkv_policy_window_stats below), so the same hooks run on the CPU and the
+ * CUDA backend.
  *
  *   prefill_select  before each prefill chunk's attention (block-sparse
  *                   prefill: CritiPrefill, EntropyInfer). The chunk always
  *                   also sees its own keys (causally), added by the engine.
  *   after_prefill   once per layer after the prefill, with the observation
- *                   window (the last queries of the prompt): post-prefill
- *                   compression (SnapKV, AdaKV, StreamingLLM).
+ *                   window (the last queries of the prompt, host memory):
+ *                   post-prefill compression (SnapKV, AdaKV, StreamingLLM).
  *   decode_select   before each decode step's attention, with the step's
  *                   query: the keys each head reads now (kept set plus the
  *                   tokens generated since, re-selection, sliding windows).
@@ -47,7 +51,11 @@ struct tkv_range {
     uint32_t begin, end;
 };
 
-/* A read-only view of one layer for a hook. */
+/* A read-only view of one layer for a hook. q and kv are in be's memory
+ * (device memory on the CUDA backend): a policy hands them to the
+ * statistics helpers and reads them itself only where its ops say so
+ * (decode_reads_query, reads_keys). be == NULL: everything is in host
+ * memory and the statistics run on the calling thread (unit tests). */
 struct tkv_policy_view {
     uint32_t layer;
     uint32_t n_past;              /* tokens in the context, the current ones included */
@@ -55,15 +63,23 @@ struct tkv_policy_view {
     uint32_t step;                /* decode steps so far (0 during prefill)             */
     uint32_t prefill_end;         /* position where the running prefill call ends       */
     const float   *q;             /* [n_q, n_head*head_dim] post-RoPE queries           */
-    const int32_t *q_pos;         /* [n_q]                                               */
+    bool           q_host;        /* q is in host memory (always after_prefill's window) */
+    const int32_t *q_pos;         /* host [n_q]                                          */
     uint32_t n_q;
-    const struct tkv_kv_head_view *kv; /* [n_head_kv] all blocks of the layer, host memory */
+    const struct tkv_kv_head_view *kv; /* host [n_head_kv]: all blocks of the layer    */
+    struct tkv_backend *be;       /* whose memory q and kv are in; NULL: host memory     */
 };
 
 struct tkv_policy_ops {
     const char *name;
     const char *help;             /* one line for `tierkv run --help` and docs */
     bool changes_prefill;         /* prefill_select restricts the prefill      */
+    /* decode_select reads the step's query itself (v->q): the engine hands
+     * it over in host memory (q_host) on every backend */
+    bool decode_reads_query;
+    /* the hooks read the keys (v->kv's blocks) themselves, so they need them
+     * in host memory: the engine refuses the policy on a device backend */
+    bool reads_keys;
     tkv_status (*create)(const struct tkv_policy_env *env, const struct tkv_policy_args *args, void **state);
     void (*destroy)(void *state);
     /* Each returns the number of ranges written to out[cap] for `head`, or
@@ -112,6 +128,30 @@ tkv_status tkv_policy_arg_u32(const char *policy, const struct tkv_policy_args *
 tkv_status tkv_policy_arg_f32(const char *policy, const struct tkv_policy_args *a, const char *key, float *out);
 /* After all lookups: an argument nobody asked for is an error. */
 tkv_status tkv_policy_args_done(const char *policy, const struct tkv_policy_args *a, const char *const *known);
+
+/* ---- statistics: every KV head of v's layer in one backend call ---------------- */
+
+/* The segment estimator (tkv_segment_block_probs, tkv_entropy) of every KV
+ * head for the segment in v: P[g * stride + j] (or P == NULL) and H[g] (or
+ * H == NULL), *n_blocks = the blocks before the segment. Through
+ * v->be->ops->attn_stats (TKV_ATTN_STATS_SEGMENT), or on the host when
+ * v->be is NULL; bit-identical on the CPU either way. */
+tkv_status tkv_policy_segment_stats(const struct tkv_policy_view *v, const struct tkv_policy_env *env, uint32_t block,
+                                    float *P, uint32_t stride, double *H, uint32_t *n_blocks);
+/* SnapKV's window scores (tkv_policy_window_scores, then tkv_policy_pool
+ * with kernel pool and kind pool_kind; pool <= 1: none) of every KV head:
+ * score[g * n_prefix + j], the window being v's queries. Through
+ * TKV_ATTN_STATS_WINDOW, or on the host when v->be is NULL. */
+tkv_status tkv_policy_window_stats(const struct tkv_policy_view *v, const struct tkv_policy_env *env,
+                                   uint32_t n_prefix, uint32_t pool, char pool_kind, float *score);
+/* The reference behind both and behind the CPU backend's attn_stats: KV
+ * heads [g0, g1) of a (checked, n_blocks from tkv_attn_stats_check) in host
+ * memory, by the functions below. scratch: max(n_blocks, n_prefix, 1)
+ * floats. TKV_ERR_NOMEM when a function's own scratch fails. */
+tkv_status tkv_attn_stats_heads(const struct tkv_attn_stats_args *a, uint32_t n_blocks, uint32_t g0, uint32_t g1,
+                                float *scratch);
+
+/* ---- the statistics themselves, one KV head, host memory -------------------------- */
 
 /* SnapKV scores of KV head g: for every prefix position j < n_prefix, the
  * attention probability the observation queries (v->q, causal by q_pos) put

@@ -323,6 +323,8 @@ static size_t rq_memory(void *state)
 const struct tkv_policy_ops tkv_policy_rabitq = {
     .name = "rabitq",
     .help = "RaBitQ top-p at decode: p=0.9, safe=1, eps=3, sink=64, recent=64, batch=64, dense=2, whole=0",
+    .decode_reads_query = true,
+    .reads_keys = true, /* the index is built and grown on the CPU */
     .create = rq_create,
     .destroy = rq_destroy,
     .after_prefill = rq_after_prefill,
@@ -438,6 +440,8 @@ const struct tkv_policy_ops tkv_policy_entropy_rabitq = {
     .help = "EntropyInfer's prefill; at decode Dynamic heads dense, Rigid heads rabitq top-p (rabitq's and "
             "entropy's prefill parameters)",
     .changes_prefill = true,
+    .decode_reads_query = true,
+    .reads_keys = true,
     .create = er_create,
     .destroy = er_destroy,
     .prefill_select = er_prefill,

@@ -47,9 +47,10 @@ static tkv_status create(const struct tkv_policy_env *env, const struct tkv_poli
             p.pool = args->value[i][0] == 'm' ? 'm' : 'a';
         }
     TKV_TRY(tkv_policy_args_done(name, args, ada ? known_ada : known_snap));
-    if (p.window == 0 || p.window > 32 || p.budget <= p.window || p.kernel % 2 == 0 || p.alpha < 0 || p.alpha > 1)
+    if (p.window == 0 || p.window > 32 || p.budget <= p.window || p.kernel % 2 == 0 || p.kernel > 1025 ||
+        p.alpha < 0 || p.alpha > 1)
         return tkv_err(TKV_ERR_INVALID_ARG,
-                       "policy '%s': need 0 < window <= 32 < budget, an odd kernel and alpha in [0, 1] (window=%u, "
+                       "policy '%s': need 0 < window <= 32 < budget, an odd kernel <= 1025 and alpha in [0, 1] (window=%u, "
                        "budget=%u, kernel=%u)",
                        name, p.window, p.budget, p.kernel);
     struct snapkv *s = malloc(sizeof *s);
@@ -95,18 +96,17 @@ static tkv_status after_prefill(void *state, const struct tkv_policy_view *v)
     win.q = v->q + (size_t)(v->n_q - w) * s->env.n_head * s->env.head_dim;
     win.q_pos = v->q_pos + (v->n_q - w);
     win.n_q = w;
-    float *score = malloc((size_t)H * n_prefix * sizeof *score), *tmp = malloc((size_t)n_prefix * sizeof *tmp);
+    float *score = malloc((size_t)H * n_prefix * sizeof *score);
     uint32_t *idx = malloc((size_t)n_prefix * sizeof *idx), cap[256];
     struct tkv_range *r = malloc(((size_t)n_prefix + 2) * sizeof *r);
     tkv_status st = TKV_OK;
-    if (!score || !tmp || !idx || !r || H > 256) {
+    if (!score || !idx || !r || H > 256) {
         st = tkv_err(TKV_ERR_NOMEM, "policy: out of memory");
         goto out;
     }
-    for (uint32_t g = 0; g < H; g++) {
-        tkv_policy_window_scores(&win, &s->env, g, n_prefix, score + (size_t)g * n_prefix);
-        tkv_policy_pool(score + (size_t)g * n_prefix, tmp, n_prefix, s->kernel, s->pool);
-    }
+    /* every head's pooled scores in one backend call */
+    if ((st = tkv_policy_window_stats(&win, &s->env, n_prefix, s->kernel, s->pool, score)) != TKV_OK)
+        goto out;
     if (s->ada) {
         const float *rows[256];
         for (uint32_t g = 0; g < H; g++)
@@ -123,7 +123,6 @@ static tkv_status after_prefill(void *state, const struct tkv_policy_view *v)
     }
 out:
     free(score);
-    free(tmp);
     free(idx);
     free(r);
     return st;

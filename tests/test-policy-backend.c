@@ -1,0 +1,578 @@
+/*
+ * test-policy-backend.c -- Description: the KV policies' statistics go
+ * through the backend's attn_stats op (runtime/policy/policy.h), so a policy
+ * runs alike on any backend. On fresh random inputs (seed printed, TKV_SEED
+ * replays):
+ *   1. every statistics policy (entropy, entropy:faithful, critiprefill,
+ *      snapkv, adakv, entropy+rabitq's prefill) driven through the engine's
+ *      sequence of hooks (prefill segments, after_prefill, decode steps with
+ *      compression and re-selection) makes exactly the same selections with
+ *      no backend (the statistics on the host, by the policies' own
+ *      functions), through the CPU backend's op (3 threads), and through an
+ *      "opaque" backend whose memory the policies cannot read: it wraps the
+ *      CPU backend but hands out pointers tagged into non-canonical addresses
+ *      (any direct read of queries or keys would fault), translating them in
+ *      every op;
+ *   2. critiprefill's, snapkv's and adakv's selections are those the old
+ *      per-head code made: the direct functions (tkv_segment_block_probs,
+ *      tkv_policy_window_scores, tkv_policy_pool) then top-k, replayed here;
+ *   3. the engine on the tiny model, "cpu" vs the opaque backend (through
+ *      tkv_backend_set_test_factory), under every policy the opaque backend
+ *      accepts: identical tokens and bit-identical logits, while the sparse
+ *      policies do restrict attention; the policies that read host keys
+ *      (rabitq, entropy+rabitq) are refused with TKV_ERR_UNSUPPORTED.
+ */
+#include "runtime/backend.h"
+#include "runtime/policy/policy.h"
+#include "tierkv.h"
+#include "tiny-model.h"
+
+#include <unistd.h>
+
+/* ---- the opaque backend: the CPU backend behind tagged pointers ---------------------------- */
+
+/* Bit 62 set: non-canonical on x86-64 and AArch64, so a dereference faults;
+ * adding and subtracting it is linear, so the engine's pointer arithmetic
+ * on tagged pointers stays valid. */
+#define TAG ((uintptr_t)1 << 62)
+
+struct opaque {
+    struct tkv_backend base;
+    struct tkv_backend *cpu;
+    struct tkv_kv_head_view *views;  /* untagged copies of a call's views */
+    struct tkv_kv_block_ref *refs;
+    size_t cap_views, cap_refs;
+};
+
+static uint64_t opaque_stats_calls; /* attn_stats calls on every opaque backend */
+
+static void *tag(void *p) { return p ? (void *)((uintptr_t)p + TAG) : NULL; }
+static void *untag(const void *p)
+{
+    if (!p)
+        return NULL;
+    CHECK(((uintptr_t)p & TAG) != 0, "a host pointer %p reached the opaque backend as backend memory", p);
+    return (void *)((uintptr_t)p - TAG);
+}
+#define U(p) ((__typeof__(p))untag(p))
+
+static struct opaque *op_of(struct tkv_backend *b) { return (struct opaque *)b; }
+
+/* Untagged copies of n_head_kv head views. */
+static tkv_status untag_views(struct opaque *o, const struct tkv_kv_head_view *kv, uint32_t n,
+                              const struct tkv_kv_head_view **out)
+{
+    size_t total = 0;
+    for (uint32_t g = 0; g < n; g++)
+        total += kv[g].n_blocks;
+    if (n > o->cap_views) {
+        free(o->views);
+        o->views = malloc(n * sizeof *o->views), o->cap_views = n;
+    }
+    if (total > o->cap_refs) {
+        free(o->refs);
+        o->refs = malloc(total * sizeof *o->refs), o->cap_refs = total;
+    }
+    if (!o->views || (total && !o->refs))
+        return tkv_err(TKV_ERR_NOMEM, "opaque: out of memory");
+    size_t k = 0;
+    for (uint32_t g = 0; g < n; g++) {
+        o->views[g] = (struct tkv_kv_head_view){.blocks = o->refs + k, .n_blocks = kv[g].n_blocks};
+        for (uint32_t i = 0; i < kv[g].n_blocks; i++, k++) {
+            o->refs[k] = kv[g].blocks[i];
+            o->refs[k].k = U(o->refs[k].k);
+            o->refs[k].v = U(o->refs[k].v);
+        }
+    }
+    *out = o->views;
+    return TKV_OK;
+}
+
+static void o_free(struct tkv_backend *b)
+{
+    struct opaque *o = op_of(b);
+    o->cpu->ops->free(o->cpu);
+    free(o->views), free(o->refs), free(o);
+}
+static tkv_status o_alloc(struct tkv_backend *b, size_t bytes, void **out)
+{
+    TKV_TRY(op_of(b)->cpu->ops->alloc(op_of(b)->cpu, bytes, out));
+    *out = tag(*out);
+    return TKV_OK;
+}
+static void o_release(struct tkv_backend *b, void *p) { op_of(b)->cpu->ops->release(op_of(b)->cpu, U(p)); }
+static tkv_status o_upload(struct tkv_backend *b, void *dst, const void *src, size_t n)
+{
+    return op_of(b)->cpu->ops->upload(op_of(b)->cpu, U(dst), src, n);
+}
+static tkv_status o_download(struct tkv_backend *b, void *dst, const void *src, size_t n)
+{
+    return op_of(b)->cpu->ops->download(op_of(b)->cpu, dst, U(src), n);
+}
+static tkv_status o_sync(struct tkv_backend *b) { return op_of(b)->cpu->ops->synchronize(op_of(b)->cpu); }
+static tkv_status o_weight_init(struct tkv_backend *b, const struct tkv_gguf_tensor *t, struct tkv_bweight **out)
+{
+    return op_of(b)->cpu->ops->weight_init(op_of(b)->cpu, t, out);
+}
+static void o_weight_free(struct tkv_backend *b, struct tkv_bweight *w) { op_of(b)->cpu->ops->weight_free(op_of(b)->cpu, w); }
+static tkv_status o_get_rows(struct tkv_backend *b, const struct tkv_bweight *w, const int32_t *ids, uint32_t n,
+                             float *out)
+{
+    return op_of(b)->cpu->ops->get_rows(op_of(b)->cpu, w, ids, n, U(out));
+}
+static tkv_status o_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+{
+    return op_of(b)->cpu->ops->matmul(op_of(b)->cpu, w, U(x), U(y), n);
+}
+static tkv_status o_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y, uint32_t n,
+                            uint32_t dim, float eps)
+{
+    return op_of(b)->cpu->ops->rmsnorm(op_of(b)->cpu, U(x), w, U(y), n, dim, eps);
+}
+static tkv_status o_rope(struct tkv_backend *b, float *x, uint32_t n, uint32_t nh, uint32_t hd, uint32_t rot,
+                         const int32_t *pos, float base, float fs)
+{
+    return op_of(b)->cpu->ops->rope(op_of(b)->cpu, U(x), n, nh, hd, rot, pos, base, fs);
+}
+static tkv_status o_swiglu(struct tkv_backend *b, const float *g, const float *u, float *out, size_t n)
+{
+    return op_of(b)->cpu->ops->swiglu(op_of(b)->cpu, U(g), U(u), U(out), n);
+}
+static tkv_status o_add(struct tkv_backend *b, float *y, const float *x, size_t n)
+{
+    return op_of(b)->cpu->ops->add(op_of(b)->cpu, U(y), U(x), n);
+}
+static tkv_status o_kv_write(struct tkv_backend *b, const float *src, size_t stride, uint16_t *dst, uint32_t rows,
+                             uint32_t hd)
+{
+    return op_of(b)->cpu->ops->kv_write(op_of(b)->cpu, U(src), stride, U(dst), rows, hd);
+}
+static tkv_status o_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
+{
+    struct opaque *o = op_of(b);
+    struct tkv_attn_args c = *a;
+    c.q = U(a->q), c.out = U(a->out), c.lse = U(a->lse);
+    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, &c.kv));
+    return o->cpu->ops->attention(o->cpu, &c);
+}
+static tkv_status o_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
+{
+    struct opaque *o = op_of(b);
+    struct tkv_attn_stats_args c = *a;
+    if (!a->q_host)
+        c.q = U(a->q);
+    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, &c.kv));
+    opaque_stats_calls++;
+    return o->cpu->ops->attn_stats(o->cpu, &c);
+}
+
+static const struct tkv_backend_ops opaque_ops = {
+    .name = "opaque", .free = o_free, .alloc = o_alloc, .release = o_release, .upload = o_upload,
+    .download = o_download, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
+    .get_rows = o_get_rows, .matmul = o_matmul, .rmsnorm = o_rmsnorm, .rope = o_rope, .swiglu = o_swiglu,
+    .add = o_add, .kv_write = o_kv_write, .attention = o_attention, .attn_stats = o_attn_stats};
+
+static tkv_status opaque_create(const char *device, uint32_t n_threads, struct tkv_backend **out)
+{
+    *out = NULL;
+    if (strcmp(device, "opaque"))
+        return TKV_ERR_UNSUPPORTED;
+    struct opaque *o = calloc(1, sizeof *o);
+    if (!o)
+        return tkv_err(TKV_ERR_NOMEM, "opaque: out of memory");
+    tkv_status st = tkv_backend_create("cpu", n_threads, &o->cpu);
+    if (st != TKV_OK) {
+        free(o);
+        return st;
+    }
+    o->base.ops = &opaque_ops;
+    *out = &o->base;
+    return TKV_OK;
+}
+
+/* ---- 1, 2: the hooks on random inputs, three routes -------------------------------------- */
+
+enum { PL = 3, PHKV = 2, PG = 3, PH = PHKV * PG, PHD = 32, PB = 16, PROMPT = 1024, NDEC = 40, PN = PROMPT + NDEC,
+       SEG = 128, WIN = 32 };
+#define PQD (PH * PHD)
+
+struct inputs {
+    uint16_t *k;    /* host [PL][PHKV][PN][PHD] f16 (V unused: the policies never read it) */
+    float *q;       /* host [PL][PN][PQD] */
+    int32_t pos[PN];
+    /* the opaque backend's copies */
+    uint16_t *k_dev;
+    float *q_dev;
+};
+
+enum route { HOST, CPU_OP, OPAQUE };
+static const char *const route_name[] = {"host", "cpu op", "opaque"};
+
+/* The views of layer l for a context of n tokens: storage blocks of PB
+ * tokens, the last one partial. */
+static void make_views(const struct inputs *in, uint32_t l, uint32_t n, bool dev, struct tkv_kv_block_ref *refs,
+                       struct tkv_kv_head_view *views)
+{
+    const uint32_t nb = (n + PB - 1) / PB;
+    for (uint32_t g = 0; g < PHKV; g++) {
+        const uint16_t *base = (dev ? in->k_dev : in->k) + ((size_t)l * PHKV + g) * PN * PHD;
+        for (uint32_t b = 0; b < nb; b++)
+            refs[g * (PN / PB + 1) + b] = (struct tkv_kv_block_ref){
+                .k = (uint16_t *)base + (size_t)b * PB * PHD, .v = NULL, .pos0 = (int32_t)(b * PB),
+                .n = TKV_MIN(PB, n - b * PB)};
+        views[g] = (struct tkv_kv_head_view){.blocks = refs + g * (PN / PB + 1), .n_blocks = nb};
+    }
+}
+
+struct log {
+    uint32_t *v;
+    size_t n, cap;
+};
+
+static void log_put(struct log *lg, uint32_t x)
+{
+    if (lg->n == lg->cap) {
+        lg->cap = lg->cap ? 2 * lg->cap : 4096;
+        lg->v = realloc(lg->v, lg->cap * sizeof *lg->v);
+    }
+    lg->v[lg->n++] = x;
+}
+
+static void log_sel(struct log *lg, uint32_t what, uint32_t l, uint32_t h, const struct tkv_range *r, int m)
+{
+    log_put(lg, what << 24 | l << 16 | h);
+    log_put(lg, (uint32_t)m);
+    for (int i = 0; i < m; i++)
+        log_put(lg, r[i].begin), log_put(lg, r[i].end);
+}
+
+/* The old per-head code of critiprefill (fusion across layers) and
+ * snapkv/adakv, from the direct functions. */
+struct replica {
+    float P[PHKV][PN / 16 + 1], prev[PHKV][PN / 16 + 1];
+    uint32_t n_prev[PHKV], prev_layer[PHKV], prev_seg[PHKV];
+    struct tkv_range kept[PL][PHKV][PN];
+    int n_kept[PL][PHKV];
+};
+
+static int replica_critiprefill(struct replica *rp, const struct tkv_policy_view *v, uint32_t g, uint32_t block,
+                                uint32_t budget, float fusion, struct tkv_range *out)
+{
+    static const struct tkv_policy_env env = {.n_head = PH, .n_head_kv = PHKV, .head_dim = PHD};
+    const uint32_t seg = v->n_past - v->n_q, nb = tkv_segment_block_probs(v, &env, g, block, rp->P[g]);
+    if (nb == 0)
+        return -1;
+    if (fusion > 0 && v->layer >= 2 && rp->prev_layer[g] + 1 == v->layer && rp->prev_seg[g] == seg &&
+        rp->n_prev[g] == nb)
+        for (uint32_t j = 0; j < nb; j++)
+            rp->P[g][j] = fusion * rp->prev[g][j] + (1 - fusion) * rp->P[g][j];
+    memcpy(rp->prev[g], rp->P[g], nb * sizeof(float));
+    rp->n_prev[g] = nb, rp->prev_layer[g] = v->layer, rp->prev_seg[g] = seg;
+    uint32_t idx[PN];
+    const uint32_t k = tkv_policy_top_k(rp->P[g], nb, budget / block, idx);
+    return (int)tkv_policy_block_ranges(idx, k, block, out, PN);
+}
+
+static void replica_snapkv(struct replica *rp, const struct tkv_policy_view *v, uint32_t budget, uint32_t window,
+                           uint32_t kernel, char pool, bool ada, float alpha)
+{
+    static const struct tkv_policy_env env = {.n_head = PH, .n_head_kv = PHKV, .head_dim = PHD};
+    const uint32_t n = v->n_past, w = TKV_MIN(window, v->n_q), n_prefix = n - w, keep = budget - w;
+    struct tkv_policy_view win = *v;
+    win.q = v->q + (size_t)(v->n_q - w) * PQD, win.q_pos = v->q_pos + (v->n_q - w), win.n_q = w;
+    static float score[PHKV][PN], tmp[PN];
+    uint32_t cap[PHKV], idx[PN];
+    for (uint32_t g = 0; g < PHKV; g++) {
+        tkv_policy_window_scores(&win, &env, g, n_prefix, score[g]);
+        tkv_policy_pool(score[g], tmp, n_prefix, kernel, pool);
+        cap[g] = keep;
+    }
+    if (ada) {
+        const float *rows[PHKV] = {score[0], score[1]};
+        tkv_adakv_allocate(rows, PHKV, n_prefix, keep, alpha, cap);
+    }
+    for (uint32_t g = 0; g < PHKV; g++) {
+        const uint32_t k = tkv_policy_top_k(score[g], n_prefix, cap[g], idx);
+        rp->n_kept[v->layer][g] = tkv_policy_ranges(idx, k, n_prefix, n, rp->kept[v->layer][g], PN);
+    }
+}
+
+struct pspec {
+    const char *spec;
+    enum { R_NONE, R_CRITI, R_SNAP, R_ADA } replica;
+};
+
+/* Drives policy `spec` through the engine's sequence of hooks on route r;
+ * every selection goes to lg. Returns false if the policy could not be made. */
+static bool drive(const struct pspec *ps, enum route r, struct tkv_backend *be, const struct inputs *in,
+                  struct log *lg)
+{
+    const struct tkv_policy_env env = {.n_layer = PL, .n_head = PH, .n_head_kv = PHKV, .head_dim = PHD,
+                                       .n_ctx = PN, .block_tokens = PB};
+    struct tkv_policy *p = NULL;
+    tkv_status st = tkv_policy_create(ps->spec, &env, &p);
+    CHECK(st == TKV_OK, "%s: %s", ps->spec, tkv_last_error());
+    if (st != TKV_OK)
+        return false;
+    const struct tkv_policy_ops *po = p->ops;
+    const bool dev = r == OPAQUE;
+    static struct tkv_kv_block_ref refs[PHKV * (PN / PB + 1)];
+    static struct tkv_kv_head_view views[PHKV];
+    static struct tkv_range out[PN], want[PN];
+    static struct replica rp;
+    memset(&rp, 0, sizeof rp);
+    const float *qbase = dev ? in->q_dev : in->q;
+    /* prefill: segments of SEG tokens, every layer, every head */
+    for (uint32_t s0 = 0; s0 < PROMPT && po->prefill_select; s0 += SEG)
+        for (uint32_t l = 0; l < PL; l++) {
+            make_views(in, l, s0 + SEG, dev, refs, views);
+            const struct tkv_policy_view v = {.layer = l, .n_past = s0 + SEG, .prefill_end = PROMPT,
+                                              .q = qbase + ((size_t)l * PN + s0) * PQD, .q_host = !dev,
+                                              .q_pos = in->pos + s0, .n_q = SEG, .kv = views,
+                                              .be = r == HOST ? NULL : be};
+            for (uint32_t h = 0; h < PHKV; h++) {
+                int m = po->prefill_select(p->state, &v, h, out, PN / 2 + 2);
+                log_sel(lg, 1, l, h, out, m);
+                if (r == HOST && ps->replica == R_CRITI) { /* threshold 128, layer_skip 1, not the last segment */
+                    int mw = -1;
+                    if (l >= 1 && s0 >= SEG && s0 + SEG < PROMPT)
+                        mw = replica_critiprefill(&rp, &v, h, 16, 128, 0.25f, want);
+                    CHECK(m == mw && (m <= 0 || !memcmp(out, want, (size_t)m * sizeof *out)),
+                          "%s: segment %u layer %u head %u: %d ranges, the old code %d", ps->spec, s0, l, h, m, mw);
+                }
+            }
+        }
+    /* after the prefill: the last WIN prompt queries, host memory */
+    for (uint32_t l = 0; l < PL && po->after_prefill; l++) {
+        make_views(in, l, PROMPT, dev, refs, views);
+        const struct tkv_policy_view v = {.layer = l, .n_past = PROMPT, .n_prompt = PROMPT,
+                                          .q = in->q + ((size_t)l * PN + PROMPT - WIN) * PQD, .q_host = true,
+                                          .q_pos = in->pos + PROMPT - WIN, .n_q = WIN, .kv = views,
+                                          .be = r == HOST ? NULL : be};
+        st = po->after_prefill(p->state, &v);
+        CHECK(st == TKV_OK, "%s after_prefill on %s: %s", ps->spec, route_name[r], tkv_last_error());
+        if (r == HOST && (ps->replica == R_SNAP || ps->replica == R_ADA))
+            replica_snapkv(&rp, &v, 200, 16, ps->replica == R_ADA ? 7 : 5, ps->replica == R_ADA ? 'a' : 'm',
+                           ps->replica == R_ADA, 0.2f);
+    }
+    /* decode: keys only where decode_needs_keys asks (as the engine) */
+    for (uint32_t i = 0; i < NDEC && po->decode_select; i++) {
+        const uint32_t n = PROMPT + i + 1;
+        for (uint32_t l = 0; l < PL; l++) {
+            const bool q_host = !dev || po->decode_reads_query;
+            struct tkv_policy_view v = {.layer = l, .n_past = n, .n_prompt = PROMPT, .step = i,
+                                        .prefill_end = PROMPT,
+                                        .q = (q_host ? in->q : in->q_dev) + ((size_t)l * PN + n - 1) * PQD,
+                                        .q_host = q_host, .q_pos = in->pos + n - 1, .n_q = 1, .kv = NULL,
+                                        .be = r == HOST ? NULL : be};
+            if (po->decode_needs_keys && po->decode_needs_keys(p->state, &v)) {
+                make_views(in, l, n, dev, refs, views);
+                v.kv = views;
+            }
+            for (uint32_t h = 0; h < PHKV; h++) {
+                int m = po->decode_select(p->state, &v, h, out, PN / 2 + 2);
+                log_sel(lg, 2, l, h, out, m);
+                if (r == HOST && i == 0 && (ps->replica == R_SNAP || ps->replica == R_ADA)) {
+                    int mw = tkv_kept_select(&(struct tkv_kept){.n_layer = 1, .n_head_kv = 1,
+                                                                .r = (struct tkv_range *[]){rp.kept[l][h]},
+                                                                .n = (uint32_t[]){(uint32_t)rp.n_kept[l][h]}},
+                                             0, 0, PROMPT, n, want, PN);
+                    CHECK(m == mw && !memcmp(out, want, (size_t)m * sizeof *out),
+                          "%s: layer %u head %u kept %d ranges, the old code %d", ps->spec, l, h, m, mw);
+                }
+            }
+        }
+    }
+    tkv_policy_free(p);
+    return true;
+}
+
+static void test_routes(void)
+{
+    static struct inputs in;
+    const size_t nk = (size_t)PL * PHKV * PN * PHD, nq = (size_t)PL * PN * PQD;
+    in.k = malloc(nk * sizeof *in.k);
+    in.q = malloc(nq * sizeof *in.q);
+    REQUIRE_VOID(in.k && in.q);
+    /* keys in [-1, 1), every 5th 8-token block hotter (peaked distributions),
+     * layer 1 head 0 with a sink (a Rigid head); queries: a per-(layer, head,
+     * dim) bias plus noise */
+    for (uint32_t l = 0; l < PL; l++)
+        for (uint32_t g = 0; g < PHKV; g++)
+            for (uint32_t p = 0; p < PN; p++)
+                for (uint32_t c = 0; c < PHD; c++) {
+                    float x = test_rand_f32(&rng, -1, 1) * ((p / 8) % 5 == 2 ? 2.5f : 1.0f);
+                    if (l == 1 && g == 0)
+                        x = p < 8 ? 6.0f : 0.1f * x;
+                    in.k[(((size_t)l * PHKV + g) * PN + p) * PHD + c] = tkv_fp32_to_fp16(x);
+                }
+    static float bias[PL][PQD];
+    for (uint32_t l = 0; l < PL; l++)
+        for (uint32_t j = 0; j < PQD; j++)
+            bias[l][j] = l == 1 && j / PHD / PG == 0 ? 1.0f : test_rand_f32(&rng, -1, 1);
+    for (uint32_t l = 0; l < PL; l++)
+        for (uint32_t p = 0; p < PN; p++)
+            for (uint32_t j = 0; j < PQD; j++)
+                in.q[((size_t)l * PN + p) * PQD + j] = bias[l][j] + test_rand_f32(&rng, -0.7f, 0.7f);
+    for (uint32_t p = 0; p < PN; p++)
+        in.pos[p] = (int32_t)p;
+
+    struct tkv_backend *cpu = NULL, *opq = NULL;
+    REQUIRE_VOID(tkv_backend_create("cpu", 3, &cpu) == TKV_OK);
+    REQUIRE_VOID(opaque_create("opaque", 2, &opq) == TKV_OK);
+    REQUIRE_VOID(opq->ops->alloc(opq, nk * sizeof *in.k, (void **)&in.k_dev) == TKV_OK);
+    REQUIRE_VOID(opq->ops->alloc(opq, nq * sizeof *in.q, (void **)&in.q_dev) == TKV_OK);
+    REQUIRE_VOID(opq->ops->upload(opq, in.k_dev, in.k, nk * sizeof *in.k) == TKV_OK);
+    REQUIRE_VOID(opq->ops->upload(opq, in.q_dev, in.q, nq * sizeof *in.q) == TKV_OK);
+
+    static const struct pspec specs[] = {
+        {"entropy:segment=128,block=8,threshold=128,base=64,gap=4,window=16,keep=200,resel=8", R_NONE},
+        {"entropy:faithful=1,segment=128,block=8,threshold=128,base=64,gap=4,window=16,keep=200", R_NONE},
+        {"critiprefill:segment=128,block=16,budget=128,threshold=128", R_CRITI},
+        {"snapkv:budget=200,window=16,kernel=5", R_SNAP},
+        {"adakv:budget=200,window=16,pool=avg", R_ADA},
+        {"entropy+rabitq:segment=128,block=8,threshold=128,base=64,dense=1", R_NONE},
+        {"streaming:budget=200", R_NONE},
+    };
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+        struct log lg[3] = {{0}};
+        const uint64_t calls0 = opaque_stats_calls;
+        struct tkv_policy *p = NULL;
+        const struct tkv_policy_env env = {.n_layer = PL, .n_head = PH, .n_head_kv = PHKV, .head_dim = PHD,
+                                           .n_ctx = PN};
+        REQUIRE_VOID(tkv_policy_create(specs[i].spec, &env, &p) == TKV_OK);
+        const bool reads_keys = p->ops->reads_keys; /* the engine refuses those on the opaque backend */
+        tkv_policy_free(p);
+        for (int r = HOST; r <= (reads_keys ? CPU_OP : OPAQUE); r++)
+            drive(&specs[i], (enum route)r, r == CPU_OP ? cpu : opq, &in, &lg[r]);
+        for (int r = CPU_OP; r <= OPAQUE; r++) {
+            if (!lg[r].n)
+                continue;
+            CHECK(lg[r].n == lg[HOST].n && !memcmp(lg[r].v, lg[HOST].v, lg[r].n * sizeof *lg[r].v),
+                  "%s: the selections through the %s differ from the host's (%zu vs %zu words)", specs[i].spec,
+                  route_name[r], lg[r].n, lg[HOST].n);
+        }
+        /* the selections restrict something (a test of equal "everything" proves little) */
+        uint32_t restricted = 0;
+        for (size_t j = 0; j + 1 < lg[HOST].n;) {
+            const int m = (int)lg[HOST].v[j + 1];
+            restricted += m >= 0;
+            j += 2 + (m > 0 ? 2 * (size_t)m : 0);
+        }
+        fprintf(stderr, "  %-88s %zu words, %u restricted selections, %llu op calls on the opaque backend\n",
+                specs[i].spec, lg[HOST].n, restricted, (unsigned long long)(opaque_stats_calls - calls0));
+        CHECK(restricted > 0, "%s: nothing was restricted", specs[i].spec);
+        for (int r = 0; r < 3; r++)
+            free(lg[r].v);
+    }
+    opq->ops->release(opq, in.k_dev);
+    opq->ops->release(opq, in.q_dev);
+    opq->ops->free(opq);
+    cpu->ops->free(cpu);
+    free(in.k), free(in.q);
+}
+
+/* ---- 3: the engine on the tiny model, cpu vs opaque --------------------------------------- */
+
+enum { NP = 96, NG = 24 };
+
+static tkv_status run_session(tkv_model *m, const char *device, const char *policy, const tkv_token *prompt,
+                              tkv_token *toks, float *logits, double *read)
+{
+    struct tkv_session_params sp = tkv_session_default_params();
+    sp.n_threads = 2;
+    sp.n_ctx = CTX;
+    sp.kv_block = 8;
+    sp.device = device;
+    sp.policy = policy;
+    tkv_session *s = NULL;
+    TKV_TRY(tkv_session_init(m, &sp, &s));
+    tkv_status st = tkv_prefill(s, prompt, NP);
+    for (uint32_t i = 0; i < NG && st == TKV_OK; i++) {
+        memcpy(logits + (size_t)i * V, tkv_logits(s), V * sizeof(float));
+        toks[i] = tkv_argmax(tkv_logits(s), V);
+        if (toks[i] == 0) /* keep the tiny vocabulary's end token out of the context */
+            toks[i] = 1;
+        st = tkv_decode(s, toks[i]);
+    }
+    if (st == TKV_OK)
+        memcpy(logits + (size_t)NG * V, tkv_logits(s), V * sizeof(float));
+    tkv_session_kv_read(s, read, NULL);
+    tkv_session_free(s);
+    return st;
+}
+
+static void test_engine(void)
+{
+    char path[] = "/tmp/tkv-policy-backend-XXXXXX";
+    int fd = mkstemp(path);
+    REQUIRE_VOID(fd >= 0);
+    close(fd);
+    struct ref_model rm;
+    write_model(path, TKV_TYPE_F32, &rm);
+    ref_free(&rm);
+    tkv_model *m = NULL;
+    tkv_status st = tkv_model_load(path, &m);
+    unlink(path);
+    REQUIRE_VOID(st == TKV_OK);
+    tkv_backend_set_test_factory(opaque_create);
+    tkv_token prompt[NP];
+    for (int i = 0; i < NP; i++)
+        prompt[i] = (tkv_token)(1 + test_rand_u64(&rng) % (V - 2));
+    static tkv_token t_cpu[NG], t_opq[NG];
+    static float l_cpu[(NG + 1) * V], l_opq[(NG + 1) * V], l_full[(NG + 1) * V];
+    double read_cpu, read_opq;
+    REQUIRE_VOID(run_session(m, "cpu", "full", prompt, t_cpu, l_full, &read_cpu) == TKV_OK);
+    static const char *const specs[] = {
+        "full",
+        "entropy:segment=16,block=8,threshold=16,base=16,gap=4,window=8,keep=40,resel=8",
+        "entropy:faithful=1,segment=16,block=8,threshold=16,base=16,gap=4,window=8,keep=40",
+        "critiprefill:segment=16,block=8,budget=16,threshold=16,fusion=0.25",
+        "snapkv:budget=40,window=8,kernel=5",
+        "adakv:budget=40,window=8",
+        "streaming:budget=40,sink=4",
+    };
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+        const uint64_t calls0 = opaque_stats_calls;
+        st = run_session(m, "cpu", specs[i], prompt, t_cpu, l_cpu, &read_cpu);
+        CHECK(st == TKV_OK, "cpu %s: %s", specs[i], tkv_last_error());
+        st = run_session(m, "opaque", specs[i], prompt, t_opq, l_opq, &read_opq);
+        CHECK(st == TKV_OK, "opaque %s: %s", specs[i], tkv_last_error());
+        const bool stats = strstr(specs[i], "entropy") || strstr(specs[i], "criti") || strstr(specs[i], "kv:");
+        CHECK(!stats || opaque_stats_calls > calls0, "%s: no attn_stats call on the opaque backend", specs[i]);
+        CHECK(!memcmp(t_cpu, t_opq, sizeof t_cpu), "%s: the opaque backend generated other tokens", specs[i]);
+        CHECK(!memcmp(l_cpu, l_opq, sizeof l_cpu), "%s: logits differ between cpu and opaque", specs[i]);
+        CHECK(read_cpu == read_opq, "%s: decode read %g of the tokens on cpu, %g on opaque", specs[i], read_cpu,
+              read_opq);
+        const bool sparse = strncmp(specs[i], "full", 4) != 0;
+        const bool changed = memcmp(l_cpu, l_full, sizeof l_cpu) != 0;
+        fprintf(stderr, "  %-84s tokens read %.3f, logits %s full's\n", specs[i], read_cpu,
+                changed ? "differ from" : "equal");
+        if (sparse)
+            CHECK(changed || read_cpu < 1.0, "%s restricted nothing on the tiny model", specs[i]);
+    }
+    /* the policies that read host keys are refused there, and named */
+    static const char *const refused[] = {"rabitq", "entropy+rabitq"};
+    for (size_t i = 0; i < 2; i++) {
+        struct tkv_session_params sp = tkv_session_default_params();
+        sp.n_ctx = CTX;
+        sp.device = "opaque";
+        sp.policy = refused[i];
+        tkv_session *s = NULL;
+        st = tkv_session_init(m, &sp, &s);
+        CHECK(st == TKV_ERR_UNSUPPORTED && strstr(tkv_last_error(), refused[i]) &&
+                  strstr(tkv_last_error(), "host memory"),
+              "%s on the opaque backend: %s (%s)", refused[i], tkv_status_str(st), tkv_last_error());
+        tkv_session_free(s);
+    }
+    tkv_backend_set_test_factory(NULL);
+    tkv_model_free(m);
+}
+
+int main(void)
+{
+    rng = test_seed();
+    test_routes();
+    test_engine();
+    return test_done();
+}
