@@ -93,7 +93,7 @@ static int cmp_double(const void *a, const void *b)
 int main(int argc, char **argv)
 {
     const char *dir = "/var/tmp", *device = "cpu", *fmt = "md";
-    uint32_t mib = 256, B = 64, hd = 128;
+    uint32_t mib = 256, B = 64, hd = 128, piece_kib = 0; /* 0: the store's default pieces */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--dir") && v)
@@ -106,11 +106,13 @@ int main(int argc, char **argv)
             hd = (uint32_t)atoi(v), i++;
         else if (!strcmp(a, "--device") && v)
             device = v, i++;
+        else if (!strcmp(a, "--piece-kib") && v)
+            piece_kib = (uint32_t)atoi(v), i++;
         else if (!strcmp(a, "-o") && v)
             fmt = v, i++;
         else {
             fprintf(stderr, "usage: bench-tiers [--dir DIR] [--mib N] [--block-tokens B] [--head-dim D] "
-                            "[--device cpu|cuda] [-o md|jsonl]\n");
+                            "[--device cpu|cuda] [--piece-kib N] [-o md|jsonl]\n");
             return 2;
         }
     }
@@ -125,7 +127,8 @@ int main(int argc, char **argv)
     const uint64_t layer_bytes = (uint64_t)H * blocks_per_head * S, total = layer_bytes * L;
     struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = hd, .block_tokens = B, .max_tokens = ctx,
                                .compute_is_host = on_host, .compute_bytes = layer_bytes + 64 * (uint64_t)S,
-                               .host_bytes = on_host ? 0 : total, .nvme_dir = on_host ? dir : NULL};
+                               .host_bytes = on_host ? 0 : total, .nvme_dir = on_host ? dir : NULL,
+                               .upload_piece_bytes = piece_kib << 10};
     struct tkv_kvs *s;
     if (tkv_kvs_init(&p, be, &s) != TKV_OK)
         return die("kv store");

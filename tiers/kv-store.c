@@ -20,7 +20,8 @@
 
 #define SLAB_SLOTS 64  /* slots per memory slab                       */
 #define IO_BATCH   32  /* blocks per batch of NVMe reads or writes    */
-#define UP_PIECE_BYTES (8u << 20) /* default upload_piece_bytes */
+#define UP_PIECE_BYTES (32u << 20) /* default upload_piece_bytes: 8 MiB pieces cost more in
+                                     launches than they hid (H200, bench-tiers --piece-kib) */
 #define BIT(t) (1u << (t))
 
 static const char *const tier_names[TKV_TIER_COUNT] = {"compute", "host", "nvme"};
@@ -99,6 +100,7 @@ struct tkv_kvs {
      * checksums are verified on a few CPU threads. */
     bool     async_up;
     struct up_batch pf;      /* prefetched uploads not yet settled (up_*)    */
+    uint32_t up_piece;       /* blocks per upload piece                      */
     void   **up_dst;         /* [head*max_blocks] one batch's destinations   */
     const void **up_src;     /* [head*max_blocks] and sources                */
     uint32_t *up_idx;        /* [head*max_blocks] and blocks                 */
@@ -847,7 +849,6 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
     uint32_t *nv = s->cand[TKV_TIER_COMPUTE], n_nv = 0; /* free again after make_room */
     uint32_t n_up = 0;                                   /* host-tier blocks in up_* */
     struct up_batch ub = {0};
-    const uint32_t piece = TKV_MAX((s->p.upload_piece_bytes ? s->p.upload_piece_bytes : UP_PIECE_BYTES) / s->S, 1u);
     tkv_status st = TKV_OK;
     for (uint32_t j = 0; j < n && st == TKV_OK; j++) {
         uint32_t i = idx[j];
@@ -863,7 +864,7 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
             s->up_src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
             s->up_dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
             s->st[TKV_TIER_HOST].hits++;
-            if (n_up - ub.sent >= piece)
+            if (n_up - ub.sent >= s->up_piece)
                 st = up_send(s, &ub, n_up);
         } else if (k->valid & BIT(TKV_TIER_HOST)) {
             const uint8_t *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
@@ -995,6 +996,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     }
     const struct tkv_backend_ops *bo = backend->ops;
     s->async_up = !p->compute_is_host && bo->upload_blocks && bo->upload_fence && bo->upload_wait;
+    s->up_piece = TKV_MAX((p->upload_piece_bytes ? p->upload_piece_bytes : UP_PIECE_BYTES) / s->S, 1u);
     if (s->async_up) {
         s->up_dst = malloc(layer_blocks * sizeof *s->up_dst);
         s->up_src = malloc(layer_blocks * sizeof *s->up_src);
@@ -1237,7 +1239,6 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
         for (uint32_t b = 0; b < nb; b++)
             s->blk[blk_index(s, layer, h, b)].pinned--;
     uint32_t n_up = 0;
-    const uint32_t piece = TKV_MAX((s->p.upload_piece_bytes ? s->p.upload_piece_bytes : UP_PIECE_BYTES) / s->S, 1u);
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
         for (uint32_t b = 0; b < nb; b++) {
             uint32_t i = blk_index(s, layer, h, b);
@@ -1253,7 +1254,7 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
                 s->up_idx[n_up] = i;
                 s->up_src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
                 s->up_dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
-                if (n_up - s->pf.sent >= piece && up_send(s, &s->pf, n_up) != TKV_OK)
+                if (n_up - s->pf.sent >= s->up_piece && up_send(s, &s->pf, n_up) != TKV_OK)
                     goto issue;
                 continue;
             }
