@@ -75,6 +75,16 @@ typedef void (*tkv_log_fn)(enum tkv_log_level level, const char *msg, void *user
  * Default: WARN and ERROR go to stderr. fn = NULL silences all logging. */
 void tkv_set_log(tkv_log_fn fn, void *user, enum tkv_log_level max_level);
 
+/* OpenBLAS picks its kernels from the CPU model at load time and falls back
+ * to generic SSE3 ones ("Prescott") on models it does not know yet, e.g.
+ * newer Xeons under an older distribution's OpenBLAS: prefill then runs ~3x
+ * slower. Returns the OPENBLAS_CORETYPE value ("SKYLAKEX", "HASWELL") that
+ * selects this CPU's vector kernels when that happened and
+ * OPENBLAS_CORETYPE is unset, else NULL. The variable must be in the
+ * environment before the process starts (the tierkv CLI re-executes itself
+ * with it); library users may set it or ignore this. */
+const char *tkv_blas_coretype_advice(void);
+
 /* ---- model ------------------------------------------------------------- */
 
 typedef int32_t tkv_token;

@@ -543,8 +543,21 @@ static int cmd_tokenize(int argc, char **argv)
     return toks ? 0 : 1;
 }
 
+/* OpenBLAS reads OPENBLAS_CORETYPE once, when it loads: if it fell back to
+ * generic kernels on this CPU, run again with the variable set (once: the
+ * new process finds it set). */
+static void reexec_for_blas(char **argv)
+{
+    const char *coretype = tkv_blas_coretype_advice();
+    if (!coretype || setenv("OPENBLAS_CORETYPE", coretype, 1) != 0)
+        return;
+    execv("/proc/self/exe", argv);
+    unsetenv("OPENBLAS_CORETYPE"); /* could not: carry on with the generic kernels */
+}
+
 int main(int argc, char **argv)
 {
+    reexec_for_blas(argv);
     if (argc < 2)
         return usage_error("%s", "no command given (run, eval, info, tokenize or gen-model)");
     const char *cmd = argv[1];
