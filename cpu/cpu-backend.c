@@ -13,6 +13,7 @@
  */
 #include "cpu.h"
 #include "quant.h"
+#include "../runtime/rabitq/rabitq.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -343,6 +344,22 @@ static tkv_status cpu_attention(struct tkv_backend *b, const struct tkv_attn_arg
     return tkv_cpu_attention(cpu_of(b), a);
 }
 
+/* The RaBitQ ops: the index's own CPU kernels over the arrays (host memory). */
+static tkv_status cpu_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
+                                    size_t row_stride, uint32_t n, uint32_t at)
+{
+    (void)b;
+    return tkv_rabitq_host_encode(ix, k, row_stride, n, at);
+}
+
+static tkv_status cpu_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                      const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
+                                      float *bound)
+{
+    (void)b;
+    return tkv_rabitq_host_estimate(ix, q, first, n, est, bound);
+}
+
 static tkv_status cpu_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
 {
     return tkv_cpu_attn_stats(cpu_of(b), a);
@@ -384,6 +401,8 @@ static const struct tkv_backend_ops cpu_ops = {
     .kv_write = cpu_kv_write,
     .attention = cpu_attention,
     .attn_stats = cpu_attn_stats,
+    .rabitq_encode = cpu_rabitq_encode,
+    .rabitq_estimate = cpu_rabitq_estimate,
 };
 
 const char *tkv_blas_coretype_advice(void)

@@ -56,6 +56,7 @@ void tkv_session_free(tkv_session *s)
     if (!s)
         return;
     struct tkv_backend *be = s->be;
+    tkv_policy_free(s->policy); /* first: it may hold backend memory (a RaBitQ index's device twin) */
     if (be) {
         struct tkv_bweight *single[] = {s->tok_embd, s->output_norm, s->output != s->tok_embd ? s->output : NULL};
         for (size_t i = 0; i < 3; i++)
@@ -76,7 +77,6 @@ void tkv_session_free(tkv_session *s)
         tkv_kvs_free(s->kv);
         be->ops->free(be);
     }
-    tkv_policy_free(s->policy);
     free(s->layers);
     free(s->logits);
     free(s->pos);
@@ -128,10 +128,12 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
      * (policy.h); one that reads the keys itself needs them in host memory */
     const struct tkv_policy_ops *po = s->policy->ops;
     if (!s->be_host && po->reads_keys)
-        return tkv_err(TKV_ERR_UNSUPPORTED,
-                       "policy '%s' reads the keys in host memory (its index runs on the CPU): use --device cpu",
-                       po->name);
-    if (!s->be->ops->attn_stats && !po->reads_keys && (po->prefill_select || po->after_prefill))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "policy '%s' reads the keys in host memory: use --device cpu", po->name);
+    if (!s->be_host && po->needs_rabitq_ops && !(s->be->ops->rabitq_encode && s->be->ops->rabitq_estimate))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "policy '%s' needs RaBitQ kernels, which backend '%s' lacks", po->name,
+                       s->be->ops->name);
+    if (!s->be->ops->attn_stats && !po->reads_keys &&
+        (po->prefill_select || (po->after_prefill && !po->needs_rabitq_ops))) /* rabitq's own needs no statistics */
         return tkv_err(TKV_ERR_UNSUPPORTED, "policy '%s' needs attention statistics, which backend '%s' lacks",
                        po->name, s->be->ops->name);
     if (s->policy->ops->segment) /* the policy's segments are the prefill chunks */
@@ -305,7 +307,7 @@ static struct tkv_policy_view policy_view(const tkv_session *s, uint32_t layer, 
     return (struct tkv_policy_view){.layer = layer, .n_past = s->n_past + n, .n_prompt = s->n_prompt,
                                     .step = s->step, .prefill_end = s->prefill_end, .q = copied ? s->q_step : s->q,
                                     .q_host = copied || s->be_host, .q_pos = s->pos, .n_q = n, .kv = kv,
-                                    .be = s->be};
+                                    .be = s->be, .kv_host = s->be_host};
 }
 
 /* The keys each KV head of `layer` attends to for n queries, as the policy
@@ -577,7 +579,8 @@ tkv_status tkv_session_after_prefill(tkv_session *s, const tkv_session *src)
             s->views[h] = tkv_kvs_view(s->kv, l, h);
         struct tkv_policy_view v = {.layer = l, .n_past = s->n_past, .n_prompt = s->n_prompt, .step = 0,
                                     .q = src->obs_q + (size_t)l * OBS_QUERIES * QD, .q_host = true,
-                                    .q_pos = src->obs_pos, .n_q = src->obs_n, .kv = s->views, .be = s->be};
+                                    .q_pos = src->obs_pos, .n_q = src->obs_n, .kv = s->views, .be = s->be,
+                                    .kv_host = s->be_host};
         tkv_status st = s->policy->ops->after_prefill(s->policy->state, &v);
         tkv_kvs_end_layer(s->kv, l);
         if (st != TKV_OK)

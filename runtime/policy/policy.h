@@ -68,6 +68,7 @@ struct tkv_policy_view {
     uint32_t n_q;
     const struct tkv_kv_head_view *kv; /* host [n_head_kv]: all blocks of the layer    */
     struct tkv_backend *be;       /* whose memory q and kv are in; NULL: host memory     */
+    bool           kv_host;       /* the blocks' K/V are in host memory (be NULL or the CPU's) */
 };
 
 struct tkv_policy_ops {
@@ -80,6 +81,10 @@ struct tkv_policy_ops {
     /* the hooks read the keys (v->kv's blocks) themselves, so they need them
      * in host memory: the engine refuses the policy on a device backend */
     bool reads_keys;
+    /* the hooks keep a RaBitQ index of the keys: in host memory where the KV
+     * is (kv_host), else on the backend through its rabitq ops, which the
+     * engine then requires */
+    bool needs_rabitq_ops;
     tkv_status (*create)(const struct tkv_policy_env *env, const struct tkv_policy_args *args, void **state);
     void (*destroy)(void *state);
     /* Each returns the number of ranges written to out[cap] for `head`, or

@@ -30,6 +30,14 @@
  * selects without keys, before anything is recalled, and the store recalls
  * only the blocks the selection touches.
  *
+ * Where the KV is in backend memory (a GPU), the keys never come to the
+ * host: the index's codes live beside them as a device twin
+ * (tkv_rabitq_dev_*: the backend's rabitq ops encode and estimate, bit for
+ * bit as the CPU kernels), the prompt-key mean is taken over downloaded
+ * blocks once after the prefill, and each step downloads the estimates for
+ * the host's top-p. The host index then holds only the rotation and the
+ * centroids, and prepares the queries.
+ *
  * Parameters: p (0.9, in (0, 1]), safe (1), eps (3, the bound's width eps0,
  * > 0), sink (64), recent (64), batch (64), dense (2: layers below it are
  * read whole), whole (0; 1: widen each touched KV block to all its tokens --
@@ -48,6 +56,11 @@ struct rabitq {
     float p, eps;
     uint32_t safe, sink, recent, batch, dense, whole;
     struct tkv_rabitq **ix; /* [layer][head]: the index, NULL until first built */
+    /* the KV in backend memory: the indexes' codes live there too */
+    struct tkv_backend *be;              /* NULL: host indexes only          */
+    struct tkv_rabitq_dev_index **dx;    /* [layer][head] device twins       */
+    float *est_dev, *bound_dev;          /* backend [n_ctx]                  */
+    uint16_t *kbuf;                      /* host [block_tokens, head_dim]    */
     bool *use;              /* [layer][head]: selected by top-p (else read whole) */
     bool *ready;            /* [layer][head]: the index holds the prompt's keys */
     /* scratch of one selection, for n_ctx keys: no allocation per step */
@@ -66,9 +79,15 @@ static void rq_destroy(void *state)
     if (!r)
         return;
     if (r->ix)
-        for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++)
+        for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++) {
             tkv_rabitq_free(r->ix[i]);
-    free(r->ix), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
+            tkv_rabitq_dev_free(r->dx[i]);
+        }
+    if (r->be) {
+        r->be->ops->release(r->be, r->est_dev);
+        r->be->ops->release(r->be, r->bound_dev);
+    }
+    free(r->ix), free(r->dx), free(r->kbuf), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
         free(r->mark);
     free(r);
 }
@@ -115,6 +134,7 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     *r = p;
     const size_t LH = (size_t)env->n_layer * env->n_head_kv, n = env->n_ctx ? env->n_ctx : 1;
     r->ix = calloc(LH, sizeof *r->ix);
+    r->dx = calloc(LH, sizeof *r->dx);
     r->use = calloc(LH, sizeof *r->use);
     r->ready = calloc(LH, sizeof *r->ready);
     r->est = malloc(n * sizeof *r->est);
@@ -123,7 +143,7 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     r->work = malloc(r->work_bytes);
     r->pos = malloc(n * sizeof *r->pos);
     r->mark = malloc(n);
-    if (!r->ix || !r->use || !r->ready || !r->est || !r->bound || !r->work || !r->pos || !r->mark) {
+    if (!r->ix || !r->dx || !r->use || !r->ready || !r->est || !r->bound || !r->work || !r->pos || !r->mark) {
         rq_destroy(r);
         return tkv_err(TKV_ERR_NOMEM, "policy '%s': out of memory", name);
     }
@@ -152,11 +172,18 @@ static tkv_status rq_reserve(struct rabitq *r, struct tkv_rabitq *ix, uint32_t n
     return tkv_rabitq_reserve(ix, (uint32_t)TKV_MAX(want, (uint64_t)n));
 }
 
-/* Appends the keys of positions [from, to) of head view kv to ix.
+/* Keys the index of head i holds (on the host or in its device twin). */
+static uint32_t indexed(const struct rabitq *r, size_t i)
+{
+    return r->dx[i] ? tkv_rabitq_dev_size(r->dx[i]) : tkv_rabitq_size(r->ix[i]);
+}
+
+/* Appends the keys of positions [from, to) of head view kv to index i.
  * TKV_ERR_INTERNAL if a block holding them is not in memory. */
-static tkv_status append_keys(struct tkv_rabitq *ix, const struct tkv_kv_head_view *kv, uint32_t hd, uint32_t from,
+static tkv_status append_keys(struct rabitq *r, size_t i, const struct tkv_kv_head_view *kv, uint32_t from,
                               uint32_t to)
 {
+    const uint32_t hd = r->env.head_dim;
     uint32_t at = from;
     for (uint32_t b = 0; b < kv->n_blocks && at < to; b++) {
         const struct tkv_kv_block_ref *blk = &kv->blocks[b];
@@ -166,7 +193,8 @@ static tkv_status append_keys(struct tkv_rabitq *ix, const struct tkv_kv_head_vi
         if (!blk->k)
             return tkv_err(TKV_ERR_INTERNAL, "rabitq: the block of position %u is not in memory", at);
         const uint32_t n = TKV_MIN(p1, to) - at;
-        TKV_TRY(tkv_rabitq_append_f16(ix, blk->k + (size_t)(at - p0) * hd, hd, n));
+        const uint16_t *rows = blk->k + (size_t)(at - p0) * hd;
+        TKV_TRY(r->dx[i] ? tkv_rabitq_dev_append(r->dx[i], rows, hd, n) : tkv_rabitq_append_f16(r->ix[i], rows, hd, n));
         at += n;
     }
     if (at < to)
@@ -174,11 +202,28 @@ static tkv_status append_keys(struct tkv_rabitq *ix, const struct tkv_kv_head_vi
     return TKV_OK;
 }
 
+/* The first view whose KV is in backend memory: estimates go there. */
+static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
+{
+    if (r->be)
+        return r->be == be ? TKV_OK : tkv_err(TKV_ERR_INTERNAL, "rabitq: views from two backends");
+    const size_t n = r->env.n_ctx ? r->env.n_ctx : 1, B = r->env.block_tokens ? r->env.block_tokens : 64;
+    r->be = be; /* from here on destroy releases what was allocated */
+    r->kbuf = malloc(B * r->env.head_dim * sizeof *r->kbuf);
+    if (!r->kbuf)
+        return tkv_err(TKV_ERR_NOMEM, "rabitq: out of memory");
+    TKV_TRY(be->ops->alloc(be, n * sizeof(float), (void **)&r->est_dev));
+    return be->ops->alloc(be, n * sizeof(float), (void **)&r->bound_dev);
+}
+
 /* Builds the index of (layer, g) from the prompt's keys and the window. */
 static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, uint32_t g)
 {
     const uint32_t hd = r->env.head_dim, G = r->env.n_head / r->env.n_head_kv, n = v->n_past;
     const size_t QD = (size_t)r->env.n_head * hd, i = (size_t)v->layer * r->env.n_head_kv + g;
+    const bool on_device = v->be && !v->kv_host;
+    if (on_device)
+        TKV_TRY(attach_backend(r, v->be));
     if (!r->ix[i])
         TKV_TRY(tkv_rabitq_init(hd, tkv_rabitq_seed(SEED_BASE, v->layer, g), &r->ix[i]));
     struct tkv_rabitq *ix = r->ix[i];
@@ -193,7 +238,13 @@ static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, 
             continue;
         if (!blk->k)
             return tkv_err(TKV_ERR_INTERNAL, "rabitq: block at position %d is not in memory", blk->pos0);
-        TKV_TRY(tkv_rabitq_mean_add_f16(&mk, blk->k, hd, TKV_MIN(blk->n, n - (uint32_t)blk->pos0)));
+        const uint32_t rows = TKV_MIN(blk->n, n - (uint32_t)blk->pos0);
+        const uint16_t *k = blk->k;
+        if (on_device) { /* once per prompt: the mean needs the keys on the host */
+            TKV_TRY(v->be->ops->download(v->be, r->kbuf, blk->k, (size_t)rows * hd * sizeof *r->kbuf));
+            k = r->kbuf;
+        }
+        TKV_TRY(tkv_rabitq_mean_add_f16(&mk, k, hd, rows));
     }
     for (uint32_t hh = 0; hh < G; hh++) /* the group's query heads, every window query */
         TKV_TRY(tkv_rabitq_mean_add_f32(&mq, v->q + (size_t)(g * G + hh) * hd, QD, v->n_q));
@@ -201,8 +252,13 @@ static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, 
     TKV_TRY(tkv_rabitq_mean_get(&mq, cq));
     tkv_rabitq_reset(ix);
     TKV_TRY(tkv_rabitq_set_centroids(ix, ck, cq));
-    TKV_TRY(rq_reserve(r, ix, n));
-    return append_keys(ix, kv, hd, 0, n);
+    tkv_rabitq_dev_free(r->dx[i]); /* the rotation's centroids changed: a new twin */
+    r->dx[i] = NULL;
+    if (on_device)
+        TKV_TRY(tkv_rabitq_dev_create(v->be, ix, r->env.n_ctx ? r->env.n_ctx : n, &r->dx[i]));
+    else
+        TKV_TRY(rq_reserve(r, ix, n));
+    return append_keys(r, i, kv, 0, n);
 }
 
 static tkv_status rq_after_prefill(void *state, const struct tkv_policy_view *v)
@@ -222,7 +278,7 @@ static tkv_status rq_after_prefill(void *state, const struct tkv_policy_view *v)
 /* Keys of (layer, head) pending encoding: before this step's own token. */
 static uint32_t pending(const struct rabitq *r, const struct tkv_policy_view *v, size_t i)
 {
-    const uint32_t n_enc = tkv_rabitq_size(r->ix[i]);
+    const uint32_t n_enc = indexed(r, i);
     return v->n_past > n_enc + 1 ? v->n_past - 1 - n_enc : 0;
 }
 
@@ -237,6 +293,17 @@ static bool rq_needs_keys(void *state, const struct tkv_policy_view *v)
     return false;
 }
 
+/* r->est (and r->bound with safe) for the first n keys of index i, on the
+ * host: from its device twin, the estimates come back from the backend. */
+static tkv_status estimate(struct rabitq *r, size_t i, const struct tkv_rabitq_query *qq, uint32_t n)
+{
+    if (!r->dx[i])
+        return tkv_rabitq_estimate(r->ix[i], qq, 0, n, r->est, r->safe ? r->bound : NULL);
+    TKV_TRY(tkv_rabitq_dev_estimate(r->dx[i], qq, 0, n, r->est_dev, r->safe ? r->bound_dev : NULL));
+    TKV_TRY(r->be->ops->download(r->be, r->est, r->est_dev, n * sizeof *r->est));
+    return r->safe ? r->be->ops->download(r->be, r->bound, r->bound_dev, n * sizeof *r->bound) : TKV_OK;
+}
+
 static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out, uint32_t cap)
 {
     struct rabitq *r = state;
@@ -248,13 +315,13 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
     /* a completed batch joins the index when the keys are at hand (the
      * step decode_needs_keys asked for them) */
     if (v->kv && pending(r, v, i) >= r->batch) {
-        const uint32_t from = tkv_rabitq_size(ix), to = v->n_past - 1;
-        if (rq_reserve(r, ix, to) != TKV_OK || append_keys(ix, &v->kv[head], hd, from, to) != TKV_OK) {
-            r->ready[i] = false; /* out of memory: read this head whole from now on */
+        const uint32_t from = indexed(r, i), to = v->n_past - 1;
+        if ((!r->dx[i] && rq_reserve(r, ix, to) != TKV_OK) || append_keys(r, i, &v->kv[head], from, to) != TKV_OK) {
+            r->ready[i] = false; /* out of memory (or a full twin): read this head whole from now on */
             return -1;
         }
     }
-    const uint32_t n = TKV_MIN(tkv_rabitq_size(ix), v->n_past), sink_end = TKV_MIN(r->sink, n);
+    const uint32_t n = TKV_MIN(indexed(r, i), v->n_past), sink_end = TKV_MIN(r->sink, n);
     const uint32_t recent_begin = TKV_MAX(sink_end, v->n_past > r->recent ? v->n_past - r->recent : 0);
     if (TKV_MIN(recent_begin, n) <= sink_end || n > r->env.n_ctx) /* nothing to choose: all of it is forced */
         return -1;
@@ -272,7 +339,7 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
         struct tkv_rabitq_query qq;
         struct tkv_rabitq_topp_result res;
         if (tkv_rabitq_query_prepare(ix, q + (size_t)(head * G + hh) * hd, r->eps, &qq) != TKV_OK ||
-            tkv_rabitq_estimate(ix, &qq, 0, n, r->est, r->safe ? r->bound : NULL) != TKV_OK ||
+            estimate(r, i, &qq, n) != TKV_OK ||
             tkv_rabitq_select_topp(r->est, r->safe ? r->bound : NULL, n, &tp, r->work, r->work_bytes, r->pos, n,
                                    &res) != TKV_OK)
             return -1; /* a non-finite query: read everything */
@@ -316,7 +383,8 @@ static size_t rq_memory(void *state)
     const struct rabitq *r = state;
     size_t bytes = sizeof *r + r->work_bytes + (size_t)r->env.n_ctx * (2 * sizeof(float) + sizeof(uint32_t) + 1);
     for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++)
-        bytes += tkv_rabitq_bytes(r->ix[i]) + sizeof r->ix[i] + 2 * sizeof(bool);
+        bytes += tkv_rabitq_bytes(r->ix[i]) + tkv_rabitq_dev_bytes(r->dx[i]) + sizeof r->ix[i] + sizeof r->dx[i] +
+                 2 * sizeof(bool);
     return bytes;
 }
 
@@ -324,7 +392,7 @@ const struct tkv_policy_ops tkv_policy_rabitq = {
     .name = "rabitq",
     .help = "RaBitQ top-p at decode: p=0.9, safe=1, eps=3, sink=64, recent=64, batch=64, dense=2, whole=0",
     .decode_reads_query = true,
-    .reads_keys = true, /* the index is built and grown on the CPU */
+    .needs_rabitq_ops = true, /* the index is built and grown where the keys are */
     .create = rq_create,
     .destroy = rq_destroy,
     .after_prefill = rq_after_prefill,
@@ -441,7 +509,7 @@ const struct tkv_policy_ops tkv_policy_entropy_rabitq = {
             "entropy's prefill parameters)",
     .changes_prefill = true,
     .decode_reads_query = true,
-    .reads_keys = true,
+    .needs_rabitq_ops = true,
     .create = er_create,
     .destroy = er_destroy,
     .prefill_select = er_prefill,

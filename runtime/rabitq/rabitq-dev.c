@@ -12,6 +12,7 @@ struct tkv_rabitq_dev_index {
     uint32_t gen;                  /* host->gen when the rotation was copied            */
     struct tkv_rabitq_dev d;
     void *mem;                     /* one allocation holds every array                  */
+    size_t bytes;                  /* its size                                          */
     uint32_t n, cap;
 };
 
@@ -44,6 +45,7 @@ tkv_status tkv_rabitq_dev_create(struct tkv_backend *be, const struct tkv_rabitq
         return tkv_err_wrap(st, "rabitq: device index of %u keys", cap);
     }
     uint8_t *m = d->mem;
+    d->bytes = total;
     d->be = be;
     d->host = ix;
     d->gen = ix->gen;
@@ -76,6 +78,8 @@ void tkv_rabitq_dev_free(struct tkv_rabitq_dev_index *d)
 uint32_t tkv_rabitq_dev_size(const struct tkv_rabitq_dev_index *d) { return d ? d->n : 0; }
 
 const struct tkv_rabitq_dev *tkv_rabitq_dev_arrays(const struct tkv_rabitq_dev_index *d) { return d ? &d->d : NULL; }
+
+size_t tkv_rabitq_dev_bytes(const struct tkv_rabitq_dev_index *d) { return d ? sizeof *d + d->bytes : 0; }
 
 tkv_status tkv_rabitq_dev_append(struct tkv_rabitq_dev_index *d, const uint16_t *k, size_t row_stride, uint32_t n)
 {

@@ -364,6 +364,47 @@ void tkv_rabitq_get_arrays(const struct tkv_rabitq *ix, struct tkv_rabitq_arrays
                                       .sign = ix->sign, .ck = ix->ck, .cq = ix->cq, .rot_scale = ix->rot_scale};
 }
 
+/* An index struct over a device twin's arrays in host memory, with this
+ * CPU's kernels (the CPU backend's rabitq ops). */
+static tkv_status host_view(const struct tkv_rabitq_dev *d, uint32_t n_keys, struct tkv_rabitq *ix)
+{
+    if (!d || d->dim == 0 || d->dim_pad < 64 || d->dim_pad > TKV_RABITQ_MAX_DIM || d->words * 64 != d->dim_pad)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: device arrays with dim_pad %u", d ? d->dim_pad : 0);
+    enum tkv_rabitq_isa isa = TKV_RABITQ_ISA_SCALAR;
+    TKV_TRY(default_isa(&isa));
+    *ix = (struct tkv_rabitq){.dim = d->dim, .dim_pad = d->dim_pad, .words = d->words, .isa = isa,
+                              .kern = kernels_of(isa), .rot_scale = d->rot_scale, .sign = (float *)d->sign,
+                              .ck = (float *)d->ck, .cq = (float *)d->cq, .centred = true, .n = n_keys,
+                              .cap = n_keys, .code = d->code, .a = d->a, .e = d->e, .t = d->t, .pc = d->pc};
+    return TKV_OK;
+}
+
+tkv_status tkv_rabitq_host_encode(const struct tkv_rabitq_dev *d, const uint16_t *k, size_t row_stride, uint32_t n,
+                                  uint32_t at)
+{
+    struct tkv_rabitq ix;
+    TKV_TRY(host_view(d, at + n, &ix));
+    if (n == 0)
+        return TKV_OK;
+    ix.kern->encode(&ix, k, row_stride, n, at);
+    uint32_t bad;
+    if (!finish_keys(&ix, at, n, &bad))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append: key row %u of the batch is not finite", bad);
+    return TKV_OK;
+}
+
+tkv_status tkv_rabitq_host_estimate(const struct tkv_rabitq_dev *d, const struct tkv_rabitq_query *q, uint32_t first,
+                                    uint32_t n, float *est, float *bound)
+{
+    struct tkv_rabitq ix;
+    TKV_TRY(host_view(d, first + n, &ix));
+    if (q->words != ix.words)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: estimate: query of %u words for keys of %u", q->words, ix.words);
+    if (n)
+        ix.kern->estimate(&ix, q, first, n, est, bound);
+    return TKV_OK;
+}
+
 tkv_status tkv_rabitq_rotate(const struct tkv_rabitq *ix, const float *x, float *y)
 {
     if (!ix || !x || !y)

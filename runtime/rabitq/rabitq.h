@@ -160,6 +160,15 @@ tkv_status tkv_rabitq_dev_estimate(const struct tkv_rabitq_dev_index *d, const s
                                    uint32_t first, uint32_t n, float *est, float *bound);
 /* The arrays in backend memory (tests download and compare them). */
 const struct tkv_rabitq_dev *tkv_rabitq_dev_arrays(const struct tkv_rabitq_dev_index *d);
+/* Bytes of backend memory the twin holds (0 for NULL). */
+size_t     tkv_rabitq_dev_bytes(const struct tkv_rabitq_dev_index *d);
+
+/* The ops on arrays in host memory, with this CPU's kernels: the CPU
+ * backend's rabitq_encode / rabitq_estimate. */
+tkv_status tkv_rabitq_host_encode(const struct tkv_rabitq_dev *d, const uint16_t *k, size_t row_stride, uint32_t n,
+                                  uint32_t at);
+tkv_status tkv_rabitq_host_estimate(const struct tkv_rabitq_dev *d, const struct tkv_rabitq_query *q, uint32_t first,
+                                    uint32_t n, float *est, float *bound);
 
 /* ---- query and estimate --------------------------------------------------- */
 
