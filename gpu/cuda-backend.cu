@@ -145,12 +145,20 @@ static tkv_status blas_fail(cublasStatus_t s, const char *op)
             return cu_fail(cb, cu_e_, op, #call);        \
     } while (0)
 
-/* Every op starts here: after a sticky error the device is not touched again. */
+/* The device this library last made current on this thread (-1: none). */
+static thread_local int tkv_cuda_current = -1;
+
+/* Every op starts here: after a sticky error the device is not touched
+ * again; otherwise the backend's device becomes current on this thread. */
 #define ALIVE(op)                                                                                               \
     do {                                                                                                        \
         if (cb->failed)                                                                                         \
             return tkv_err(TKV_ERR_DEVICE, "cuda: %s: the device failed earlier (%s); create a new backend", op, \
                            cb->failed_msg);                                                                     \
+        if (tkv_cuda_current != cb->device) {                                                                   \
+            CU(op, cudaSetDevice(cb->device));                                                                  \
+            tkv_cuda_current = cb->device;                                                                      \
+        }                                                                                                       \
     } while (0)
 
 /* ---- staging of host-side arguments ---------------------------------------- */
@@ -854,6 +862,8 @@ static void cuda_free(struct tkv_backend *b)
     struct cuda_backend *cb = cuda_of(b);
     if (!cb)
         return;
+    if (cudaSetDevice(cb->device) == cudaSuccess) /* its streams and memory */
+        tkv_cuda_current = cb->device;
     if (cb->stream)
         cudaStreamSynchronize(cb->stream);
     if (cb->copy_stream)
@@ -950,6 +960,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     const char *op = "init";
     cudaDeviceProp prop;
     CU(op, cudaSetDevice(cb->device));
+    tkv_cuda_current = cb->device;
     CU(op, cudaGetDeviceProperties(&prop, cb->device));
     cb->n_sm = prop.multiProcessorCount;
     if (cudaDeviceGetPCIBusId(cb->pci_bus_id, sizeof cb->pci_bus_id, cb->device) != cudaSuccess) {
@@ -992,17 +1003,21 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     return TKV_OK;
 }
 
-extern "C" tkv_status tkv_cuda_backend_create(uint32_t n_threads, struct tkv_backend **out)
+extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, struct tkv_backend **out)
 {
     (void)n_threads;
     *out = NULL;
-    if (tkv_cuda_device_count() == 0)
+    const int count = tkv_cuda_device_count();
+    if (count == 0)
         return tkv_err(TKV_ERR_DEVICE, "cuda: no usable CUDA device (driver missing or no GPU)");
+    if (device < 0 || device >= count)
+        return tkv_err(TKV_ERR_DEVICE, "cuda: device %d does not exist (%d usable: cuda:0 .. cuda:%d)", device, count,
+                       count - 1);
     struct cuda_backend *cb = (struct cuda_backend *)calloc(1, sizeof *cb);
     if (!cb)
         return tkv_err(TKV_ERR_NOMEM, "cuda: out of memory");
     cb->base.ops = &cuda_ops;
-    cb->device = 0;
+    cb->device = device;
     const char *mode = getenv("TKV_CUDA_WEIGHTS");
     cb->f32_weights = mode && !strcmp(mode, "f32");
     tkv_status st = cuda_init(cb);

@@ -15,8 +15,10 @@ extern "C" {
 /* Number of CUDA devices the runtime can use (0 if none or no driver). */
 int tkv_cuda_device_count(void);
 
-/* Creates the CUDA backend on device 0. */
-tkv_status tkv_cuda_backend_create(uint32_t n_threads, struct tkv_backend **out);
+/* Creates the CUDA backend on device `device` (0 .. count-1). Its ops make
+ * that device current on the calling thread when it is not the one this
+ * library last made current there. */
+tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, struct tkv_backend **out);
 
 #ifdef __cplusplus
 }

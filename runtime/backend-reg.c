@@ -3,6 +3,9 @@
  * (the only #ifdef TKV_USE_CUDA in the tree).
  */
 #include "backend.h"
+
+#include <stdlib.h>
+#include <string.h>
 #include "../cpu/cpu.h"
 #ifdef TKV_USE_CUDA
 #include "../gpu/tkv-cuda.h"
@@ -21,6 +24,20 @@ static tkv_backend_factory test_factory;
 
 void tkv_backend_set_test_factory(tkv_backend_factory make) { test_factory = make; }
 
+/* "cuda" is device 0, "cuda:N" device N; -1 for any other name, -2 for a
+ * "cuda:" suffix that is not a device number. */
+static int cuda_index(const char *device)
+{
+    if (!strcmp(device, "cuda"))
+        return 0;
+    if (strncmp(device, "cuda:", 5))
+        return -1;
+    const char *p = device + 5;
+    char *end = NULL;
+    long n = *p >= '0' && *p <= '9' ? strtol(p, &end, 10) : -1;
+    return n >= 0 && n < 1024 && end && !*end ? (int)n : -2;
+}
+
 tkv_status tkv_backend_create(const char *device, uint32_t n_threads, struct tkv_backend **out)
 {
     *out = NULL;
@@ -29,17 +46,21 @@ tkv_status tkv_backend_create(const char *device, uint32_t n_threads, struct tkv
     *out = NULL;
     if (!device || !strcmp(device, "cpu"))
         return tkv_cpu_backend_create(n_threads, out);
-    if (!strcmp(device, "cuda") || !strcmp(device, "auto")) {
+    const int cuda = cuda_index(device);
+    if (cuda == -2)
+        return tkv_err(TKV_ERR_INVALID_ARG, "device '%s': expected cuda:N with N a device number", device);
+    if (cuda >= 0 || !strcmp(device, "auto")) {
 #ifdef TKV_USE_CUDA
-        tkv_status st = tkv_cuda_backend_create(n_threads, out);
-        if (st == TKV_OK || !strcmp(device, "cuda"))
+        tkv_status st = tkv_cuda_backend_create(cuda >= 0 ? cuda : 0, n_threads, out);
+        if (st == TKV_OK || cuda >= 0)
             return st;
         TKV_LOG_I("device auto: %s; using the CPU", tkv_last_error());
 #else
-        if (!strcmp(device, "cuda"))
-            return tkv_err(TKV_ERR_UNSUPPORTED, "device 'cuda': this build has no CUDA backend (configure with -DTKV_CUDA=ON)");
+        if (cuda >= 0)
+            return tkv_err(TKV_ERR_UNSUPPORTED, "device '%s': this build has no CUDA backend (configure with -DTKV_CUDA=ON)",
+                           device);
 #endif
         return tkv_cpu_backend_create(n_threads, out);
     }
-    return tkv_err(TKV_ERR_INVALID_ARG, "unknown device '%s' (expected cpu, cuda or auto)", device);
+    return tkv_err(TKV_ERR_INVALID_ARG, "unknown device '%s' (expected cpu, cuda, cuda:N or auto)", device);
 }

@@ -151,7 +151,7 @@ typedef int (*tkv_progress_fn)(size_t done, size_t total, void *user);
 struct tkv_session_params {
     uint32_t    n_ctx;          /* tokens of context; 0 = the model's trained context */
     uint32_t    n_threads;      /* CPU threads; 0 = all online cores                  */
-    const char *device;         /* "cpu", "cuda" or "auto" (cuda if usable)            */
+    const char *device;         /* "cpu", "cuda" (= "cuda:0"), "cuda:N" or "auto"     */
     const char *policy;         /* KV policy spec, "NAME[:key=value,...]"; "full"     */
     uint32_t    kv_budget;      /* tokens kept per KV head by the policy; 0 = policy default */
     uint32_t    kv_block;       /* tokens per KV block (B); 0 = default (64)           */

@@ -126,6 +126,10 @@ int main(void)
     expect_error(args, 1, "unknown policy 'nonsense'");
     snprintf(args, sizeof args, "run -m %s -p hi --device tpu", model);
     expect_error(args, 1, "unknown device 'tpu'");
+    snprintf(args, sizeof args, "run -m %s -p hi --device cuda:x", model);
+    expect_error(args, 1, "expected cuda:N");
+    snprintf(args, sizeof args, "run -m %s -p hi --device cuda:99", model); /* no such GPU anywhere here */
+    expect_error(args, 1, "cuda");
 
     /* greedy generation: stdout holds only the text; it is deterministic */
     snprintf(args, sizeof args, "run -m %s -p 'The capital of France is' -n 8 --temp 0 -t 2", model);

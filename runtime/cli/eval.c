@@ -69,7 +69,7 @@ static void print_eval_help(void)
            "      --plot FILE.png  score vs budget, one line per policy, one panel per task (gnuplot)\n"
            "      --keep-going     report a policy that fails and go on without it (default: stop)\n"
            "  -t, --threads N      CPU threads per session (default: all cores)\n"
-           "      --device D       cpu, cuda or auto (default cpu)\n"
+           "      --device D       cpu, cuda, cuda:N or auto (default cpu)\n"
            "      --kv-block N     tokens per KV block (default 64)\n"
            "  -v, --verbose        print every answer\n");
 }

@@ -70,7 +70,7 @@ static void print_help(void)
            "      --policy SPEC     KV policy NAME[:key=value,...] (default full)\n"
            "      --kv-budget N     KV tokens kept per head by the policy\n"
            "      --kv-block N      tokens per KV block (default 64)\n"
-           "      --device D        cpu, cuda or auto (default: cuda when a GPU is present,\n"
+           "      --device D        cpu, cuda, cuda:N or auto (default: cuda when a GPU is present,\n"
            "                        else cpu; a policy or model the GPU cannot run falls\n"
            "                        back to the CPU with a note unless cuda was asked for)\n"
            "      --gpu-kv-mem SIZE KV kept in GPU memory (e.g. 2G; default: all of it)\n"
