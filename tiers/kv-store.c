@@ -1275,8 +1275,7 @@ issue:
         tkv_io_submit(s->io);
         return;
     }
-    if (s->pf.sent < n_up)
-        (void)up_send(s, &s->pf, n_up); /* on failure the rest is given back below */
+    (void)up_send(s, &s->pf, n_up); /* on failure the rest is given back below */
     s->prefetched += s->pf.sent; /* settled above: all of them this call's */
     for (uint32_t j = s->pf.sent; j < n_up; j++) { /* not queued */
         s->blk[s->up_idx[j]].inflight = 0;
