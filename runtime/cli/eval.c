@@ -58,6 +58,8 @@ static void print_eval_help(void)
            "                       niah_multiquery, vt, cwe, fwe, passkey\n"
            "  -c, --ctx N          context length of the prompts in tokens (default 4096)\n"
            "      --samples N      samples per task (default 10)\n"
+           "      --first-sample I run samples I .. I+N-1 of each task (default 0): runs of one\n"
+           "                       protocol over disjoint ranges merge exactly (scripts/eval-merge.py)\n"
            "      --seed K         generator seed (default 42, RULER's)\n"
            "      --policy LIST    KV policies, comma-separated NAME[:key=value,...] specs (a piece with\n"
            "                       '=' and no ':' continues the previous spec); default full\n"
@@ -92,7 +94,7 @@ struct opts {
     uint32_t n_policies;
     uint32_t budgets[MAX_BUDGETS];
     uint32_t n_budgets;
-    uint32_t ctx, samples, max_gen, threads, kv_block;
+    uint32_t ctx, samples, first_sample, max_gen, threads, kv_block;
     uint64_t seed;
     bool keep_going, verbose;
 };
@@ -223,6 +225,10 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             VALUE();
             if (!cli_parse_u32(v, &o->samples) || o->samples == 0)
                 return usage_error("--samples expects a count >= 1, got '%s'", v);
+        } else if (IS("--first-sample", NULL)) {
+            VALUE();
+            if (!cli_parse_u32(v, &o->first_sample) || o->first_sample > (1u << 30))
+                return usage_error("--first-sample expects a sample index, got '%s'", v);
         } else if (IS("--seed", NULL)) {
             VALUE();
             if (!cli_parse_u64(v, &o->seed))
@@ -584,7 +590,7 @@ static int run_sample(struct run *r, uint32_t ti, uint32_t index)
     ts->n++;
     fprintf(stderr, "[%s %u/%u] %zu tokens (%u %s), full: prefill %.1f s, %u answer tokens in %.1f s, score %.2f"
                     "  [%.0f s elapsed]\n",
-            info->name, index + 1, o->samples, n, smp.units, info->unit, prefill_s, ref.n_answer,
+            info->name, index - o->first_sample + 1, o->samples, n, smp.units, info->unit, prefill_s, ref.n_answer,
             cli_now() - tp - prefill_s, full_score, cli_now() - r->t0);
     if (o->verbose) {
         fprintf(stderr, "    references:");
@@ -645,12 +651,20 @@ static void json_num(FILE *f, double v, bool valid)
         fputs("null", f);
 }
 
-static int write_json(const struct run *r, double wall_s)
+/* Writes the results so far to o->out (through a temporary file renamed
+ * over it, so a run killed at any moment leaves the last complete file);
+ * complete: every sample of every task has run. */
+static int write_json(const struct run *r, double wall_s, bool complete)
 {
     const struct opts *o = r->o;
-    FILE *f = fopen(o->out, "w");
+    char tmp[4096];
+    if (snprintf(tmp, sizeof tmp, "%s.part", o->out) >= (int)sizeof tmp) {
+        fprintf(stderr, "%s: output path too long: '%s'\n", prog, o->out);
+        return 1;
+    }
+    FILE *f = fopen(tmp, "w");
     if (!f) {
-        fprintf(stderr, "%s: cannot write '%s': %s\n", prog, o->out, strerror(errno));
+        fprintf(stderr, "%s: cannot write '%s': %s\n", prog, tmp, strerror(errno));
         return 1;
     }
     fprintf(f, "{\n  \"tool\": \"tierkv eval\",\n  \"version\": \"%d.%d.%d\",\n  \"model\": ", TKV_VERSION_MAJOR,
@@ -658,8 +672,9 @@ static int write_json(const struct run *r, double wall_s)
     json_str(f, o->model);
     fputs(",\n  \"model_name\": ", f);
     json_str(f, r->info.name);
-    fprintf(f, ",\n  \"ctx\": %u,\n  \"samples\": %u,\n  \"seed\": %llu,\n  \"max_gen\": ", o->ctx, o->samples,
-            (unsigned long long)o->seed);
+    fprintf(f, ",\n  \"ctx\": %u,\n  \"samples\": %u,\n  \"first_sample\": %u,\n  \"complete\": %s,\n  \"seed\": %llu,\n"
+               "  \"max_gen\": ",
+            o->ctx, o->samples, o->first_sample, complete ? "true" : "false", (unsigned long long)o->seed);
     if (o->max_gen)
         fprintf(f, "%u", o->max_gen);
     else
@@ -703,8 +718,9 @@ static int write_json(const struct run *r, double wall_s)
                 json_num(f, c->mass_n ? c->read_tok_sum / c->mass_n : 1.0, ok);
                 fputs(", \"kv_read_blocks\": ", f);
                 json_num(f, c->mass_n ? c->read_blk_sum / c->mass_n : 1.0, ok);
-                fprintf(f, ", \"answer_steps\": %llu, \"policy_s\": %.3f, \"free_runs\": %u, \"own_prefills\": %u",
-                        (unsigned long long)c->steps, c->seconds, c->free_runs, c->fresh);
+                fprintf(f, ", \"answer_steps\": %llu, \"mass_samples\": %u, \"policy_s\": %.3f, \"free_runs\": %u, "
+                           "\"own_prefills\": %u",
+                        (unsigned long long)c->steps, c->mass_n, c->seconds, c->free_runs, c->fresh);
                 if (c->failed) {
                     fputs(", \"error\": ", f);
                     json_str(f, c->error);
@@ -712,8 +728,9 @@ static int write_json(const struct run *r, double wall_s)
                 fputc('}', f);
             }
     fputs("\n  ]\n}\n", f);
-    if (ferror(f) | (fclose(f) != 0)) {
+    if (ferror(f) | (fclose(f) != 0) || rename(tmp, o->out) != 0) {
         fprintf(stderr, "%s: cannot write '%s': %s\n", prog, o->out, strerror(errno));
+        remove(tmp);
         return 1;
     }
     return 0;
@@ -921,16 +938,20 @@ int cmd_eval(int argc, char **argv)
         goto out;
     for (uint32_t t = 0; t < o.n_tasks; t++) {
         const double t0 = cli_now();
-        for (uint32_t i = 0; i < o.samples; i++)
-            if (run_sample(&r, t, i))
+        for (uint32_t i = 0; i < o.samples; i++) {
+            if (run_sample(&r, t, o.first_sample + i))
                 goto out;
-        r.stats[t].wall_s = cli_now() - t0;
+            r.stats[t].wall_s = cli_now() - t0;
+            /* after every sample: a run stopped early keeps what it measured */
+            if (write_json(&r, cli_now() - r.t0, false))
+                goto out;
+        }
         fprintf(stderr, "%s: %s: %u samples in %.1f s\n", prog,
                 tkv_eval_task_get((enum tkv_eval_task)o.tasks[t])->name, o.samples, r.stats[t].wall_s);
     }
     const double wall = cli_now() - r.t0;
     print_summary(&r);
-    if ((rc = write_json(&r, wall)) != 0)
+    if ((rc = write_json(&r, wall, true)) != 0)
         goto out;
     fprintf(stderr, "%s: results written to %s (%.1f s in all)\n", prog, o.out, wall);
     if (o.plot)
