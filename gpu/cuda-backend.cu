@@ -39,7 +39,8 @@ extern "C" {
 
 #define N_STAGE 16                  /* staging slots in the ring               */
 #define STAGE_MIN_BYTES (64 << 10)  /* initial size of each slot               */
-#define N_GATHER 4                  /* block-upload tables in flight           */
+#define N_GATHER 16                 /* block-upload tables in flight: two layers'
+                                       recalls of 4-8 pieces each              */
 
 /* The table of one upload_blocks call: filled on the host, copied to the
  * device and read by the gather kernel (or handed to cudaMemcpyBatchAsync);
@@ -51,6 +52,7 @@ struct gather_slot {
     uint32_t cap;
     uint32_t n;                  /* copies of the last use                    */
     uint8_t *bad;                /* the caller's verdicts, filled at upload_wait */
+    uint64_t seq;                /* the upload's ticket                       */
     cudaEvent_t ev;
     bool pending;
 };
@@ -84,7 +86,8 @@ struct cuda_backend {
     cudaEvent_t ev_main, ev_copy;  /* compute -> copy and copy -> compute order */
     struct gather_slot gather[N_GATHER];
     unsigned next_gather;
-    bool uploads_pending;          /* copies queued since the last upload_wait  */
+    uint64_t upload_seq;           /* tickets handed out (upload_blocks calls)  */
+    bool uploads_pending;          /* some slot's copies are not waited for yet */
     bool gather_kernel;            /* the device reads registered host memory at
                                       its host address: use the gather kernel;
                                       else (or TKV_CUDA_UPLOAD=memcpy) batched
@@ -375,10 +378,12 @@ static tkv_status gather_slot_take(struct cuda_backend *cb, uint32_t n, struct g
 }
 
 static tkv_status cuda_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
-                                     size_t bytes, const uint32_t *crc, uint8_t *bad)
+                                     size_t bytes, const uint32_t *crc, uint8_t *bad, uint64_t *ticket)
 {
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "upload_blocks";
+    if (ticket)
+        *ticket = 0;
     ALIVE(op);
     if (crc && !tkv_cuda_verify_ok(bytes))
         return tkv_err(TKV_ERR_UNSUPPORTED, "cuda: upload_blocks: cannot verify blocks of %zu bytes on the device "
@@ -428,23 +433,40 @@ static tkv_status cuda_upload_blocks(struct tkv_backend *b, void *const *dst, co
         sl->bad = bad;
     }
     CU(op, cudaEventRecord(sl->ev, cb->copy_stream));
+    sl->seq = ++cb->upload_seq;
     sl->pending = true;
     cb->uploads_pending = true;
+    if (ticket)
+        *ticket = sl->seq;
     return TKV_OK;
 }
 
-static tkv_status cuda_upload_fence(struct tkv_backend *b)
+/* The pending slot of the latest upload numbered at most upto, or NULL.
+ * Slot events are recorded on the copy stream in ticket order, so waiting
+ * for this one covers every earlier upload; a slot reused since held an
+ * upload the host already waited for (gather_slot_take). */
+static struct gather_slot *latest_pending(struct cuda_backend *cb, uint64_t upto)
+{
+    struct gather_slot *last = NULL;
+    for (int i = 0; i < N_GATHER; i++) {
+        struct gather_slot *sl = &cb->gather[i];
+        if (sl->pending && sl->seq <= upto && (!last || sl->seq > last->seq))
+            last = sl;
+    }
+    return last;
+}
+
+static tkv_status cuda_upload_fence(struct tkv_backend *b, uint64_t upto)
 {
     struct cuda_backend *cb = cuda_of(b);
     ALIVE("upload_fence");
-    if (!cb->uploads_pending)
-        return TKV_OK;
-    CU("upload_fence", cudaEventRecord(cb->ev_copy, cb->copy_stream));
-    CU("upload_fence", cudaStreamWaitEvent(cb->stream, cb->ev_copy, 0));
+    const struct gather_slot *sl = cb->uploads_pending ? latest_pending(cb, upto) : NULL;
+    if (sl)
+        CU("upload_fence", cudaStreamWaitEvent(cb->stream, sl->ev, 0));
     return TKV_OK;
 }
 
-static tkv_status cuda_upload_wait(struct tkv_backend *b, bool block, bool *done)
+static tkv_status cuda_upload_wait(struct tkv_backend *b, uint64_t upto, bool block, bool *done)
 {
     struct cuda_backend *cb = cuda_of(b);
     ALIVE("upload_wait");
@@ -452,17 +474,19 @@ static tkv_status cuda_upload_wait(struct tkv_backend *b, bool block, bool *done
         *done = true;
     if (!cb->uploads_pending)
         return TKV_OK;
-    /* every use of the slots was recorded on the copy stream in order */
-    bool all = true;
+    bool all = true, pending = false;
     for (int i = 0; i < N_GATHER; i++) {
-        bool d;
-        TKV_TRY(gather_slot_finish(cb, &cb->gather[i], block, &d));
-        all = all && d;
+        struct gather_slot *sl = &cb->gather[i];
+        if (sl->pending && sl->seq <= upto) {
+            bool d;
+            TKV_TRY(gather_slot_finish(cb, sl, block, &d));
+            all = all && d;
+        }
+        pending = pending || sl->pending;
     }
     if (done)
         *done = all;
-    if (all)
-        cb->uploads_pending = false;
+    cb->uploads_pending = pending;
     return TKV_OK;
 }
 
@@ -472,7 +496,7 @@ static tkv_status cuda_sync(struct tkv_backend *b)
     ALIVE("synchronize");
     CU("synchronize", cudaStreamSynchronize(cb->stream));
     if (cb->uploads_pending) /* copies not fenced into the stream yet */
-        TKV_TRY(cuda_upload_wait(b, true, NULL));
+        TKV_TRY(cuda_upload_wait(b, TKV_UPLOADS_ALL, true, NULL));
     return TKV_OK;
 }
 

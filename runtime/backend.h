@@ -115,6 +115,9 @@ struct tkv_rabitq_dev {
     uint16_t *pc;                 /* [cap]                                       */
 };
 
+/* upload_fence / upload_wait: every upload queued so far */
+#define TKV_UPLOADS_ALL UINT64_MAX
+
 struct tkv_backend_ops {
     const char *name;
     void (*free)(struct tkv_backend *b);
@@ -170,19 +173,24 @@ struct tkv_backend_ops {
      * upload_blocks queues n copies of `bytes` each, src[i] (host memory
      * registered with host_register) -> dst[i] (device memory), after all work
      * queued so far, and returns at once; the copies overlap ops queued later
-     * until upload_fence. Until upload_wait reports them done, the sources
-     * must not change. With crc != NULL the device also checks each copy
-     * that landed against crc[i] (CRC-32C) and bad[i] (host memory, valid
-     * until then) is set to 1 on a mismatch, 0 otherwise, by the time
+     * until upload_fence. Each call that queues copies is one upload, and
+     * *ticket (when not NULL) receives its number: 1, 2, ... in call order
+     * (0 when nothing was queued). Until upload_wait reports them done, the
+     * sources must not change. With crc != NULL the device also checks each
+     * copy that landed against crc[i] (CRC-32C) and bad[i] (host memory,
+     * valid until then) is set to 1 on a mismatch, 0 otherwise, by the time
      * upload_wait reports the copies done; a backend that cannot check this
      * size returns TKV_ERR_UNSUPPORTED and queues nothing.
-     * upload_fence: every op queued after it sees the copies (no host wait).
-     * upload_wait: block = true waits for the copies; false polls: *done says
-     * whether they have finished. */
+     * upload_fence: every op queued after it sees the copies of uploads
+     * 1 .. upto (no host wait). upload_wait: the same uploads; block = true
+     * waits for them, false polls: *done says whether they have finished.
+     * Later uploads stay in flight: this is how a prefetch of the next layer
+     * keeps the link busy while the current one is settled.
+     * TKV_UPLOADS_ALL names every upload queued so far. */
     tkv_status (*upload_blocks)(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
-                                size_t bytes, const uint32_t *crc, uint8_t *bad);
-    tkv_status (*upload_fence)(struct tkv_backend *b);
-    tkv_status (*upload_wait)(struct tkv_backend *b, bool block, bool *done);
+                                size_t bytes, const uint32_t *crc, uint8_t *bad, uint64_t *ticket);
+    tkv_status (*upload_fence)(struct tkv_backend *b, uint64_t upto);
+    tkv_status (*upload_wait)(struct tkv_backend *b, uint64_t upto, bool block, bool *done);
     /* RaBitQ on the device, bit-identical to the CPU kernels.
      * rabitq_encode: keys at .. at+n-1 of ix from n f16 rows (backend memory,
      * row r at k + r * row_stride), as tkv_rabitq_append_f16 encodes them;

@@ -421,9 +421,9 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
         TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
     int plan[256];
     const bool planned = Hkv <= 256 && plan_decode(s, l, plan);
-    TKV_TRY(tkv_kvs_begin_layer_sel(s->kv, l, s->n_past, n, planned ? s->need : NULL));
-    if (!planned) /* overlaps the next layer's recall with this one */
+    if (!planned) /* the next layer's recall overlaps this one's (and its settling) */
         tkv_kvs_prefetch(s->kv, l + 1);
+    TKV_TRY(tkv_kvs_begin_layer_sel(s->kv, l, s->n_past, n, planned ? s->need : NULL));
     tkv_status st = layer_attention(s, l, n, planned ? plan : NULL);
     tkv_kvs_end_layer(s->kv, l);
     TKV_TRY(st);

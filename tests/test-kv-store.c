@@ -167,27 +167,33 @@ static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks,
 
 /* Wraps the CPU backend as a "device" with asynchronous block uploads: the
  * copies of upload_blocks are only carried out at upload_fence, upload_wait
- * or synchronize -- the latest a GPU's copy stream may land them (uploads
- * and downloads on the compute stream are not ordered after them).
- * A store that used an uploaded block before fencing it would read stale
- * bytes, and the mirror check would catch it. */
+ * or synchronize of their ticket -- the latest a GPU's copy stream may land
+ * them (uploads and downloads on the compute stream are not ordered after
+ * them). A store that used an uploaded block before fencing its upload
+ * would read stale bytes, and the mirror check would catch it. */
 enum { MAX_DEFERRED = 4096 };
 static struct deferred {
     struct tkv_backend base;
     struct tkv_backend *inner;
-    struct { void *dst; const void *src; size_t bytes; uint32_t crc; uint8_t *bad; } q[MAX_DEFERRED];
+    struct { void *dst; const void *src; size_t bytes; uint32_t crc; uint8_t *bad; uint64_t seq; } q[MAX_DEFERRED];
     uint32_t n;
-    uint64_t queued, fences;
+    uint64_t queued, fences, seq;
 } dfr;
 
-static void dfr_flush(void)
+/* Lands the queued copies of uploads 1 .. upto, in order. */
+static void dfr_flush(uint64_t upto)
 {
+    uint32_t keep = 0;
     for (uint32_t j = 0; j < dfr.n; j++) {
+        if (dfr.q[j].seq > upto) {
+            dfr.q[keep++] = dfr.q[j];
+            continue;
+        }
         memcpy(dfr.q[j].dst, dfr.q[j].src, dfr.q[j].bytes);
         if (dfr.q[j].bad) /* the "device" checks what landed */
             *dfr.q[j].bad = tkv_crc32c(0, dfr.q[j].dst, dfr.q[j].bytes) != dfr.q[j].crc;
     }
-    dfr.n = 0;
+    dfr.n = keep;
 }
 static void dfr_free(struct tkv_backend *b) { (void)b; }
 static tkv_status dfr_alloc(struct tkv_backend *b, size_t n, void **out) { (void)b; return dfr.inner->ops->alloc(dfr.inner, n, out); }
@@ -202,30 +208,44 @@ static tkv_status dfr_download(struct tkv_backend *b, void *dst, const void *src
     (void)b;
     return dfr.inner->ops->download(dfr.inner, dst, src, n);
 }
-static tkv_status dfr_sync(struct tkv_backend *b) { (void)b; dfr_flush(); return TKV_OK; }
+static tkv_status dfr_sync(struct tkv_backend *b) { (void)b; dfr_flush(TKV_UPLOADS_ALL); return TKV_OK; }
 static tkv_status dfr_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
-                                    size_t bytes, const uint32_t *crc, uint8_t *bad)
+                                    size_t bytes, const uint32_t *crc, uint8_t *bad, uint64_t *ticket)
 {
     (void)b;
+    if (ticket)
+        *ticket = n ? dfr.seq + 1 : 0;
+    if (n == 0)
+        return TKV_OK;
+    dfr.seq++;
     for (uint32_t j = 0; j < n; j++) {
         if (dfr.n == MAX_DEFERRED)
-            dfr_flush();
-        dfr.q[dfr.n++] = (typeof(dfr.q[0])){dst[j], src[j], bytes, crc ? crc[j] : 0, crc ? &bad[j] : NULL};
+            dfr_flush(dfr.q[0].seq); /* the oldest upload lands early: allowed */
+        dfr.q[dfr.n++] =
+            (typeof(dfr.q[0])){dst[j], src[j], bytes, crc ? crc[j] : 0, crc ? &bad[j] : NULL, dfr.seq};
         if (bad)
             bad[j] = 0xAA; /* not known until the wait */
     }
     dfr.queued += n;
     return TKV_OK;
 }
-static tkv_status dfr_fence(struct tkv_backend *b) { (void)b; dfr.fences++; dfr_flush(); return TKV_OK; }
-static tkv_status dfr_wait(struct tkv_backend *b, bool block, bool *done)
+static tkv_status dfr_fence(struct tkv_backend *b, uint64_t upto)
+{
+    (void)b;
+    dfr.fences++;
+    dfr_flush(upto);
+    return TKV_OK;
+}
+static tkv_status dfr_wait(struct tkv_backend *b, uint64_t upto, bool block, bool *done)
 {
     (void)b, (void)block;
-    dfr_flush();
+    dfr_flush(upto);
     if (done)
         *done = true;
     return TKV_OK;
 }
+/* Copies still queued (not landed). */
+static uint32_t dfr_pending(void) { return dfr.n; }
 static struct tkv_backend_ops dfr_ops;
 
 static struct tkv_backend *deferred_backend(struct tkv_backend *inner)
@@ -303,6 +323,53 @@ static void random_ops(struct tkv_kvs *s, int n_ops, const char *name)
             (unsigned long long)st.tier[2].bytes_in, (unsigned long long)st.tier[2].bytes_out,
             (unsigned long long)st.prefetched_blocks);
     CHECK(st.tier[2].bytes_in > 0 && st.tier[2].bytes_out > 0, "%s: the test never spilled and recalled", name);
+}
+
+/* ---- prefetch pipeline ------------------------------------------------------------ */
+
+/* The engine's order on a GPU: prefetch(l + 1), then begin_layer(l). The
+ * next layer's uploads must stay in flight while l is settled and used (the
+ * link never waits for the host), and every view must still match the
+ * mirror: a block used before its own upload was fenced would be stale. */
+static void fill_until_spilling(struct tkv_kvs *s);
+
+static void test_prefetch_pipeline(void)
+{
+    struct tkv_backend *cpu_be = be;
+    be = deferred_backend(cpu_be);
+    /* the compute tier holds two layers and a little; the host tier all */
+    struct tkv_kvs *s = make_store(false, 2 * H * NB + 4, L * H * NB, false);
+    if (!s) {
+        be = cpu_be;
+        return;
+    }
+    fill_until_spilling(s);
+    struct tkv_kvs_stats st0, st1;
+    tkv_kvs_get_stats(s, &st0);
+    uint32_t in_flight[2] = {0, 0};
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t l = 0; l < L; l++) {
+            tkv_kvs_prefetch(s, l + 1);
+            tkv_status st = tkv_kvs_begin_layer(s, l, 0, 0);
+            CHECK(st == TKV_OK, "pipeline pass %d: begin_layer(%u): %s", pass, l, tkv_last_error());
+            if (st != TKV_OK)
+                continue;
+            in_flight[pass] += dfr_pending() > 0; /* layer l+1's copies not landed yet */
+            check_layer_views(s, l, "pipelined begin_layer");
+            tkv_kvs_end_layer(s, l);
+        }
+    tkv_kvs_get_stats(s, &st1);
+    fprintf(stderr, "prefetch pipeline: next layer in flight at %u/%u and %u/%u begin_layers, %llu blocks prefetched, "
+                    "%llu compute misses\n",
+            in_flight[0], L, in_flight[1], L, (unsigned long long)(st1.prefetched_blocks - st0.prefetched_blocks),
+            (unsigned long long)(st1.tier[0].misses - st0.tier[0].misses));
+    CHECK(in_flight[1] == L, "steady state: the next layer was in flight at only %u of %u begin_layers", in_flight[1],
+          L);
+    CHECK(st1.prefetched_blocks - st0.prefetched_blocks >= (uint64_t)(L - 1) * H * NB,
+          "the pipeline prefetched only %llu blocks", (unsigned long long)(st1.prefetched_blocks - st0.prefetched_blocks));
+    check_all(s, "after the pipeline");
+    tkv_kvs_free(s);
+    be = cpu_be;
 }
 
 /* ---- faults -------------------------------------------------------------------------- */
@@ -479,16 +546,18 @@ static void test_gpu_upload_blocks(struct tkv_backend *g)
         for (uint32_t j = 0; j < NBLK; j++)
             crc[j] = tkv_crc32c(0, src[j], S) ^ (j == 5 || j == 250 ? 0x100u : 0u);
         const bool verify = S % 4096 == 0;
-        tkv_status ust = g->ops->upload_blocks(g, dst, src, NBLK, S, crc, bad);
+        uint64_t ticket = 0;
+        tkv_status ust = g->ops->upload_blocks(g, dst, src, NBLK, S, crc, bad, &ticket);
         CHECK(verify ? ust == TKV_OK : ust == TKV_ERR_UNSUPPORTED, "upload_blocks with checksums of %zu bytes: %s", S,
               tkv_status_str(ust));
         if (ust != TKV_OK)
-            ust = g->ops->upload_blocks(g, dst, src, NBLK, S, NULL, NULL);
+            ust = g->ops->upload_blocks(g, dst, src, NBLK, S, NULL, NULL, &ticket);
         CHECK(ust == TKV_OK, "upload_blocks: %s", tkv_last_error());
-        CHECK(g->ops->upload_fence(g) == TKV_OK, "upload_fence: %s", tkv_last_error());
+        CHECK(ust != TKV_OK || ticket > 0, "upload_blocks gave no ticket");
+        CHECK(g->ops->upload_fence(g, ticket) == TKV_OK, "upload_fence: %s", tkv_last_error());
         bool done = false;
-        CHECK(g->ops->upload_wait(g, false, &done) == TKV_OK, "upload_wait (poll): %s", tkv_last_error());
-        CHECK(g->ops->upload_wait(g, true, &done) == TKV_OK && done, "upload_wait: %s", tkv_last_error());
+        CHECK(g->ops->upload_wait(g, ticket, false, &done) == TKV_OK, "upload_wait (poll): %s", tkv_last_error());
+        CHECK(g->ops->upload_wait(g, ticket, true, &done) == TKV_OK && done, "upload_wait: %s", tkv_last_error());
         if (verify) {
             uint32_t flagged = 0, right = 0;
             for (uint32_t j = 0; j < NBLK; j++) {
@@ -575,6 +644,7 @@ int main(void)
     CHECK(dfr.queued > 0 && dfr.fences > 0, "the asynchronous uploads were never used (%llu queued)",
           (unsigned long long)dfr.queued);
     be = cpu_be;
+    test_prefetch_pipeline();
     setenv("TKV_IO_FORCE_SYNC", "1", 1);
     s = make_store(true, 40, 0, true);
     if (s) {

@@ -50,11 +50,23 @@ struct pool {
     uint64_t used, peak;     /* bytes                                 */
 };
 
-/* Uploads queued from up_* (see up_send). */
+/* Host -> GPU uploads queued with up_send and settled by up_finish: a
+ * demand recall's, a staged NVMe batch's, or one of the prefetches in
+ * flight. Each has its own lists, so a prefetch of the next layer can be in
+ * flight while the current one is settled. */
 struct up_batch {
-    uint32_t sent;      /* up_*[0, sent) queued                        */
-    bool     on_device; /* the backend verifies (else the CPU, after)  */
+    uint32_t sent;      /* lists [0, sent) queued                        */
+    bool     on_device; /* the backend verifies (else the CPU, after)    */
+    uint64_t ticket;    /* the backend's number of the last queued piece */
+    uint32_t layer;     /* a prefetch's layer                            */
+    void   **dst;       /* [head*max_blocks] destinations                */
+    const void **src;   /* [head*max_blocks] sources                     */
+    uint32_t *idx;      /* [head*max_blocks] blocks                      */
+    uint8_t *bad;       /* [head*max_blocks] checksum mismatches         */
+    uint32_t *crc;      /* [head*max_blocks] expected checksums          */
 };
+#define MAX_PREFETCH 2  /* prefetches in flight: the next layer's while the
+                           current one is settled, and one more */
 
 struct io_op {
     uint32_t blk;
@@ -93,19 +105,17 @@ struct tkv_kvs {
     double stall;
     uint64_t prefetched, corrupt;
     uint32_t n_inflight;     /* prefetch reads not yet completed */
+    uint32_t *inflight_reads; /* [layer] of them, per layer        */
     bool     broken;         /* the I/O engine lost ops: refuse further work */
 
     /* Below a GPU whose backend queues block uploads (upload_blocks): a
      * layer's host-tier blocks go up in one asynchronous batch while their
      * checksums are verified on a few CPU threads. */
     bool     async_up;
-    struct up_batch pf;      /* prefetched uploads not yet settled (up_*)    */
+    struct up_batch dm;      /* demand recalls and staged NVMe batches       */
+    struct up_batch pf[MAX_PREFETCH]; /* prefetches in flight, oldest first  */
+    uint32_t n_pf;
     uint32_t up_piece;       /* blocks per upload piece                      */
-    void   **up_dst;         /* [head*max_blocks] one batch's destinations   */
-    const void **up_src;     /* [head*max_blocks] and sources                */
-    uint32_t *up_idx;        /* [head*max_blocks] and blocks                 */
-    uint8_t *up_bad;         /* [head*max_blocks] checksum mismatches        */
-    uint32_t *up_crc;        /* [head*max_blocks] expected checksums         */
     struct tkv_pool *crc_pool; /* NULL: verify on the calling thread        */
     bool     staging_registered; /* page-locked by us (unregister at free)   */
     bool     staging_async;  /* NVMe recalls go up with upload_blocks         */
@@ -601,19 +611,50 @@ static tkv_status corrupt_error(struct tkv_kvs *s, uint32_t i, int from)
 
 static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report);
 
-/* Settles the prefetched uploads: waits for them, takes their verdicts and
+/* Settles the oldest n prefetches: waits for them, takes their verdicts and
  * makes the intact blocks current (the others give their slots back; the
- * next begin_layer recalls them and reports the error). Every public call
- * that may use up_* or move blocks settles first. */
-static tkv_status prefetch_settle(struct tkv_kvs *s) { return up_finish(s, &s->pf, false); }
+ * next begin_layer recalls them and reports the error); the younger ones
+ * stay in flight. Returns the first error. */
+static tkv_status prefetch_settle_n(struct tkv_kvs *s, uint32_t n)
+{
+    tkv_status st = TKV_OK;
+    n = TKV_MIN(n, s->n_pf);
+    for (uint32_t j = 0; j < n; j++) {
+        tkv_status e = up_finish(s, &s->pf[j], false);
+        st = st != TKV_OK ? st : e;
+    }
+    for (uint32_t j = n; j < s->n_pf; j++) { /* the rest move up, lists and all */
+        struct up_batch t = s->pf[j - n];
+        s->pf[j - n] = s->pf[j];
+        s->pf[j] = t;
+    }
+    s->n_pf -= n;
+    return st;
+}
 
-/* Queues the upload of n verified staged NVMe payloads (up_src / up_dst /
- * up_idx) and marks them current on the compute tier. */
+/* Settles every prefetch. Every public call that moves blocks other than
+ * begin_layer's own settles first. */
+static tkv_status prefetch_settle(struct tkv_kvs *s) { return prefetch_settle_n(s, s->n_pf); }
+
+/* Settles the prefetches up to the youngest one of `layer` (uploads land in
+ * order, so the older ones are done by then anyway). */
+static tkv_status prefetch_settle_layer(struct tkv_kvs *s, uint32_t layer)
+{
+    uint32_t n = 0;
+    for (uint32_t j = 0; j < s->n_pf; j++)
+        if (s->pf[j].layer == layer)
+            n = j + 1;
+    return prefetch_settle_n(s, n);
+}
+
+/* Queues the upload of n verified staged NVMe payloads (the lists of s->dm)
+ * and marks them current on the compute tier. */
 static tkv_status upload_batch(struct tkv_kvs *s, uint32_t n)
 {
-    TKV_TRY(s->be->ops->upload_blocks(s->be, s->up_dst, s->up_src, n, s->S, NULL, NULL));
+    struct up_batch *ub = &s->dm;
+    TKV_TRY(s->be->ops->upload_blocks(s->be, ub->dst, ub->src, n, s->S, NULL, NULL, &ub->ticket));
     for (uint32_t j = 0; j < n; j++)
-        s->blk[s->up_idx[j]].valid |= BIT(TKV_TIER_COMPUTE);
+        s->blk[ub->idx[j]].valid |= BIT(TKV_TIER_COMPUTE);
     s->st[TKV_TIER_NVME].bytes_out += (uint64_t)n * s->S;
     s->st[TKV_TIER_COMPUTE].bytes_in += (uint64_t)n * s->S;
     return TKV_OK;
@@ -629,6 +670,7 @@ static void prefetch_complete(struct tkv_kvs *s, const struct tkv_io_cqe *c)
         return;
     k->inflight = 0;
     s->n_inflight--;
+    s->inflight_reads[k->layer]--;
     const void *data = slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]);
     if (c->result == (int64_t)s->S && tkv_crc32c(0, data, s->S) == k->crc) {
         k->valid |= BIT(TKV_TIER_COMPUTE);
@@ -639,10 +681,13 @@ static void prefetch_complete(struct tkv_kvs *s, const struct tkv_io_cqe *c)
     }
 }
 
-/* Finishes every prefetch still in flight. */
-static void prefetch_drain(struct tkv_kvs *s)
+/* Finishes the prefetch reads still in flight of `layer`, or of every
+ * layer (ALL_LAYERS); reads of other layers that complete meanwhile are
+ * taken too. */
+#define ALL_LAYERS UINT32_MAX
+static void prefetch_drain_layer(struct tkv_kvs *s, uint32_t layer)
 {
-    while (s->io && s->n_inflight > 0) {
+    while (s->io && s->n_inflight > 0 && (layer == ALL_LAYERS || s->inflight_reads[layer] > 0)) {
         struct tkv_io_cqe cqe[IO_BATCH];
         int got = tkv_io_wait(s->io, 1, cqe, IO_BATCH);
         if (got <= 0) { /* cannot complete: give the slots back, recall normally later */
@@ -654,6 +699,7 @@ static void prefetch_drain(struct tkv_kvs *s)
                 }
             }
             s->n_inflight = 0;
+            memset(s->inflight_reads, 0, s->p.n_layer * sizeof *s->inflight_reads);
             return;
         }
         for (int c = 0; c < got; c++)
@@ -661,6 +707,9 @@ static void prefetch_drain(struct tkv_kvs *s)
                 prefetch_complete(s, &cqe[c]);
     }
 }
+
+/* Finishes every prefetch read still in flight. */
+static void prefetch_drain(struct tkv_kvs *s) { prefetch_drain_layer(s, ALL_LAYERS); }
 
 /* Reads blocks list[0..n) from NVMe straight into their compute slots (host
  * compute tier), keeping the queue full and verifying each block as it
@@ -736,17 +785,21 @@ static tkv_status up_send(struct tkv_kvs *s, struct up_batch *ub, uint32_t n)
     if (n == first)
         return TKV_OK;
     for (uint32_t j = first; j < n; j++)
-        s->up_crc[j] = s->blk[s->up_idx[j]].crc;
+        ub->crc[j] = s->blk[ub->idx[j]].crc;
     tkv_status st = TKV_ERR_UNSUPPORTED;
+    uint64_t ticket = 0;
     if (first == 0 || ub->on_device)
-        st = s->be->ops->upload_blocks(s->be, s->up_dst + first, s->up_src + first, n - first, s->S,
-                                       s->up_crc + first, s->up_bad + first);
+        st = s->be->ops->upload_blocks(s->be, ub->dst + first, ub->src + first, n - first, s->S, ub->crc + first,
+                                       ub->bad + first, &ticket);
     if (first == 0)
         ub->on_device = st == TKV_OK;
     if (st == TKV_ERR_UNSUPPORTED) /* this size: the CPU checks them in up_finish */
-        st = s->be->ops->upload_blocks(s->be, s->up_dst + first, s->up_src + first, n - first, s->S, NULL, NULL);
-    if (st == TKV_OK)
+        st = s->be->ops->upload_blocks(s->be, ub->dst + first, ub->src + first, n - first, s->S, NULL, NULL,
+                                       &ticket);
+    if (st == TKV_OK) {
         ub->sent = n;
+        ub->ticket = ticket;
+    }
     return st;
 }
 
@@ -759,20 +812,23 @@ static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
 {
     const uint32_t n = ub->sent;
     const bool on_device = ub->on_device;
+    const uint64_t ticket = ub->ticket;
     if (n == 0)
         return TKV_OK;
-    *ub = (struct up_batch){0};
+    ub->sent = 0;
+    ub->on_device = false;
+    ub->ticket = 0;
     tkv_status st = TKV_OK;
     if (on_device)
-        st = s->be->ops->upload_wait(s->be, true, NULL); /* the verdicts */
+        st = s->be->ops->upload_wait(s->be, ticket, true, NULL); /* the verdicts */
     else
-        verify_batch(s, s->up_idx, s->up_src, n, s->up_bad);
+        verify_batch(s, ub->idx, ub->src, n, ub->bad);
     uint32_t good = 0;
     tkv_status bad = TKV_OK; /* the first corrupt block; the others stay usable */
     for (uint32_t j = 0; j < n; j++) {
-        uint32_t i = s->up_idx[j];
+        uint32_t i = ub->idx[j];
         s->blk[i].inflight = 0;
-        if (st != TKV_OK || s->up_bad[j]) { /* a failed wait gives no verdicts */
+        if (st != TKV_OK || ub->bad[j]) { /* a failed wait gives no verdicts */
             if (st == TKV_OK && report) {
                 tkv_status e = corrupt_error(s, i, TKV_TIER_HOST);
                 bad = bad == TKV_OK ? e : bad;
@@ -787,8 +843,22 @@ static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
     s->st[TKV_TIER_HOST].bytes_out += (uint64_t)good * s->S;
     s->st[TKV_TIER_COMPUTE].bytes_in += (uint64_t)good * s->S;
     /* always: a dropped slot's late copy must land before its next user */
-    tkv_status f = s->be->ops->upload_fence(s->be);
+    tkv_status f = s->be->ops->upload_fence(s->be, ticket);
     return st != TKV_OK ? st : f;
+}
+
+/* make_room on the compute tier for the layer begin_layer brings in. The
+ * blocks of prefetches still in flight (GPU uploads, NVMe reads) cannot be
+ * evicted; when they are in the way, they are finished and the room is
+ * sought again. */
+static tkv_status make_room_for_layer(struct tkv_kvs *s, uint32_t need)
+{
+    tkv_status st = make_room(s, TKV_TIER_COMPUTE, need);
+    if (st != TKV_ERR_NOMEM || (s->n_pf == 0 && s->n_inflight == 0))
+        return st;
+    prefetch_drain(s);
+    TKV_TRY(prefetch_settle(s));
+    return make_room(s, TKV_TIER_COMPUTE, need);
 }
 
 /* NVMe -> GPU: blocks nv[0..n) through the staging buffer, IO_BATCH at a
@@ -803,24 +873,26 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
         if ((st = nvme_run(s, s->ops, m, s->results)) != TKV_OK)
             break;
         if (s->staging_async) {
+            struct up_batch *ub = &s->dm;
             uint32_t k = 0;
             for (uint32_t r = 0; r < m; r++) {
-                s->up_idx[r] = s->ops[r].blk;
-                s->up_src[r] = s->ops[r].buf;
+                ub->idx[r] = s->ops[r].blk;
+                ub->src[r] = s->ops[r].buf;
             }
-            verify_batch(s, s->up_idx, s->up_src, m, s->up_bad);
+            verify_batch(s, ub->idx, ub->src, m, ub->bad);
             for (uint32_t r = 0; r < m; r++) {
                 uint32_t bi = s->ops[r].blk;
-                if (s->up_bad[r]) {
+                if (ub->bad[r]) {
                     st = st == TKV_OK ? corrupt_error(s, bi, TKV_TIER_NVME) : st;
                     continue;
                 }
-                s->up_idx[k] = bi;
-                s->up_src[k] = s->ops[r].buf;
-                s->up_dst[k++] = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[bi].slot[TKV_TIER_COMPUTE]);
+                ub->idx[k] = bi;
+                ub->src[k] = s->ops[r].buf;
+                ub->dst[k++] = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[bi].slot[TKV_TIER_COMPUTE]);
             }
+            ub->ticket = 0;
             tkv_status u = upload_batch(s, k);
-            tkv_status w = s->be->ops->upload_wait(s->be, true, NULL); /* the staging buffer is reused */
+            tkv_status w = s->be->ops->upload_wait(s->be, ub->ticket, true, NULL); /* the staging buffer is reused */
             st = st != TKV_OK ? st : u != TKV_OK ? u : w;
             continue;
         }
@@ -845,10 +917,10 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
  * current copy in it. */
 static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
 {
-    TKV_TRY(make_room(s, TKV_TIER_COMPUTE, n));
+    TKV_TRY(make_room_for_layer(s, n));
     uint32_t *nv = s->cand[TKV_TIER_COMPUTE], n_nv = 0; /* free again after make_room */
-    uint32_t n_up = 0;                                   /* host-tier blocks in up_* */
-    struct up_batch ub = {0};
+    uint32_t n_up = 0;                                   /* host-tier blocks in ub */
+    struct up_batch *ub = &s->dm;
     tkv_status st = TKV_OK;
     for (uint32_t j = 0; j < n && st == TKV_OK; j++) {
         uint32_t i = idx[j];
@@ -860,12 +932,12 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
         }
         k->slot[TKV_TIER_COMPUTE] = cs;
         if ((k->valid & BIT(TKV_TIER_HOST)) && s->async_up) {
-            s->up_idx[n_up] = i;
-            s->up_src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
-            s->up_dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
+            ub->idx[n_up] = i;
+            ub->src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+            ub->dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
             s->st[TKV_TIER_HOST].hits++;
-            if (n_up - ub.sent >= s->up_piece)
-                st = up_send(s, &ub, n_up);
+            if (n_up - ub->sent >= s->up_piece)
+                st = up_send(s, ub, n_up);
         } else if (k->valid & BIT(TKV_TIER_HOST)) {
             const uint8_t *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
             if ((st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
@@ -886,8 +958,8 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
         }
     }
     if (n_up > 0) {
-        tkv_status u = st == TKV_OK ? up_send(s, &ub, n_up) : TKV_OK;
-        tkv_status f = up_finish(s, &ub, true); /* also after an error: what was sent lands first */
+        tkv_status u = st == TKV_OK ? up_send(s, ub, n_up) : TKV_OK;
+        tkv_status f = up_finish(s, ub, true); /* also after an error: what was sent lands first */
         st = st != TKV_OK ? st : u != TKV_OK ? u : f;
     }
     if (st == TKV_OK && n_nv > 0)
@@ -930,9 +1002,10 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
     s->order_tmp = malloc(total * sizeof *s->order_tmp);
     s->order_count = malloc((p->n_layer + 1) * sizeof *s->order_count);
+    s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->ops || !s->results) {
+    if (!s->blk || !s->refs || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->inflight_reads || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
     }
@@ -998,14 +1071,17 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->async_up = !p->compute_is_host && bo->upload_blocks && bo->upload_fence && bo->upload_wait;
     s->up_piece = TKV_MAX((p->upload_piece_bytes ? p->upload_piece_bytes : UP_PIECE_BYTES) / s->S, 1u);
     if (s->async_up) {
-        s->up_dst = malloc(layer_blocks * sizeof *s->up_dst);
-        s->up_src = malloc(layer_blocks * sizeof *s->up_src);
-        s->up_idx = malloc(layer_blocks * sizeof *s->up_idx);
-        s->up_bad = malloc(layer_blocks * sizeof *s->up_bad);
-        s->up_crc = malloc(layer_blocks * sizeof *s->up_crc);
-        if (!s->up_dst || !s->up_src || !s->up_idx || !s->up_bad || !s->up_crc) {
-            st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the upload lists");
-            goto fail;
+        for (uint32_t j = 0; j <= MAX_PREFETCH; j++) {
+            struct up_batch *ub = j < MAX_PREFETCH ? &s->pf[j] : &s->dm;
+            ub->dst = malloc(layer_blocks * sizeof *ub->dst);
+            ub->src = malloc(layer_blocks * sizeof *ub->src);
+            ub->idx = malloc(layer_blocks * sizeof *ub->idx);
+            ub->bad = malloc(layer_blocks * sizeof *ub->bad);
+            ub->crc = malloc(layer_blocks * sizeof *ub->crc);
+            if (!ub->dst || !ub->src || !ub->idx || !ub->bad || !ub->crc) {
+                st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the upload lists");
+                goto fail;
+            }
         }
         /* checksums at the link's rate: one CRC-32C thread does ~10-20 GB/s,
          * PCIe 5 carries ~50 */
@@ -1043,17 +1119,20 @@ void tkv_kvs_free(struct tkv_kvs *s)
 {
     if (!s)
         return;
-    if (s->async_up && s->be->ops->upload_wait(s->be, true, NULL) != TKV_OK) /* nothing may still read our memory */
-        TKV_LOG_W("%s", tkv_last_error());
+    if (s->async_up && s->be->ops->upload_wait(s->be, TKV_UPLOADS_ALL, true, NULL) != TKV_OK)
+        TKV_LOG_W("%s", tkv_last_error()); /* nothing may still read our memory */
     if (s->staging_registered && s->be->ops->host_unregister)
         s->be->ops->host_unregister(s->be, s->staging);
     if (s->crc_pool)
         tkv_pool_free(s->crc_pool);
-    free(s->up_dst);
-    free(s->up_src);
-    free(s->up_idx);
-    free(s->up_bad);
-    free(s->up_crc);
+    for (uint32_t j = 0; j <= MAX_PREFETCH; j++) {
+        struct up_batch *ub = j < MAX_PREFETCH ? &s->pf[j] : &s->dm;
+        free(ub->dst);
+        free(ub->src);
+        free(ub->idx);
+        free(ub->bad);
+        free(ub->crc);
+    }
     if (s->io) {
         prefetch_drain(s);
         tkv_io_file_close(s->file);
@@ -1070,6 +1149,7 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->lists);
     free(s->order_tmp);
     free(s->order_count);
+    free(s->inflight_reads);
     free(s->ops);
     free(s->results);
     free(s);
@@ -1125,8 +1205,10 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
         return tkv_err(TKV_ERR_IO, "kv-store: the NVMe tier failed earlier; the session cannot continue");
     const double t0 = tkv_now_seconds();
     s->cur_layer = layer; /* eviction distances are measured from here */
-    prefetch_drain(s);
-    tkv_status st = prefetch_settle(s);
+    prefetch_drain_layer(s, layer);
+    /* a prefetch of a later layer stays in flight (its blocks are not
+     * evicted: in flight) and keeps the link busy meanwhile */
+    tkv_status st = prefetch_settle_layer(s, layer);
     if (st != TKV_OK)
         goto out;
     uint32_t n_missing = 0;
@@ -1163,7 +1245,7 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
     if (n_recall && (st = recall(s, lists, n_recall)) != TKV_OK)
         goto out;
     if (n_new) {
-        if ((st = make_room(s, TKV_TIER_COMPUTE, n_new)) != TKV_OK)
+        if ((st = make_room_for_layer(s, n_new)) != TKV_OK)
             goto out;
         for (uint32_t j = 0; j < n_new; j++) {
             uint32_t i = lists[n_missing + j];
@@ -1225,14 +1307,19 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
             wanted += WANTED(&s->blk[blk_index(s, layer, h, b)]);
     if (wanted == 0)
         return;
-    if (from_host && prefetch_settle(s) != TKV_OK) /* up_* are free again */
+    /* a free set of lists: the oldest prefetch settles when all are busy */
+    if (from_host && s->n_pf == MAX_PREFETCH && prefetch_settle_n(s, 1) != TKV_OK)
         return; /* the error comes back from the next begin_layer */
+    struct up_batch *ub = from_host ? &s->pf[s->n_pf] : NULL;
     /* room from clean blocks needed after `layer` (never the pinned current layer) */
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
         for (uint32_t b = 0; b < nb; b++)
             s->blk[blk_index(s, layer, h, b)].pinned++;
     const uint32_t saved = s->cur_layer;
-    s->cur_layer = layer; /* distances as seen from the prefetched layer */
+    /* distances as seen from the layer before the prefetched one: it runs
+     * first (it is the current layer, or about to be when the caller
+     * prefetches ahead of begin_layer), so it is evicted last */
+    s->cur_layer = (layer + s->p.n_layer - 1) % s->p.n_layer;
     make_room_ex(s, TKV_TIER_COMPUTE, wanted, true);
     s->cur_layer = saved;
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
@@ -1248,13 +1335,13 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
             if (s->pool[TKV_TIER_COMPUTE].n_free == 0)
                 goto issue; /* only free slots: a prefetch never evicts */
             int32_t cs = pool_take(s, TKV_TIER_COMPUTE, i);
-            if (from_host) { /* in flight until prefetch_settle */
+            if (from_host) { /* in flight until it is settled */
                 k->slot[TKV_TIER_COMPUTE] = cs;
                 k->inflight = 1;
-                s->up_idx[n_up] = i;
-                s->up_src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
-                s->up_dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
-                if (n_up - s->pf.sent >= s->up_piece && up_send(s, &s->pf, n_up) != TKV_OK)
+                ub->idx[n_up] = i;
+                ub->src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                ub->dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
+                if (n_up - ub->sent >= s->up_piece && up_send(s, ub, n_up) != TKV_OK)
                     goto issue;
                 continue;
             }
@@ -1267,6 +1354,7 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
             k->slot[TKV_TIER_COMPUTE] = cs;
             k->inflight = 1;
             s->n_inflight++;
+            s->inflight_reads[layer]++;
             s->prefetched++;
         }
 #undef WANTED
@@ -1275,11 +1363,15 @@ issue:
         tkv_io_submit(s->io);
         return;
     }
-    (void)up_send(s, &s->pf, n_up); /* on failure the rest is given back below */
-    s->prefetched += s->pf.sent; /* settled above: all of them this call's */
-    for (uint32_t j = s->pf.sent; j < n_up; j++) { /* not queued */
-        s->blk[s->up_idx[j]].inflight = 0;
-        drop_copy(s, s->up_idx[j], TKV_TIER_COMPUTE);
+    (void)up_send(s, ub, n_up); /* on failure the rest is given back below */
+    s->prefetched += ub->sent;
+    for (uint32_t j = ub->sent; j < n_up; j++) { /* not queued */
+        s->blk[ub->idx[j]].inflight = 0;
+        drop_copy(s, ub->idx[j], TKV_TIER_COMPUTE);
+    }
+    if (ub->sent > 0) {
+        ub->layer = layer;
+        s->n_pf++;
     }
 }
 
@@ -1296,7 +1388,7 @@ bool tkv_kvs_prefetch_done(struct tkv_kvs *s)
             return false;
     }
     bool done = true;
-    if (s->pf.sent && s->be->ops->upload_wait(s->be, false, &done) != TKV_OK)
+    if (s->n_pf > 0 && s->be->ops->upload_wait(s->be, s->pf[s->n_pf - 1].ticket, false, &done) != TKV_OK)
         return true; /* the error comes back from the next begin_layer */
     return done;
 }
@@ -1443,7 +1535,7 @@ tkv_status tkv_kvs_test_flip_bit(struct tkv_kvs *s, uint32_t layer, uint32_t hea
         return block_error(s, TKV_ERR_INVALID_ARG, i, "has no copy on that tier to corrupt");
     if (t == TKV_TIER_HOST) {
         if (s->async_up) /* a queued upload may still read it */
-            TKV_TRY(s->be->ops->upload_wait(s->be, true, NULL));
+            TKV_TRY(s->be->ops->upload_wait(s->be, TKV_UPLOADS_ALL, true, NULL));
         slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST])[s->S / 3] ^= 0x10;
         return TKV_OK;
     }

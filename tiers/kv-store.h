@@ -96,13 +96,17 @@ uint32_t tkv_kvs_max_blocks(const struct tkv_kvs *s);
 void       tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer);
 
 /* Starts recalling blocks of `layer` into free compute slots without
- * evicting anything (other than clean copies needed later than `layer`);
- * returns at once. From NVMe to a host compute tier the reads go through
- * io_uring; from pinned host memory to a GPU, the backend's asynchronous
- * uploads (a copy stream) carry them while compute continues, each copy
- * checked against its checksum on the device as it lands (on the CPU where
- * the device cannot). The next call of the store (begin_layer, ...) takes
- * the verdicts; a block that failed is recalled again and reported there. */
+ * evicting anything (other than clean copies needed later than `layer` and
+ * the layer before it); returns at once. From NVMe to a host compute tier
+ * the reads go through io_uring; from pinned host memory to a GPU, the
+ * backend's asynchronous uploads (a copy stream) carry them while compute
+ * continues, each copy checked against its checksum on the device as it
+ * lands (on the CPU where the device cannot). Up to two GPU prefetches are
+ * in flight: called for layer l+1 before begin_layer(l), the link carries
+ * l+1 while l is settled, so it never waits for the host's bookkeeping.
+ * begin_layer of a prefetched layer takes its verdicts (later layers stay
+ * in flight); every other call of the store settles them all. A block that
+ * failed is recalled again and reported by begin_layer. */
 void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer);
 /* Whether every prefetch has landed (polls, never blocks). */
 bool tkv_kvs_prefetch_done(struct tkv_kvs *s);
