@@ -34,6 +34,8 @@
  *              uses the first.
  * ratio = mean step time / roofline time (1.0: the step runs at the bandwidth).
  * Prints a Markdown table; -j writes one JSON object per row to a file.
+ * With TKV_CUDA_PROFILE=1 (CUDA), each row's timed steps' op profile goes to
+ * stderr (docs/gpu.md, "Op profile"); the profile slows the steps down a little.
  */
 #include "runtime/backend.h"
 #include "runtime/kv-synth.h"
@@ -277,7 +279,10 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
     }
     tkv_token tok = tkv_argmax(tkv_logits(s), info.n_vocab);
     double keys = 0;
+    struct tkv_backend *be = tkv_session_backend(s); /* its op profile, when it keeps one */
     for (uint32_t i = 0; i < WARMUP_STEPS + steps; i++) {
+        if (i == WARMUP_STEPS && be->ops->profile_reset)
+            be->ops->profile_reset(be);
         const double t1 = now();
         if (tkv_decode(s, tok) != TKV_OK) {
             tkv_session_free(s);
@@ -290,6 +295,15 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
             keys += (double)tkv_session_n_past(s);
         }
         tok = tkv_argmax(tkv_logits(s), info.n_vocab);
+    }
+    if (be->ops->profile_read) { /* TKV_CUDA_PROFILE=1: the timed steps' ops, to stderr */
+        struct tkv_op_profile prof;
+        if (be->ops->profile_read(be, &prof) == TKV_OK) {
+            char label[128];
+            snprintf(label, sizeof label, "ctx %u, fill %s, %u timed decode steps", ctx, fill, steps);
+            tkv_op_profile_print(label, &prof, steps);
+        }
+        be->ops->profile_reset(be);
     }
     const float *lg = tkv_logits(s);
     r->finite = 1;

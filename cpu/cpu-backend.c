@@ -339,6 +339,17 @@ static tkv_status cpu_kv_write(struct tkv_backend *b, const float *src, size_t s
     return TKV_OK;
 }
 
+static tkv_status cpu_kv_write_heads(struct tkv_backend *b, const float *k, const float *v, size_t stride,
+                                     uint16_t *const *kdst, uint16_t *const *vdst, uint32_t n_heads, uint32_t n_rows,
+                                     uint32_t head_dim)
+{
+    for (uint32_t h = 0; h < n_heads; h++) {
+        cpu_kv_write(b, k + (size_t)h * head_dim, stride, kdst[h], n_rows, head_dim);
+        cpu_kv_write(b, v + (size_t)h * head_dim, stride, vdst[h], n_rows, head_dim);
+    }
+    return TKV_OK;
+}
+
 static tkv_status cpu_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
 {
     return tkv_cpu_attention(cpu_of(b), a);
@@ -399,6 +410,7 @@ static const struct tkv_backend_ops cpu_ops = {
     .swiglu = cpu_swiglu,
     .add = cpu_add,
     .kv_write = cpu_kv_write,
+    .kv_write_heads = cpu_kv_write_heads,
     .attention = cpu_attention,
     .attn_stats = cpu_attn_stats,
     .rabitq_encode = cpu_rabitq_encode,

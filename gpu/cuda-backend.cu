@@ -35,6 +35,7 @@ extern "C" {
 
 #include <cublas_v2.h>
 #include <stdio.h>
+#include <time.h>
 #include <stdlib.h>
 
 #define N_STAGE 16                  /* staging slots in the ring               */
@@ -94,7 +95,15 @@ struct cuda_backend {
                                       cudaMemcpy                               */
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
+    int gemv;                      /* decode matmul: GEMV_FAST, or TKV_CUDA_GEMV=ref|cublas */
+    struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
 };
+
+/* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
+ * TKV_CUDA_GEMV when the backend is created: the fast GEMV (default), its
+ * reference kernel ("ref"), or cuBLAS as for prefill ("cublas"); the last two
+ * exist to measure and test the first. */
+enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS };
 
 struct tkv_bweight {
     const struct tkv_gguf_tensor *t;
@@ -613,8 +622,11 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
                          CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT);
         return s == CUBLAS_STATUS_SUCCESS ? TKV_OK : blas_fail(s, op);
     }
-    if (tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
-        CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
+    if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
+        if (cb->gemv == GEMV_REF)
+            CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
+        else
+            CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->stream));
         return TKV_OK;
     }
     const size_t count = (size_t)n * w->n_in;
@@ -686,6 +698,26 @@ static tkv_status cuda_kv_write(struct tkv_backend *b, const float *src, size_t 
     struct cuda_backend *cb = cuda_of(b);
     ALIVE("kv_write");
     CU("kv_write", tkv_cuda_kv_write(src, src_stride, dst, n_rows, head_dim, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_kv_write_heads(struct tkv_backend *b, const float *k, const float *v, size_t stride,
+                                      uint16_t *const *kdst, uint16_t *const *vdst, uint32_t n_heads, uint32_t n_rows,
+                                      uint32_t head_dim)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "kv_write_heads";
+    ALIVE(op);
+    struct tkv_cuda_kv_dst dst;
+    for (uint32_t h0 = 0; h0 < n_heads; h0 += TKV_CUDA_KV_HEADS_MAX) { /* one launch per 64 heads */
+        const uint32_t nh = TKV_MIN(n_heads - h0, (uint32_t)TKV_CUDA_KV_HEADS_MAX);
+        for (uint32_t h = 0; h < nh; h++) {
+            dst.k[h] = kdst[h0 + h];
+            dst.v[h] = vdst[h0 + h];
+        }
+        CU(op, tkv_cuda_kv_write_heads(k + (size_t)h0 * head_dim, v + (size_t)h0 * head_dim, stride, &dst, nh, n_rows,
+                                       head_dim, cb->stream));
+    }
     return TKV_OK;
 }
 
@@ -881,6 +913,324 @@ static tkv_status cuda_rabitq_estimate(struct tkv_backend *b, const struct tkv_r
     return TKV_OK;
 }
 
+/* ---- op profiler (TKV_CUDA_PROFILE=1) ------------------------------------------
+ *
+ * With TKV_CUDA_PROFILE=1 when the backend is created, its vtable is
+ * cuda_prof_ops: every op goes through a wrapper that counts the call, adds
+ * the host time spent inside it (CLOCK_MONOTONIC), and brackets the work it
+ * queues on the compute stream with a pair of timing events from a ring
+ * made at creation. When the ring is full, at profile_read and at free, the
+ * backend waits for the last event and folds the pairs' elapsed times into
+ * the rows: no allocation and no synchronization per op. Without the
+ * variable the vtable is cuda_ops and nothing here runs.
+ *
+ * Costs when on: two cudaEventRecord per timed op (~1-2 us of host time each,
+ * outside the op's host time), and a wait for the stream every PROF_RING ops
+ * (the host stops running ahead of the device there). */
+#define PROF_RING 2048
+#define PROF_ROWS 96
+
+struct prof_pair {
+    cudaEvent_t start, end;
+    uint32_t row;
+};
+
+struct cuda_prof {
+    struct tkv_op_profile_row rows[PROF_ROWS];
+    char names[PROF_ROWS][48];
+    const char *key_op[PROF_ROWS];      /* rows are keyed by the op's name (a literal) and up to 3 numbers */
+    uint32_t key[PROF_ROWS][3];
+    uint32_t n_rows;
+    struct prof_pair ring[PROF_RING];
+    uint32_t n_ring;                    /* pairs recorded since the last fold */
+    cudaEvent_t first;                  /* before the first timed op since the reset */
+    bool have_first;
+    double dev_span_s;                  /* first -> the end of the last folded pair */
+    double t_first, t_last;             /* host clock; t_first < 0: no op yet */
+};
+
+static double prof_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The row of (op, a, b, c); timed: the op's work is bracketed by events. */
+static uint32_t prof_row(struct cuda_prof *p, const char *op, bool timed, uint32_t a = 0, uint32_t b = 0,
+                         uint32_t c = 0, const char *fmt = NULL)
+{
+    for (uint32_t i = 0; i < p->n_rows; i++)
+        if (p->key_op[i] == op && p->key[i][0] == a && p->key[i][1] == b && p->key[i][2] == c)
+            return i;
+    if (p->n_rows == PROF_ROWS) /* full: the last row takes the rest */
+        return PROF_ROWS - 1;
+    const uint32_t i = p->n_rows++;
+    p->key_op[i] = op;
+    p->key[i][0] = a, p->key[i][1] = b, p->key[i][2] = c;
+    if (fmt)
+        snprintf(p->names[i], sizeof p->names[i], fmt, op, a, b);
+    else
+        snprintf(p->names[i], sizeof p->names[i], "%s", op);
+    if (i == PROF_ROWS - 1)
+        snprintf(p->names[i], sizeof p->names[i], "(other ops)");
+    p->rows[i] = (struct tkv_op_profile_row){p->names[i], 0, 0.0, timed ? 0.0 : -1.0};
+    return i;
+}
+
+/* Waits for the recorded pairs and adds their device times to the rows.
+ * Profiling is best effort: a failed event call drops its pair. */
+static void prof_fold(struct cuda_prof *p)
+{
+    if (p->n_ring == 0)
+        return;
+    if (cudaEventSynchronize(p->ring[p->n_ring - 1].end) == cudaSuccess) {
+        for (uint32_t i = 0; i < p->n_ring; i++) {
+            float ms;
+            struct tkv_op_profile_row *r = &p->rows[p->ring[i].row];
+            if (cudaEventElapsedTime(&ms, p->ring[i].start, p->ring[i].end) == cudaSuccess && r->dev_s >= 0)
+                r->dev_s += ms * 1e-3;
+        }
+        float span;
+        if (p->have_first && cudaEventElapsedTime(&span, p->first, p->ring[p->n_ring - 1].end) == cudaSuccess)
+            p->dev_span_s = span * 1e-3;
+    }
+    (void)cudaGetLastError();
+    p->n_ring = 0;
+}
+
+/* Brackets one op call: the constructor runs before the op's work is
+ * queued, the destructor after (also on an early return). */
+struct prof_scope {
+    struct cuda_backend *cb;
+    uint32_t row;
+    int slot;
+    double t0;
+    prof_scope(struct cuda_backend *cb_, uint32_t row_) : cb(cb_), row(row_), slot(-1)
+    {
+        struct cuda_prof *p = cb->prof;
+        if (p->rows[row].dev_s >= 0) {
+            if (p->n_ring == PROF_RING)
+                prof_fold(p);
+            if (!p->have_first)
+                p->have_first = cudaEventRecord(p->first, cb->stream) == cudaSuccess;
+            if (cudaEventRecord(p->ring[p->n_ring].start, cb->stream) == cudaSuccess)
+                slot = (int)p->n_ring;
+            (void)cudaGetLastError();
+        }
+        t0 = prof_now();
+        if (p->t_first < 0)
+            p->t_first = t0;
+    }
+    ~prof_scope()
+    {
+        struct cuda_prof *p = cb->prof;
+        const double t1 = prof_now();
+        p->rows[row].calls++;
+        p->rows[row].host_s += t1 - t0;
+        p->t_last = t1;
+        if (slot >= 0) {
+            if (cudaEventRecord(p->ring[slot].end, cb->stream) == cudaSuccess) {
+                p->ring[slot].row = row;
+                p->n_ring++;
+            }
+            (void)cudaGetLastError();
+        }
+    }
+    prof_scope(const prof_scope &) = delete;
+    prof_scope &operator=(const prof_scope &) = delete;
+};
+
+static void prof_zero(struct cuda_prof *p)
+{
+    for (uint32_t i = 0; i < p->n_rows; i++) {
+        p->rows[i].calls = 0;
+        p->rows[i].host_s = 0;
+        p->rows[i].dev_s = p->rows[i].dev_s >= 0 ? 0.0 : -1.0;
+    }
+    p->have_first = false;
+    p->dev_span_s = 0;
+    p->t_first = -1;
+    p->t_last = 0;
+}
+
+static tkv_status prof_read(struct tkv_backend *b, struct tkv_op_profile *out)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("profile_read");
+    struct cuda_prof *p = cb->prof;
+    prof_fold(p);
+    double busy = 0;
+    for (uint32_t i = 0; i < p->n_rows; i++)
+        busy += p->rows[i].dev_s > 0 ? p->rows[i].dev_s : 0.0;
+    *out = (struct tkv_op_profile){p->rows, p->n_rows, p->t_first >= 0 ? p->t_last - p->t_first : 0.0,
+                                   p->dev_span_s, busy};
+    return TKV_OK;
+}
+
+static void prof_reset(struct tkv_backend *b)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    prof_fold(cb->prof);
+    prof_zero(cb->prof);
+}
+
+static tkv_status prof_create(struct cuda_backend *cb)
+{
+    const char *op = "init (TKV_CUDA_PROFILE)";
+    struct cuda_prof *p = (struct cuda_prof *)calloc(1, sizeof *p);
+    if (!p)
+        return tkv_err(TKV_ERR_NOMEM, "cuda: out of memory for the op profile");
+    cb->prof = p;
+    CU(op, cudaEventCreate(&p->first));
+    for (uint32_t i = 0; i < PROF_RING; i++) {
+        CU(op, cudaEventCreate(&p->ring[i].start));
+        CU(op, cudaEventCreate(&p->ring[i].end));
+    }
+    prof_zero(p);
+    return TKV_OK;
+}
+
+/* At free: prints what was not read and reset, then lets the events go. */
+static void prof_free(struct cuda_backend *cb)
+{
+    struct cuda_prof *p = cb->prof;
+    if (!p)
+        return;
+    uint64_t calls = 0;
+    for (uint32_t i = 0; i < p->n_rows; i++)
+        calls += p->rows[i].calls;
+    struct tkv_op_profile out;
+    if (calls && !cb->failed && prof_read(&cb->base, &out) == TKV_OK) {
+        char label[64];
+        snprintf(label, sizeof label, "cuda:%d, at backend free", cb->device);
+        tkv_op_profile_print(label, &out, 0);
+    }
+    if (p->first)
+        cudaEventDestroy(p->first);
+    for (uint32_t i = 0; i < PROF_RING; i++) {
+        if (p->ring[i].start)
+            cudaEventDestroy(p->ring[i].start);
+        if (p->ring[i].end)
+            cudaEventDestroy(p->ring[i].end);
+    }
+    free(p);
+    cb->prof = NULL;
+}
+
+/* The wrappers: PROF(name, timed-row expression, call) makes the backend's
+ * device current (ALIVE), then times `call` in the row. */
+#define PROF(op_name, row_expr, call)             \
+    struct cuda_backend *cb = cuda_of(b);         \
+    ALIVE(op_name);                               \
+    prof_scope prof_scope_(cb, (row_expr));       \
+    return (call)
+
+static tkv_status pw_upload(struct tkv_backend *b, void *dst, const void *src, size_t bytes)
+{
+    PROF("upload", prof_row(cb->prof, "upload", true), cuda_upload(b, dst, src, bytes));
+}
+static tkv_status pw_download(struct tkv_backend *b, void *dst, const void *src, size_t bytes)
+{
+    PROF("download", prof_row(cb->prof, "download", true), cuda_download(b, dst, src, bytes));
+}
+static tkv_status pw_synchronize(struct tkv_backend *b)
+{
+    PROF("synchronize", prof_row(cb->prof, "synchronize", false), cuda_sync(b));
+}
+static tkv_status pw_copy(struct tkv_backend *b, void *dst, const void *src, size_t bytes)
+{
+    PROF("copy", prof_row(cb->prof, "copy", true), cuda_copy(b, dst, src, bytes));
+}
+static tkv_status pw_get_rows(struct tkv_backend *b, const struct tkv_bweight *w, const int32_t *ids, uint32_t n,
+                              float *out)
+{
+    PROF("get_rows", prof_row(cb->prof, "get_rows", true), cuda_get_rows(b, w, ids, n, out));
+}
+/* matmul rows by weight shape (n_out x n_in) and path */
+static const char *const matmul_path_name[] = {"gemv", "gemv-ref", "cublas", "cublas-f32"};
+static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+{
+    struct cuda_backend *cb_ = cuda_of(b);
+    const uint32_t path = w->w32 ? 3u : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
+                                                tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
+                                            ? (cb_->gemv == GEMV_REF ? 1u : 0u)
+                                            : 2u;
+    char fmt[48];
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
+    PROF("matmul", prof_row(cb->prof, "matmul", true, w->n_out, w->n_in, path, fmt), cuda_matmul(b, w, x, y, n));
+}
+static tkv_status pw_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y, uint32_t n,
+                             uint32_t dim, float eps)
+{
+    PROF("rmsnorm", prof_row(cb->prof, "rmsnorm", true), cuda_rmsnorm(b, x, w, y, n, dim, eps));
+}
+static tkv_status pw_rope(struct tkv_backend *b, float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim,
+                          uint32_t rot_dim, const int32_t *pos, float base, float freq_scale)
+{
+    PROF("rope", prof_row(cb->prof, "rope", true), cuda_rope(b, x, n, n_heads, head_dim, rot_dim, pos, base, freq_scale));
+}
+static tkv_status pw_swiglu(struct tkv_backend *b, const float *gate, const float *up, float *out, size_t count)
+{
+    PROF("swiglu", prof_row(cb->prof, "swiglu", true), cuda_swiglu(b, gate, up, out, count));
+}
+static tkv_status pw_add(struct tkv_backend *b, float *y, const float *x, size_t count)
+{
+    PROF("add", prof_row(cb->prof, "add", true), cuda_add(b, y, x, count));
+}
+static tkv_status pw_kv_write(struct tkv_backend *b, const float *src, size_t src_stride, uint16_t *dst,
+                              uint32_t n_rows, uint32_t head_dim)
+{
+    PROF("kv_write", prof_row(cb->prof, "kv_write", true), cuda_kv_write(b, src, src_stride, dst, n_rows, head_dim));
+}
+static tkv_status pw_kv_write_heads(struct tkv_backend *b, const float *k, const float *v, size_t stride,
+                                    uint16_t *const *kdst, uint16_t *const *vdst, uint32_t n_heads, uint32_t n_rows,
+                                    uint32_t head_dim)
+{
+    PROF("kv_write_heads", prof_row(cb->prof, "kv_write_heads", true),
+         cuda_kv_write_heads(b, k, v, stride, kdst, vdst, n_heads, n_rows, head_dim));
+}
+static tkv_status pw_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
+{
+    /* decode: at most 8 query rows per KV head (the decode kernel's calls) */
+    const bool dec = a && a->n_head_kv && (uint64_t)a->n_q * (a->n_head / a->n_head_kv) <= 8;
+    PROF("attention", prof_row(cb->prof, dec ? "attention decode" : "attention prefill", true),
+         cuda_attention(b, a));
+}
+static tkv_status pw_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
+{
+    PROF("attn_stats", prof_row(cb->prof, "attn_stats", true), cuda_attn_stats(b, a));
+}
+/* the block uploads run on the copy stream: host time only */
+static tkv_status pw_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
+                                   size_t bytes, const uint32_t *crc, uint8_t *bad, uint64_t *ticket)
+{
+    PROF("upload_blocks", prof_row(cb->prof, "upload_blocks", false),
+         cuda_upload_blocks(b, dst, src, n, bytes, crc, bad, ticket));
+}
+static tkv_status pw_upload_fence(struct tkv_backend *b, uint64_t upto)
+{
+    PROF("upload_fence", prof_row(cb->prof, "upload_fence", false), cuda_upload_fence(b, upto));
+}
+static tkv_status pw_upload_wait(struct tkv_backend *b, uint64_t upto, bool block, bool *done)
+{
+    PROF("upload_wait", prof_row(cb->prof, "upload_wait", false), cuda_upload_wait(b, upto, block, done));
+}
+static tkv_status pw_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
+                                   size_t row_stride, uint32_t n, uint32_t at)
+{
+    PROF("rabitq_encode", prof_row(cb->prof, "rabitq_encode", true),
+         cuda_rabitq_encode(b, ix, k, row_stride, n, at));
+}
+static tkv_status pw_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                     const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
+                                     float *bound)
+{
+    PROF("rabitq_estimate", prof_row(cb->prof, "rabitq_estimate", true),
+         cuda_rabitq_estimate(b, ix, q, first, n, est, bound));
+}
+#undef PROF
+
 static void cuda_free(struct tkv_backend *b)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -892,6 +1242,7 @@ static void cuda_free(struct tkv_backend *b)
         cudaStreamSynchronize(cb->stream);
     if (cb->copy_stream)
         cudaStreamSynchronize(cb->copy_stream);
+    prof_free(cb);
     for (int i = 0; i < N_GATHER; i++) {
         struct gather_slot *sl = &cb->gather[i];
         cudaFreeHost(sl->host);
@@ -954,6 +1305,7 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.swiglu = cuda_swiglu;
     o.add = cuda_add;
     o.kv_write = cuda_kv_write;
+    o.kv_write_heads = cuda_kv_write_heads;
     o.attention = cuda_attention;
     o.attn_stats = cuda_attn_stats;
     o.pci_bus_id = cuda_pci_bus_id;
@@ -967,6 +1319,35 @@ static struct tkv_backend_ops cuda_make_ops(void)
     return o;
 }
 static const struct tkv_backend_ops cuda_ops = cuda_make_ops();
+
+/* The vtable with TKV_CUDA_PROFILE=1: the same ops behind the wrappers. */
+static struct tkv_backend_ops cuda_make_prof_ops(void)
+{
+    struct tkv_backend_ops o = cuda_make_ops();
+    o.upload = pw_upload;
+    o.download = pw_download;
+    o.synchronize = pw_synchronize;
+    o.copy = pw_copy;
+    o.get_rows = pw_get_rows;
+    o.matmul = pw_matmul;
+    o.rmsnorm = pw_rmsnorm;
+    o.rope = pw_rope;
+    o.swiglu = pw_swiglu;
+    o.add = pw_add;
+    o.kv_write = pw_kv_write;
+    o.kv_write_heads = pw_kv_write_heads;
+    o.attention = pw_attention;
+    o.attn_stats = pw_attn_stats;
+    o.upload_blocks = pw_upload_blocks;
+    o.upload_fence = pw_upload_fence;
+    o.upload_wait = pw_upload_wait;
+    o.rabitq_encode = pw_rabitq_encode;
+    o.rabitq_estimate = pw_rabitq_estimate;
+    o.profile_read = prof_read;
+    o.profile_reset = prof_reset;
+    return o;
+}
+static const struct tkv_backend_ops cuda_prof_ops = cuda_make_prof_ops();
 
 
 extern "C" int tkv_cuda_device_count(void)
@@ -1044,7 +1425,14 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->device = device;
     const char *mode = getenv("TKV_CUDA_WEIGHTS");
     cb->f32_weights = mode && !strcmp(mode, "f32");
+    const char *gemv = getenv("TKV_CUDA_GEMV");
+    cb->gemv = gemv && !strcmp(gemv, "ref") ? GEMV_REF : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS : GEMV_FAST;
+    const char *prof = getenv("TKV_CUDA_PROFILE");
     tkv_status st = cuda_init(cb);
+    if (st == TKV_OK && prof && !strcmp(prof, "1")) {
+        st = prof_create(cb);
+        cb->base.ops = &cuda_prof_ops;
+    }
     if (st != TKV_OK) {
         cuda_free(&cb->base);
         return st;

@@ -79,6 +79,24 @@ __global__ void kv_write_kernel(const float *src, size_t stride, uint16_t *dst, 
     dst[i] = __half_as_ushort(__float2half_rn(src[r * stride + d]));
 }
 
+/* i runs over [K or V][head][row][dim]: consecutive threads write consecutive
+ * f16 of one destination row */
+__global__ void kv_write_heads_kernel(const float *k, const float *v, size_t stride, struct tkv_cuda_kv_dst dst,
+                                      uint32_t n_heads, uint32_t n_rows, uint32_t hd)
+{
+    const size_t per_head = (size_t)n_rows * hd, per_side = per_head * n_heads;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2 * per_side)
+        return;
+    const bool is_v = i >= per_side;
+    const size_t j = is_v ? i - per_side : i;
+    const uint32_t h = (uint32_t)(j / per_head);
+    const size_t e = j % per_head, r = e / hd, d = e % hd;
+    const float *src = is_v ? v : k;
+    uint16_t *out = is_v ? dst.v[h] : dst.k[h];
+    out[e] = __half_as_ushort(__float2half_rn(src[r * stride + (size_t)h * hd + d]));
+}
+
 __device__ __forceinline__ float to_f32(__half h) { return __half2float(h); }
 __device__ __forceinline__ float to_f32(float f) { return f; }
 
@@ -103,7 +121,7 @@ __global__ void f32_to_f16_kernel(const float *x, __half *y, size_t count)
     y[i] = __float2half_rn(v);
 }
 
-/* ---- GEMV: one warp per output row, 8 rows per CTA ------------------------------ */
+/* ---- GEMV, the reference: one warp per output row, 8 rows per CTA ----------------- */
 
 constexpr int GEMV_WARPS = 8;
 
@@ -153,6 +171,122 @@ cudaError_t gemv_launch(const __half *w, const float *x, float *y, uint32_t n_in
     gemv_kernel<NT><<<tkv_cuda_blocks(n_out, GEMV_WARPS), GEMV_WARPS * 32, 0, s>>>(w, x, y, n_in, n_out);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
+}
+
+/* ---- GEMV with more bytes in flight ----------------------------------------------
+ *
+ * The kernel above keeps one 16-byte load per lane in flight: 8 warps x 512
+ * bytes = 4 KiB per CTA. Decode reads each weight once, so the GEMV is a
+ * stream from HBM, and an H200 needs ~25-30 KiB in flight per SM (4.8 TB/s
+ * x ~0.7 us of latency / 132 SMs) to keep it busy; with n_out = 1024 (wk,
+ * wv of Llama-3-8B) the kernel above has 128 CTAs, under one per SM.
+ *
+ * Here each lane issues U independent 16-byte weight loads before it uses
+ * any (predicated, so any n_in % 8 == 0 works), and a row can be split over
+ * S warps of the CTA (split-K inside the CTA, partial sums combined through
+ * shared memory in warp order) when there are too few rows to fill the
+ * GPU. A CTA is 8 warps: 8 / S rows. Weights bypass L1 (read once); the f32
+ * activations, re-read by every row, go through the read-only cache. */
+constexpr int GEMV2_U = 4;
+
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p)
+{
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+
+template <int NT, int S>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv2_kernel(const __half *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, uint32_t n_in,
+                 uint32_t n_out)
+{
+    constexpr int ROWS = GEMV_WARPS / S;
+    constexpr uint32_t T = 32 * S; /* threads on one row */
+    __shared__ float part[GEMV_WARPS][NT];
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t r_local = warp / S, t = (warp % S) * 32 + lane;
+    const uint32_t row = blockIdx.x * ROWS + r_local;
+    const uint32_t n8 = n_in / 8;
+    float acc[NT];
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+        acc[i] = 0.0f;
+    if (row < n_out) { /* no early return: the CTA meets at the barrier below */
+        const uint4 *w8 = (const uint4 *)(w + (size_t)row * n_in);
+        for (uint32_t k0 = t; k0 < n8; k0 += T * GEMV2_U) {
+            uint4 raw[GEMV2_U];
+#pragma unroll
+            for (int u = 0; u < GEMV2_U; u++) {
+                const uint32_t k = k0 + u * T;
+                raw[u] = k < n8 ? ld_stream(w8 + k) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV2_U; u++) {
+                const uint32_t k = k0 + u * T;
+                if (k >= n8)
+                    break;
+                const __half2 *h2 = (const __half2 *)&raw[u];
+                float wf[8];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float2 f = __half22float2(h2[j]);
+                    wf[2 * j] = f.x;
+                    wf[2 * j + 1] = f.y;
+                }
+#pragma unroll
+                for (int i = 0; i < NT; i++) {
+                    const float4 *xr = (const float4 *)(x + (size_t)i * n_in) + 2 * k;
+                    const float4 a = __ldg(xr), b = __ldg(xr + 1);
+                    acc[i] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
+                              wf[6] * b.z + wf[7] * b.w;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        const float v = tkv_warp_sum(acc[i]);
+        if (S == 1) {
+            if (lane == 0 && row < n_out)
+                y[(size_t)i * n_out + row] = v;
+        } else if (lane == 0) {
+            part[warp][i] = v;
+        }
+    }
+    if (S == 1)
+        return;
+    __syncthreads();
+    if (warp % S == 0 && lane < NT && row < n_out) {
+        float v = 0.0f;
+#pragma unroll
+        for (int p = 0; p < S; p++)
+            v += part[warp + p][lane];
+        y[(size_t)lane * n_out + row] = v;
+    }
+}
+
+template <int NT, int S>
+cudaError_t gemv2_launch(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, cudaStream_t s)
+{
+    gemv2_kernel<NT, S><<<tkv_cuda_blocks(n_out, GEMV_WARPS / S), GEMV_WARPS * 32, 0, s>>>(w, x, y, n_in, n_out);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+template <int NT>
+cudaError_t gemv2_pick(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t S,
+                       cudaStream_t s)
+{
+    switch (S) {
+    case 1: return gemv2_launch<NT, 1>(w, x, y, n_in, n_out, s);
+    case 2: return gemv2_launch<NT, 2>(w, x, y, n_in, n_out, s);
+    case 4: return gemv2_launch<NT, 4>(w, x, y, n_in, n_out, s);
+    case 8: return gemv2_launch<NT, 8>(w, x, y, n_in, n_out, s);
+    default: return cudaErrorInvalidValue;
+    }
 }
 
 constexpr unsigned TB = 256;
@@ -211,6 +345,19 @@ cudaError_t tkv_cuda_kv_write(const float *src, size_t src_stride, uint16_t *dst
     return cudaSuccess;
 }
 
+cudaError_t tkv_cuda_kv_write_heads(const float *k, const float *v, size_t stride, const struct tkv_cuda_kv_dst *dst,
+                                    uint32_t n_heads, uint32_t n_rows, uint32_t head_dim, cudaStream_t s)
+{
+    const size_t count = 2 * (size_t)n_heads * n_rows * head_dim;
+    if (count == 0)
+        return cudaSuccess;
+    if (n_heads > TKV_CUDA_KV_HEADS_MAX)
+        return cudaErrorInvalidValue;
+    kv_write_heads_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(k, v, stride, *dst, n_heads, n_rows, head_dim);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
 cudaError_t tkv_cuda_get_rows_f16(const __half *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out,
                                   cudaStream_t s)
 {
@@ -248,8 +395,39 @@ bool tkv_cuda_gemv_ok(const __half *w, const float *x, uint32_t n_in, uint32_t n
            ((uintptr_t)x % 16) == 0;
 }
 
+uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
+{
+    const uint32_t n8 = n_in / 8;
+    uint32_t S = 1;
+    /* split while the CTAs (8 / S rows each) are fewer than 4 per SM and
+     * every thread of a row still has a full set of U loads */
+    while (S < GEMV_WARPS && ((uint64_t)n_out * S + GEMV_WARPS - 1) / GEMV_WARPS < 4ull * n_sm &&
+           n8 >= 2 * 32 * S * GEMV2_U)
+        S *= 2;
+    return S;
+}
+
 cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n,
-                              cudaStream_t s)
+                              uint32_t n_sm, cudaStream_t s)
+{
+    if (n_out == 0)
+        return cudaSuccess;
+    const uint32_t S = tkv_cuda_gemv_split(n_in, n_out, n_sm);
+    switch (n) {
+    case 1: return gemv2_pick<1>(w, x, y, n_in, n_out, S, s);
+    case 2: return gemv2_pick<2>(w, x, y, n_in, n_out, S, s);
+    case 3: return gemv2_pick<3>(w, x, y, n_in, n_out, S, s);
+    case 4: return gemv2_pick<4>(w, x, y, n_in, n_out, S, s);
+    case 5: return gemv2_pick<5>(w, x, y, n_in, n_out, S, s);
+    case 6: return gemv2_pick<6>(w, x, y, n_in, n_out, S, s);
+    case 7: return gemv2_pick<7>(w, x, y, n_in, n_out, S, s);
+    case 8: return gemv2_pick<8>(w, x, y, n_in, n_out, S, s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+cudaError_t tkv_cuda_gemv_f16_ref(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
+                                  uint32_t n, cudaStream_t s)
 {
     if (n_out == 0)
         return cudaSuccess;

@@ -1,7 +1,8 @@
 /*
  * ops.cuh -- the small kernels of the forward pass: RMSNorm, RoPE, SwiGLU,
- * add, KV row write (f32 -> f16), embedding rows, f32 -> f16 activations and
- * the f16-weight GEMV used for few-token matmuls.
+ * add, KV row write (f32 -> f16; one head, or all of a layer's heads in one
+ * launch), embedding rows, f32 -> f16 activations and the f16-weight GEMV
+ * used for few-token matmuls (a fast kernel and its reference).
  *
  * All pointers are device memory; activations are row-major f32. Semantics
  * are runtime/backend.h's, computed as cpu/cpu-backend.c does (same formula
@@ -35,6 +36,18 @@ cudaError_t tkv_cuda_add(float *y, const float *x, size_t count, cudaStream_t s)
 cudaError_t tkv_cuda_kv_write(const float *src, size_t src_stride, uint16_t *dst, uint32_t n_rows, uint32_t head_dim,
                               cudaStream_t s);
 
+/* kv_write for n_heads <= TKV_CUDA_KV_HEADS_MAX heads in one launch:
+ * dst->k[h][r*hd + d] = f16(k[r*stride + h*hd + d]), dst->v[h] likewise
+ * from v (the backend op kv_write_heads). The destinations travel as a
+ * kernel parameter (1 KiB), so nothing is staged. */
+#define TKV_CUDA_KV_HEADS_MAX 64
+struct tkv_cuda_kv_dst {
+    uint16_t *k[TKV_CUDA_KV_HEADS_MAX];
+    uint16_t *v[TKV_CUDA_KV_HEADS_MAX];
+};
+cudaError_t tkv_cuda_kv_write_heads(const float *k, const float *v, size_t stride, const struct tkv_cuda_kv_dst *dst,
+                                    uint32_t n_heads, uint32_t n_rows, uint32_t head_dim, cudaStream_t s);
+
 /* out[i, :] = f32(w[ids[i], :]) for w [n_rows, n_in] f16; ids in device
  * memory, already range-checked. */
 cudaError_t tkv_cuda_get_rows_f16(const __half *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out,
@@ -52,7 +65,16 @@ cudaError_t tkv_cuda_f32_to_f16(const float *x, __half *y, size_t count, cudaStr
  * and 16-byte aligned w and x (tkv_cuda_gemv_ok). */
 #define TKV_CUDA_GEMV_MAX_N 8
 bool tkv_cuda_gemv_ok(const __half *w, const float *x, uint32_t n_in, uint32_t n);
+/* The fast kernel: U = 4 independent 16-byte weight loads per lane in flight,
+ * a row split over S warps (tkv_cuda_gemv_split) when n_out is small for
+ * the n_sm SMs. Sums in another order than the reference (below). */
 cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n,
-                              cudaStream_t s);
+                              uint32_t n_sm, cudaStream_t s);
+/* Warps per row the fast kernel uses (1, 2, 4 or 8). */
+uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
+/* The reference: one warp per row, one 16-byte load per lane at a time
+ * (TKV_CUDA_GEMV=ref). */
+cudaError_t tkv_cuda_gemv_f16_ref(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
+                                  uint32_t n, cudaStream_t s);
 
 #endif

@@ -115,6 +115,28 @@ struct tkv_rabitq_dev {
     uint16_t *pc;                 /* [cap]                                       */
 };
 
+/* What a profiling backend measured per op (profile_read). An op's device
+ * time is the time between two events queued around its work on the
+ * backend's compute stream; ops that queue nothing there (or wait only)
+ * have dev_s < 0. */
+struct tkv_op_profile_row {
+    const char *name;  /* "rmsnorm", "matmul 1024x4096 gemv" (n_out x n_in), ... */
+    uint64_t calls;
+    double   host_s;   /* wall time inside the op's calls (host clock)         */
+    double   dev_s;    /* device time of its work; < 0: not timed              */
+};
+struct tkv_op_profile {
+    const struct tkv_op_profile_row *rows;
+    uint32_t n_rows;
+    double   host_wall_s; /* host clock from the first op's entry to the last op's exit */
+    double   dev_span_s;  /* device clock from the first timed op's start to the last one's end */
+    double   dev_busy_s;  /* sum of the rows' dev_s: busy / span is the device's busy fraction */
+};
+
+/* Prints p to stderr as a Markdown table (rows by device time, largest
+ * first) under `label`; steps > 0 adds per-step columns. */
+void tkv_op_profile_print(const char *label, const struct tkv_op_profile *p, uint32_t steps);
+
 /* upload_fence / upload_wait: every upload queued so far */
 #define TKV_UPLOADS_ALL UINT64_MAX
 
@@ -158,6 +180,17 @@ struct tkv_backend_ops {
     tkv_status (*kv_write)(struct tkv_backend *b, const float *src, size_t src_stride, uint16_t *dst,
                            uint32_t n_rows, uint32_t head_dim);
     tkv_status (*attention)(struct tkv_backend *b, const struct tkv_attn_args *a);
+    /* optional: kv_write for every KV head of a chunk in one call (a decode
+     * step's 2 * n_heads row writes per layer as one launch): for h < n_heads,
+     * r < n_rows, d < head_dim
+     *     kdst[h][r*head_dim + d] = f16(k[r*stride + h*head_dim + d])
+     *     vdst[h][r*head_dim + d] = f16(v[r*stride + h*head_dim + d])
+     * rounded as kv_write. kdst, vdst: host arrays [n_heads] of backend
+     * pointers; no destination overlaps another or a source. NULL: callers
+     * call kv_write per head (the result is the same). */
+    tkv_status (*kv_write_heads)(struct tkv_backend *b, const float *k, const float *v, size_t stride,
+                                 uint16_t *const *kdst, uint16_t *const *vdst, uint32_t n_heads, uint32_t n_rows,
+                                 uint32_t head_dim);
 
     /* optional members: NULL where they do not apply (the CPU backend) */
     /* the statistics above, which the policies score keys with
@@ -203,7 +236,15 @@ struct tkv_backend_ops {
     tkv_status (*rabitq_estimate)(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
                                   const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
                                   float *bound);
+    /* Op profile: non-NULL only while the backend profiles its ops (CUDA:
+     * TKV_CUDA_PROFILE=1 when it is created; docs/gpu.md). profile_read
+     * waits for the queued work and fills *out with the totals since the
+     * backend was created or last reset; the rows stay valid until the next
+     * call on b. profile_reset starts new totals. */
+    tkv_status (*profile_read)(struct tkv_backend *b, struct tkv_op_profile *out);
+    void       (*profile_reset)(struct tkv_backend *b);
 };
+
 
 struct tkv_backend {
     const struct tkv_backend_ops *ops;

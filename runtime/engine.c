@@ -238,12 +238,21 @@ tkv_status tkv_session_init(const tkv_model *model, const struct tkv_session_par
 
 /* ---- forward pass ---------------------------------------------------------- */
 
-/* Writes the chunk's K and V rows of one layer into the KV blocks. */
+/* Writes the chunk's K and V rows of one layer into the KV blocks: in one
+ * kv_write_heads call when the backend has it and the chunk's rows stay in
+ * one block (the same for every head: blocks start at multiples of B; a
+ * decode step always), else per head and block with kv_write. */
 static tkv_status store_kv(tkv_session *s, uint32_t layer, uint32_t n)
 {
     const struct tkv_backend_ops *ops = s->be->ops;
     const uint32_t hd = s->hp.head_dim, Hkv = s->hp.n_head_kv, B = s->kv_block;
     const size_t stride = (size_t)Hkv * hd;
+    if (ops->kv_write_heads && Hkv <= 256 && n <= B - s->n_past % B) {
+        uint16_t *kd[256], *vd[256];
+        for (uint32_t h = 0; h < Hkv; h++)
+            tkv_kvs_locate(s->kv, layer, h, s->n_past, &kd[h], &vd[h]);
+        return ops->kv_write_heads(s->be, s->k, s->v, stride, kd, vd, Hkv, n, hd);
+    }
     for (uint32_t h = 0; h < Hkv; h++) {
         for (uint32_t i = 0; i < n;) {
             const uint32_t pos = s->n_past + i, rows = TKV_MIN(n - i, B - pos % B);

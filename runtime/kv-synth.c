@@ -83,3 +83,5 @@ void tkv_model_decode_bytes(const tkv_model *m, struct tkv_decode_bytes *out)
     out->weights += ll->tok_embd->nbytes / ll->info.n_vocab;
     out->weights_f16 += (uint64_t)ll->info.n_embd * 2;
 }
+
+struct tkv_backend *tkv_session_backend(tkv_session *s) { return s ? s->be : NULL; }

@@ -36,4 +36,8 @@ struct tkv_decode_bytes {
 };
 void tkv_model_decode_bytes(const tkv_model *m, struct tkv_decode_bytes *out);
 
+/* The session's compute backend (runtime/backend.h), e.g. for its op
+ * profile (profile_read / profile_reset); owned by the session. */
+struct tkv_backend *tkv_session_backend(tkv_session *s);
+
 #endif

@@ -13,7 +13,7 @@
  *   rmsnorm    max |gpu - cpu| <= 1e-5 max |cpu|
  *   rope       max |gpu - cpu| <= 1e-5 (angles equal; cos/sin within ulps)
  *   swiglu     |gpu - cpu| <= 1e-6 max(1, |cpu|);  add: equal
- *   kv_write   bit-identical f16
+ *   kv_write   bit-identical f16 (kv_write_heads: bit-identical to kv_write per head)
  *   attention  max |gpu - ref| <= 1e-4 on outputs and lse (ref = double),
  *              and the same against the CPU backend's fast path; for each
  *              of the decode kernel (fused or separate merge), the
@@ -36,6 +36,9 @@
 
 static uint64_t rng;
 static struct tkv_backend *cpu, *gpu;
+/* the decode matmul's other paths (TKV_CUDA_GEMV=ref, =cublas): the fast
+ * GEMV of `gpu` is checked against both */
+static struct tkv_backend *gpu_gemv_ref, *gpu_gemv_blas;
 static bool f32_mode; /* gpu was created with TKV_CUDA_WEIGHTS=f32 */
 
 /* ---- device helpers ------------------------------------------------------- */
@@ -220,12 +223,35 @@ static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint3
     const double e_gpu = rel_l2(yg, ref, ny), e_cpu = rel_l2(yc, ref, ny), e_gc = rel_l2f(yg, yc, ny);
     const bool gemv = n <= 8 && x_offset % 4 == 0 && n_in % 8 == 0;
     const double tol = f32_mode ? 1e-5 : gemv ? 1e-3 : 2e-3;
-    fprintf(stderr, "  matmul%s %-5s %5ux%-5u n=%-3u%s  rel err gpu %.2e cpu %.2e gpu-vs-cpu %.2e\n",
-            f32_mode ? " (f32 mode)" : "", tkv_type_name(type), n_in, n_out, n, x_offset ? " (unaligned x)" : "", e_gpu,
-            e_cpu, e_gc);
+    fprintf(stderr, "  matmul%s %-5s %5ux%-5u n=%-3u%s  rel err gpu %.2e cpu %.2e gpu-vs-cpu %.2e", f32_mode ? " (f32 mode)" : "",
+            tkv_type_name(type), n_in, n_out, n, x_offset ? " (unaligned x)" : "", e_gpu, e_cpu, e_gc);
     CHECK(e_gpu < tol, "matmul %s %ux%u n=%u: gpu rel err %.3g >= %.1g", tkv_type_name(type), n_in, n_out, n, e_gpu,
           tol);
     CHECK(e_gc < 2e-2, "matmul %s %ux%u n=%u: gpu vs cpu rel diff %.3g", tkv_type_name(type), n_in, n_out, n, e_gc);
+    /* a decode GEMV: the same on the reference kernel and on cuBLAS, each
+     * within its tolerance of the double reference, and the fast kernel
+     * within 1e-3 of both (the three sum in different orders) */
+    struct tkv_backend *alt[2] = {gpu_gemv_ref, gpu_gemv_blas};
+    static const char *const alt_name[2] = {"ref", "cublas"};
+    for (int a = 0; a < 2 && gemv && !f32_mode && alt[a]; a++) {
+        struct tkv_bweight *wa = NULL;
+        CHECK(alt[a]->ops->weight_init(alt[a], &tw.t, &wa) == TKV_OK, "weight_init: %s", tkv_last_error());
+        if (!wa)
+            break;
+        float *ya = malloc(ny * sizeof *ya), *dya = dev_poisoned(ny);
+        CHECK(alt[a]->ops->matmul(alt[a], wa, dx + x_offset, dya, n) == TKV_OK, "gpu matmul (%s): %s", alt_name[a],
+              tkv_last_error());
+        CHECK(alt[a]->ops->synchronize(alt[a]) == TKV_OK, "%s", tkv_last_error());
+        to_host(ya, dya, ny * sizeof *ya);
+        const double e_a = rel_l2(ya, ref, ny), e_fa = rel_l2f(yg, ya, ny);
+        fprintf(stderr, "  %s %.2e fast-vs-%s %.2e", alt_name[a], e_a, alt_name[a], e_fa);
+        CHECK(e_a < (a ? 2e-3 : 1e-3), "matmul %ux%u n=%u (%s): rel err %.3g", n_in, n_out, n, alt_name[a], e_a);
+        CHECK(e_fa < 1e-3, "matmul %ux%u n=%u: fast GEMV vs %s rel diff %.3g", n_in, n_out, n, alt_name[a], e_fa);
+        dev_free(dya);
+        free(ya);
+        alt[a]->ops->weight_free(alt[a], wa);
+    }
+    fprintf(stderr, "\n");
     dev_free(dx);
     dev_free(dy);
     cpu->ops->weight_free(cpu, wc);
@@ -248,6 +274,22 @@ static void test_matmul(void)
     test_matmul_case(TKV_TYPE_Q4_1, 576, 200, 2, 1);  /* unaligned activations: cuBLAS path */
     test_matmul_case(TKV_TYPE_F32, 100, 70, 1, 0);    /* n_in % 8 != 0: cuBLAS path        */
     test_matmul_case(TKV_TYPE_F16, 2048, 5000, 1, 0); /* a wide decode GEMV                */
+    /* the fast GEMV's row splits (1 to 8 warps per row, tkv_cuda_gemv_split)
+     * on Llama-3-8B's shapes (n_in x n_out) and on rows of 8-element chunks
+     * that its unrolled loads do not divide */
+    for (uint32_t n = 1; n <= 8; n++) {
+        test_matmul_case(TKV_TYPE_F16, 4096, 1024, n, 0); /* wk, wv            */
+        test_matmul_case(TKV_TYPE_F16, 4104, 1001, n, 0); /* n_in % 256 != 0   */
+    }
+    const uint32_t ns_big[] = {1, 3, 8};
+    for (size_t i = 0; i < 3; i++) {
+        test_matmul_case(TKV_TYPE_F16, 4096, 4096, ns_big[i], 0);  /* wq, wo       */
+        test_matmul_case(TKV_TYPE_F16, 14336, 4096, ns_big[i], 0); /* down         */
+        test_matmul_case(TKV_TYPE_F16, 8200, 100, ns_big[i], 0);   /* 8 warps/row  */
+    }
+    test_matmul_case(TKV_TYPE_F16, 4096, 14336, 1, 0);              /* gate, up     */
+    test_matmul_case(TKV_TYPE_Q4_0, 4096, 1024, 2, 0);              /* dequantized  */
+    test_matmul_case(TKV_TYPE_F16, 72, 33, 5, 0);                   /* short rows   */
 }
 
 /* ---- get_rows, weights ----------------------------------------------------------- */
@@ -438,6 +480,137 @@ static void test_kv_write(void)
     fprintf(stderr, "kv_write: %u rows bit-identical: %s\n", rows, memcmp(dc, dg_h, rows * hd * 2) ? "no" : "yes");
     dev_free(ds), dev_free(dd);
     free(src), free(dc), free(dg_h);
+}
+
+/* kv_write_heads against the CPU's kv_write per head: n_heads heads of
+ * head_dim, n_rows rows, destinations scattered over one buffer in a
+ * shuffled order (more than 64 heads: the CUDA op launches per 64). */
+static void test_kv_write_heads_case(uint32_t n_heads, uint32_t n_rows, uint32_t hd)
+{
+    const size_t stride = (size_t)n_heads * hd, nsrc = n_rows * stride, per = (size_t)n_rows * hd;
+    float *k = malloc(nsrc * sizeof *k), *v = malloc(nsrc * sizeof *v);
+    fill(k, nsrc, -70000, 70000);
+    fill(v, nsrc, -2, 2);
+    for (size_t i = 0; i < nsrc; i += 5)
+        k[i] = test_rand_f32(&rng, -1e-6f, 1e-6f);
+    /* 2 * n_heads slots of per + 8 halves; slot of (side, h) shuffled */
+    const size_t slot = per + 8, n_slots = 2 * (size_t)n_heads;
+    uint32_t *perm = malloc(n_slots * sizeof *perm);
+    for (uint32_t i = 0; i < n_slots; i++)
+        perm[i] = i;
+    for (uint32_t i = (uint32_t)n_slots - 1; i > 0; i--) {
+        const uint32_t j = (uint32_t)(test_rand_u64(&rng) % (i + 1)), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    uint16_t *want = malloc(n_slots * slot * 2), *got = malloc(n_slots * slot * 2);
+    memset(want, 0xAB, n_slots * slot * 2); /* the gaps must stay as they were */
+    uint16_t *dbuf = dev_from(want, n_slots * slot * 2);
+    uint16_t **kd = malloc(n_heads * sizeof *kd), **vd = malloc(n_heads * sizeof *vd);
+    uint16_t **kh = malloc(n_heads * sizeof *kh), **vh = malloc(n_heads * sizeof *vh);
+    for (uint32_t h = 0; h < n_heads; h++) {
+        kd[h] = dbuf + perm[2 * h] * slot, vd[h] = dbuf + perm[2 * h + 1] * slot;
+        kh[h] = want + perm[2 * h] * slot, vh[h] = want + perm[2 * h + 1] * slot;
+        CHECK(cpu->ops->kv_write(cpu, k + (size_t)h * hd, stride, kh[h], n_rows, hd) == TKV_OK, "%s", tkv_last_error());
+        CHECK(cpu->ops->kv_write(cpu, v + (size_t)h * hd, stride, vh[h], n_rows, hd) == TKV_OK, "%s", tkv_last_error());
+    }
+    float *dk = dev_from(k, nsrc * sizeof *k), *dv = dev_from(v, nsrc * sizeof *v);
+    CHECK(gpu->ops->kv_write_heads != NULL, "cuda has no kv_write_heads");
+    if (gpu->ops->kv_write_heads)
+        CHECK(gpu->ops->kv_write_heads(gpu, dk, dv, stride, kd, vd, n_heads, n_rows, hd) == TKV_OK, "%s",
+              tkv_last_error());
+    to_host(got, dbuf, n_slots * slot * 2);
+    const bool same = !memcmp(want, got, n_slots * slot * 2);
+    CHECK(same, "kv_write_heads %u heads x %u rows x %u: f16 bits differ from kv_write", n_heads, n_rows, hd);
+    /* the CPU backend's own kv_write_heads gives the same bits */
+    uint16_t *cpu_buf = malloc(n_slots * slot * 2);
+    memset(cpu_buf, 0xAB, n_slots * slot * 2);
+    for (uint32_t h = 0; h < n_heads; h++)
+        kh[h] = cpu_buf + perm[2 * h] * slot, vh[h] = cpu_buf + perm[2 * h + 1] * slot;
+    CHECK(cpu->ops->kv_write_heads && cpu->ops->kv_write_heads(cpu, k, v, stride, kh, vh, n_heads, n_rows, hd) == TKV_OK,
+          "cpu kv_write_heads");
+    CHECK(!memcmp(want, cpu_buf, n_slots * slot * 2), "cpu kv_write_heads differs from kv_write");
+    fprintf(stderr, "kv_write_heads: %u heads x %u rows x %u bit-identical to kv_write: %s\n", n_heads, n_rows, hd,
+            same ? "yes" : "no");
+    dev_free(dbuf), dev_free(dk), dev_free(dv);
+    free(k), free(v), free(perm), free(want), free(got), free(cpu_buf), free(kd), free(vd), free(kh), free(vh);
+}
+
+static void test_kv_write_heads(void)
+{
+    test_kv_write_heads_case(8, 1, 128);  /* a Llama-3-8B decode step */
+    test_kv_write_heads_case(3, 5, 64);   /* SmolLM2, a few rows      */
+    test_kv_write_heads_case(70, 2, 72);  /* two launches             */
+    test_kv_write_heads_case(1, 64, 256); /* one head, a whole block  */
+}
+
+/* ---- op profile ----------------------------------------------------------------------------- */
+
+/* TKV_CUDA_PROFILE=1: the counts are exact, device times positive and
+ * within the span, more calls than the event ring holds are all folded,
+ * reset starts over, and the outputs are those of the plain backend. */
+static void test_profile(void)
+{
+    CHECK(gpu->ops->profile_read == NULL, "profiling is off by default");
+    setenv("TKV_CUDA_PROFILE", "1", 1);
+    struct tkv_backend *pb = NULL;
+    tkv_status st = tkv_backend_create("cuda", 0, &pb);
+    unsetenv("TKV_CUDA_PROFILE");
+    CHECK(st == TKV_OK && pb && pb->ops->profile_read && pb->ops->profile_reset, "profiling backend: %s",
+          tkv_last_error());
+    if (!pb || !pb->ops->profile_read)
+        return;
+    struct test_weight tw;
+    weight_make(&tw, TKV_TYPE_F16, 4096, 1024, 2);
+    struct tkv_bweight *wp = NULL, *wg = NULL;
+    CHECK(pb->ops->weight_init(pb, &tw.t, &wp) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->weight_init(gpu, &tw.t, &wg) == TKV_OK, "%s", tkv_last_error());
+    float *x = malloc(4096 * sizeof *x), *y1 = malloc(1024 * sizeof *y1), *y2 = malloc(1024 * sizeof *y2);
+    fill(x, 4096, -1, 1);
+    float *dx = dev_from(x, 4096 * sizeof *x), *dy = dev_poisoned(1024), *dz = dev_poisoned(1024);
+    const uint32_t n_add = 2500; /* more than the ring's 2048 pairs */
+    for (uint32_t i = 0; i < 3; i++)
+        CHECK(pb->ops->matmul(pb, wp, dx, dy, 1) == TKV_OK, "%s", tkv_last_error());
+    for (uint32_t i = 0; i < n_add; i++)
+        CHECK(pb->ops->add(pb, dx, dx, 0) == TKV_OK && pb->ops->add(pb, dz, dz, 1) == TKV_OK, "%s", tkv_last_error());
+    CHECK(pb->ops->download(pb, y1, dy, 1024 * sizeof *y1) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->matmul(gpu, wg, dx, dy, 1) == TKV_OK, "%s", tkv_last_error());
+    to_host(y2, dy, 1024 * sizeof *y2);
+    CHECK(!memcmp(y1, y2, 1024 * sizeof *y1), "matmul with profiling differs from without");
+    struct tkv_op_profile p;
+    CHECK(pb->ops->profile_read(pb, &p) == TKV_OK, "%s", tkv_last_error());
+    uint64_t mm = 0, add = 0, dl = 0;
+    double busy = 0;
+    bool times_ok = true;
+    for (uint32_t i = 0; i < p.n_rows; i++) {
+        const struct tkv_op_profile_row *r = &p.rows[i];
+        if (!strncmp(r->name, "matmul 1024x4096", 16))
+            mm += r->calls, times_ok = times_ok && r->dev_s > 0;
+        else if (!strcmp(r->name, "add"))
+            add += r->calls, times_ok = times_ok && r->dev_s > 0;
+        else if (!strcmp(r->name, "download"))
+            dl += r->calls, times_ok = times_ok && r->dev_s >= 0;
+        times_ok = times_ok && r->host_s >= 0;
+        busy += r->dev_s > 0 ? r->dev_s : 0;
+    }
+    CHECK(mm == 3 && add == 2 * n_add && dl == 1, "profile counts: matmul %llu add %llu download %llu",
+          (unsigned long long)mm, (unsigned long long)add, (unsigned long long)dl);
+    CHECK(times_ok, "profile: a timed row without device time");
+    CHECK(fabs(busy - p.dev_busy_s) <= 1e-9 + 1e-6 * busy, "profile: busy %.9f vs rows %.9f", p.dev_busy_s, busy);
+    CHECK(p.dev_span_s > 0 && p.dev_busy_s <= p.dev_span_s * 1.001 + 1e-5 && p.host_wall_s > 0,
+          "profile: busy %.6f s, span %.6f s, wall %.6f s", p.dev_busy_s, p.dev_span_s, p.host_wall_s);
+    tkv_op_profile_print("test-gpu-backend", &p, 0);
+    pb->ops->profile_reset(pb);
+    CHECK(pb->ops->profile_read(pb, &p) == TKV_OK, "%s", tkv_last_error());
+    uint64_t left = 0;
+    for (uint32_t i = 0; i < p.n_rows; i++)
+        left += p.rows[i].calls;
+    CHECK(left == 0 && p.dev_busy_s == 0, "profile_reset left %llu calls", (unsigned long long)left);
+    dev_free(dx), dev_free(dy), dev_free(dz);
+    pb->ops->weight_free(pb, wp);
+    gpu->ops->weight_free(gpu, wg);
+    pb->ops->free(pb);
+    weight_free(&tw);
+    free(x), free(y1), free(y2);
 }
 
 /* ---- attention -------------------------------------------------------------------------- */
@@ -1000,6 +1173,11 @@ int main(void)
     REQUIRE(tkv_backend_create("cpu", 0, &cpu) == TKV_OK, "%s", tkv_last_error());
     REQUIRE(tkv_backend_create("cuda", 0, &gpu) == TKV_OK, "%s", tkv_last_error());
     REQUIRE(!strcmp(gpu->ops->name, "cuda"), "backend %s", gpu->ops->name);
+    setenv("TKV_CUDA_GEMV", "ref", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_ref) == TKV_OK, "%s", tkv_last_error());
+    setenv("TKV_CUDA_GEMV", "cublas", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_blas) == TKV_OK, "%s", tkv_last_error());
+    unsetenv("TKV_CUDA_GEMV");
     const clock_t t0 = clock();
     /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
     const char *only = getenv("TKV_TEST_ONLY");
@@ -1012,12 +1190,16 @@ int main(void)
     SECTION("rope", test_rope);
     SECTION("swiglu", test_swiglu_add);
     SECTION("kv_write", test_kv_write);
+    SECTION("kv_write", test_kv_write_heads);
+    SECTION("profile", test_profile);
     SECTION("attention", test_attention);
     SECTION("stats", test_stats);
     SECTION("f32", test_f32_mode);
     SECTION("host", test_host_memory);
     SECTION("errors", test_errors);
     fprintf(stderr, "(%.1f s of CPU time)\n", (double)(clock() - t0) / CLOCKS_PER_SEC);
+    gpu_gemv_ref->ops->free(gpu_gemv_ref);
+    gpu_gemv_blas->ops->free(gpu_gemv_blas);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return test_done();
