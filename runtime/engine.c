@@ -18,6 +18,7 @@
  * Prefill runs the prompt in chunks of `prefill_chunk` tokens; decode is a
  * chunk of one. All activation buffers are sized at session init.
  */
+#include "hetero.h"
 #include "session.h"
 
 #include <math.h>
@@ -70,13 +71,24 @@ void tkv_session_free(tkv_session *s)
                         be->ops->weight_free(be, w[i]);
             }
         float *acts[] = {s->x, s->h, s->q, s->k, s->v, s->att, s->gate, s->up, s->logits_dev,
-                         s->att_full, s->lse_full, s->lse_sel};
+                         s->att_full, s->lse_full, s->lse_sel, s->lse_dev};
         for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
             if (acts[i])
                 be->ops->release(be, acts[i]);
         tkv_kvs_free(s->kv);
         be->ops->free(be);
     }
+    if (s->be_cpu) {
+        s->be_cpu->ops->release(s->be_cpu, s->att_cpu);
+        s->be_cpu->ops->release(s->be_cpu, s->lse_cpu);
+        s->be_cpu->ops->free(s->be_cpu);
+    }
+    free(s->host_ok);
+    free(s->hviews);
+    free(s->hrefs);
+    free(s->ref_host);
+    free(s->att_mrg);
+    free(s->lse_mrg);
     free(s->layers);
     free(s->logits);
     free(s->pos);
@@ -88,6 +100,46 @@ void tkv_session_free(tkv_session *s)
     free(s->plan_ranges);
     free(s->need);
     free(s);
+}
+
+/* Heterogeneous decode (hetero.h): a CPU backend that attends the host
+ * tier's selected blocks where they are, its buffers, and the cost model's
+ * rates. Only below a device with a host tier, and not when every block is
+ * to be recalled anyway. */
+static tkv_status hetero_init(tkv_session *s, const struct tkv_session_params *p)
+{
+    const struct tkv_model_info *hp = &s->hp;
+    s->hetero = p->hetero;
+    if (p->hetero > TKV_HETERO_CPU)
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: hetero mode %d is not auto (0), recall (1) or cpu (2)",
+                       (int)p->hetero);
+    if (!(p->hetero_link_gbs >= 0) || !(p->hetero_cpu_gflops >= 0))
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: hetero rates must be >= 0 (link %g GB/s, cpu %g GFLOP/s)",
+                       p->hetero_link_gbs, p->hetero_cpu_gflops);
+    s->link_bps = p->hetero_link_gbs > 0 ? p->hetero_link_gbs * 1e9 : TKV_HETERO_LINK_BPS;
+    s->cpu_flops = p->hetero_cpu_gflops * 1e9;
+    if (s->be_host || p->host_kv_mem == 0 || p->hetero == TKV_HETERO_RECALL)
+        return TKV_OK;
+    const size_t QD = (size_t)hp->n_head * hp->head_dim;
+    TKV_TRY(tkv_backend_create("cpu", p->n_threads, &s->be_cpu));
+    TKV_TRY(s->be_cpu->ops->alloc(s->be_cpu, QD * sizeof(float), (void **)&s->att_cpu));
+    TKV_TRY(s->be_cpu->ops->alloc(s->be_cpu, hp->n_head * sizeof(float), (void **)&s->lse_cpu));
+    TKV_TRY(alloc_act(s, hp->n_head, &s->lse_dev));
+    s->host_ok = calloc((size_t)hp->n_head_kv * tkv_kvs_max_blocks(s->kv), 1);
+    s->hviews = calloc(hp->n_head_kv, sizeof *s->hviews);
+    s->hrefs = calloc((size_t)hp->n_head_kv * s->max_refs, sizeof *s->hrefs);
+    s->ref_host = calloc(s->max_refs, 1);
+    s->att_mrg = malloc(QD * sizeof(float));
+    s->lse_mrg = malloc(hp->n_head * sizeof(float));
+    if (!s->host_ok || !s->hviews || !s->hrefs || !s->ref_host || !s->att_mrg || !s->lse_mrg)
+        return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    if (p->hetero == TKV_HETERO_AUTO && s->cpu_flops == 0) {
+        tkv_status st = tkv_hetero_measure_cpu(s->be_cpu, hp->n_head_kv, hp->n_head / hp->n_head_kv, hp->head_dim,
+                                               s->kv_block, &s->cpu_flops);
+        if (st != TKV_OK)
+            return tkv_err_wrap(st, "session: measuring the CPU's attention rate");
+    }
+    return TKV_OK;
 }
 
 static tkv_status session_build(tkv_session *s, const struct tkv_session_params *p)
@@ -182,7 +234,7 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         TKV_TRY(alloc_act(s, hp->n_head, &s->lse_full));
         TKV_TRY(alloc_act(s, hp->n_head, &s->lse_sel));
     }
-    return TKV_OK;
+    return hetero_init(s, p);
 }
 
 tkv_status tkv_session_init(const tkv_model *model, const struct tkv_session_params *params, tkv_session **out)
@@ -266,9 +318,13 @@ static tkv_status store_kv(tkv_session *s, uint32_t layer, uint32_t n)
     return TKV_OK;
 }
 
-/* Turns token ranges into block references (slices of the layer's blocks). */
-static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, uint32_t B, const struct tkv_range *r, uint32_t n,
-                               uint32_t hd, struct tkv_kv_block_ref *out, uint32_t cap)
+/* Turns token ranges into block references (slices of the layer's blocks).
+ * host: NULL, or the blocks read on the host tier (tkv_kvs_host_view),
+ * which stand in for the compute view's empty entries; on_host[j] (when
+ * host is given) says which of the two slice j comes from. */
+static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, const struct tkv_kv_head_view *host, uint32_t B,
+                               const struct tkv_range *r, uint32_t n, uint32_t hd, struct tkv_kv_block_ref *out,
+                               uint32_t cap, uint8_t *on_host)
 {
     uint32_t m = 0;
     for (uint32_t i = 0; i < n; i++)
@@ -277,6 +333,11 @@ static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, uint32_t B, c
             if (b >= all->n_blocks)
                 break;
             const struct tkv_kv_block_ref *blk = &all->blocks[b];
+            const bool below = host && !blk->k && host->blocks[b].k;
+            if (below)
+                blk = &host->blocks[b];
+            if (host)
+                on_host[m] = below;
             const uint32_t off = p - (uint32_t)blk->pos0;
             if (off >= blk->n)
                 break;
@@ -339,10 +400,15 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
         struct tkv_range *ranges = s->plan_ranges + (size_t)h * s->max_ranges;
         int m = plan ? plan[h] : hook(s->policy->state, &v, h, ranges, s->max_ranges - 1);
-        if (m < 0) {
+        const bool whole = m < 0;
+        if (whole) {
             if (decode)
                 account_read(s, NULL, 0, 0, true);
-            continue;
+            if (!s->hsplit)
+                continue;
+            /* read whole, part of it on the host tier: one range, split below */
+            ranges[0] = (struct tkv_range){0, v.n_past};
+            m = 1;
         }
         if (!decode) { /* the chunk always sees its own keys (causally) */
             if (m > 0 && ranges[m - 1].end >= s->n_past)
@@ -351,12 +417,25 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
                 ranges[m++] = (struct tkv_range){s->n_past, s->n_past + n};
         }
         struct tkv_kv_block_ref *refs = s->sel_refs + (size_t)h * s->max_refs;
-        const uint32_t nr = ranges_to_refs(&s->views[h], s->kv_block, ranges, (uint32_t)m, s->hp.head_dim, refs,
-                                           s->max_refs);
-        s->views[h] = (struct tkv_kv_head_view){.blocks = refs, .n_blocks = nr};
+        const struct tkv_kv_head_view hv = s->hsplit ? tkv_kvs_host_view(s->kv, layer, h) : (struct tkv_kv_head_view){0};
+        uint32_t nr = ranges_to_refs(&s->views[h], s->hsplit ? &hv : NULL, s->kv_block, ranges, (uint32_t)m,
+                                     s->hp.head_dim, refs, s->max_refs, s->ref_host);
         restricted = true;
-        if (decode)
+        if (decode && !whole)
             account_read(s, refs, nr, v.n_past, all_in);
+        if (s->hsplit) { /* the device's slices stay in refs, the host's go to hrefs (both in order) */
+            struct tkv_kv_block_ref *hrefs = s->hrefs + (size_t)h * s->max_refs;
+            uint32_t nd = 0, nh = 0;
+            for (uint32_t j = 0; j < nr; j++) {
+                if (s->ref_host[j])
+                    hrefs[nh++] = refs[j];
+                else
+                    refs[nd++] = refs[j];
+            }
+            nr = nd;
+            s->hviews[h] = (struct tkv_kv_head_view){.blocks = hrefs, .n_blocks = nh};
+        }
+        s->views[h] = (struct tkv_kv_head_view){.blocks = refs, .n_blocks = nr};
     }
     return restricted;
 }
@@ -386,6 +465,61 @@ static bool plan_decode(tkv_session *s, uint32_t layer, int *plan)
                     need[b] = 1;
     }
     return true;
+}
+
+/* Heterogeneous decode, after plan_decode: per KV head, the planned blocks
+ * whose current copy is in the host tier (not the compute tier; never the
+ * block this step writes) are either recalled or left there for the CPU
+ * (s->host_ok), as s->hetero says: always, never, or by the cost model on
+ * the head's count of such blocks and of the tokens it selects in them.
+ * Counts the choices; false: nothing is to stay on the host. */
+static bool hetero_plan(tkv_session *s, uint32_t layer, const int *plan)
+{
+    if (!s->be_cpu)
+        return false;
+    const uint32_t MB = tkv_kvs_max_blocks(s->kv), B = s->kv_block, ctx = s->n_past + 1, nb = (ctx + B - 1) / B;
+    const uint32_t written = s->n_past / B, G = s->hp.n_head / s->hp.n_head_kv, bytes = tkv_kvs_block_bytes(s->kv);
+    bool any = false;
+    for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
+        const uint8_t *need = s->need + (size_t)h * MB;
+        uint8_t *ok = s->host_ok + (size_t)h * MB;
+        const struct tkv_range *r = s->plan_ranges + (size_t)h * s->max_ranges;
+        const uint32_t m = plan[h] < 0 ? 0 : (uint32_t)plan[h];
+        uint64_t blocks = 0, tokens = 0;
+        uint32_t ri = 0; /* the first range that may reach block b (ranges ascend) */
+        memset(ok, 0, nb);
+        for (uint32_t b = 0; b < nb; b++) {
+            if (!need[b] || b == written || tkv_kvs_block_tier(s->kv, layer, h, b) != TKV_TIER_HOST)
+                continue;
+            const uint32_t lo = b * B, hi = TKV_MIN(lo + B, ctx);
+            uint32_t t = 0;
+            if (plan[h] < 0) {
+                t = hi - lo;
+            } else {
+                while (ri < m && r[ri].end <= lo)
+                    ri++;
+                for (uint32_t j = ri; j < m && r[j].begin < hi; j++)
+                    t += TKV_MIN(hi, r[j].end) - TKV_MAX(lo, r[j].begin);
+            }
+            ok[b] = 1;
+            blocks++;
+            tokens += t;
+        }
+        if (blocks == 0)
+            continue;
+        if (s->hetero == TKV_HETERO_CPU ||
+            tkv_hetero_prefer_cpu(blocks, tokens, bytes, G, s->hp.head_dim, s->link_bps, s->cpu_flops)) {
+            s->het_cpu_heads++;
+            s->het_cpu_blocks += blocks;
+            s->het_cpu_tokens += tokens;
+            any = true;
+        } else {
+            memset(ok, 0, nb);
+            s->het_recall_heads++;
+            s->het_recall_blocks += blocks;
+        }
+    }
+    return any;
 }
 
 /* How the observation window moves with an n-token prefill chunk: the rows
@@ -432,8 +566,13 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
     const bool planned = Hkv <= 256 && plan_decode(s, l, plan);
     if (!planned) /* the next layer's recall overlaps this one's (and its settling) */
         tkv_kvs_prefetch(s->kv, l + 1);
-    TKV_TRY(tkv_kvs_begin_layer_sel(s->kv, l, s->n_past, n, planned ? s->need : NULL));
+    const bool split = planned && hetero_plan(s, l, plan);
+    uint32_t n_host = 0;
+    TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, planned ? s->need : NULL, split ? s->host_ok : NULL,
+                                      &n_host));
+    s->hsplit = n_host > 0;
     tkv_status st = layer_attention(s, l, n, planned ? plan : NULL);
+    s->hsplit = false;
     tkv_kvs_end_layer(s->kv, l);
     TKV_TRY(st);
     TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
@@ -446,6 +585,36 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
     TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
     TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
     return TKV_OK;
+}
+
+/* A decode step's attention when some selected blocks stay on the host tier
+ * (s->hsplit): the device attends the rest (s->views) with its log-sum-exp,
+ * queued first so that the CPU's part over the host blocks (s->hviews, the
+ * CPU backend, the query downloaded) runs meanwhile; then the device's
+ * partial comes down, the two merge exactly (tkv_attn_merge) and the result
+ * goes up into s->att. The round trip is H*(hd+1) floats down and H*hd up
+ * per layer, one wait for the device: simpler than a device merge op, and
+ * no more waiting than the selecting policies' own downloads. */
+static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    struct tkv_backend *be = s->be;
+    const uint32_t H = a->n_head, hd = a->head_dim;
+    if (!s->policy->ops->decode_reads_query) /* else layer_forward brought it down already */
+        TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
+    struct tkv_attn_args dev = *a;
+    dev.lse = s->lse_dev;
+    TKV_TRY(ops->attention(be, &dev));
+    struct tkv_attn_args cpu = *a;
+    cpu.q = s->q_step;
+    cpu.out = s->att_cpu;
+    cpu.lse = s->lse_cpu;
+    cpu.kv = s->hviews;
+    TKV_TRY(s->be_cpu->ops->attention(s->be_cpu, &cpu));
+    TKV_TRY(ops->download(be, s->att_mrg, s->att, (size_t)H * hd * sizeof(float)));
+    TKV_TRY(ops->download(be, s->lse_mrg, s->lse_dev, H * sizeof(float)));
+    tkv_attn_merge(s->att_mrg, s->lse_mrg, s->att_cpu, s->lse_cpu, H, hd);
+    return ops->upload(be, s->att, s->att_mrg, (size_t)H * hd * sizeof(float));
 }
 
 /* The attention of layer l for the chunk (its KV brought in): K/V rows into
@@ -474,6 +643,8 @@ static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const 
         a.lse = s->lse_sel;
         TKV_TRY(ops->attention(be, &full));
     }
+    if (s->hsplit)
+        return hetero_attention(s, &a);
     TKV_TRY(ops->attention(be, &a));
     if (a.lse) {
         float lf[256], ls[256];
@@ -678,6 +849,20 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
     const uint64_t n_steps = s->prefill_chunks + s->decode_tokens;
     OUT("  \"stall_seconds\": %.6f, \"stall_seconds_per_step\": %.6f, \"steps\": %llu},\n", ks.stall_seconds,
         n_steps ? ks.stall_seconds / n_steps : 0.0, (unsigned long long)n_steps);
+    /* heterogeneous decode: KV heads (summed over layers) whose host-tier
+     * blocks the CPU attended or that were recalled, per decode step */
+    static const char *const modes[] = {"auto", "recall", "cpu"};
+    const double steps = s->decode_tokens ? (double)s->decode_tokens : 1.0;
+    OUT(" \"hetero\": {\"mode\": \"%s\", \"active\": %s, \"link_gbs\": %.3f, \"cpu_gflops\": %.3f, "
+        "\"cpu_heads\": %llu, \"cpu_blocks\": %llu, \"cpu_tokens\": %llu, \"recall_heads\": %llu, "
+        "\"recall_blocks\": %llu, \"host_read_blocks\": %llu,\n  \"per_step\": {\"cpu_heads\": %.3f, "
+        "\"cpu_tokens\": %.3f, \"recall_heads\": %.3f, \"recall_blocks\": %.3f}},\n",
+        modes[s->hetero], s->be_cpu ? "true" : "false", s->link_bps / 1e9, s->cpu_flops / 1e9,
+        (unsigned long long)s->het_cpu_heads, (unsigned long long)s->het_cpu_blocks,
+        (unsigned long long)s->het_cpu_tokens, (unsigned long long)s->het_recall_heads,
+        (unsigned long long)s->het_recall_blocks, (unsigned long long)ks.host_read_blocks,
+        s->het_cpu_heads / steps, s->het_cpu_tokens / steps, s->het_recall_heads / steps,
+        s->het_recall_blocks / steps);
     /* tiers by role: compute is "gpu" or "host" */
     static const char *const names[3] = {"gpu", "host", "nvme"};
     OUT(" \"tiers\": {");

@@ -82,6 +82,23 @@ struct tkv_session {
      * KV head) of the share of the context's tokens and blocks */
     double read_tokens, read_blocks;
     uint64_t read_count;
+    /* heterogeneous decode (hetero.h; docs/rabitq.md): selected blocks in
+     * the host tier below a device attended on the CPU where they are */
+    struct tkv_backend *be_cpu;      /* a CPU backend for that; NULL: never (no host tier below a
+                                        device, or TKV_HETERO_RECALL) */
+    enum tkv_hetero hetero;
+    double link_bps, cpu_flops;      /* the cost model's rates */
+    uint8_t *host_ok;                /* host [n_head_kv][max blocks]: may stay on the host tier */
+    bool hsplit;                     /* this layer has blocks read on the host tier */
+    struct tkv_kv_head_view *hviews; /* host [Hkv]: the CPU's part of the selection */
+    struct tkv_kv_block_ref *hrefs;  /* host [Hkv][max_refs] */
+    uint8_t *ref_host;               /* host [max_refs]: which of a head's slices are on the host */
+    float *att_cpu, *lse_cpu;        /* be_cpu memory [H*hd], [H]: the CPU's partial result */
+    float *att_mrg, *lse_mrg;        /* host [H*hd], [H]: the device's partial, then the merge */
+    float *lse_dev;                  /* backend [H]: the device partial's log-sum-exp */
+    /* sums over decode steps and layers: KV heads whose host-tier blocks
+     * were attended on the CPU / recalled, their tokens and blocks */
+    uint64_t het_cpu_heads, het_recall_heads, het_cpu_tokens, het_cpu_blocks, het_recall_blocks;
     /* statistics */
     uint64_t prefill_tokens, decode_tokens, prefill_chunks;
     double prefill_seconds, decode_seconds;

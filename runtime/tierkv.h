@@ -165,6 +165,18 @@ struct tkv_session_params {
     const char *nvme_dir;       /* spill directory for the NVMe tier; NULL = none      */
     uint64_t    nvme_kv_max;    /* NVMe tier capacity                                   */
     unsigned    flags;          /* TKV_SESSION_* below                                  */
+    /* Heterogeneous decode (docs/rabitq.md): at a decode step of a selecting
+     * policy, selected blocks in the pinned host tier below a GPU are
+     * recalled or attended on the CPU where they are, per KV head by a cost
+     * model (auto) or always one way. No effect without a host tier. */
+    enum tkv_hetero {
+        TKV_HETERO_AUTO = 0,    /* the cost model: CPU when tokens*G*hd*4/cpu rate < bytes/link rate */
+        TKV_HETERO_RECALL = 1,  /* always recall (the store's path before heterogeneous decode) */
+        TKV_HETERO_CPU = 2,     /* always attend host-tier blocks on the CPU */
+    } hetero;
+    double      hetero_link_gbs;   /* the cost model's host -> GPU rate, GB/s; 0 = 40    */
+    double      hetero_cpu_gflops; /* its CPU attention rate, GFLOP/s; 0 = measured at
+                                      session start (a few ms, auto only)              */
 };
 
 /* Measure, at every decode step, the fraction of the full attention mass

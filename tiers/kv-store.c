@@ -31,6 +31,9 @@ struct blk {
     uint8_t  valid;                /* BIT(tier): that copy is current         */
     uint8_t  pinned;               /* in use by the layer being processed     */
     uint8_t  inflight;             /* compute slot being filled by a prefetch */
+    uint8_t  hpinned;              /* read in place on the host tier by the layer
+                                      being processed (begin_layer_split): its
+                                      host copy must not move until end_layer */
     uint32_t crc;                  /* CRC-32C of the payload below compute   */
     uint32_t layer;                /* its layer (eviction order, no division) */
     uint64_t lru;
@@ -85,6 +88,11 @@ struct tkv_kvs {
     struct blk *blk;         /* [layer][head][max_blocks]             */
     struct pool pool[TKV_TIER_COUNT];
     struct tkv_kv_block_ref *refs; /* [head][max_blocks] views of the current layer */
+    struct tkv_kv_block_ref *host_refs; /* [head][max_blocks] its blocks read on the host tier */
+    uint32_t *hlist;         /* [head*max_blocks] blocks read on the host tier this layer */
+    const void **hdata;      /* [head*max_blocks] their payloads                  */
+    uint8_t *hbad;           /* [head*max_blocks] their checksum verdicts         */
+    uint64_t host_reads;     /* blocks read in place on the host tier             */
     uint32_t cur_layer;
 
     struct tkv_io *io;
@@ -506,7 +514,8 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
     for (uint32_t slot = 0; slot < pl->n; slot++) {
         int32_t i = pl->owner[slot];
         /* pinning is about compute residency: a pinned block's host copy may go */
-        if (i >= 0 && !(t == TKV_TIER_COMPUTE && s->blk[i].pinned) && !s->blk[i].inflight &&
+        if (i >= 0 && !(t == TKV_TIER_COMPUTE && s->blk[i].pinned) && !(t == TKV_TIER_HOST && s->blk[i].hpinned) &&
+            !s->blk[i].inflight &&
             (!clean_only || (s->blk[i].valid & ~BIT(t))))
             cand[n_cand++] = (uint32_t)i;
     }
@@ -997,6 +1006,10 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     }
     s->blk = malloc(total * sizeof *s->blk);
     s->refs = calloc(layer_blocks, sizeof *s->refs);
+    s->host_refs = calloc(layer_blocks, sizeof *s->host_refs);
+    s->hlist = malloc(layer_blocks * sizeof *s->hlist);
+    s->hdata = malloc(layer_blocks * sizeof *s->hdata);
+    s->hbad = malloc(layer_blocks * sizeof *s->hbad);
     s->cand[0] = malloc(total * sizeof *s->cand[0]);
     s->cand[1] = malloc(total * sizeof *s->cand[1]);
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
@@ -1005,7 +1018,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->inflight_reads || !s->ops || !s->results) {
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->inflight_reads || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
     }
@@ -1144,6 +1157,10 @@ void tkv_kvs_free(struct tkv_kvs *s)
             pool_free(s, t);
     free(s->blk);
     free(s->refs);
+    free(s->host_refs);
+    free(s->hlist);
+    free(s->hdata);
+    free(s->hbad);
     free(s->cand[0]);
     free(s->cand[1]);
     free(s->lists);
@@ -1198,6 +1215,14 @@ uint32_t tkv_kvs_max_blocks(const struct tkv_kvs *s) { return s->max_blocks; }
 tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write,
                                    const uint8_t *need)
 {
+    return tkv_kvs_begin_layer_split(s, layer, write_pos, n_write, need, NULL, NULL);
+}
+
+tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write,
+                                     const uint8_t *need, const uint8_t *host_ok, uint32_t *n_host_out)
+{
+    if (n_host_out)
+        *n_host_out = 0;
     const uint32_t B = s->p.block_tokens, nb = (s->length + B - 1) / B, H = s->p.n_head_kv;
     if (layer >= s->p.n_layer || nb > s->n_blocks)
         return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: begin_layer(%u) outside the reserved page table", layer);
@@ -1211,18 +1236,34 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
     tkv_status st = prefetch_settle_layer(s, layer);
     if (st != TKV_OK)
         goto out;
-    uint32_t n_missing = 0;
+    uint32_t n_missing = 0, n_host = 0;
     s->clock++;
     const uint32_t w0 = n_write ? write_pos / B : UINT32_MAX, w1 = n_write ? (write_pos + n_write - 1) / B : 0;
 #define NEEDED(h, b) (!need || need[(size_t)(h) * s->max_blocks + (b)] || ((b) >= w0 && (b) <= w1))
+    /* left on the host tier: allowed, not about to be written, and its
+     * current copy is there and not in the compute tier */
+    const bool split = host_ok && s->pool[TKV_TIER_HOST].present;
+    /* host blocks pinned in place must leave the host tier room for a batch
+     * of spills (make_room spills IO_BATCH at a time), so that no recall of
+     * this begin finds the host tier full of pins; beyond that, recalled */
+    const uint32_t max_host = split && s->pool[TKV_TIER_HOST].cap > IO_BATCH ? s->pool[TKV_TIER_HOST].cap - IO_BATCH : 0;
+#define HOST_READ(h, b, k)                                                                                        \
+    (split && n_host < max_host && host_ok[(size_t)(h) * s->max_blocks + (b)] && !((b) >= w0 && (b) <= w1) &&     \
+     !((k)->valid & BIT(TKV_TIER_COMPUTE)) && ((k)->valid & BIT(TKV_TIER_HOST)))
     for (uint32_t h = 0; h < H; h++)
         for (uint32_t b = 0; b < nb; b++) {
             if (!NEEDED(h, b))
                 continue;
             uint32_t i = blk_index(s, layer, h, b);
             struct blk *k = &s->blk[i];
-            k->pinned = 1;
             k->lru = s->clock;
+            if (HOST_READ(h, b, k)) { /* pinned on the host tier before anything can spill into it */
+                k->hpinned = 1;
+                s->hlist[n_host] = i;
+                s->hdata[n_host++] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                continue;
+            }
+            k->pinned = 1;
             if (k->valid & BIT(TKV_TIER_COMPUTE)) {
                 s->st[TKV_TIER_COMPUTE].hits++;
             } else {
@@ -1230,6 +1271,18 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
                 s->lists[n_missing++] = i;
             }
         }
+    /* the blocks read where they are are checked like any recall, before
+     * anything is moved for the others */
+    if (n_host > 0) {
+        verify_batch(s, s->hlist, s->hdata, n_host, s->hbad);
+        for (uint32_t j = 0; j < n_host; j++)
+            if (s->hbad[j]) {
+                st = corrupt_error(s, s->hlist[j], TKV_TIER_HOST);
+                goto out;
+            }
+        s->host_reads += n_host;
+        s->st[TKV_TIER_HOST].hits += n_host;
+    }
     /* new blocks (never stored) need just a slot; the others a recall.
      * lists[0, n_missing) holds the missing blocks; partition it in place:
      * recalls first, new blocks after. */
@@ -1262,16 +1315,25 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
                     drop_copy(s, i, TKV_TIER_HOST);
                 s->blk[i].valid = BIT(TKV_TIER_COMPUTE); /* the NVMe slot is kept for the next spill */
             }
-    /* the views of this layer (blocks left out: no pointers) */
+    /* the views of this layer (blocks left out: no pointers), and those of
+     * the blocks read on the host tier */
     for (uint32_t h = 0; h < H; h++)
         for (uint32_t b = 0; b < nb; b++) {
-            uint8_t *p = NEEDED(h, b) ? slot_ptr(s, TKV_TIER_COMPUTE,
-                                                 s->blk[blk_index(s, layer, h, b)].slot[TKV_TIER_COMPUTE])
-                                      : NULL;
-            s->refs[(size_t)h * s->max_blocks + b] = (struct tkv_kv_block_ref){
+            const struct blk *k = &s->blk[blk_index(s, layer, h, b)];
+            const bool on_host = NEEDED(h, b) && k->hpinned;
+            uint8_t *p = NEEDED(h, b) && !on_host ? slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]) : NULL;
+            uint8_t *hp = on_host ? slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]) : NULL;
+            const size_t r = (size_t)h * s->max_blocks + b;
+            s->refs[r] = (struct tkv_kv_block_ref){
                 .k = (uint16_t *)p, .v = p ? (uint16_t *)p + (size_t)B * s->p.head_dim : NULL,
                 .pos0 = (int32_t)(b * B), .n = TKV_MIN(B, s->length - b * B)};
+            s->host_refs[r] = (struct tkv_kv_block_ref){
+                .k = (uint16_t *)hp, .v = hp ? (uint16_t *)hp + (size_t)B * s->p.head_dim : NULL,
+                .pos0 = (int32_t)(b * B), .n = TKV_MIN(B, s->length - b * B)};
         }
+    if (n_host_out)
+        *n_host_out = n_host;
+#undef HOST_READ
 #undef NEEDED
     s->cur_layer = layer;
 out:
@@ -1285,8 +1347,11 @@ void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
 {
     const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
-        for (uint32_t b = 0; b < nb; b++)
-            s->blk[blk_index(s, layer, h, b)].pinned = 0;
+        for (uint32_t b = 0; b < nb; b++) {
+            struct blk *k = &s->blk[blk_index(s, layer, h, b)];
+            k->pinned = 0;
+            k->hpinned = 0;
+        }
 }
 
 void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
@@ -1405,6 +1470,13 @@ struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, ui
                                      .n_blocks = (s->length + s->p.block_tokens - 1) / s->p.block_tokens};
 }
 
+struct tkv_kv_head_view tkv_kvs_host_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head)
+{
+    (void)layer;
+    return (struct tkv_kv_head_view){.blocks = s->host_refs + (size_t)head * s->max_blocks,
+                                     .n_blocks = (s->length + s->p.block_tokens - 1) / s->p.block_tokens};
+}
+
 void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t pos, uint16_t **k, uint16_t **v)
 {
     const uint32_t B = s->p.block_tokens;
@@ -1516,6 +1588,7 @@ void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out)
     out->stall_seconds = s->stall;
     out->prefetched_blocks = s->prefetched;
     out->corrupt_blocks = s->corrupt;
+    out->host_read_blocks = s->host_reads;
     if (s->io) {
         struct tkv_io_info info;
         tkv_io_get_info(s->io, &info);

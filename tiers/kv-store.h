@@ -63,6 +63,8 @@ struct tkv_kvs_stats {
     double   stall_seconds;       /* waiting for recalls inside begin_layer   */
     uint64_t prefetched_blocks;   /* recalls started ahead of need             */
     uint64_t corrupt_blocks;      /* checksum mismatches detected              */
+    uint64_t host_read_blocks;    /* blocks read in place on the host tier
+                                     (begin_layer_split), each verified       */
     const char *io_engine;        /* "io_uring", "sync" or NULL without NVMe   */
     bool     nvme_direct;
 };
@@ -92,6 +94,23 @@ tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write
  * means every block. blocks_per_head: tkv_kvs_max_blocks(). */
 tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write,
                                    const uint8_t *need);
+/* Heterogeneous decode (docs/rabitq.md): begin_layer_sel, except that a
+ * needed block with host_ok[head * blocks_per_head + b] set whose current
+ * copy is in the pinned host tier and not in the compute tier stays where it
+ * is, to be read there by the CPU. Such a block
+ *   - is verified against its checksum first, like any recall: a mismatch is
+ *     TKV_ERR_CORRUPT naming the block, and the layer is not begun;
+ *   - is pinned on the host tier until end_layer (no spill evicts or moves
+ *     it), not in the compute tier;
+ *   - appears in tkv_kvs_host_view; its tkv_kvs_view entry has k = v = NULL.
+ * A block being written never stays below; a block whose only copy is on
+ * NVMe is recalled into the compute tier as usual, and so are host blocks
+ * beyond the host tier's capacity less one batch of spills (32 blocks: the
+ * pins must leave the recalls room to spill through the host tier). host_ok = NULL, or no host
+ * tier (the compute tier is host memory: the CPU backend): begin_layer_sel.
+ * *n_host (may be NULL) receives the number of blocks left on the host. */
+tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write,
+                                     const uint8_t *need, const uint8_t *host_ok, uint32_t *n_host);
 uint32_t tkv_kvs_max_blocks(const struct tkv_kvs *s);
 void       tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer);
 
@@ -115,6 +134,11 @@ tkv_status tkv_kvs_prefetch_wait(struct tkv_kvs *s);
 
 /* The valid blocks of (layer, head) in position order (inside begin/end). */
 struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head);
+
+/* The blocks of (layer, head) that begin_layer_split left on the host tier,
+ * indexed as tkv_kvs_view (entry b is block b; k = v = NULL where block b is
+ * not read on the host): host pointers, valid until end_layer. */
+struct tkv_kv_head_view tkv_kvs_host_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head);
 
 /* K and V row pointers of position pos (inside begin/end). */
 void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t pos, uint16_t **k, uint16_t **v);

@@ -78,6 +78,9 @@ static void print_help(void)
            "                        below a GPU: the pinned host tier). Default: all of it\n"
            "      --nvme-dir DIR    spill KV that does not fit to a private file in DIR\n"
            "      --nvme-kv-max SIZE cap on the NVMe tier (default: the whole context)\n"
+           "      --hetero MODE     decode with a selecting policy below a GPU: selected blocks in the\n"
+           "                        host tier are recalled or attended on the CPU where they are;\n"
+           "                        auto (a cost model per KV head and step), recall or cpu\n"
            "      --save-kv FILE    save the context after generation (with -n 0: after the prefill)\n"
            "      --load-kv FILE    start from a saved context instead of recomputing it\n"
            "      --ignore-eos      keep generating past end-of-sequence tokens\n"
@@ -133,6 +136,7 @@ struct options {
     const char *model, *prompt, *file, *policy, *device, *stats_json;
     const char *nvme_dir, *save_kv, *load_kv;
     uint64_t gpu_kv_mem, host_kv_mem, nvme_kv_max;
+    enum tkv_hetero hetero;
     uint32_t n_predict, n_ctx, n_threads, top_k, kv_budget, kv_block;
     float temp, top_p;
     uint64_t seed;
@@ -215,6 +219,16 @@ static int parse_options(int argc, char **argv, int first, struct options *o)
                             : IS("--host-kv-mem", NULL) ? &o->host_kv_mem : &o->nvme_kv_max;
             if (!cli_parse_size(v, dst) || *dst == 0)
                 return usage_error("expected a size like 512M or 8G, got '%s'", v);
+        } else if (IS("--hetero", NULL)) {
+            NEEDS_VALUE();
+            if (!strcmp(v, "auto"))
+                o->hetero = TKV_HETERO_AUTO;
+            else if (!strcmp(v, "recall"))
+                o->hetero = TKV_HETERO_RECALL;
+            else if (!strcmp(v, "cpu"))
+                o->hetero = TKV_HETERO_CPU;
+            else
+                return usage_error("--hetero expects auto, recall or cpu, got '%s'", v);
         } else if (IS("--nvme-dir", NULL)) {
             NEEDS_VALUE();
             o->nvme_dir = v;
@@ -376,6 +390,7 @@ static int cmd_run(int argc, char **argv)
     sp.host_kv_mem = o.host_kv_mem;
     sp.nvme_dir = o.nvme_dir;
     sp.nvme_kv_max = o.nvme_kv_max;
+    sp.hetero = o.hetero;
     tkv_status st = tkv_session_init(m, &sp, &s);
     if (st == TKV_ERR_UNSUPPORTED && !o.device && strcmp(sp.device, "cpu") != 0) {
         /* the default device cannot run this (a policy that computes its

@@ -1,0 +1,61 @@
+/*
+ * hetero.h -- private: heterogeneous decode (docs/rabitq.md, "Heterogeneous
+ * decode"). At a decode step whose blocks a selecting policy names, the
+ * selected blocks of a KV head that sit in the pinned host tier below a GPU
+ * are either recalled (the store's usual path) or attended where they are
+ * by the CPU, in parallel with the device's attention over the resident
+ * blocks; the two partial results merge exactly by log-sum-exp.
+ *
+ * This header holds the pieces that do not need a session: the merge (a
+ * fast path and a double-precision reference), the cost model, and the
+ * measurement of the CPU's attention rate. The engine (engine.c) does the
+ * rest.
+ */
+#ifndef TKV_HETERO_H
+#define TKV_HETERO_H
+
+#include "backend.h"
+
+/* Merges two partial attentions of the same queries over disjoint key sets.
+ * For r < n_rows (a row is one (query token, query head)), with o[r] and
+ * o2[r] the rows' normalised outputs ([head_dim] floats each) and lse[r],
+ * lse2[r] the log-sum-exp of their scaled scores (as the attention op
+ * returns them):
+ *     lse'  = log(exp(lse) + exp(lse2))
+ *     o'    = exp(lse - lse') o + exp(lse2 - lse') o2
+ * written over o and lse. A side with lse = -inf (no key) contributes
+ * nothing and the other side is kept bit for bit; both -inf: o = 0,
+ * lse = -inf (what the attention op writes for a row that sees no key).
+ * In float; tkv_attn_merge_ref is the same in double (the tests' oracle). */
+void tkv_attn_merge(float *o, float *lse, const float *o2, const float *lse2, uint32_t n_rows, uint32_t head_dim);
+void tkv_attn_merge_ref(float *o, float *lse, const float *o2, const float *lse2, uint32_t n_rows,
+                        uint32_t head_dim);
+
+/* The cost model, per KV head and step: the head's selected blocks in the
+ * host tier either go up the link (recall_s = blocks * block_bytes /
+ * link_bps) or the CPU reads the selected tokens of them (cpu_s = tokens *
+ * G * head_dim * 4 / cpu_flops: q.k and p.v, a multiply and an add each,
+ * for each of the G query heads of the KV head). True: the CPU is cheaper.
+ * Blocks whose only copy is on NVMe are recalled either way and are not
+ * counted; blocks already in the compute tier cost neither. */
+static inline bool tkv_hetero_prefer_cpu(uint64_t host_blocks, uint64_t host_tokens, uint32_t block_bytes,
+                                         uint32_t group, uint32_t head_dim, double link_bps, double cpu_flops)
+{
+    const double recall_s = (double)host_blocks * block_bytes / link_bps;
+    const double cpu_s = (double)host_tokens * group * head_dim * 4.0 / cpu_flops;
+    return cpu_s < recall_s;
+}
+
+/* Default link rate of the cost model (bytes/s) when the session is not
+ * given one: pinned host -> H200 over PCIe 5 as the store's recalls reach it
+ * for 16-32 KiB blocks (docs/benchmarks.md: 74-86% of the 55 GB/s peak). */
+#define TKV_HETERO_LINK_BPS 40e9
+
+/* Measures the CPU backend's decode attention rate (flop/s, counted as in
+ * the cost model) on synthetic f16 blocks of the session's shape: n_head_kv
+ * KV heads of 2048 tokens in blocks of `block` tokens, G query heads each,
+ * one query; the best of 3 runs after a warm-up. A few milliseconds. */
+tkv_status tkv_hetero_measure_cpu(struct tkv_backend *cpu, uint32_t n_head_kv, uint32_t group, uint32_t head_dim,
+                                  uint32_t block, double *flops);
+
+#endif

@@ -1,0 +1,208 @@
+/*
+ * opaque-backend.h -- a test backend: the CPU backend behind tagged
+ * pointers. Its memory is the CPU backend's, but every pointer it hands out
+ * is moved into non-canonical addresses (bit 62), so any code that reads
+ * "device" memory directly (a policy, the engine's host-side code) faults,
+ * and a host pointer passed to it as backend memory fails a CHECK. It has no
+ * asynchronous uploads: the KV store moves blocks with upload/download.
+ * This is how the CPU-only CI exercises device-backend code paths.
+ * Header-only; include it in one test file after test.h.
+ */
+#ifndef TKV_OPAQUE_BACKEND_H
+#define TKV_OPAQUE_BACKEND_H
+
+#include "runtime/backend.h"
+#include "test.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Bit 62 set: non-canonical on x86-64 and AArch64, so a dereference faults;
+ * adding and subtracting it is linear, so the engine's pointer arithmetic
+ * on tagged pointers stays valid. */
+#define TAG ((uintptr_t)1 << 62)
+
+struct opaque {
+    struct tkv_backend base;
+    struct tkv_backend *cpu;
+    struct tkv_kv_head_view *views;  /* untagged copies of a call's views */
+    struct tkv_kv_block_ref *refs;
+    size_t cap_views, cap_refs;
+};
+
+static uint64_t opaque_stats_calls;     /* attn_stats calls on every opaque backend */
+static uint64_t opaque_attention_calls; /* attention calls on every opaque backend */
+
+static void *tag(void *p) { return p ? (void *)((uintptr_t)p + TAG) : NULL; }
+static void *untag(const void *p)
+{
+    if (!p)
+        return NULL;
+    CHECK(((uintptr_t)p & TAG) != 0, "a host pointer %p reached the opaque backend as backend memory", p);
+    return (void *)((uintptr_t)p - TAG);
+}
+#define U(p) ((__typeof__(p))untag(p))
+
+static struct opaque *op_of(struct tkv_backend *b) { return (struct opaque *)b; }
+
+/* Untagged copies of n_head_kv head views. */
+static tkv_status untag_views(struct opaque *o, const struct tkv_kv_head_view *kv, uint32_t n,
+                              const struct tkv_kv_head_view **out)
+{
+    size_t total = 0;
+    for (uint32_t g = 0; g < n; g++)
+        total += kv[g].n_blocks;
+    if (n > o->cap_views) {
+        free(o->views);
+        o->views = malloc(n * sizeof *o->views), o->cap_views = n;
+    }
+    if (total > o->cap_refs) {
+        free(o->refs);
+        o->refs = malloc(total * sizeof *o->refs), o->cap_refs = total;
+    }
+    if (!o->views || (total && !o->refs))
+        return tkv_err(TKV_ERR_NOMEM, "opaque: out of memory");
+    size_t k = 0;
+    for (uint32_t g = 0; g < n; g++) {
+        o->views[g] = (struct tkv_kv_head_view){.blocks = o->refs + k, .n_blocks = kv[g].n_blocks};
+        for (uint32_t i = 0; i < kv[g].n_blocks; i++, k++) {
+            o->refs[k] = kv[g].blocks[i];
+            o->refs[k].k = U(o->refs[k].k);
+            o->refs[k].v = U(o->refs[k].v);
+        }
+    }
+    *out = o->views;
+    return TKV_OK;
+}
+
+static void o_free(struct tkv_backend *b)
+{
+    struct opaque *o = op_of(b);
+    o->cpu->ops->free(o->cpu);
+    free(o->views), free(o->refs), free(o);
+}
+static tkv_status o_alloc(struct tkv_backend *b, size_t bytes, void **out)
+{
+    TKV_TRY(op_of(b)->cpu->ops->alloc(op_of(b)->cpu, bytes, out));
+    *out = tag(*out);
+    return TKV_OK;
+}
+static void o_release(struct tkv_backend *b, void *p) { op_of(b)->cpu->ops->release(op_of(b)->cpu, U(p)); }
+static tkv_status o_upload(struct tkv_backend *b, void *dst, const void *src, size_t n)
+{
+    return op_of(b)->cpu->ops->upload(op_of(b)->cpu, U(dst), src, n);
+}
+static tkv_status o_download(struct tkv_backend *b, void *dst, const void *src, size_t n)
+{
+    return op_of(b)->cpu->ops->download(op_of(b)->cpu, dst, U(src), n);
+}
+static tkv_status o_sync(struct tkv_backend *b) { return op_of(b)->cpu->ops->synchronize(op_of(b)->cpu); }
+static tkv_status o_weight_init(struct tkv_backend *b, const struct tkv_gguf_tensor *t, struct tkv_bweight **out)
+{
+    return op_of(b)->cpu->ops->weight_init(op_of(b)->cpu, t, out);
+}
+static void o_weight_free(struct tkv_backend *b, struct tkv_bweight *w) { op_of(b)->cpu->ops->weight_free(op_of(b)->cpu, w); }
+static tkv_status o_get_rows(struct tkv_backend *b, const struct tkv_bweight *w, const int32_t *ids, uint32_t n,
+                             float *out)
+{
+    return op_of(b)->cpu->ops->get_rows(op_of(b)->cpu, w, ids, n, U(out));
+}
+static tkv_status o_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+{
+    return op_of(b)->cpu->ops->matmul(op_of(b)->cpu, w, U(x), U(y), n);
+}
+static tkv_status o_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y, uint32_t n,
+                            uint32_t dim, float eps)
+{
+    return op_of(b)->cpu->ops->rmsnorm(op_of(b)->cpu, U(x), w, U(y), n, dim, eps);
+}
+static tkv_status o_rope(struct tkv_backend *b, float *x, uint32_t n, uint32_t nh, uint32_t hd, uint32_t rot,
+                         const int32_t *pos, float base, float fs)
+{
+    return op_of(b)->cpu->ops->rope(op_of(b)->cpu, U(x), n, nh, hd, rot, pos, base, fs);
+}
+static tkv_status o_swiglu(struct tkv_backend *b, const float *g, const float *u, float *out, size_t n)
+{
+    return op_of(b)->cpu->ops->swiglu(op_of(b)->cpu, U(g), U(u), U(out), n);
+}
+static tkv_status o_add(struct tkv_backend *b, float *y, const float *x, size_t n)
+{
+    return op_of(b)->cpu->ops->add(op_of(b)->cpu, U(y), U(x), n);
+}
+static tkv_status o_kv_write(struct tkv_backend *b, const float *src, size_t stride, uint16_t *dst, uint32_t rows,
+                             uint32_t hd)
+{
+    return op_of(b)->cpu->ops->kv_write(op_of(b)->cpu, U(src), stride, U(dst), rows, hd);
+}
+static tkv_status o_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
+{
+    struct opaque *o = op_of(b);
+    struct tkv_attn_args c = *a;
+    c.q = U(a->q), c.out = U(a->out), c.lse = U(a->lse);
+    opaque_attention_calls++;
+    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, &c.kv));
+    return o->cpu->ops->attention(o->cpu, &c);
+}
+static tkv_status o_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
+{
+    struct opaque *o = op_of(b);
+    struct tkv_attn_stats_args c = *a;
+    if (!a->q_host)
+        c.q = U(a->q);
+    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, &c.kv));
+    opaque_stats_calls++;
+    return o->cpu->ops->attn_stats(o->cpu, &c);
+}
+
+static uint64_t opaque_rabitq_calls; /* rabitq ops on every opaque backend */
+
+/* The device twin's arrays, untagged. */
+static struct tkv_rabitq_dev untag_rabitq(const struct tkv_rabitq_dev *ix)
+{
+    struct tkv_rabitq_dev c = *ix;
+    c.sign = U(ix->sign), c.ck = U(ix->ck), c.cq = U(ix->cq), c.code = U(ix->code), c.a = U(ix->a);
+    c.e = U(ix->e), c.t = U(ix->t), c.pc = U(ix->pc);
+    return c;
+}
+static tkv_status o_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
+                                  size_t stride, uint32_t n, uint32_t at)
+{
+    const struct tkv_rabitq_dev c = untag_rabitq(ix);
+    opaque_rabitq_calls++;
+    return op_of(b)->cpu->ops->rabitq_encode(op_of(b)->cpu, &c, U(k), stride, n, at);
+}
+static tkv_status o_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                    const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
+                                    float *bound)
+{
+    const struct tkv_rabitq_dev c = untag_rabitq(ix);
+    opaque_rabitq_calls++;
+    return op_of(b)->cpu->ops->rabitq_estimate(op_of(b)->cpu, &c, q, first, n, U(est), U(bound));
+}
+
+static const struct tkv_backend_ops opaque_ops = {
+    .name = "opaque", .free = o_free, .alloc = o_alloc, .release = o_release, .upload = o_upload,
+    .download = o_download, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
+    .get_rows = o_get_rows, .matmul = o_matmul, .rmsnorm = o_rmsnorm, .rope = o_rope, .swiglu = o_swiglu,
+    .add = o_add, .kv_write = o_kv_write, .attention = o_attention, .attn_stats = o_attn_stats,
+    .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate};
+
+static tkv_status opaque_create(const char *device, uint32_t n_threads, struct tkv_backend **out)
+{
+    *out = NULL;
+    if (strcmp(device, "opaque"))
+        return TKV_ERR_UNSUPPORTED;
+    struct opaque *o = calloc(1, sizeof *o);
+    if (!o)
+        return tkv_err(TKV_ERR_NOMEM, "opaque: out of memory");
+    tkv_status st = tkv_backend_create("cpu", n_threads, &o->cpu);
+    if (st != TKV_OK) {
+        free(o);
+        return st;
+    }
+    o->base.ops = &opaque_ops;
+    *out = &o->base;
+    return TKV_OK;
+}
+
+#endif

@@ -1,0 +1,478 @@
+/*
+ * test-hetero.c -- heterogeneous decode (docs/rabitq.md): selected blocks in
+ * the host tier attended on the CPU where they are, merged with the
+ * device's attention over the rest. On fresh random inputs (seed printed,
+ * TKV_SEED replays):
+ *   1. merge: attention over key sets A and B (disjoint, interleaved slices
+ *      of blocks, either side empty for some heads), merged by
+ *      tkv_attn_merge, equals attention over A u B (the double-precision
+ *      reference), and equals tkv_attn_merge_ref; an empty side leaves the
+ *      other bit for bit;
+ *   2. store: tkv_kvs_begin_layer_split on a "device" compute tier + pinned
+ *      host tier + NVMe under pressure: exactly the allowed host-tier
+ *      blocks are left on the host, the host view and the compute view are
+ *      byte-exact against a mirror (also after the recalls and spills of the
+ *      same begin, so nothing moved a pinned host block), and a flipped bit
+ *      in a host block is TKV_ERR_CORRUPT naming it, on both paths;
+ *   3. engine: the tiny model on the opaque backend (tests/opaque-backend.h:
+ *      device memory the host cannot read) with a compute tier smaller than
+ *      the context and a host tier: rabitq at p = 1.0 with --hetero cpu,
+ *      recall, auto (measured rates, and rates forcing either side) generates
+ *      the tokens of `full`, with logits within float rounding, and the
+ *      counters say which path ran; on the CPU backend the split is a no-op;
+ *   4. a corrupted host block read by the CPU path fails the decode step
+ *      with TKV_ERR_CORRUPT naming the block; no logits come out of it.
+ */
+#include "cpu/cpu.h"
+#include "opaque-backend.h"
+#include "runtime/hetero.h"
+#include "runtime/session.h"
+#include "tiers/kv-store.h"
+#include "tiny-model.h"
+
+#include <unistd.h>
+
+/* ---- 1: merge == dense --------------------------------------------------------------------- */
+
+enum { MHKV = 3, MG = 4, MH = MHKV * MG, MHD = 64, MB = 16, MN = 300 };
+
+static float max_rel(const float *a, const float *b, size_t n)
+{
+    float m = 0;
+    for (size_t i = 0; i < n; i++) {
+        float d = fabsf(a[i] - b[i]) / (1e-3f + fabsf(b[i]));
+        m = d > m ? d : m;
+    }
+    return m;
+}
+
+static float max_abs(const float *a, const float *b, size_t n)
+{
+    float m = 0;
+    for (size_t i = 0; i < n; i++)
+        m = fmaxf(m, fabsf(a[i] - b[i]));
+    return m;
+}
+
+static void test_merge(void)
+{
+    struct tkv_backend *cpu = NULL;
+    REQUIRE_VOID(tkv_backend_create("cpu", 2, &cpu) == TKV_OK);
+    static uint16_t kv[MHKV][2][MN * MHD];
+    static float q[MH * MHD], oa[MH * MHD], ob[MH * MHD], ou[MH * MHD], om[MH * MHD], or_[MH * MHD];
+    static float la[MH], lb[MH], lu[MH], lm[MH], lr[MH];
+    static struct tkv_kv_block_ref ra[MHKV][2 * MN / MB + 2], rb[MHKV][2 * MN / MB + 2], ru[MHKV][2 * MN / MB + 2];
+    struct tkv_kv_head_view va[MHKV], vb[MHKV], vu[MHKV];
+    const int32_t qpos = MN; /* sees every key */
+    float worst = 0;
+    for (int round = 0; round < 30; round++) {
+        const float spread = round % 3 == 0 ? 8.0f : 1.0f; /* peaked scores on some rounds */
+        for (uint32_t g = 0; g < MHKV; g++)
+            for (uint32_t i = 0; i < MN * MHD; i++) {
+                kv[g][0][i] = tkv_fp32_to_fp16(test_rand_f32(&rng, -spread, spread));
+                kv[g][1][i] = tkv_fp32_to_fp16(test_rand_f32(&rng, -1, 1));
+            }
+        for (uint32_t i = 0; i < MH * MHD; i++)
+            q[i] = test_rand_f32(&rng, -1, 1);
+        /* each head's keys: blocks of MB (the last partial), each block cut
+         * at a random row into two slices that go to random sides; head 1 of
+         * every 4th round puts everything on one side */
+        for (uint32_t g = 0; g < MHKV; g++) {
+            uint32_t na = 0, nb = 0, nu = 0;
+            const int all_to = round % 4 == 0 && g == 1 ? (int)(round / 4 % 2) : -1;
+            for (uint32_t p0 = 0; p0 < MN; p0 += MB) {
+                const uint32_t n = TKV_MIN((uint32_t)MB, MN - p0), cut = (uint32_t)(test_rand_u64(&rng) % (n + 1));
+                const uint32_t lo[2] = {p0, p0 + cut}, len[2] = {cut, n - cut};
+                for (int part = 0; part < 2; part++) {
+                    if (!len[part])
+                        continue;
+                    const struct tkv_kv_block_ref r = {.k = kv[g][0] + (size_t)lo[part] * MHD,
+                                                       .v = kv[g][1] + (size_t)lo[part] * MHD,
+                                                       .pos0 = (int32_t)lo[part], .n = len[part]};
+                    const int side = all_to >= 0 ? all_to : (int)(test_rand_u64(&rng) % 2);
+                    if (side == 0)
+                        ra[g][na++] = r;
+                    else
+                        rb[g][nb++] = r;
+                    ru[g][nu++] = r;
+                }
+            }
+            va[g] = (struct tkv_kv_head_view){ra[g], na};
+            vb[g] = (struct tkv_kv_head_view){rb[g], nb};
+            vu[g] = (struct tkv_kv_head_view){ru[g], nu};
+        }
+        struct tkv_attn_args a = {.q = q, .q_pos = &qpos, .n_q = 1, .n_head = MH, .n_head_kv = MHKV,
+                                  .head_dim = MHD, .scale = 1.0f / sqrtf((float)MHD)};
+        a.kv = va, a.out = oa, a.lse = la;
+        CHECK(cpu->ops->attention(cpu, &a) == TKV_OK, "attention A: %s", tkv_last_error());
+        a.kv = vb, a.out = ob, a.lse = lb;
+        CHECK(cpu->ops->attention(cpu, &a) == TKV_OK, "attention B: %s", tkv_last_error());
+        a.kv = vu, a.out = ou, a.lse = lu;
+        CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "attention A u B: %s", tkv_last_error());
+        memcpy(om, oa, sizeof om), memcpy(lm, la, sizeof lm);
+        tkv_attn_merge(om, lm, ob, lb, MH, MHD);
+        memcpy(or_, oa, sizeof or_), memcpy(lr, la, sizeof lr);
+        tkv_attn_merge_ref(or_, lr, ob, lb, MH, MHD);
+        /* outputs are averages of values in [-1, 1]: absolute errors */
+        const float e_out = max_abs(om, ou, MH * MHD), e_lse = max_rel(lm, lu, MH), e_ref = max_abs(om, or_, MH * MHD);
+        CHECK(e_out < 2e-5f && e_lse < 1e-5f, "round %d: merge(A, B) vs attention(A u B): output %g, lse %g", round,
+              (double)e_out, (double)e_lse);
+        CHECK(e_ref < 1e-6f && max_rel(lm, lr, MH) < 1e-6f, "round %d: merge vs its reference: %g", round,
+              (double)e_ref);
+        worst = fmaxf(worst, e_out);
+        /* the merge is not the identity: A alone is far off where B had keys */
+        if (round == 1)
+            CHECK(max_abs(oa, ou, MH * MHD) > 1e-2f, "round 1: A alone already equals A u B: a weak test");
+        /* an empty side (all keys on one side) leaves the other bit for bit */
+        if (round % 4 == 0)
+            for (uint32_t hh = MG; hh < 2 * MG; hh++) {
+                const bool to_b = round / 4 % 2;
+                CHECK(!memcmp(om + hh * MHD, (to_b ? ob : oa) + hh * MHD, MHD * sizeof(float)) &&
+                          lm[hh] == (to_b ? lb : la)[hh],
+                      "round %d head %u: merging with an empty side changed the result", round, hh);
+            }
+        /* the double-precision reference's partials, merged by the reference
+         * merge: the merge's own error only */
+        a.kv = va, a.out = oa, a.lse = la;
+        CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "reference A: %s", tkv_last_error());
+        a.kv = vb, a.out = ob, a.lse = lb;
+        CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "reference B: %s", tkv_last_error());
+        tkv_attn_merge_ref(oa, la, ob, lb, MH, MHD);
+        CHECK(max_abs(oa, ou, MH * MHD) < 1e-6f && max_rel(la, lu, MH) < 1e-6f,
+              "round %d: merged reference partials vs the reference over A u B: %g", round,
+              (double)max_abs(oa, ou, MH * MHD));
+    }
+    fprintf(stderr, "  merge: max |merge(A, B) - attention(A u B)| = %.3g over 30 rounds\n", (double)worst);
+    /* both sides empty: o = 0, lse = -inf */
+    float o1[MHD], l1 = -INFINITY, o2[MHD], l2 = -INFINITY;
+    for (int d = 0; d < MHD; d++)
+        o1[d] = 0.5f, o2[d] = 0.25f;
+    tkv_attn_merge(o1, &l1, o2, &l2, 1, MHD);
+    CHECK(o1[0] == 0 && o1[MHD - 1] == 0 && l1 == -INFINITY, "merging two empty rows: %g, lse %g", (double)o1[0],
+          (double)l1);
+    cpu->ops->free(cpu);
+}
+
+/* The cost model's arithmetic: 10 blocks of 32 KiB over 40 GB/s is 8.2 us;
+ * 640 tokens x 4 heads x 128 x 4 flops at 200 GFLOP/s is 6.6 us: CPU. */
+static void test_cost_model(void)
+{
+    CHECK(tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 200e9), "the CPU is cheaper here");
+    CHECK(!tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 100e9), "the recall is cheaper here");
+    CHECK(tkv_hetero_prefer_cpu(10, 160, 32768, 4, 128, 40e9, 100e9), "a quarter of the tokens: the CPU");
+    CHECK(!tkv_hetero_prefer_cpu(0, 0, 32768, 4, 128, 40e9, 100e9), "nothing to move: no CPU part");
+}
+
+/* ---- 2: the store's split begin ------------------------------------------------------------ */
+
+enum { SL = 3, SH = 2, SHD = 64, SB = 16, SCTX = 256, SNB = SCTX / SB, SS = 4 * SB * SHD, SHOST = 48,
+       SPINS = SHOST - 32 };
+
+static uint16_t smirror[SL][SH][SNB][2 * SB * SHD]; /* block payloads: K then V */
+static char spill_dir[] = "/tmp";
+
+/* Compares the rows of a view entry with the mirror (K and V). */
+static bool same_block(const struct tkv_kv_block_ref *r, uint32_t l, uint32_t h, uint32_t b)
+{
+    return !memcmp(r->k, smirror[l][h][b], (size_t)r->n * SHD * 2) &&
+           !memcmp(r->v, smirror[l][h][b] + SB * SHD, (size_t)r->n * SHD * 2);
+}
+
+static void test_store(void)
+{
+    struct tkv_backend *be = NULL; /* the CPU backend as a "device": no host compute tier */
+    REQUIRE_VOID(tkv_backend_create("cpu", 2, &be) == TKV_OK);
+    const struct tkv_kvs_params p = {.n_layer = SL, .n_head_kv = SH, .head_dim = SHD, .block_tokens = SB,
+                                     .max_tokens = SCTX, .compute_is_host = false,
+                                     .compute_bytes = (uint64_t)SH * SNB * SS, /* one layer */
+                                     /* 48 blocks: at most 16 stay pinned (a batch of 32
+                                        spills must fit), the rest goes to NVMe */
+                                     .host_bytes = (uint64_t)SHOST * SS, .nvme_dir = spill_dir};
+    struct tkv_kvs *s = NULL;
+    tkv_status st = tkv_kvs_init(&p, be, &s);
+    REQUIRE_VOID(st == TKV_OK);
+    REQUIRE_VOID(tkv_kvs_reserve(s, SCTX) == TKV_OK);
+    tkv_kvs_set_length(s, SCTX);
+    for (uint32_t l = 0; l < SL; l++)
+        for (uint32_t h = 0; h < SH; h++)
+            for (uint32_t b = 0; b < SNB; b++) {
+                for (uint32_t i = 0; i < 2 * SB * SHD; i++)
+                    smirror[l][h][b][i] = (uint16_t)test_rand_u64(&rng);
+                REQUIRE_VOID(tkv_kvs_import(s, l, h, b, smirror[l][h][b]) == TKV_OK);
+            }
+    static uint8_t need[SH * SCTX], ok[SH * SCTX];
+    const uint32_t MBK = tkv_kvs_max_blocks(s);
+    REQUIRE_VOID(MBK == SNB);
+    uint64_t host_total = 0, compute_total = 0;
+    for (int round = 0; round < 60; round++) {
+        const uint32_t l = (uint32_t)(test_rand_u64(&rng) % SL);
+        /* fresh payloads for blocks of the other layers: dirty in the compute
+         * tier, so the begin below spills them to the host tier, whose
+         * eviction must then pass over the blocks it leaves there */
+        for (int j = 0; j < 24; j++) {
+            const uint32_t lo = (l + 1 + (uint32_t)(test_rand_u64(&rng) % (SL - 1))) % SL;
+            const uint32_t h = (uint32_t)(test_rand_u64(&rng) % SH), b = (uint32_t)(test_rand_u64(&rng) % SNB);
+            for (uint32_t i = 0; i < 2 * SB * SHD; i++)
+                smirror[lo][h][b][i] = (uint16_t)test_rand_u64(&rng);
+            CHECK(tkv_kvs_import(s, lo, h, b, smirror[lo][h][b]) == TKV_OK, "import: %s", tkv_last_error());
+        }
+        int tier[SH][SNB];
+        for (uint32_t h = 0; h < SH; h++)
+            for (uint32_t b = 0; b < SNB; b++) {
+                need[h * MBK + b] = test_rand_u64(&rng) % 10 < 7;
+                ok[h * MBK + b] = test_rand_u64(&rng) % 10 < 6;
+                tier[h][b] = tkv_kvs_block_tier(s, l, h, b);
+            }
+        uint32_t n_host = 0;
+        st = tkv_kvs_begin_layer_split(s, l, 0, 0, need, round % 5 == 4 ? NULL : ok, &n_host);
+        CHECK(st == TKV_OK, "round %d: begin_layer_split(%u): %s", round, l, tkv_last_error());
+        if (st != TKV_OK)
+            continue;
+        uint32_t want_host = 0;
+        for (uint32_t h = 0; h < SH; h++) {
+            const struct tkv_kv_head_view cv = tkv_kvs_view(s, l, h), hv = tkv_kvs_host_view(s, l, h);
+            CHECK(cv.n_blocks == SNB && hv.n_blocks == SNB, "round %d: views of %u and %u blocks", round, cv.n_blocks,
+                  hv.n_blocks);
+            for (uint32_t b = 0; b < SNB; b++) {
+                const bool n_ = need[h * MBK + b], on_host = n_ && round % 5 != 4 && ok[h * MBK + b] &&
+                                                             tier[h][b] == TKV_TIER_HOST;
+                want_host += on_host;
+                const struct tkv_kv_block_ref *c = &cv.blocks[b], *x = &hv.blocks[b];
+                /* (past SPINS pins, an allowed block is recalled instead) */
+                const bool right = x->k ? on_host && !c->k : on_host ? want_host > SPINS && c->k : !!c->k == n_;
+                CHECK(right,
+                      "round %d: layer %u head %u block %u (tier %d, need %d, ok %d): compute %p, host %p", round, l,
+                      h, b, tier[h][b], n_, ok[h * MBK + b], (void *)c->k, (void *)x->k);
+                if (c->k)
+                    CHECK(same_block(c, l, h, b), "round %d: recalled block (%u, %u, %u) differs from the mirror",
+                          round, l, h, b);
+                if (x->k)
+                    CHECK(same_block(x, l, h, b), "round %d: host block (%u, %u, %u) differs from the mirror", round,
+                          l, h, b);
+                host_total += !!x->k;
+                compute_total += !!c->k;
+            }
+        }
+        CHECK(n_host == TKV_MIN(want_host, (uint32_t)SPINS), "round %d: %u blocks left on the host, expected %u",
+              round, n_host, TKV_MIN(want_host, (uint32_t)SPINS));
+        tkv_kvs_end_layer(s, l);
+    }
+    fprintf(stderr, "  store: %llu block reads on the host tier, %llu in the compute tier\n",
+            (unsigned long long)host_total, (unsigned long long)compute_total);
+    CHECK(host_total > 100 && compute_total > 100, "the rounds exercised too little (%llu host, %llu compute)",
+          (unsigned long long)host_total, (unsigned long long)compute_total);
+
+    /* a flipped bit in a host-tier block: both paths refuse it */
+    uint32_t lf = 0, hf = 0, bf = UINT32_MAX;
+    for (uint32_t l = 0; l < SL && bf == UINT32_MAX; l++)
+        for (uint32_t h = 0; h < SH && bf == UINT32_MAX; h++)
+            for (uint32_t b = 0; b < SNB && bf == UINT32_MAX; b++)
+                if (tkv_kvs_block_tier(s, l, h, b) == TKV_TIER_HOST)
+                    lf = l, hf = h, bf = b;
+    REQUIRE_VOID(bf != UINT32_MAX);
+    memset(need, 0, sizeof need);
+    memset(ok, 0, sizeof ok);
+    need[hf * MBK + bf] = ok[hf * MBK + bf] = 1;
+    struct tkv_kvs_stats ks0, ks1;
+    tkv_kvs_get_stats(s, &ks0);
+    REQUIRE_VOID(tkv_kvs_test_flip_bit(s, lf, hf, bf, TKV_TIER_HOST) == TKV_OK);
+    char want[96];
+    snprintf(want, sizeof want, "(layer %u, head %u, block %u)", lf, hf, bf);
+    for (int path = 0; path < 2; path++) { /* read on the host, then recalled */
+        uint32_t n_host = 0;
+        st = tkv_kvs_begin_layer_split(s, lf, 0, 0, need, path == 0 ? ok : NULL, &n_host);
+        CHECK(st == TKV_ERR_CORRUPT && strstr(tkv_last_error(), want) && strstr(tkv_last_error(), "host"),
+              "%s path: a corrupt host block gave %s: %s", path ? "recall" : "host", tkv_status_str(st),
+              tkv_last_error());
+        if (st == TKV_OK)
+            tkv_kvs_end_layer(s, lf);
+        CHECK(tkv_kvs_block_tier(s, lf, hf, bf) == TKV_TIER_HOST, "the corrupt block moved");
+    }
+    tkv_kvs_get_stats(s, &ks1);
+    CHECK(ks1.corrupt_blocks == ks0.corrupt_blocks + 2, "corrupt_blocks %llu -> %llu",
+          (unsigned long long)ks0.corrupt_blocks, (unsigned long long)ks1.corrupt_blocks);
+    /* the same bit flipped back: the block reads again */
+    REQUIRE_VOID(tkv_kvs_test_flip_bit(s, lf, hf, bf, TKV_TIER_HOST) == TKV_OK);
+    uint32_t n_host = 0;
+    st = tkv_kvs_begin_layer_split(s, lf, 0, 0, need, ok, &n_host);
+    CHECK(st == TKV_OK && n_host == 1, "after the repair: %s, %u host blocks", tkv_status_str(st), n_host);
+    if (st == TKV_OK) {
+        CHECK(same_block(&tkv_kvs_host_view(s, lf, hf).blocks[bf], lf, hf, bf), "the repaired block differs");
+        tkv_kvs_end_layer(s, lf);
+    }
+    tkv_kvs_free(s);
+    be->ops->free(be);
+}
+
+/* ---- 3, 4: the engine on the tiny model ----------------------------------------------------- */
+
+enum { NP = 96, NG = 24, KB = 8, BLK = 4 * KB * HD };
+
+struct run {
+    tkv_token toks[NG];
+    float logits[(NG + 1) * V];
+    double read;
+    uint64_t cpu_heads, recall_heads, cpu_tokens, host_reads;
+};
+
+static tkv_status run_session(tkv_model *m, const char *device, const char *policy, enum tkv_hetero mode,
+                              double cpu_gflops, const tkv_token *prompt, struct run *out)
+{
+    struct tkv_session_params sp = tkv_session_default_params();
+    sp.n_threads = 2;
+    sp.n_ctx = CTX;
+    sp.kv_block = KB;
+    sp.device = device;
+    sp.policy = policy;
+    sp.hetero = mode;
+    sp.hetero_cpu_gflops = cpu_gflops;
+    if (strcmp(device, "cpu")) {
+        sp.gpu_kv_mem = 40 * BLK;  /* one layer is 32 blocks: the other layer mostly lives below */
+        sp.host_kv_mem = 128 * BLK;
+    }
+    tkv_session *s = NULL;
+    TKV_TRY(tkv_session_init(m, &sp, &s));
+    tkv_status st = tkv_prefill(s, prompt, NP);
+    for (uint32_t i = 0; i < NG && st == TKV_OK; i++) {
+        memcpy(out->logits + (size_t)i * V, tkv_logits(s), V * sizeof(float));
+        out->toks[i] = tkv_argmax(tkv_logits(s), V);
+        if (out->toks[i] == 0) /* keep the tiny vocabulary's end token out of the context */
+            out->toks[i] = 1;
+        st = tkv_decode(s, out->toks[i]);
+    }
+    if (st == TKV_OK)
+        memcpy(out->logits + (size_t)NG * V, tkv_logits(s), V * sizeof(float));
+    tkv_session_kv_read(s, &out->read, NULL);
+    struct tkv_kvs_stats ks;
+    tkv_kvs_get_stats(s->kv, &ks);
+    out->cpu_heads = s->het_cpu_heads, out->recall_heads = s->het_recall_heads;
+    out->cpu_tokens = s->het_cpu_tokens, out->host_reads = ks.host_read_blocks;
+    char json[4096];
+    size_t len;
+    CHECK(tkv_session_stats_json(s, json, sizeof json, &len) == TKV_OK && strstr(json, "\"hetero\""),
+          "stats JSON: %s", tkv_last_error());
+    tkv_session_free(s);
+    return st;
+}
+
+static void test_engine(tkv_model *m, const tkv_token *prompt)
+{
+    static struct run full, r;
+    const char *rq = "rabitq:p=1.0,sink=4,recent=8,batch=8,dense=0";
+    REQUIRE_VOID(run_session(m, "opaque", "full", TKV_HETERO_AUTO, 0, prompt, &full) == TKV_OK);
+    CHECK(full.cpu_heads == 0 && full.host_reads == 0, "full: %llu heads on the CPU (nothing is planned)",
+          (unsigned long long)full.cpu_heads);
+    static const struct {
+        const char *name, *device;
+        enum tkv_hetero mode;
+        double gflops;
+        int want; /* 1: CPU heads only, 2: recalls only, 3: either, 0: nothing split (CPU backend) */
+    } cases[] = {
+        {"recall", "opaque", TKV_HETERO_RECALL, 0, 0},
+        {"cpu", "opaque", TKV_HETERO_CPU, 0, 1},
+        {"auto, measured rates", "opaque", TKV_HETERO_AUTO, 0, 3},
+        {"auto, a fast CPU", "opaque", TKV_HETERO_AUTO, 1e9, 1},
+        {"auto, a slow CPU", "opaque", TKV_HETERO_AUTO, 1e-9, 2},
+        {"cpu on the CPU backend", "cpu", TKV_HETERO_CPU, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        memset(&r, 0, sizeof r);
+        const uint64_t att0 = opaque_attention_calls;
+        tkv_status st = run_session(m, cases[i].device, rq, cases[i].mode, cases[i].gflops, prompt, &r);
+        CHECK(st == TKV_OK, "%s: %s", cases[i].name, tkv_last_error());
+        const float diff = max_abs(r.logits, full.logits, (NG + 1) * V);
+        fprintf(stderr,
+                "  %-24s read %.3f of the tokens; KV heads on the CPU %llu (%llu tokens, %llu blocks read on the "
+                "host), recalled %llu; logits vs full: max |diff| %.3g\n",
+                cases[i].name, r.read, (unsigned long long)r.cpu_heads, (unsigned long long)r.cpu_tokens,
+                (unsigned long long)r.host_reads, (unsigned long long)r.recall_heads, (double)diff);
+        CHECK(!memcmp(r.toks, full.toks, sizeof r.toks), "%s: other tokens than full", cases[i].name);
+        CHECK(diff < 1e-4f, "%s: logits differ from full's by %g", cases[i].name, (double)diff);
+        CHECK(r.read > 0.999, "%s: p = 1.0 read only %.4f of the tokens", cases[i].name, r.read);
+        switch (cases[i].want) {
+        case 0:
+            CHECK(r.cpu_heads == 0 && r.host_reads == 0 && r.recall_heads == 0, "%s: something was split",
+                  cases[i].name);
+            break;
+        case 1:
+            CHECK(r.cpu_heads > 0 && r.host_reads > 0 && r.cpu_tokens > 0 && r.recall_heads == 0,
+                  "%s: the CPU path did not run alone", cases[i].name);
+            break;
+        case 2:
+            CHECK(r.cpu_heads == 0 && r.host_reads == 0 && r.recall_heads > 0, "%s: not recalled", cases[i].name);
+            break;
+        default:
+            CHECK(r.cpu_heads + r.recall_heads > 0, "%s: no host-tier block was selected", cases[i].name);
+        }
+        if (cases[i].want == 0 || cases[i].want == 2) /* the same attention calls as full: the same bits */
+            CHECK(!memcmp(r.logits, full.logits, sizeof r.logits) || !strcmp(cases[i].device, "cpu"),
+                  "%s: logits are not full's bit for bit", cases[i].name);
+        if (!strcmp(cases[i].device, "opaque"))
+            CHECK(opaque_attention_calls > att0, "%s: the device attended nothing", cases[i].name);
+    }
+}
+
+static void test_engine_corrupt(tkv_model *m, const tkv_token *prompt)
+{
+    struct tkv_session_params sp = tkv_session_default_params();
+    sp.n_threads = 2, sp.n_ctx = CTX, sp.kv_block = KB, sp.device = "opaque";
+    sp.policy = "rabitq:p=1.0,sink=4,recent=8,batch=64,dense=0"; /* no key-reading steps in between */
+    sp.hetero = TKV_HETERO_CPU;
+    sp.gpu_kv_mem = 40 * BLK, sp.host_kv_mem = 128 * BLK;
+    tkv_session *s = NULL;
+    REQUIRE_VOID(tkv_session_init(m, &sp, &s) == TKV_OK);
+    tkv_status st = tkv_prefill(s, prompt, NP);
+    for (int i = 0; i < 3 && st == TKV_OK; i++)
+        st = tkv_decode(s, 1 + i);
+    CHECK(st == TKV_OK, "decode: %s", tkv_last_error());
+    /* a host-tier block of layer 0 (the layer the next step reads first) */
+    uint32_t hf = 0, bf = UINT32_MAX;
+    for (uint32_t h = 0; h < HKV && bf == UINT32_MAX; h++)
+        for (uint32_t b = 0; b < NP / KB && bf == UINT32_MAX; b++)
+            if (tkv_kvs_block_tier(s->kv, 0, h, b) == TKV_TIER_HOST)
+                hf = h, bf = b;
+    CHECK(bf != UINT32_MAX, "no block of layer 0 is on the host tier");
+    if (bf != UINT32_MAX) {
+        const uint64_t cpu0 = s->het_cpu_heads;
+        REQUIRE_VOID(tkv_kvs_test_flip_bit(s->kv, 0, hf, bf, TKV_TIER_HOST) == TKV_OK);
+        const size_t n_past = tkv_session_n_past(s);
+        st = tkv_decode(s, 1);
+        char want[96];
+        snprintf(want, sizeof want, "(layer 0, head %u, block %u)", hf, bf);
+        CHECK(st == TKV_ERR_CORRUPT && strstr(tkv_last_error(), want), "a corrupt host block gave %s: %s",
+              tkv_status_str(st), tkv_last_error());
+        CHECK(s->het_cpu_heads > cpu0, "the step did not take the CPU path");
+        CHECK(!tkv_logits(s) && tkv_session_n_past(s) == n_past, "the failed step left logits or context behind");
+        CHECK(tkv_kvs_block_tier(s->kv, 0, hf, bf) == TKV_TIER_HOST, "the corrupt block moved");
+    }
+    tkv_session_free(s);
+}
+
+int main(void)
+{
+    rng = test_seed();
+    test_merge();
+    test_cost_model();
+    test_store();
+
+    char path[] = "/tmp/tkv-hetero-XXXXXX";
+    int fd = mkstemp(path);
+    REQUIRE(fd >= 0, "mkstemp");
+    close(fd);
+    struct ref_model rm;
+    write_model(path, TKV_TYPE_F32, &rm);
+    ref_free(&rm);
+    tkv_model *m = NULL;
+    tkv_status st = tkv_model_load(path, &m);
+    unlink(path);
+    REQUIRE(st == TKV_OK, "model: %s", tkv_last_error());
+    tkv_backend_set_test_factory(opaque_create);
+    tkv_token prompt[NP];
+    for (int i = 0; i < NP; i++)
+        prompt[i] = (tkv_token)(1 + test_rand_u64(&rng) % (V - 2));
+    test_engine(m, prompt);
+    test_engine_corrupt(m, prompt);
+    tkv_backend_set_test_factory(NULL);
+    tkv_model_free(m);
+    return test_done();
+}
