@@ -3,7 +3,7 @@
  * backend interface (host clock around ops->synchronize; many calls per
  * timing so launch gaps are amortized as in a real forward pass).
  *
- *   bench-attn [-r reps] [-s all|decode|prefill|prefill-long|matmul] [-j out.json] [-x]
+ *   bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] [-j out.json] [-x]
  *
  * -x: only decode attention at 131072 keys (32/8/128), 3 calls, for ncu.
  * -j: one JSON object per decode case (the section `decode`) into a file,
@@ -24,6 +24,15 @@
  *            general kernel at 8K; TFLOP/s over the causal FLOPs
  *   prefill  that, and 512-token chunks after 8K/32K keys (the default
  *            kernel: tensor cores, split precision), checked against the CPU
+ *   prefill-sparse  a 512- and a 2048-token chunk at the end of 32K keys
+ *            (32/8/128, blocks of 64) over: the dense 32K; a selection of
+ *            256 refs of 8 rows per KV head (2048 keys, 8-aligned, before
+ *            the chunk: EntropyInfer's key blocks); that plus the chunk's own
+ *            keys (as the engine passes them, causal). Each on the packed
+ *            tiles (default) and the per-ref walk (TKV_CUDA_ATTN_PACK=0),
+ *            outputs checked against the general kernel; TFLOP/s over the
+ *            (query head, key) pairs actually attended; the dense / sparse
+ *            time ratio of each walk against the ratio of their FLOPs
  *   all      also decode at 1K/8K (L2-resident: L2 rates) and SmolLM2's 9/3/64
  *            heads, a 512-token prefill chunk, and matmul GEMV (n = 1) and
  *            GEMM (n = 512) on f16 weights
@@ -354,6 +363,110 @@ static void bench_prefill(uint32_t N)
     free(pool), free(qpool), free(dr), free(pos), free(ref), free(cur);
 }
 
+/* The prefill-sparse section (see the top of the file). */
+static struct tkv_backend *sp_be[2]; /* packed tiles (default), per-ref walk */
+static const char *const sp_walk[2] = {"packed tiles", "per-ref walk"};
+
+static void bench_prefill_sparse(uint32_t n_q, int reps)
+{
+    const uint32_t H = 32, Hkv = 8, hd = 128, B = 64, ctx = 32768, nb = ctx / B, n_sel = 256, L = 8;
+    const uint32_t chunk0 = ctx - n_q, slots = chunk0 / L; /* 8-row slots before the chunk */
+    const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half, qn = (size_t)n_q * H * hd;
+    static uint16_t *pool;
+    if (!pool) {
+        pool = malloc(POOL_HALVES * 2);
+        for (size_t i = 0; i < POOL_HALVES; i++)
+            pool[i] = tkv_fp32_to_fp16(frand());
+    }
+    uint16_t *dkv = dalloc(elems * 2);
+    for (size_t o = 0; o < elems; o += POOL_HALVES)
+        die_if(gpu->ops->upload(gpu, dkv + o, pool, (elems - o < POOL_HALVES ? elems - o : POOL_HALVES) * 2));
+    float *q = malloc(qn * 4), *ref = malloc(qn * 4), *cur = malloc(qn * 4);
+    for (size_t i = 0; i < qn; i++)
+        q[i] = frand();
+    float *dq = dalloc(qn * 4), *dout = dalloc(qn * 4);
+    die_if(gpu->ops->upload(gpu, dq, q, qn * 4));
+    int32_t *pos = malloc(n_q * 4);
+    for (uint32_t t = 0; t < n_q; t++)
+        pos[t] = (int32_t)(chunk0 + t);
+
+    /* per head: [dense: nb refs] [sparse: n_sel refs, then the chunk's blocks] */
+    const uint32_t n_chunk_blocks = n_q / B, per_head = nb + n_sel + n_chunk_blocks;
+    struct tkv_kv_block_ref *refs = malloc((size_t)Hkv * per_head * sizeof *refs);
+    struct tkv_kv_head_view dense[8], sparse[8], mixed[8];
+    uint8_t *taken = calloc(slots, 1);
+    for (uint32_t h = 0; h < Hkv; h++) {
+        struct tkv_kv_block_ref *r = refs + (size_t)h * per_head;
+        uint16_t *base = dkv + (size_t)h * nb * 2 * half; /* block b: K at base + 2b half, V after */
+        for (uint32_t b = 0; b < nb; b++)
+            r[b] = (struct tkv_kv_block_ref){base + (size_t)2 * b * half, base + (size_t)(2 * b + 1) * half,
+                                             (int32_t)(b * B), B};
+        memset(taken, 0, slots);
+        for (uint32_t i = 0; i < n_sel;) { /* 256 distinct slots, then in position order */
+            rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
+            const uint32_t sl = (uint32_t)((rng * 0x2545F4914F6CDD1DULL) >> 33) % slots;
+            if (!taken[sl])
+                taken[sl] = 1, i++;
+        }
+        struct tkv_kv_block_ref *sr = r + nb;
+        uint32_t k = 0;
+        for (uint32_t sl = 0; sl < slots; sl++)
+            if (taken[sl]) {
+                const uint32_t p = sl * L, b = p / B;
+                const size_t row = (size_t)(p % B) * hd;
+                sr[k++] = (struct tkv_kv_block_ref){base + (size_t)2 * b * half + row,
+                                                    base + (size_t)(2 * b + 1) * half + row, (int32_t)p, L};
+            }
+        for (uint32_t c = 0; c < n_chunk_blocks; c++)
+            sr[k++] = r[chunk0 / B + c];
+        dense[h] = (struct tkv_kv_head_view){r, nb};
+        sparse[h] = (struct tkv_kv_head_view){sr, n_sel};
+        mixed[h] = (struct tkv_kv_head_view){sr, n_sel + n_chunk_blocks};
+    }
+    const struct {
+        const char *name;
+        const struct tkv_kv_head_view *kv;
+        double pairs; /* (query, visible key) pairs per query head */
+    } views[3] = {
+        {"dense 32K", dense, (double)n_q * chunk0 + (double)n_q * (n_q + 1) / 2},
+        {"256 x 8-row refs", sparse, (double)n_q * n_sel * L},
+        {"256 x 8-row refs + chunk", mixed, (double)n_q * n_sel * L + (double)n_q * (n_q + 1) / 2},
+    };
+    double t[3][2];
+    for (int v = 0; v < 3; v++) {
+        struct tkv_attn_args a = {.q = dq, .q_pos = pos, .out = dout, .n_q = n_q, .n_head = H, .n_head_kv = Hkv,
+                                  .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = views[v].kv};
+        run_to(pf_general, &a, dout, ref, qn);
+        const double flops = 4.0 * hd * H * views[v].pairs;
+        for (int w = 0; w < 2; w++) {
+            run_to(sp_be[w], &a, dout, cur, qn);
+            const double err = max_abs(cur, ref, qn);
+            if (!(err <= 1e-4)) {
+                fprintf(stderr, "bench-attn: prefill-sparse %s (%s) differs from the general kernel: %.3g\n",
+                        views[v].name, sp_walk[w], err);
+                exit(1);
+            }
+            a.out = dout;
+            t[v][w] = time_on(sp_be[w], &a, reps);
+            printf("| prefill-sparse, %s, %s | H=%u Hkv=%u hd=%u B=%u | ctx %u, n_q %4u, %.0f keys/query | %9.1f us | "
+                   "| %6.2f TFLOP/s | max diff %.1e vs general |\n",
+                   views[v].name, sp_walk[w], H, Hkv, hd, B, ctx, n_q, views[v].pairs / n_q, t[v][w] * 1e6,
+                   flops / t[v][w] / 1e12, err);
+            if (json)
+                fprintf(json,
+                        "{\"op\": \"prefill_sparse\", \"view\": \"%s\", \"walk\": \"%s\", \"n_q\": %u, \"ctx\": %u, "
+                        "\"flops\": %.4g, \"us\": %.2f, \"tflops\": %.2f, \"max_diff_vs_general\": %.3g}\n",
+                        views[v].name, sp_walk[w], n_q, ctx, flops, t[v][w] * 1e6, flops / t[v][w] / 1e12, err);
+        }
+    }
+    for (int v = 1; v < 3; v++)
+        printf("| prefill-sparse, dense / (%s) | n_q %4u | FLOPs ratio %.1f | packed %.2fx, per-ref %.2fx | | | |\n",
+               views[v].name, n_q, views[0].pairs / views[v].pairs, t[0][0] / t[v][0], t[0][1] / t[v][1]);
+    fflush(stdout);
+    gpu->ops->release(gpu, dkv), gpu->ops->release(gpu, dq), gpu->ops->release(gpu, dout);
+    free(q), free(ref), free(cur), free(pos), free(refs), free(taken);
+}
+
 static void bench_matmul(uint32_t n_in, uint32_t n_out, uint32_t n, int reps)
 {
     uint16_t *w = malloc((size_t)n_in * n_out * 2);
@@ -394,6 +507,15 @@ static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *tab
     return be;
 }
 
+/* The same, walking the refs one by one (TKV_CUDA_ATTN_PACK=0). */
+static struct tkv_backend *gpu_per_ref(void)
+{
+    setenv("TKV_CUDA_ATTN_PACK", "0", 1);
+    struct tkv_backend *be = gpu_with_attn_env("1", "copy", "mma");
+    unsetenv("TKV_CUDA_ATTN_PACK");
+    return be;
+}
+
 int main(int argc, char **argv)
 {
     int reps = 50, profile = 0;
@@ -408,8 +530,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "-x"))
             profile = 1;
         else {
-            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|prefill|prefill-long|matmul] [-j out.json] "
-                            "[-x]\n");
+            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] "
+                            "[-j out.json] [-x]\n");
             return 2;
         }
     if (tkv_backend_cuda_devices() == 0) {
@@ -421,6 +543,7 @@ int main(int argc, char **argv)
         return 1;
     }
     unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_TABLE"), unsetenv("TKV_CUDA_ATTN_PREFILL");
+    unsetenv("TKV_CUDA_ATTN_PACK");
     die_if(tkv_backend_create("cuda", 0, &gpu));
     die_if(tkv_backend_create("cpu", 0, &cpu));
     printf("| op | shape | size | time/call | bytes rate | compute rate | check |\n");
@@ -461,6 +584,16 @@ int main(int argc, char **argv)
         bench_attention(32, 8, 128, 64, 8192, 512, reps / 5 + 1, false);
         bench_attention(32, 8, 128, 64, 32768, 512, reps / 10 + 1, false);
         bench_attention(9, 3, 64, 64, 4096, 512, reps / 5 + 1, false);
+    }
+    if (all || !strcmp(section, "prefill-sparse")) {
+        sp_be[0] = gpu_with_attn_env("1", "copy", "mma");
+        sp_be[1] = gpu_per_ref();
+        pf_general = gpu_with_attn_env("0", "copy", "general");
+        bench_prefill_sparse(512, reps / 5 + 1);
+        bench_prefill_sparse(2048, reps / 10 + 1);
+        for (int i = 0; i < 2; i++)
+            sp_be[i]->ops->free(sp_be[i]);
+        pf_general->ops->free(pf_general);
     }
     if (all || !strcmp(section, "matmul")) {
         bench_matmul(4096, 4096, 1, reps);

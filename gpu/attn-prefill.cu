@@ -7,6 +7,8 @@
  *                                    when split)
  *     Ks, Vs [2][64][HD + 8]   f16   two stages of keys / values, rows past
  *                                    the tile's keys zeroed
+ *     rp [4][32]               ptr   packed walk: each warp's rows' K (0-15)
+ *                                    and V (16-31) addresses
  *     kpos [2][64], qpos [64]  i32
  *
  * Per warp (rows w*16 .. w*16+15) and 64-key step, with the m16n8k16 fragment
@@ -33,7 +35,8 @@ template <int HD, bool SPLIT> struct pf_cfg {
     static constexpr int KSTR = HD + 8; /* halves per smem row */
     static constexpr size_t Q_BYTES = (size_t)BM * KSTR * 2;
     static constexpr size_t KV_BYTES = (size_t)2 * BN * KSTR * 2; /* two stages */
-    static constexpr size_t SMEM = Q_BYTES * (SPLIT ? 2 : 1) + 2 * KV_BYTES + 2 * BN * 4 + BM * 4;
+    static constexpr size_t RP_BYTES = (size_t)NT * sizeof(void *); /* packed walk: [4 warps][32] row addresses */
+    static constexpr size_t SMEM = Q_BYTES * (SPLIT ? 2 : 1) + 2 * KV_BYTES + RP_BYTES + 2 * BN * 4 + BM * 4;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -82,6 +85,153 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 }
+
+/* src-size 0 when !valid: nothing is read, the 16 bytes are zero-filled */
+__device__ __forceinline__ void cp_async16z(void *smem, const void *gmem, bool valid)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+/* ---- the packed walk (PACK): tile t of a split = keys [x, x + 64) of the
+ * concatenation of the head's refs, whatever their sizes ---------------------- */
+
+/* Where a (KV head, split) stands: keys are numbered by p.kofs (the
+ * prefix sums of the refs' lengths over the whole table). Every warp keeps
+ * its own copy and computes the same values from the same loads. */
+struct pk_cursor {
+    uint32_t x, x_end; /* the next tile's first key; the split's end          */
+    uint32_t i;        /* the ref holding key x (table index)                 */
+    uint32_t w;        /* kofs[i + lane]: loaded one tile ahead, so that the
+                          load is in flight while the current tile computes */
+};
+
+/* The split's keys: tiles [T*split/n_split, T*(split+1)/n_split) of the
+ * head's T = ceil(keys / 64), and the ref holding the first one (a 32-way
+ * search over the head's refs: about log32(refs) dependent loads, once per CTA). */
+__device__ __forceinline__ void pk_start(const tkv_cuda_attn_params &p, uint32_t g, uint32_t split, pk_cursor &c)
+{
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t hb = __ldg(p.head_off + g), he = __ldg(p.head_off + g + 1);
+    const uint32_t k0 = __ldg(p.kofs + hb), k1 = __ldg(p.kofs + he);
+    const uint32_t T = (k1 - k0 + BN - 1) / BN;
+    const uint32_t t0 = (uint32_t)((uint64_t)T * split / p.n_split);
+    const uint32_t t1 = (uint32_t)((uint64_t)T * (split + 1) / p.n_split);
+    c.x = k0 + t0 * BN;
+    c.x_end = min(k1, k0 + t1 * BN);
+    c.i = hb;
+    c.w = 0;
+    if (c.x >= c.x_end)
+        return;
+    if (t0 > 0) { /* the first ref b in [hb, he) that ends after x: kofs[b + 1] > x */
+        uint32_t lo = hb, hi = he; /* it is in [lo, hi) */
+        while (hi - lo > 1) {
+            const uint32_t step = (hi - lo + 31) / 32, idx = lo + lane * step;
+            const bool before = idx < hi && __ldg(p.kofs + idx + 1) <= c.x; /* a prefix of the lanes */
+            const uint32_t n = (uint32_t)__popc(__ballot_sync(0xffffffffu, before));
+            const uint32_t nhi = min(hi, lo + n * step + 1); /* probe n (if any) is at or after it */
+            lo = n ? lo + (n - 1) * step + 1 : lo;          /* probe n - 1 is before it */
+            hi = nhi;
+        }
+        c.i = lo;
+    }
+    c.w = __ldg(p.kofs + c.i + lane);
+}
+
+/* Resolves the 64 rows of the tile at the cursor and issues their cp.async
+ * copies into one stage; advances the cursor; returns the tile's keys (0:
+ * the split is done, or its next key is past pos_max: keys are in position
+ * order, so nothing later is visible).
+ *
+ * Warp w owns rows 16w .. 16w+15: each of its lanes finds the ref and the
+ * K (lanes 0-15) or V (lanes 16-31) address of row 16w + lane % 16 into
+ * rp (this warp's 32 slots), then the warp issues the 16-byte copies of its
+ * rows; no CTA barrier. Finding the rows: key x + j lies in ref i + (the
+ * number of refs i, i+1, ... ending at or before x + j). The refs ending
+ * inside the tile are among i .. i+62 (each holds at least one row), whose
+ * ends kofs[i+1 .. i+63] are the cursor's window (one load per lane, and a
+ * second only when refs i .. i+30 all end inside); bit (end - x) of M marks
+ * each, so row j's ref is i + popc(M & bits 0..j) and it starts at the
+ * highest of those bits (or at kofs[i]). Rows past the keys are zero-filled
+ * (0 * V must stay 0) with position INT_MAX (never visible). */
+template <int HD>
+__device__ __forceinline__ int fill_packed(const tkv_cuda_attn_params &p, pk_cursor &c, int32_t pos_max,
+                                          __half *Ks, __half *Vs, int *kpos, const uint16_t **rp)
+{
+    constexpr int KSTR = HD + 8, PER_ROW = HD / 8, UNITS = 16 * PER_ROW / 32;
+    constexpr unsigned FULL = 0xffffffffu;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (c.x >= c.x_end)
+        return 0;
+    const uint32_t x = c.x, i = c.i, wa = c.w;
+    const uint32_t s0 = __shfl_sync(FULL, wa, 0); /* ref i's first key (<= x) */
+    const int32_t pos_i = __ldg(&p.blocks[i].pos0); /* checked below, after the rows' loads are issued */
+    const int nk = (int)min(c.x_end - x, (uint32_t)BN);
+
+    /* M: bit d set when one of refs i .. i+62 ends at x + d (1 <= d <= 63) */
+    uint64_t bits = 0;
+    if (lane > 0 && wa - x - 1u < 63u)
+        bits = 1ull << (wa - x);
+    const uint32_t a31 = __shfl_sync(FULL, wa, 31); /* end of ref i+30 */
+    uint32_t wb = 0;
+    if (a31 - x - 1u < 63u) { /* (uniform) refs i+31 .. may end inside too */
+        wb = __ldg(p.kofs + i + 32 + lane);
+        if (wb - x - 1u < 63u)
+            bits |= 1ull << (wb - x);
+    }
+    const uint64_t M = (uint64_t)__reduce_or_sync(FULL, (uint32_t)(bits >> 32)) << 32 |
+                       __reduce_or_sync(FULL, (uint32_t)bits);
+
+    /* this lane's row */
+    const int j = warp * 16 + (lane & 15);
+    const uint16_t *src = (const uint16_t *)p.q_pos; /* 16-byte aligned; nothing is read from it */
+    int32_t kp = INT_MAX;
+    if (j < nk) {
+        const uint64_t mm = M & ((2ull << j) - 1); /* bits 0 .. j (j = 63: all) */
+        const uint32_t st = mm ? x + 63u - (uint32_t)__clzll((long long)mm) : s0;
+        const uint32_t off = x + (uint32_t)j - st;
+        const tkv_cuda_kv_entry *e = p.blocks + i + (uint32_t)__popcll(mm);
+        const uint16_t *base =
+            (const uint16_t *)__ldg((const unsigned long long *)(lane < 16 ? (const void *)&e->k : (const void *)&e->v));
+        src = base + (size_t)off * HD;
+        kp = __ldg(&e->pos0) + (int32_t)off;
+    }
+    if (pos_i + (int32_t)(x - s0) > pos_max) { /* (uniform) the tile's first key is not visible */
+        c.x = c.x_end;
+        return 0;
+    }
+    if (lane < 16)
+        kpos[j] = kp;
+    rp[lane] = src;
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < UNITS; it++) {
+        const int u = lane + 32 * it, rr = u / PER_ROW, col = u % PER_ROW, row = warp * 16 + rr;
+        const bool ok = row < nk;
+        const uint16_t *ks = rp[rr], *vs = rp[16 + rr];
+        cp_async16z(Ks + row * KSTR + col * 8, ok ? ks + col * 8 : ks, ok);
+        cp_async16z(Vs + row * KSTR + col * 8, ok ? vs + col * 8 : vs, ok);
+    }
+
+    /* the ref holding key x + 64: refs i .. i+cnt-1 end inside, so ref
+     * i+cnt holds key x + 63; the next one when it ends at x + 64 */
+    const int cnt = __popcll(M);
+    uint32_t e_next; /* kofs[i + cnt + 1] */
+    if (cnt + 1 < 32)
+        e_next = __shfl_sync(FULL, wa, cnt + 1);
+    else if (cnt + 1 < 64) /* cnt >= 31: ref i+30 ended inside, wb was loaded */
+        e_next = __shfl_sync(FULL, wb, cnt + 1 - 32);
+    else /* 63 one-row refs */
+        e_next = __ldg(p.kofs + i + 64);
+    c.i = i + (uint32_t)cnt + (e_next == x + BN ? 1u : 0u);
+    c.x = x + BN;
+    if (c.x < c.x_end)
+        c.w = __ldg(p.kofs + c.i + lane);
+    return nk;
+}
+
+/* ---- the per-ref walk (!PACK) ------------------------------------------------ */
 
 struct kv_cursor {
     uint32_t b, b_end, off;
@@ -132,7 +282,7 @@ __device__ int fill_tile(const tkv_cuda_attn_params &p, kv_cursor &c, int32_t po
     return nk;
 }
 
-template <int HD, bool SPLIT>
+template <int HD, bool SPLIT, bool PACK>
 __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn_params p)
 {
     using C = pf_cfg<HD, SPLIT>;
@@ -142,7 +292,8 @@ __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn
     __half *Ql = (__half *)(smem + C::Q_BYTES); /* only when SPLIT */
     __half *Ks_st = (__half *)(smem + C::Q_BYTES * (SPLIT ? 2 : 1));
     __half *Vs_st = Ks_st + 2 * BN * KSTR;
-    int *kpos_st = (int *)(Vs_st + 2 * BN * KSTR), *qpos = kpos_st + 2 * BN;
+    const uint16_t **rp_all = (const uint16_t **)(Vs_st + 2 * BN * KSTR); /* [4][32], PACK only */
+    int *kpos_st = (int *)(rp_all + NT), *qpos = kpos_st + 2 * BN;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const uint32_t gk = blockIdx.y, split = blockIdx.z;
@@ -170,14 +321,22 @@ __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn
         qpos[r] = r < R ? p.q_pos[(r0 + r) / G] : INT_MIN;
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 
-    /* this split's blocks */
-    const uint32_t hb = p.head_off[gk], nbh = p.head_off[gk + 1] - hb;
-    kv_cursor cur;
-    cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
-    cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
-    cur.off = 0;
+    /* this split's keys: packed tiles, or its share of the refs */
+    const uint16_t **rp = rp_all + 32 * warp;
+    pk_cursor pc = {};
+    kv_cursor cur = {};
+    int nk;
+    if (PACK) {
+        pk_start(p, gk, split, pc);
+        nk = fill_packed<HD>(p, pc, pos_max, Ks_st, Vs_st, kpos_st, rp);
+    } else {
+        const uint32_t hb = p.head_off[gk], nbh = p.head_off[gk + 1] - hb;
+        cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
+        cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+        cur.off = 0;
+        nk = fill_tile<HD>(p, cur, pos_max, Ks_st, Vs_st, kpos_st);
+    }
     int stage = 0;
-    int nk = fill_tile<HD>(p, cur, pos_max, Ks_st, Vs_st, kpos_st);
     __pipeline_commit();
     __syncthreads(); /* Q in shared memory */
 
@@ -204,8 +363,10 @@ __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn
     while (nk > 0) {
         const __half *Ks = Ks_st + stage * BN * KSTR, *Vs = Vs_st + stage * BN * KSTR;
         const int *kpos = kpos_st + stage * BN;
-        const int nk_next = fill_tile<HD>(p, cur, pos_max, Ks_st + (stage ^ 1) * BN * KSTR,
-                                          Vs_st + (stage ^ 1) * BN * KSTR, kpos_st + (stage ^ 1) * BN);
+        __half *Kn = Ks_st + (stage ^ 1) * BN * KSTR, *Vn = Vs_st + (stage ^ 1) * BN * KSTR;
+        int *kposn = kpos_st + (stage ^ 1) * BN;
+        const int nk_next = PACK ? fill_packed<HD>(p, pc, pos_max, Kn, Vn, kposn, rp)
+                                 : fill_tile<HD>(p, cur, pos_max, Kn, Vn, kposn);
         __pipeline_commit();
         __pipeline_wait_prior(1);
         __syncthreads();
@@ -353,17 +514,28 @@ template <int HD, bool SPLIT> cudaError_t launch_pf(const tkv_cuda_attn_params *
 {
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
     const dim3 grid((rows + BM - 1) / BM, p->n_head_kv, p->n_split);
-    attn_prefill_kernel<HD, SPLIT><<<grid, NT, pf_cfg<HD, SPLIT>::SMEM, s>>>(*p);
+    if (tkv_cuda_attn_prefill_packed(p))
+        attn_prefill_kernel<HD, SPLIT, true><<<grid, NT, pf_cfg<HD, SPLIT>::SMEM, s>>>(*p);
+    else
+        attn_prefill_kernel<HD, SPLIT, false><<<grid, NT, pf_cfg<HD, SPLIT>::SMEM, s>>>(*p);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
 
+/* Both walks of one (HD, SPLIT) instance: the same shared memory and, by
+ * __launch_bounds__, the same CTAs per SM (the smaller count is kept). */
 template <int HD, bool SPLIT> cudaError_t init_pf(int *ctas)
 {
-    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_prefill_kernel<HD, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)pf_cfg<HD, SPLIT>::SMEM));
-    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_prefill_kernel<HD, SPLIT>, NT,
+    int c[2];
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_prefill_kernel<HD, SPLIT, false>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pf_cfg<HD, SPLIT>::SMEM));
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_prefill_kernel<HD, SPLIT, true>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pf_cfg<HD, SPLIT>::SMEM));
+    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c[0], attn_prefill_kernel<HD, SPLIT, false>, NT,
                                                                pf_cfg<HD, SPLIT>::SMEM));
+    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c[1], attn_prefill_kernel<HD, SPLIT, true>, NT,
+                                                               pf_cfg<HD, SPLIT>::SMEM));
+    *ctas = c[0] < c[1] ? c[0] : c[1];
     if (*ctas < 1)
         *ctas = 1;
     return cudaSuccess;
@@ -387,6 +559,8 @@ bool tkv_cuda_attn_prefill_ok(const tkv_cuda_attn_params *p)
 {
     return p->prefill_mode != TKV_ATTN_PREFILL_GENERAL && p->vec16 && (p->head_dim == 64 || p->head_dim == 128);
 }
+
+bool tkv_cuda_attn_prefill_packed(const tkv_cuda_attn_params *p) { return p->prefill_pack && p->kofs != NULL; }
 
 int tkv_cuda_attn_prefill_ctas_per_sm(uint32_t head_dim, int mode)
 {

@@ -11,6 +11,20 @@
  * (16 rows each) per (row tile, KV head, key split), 64 keys per step; split
  * partials in the general kernel's layout, merged by its merge kernel.
  *
+ * Key tiles (default, TKV_CUDA_ATTN_PACK unset or not 0): tile t of a KV head
+ * holds keys [64t, 64t + 64) of the concatenation of the head's refs in list
+ * order, whatever the refs' sizes (8-row key blocks of EntropyInfer, token
+ * ranges of RaBitQ top-p, whole 64-row blocks), so every step multiplies
+ * full 64-key tiles; a split is a range of whole tiles. Each row's K/V
+ * address and position come from the block table's key offsets (p->kofs,
+ * prefix sums of the refs' lengths packed by tkv_cuda_attn_run): one load
+ * per lane per tile, kept in flight a tile ahead, finds the refs ending
+ * inside the tile; then one load of each row's entry, as the per-ref walk
+ * pays per ref (details at fill_packed in attn-prefill.cu). With
+ * TKV_CUDA_ATTN_PACK=0 the kernel walks the refs one after the other (one
+ * dependent entry load per ref, splits over refs), kept to measure the
+ * difference.
+ *
  * Precision: TKV_ATTN_PREFILL_SPLIT writes Q and P each as the sum of two f16
  * numbers (hi + lo) and multiplies both parts (twice the matrix work), which
  * keeps the result within ~1e-6 of f32 arithmetic; TKV_ATTN_PREFILL_F16 uses
@@ -28,6 +42,10 @@ cudaError_t tkv_cuda_attn_prefill_init(void);
 
 /* Whether the kernel takes this call (head_dim 64 or 128, 16-byte-aligned K/V). */
 bool tkv_cuda_attn_prefill_ok(const struct tkv_cuda_attn_params *p);
+
+/* Whether the kernel walks packed tiles (p->prefill_pack and p->kofs): the
+ * split-K then cuts each head's keys at 64-key tile boundaries, else its refs. */
+bool tkv_cuda_attn_prefill_packed(const struct tkv_cuda_attn_params *p);
 
 /* CTAs per SM of the instance that serves head_dim in mode (prefill_mode). */
 int tkv_cuda_attn_prefill_ctas_per_sm(uint32_t head_dim, int mode);

@@ -356,7 +356,7 @@ cudaError_t tkv_cuda_attn_init(void)
     return cudaSuccess;
 }
 
-size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm)
+size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, uint32_t max_tiles, int n_sm)
 {
     const int cls = hd_class(p->head_dim), ci = cls == 64 ? 0 : cls == 128 ? 1 : 2;
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv);
@@ -371,6 +371,8 @@ size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm
         items = (rows + R - 1) / R * p->n_head_kv;
         target = (uint32_t)(n_sm > 0 ? n_sm : 1) *
                  (uint32_t)tkv_cuda_attn_prefill_ctas_per_sm(p->head_dim, p->prefill_mode);
+        if (tkv_cuda_attn_prefill_packed(p)) /* splits are cut between 64-key tiles */
+            max_blocks = max_tiles;
     } else {
         const uint32_t R = 4096 / cls;
         items = (rows + R - 1) / R * p->n_head_kv;
@@ -417,6 +419,12 @@ cudaError_t tkv_cuda_attention(const tkv_cuda_attn_params *p, cudaStream_t s)
 /* ---- the attention op's host side ----------------------------------------------- */
 
 #define N_TABLES 4 /* block tables in flight */
+/* kofs: entries past the last one, UINT32_MAX (the packed walk's windows
+ * read kofs[i .. i+64] for any entry i) */
+#define KOFS_PAD 64u
+/* the packed walk's key numbers stay clear of 2^31 (x + 64 never wraps);
+ * a table of more keys (all heads together) is walked per ref */
+#define KOFS_MAX_KEYS ((uint64_t)1 << 31)
 
 struct attn_table {
     void *host;           /* pinned [cap]                                         */
@@ -436,6 +444,7 @@ struct tkv_cuda_attn_state {
     uint32_t *counters;            /* [counters_cap], zero between calls   */
     uint32_t counters_cap;
     int decode_mode, prefill_mode;
+    int prefill_pack;              /* 0 with TKV_CUDA_ATTN_PACK=0          */
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
 };
 
@@ -475,7 +484,9 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **ou
         return cudaErrorMemoryAllocation;
     st->decode_mode = decode_mode;
     const char *tab = getenv("TKV_CUDA_ATTN_TABLE"), *pf = getenv("TKV_CUDA_ATTN_PREFILL");
+    const char *pack = getenv("TKV_CUDA_ATTN_PACK");
     st->table_on_main = tab && !strcmp(tab, "main");
+    st->prefill_pack = !(pack && !strcmp(pack, "0"));
     st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
                                                     : TKV_ATTN_PREFILL_SPLIT;
@@ -517,14 +528,12 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     if (a->n_q == 0)
         return cudaSuccess;
     uint64_t total = 0;
-    uint32_t max_blocks = 0;
-    for (uint32_t g = 0; g < a->n_head_kv; g++) {
+    for (uint32_t g = 0; g < a->n_head_kv; g++)
         total += a->kv[g].n_blocks;
-        max_blocks = a->kv[g].n_blocks > max_blocks ? a->kv[g].n_blocks : max_blocks;
-    }
     const size_t off_h = ((size_t)a->n_q * sizeof(int32_t) + 7) & ~(size_t)7;
     const size_t off_e = off_h + ((((size_t)a->n_head_kv + 1) * sizeof(uint32_t) + 7) & ~(size_t)7);
-    const size_t bytes = off_e + (size_t)total * sizeof(struct tkv_cuda_kv_entry);
+    const size_t off_k = off_e + (size_t)total * sizeof(struct tkv_cuda_kv_entry);
+    const size_t bytes = off_k + ((size_t)total + 1 + KOFS_PAD) * sizeof(uint32_t);
 
     /* a table buffer whose last kernels have finished (host and device side free) */
     struct attn_table *t = &st->tab[st->next++ % N_TABLES];
@@ -545,30 +554,46 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         t->cap = cap;
     }
 
-    /* pack */
+    /* pack; refs of no rows are left out (the packed walk needs every ref to
+     * hold a row; no kernel reads anything from them) */
     uint8_t *h = (uint8_t *)t->host;
     memcpy(h, a->q_pos, (size_t)a->n_q * sizeof(int32_t));
     uint32_t *head_off = (uint32_t *)(h + off_h);
     struct tkv_cuda_kv_entry *ent = (struct tkv_cuda_kv_entry *)(h + off_e);
+    uint32_t *kofs = (uint32_t *)(h + off_k);
     uintptr_t addr_bits = 0;
-    uint32_t k = 0;
+    uint32_t k = 0, max_blocks = 0, max_tiles = 0;
+    uint64_t keys = 0; /* kofs[k]: keys before entry k, over all heads */
     for (uint32_t g = 0; g < a->n_head_kv; g++) {
         head_off[g] = k;
+        const uint64_t keys0 = keys;
         const struct tkv_kv_block_ref *r = a->kv[g].blocks;
-        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++, k++) {
+        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++) {
+            if (r[i].n == 0)
+                continue;
             ent[k].k = r[i].k;
             ent[k].v = r[i].v;
             ent[k].pos0 = r[i].pos0;
             ent[k].n = r[i].n;
             addr_bits |= (uintptr_t)r[i].k | (uintptr_t)r[i].v;
+            kofs[k++] = (uint32_t)keys; /* wraps only past KOFS_MAX_KEYS: then unused */
+            keys += r[i].n;
         }
+        const uint32_t nb = k - head_off[g];
+        const uint64_t tiles = (keys - keys0 + 63) / 64;
+        max_blocks = nb > max_blocks ? nb : max_blocks;
+        max_tiles = tiles > max_tiles ? (uint32_t)(tiles < UINT32_MAX ? tiles : UINT32_MAX) : max_tiles;
     }
     head_off[a->n_head_kv] = k;
+    kofs[k] = (uint32_t)keys;
+    for (uint32_t i = 1; i <= KOFS_PAD; i++) /* the packed walk's windows read up to 64 entries on */
+        kofs[k + i] = UINT32_MAX;
+    const size_t used = off_k + ((size_t)k + 1 + KOFS_PAD) * sizeof(uint32_t);
 
     /* copy on the copy stream (overlapping the compute queued before), and
      * make the compute stream wait for it */
     cudaStream_t cs = st->table_on_main ? s : st->copy;
-    TKV_CUDA_TRY(cudaMemcpyAsync(t->dev, t->host, bytes, cudaMemcpyHostToDevice, cs));
+    TKV_CUDA_TRY(cudaMemcpyAsync(t->dev, t->host, used, cudaMemcpyHostToDevice, cs));
     TKV_CUDA_TRY(cudaEventRecord(t->used, cs)); /* until the kernels are queued */
     t->pending = true;
     if (cs != s) {
@@ -584,6 +609,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.lse = a->lse;
     p.blocks = (const struct tkv_cuda_kv_entry *)((uint8_t *)t->dev + off_e);
     p.head_off = (const uint32_t *)((uint8_t *)t->dev + off_h);
+    p.kofs = keys <= KOFS_MAX_KEYS ? (const uint32_t *)((uint8_t *)t->dev + off_k) : NULL;
     p.n_q = a->n_q;
     p.n_head = a->n_head;
     p.n_head_kv = a->n_head_kv;
@@ -592,7 +618,8 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.vec16 = (addr_bits % 16) == 0 && a->head_dim % 8 == 0;
     p.decode_mode = st->decode_mode;
     p.prefill_mode = st->prefill_mode;
-    const size_t part = tkv_cuda_attn_plan(&p, max_blocks, n_sm);
+    p.prefill_pack = st->prefill_pack;
+    const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_tiles, n_sm);
     if (part) {
         TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));
         p.part = st->part;

@@ -7,9 +7,14 @@
  * Paged KV descriptor (device memory), FlashInfer style:
  *     blocks   [head_off[n_head_kv]]  one entry per block, the blocks of KV
  *                                     head g at [head_off[g], head_off[g+1]),
- *                                     in position order
+ *                                     in position order, none of 0 rows
  *     entry.k, entry.v               [B, head_dim] f16, rows 0..n-1 valid,
  *                                     row j at position pos0 + j
+ *     kofs     [total + 1 + 64]       kofs[b] = rows of the entries before b
+ *                                     (all heads: head g's keys are
+ *                                     [kofs[head_off[g]], kofs[head_off[g+1]])),
+ *                                     then 64 times UINT32_MAX; the prefill
+ *                                     kernel's packed tiles index keys by it
  * Queries q [n_q, n_head*head_dim] f32, positions q_pos [n_q] (device,
  * non-decreasing); query head h reads KV head h / (n_head / n_head_kv).
  *
@@ -23,7 +28,8 @@
  *     and 16-byte-aligned K/V: streams K/V with cp.async, all rows of a KV
  *     head from each load, split-K over the blocks with a fused merge;
  *   - the tensor-core one (attn-prefill.cu) for more rows, head_dim 64 or
- *     128 and 16-byte-aligned K/V: mma.sync over 64x64 tiles.
+ *     128 and 16-byte-aligned K/V: mma.sync over 64x64 tiles, each key tile
+ *     packed from the rows of consecutive refs of any size (kofs).
  * With n_split > 1 each CTA writes an unnormalised partial (O, m, l) and the
  * partials are combined exactly by log-sum-exp.
  *
@@ -48,6 +54,8 @@ struct tkv_cuda_attn_params {
     float *lse;                             /* [n_q, n_head] or NULL            */
     const struct tkv_cuda_kv_entry *blocks; /* [head_off[n_head_kv]]            */
     const uint32_t *head_off;               /* [n_head_kv + 1]                  */
+    const uint32_t *kofs;                   /* [head_off[n_head_kv] + 65]: key
+                                               offsets (below), or NULL          */
     float *part;                            /* [n_split][n_q*n_head][hd + 2]    */
     uint32_t n_q, n_head, n_head_kv, head_dim;
     uint32_t n_split;                       /* set by tkv_cuda_attn_plan        */
@@ -55,6 +63,8 @@ struct tkv_cuda_attn_params {
     int vec16;                              /* all K/V rows 16-byte aligned     */
     int decode_mode;                        /* enum tkv_cuda_attn_decode_mode   */
     int prefill_mode;                       /* enum tkv_cuda_attn_prefill_mode  */
+    int prefill_pack;                       /* prefill kernel: packed tiles when
+                                               kofs is set (else per ref)       */
     uint32_t *counters;                     /* [n_head_kv], zero between calls:
                                                finished splits (fused merge)    */
 };
@@ -79,10 +89,12 @@ bool tkv_cuda_attn_supported(uint32_t head_dim);
 /* Once per process and device: raises the kernels' shared-memory limit. */
 cudaError_t tkv_cuda_attn_init(void);
 
-/* Chooses p->n_split for a view of at most max_blocks blocks per KV head on
- * a device of n_sm multiprocessors; returns the floats of p->part needed (0
- * when the keys are not split). */
-size_t tkv_cuda_attn_plan(struct tkv_cuda_attn_params *p, uint32_t max_blocks, int n_sm);
+/* Chooses p->n_split for a view of at most max_blocks blocks (max_tiles
+ * 64-key tiles of their rows) per KV head on a device of n_sm
+ * multiprocessors: the prefill kernel's packed walk splits tiles, the other
+ * kernels blocks; returns the floats of p->part needed (0 when the keys are
+ * not split). */
+size_t tkv_cuda_attn_plan(struct tkv_cuda_attn_params *p, uint32_t max_blocks, uint32_t max_tiles, int n_sm);
 
 /* Runs the attention (and the merge when split). */
 cudaError_t tkv_cuda_attention(const struct tkv_cuda_attn_params *p, cudaStream_t s);
@@ -95,7 +107,8 @@ struct tkv_cuda_attn_state;
 
 /* Read from the environment here: the prefill kernel,
  * TKV_CUDA_ATTN_PREFILL=mma (default: tensor cores, split precision), mma16
- * (tensor cores, f16) or general (the reference kernel); and a knob that
+ * (tensor cores, f16) or general (the reference kernel); its key walk,
+ * TKV_CUDA_ATTN_PACK=0 (per ref instead of packed tiles); and a knob that
  * measured the table's copy stream, TKV_CUDA_ATTN_TABLE=main (copy the
  * block table on the compute stream instead). */
 cudaError_t tkv_cuda_attn_state_create(int decode_mode, struct tkv_cuda_attn_state **out);
@@ -103,8 +116,13 @@ void tkv_cuda_attn_state_free(struct tkv_cuda_attn_state *st); /* NULL is a no-o
 
 /* Packs a's block table (a->kv: host memory holding device pointers) as
  *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | entries [total]
+ *     | kofs [total + 1 + 64] u32
+ * (refs of 0 rows left out; kofs NULL in the params when the rows of all
+ * heads together pass 2^31: the prefill kernel then walks per ref),
  * copies it, plans the split and queues the kernels on s. The caller has
- * validated a (head counts, supported head_dim, fewer than 2^31 blocks). */
+ * validated a (head counts, supported head_dim, fewer than 2^31 blocks).
+ * TKV_CUDA_ATTN_PACK=0 when the state is created: the prefill kernel walks
+ * the refs one by one instead of packed 64-key tiles (attn-prefill.cuh). */
 cudaError_t tkv_cuda_attn_run(struct tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm,
                               cudaStream_t s);
 

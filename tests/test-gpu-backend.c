@@ -17,8 +17,10 @@
  *   attention  max |gpu - ref| <= 1e-4 on outputs and lse (ref = double),
  *              and the same against the CPU backend's fast path; for each
  *              of the decode kernel (fused or separate merge), the
- *              tensor-core prefill kernel (split precision; its f16 mode
- *              within 2e-3) and the general kernel, and between them
+ *              tensor-core prefill kernel (split precision, on packed
+ *              64-key tiles and walking refs one by one; its f16 mode
+ *              within 2e-3) and the general kernel, and between them;
+ *              views of many small refs included
  *   attn_stats against the CPU backend (= the policies' own computation):
  *              segment P |gpu - cpu| <= 1e-5 cpu, entropy <= 1e-6 + 1e-5 H;
  *              window scores |gpu - cpu| <= 1e-5 |cpu|
@@ -617,17 +619,19 @@ static void test_profile(void)
 
 /* Every case runs on several CUDA backends: the default one (for <= 8 query
  * rows per KV head the decode kernel with its fused merge, for more the
- * tensor-core kernel in split precision where head_dim is 64 or 128), the
- * general kernel (TKV_CUDA_ATTN_DECODE=0 TKV_CUDA_ATTN_PREFILL=general: the
- * reference the fast kernels are checked against), the decode kernel with a
- * separate merge kernel (TKV_CUDA_ATTN_DECODE=merge), the block table copied
- * on the compute stream (TKV_CUDA_ATTN_TABLE=main), and the tensor-core
- * kernel with f16 Q and P (TKV_CUDA_ATTN_PREFILL=mma16, as FlashAttention:
- * held to 2e-3 instead of 1e-4). */
-#define N_ATTN_ALT 4
+ * tensor-core kernel in split precision where head_dim is 64 or 128, walking
+ * packed 64-key tiles), the general kernel (TKV_CUDA_ATTN_DECODE=0
+ * TKV_CUDA_ATTN_PREFILL=general: the reference the fast kernels are checked
+ * against), the decode kernel with a separate merge kernel
+ * (TKV_CUDA_ATTN_DECODE=merge), the block table copied on the compute stream
+ * (TKV_CUDA_ATTN_TABLE=main), the tensor-core kernel with f16 Q and P
+ * (TKV_CUDA_ATTN_PREFILL=mma16, as FlashAttention: held to 2e-3 instead of
+ * 1e-4), and the tensor-core kernel walking the refs one by one
+ * (TKV_CUDA_ATTN_PACK=0). */
+#define N_ATTN_ALT 5
 static struct tkv_backend *gpu_attn_alt[N_ATTN_ALT]; /* [0]: the general kernel */
-static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "table-main", "mma16"};
-static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3};
+static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "table-main", "mma16", "per-ref"};
+static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4};
 
 enum view_kind { VIEW_ALL, VIEW_SPARSE, VIEW_WINDOW, VIEW_SLICES };
 
@@ -720,38 +724,33 @@ static void attn_on(struct tkv_backend *be, struct tkv_attn_args *a, float *o_ho
     dev_free(dout), dev_free(dlse);
 }
 
-static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_ctx, uint32_t n_q,
-                                enum view_kind kind, uint32_t shift)
+/* Attention over fixture f with queries at positions pos[n_q] on every
+ * backend, against the double reference and the CPU backend; label names
+ * the case in the log. */
+static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, const int32_t *pos, const char *label)
 {
-    struct kv_fixture f;
-    kv_make(&f, Hkv, hd, B, n_ctx, kind, shift);
+    const uint32_t Hkv = f->Hkv, hd = f->hd;
     const size_t qn = (size_t)n_q * H * hd, ln = (size_t)n_q * H;
     float *q = malloc(qn * sizeof *q), *o_ref = malloc(qn * sizeof *o_ref), *o_cpu = malloc(qn * sizeof *o_cpu);
     float *o_gpu = malloc(qn * sizeof *o_gpu), *l_ref = malloc(ln * sizeof *l_ref), *l_cpu = malloc(ln * sizeof *l_cpu);
     float *l_gpu = malloc(ln * sizeof *l_gpu), *o_x = malloc(qn * sizeof *o_x), *l_x = malloc(ln * sizeof *l_x);
-    int32_t *pos = malloc(n_q * sizeof *pos);
     fill(q, qn, -1, 1);
-    for (uint32_t t = 0; t < n_q; t++) /* the last n_q positions, as in a prefill chunk */
-        pos[t] = (int32_t)(n_ctx - n_q + t);
     struct tkv_attn_args a = {.q = q, .q_pos = pos, .out = o_ref, .lse = l_ref, .n_q = n_q, .n_head = H,
-                              .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = f.hviews};
+                              .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = f->hviews};
     CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "%s", tkv_last_error());
     a.out = o_cpu;
     a.lse = l_cpu;
     CHECK(cpu->ops->attention(cpu, &a) == TKV_OK, "%s", tkv_last_error());
     float *dq = dev_from(q, qn * sizeof *q);
     a.q = dq;
-    a.kv = f.dviews;
+    a.kv = f->dviews;
     attn_on(gpu, &a, o_gpu, l_gpu);
     const double eo = max_err(o_gpu, o_ref, qn), el = max_err(l_gpu, l_ref, ln);
     const double eoc = max_err(o_gpu, o_cpu, qn), elc = max_err(l_gpu, l_cpu, ln);
-    static const char *kinds[] = {"all", "sparse", "window", "slices"};
-    fprintf(stderr,
-            "  attn H=%-2u Hkv=%-2u hd=%-3u B=%-3u ctx=%-5u n_q=%-3u %-6s%s max|out-ref| %.1e |lse-ref| %.1e, "
-            "vs cpu %.1e %.1e",
-            H, Hkv, hd, B, n_ctx, n_q, kinds[kind], shift ? " (unaligned)" : "", eo, el, eoc, elc);
-    CHECK(eo <= 1e-4 && el <= 1e-4, "attention H=%u Hkv=%u hd=%u B=%u ctx=%u n_q=%u %s: out err %.3g lse err %.3g", H,
-          Hkv, hd, B, n_ctx, n_q, kinds[kind], eo, el);
+    fprintf(stderr, "  attn H=%-2u Hkv=%-2u hd=%-3u %s max|out-ref| %.1e |lse-ref| %.1e, vs cpu %.1e %.1e", H, Hkv,
+            hd, label, eo, el, eoc, elc);
+    CHECK(eo <= 1e-4 && el <= 1e-4, "attention H=%u Hkv=%u hd=%u %s: out err %.3g lse err %.3g", H, Hkv, hd, label,
+          eo, el);
     CHECK(eoc <= 1e-4 && elc <= 1e-4, "attention vs cpu backend: out %.3g lse %.3g", eoc, elc);
 
     /* the general (reference) kernel and the other paths, on the same inputs */
@@ -766,13 +765,15 @@ static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t 
             fprintf(stderr, ", |default-general| %.1e %.1e", fo, fl);
         else if (i == 3)
             fprintf(stderr, ", %s vs ref %.1e %.1e", attn_alt_names[i], xo, xl);
-        if (i < 3)
+        else if (i == 4)
+            fprintf(stderr, ", |default-per-ref| %.1e %.1e", fo, fl);
+        if (i != 3)
             worst_o = fmax(worst_o, xo), worst_l = fmax(worst_l, xl);
-        CHECK(xo <= tol && xl <= tol, "attention (%s) H=%u Hkv=%u hd=%u ctx=%u n_q=%u: out err %.3g lse err %.3g",
-              attn_alt_names[i], H, Hkv, hd, n_ctx, n_q, xo, xl);
+        CHECK(xo <= tol && xl <= tol, "attention (%s) H=%u Hkv=%u hd=%u %s: out err %.3g lse err %.3g",
+              attn_alt_names[i], H, Hkv, hd, label, xo, xl);
         CHECK(fo <= tol && fl <= tol, "attention: default vs %s: out %.3g lse %.3g", attn_alt_names[i], fo, fl);
     }
-    fprintf(stderr, ", general/merge/table-main vs ref %.1e %.1e\n", worst_o, worst_l);
+    fprintf(stderr, ", general/merge/table-main/per-ref vs ref %.1e %.1e\n", worst_o, worst_l);
 
     /* without lse the output is the same */
     float *dout2 = dev_poisoned(qn);
@@ -784,30 +785,138 @@ static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t 
 
     dev_free(dq), dev_free(dout2);
     free(q), free(o_ref), free(o_cpu), free(o_gpu), free(l_ref), free(l_cpu), free(l_gpu), free(o_x), free(l_x);
+}
+
+static void test_attention_case(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_ctx, uint32_t n_q,
+                                enum view_kind kind, uint32_t shift)
+{
+    struct kv_fixture f;
+    kv_make(&f, Hkv, hd, B, n_ctx, kind, shift);
+    int32_t *pos = malloc(n_q * sizeof *pos);
+    for (uint32_t t = 0; t < n_q; t++) /* the last n_q positions, as in a prefill chunk */
+        pos[t] = (int32_t)(n_ctx - n_q + t);
+    static const char *kinds[] = {"all", "sparse", "window", "slices"};
+    char label[96];
+    snprintf(label, sizeof label, "B=%-3u ctx=%-5u n_q=%-3u %-6s%s", B, n_ctx, n_q, kinds[kind],
+             shift ? " (unaligned)" : "");
+    attn_compare(&f, H, n_q, pos, label);
+    free(pos);
+    kv_free(&f);
+}
+
+/* Views of many small refs, as EntropyInfer's 8-token key blocks and the
+ * RaBitQ policies' token ranges give them: each KV head's n_tokens positions
+ * are cut into runs, each inside one B-row storage block and starting at any
+ * row of it (16-byte aligned: head_dim is a multiple of 8), a run kept as a
+ * ref with probability keep_pct % (the others are gaps); in the device view,
+ * now and then a ref of no rows before a kept one. Run lengths: */
+enum ref_lens {
+    LENS_MIXED,  /* 1, 7, 8, 63, 64 or 1..64 at random (cut at the block's end) */
+    LENS_8,      /* 8 rows at multiples of 8 (EntropyInfer's key blocks)         */
+    LENS_1,      /* single rows: 64 refs in a tile                               */
+    LENS_FULL,   /* whole blocks (30% of block starts), else 1..3 rows           */
+};
+
+static uint32_t draw_len(enum ref_lens lens, uint32_t row)
+{
+    static const uint32_t picks[] = {1, 7, 8, 63, 64};
+    const uint64_t u = test_rand_u64(&rng);
+    switch (lens) {
+    case LENS_8: return 8;
+    case LENS_1: return 1;
+    case LENS_FULL: return row == 0 && u % 10 < 3 ? UINT32_MAX : 1 + (uint32_t)(u / 10 % 3);
+    default: return u % 2 ? picks[u / 2 % 5] : 1 + (uint32_t)(u / 2 % 64);
+    }
+}
+
+static void kv_make_refs(struct kv_fixture *f, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_tokens,
+                         enum ref_lens lens, uint32_t keep_pct)
+{
+    const uint32_t nb = (n_tokens + B - 1) / B;
+    const size_t elems = (size_t)Hkv * nb * 2 * B * hd, cap = 2 * (size_t)n_tokens + 2;
+    f->nb = nb, f->B = B, f->hd = hd, f->Hkv = Hkv;
+    f->host = malloc(elems * 2);
+    for (size_t i = 0; i < elems; i++)
+        f->host[i] = tkv_fp32_to_fp16(test_rand_f32(&rng, -2, 2));
+    f->dev = dev_from(f->host, elems * 2);
+    f->hrefs = calloc((size_t)Hkv * cap, sizeof *f->hrefs);
+    f->drefs = calloc((size_t)Hkv * cap, sizeof *f->drefs);
+    f->hviews = calloc(Hkv, sizeof *f->hviews);
+    f->dviews = calloc(Hkv, sizeof *f->dviews);
+    for (uint32_t h = 0; h < Hkv; h++) {
+        struct tkv_kv_block_ref *hr = f->hrefs + (size_t)h * cap, *dr = f->drefs + (size_t)h * cap;
+        uint32_t kh = 0, kd = 0;
+        for (uint32_t t = 0; t < n_tokens;) {
+            const uint32_t b = t / B, row = t % B;
+            const uint32_t n = TKV_MIN(TKV_MIN(draw_len(lens, row), B - row), n_tokens - t);
+            if (test_rand_u64(&rng) % 100 < keep_pct) {
+                const size_t o = (((size_t)h * nb + b) * 2) * B * hd + (size_t)row * hd;
+                /* a ref of no rows first, on the device side only (the CPU
+                 * backend's fast path refuses a tile of no rows) */
+                if (test_rand_u64(&rng) % 16 == 0)
+                    dr[kd++] = (struct tkv_kv_block_ref){
+                        .k = f->dev + o, .v = f->dev + o + (size_t)B * hd, .pos0 = (int32_t)t, .n = 0};
+                hr[kh++] = (struct tkv_kv_block_ref){
+                    .k = f->host + o, .v = f->host + o + (size_t)B * hd, .pos0 = (int32_t)t, .n = n};
+                dr[kd++] = (struct tkv_kv_block_ref){
+                    .k = f->dev + o, .v = f->dev + o + (size_t)B * hd, .pos0 = (int32_t)t, .n = n};
+            }
+            t += n;
+        }
+        f->hviews[h] = (struct tkv_kv_head_view){.blocks = hr, .n_blocks = kh};
+        f->dviews[h] = (struct tkv_kv_head_view){.blocks = dr, .n_blocks = kd};
+    }
+}
+
+/* Queries at q0 + t * step4 / 4 (step4 = 4: consecutive positions; 2: each
+ * twice; 12: every third) over a view of small refs: the prefill kernel
+ * packs their rows into 64-key tiles, and the queries sit inside the
+ * selection, so tiles mix visible and invisible keys. */
+static void test_attention_refs(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t n_tokens,
+                                enum ref_lens lens, uint32_t keep_pct, uint32_t n_q, uint32_t q0, uint32_t step4)
+{
+    struct kv_fixture f;
+    kv_make_refs(&f, Hkv, hd, B, n_tokens, lens, keep_pct);
+    int32_t *pos = malloc(n_q * sizeof *pos);
+    for (uint32_t t = 0; t < n_q; t++)
+        pos[t] = (int32_t)(q0 + (uint64_t)t * step4 / 4);
+    uint32_t refs = 0, keys = 0;
+    for (uint32_t i = 0; i < f.hviews[0].n_blocks; i++)
+        refs++, keys += f.hviews[0].blocks[i].n;
+    static const char *names[] = {"mixed", "8-row", "1-row", "full+tiny"};
+    char label[128];
+    snprintf(label, sizeof label, "B=%-3u ctx=%-5u n_q=%-3u refs %s %u/%u keys, q at %u..%d", B, n_tokens, n_q,
+             names[lens], refs, keys, q0, pos[n_q - 1]);
+    attn_compare(&f, H, n_q, pos, label);
     free(pos);
     kv_free(&f);
 }
 
 /* A CUDA backend created with these attention settings in the environment
  * (NULL on failure). */
-static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *table, const char *prefill)
+static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *table, const char *prefill,
+                                             const char *pack)
 {
     struct tkv_backend *be = NULL;
     setenv("TKV_CUDA_ATTN_DECODE", decode, 1);
     setenv("TKV_CUDA_ATTN_TABLE", table, 1);
     setenv("TKV_CUDA_ATTN_PREFILL", prefill, 1);
+    setenv("TKV_CUDA_ATTN_PACK", pack, 1);
     tkv_status st = tkv_backend_create("cuda", 0, &be);
     unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_TABLE"), unsetenv("TKV_CUDA_ATTN_PREFILL");
-    CHECK(st == TKV_OK, "TKV_CUDA_ATTN_DECODE=%s TABLE=%s PREFILL=%s: %s", decode, table, prefill, tkv_last_error());
+    unsetenv("TKV_CUDA_ATTN_PACK");
+    CHECK(st == TKV_OK, "TKV_CUDA_ATTN_DECODE=%s TABLE=%s PREFILL=%s PACK=%s: %s", decode, table, prefill, pack,
+          tkv_last_error());
     return st == TKV_OK ? be : NULL;
 }
 
 static void test_attention(void)
 {
-    gpu_attn_alt[0] = gpu_with_attn_env("0", "copy", "general");
-    gpu_attn_alt[1] = gpu_with_attn_env("merge", "copy", "mma");
-    gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma");
-    gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16");
+    gpu_attn_alt[0] = gpu_with_attn_env("0", "copy", "general", "1");
+    gpu_attn_alt[1] = gpu_with_attn_env("merge", "copy", "mma", "1");
+    gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
+    gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
+    gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
     fprintf(stderr, "attention, prefill:\n");
     test_attention_case(9, 3, 64, 64, 300, 300, VIEW_ALL, 0);      /* SmolLM2 shape, whole prompt */
     test_attention_case(32, 8, 128, 32, 1000, 300, VIEW_ALL, 0);   /* Llama-3 8B shape, later chunk */
@@ -821,6 +930,18 @@ static void test_attention(void)
     test_attention_case(32, 8, 128, 64, 5000, 16, VIEW_ALL, 0);    /* one row tile per head: split keys */
     test_attention_case(9, 3, 64, 48, 3000, 40, VIEW_SLICES, 0);   /* tiles across 48-key slices */
     test_attention_case(32, 8, 128, 64, 700, 700, VIEW_SPARSE, 0); /* causal, many tiles */
+    fprintf(stderr, "attention, prefill over small refs (packed tiles):\n");
+    test_attention_refs(32, 8, 128, 64, 4000, LENS_MIXED, 60, 300, 1500, 4);  /* G 4, queries mid-selection */
+    test_attention_refs(8, 8, 64, 64, 3000, LENS_MIXED, 70, 200, 2000, 4);    /* G 1 */
+    test_attention_refs(16, 2, 128, 64, 2500, LENS_8, 50, 100, 1000, 12);     /* G 8, every third position */
+    test_attention_refs(8, 1, 64, 64, 3000, LENS_MIXED, 50, 64, 1500, 4);     /* G 8, hd 64 */
+    test_attention_refs(9, 3, 64, 64, 2000, LENS_1, 80, 150, 900, 4);         /* 1-row refs: 64 per tile */
+    test_attention_refs(9, 3, 128, 64, 1200, LENS_1, 100, 100, 1100, 2);      /* every row its own ref */
+    test_attention_refs(8, 2, 64, 128, 3000, LENS_FULL, 90, 300, 1200, 2);    /* 128-row blocks and tiny refs */
+    test_attention_refs(4, 4, 128, 32, 1500, LENS_MIXED, 50, 300, 0, 4);      /* early queries see nothing */
+    test_attention_refs(32, 8, 128, 64, 20000, LENS_MIXED, 30, 16, 19000, 4); /* one row tile: split over tiles */
+    test_attention_refs(32, 8, 128, 64, 16384, LENS_8, 12, 128, 16256, 4);    /* the bench's shape: all visible */
+    test_attention_refs(32, 8, 64, 64, 6000, LENS_FULL, 60, 200, 4000, 8);    /* hd 64, many row tiles */
     fprintf(stderr, "attention, decode:\n");
     const uint32_t ctxs[] = {1, 63, 64, 65, 1000, 4097, 20000};
     for (size_t i = 0; i < sizeof ctxs / sizeof ctxs[0]; i++)
@@ -838,6 +959,8 @@ static void test_attention(void)
     test_attention_case(8, 1, 64, 48, 2500, 1, VIEW_SPARSE, 0);    /* G = 8 at hd 64, B not a power of 2 */
     test_attention_case(32, 8, 128, 64, 1, 1, VIEW_ALL, 0);        /* one key */
     test_attention_case(8, 8, 128, 64, 4000, 1, VIEW_ALL, 0);      /* MHA: 1 row per KV head */
+    test_attention_refs(32, 8, 128, 64, 5000, LENS_8, 40, 1, 2500, 4);        /* small refs, decode */
+    test_attention_refs(32, 8, 128, 64, 5000, LENS_MIXED, 40, 2, 4990, 4);
 
     /* what the kernels cannot do is refused */
     struct tkv_kv_head_view v = {0};
