@@ -133,11 +133,12 @@ static tkv_status hetero_init(tkv_session *s, const struct tkv_session_params *p
     s->lse_mrg = malloc(hp->n_head * sizeof(float));
     if (!s->host_ok || !s->hviews || !s->hrefs || !s->ref_host || !s->att_mrg || !s->lse_mrg)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
-    if (p->hetero == TKV_HETERO_AUTO && s->cpu_flops == 0) {
+    if (p->hetero == TKV_HETERO_AUTO && s->cpu_flops == 0) { /* measured: the verification's cost too */
         tkv_status st = tkv_hetero_measure_cpu(s->be_cpu, hp->n_head_kv, hp->n_head / hp->n_head_kv, hp->head_dim,
                                                s->kv_block, &s->cpu_flops);
         if (st != TKV_OK)
             return tkv_err_wrap(st, "session: measuring the CPU's attention rate");
+        s->crc_bps = tkv_hetero_measure_crc() * tkv_kvs_verify_threads(s->kv);
     }
     return TKV_OK;
 }
@@ -508,7 +509,7 @@ static bool hetero_plan(tkv_session *s, uint32_t layer, const int *plan)
         if (blocks == 0)
             continue;
         if (s->hetero == TKV_HETERO_CPU ||
-            tkv_hetero_prefer_cpu(blocks, tokens, bytes, G, s->hp.head_dim, s->link_bps, s->cpu_flops)) {
+            tkv_hetero_prefer_cpu(blocks, tokens, bytes, G, s->hp.head_dim, s->link_bps, s->cpu_flops, s->crc_bps)) {
             s->het_cpu_heads++;
             s->het_cpu_blocks += blocks;
             s->het_cpu_tokens += tokens;
@@ -853,11 +854,11 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
      * blocks the CPU attended or that were recalled, per decode step */
     static const char *const modes[] = {"auto", "recall", "cpu"};
     const double steps = s->decode_tokens ? (double)s->decode_tokens : 1.0;
-    OUT(" \"hetero\": {\"mode\": \"%s\", \"active\": %s, \"link_gbs\": %.3f, \"cpu_gflops\": %.3f, "
+    OUT(" \"hetero\": {\"mode\": \"%s\", \"active\": %s, \"link_gbs\": %.3f, \"cpu_gflops\": %.3f, \"crc_gbs\": %.3f, "
         "\"cpu_heads\": %llu, \"cpu_blocks\": %llu, \"cpu_tokens\": %llu, \"recall_heads\": %llu, "
         "\"recall_blocks\": %llu, \"host_read_blocks\": %llu,\n  \"per_step\": {\"cpu_heads\": %.3f, "
         "\"cpu_tokens\": %.3f, \"recall_heads\": %.3f, \"recall_blocks\": %.3f}},\n",
-        modes[s->hetero], s->be_cpu ? "true" : "false", s->link_bps / 1e9, s->cpu_flops / 1e9,
+        modes[s->hetero], s->be_cpu ? "true" : "false", s->link_bps / 1e9, s->cpu_flops / 1e9, s->crc_bps / 1e9,
         (unsigned long long)s->het_cpu_heads, (unsigned long long)s->het_cpu_blocks,
         (unsigned long long)s->het_cpu_tokens, (unsigned long long)s->het_recall_heads,
         (unsigned long long)s->het_recall_blocks, (unsigned long long)ks.host_read_blocks,

@@ -33,18 +33,25 @@ void tkv_attn_merge_ref(float *o, float *lse, const float *o2, const float *lse2
 
 /* The cost model, per KV head and step: the head's selected blocks in the
  * host tier either go up the link (recall_s = blocks * block_bytes /
- * link_bps) or the CPU reads the selected tokens of them (cpu_s = tokens *
- * G * head_dim * 4 / cpu_flops: q.k and p.v, a multiply and an add each,
- * for each of the G query heads of the KV head). True: the CPU is cheaper.
- * Blocks whose only copy is on NVMe are recalled either way and are not
- * counted; blocks already in the compute tier cost neither. */
+ * link_bps; the device verifies them as they land) or the CPU reads the
+ * selected tokens of them (cpu_s = tokens * G * head_dim * 4 / cpu_flops:
+ * q.k and p.v, a multiply and an add each, for each of the G query heads of
+ * the KV head) after verifying the whole blocks (+ blocks * block_bytes /
+ * crc_bps; crc_bps = 0 leaves that out). True: the CPU is cheaper. Blocks
+ * whose only copy is on NVMe are recalled either way and are not counted;
+ * blocks already in the compute tier cost neither. */
 static inline bool tkv_hetero_prefer_cpu(uint64_t host_blocks, uint64_t host_tokens, uint32_t block_bytes,
-                                         uint32_t group, uint32_t head_dim, double link_bps, double cpu_flops)
+                                         uint32_t group, uint32_t head_dim, double link_bps, double cpu_flops,
+                                         double crc_bps)
 {
     const double recall_s = (double)host_blocks * block_bytes / link_bps;
-    const double cpu_s = (double)host_tokens * group * head_dim * 4.0 / cpu_flops;
+    const double cpu_s = (double)host_tokens * group * head_dim * 4.0 / cpu_flops +
+                         (crc_bps > 0 ? (double)host_blocks * block_bytes / crc_bps : 0.0);
     return cpu_s < recall_s;
 }
+
+/* CRC-32C bytes/s on the calling thread (a few MiB, best of 3; ~1 ms). */
+double tkv_hetero_measure_crc(void);
 
 /* Default link rate of the cost model (bytes/s) when the session is not
  * given one: pinned host -> H200 over PCIe 5 as the store's recalls reach it

@@ -88,6 +88,8 @@ struct tkv_session {
                                         device, or TKV_HETERO_RECALL) */
     enum tkv_hetero hetero;
     double link_bps, cpu_flops;      /* the cost model's rates */
+    double crc_bps;                  /* host-read verification: one thread's CRC-32C rate times the
+                                        store's verifying threads (0 with given rates: not counted) */
     uint8_t *host_ok;                /* host [n_head_kv][max blocks]: may stay on the host tier */
     bool hsplit;                     /* this layer has blocks read on the host tier */
     struct tkv_kv_head_view *hviews; /* host [Hkv]: the CPU's part of the selection */

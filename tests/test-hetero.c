@@ -154,13 +154,15 @@ static void test_merge(void)
 }
 
 /* The cost model's arithmetic: 10 blocks of 32 KiB over 40 GB/s is 8.2 us;
- * 640 tokens x 4 heads x 128 x 4 flops at 200 GFLOP/s is 6.6 us: CPU. */
+ * 640 tokens x 4 heads x 128 x 4 flops at 200 GFLOP/s is 6.6 us: CPU;
+ * verifying the 328 KB at 100 GB/s adds 3.3 us: recall. */
 static void test_cost_model(void)
 {
-    CHECK(tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 200e9), "the CPU is cheaper here");
-    CHECK(!tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 100e9), "the recall is cheaper here");
-    CHECK(tkv_hetero_prefer_cpu(10, 160, 32768, 4, 128, 40e9, 100e9), "a quarter of the tokens: the CPU");
-    CHECK(!tkv_hetero_prefer_cpu(0, 0, 32768, 4, 128, 40e9, 100e9), "nothing to move: no CPU part");
+    CHECK(tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 200e9, 0), "the CPU is cheaper here");
+    CHECK(!tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 200e9, 100e9), "with the checksums: the recall");
+    CHECK(!tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 100e9, 0), "the recall is cheaper here");
+    CHECK(tkv_hetero_prefer_cpu(10, 160, 32768, 4, 128, 40e9, 100e9, 0), "a quarter of the tokens: the CPU");
+    CHECK(!tkv_hetero_prefer_cpu(0, 0, 32768, 4, 128, 40e9, 100e9, 0), "nothing to move: no CPU part");
 }
 
 /* ---- 2: the store's split begin ------------------------------------------------------------ */

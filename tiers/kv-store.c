@@ -1487,6 +1487,8 @@ void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 
 uint32_t tkv_kvs_block_bytes(const struct tkv_kvs *s) { return s->S; }
 
+uint32_t tkv_kvs_verify_threads(const struct tkv_kvs *s) { return s->crc_pool ? tkv_pool_size(s->crc_pool) : 1; }
+
 int tkv_kvs_block_tier(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
 {
     if (layer >= s->p.n_layer || head >= s->p.n_head_kv || b >= s->max_blocks)

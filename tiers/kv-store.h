@@ -144,6 +144,8 @@ struct tkv_kv_head_view tkv_kvs_host_view(const struct tkv_kvs *s, uint32_t laye
 void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t pos, uint16_t **k, uint16_t **v);
 
 uint32_t tkv_kvs_block_bytes(const struct tkv_kvs *s);
+/* Threads that verify a batch of blocks read from below (1: the caller's). */
+uint32_t tkv_kvs_verify_threads(const struct tkv_kvs *s);
 
 /* Copies the payload of block b of (layer, head) into dst (host, S bytes),
  * from whichever tier holds it (verified when it comes from below). */
