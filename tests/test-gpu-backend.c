@@ -848,7 +848,8 @@ static void kv_make_refs(struct kv_fixture *f, uint32_t Hkv, uint32_t hd, uint32
         uint32_t kh = 0, kd = 0;
         for (uint32_t t = 0; t < n_tokens;) {
             const uint32_t b = t / B, row = t % B;
-            const uint32_t n = TKV_MIN(TKV_MIN(draw_len(lens, row), B - row), n_tokens - t);
+            const uint32_t want = draw_len(lens, row); /* once: TKV_MIN evaluates its arguments twice */
+            const uint32_t n = TKV_MIN(TKV_MIN(want, B - row), n_tokens - t);
             if (test_rand_u64(&rng) % 100 < keep_pct) {
                 const size_t o = (((size_t)h * nb + b) * 2) * B * hd + (size_t)row * hd;
                 /* a ref of no rows first, on the device side only (the CPU
