@@ -44,7 +44,7 @@ struct tkv_kvs_params {
     uint64_t nvme_bytes;      /* NVMe tier capacity; 0 = the whole context */
     const char *pci_bus_id;   /* GPU's bus id for NUMA placement, or NULL */
     uint32_t upload_piece_bytes; /* host -> GPU recalls are queued in pieces this
-                                    large while the rest is prepared; 0 = 32 MiB */
+                                    large while the rest is prepared; 0 = 128 MiB */
 };
 
 enum tkv_tier { TKV_TIER_COMPUTE = 0, TKV_TIER_HOST = 1, TKV_TIER_NVME = 2, TKV_TIER_COUNT = 3 };
