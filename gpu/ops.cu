@@ -129,6 +129,28 @@ __global__ void f32_to_f16_kernel(const float *x, __half *y, size_t count)
 
 constexpr int GEMV_WARPS = 8;
 
+/* acc[i] += the dot product of 8 f16 weights (raw) with the 8 activations
+ * of token i at index 8k .. 8k+7: the arithmetic both GEMV kernels share. */
+template <int NT>
+__device__ __forceinline__ void gemv_dot8(const uint4 raw, const float *x, uint32_t n_in, uint32_t k, float *acc)
+{
+    const __half2 *h2 = (const __half2 *)&raw;
+    float wf[8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float2 f = __half22float2(h2[j]);
+        wf[2 * j] = f.x;
+        wf[2 * j + 1] = f.y;
+    }
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        const float4 *xr = (const float4 *)(x + (size_t)i * n_in) + 2 * k;
+        const float4 a = __ldg(xr), b = __ldg(xr + 1);
+        acc[i] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y + wf[6] * b.z +
+                  wf[7] * b.w;
+    }
+}
+
 template <int NT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_kernel(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out)
@@ -143,24 +165,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #pragma unroll
     for (int i = 0; i < NT; i++)
         acc[i] = 0.0f;
-    for (uint32_t k = lane; k < n8; k += 32) {
-        const uint4 raw = __ldg(w8 + k);
-        const __half2 *h2 = (const __half2 *)&raw;
-        float wf[8];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 f = __half22float2(h2[j]);
-            wf[2 * j] = f.x;
-            wf[2 * j + 1] = f.y;
-        }
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            const float4 *xr = (const float4 *)(x + (size_t)i * n_in) + 2 * k;
-            const float4 a = __ldg(xr), b = __ldg(xr + 1);
-            acc[i] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
-                      wf[6] * b.z + wf[7] * b.w;
-        }
-    }
+    for (uint32_t k = lane; k < n8; k += 32)
+        gemv_dot8<NT>(__ldg(w8 + k), x, n_in, k, acc);
 #pragma unroll
     for (int i = 0; i < NT; i++) {
         const float s = tkv_warp_sum(acc[i]);
@@ -232,21 +238,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
                 const uint32_t k = k0 + u * T;
                 if (k >= n8)
                     break;
-                const __half2 *h2 = (const __half2 *)&raw[u];
-                float wf[8];
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = __half22float2(h2[j]);
-                    wf[2 * j] = f.x;
-                    wf[2 * j + 1] = f.y;
-                }
-#pragma unroll
-                for (int i = 0; i < NT; i++) {
-                    const float4 *xr = (const float4 *)(x + (size_t)i * n_in) + 2 * k;
-                    const float4 a = __ldg(xr), b = __ldg(xr + 1);
-                    acc[i] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w + wf[4] * b.x + wf[5] * b.y +
-                              wf[6] * b.z + wf[7] * b.w;
-                }
+                gemv_dot8<NT>(raw[u], x, n_in, k, acc);
             }
         }
     }

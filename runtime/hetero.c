@@ -119,14 +119,15 @@ double tkv_hetero_measure_crc(void)
     for (size_t i = 0; i < BYTES; i++)
         buf[i] = (uint8_t)(i * 131u >> 3);
     double best = INFINITY;
-    uint32_t acc = 0;
+    volatile uint32_t sink; /* the sums are stored, so they are computed */
     for (int rep = 0; rep < 4; rep++) {
         const double t0 = tkv_now_seconds();
-        acc ^= tkv_crc32c(acc, buf, BYTES);
+        sink = tkv_crc32c(0, buf, BYTES);
         const double dt = tkv_now_seconds() - t0;
         if (rep > 0 && dt < best)
             best = dt;
     }
+    (void)sink;
     free(buf);
-    return acc == 0xFFFFFFFFu && best == 0 ? 0 : BYTES / (best > 0 ? best : 1e-9); /* (acc: the sums are used) */
+    return BYTES / (best > 0 ? best : 1e-9);
 }

@@ -349,17 +349,8 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
 
 static void test_engine(void)
 {
-    char path[] = "/tmp/tkv-policy-backend-XXXXXX";
-    int fd = mkstemp(path);
-    REQUIRE_VOID(fd >= 0);
-    close(fd);
-    struct ref_model rm;
-    write_model(path, TKV_TYPE_F32, &rm);
-    ref_free(&rm);
-    tkv_model *m = NULL;
-    tkv_status st = tkv_model_load(path, &m);
-    unlink(path);
-    REQUIRE_VOID(st == TKV_OK);
+    tkv_model *m = tiny_model_load(TKV_TYPE_F32);
+    REQUIRE_VOID(m != NULL);
     tkv_backend_set_test_factory(opaque_create);
     tkv_token prompt[NP];
     for (int i = 0; i < NP; i++)
@@ -381,7 +372,7 @@ static void test_engine(void)
     };
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
         const uint64_t calls0 = opaque_stats_calls, rq0 = opaque_rabitq_calls;
-        st = run_session(m, "cpu", specs[i], prompt, t_cpu, l_cpu, &read_cpu);
+        tkv_status st = run_session(m, "cpu", specs[i], prompt, t_cpu, l_cpu, &read_cpu);
         CHECK(st == TKV_OK, "cpu %s: %s", specs[i], tkv_last_error());
         st = run_session(m, "opaque", specs[i], prompt, t_opq, l_opq, &read_opq);
         CHECK(st == TKV_OK, "opaque %s: %s", specs[i], tkv_last_error());

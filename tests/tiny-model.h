@@ -11,8 +11,10 @@
 #include "runtime/gguf.h"
 #include "test.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 enum { L = 2, E = 64, H = 4, HKV = 2, HD = 16, F = 96, V = 40, ROT = 16, CTX = 128 };
 #define ROPE_BASE 10000.0f
@@ -128,6 +130,27 @@ static void ref_free(struct ref_model *rm)
     for (int l = 0; l < L; l++)
         free(rm->attn_norm[l]), free(rm->wq[l]), free(rm->wk[l]), free(rm->wv[l]), free(rm->wo[l]),
             free(rm->ffn_norm[l]), free(rm->wg[l]), free(rm->wu[l]), free(rm->wd[l]);
+}
+
+/* The tiny model with weights of type wtype, written to a private temporary
+ * file, loaded and the file removed; NULL (with a failed check) on error.
+ * For tests that need the model but not its reference weights. */
+static inline tkv_model *tiny_model_load(uint32_t wtype)
+{
+    char path[] = "/tmp/tkv-tiny-model-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp: %s", strerror(errno));
+    if (fd < 0)
+        return NULL;
+    close(fd);
+    struct ref_model rm;
+    write_model(path, wtype, &rm);
+    ref_free(&rm);
+    tkv_model *m = NULL;
+    const tkv_status st = tkv_model_load(path, &m);
+    unlink(path);
+    CHECK(st == TKV_OK, "load the tiny model: %s", tkv_last_error());
+    return st == TKV_OK ? m : NULL;
 }
 
 #endif

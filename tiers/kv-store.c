@@ -72,6 +72,26 @@ struct up_batch {
 #define MAX_PREFETCH 2  /* prefetches in flight: the next layer's while the
                            current one is settled, and one more */
 
+/* The lists of a batch, for up to n blocks (a layer's). */
+static bool up_batch_alloc(struct up_batch *ub, size_t n)
+{
+    ub->dst = malloc(n * sizeof *ub->dst);
+    ub->src = malloc(n * sizeof *ub->src);
+    ub->idx = malloc(n * sizeof *ub->idx);
+    ub->bad = malloc(n * sizeof *ub->bad);
+    ub->crc = malloc(n * sizeof *ub->crc);
+    return ub->dst && ub->src && ub->idx && ub->bad && ub->crc;
+}
+
+static void up_batch_free(struct up_batch *ub)
+{
+    free(ub->dst);
+    free(ub->src);
+    free(ub->idx);
+    free(ub->bad);
+    free(ub->crc);
+}
+
 struct io_op {
     uint32_t blk;
     bool     write;
@@ -131,6 +151,15 @@ struct tkv_kvs {
 };
 
 /* ---- small helpers ------------------------------------------------------------ */
+
+/* The view entry of block b whose payload (K then V) is at p, or an entry
+ * without pointers (p NULL: the block is not read from there). */
+static struct tkv_kv_block_ref block_ref(const struct tkv_kvs *s, uint32_t b, uint8_t *p)
+{
+    const uint32_t B = s->p.block_tokens;
+    return (struct tkv_kv_block_ref){.k = (uint16_t *)p, .v = p ? (uint16_t *)p + (size_t)B * s->p.head_dim : NULL,
+                                     .pos0 = (int32_t)(b * B), .n = TKV_MIN(B, s->length - b * B)};
+}
 
 
 static uint32_t blk_index(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
@@ -900,7 +929,6 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
                 ub->src[k] = s->ops[r].buf;
                 ub->dst[k++] = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[bi].slot[TKV_TIER_COMPUTE]);
             }
-            ub->ticket = 0;
             tkv_status u = upload_batch(s, k);
             tkv_status w = s->be->ops->upload_wait(s->be, ub->ticket, true, NULL); /* the staging buffer is reused */
             st = st != TKV_OK ? st : u != TKV_OK ? u : w;
@@ -1085,17 +1113,12 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->async_up = !p->compute_is_host && bo->upload_blocks && bo->upload_fence && bo->upload_wait;
     s->up_piece = TKV_MAX((p->upload_piece_bytes ? p->upload_piece_bytes : UP_PIECE_BYTES) / s->S, 1u);
     if (s->async_up) {
-        for (uint32_t j = 0; j <= MAX_PREFETCH; j++) {
-            struct up_batch *ub = j < MAX_PREFETCH ? &s->pf[j] : &s->dm;
-            ub->dst = malloc(layer_blocks * sizeof *ub->dst);
-            ub->src = malloc(layer_blocks * sizeof *ub->src);
-            ub->idx = malloc(layer_blocks * sizeof *ub->idx);
-            ub->bad = malloc(layer_blocks * sizeof *ub->bad);
-            ub->crc = malloc(layer_blocks * sizeof *ub->crc);
-            if (!ub->dst || !ub->src || !ub->idx || !ub->bad || !ub->crc) {
-                st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the upload lists");
-                goto fail;
-            }
+        bool ok = up_batch_alloc(&s->dm, layer_blocks);
+        for (uint32_t j = 0; j < MAX_PREFETCH; j++)
+            ok = up_batch_alloc(&s->pf[j], layer_blocks) && ok;
+        if (!ok) {
+            st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the upload lists");
+            goto fail;
         }
         /* checksums at the link's rate: one CRC-32C thread does ~10-20 GB/s,
          * PCIe 5 carries ~50 */
@@ -1139,14 +1162,9 @@ void tkv_kvs_free(struct tkv_kvs *s)
         s->be->ops->host_unregister(s->be, s->staging);
     if (s->crc_pool)
         tkv_pool_free(s->crc_pool);
-    for (uint32_t j = 0; j <= MAX_PREFETCH; j++) {
-        struct up_batch *ub = j < MAX_PREFETCH ? &s->pf[j] : &s->dm;
-        free(ub->dst);
-        free(ub->src);
-        free(ub->idx);
-        free(ub->bad);
-        free(ub->crc);
-    }
+    up_batch_free(&s->dm);
+    for (uint32_t j = 0; j < MAX_PREFETCH; j++)
+        up_batch_free(&s->pf[j]);
     if (s->io) {
         prefetch_drain(s);
         tkv_io_file_close(s->file);
@@ -1325,12 +1343,8 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
             uint8_t *p = NEEDED(h, b) && !on_host ? slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]) : NULL;
             uint8_t *hp = on_host ? slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]) : NULL;
             const size_t r = (size_t)h * s->max_blocks + b;
-            s->refs[r] = (struct tkv_kv_block_ref){
-                .k = (uint16_t *)p, .v = p ? (uint16_t *)p + (size_t)B * s->p.head_dim : NULL,
-                .pos0 = (int32_t)(b * B), .n = TKV_MIN(B, s->length - b * B)};
-            s->host_refs[r] = (struct tkv_kv_block_ref){
-                .k = (uint16_t *)hp, .v = hp ? (uint16_t *)hp + (size_t)B * s->p.head_dim : NULL,
-                .pos0 = (int32_t)(b * B), .n = TKV_MIN(B, s->length - b * B)};
+            s->refs[r] = block_ref(s, b, p);
+            s->host_refs[r] = block_ref(s, b, hp);
         }
     if (n_host_out)
         *n_host_out = n_host;
