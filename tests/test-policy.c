@@ -4,11 +4,14 @@
  * Dynamic (EntropyInfer); CritiPrefill selects the blocks the segment's
  * queries point at; SnapKV keeps a needle the observation window attends
  * to; AdaKV's per-head budgets sum to the total and follow the scores;
- * StreamingLLM keeps sinks and a window; spec parsing names what is wrong.
+ * StreamingLLM keeps sinks and a window; spec parsing names what is wrong;
+ * the O(n) top-k equals its sort-based reference on random scores.
  */
 #include "runtime/policy/policy.h"
 #include "test.h"
 
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -282,6 +285,36 @@ static void test_streaming_and_specs(void)
           tkv_policy_names());
 }
 
+/* ---- top-k: quickselect vs the sort ------------------------------------------------------ */
+
+static void test_top_k(void)
+{
+    enum { N = 5000 };
+    static float x[N];
+    static uint32_t a[N], b[N];
+    uint32_t cases = 0, differ = 0;
+    for (uint32_t round = 0; round < 200; round++) {
+        const uint32_t n = 1 + (uint32_t)(test_rand_u64(&rng) % N);
+        /* 0: distinct values, 1: few levels (ties), 2: constant, 3: sorted ramps */
+        const uint32_t kind = round % 4, levels = 1 + (uint32_t)(test_rand_u64(&rng) % 7);
+        for (uint32_t i = 0; i < n; i++) {
+            const float u = test_rand_f32(&rng, 0.0f, 1.0f);
+            x[i] = kind == 0 ? u : kind == 1 ? (float)(uint32_t)(u * (float)levels) : kind == 2 ? 0.25f
+                                                                                      : (float)(i % 97);
+        }
+        if (round % 10 == 9)
+            x[test_rand_u64(&rng) % n] = NAN; /* counts as -inf in both */
+        const uint32_t ks[] = {0, 1, n / 2, n - 1, n, n + 3, (uint32_t)(test_rand_u64(&rng) % (n + 1))};
+        for (size_t j = 0; j < sizeof ks / sizeof *ks; j++) {
+            const uint32_t ma = tkv_policy_top_k(x, n, ks[j], a), mb = tkv_policy_top_k_ref(x, n, ks[j], b);
+            cases++;
+            differ += ma != mb || ma != TKV_MIN(ks[j], n) || memcmp(a, b, ma * sizeof *a) != 0;
+        }
+    }
+    CHECK(differ == 0, "top-k: %u of %u cases differ from the sort", differ, cases);
+    printf("top-k: %u cases (distinct, tied, constant, ramps, NaN) equal the sort\n", cases);
+}
+
 int main(void)
 {
     rng = test_seed();
@@ -290,5 +323,6 @@ int main(void)
     test_snapkv_needle();
     test_adakv_allocation();
     test_streaming_and_specs();
+    test_top_k();
     return test_done();
 }

@@ -14,6 +14,7 @@
 #include "tierkv.h"
 #include "eval.h"
 #include "runtime/backend.h" /* tkv_backend_cuda_devices */
+#include "runtime/kv-synth.h" /* tkv_session_backend: the op profile */
 
 #include <errno.h>
 #include <limits.h>
@@ -475,6 +476,11 @@ static int cmd_run(int argc, char **argv)
         if (o.stats)
             fprintf(stderr, "prompt %zu tokens, generated %u tokens, seed %llu\n%s\n", n_prompt, generated,
                     (unsigned long long)smp_p.seed, json);
+        /* TKV_CUDA_PROFILE=1: the whole run's ops (docs/gpu.md, "Op profile") */
+        struct tkv_backend *be = tkv_session_backend(s);
+        struct tkv_op_profile prof;
+        if (o.stats && be->ops->profile_read && be->ops->profile_read(be, &prof) == TKV_OK)
+            tkv_op_profile_print("tierkv run (prefill and decode)", &prof, 0);
         if (o.stats_json) {
             FILE *f = fopen(o.stats_json, "w");
             if (!f || fprintf(f, "%s\n", json) < 0 || fclose(f) != 0) {

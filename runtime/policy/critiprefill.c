@@ -24,7 +24,7 @@ struct critiprefill {
     uint32_t p_layer, p_past, p_nq; /* the segment P was scored for  */
     uint32_t *n_prev;         /* [n_head_kv] valid entries        */
     uint32_t *prev_layer, *prev_seg; /* [n_head_kv] what prev holds */
-    uint32_t *idx;            /* [max_blocks]                     */
+    uint32_t *idx;            /* [max_blocks] + top-k scratch [2 max_blocks] */
     uint32_t max_blocks;
 };
 
@@ -65,7 +65,7 @@ static tkv_status crit_create(const struct tkv_policy_env *env, const struct tkv
     c->n_prev = calloc(env->n_head_kv, sizeof *c->n_prev);
     c->prev_layer = calloc(env->n_head_kv, sizeof *c->prev_layer);
     c->prev_seg = calloc(env->n_head_kv, sizeof *c->prev_seg);
-    c->idx = malloc(c->max_blocks * sizeof *c->idx);
+    c->idx = malloc((size_t)3 * c->max_blocks * sizeof *c->idx);
     if (!c->P || !c->prev || !c->n_prev || !c->prev_layer || !c->prev_seg || !c->idx) {
         crit_destroy(c);
         return tkv_err(TKV_ERR_NOMEM, "policy 'critiprefill': out of memory");
@@ -103,7 +103,7 @@ static int crit_prefill(void *state, const struct tkv_policy_view *v, uint32_t h
     c->n_prev[head] = nb;
     c->prev_layer[head] = v->layer;
     c->prev_seg[head] = seg_start;
-    const uint32_t k = tkv_policy_top_k(P, nb, c->budget / c->block, c->idx);
+    const uint32_t k = tkv_policy_top_k_scratch(P, nb, c->budget / c->block, c->idx, c->idx + c->max_blocks);
     return (int)tkv_policy_block_ranges(c->idx, k, c->block, out, cap);
 }
 

@@ -54,7 +54,7 @@ struct entropy {
     uint32_t *n_sel;                  /* [head]; UINT32_MAX = dense */
     uint32_t max_ranges;
     float *P;                         /* [head][max_blocks] this segment's distributions */
-    uint32_t *idx;                    /* [max_blocks] */
+    uint32_t *idx;                    /* [max_blocks] + top-k scratch [2 max_blocks] */
     uint32_t max_blocks;
     /* decode */
     float *obs;                       /* [layer][window/2][QD] last prompt queries */
@@ -140,7 +140,7 @@ static tkv_status ent_create(const struct tkv_policy_env *env, const struct tkv_
     e->sel = malloc(H * e->max_ranges * sizeof *e->sel);
     e->n_sel = malloc(H * sizeof *e->n_sel);
     e->P = malloc(H * e->max_blocks * sizeof *e->P);
-    e->idx = malloc(e->max_blocks * sizeof *e->idx);
+    e->idx = malloc((size_t)3 * e->max_blocks * sizeof *e->idx);
     e->obs = malloc(L * (p.window / 2) * QD * sizeof *e->obs);
     e->gen = malloc(L * p.window * QD * sizeof *e->gen);
     e->gen_pos = malloc(L * p.window * sizeof *e->gen_pos);
@@ -225,7 +225,8 @@ static void select_segment(struct entropy *e, const struct tkv_policy_view *v)
     for (uint32_t g = 0; g < H; g++) {
         if (nb[g] == 0)
             continue;
-        const uint32_t k = tkv_policy_top_k(e->P + (size_t)g * e->max_blocks, nb[g], e->faithful ? k_max : kc[g], e->idx);
+        const uint32_t k = tkv_policy_top_k_scratch(e->P + (size_t)g * e->max_blocks, nb[g], e->faithful ? k_max : kc[g],
+                                                            e->idx, e->idx + e->max_blocks);
         e->n_sel[g] = tkv_policy_block_ranges(e->idx, k, e->block, e->sel + (size_t)g * e->max_ranges, e->max_ranges);
     }
 }

@@ -171,7 +171,7 @@ static int cmp_u32(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-uint32_t tkv_policy_top_k(const float *x, uint32_t n, uint32_t k, uint32_t *idx)
+uint32_t tkv_policy_top_k_ref(const float *x, uint32_t n, uint32_t k, uint32_t *idx)
 {
     if (k >= n) {
         for (uint32_t i = 0; i < n; i++)
@@ -182,13 +182,92 @@ uint32_t tkv_policy_top_k(const float *x, uint32_t n, uint32_t k, uint32_t *idx)
     if (!s)
         return 0;
     for (uint32_t i = 0; i < n; i++)
-        s[i] = (struct scored){x[i], i};
+        s[i] = (struct scored){isnan(x[i]) ? -INFINITY : x[i], i};
     qsort(s, n, sizeof *s, cmp_scored);
     for (uint32_t i = 0; i < k; i++)
         idx[i] = s[i].i;
     free(s);
     qsort(idx, k, sizeof *idx, cmp_u32);
     return k;
+}
+
+/* A float's bits as an unsigned key that sorts DESCENDING with the value
+ * (largest -> 0): NaN is taken as -inf and -0 as +0, as the scans below
+ * compare them. */
+static uint32_t desc_key(float f)
+{
+    if (isnan(f))
+        f = -INFINITY;
+    if (f == 0.0f)
+        f = 0.0f;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return ~(u & 0x80000000u ? ~u : u | 0x80000000u);
+}
+
+/* The key of rank r (0 = largest value) among key[0..n), r < n: a radix
+ * select in three rounds of 11, 11 and 10 bits, each a histogram of the
+ * keys still in the running and a filter of them to the bin that holds
+ * rank r (cand: n words of scratch). O(n), branch-free passes. */
+static uint32_t rank_key(const uint32_t *key, uint32_t n, uint32_t r, uint32_t *cand)
+{
+    static const uint32_t shift[3] = {21, 10, 0}, bits[3] = {11, 11, 10};
+    const uint32_t *in = key;
+    uint32_t m = n;
+    for (int round = 0; round < 3; round++) {
+        uint32_t hist[2048] = {0};
+        const uint32_t mask = (1u << bits[round]) - 1;
+        for (uint32_t i = 0; i < m; i++)
+            hist[(in[i] >> shift[round]) & mask]++;
+        uint32_t bin = 0;
+        while (r >= hist[bin])
+            r -= hist[bin++];
+        uint32_t w = 0;
+        for (uint32_t i = 0; i < m; i++) {
+            const uint32_t k = in[i];
+            cand[w] = k;
+            w += ((k >> shift[round]) & mask) == bin;
+        }
+        m = w;
+        in = cand;
+    }
+    return cand[0];
+}
+
+uint32_t tkv_policy_top_k(const float *x, uint32_t n, uint32_t k, uint32_t *idx)
+{
+    if (k >= n || k == 0)
+        return tkv_policy_top_k_scratch(x, n, k, idx, NULL);
+    uint32_t *key = malloc((size_t)2 * n * sizeof *key);
+    if (!key)
+        return 0;
+    const uint32_t m = tkv_policy_top_k_scratch(x, n, k, idx, key);
+    free(key);
+    return m;
+}
+
+uint32_t tkv_policy_top_k_scratch(const float *x, uint32_t n, uint32_t k, uint32_t *idx, uint32_t *key)
+{
+    if (k >= n) {
+        for (uint32_t i = 0; i < n; i++)
+            idx[i] = i;
+        return n;
+    }
+    if (k == 0)
+        return 0;
+    for (uint32_t i = 0; i < n; i++)
+        key[i] = desc_key(x[i]);
+    const uint32_t t = rank_key(key, n, k - 1, key + n); /* the k-th largest value's key */
+    /* everything above it, then ties by ascending index, in one ascending
+     * scan: the first k of (score desc, index asc), sorted by index */
+    uint32_t above = 0;
+    for (uint32_t i = 0; i < n; i++)
+        above += key[i] < t;
+    uint32_t m = 0, ties = k - above;
+    for (uint32_t i = 0; i < n && m < k; i++)
+        if (key[i] < t || (key[i] == t && ties > 0 && ties--))
+            idx[m++] = i;
+    return m;
 }
 
 int tkv_policy_ranges(const uint32_t *pos, uint32_t n, uint32_t tail_begin, uint32_t tail_end, struct tkv_range *out,

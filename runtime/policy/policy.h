@@ -170,8 +170,17 @@ tkv_status tkv_policy_window_scores(const struct tkv_policy_view *v, const struc
  * k/2, in place (tmp: n floats). */
 void tkv_policy_pool(float *x, float *tmp, uint32_t n, uint32_t k, char kind);
 
-/* Indices of the k largest of x[n] (ties: lower index), sorted ascending. */
+/* Indices of the k largest of x[n] (ties: lower index; NaN counts as
+ * -inf), sorted ascending; returns min(k, n), or 0 when out of memory.
+ * O(n) (a radix select of the k-th value, then one scan): the
+ * segment policies call it per (layer, segment, head) over up to n_ctx / 8
+ * blocks. tkv_policy_top_k_ref is the sort-based reference the tests hold
+ * it to. */
 uint32_t tkv_policy_top_k(const float *x, uint32_t n, uint32_t k, uint32_t *idx);
+/* The same with the caller's scratch of 2 n words (no allocation: the
+ * per-segment callers keep one). */
+uint32_t tkv_policy_top_k_scratch(const float *x, uint32_t n, uint32_t k, uint32_t *idx, uint32_t *scratch);
+uint32_t tkv_policy_top_k_ref(const float *x, uint32_t n, uint32_t k, uint32_t *idx);
 
 /* Sorted positions -> ranges (merging neighbours); appends [tail_begin,
  * tail_end) when non-empty. Returns the count (<= cap). */
