@@ -5,6 +5,7 @@
  *
  * SEGMENT, three launches:
  *   seg_qmid     midrange query qmid[h][c] = (max_t q + min_t q) / 2, f32
+ *                (32 columns x 8 row slices per CTA)
  *   seg_scores   one warp per key block j of KV head g: element-wise max/min
  *                of the block's keys into shared memory, then per query head
  *                of the group (one lane each) the f64 dot products with qmid
@@ -47,17 +48,32 @@ __device__ __forceinline__ float f16_at(const uint16_t *p) { return __half2float
 
 /* ---- SEGMENT ------------------------------------------------------------------------ */
 
-/* policy-util.c: "midrange query of the segment, per query head" */
+/* policy-util.c: "midrange query of the segment, per query head".
+ * CTA (32 columns, QM_ROWS row slices): each thread folds rows ty,
+ * ty + QM_ROWS, ... of its column, then the slices meet in shared memory.
+ * max/min are exact in any order, so this equals the reference's row loop;
+ * one thread per column (16 CTAs at 32 query heads x 128) waited on 512
+ * dependent loads per call. */
+constexpr int QM_ROWS = 8;
+
 __global__ void seg_qmid(const float *__restrict__ q, uint32_t n_q, uint32_t QD, float *__restrict__ qmid)
 {
-    const uint32_t x = blockIdx.x * blockDim.x + threadIdx.x;
-    if (x >= QD)
-        return;
+    __shared__ float smx[QM_ROWS][32], smn[QM_ROWS][32];
+    const uint32_t tx = threadIdx.x % 32, ty = threadIdx.x / 32, x = blockIdx.x * 32 + tx;
     float mx = -INFINITY, mn = INFINITY;
-    for (uint32_t t = 0; t < n_q; t++) {
-        const float v = q[(size_t)t * QD + x];
-        mx = v > mx ? v : mx;
-        mn = v < mn ? v : mn;
+    if (x < QD)
+        for (uint32_t t = ty; t < n_q; t += QM_ROWS) {
+            const float v = q[(size_t)t * QD + x];
+            mx = v > mx ? v : mx;
+            mn = v < mn ? v : mn;
+        }
+    smx[ty][tx] = mx, smn[ty][tx] = mn;
+    __syncthreads();
+    if (ty != 0 || x >= QD)
+        return;
+    for (int r = 1; r < QM_ROWS; r++) {
+        mx = smx[r][tx] > mx ? smx[r][tx] : mx;
+        mn = smn[r][tx] < mn ? smn[r][tx] : mn;
     }
     qmid[x] = __fmul_rn(0.5f, __fadd_rn(mx, mn));
 }
@@ -464,7 +480,7 @@ cudaError_t tkv_cuda_stats(struct tkv_cuda_stats_params *p, cudaStream_t s)
         if (p->n_blocks == 0 || p->n_q == 0)
             return cudaErrorInvalidValue;
         const uint32_t QD = p->n_head * hd;
-        seg_qmid<<<tkv_cuda_blocks(QD, 256), 256, 0, s>>>(p->q, p->n_q, QD, w.qmid);
+        seg_qmid<<<tkv_cuda_blocks(QD, 32), 32 * QM_ROWS, 0, s>>>(p->q, p->n_q, QD, w.qmid);
         TKV_CUDA_LAUNCHED();
         const unsigned gx = TKV_MIN(tkv_cuda_blocks(p->n_blocks, NW), 65535u);
         seg_scores<<<dim3(gx, H), NT, (size_t)NW * 2 * hd * sizeof(float), s>>>(*p, w.qmid, w.probs);

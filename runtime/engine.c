@@ -291,30 +291,35 @@ tkv_status tkv_session_init(const tkv_model *model, const struct tkv_session_par
 
 /* ---- forward pass ---------------------------------------------------------- */
 
-/* Writes the chunk's K and V rows of one layer into the KV blocks: in one
- * kv_write_heads call when the backend has it and the chunk's rows stay in
- * one block (the same for every head: blocks start at multiples of B; a
- * decode step always), else per head and block with kv_write. */
+/* Writes the chunk's K and V rows of one layer into the KV blocks, one
+ * piece per block the chunk touches (blocks start at multiples of B, the
+ * same for every head): with kv_write_heads, one call per piece for all
+ * heads (a decode step: one call; a 512-token prefill chunk in 64-token
+ * blocks: 8 instead of 2 * Hkv * 8 kv_write calls, each a launch on the
+ * GPU), else per head and piece with kv_write. */
 static tkv_status store_kv(tkv_session *s, uint32_t layer, uint32_t n)
 {
     const struct tkv_backend_ops *ops = s->be->ops;
     const uint32_t hd = s->hp.head_dim, Hkv = s->hp.n_head_kv, B = s->kv_block;
     const size_t stride = (size_t)Hkv * hd;
-    if (ops->kv_write_heads && Hkv <= 256 && n <= B - s->n_past % B) {
+    const bool heads = ops->kv_write_heads && Hkv <= 256;
+    for (uint32_t i = 0; i < n;) {
+        const uint32_t pos = s->n_past + i, rows = TKV_MIN(n - i, B - pos % B);
+        const float *k = s->k + i * stride, *v = s->v + i * stride;
         uint16_t *kd[256], *vd[256];
-        for (uint32_t h = 0; h < Hkv; h++)
-            tkv_kvs_locate(s->kv, layer, h, s->n_past, &kd[h], &vd[h]);
-        return ops->kv_write_heads(s->be, s->k, s->v, stride, kd, vd, Hkv, n, hd);
-    }
-    for (uint32_t h = 0; h < Hkv; h++) {
-        for (uint32_t i = 0; i < n;) {
-            const uint32_t pos = s->n_past + i, rows = TKV_MIN(n - i, B - pos % B);
-            uint16_t *kd, *vd;
-            tkv_kvs_locate(s->kv, layer, h, pos, &kd, &vd);
-            TKV_TRY(ops->kv_write(s->be, s->k + i * stride + (size_t)h * hd, stride, kd, rows, hd));
-            TKV_TRY(ops->kv_write(s->be, s->v + i * stride + (size_t)h * hd, stride, vd, rows, hd));
-            i += rows;
+        for (uint32_t h = 0; h < Hkv; h++) {
+            uint16_t *kh, *vh;
+            tkv_kvs_locate(s->kv, layer, h, pos, &kh, &vh);
+            if (heads) {
+                kd[h] = kh, vd[h] = vh;
+                continue;
+            }
+            TKV_TRY(ops->kv_write(s->be, k + (size_t)h * hd, stride, kh, rows, hd));
+            TKV_TRY(ops->kv_write(s->be, v + (size_t)h * hd, stride, vh, rows, hd));
         }
+        if (heads)
+            TKV_TRY(ops->kv_write_heads(s->be, k, v, stride, kd, vd, Hkv, rows, hd));
+        i += rows;
     }
     return TKV_OK;
 }
@@ -532,9 +537,15 @@ static void obs_shift(const tkv_session *s, uint32_t n, uint32_t *keep_old, uint
 }
 
 /* Keeps the last OBS_QUERIES prefill queries of `layer` (the window that
- * after-prefill policies observe); s->obs_n is updated after the chunk. */
+ * after-prefill policies observe); s->obs_n is updated after the chunk.
+ * A chunk that ends OBS_QUERIES or more before the end of this prefill
+ * holds none of the window's queries: the chunks after it replace every
+ * row it would enter, so it is not brought down (on a GPU each download
+ * is a wait for the stream, once per layer and chunk). */
 static void observe_queries(tkv_session *s, uint32_t layer, uint32_t n)
 {
+    if (s->n_past + n + OBS_QUERIES <= s->prefill_end)
+        return;
     const size_t QD = (size_t)s->hp.n_head * s->hp.head_dim;
     float *buf = s->obs_q + (size_t)layer * OBS_QUERIES * QD;
     uint32_t keep_old, take;

@@ -23,7 +23,9 @@
  *     attends over the engine's K/V, so an accepted flip does not propagate,
  *     and its logits keep the tight tolerance.
  * Checked: prefill in several chunks with partial KV blocks, then decode
- * steps, for F32/F16 weights (tight tolerance) and Q8_0/Q4_1 weights (8-bit
+ * steps, the observation window (the last prompt queries the after-prefill
+ * policies score with) the same whether the prompt came in one chunk, in
+ * many (most of which it does not bring down) or in two prefill calls, for F32/F16 weights (tight tolerance) and Q8_0/Q4_1 weights (8-bit
  * activation quantization on the decode path; their K/V are the reference's
  * own, the loose tolerance covers flips).
  */
@@ -280,9 +282,70 @@ static void run_case(uint32_t wtype, bool shared_kv, double tol_prefill, double 
     ref_free(&rm);
 }
 
+/* The observation window after a prefill of n tokens in chunks of `chunk`,
+ * split into two prefill calls at `split` (0: one call). */
+static tkv_session *prefilled(tkv_model *m, uint32_t chunk, const tkv_token *toks, int n, int split)
+{
+    struct tkv_session_params sp = tkv_session_default_params();
+    sp.n_threads = 1;
+    sp.kv_block = KV_BLOCK;
+    sp.prefill_chunk = chunk;
+    tkv_session *s = NULL;
+    tkv_status st = tkv_session_init(m, &sp, &s);
+    CHECK(st == TKV_OK, "session: %s", tkv_last_error());
+    if (st != TKV_OK)
+        return NULL;
+    if (split)
+        CHECK(tkv_prefill(s, toks, (size_t)split) == TKV_OK, "prefill: %s", tkv_last_error());
+    CHECK(tkv_prefill(s, toks + split, (size_t)(n - split)) == TKV_OK, "prefill: %s", tkv_last_error());
+    return s;
+}
+
+static void test_obs_window(void)
+{
+    char path[] = "/tmp/tkv-test-forward-XXXXXX";
+    int fd = mkstemp(path);
+    REQUIRE_VOID(fd >= 0);
+    close(fd);
+    struct ref_model rm;
+    write_model(path, TKV_TYPE_F32, &rm);
+    tkv_model *m;
+    tkv_status st = tkv_model_load(path, &m);
+    unlink(path);
+    REQUIRE_VOID(st == TKV_OK || (fprintf(stderr, "%s\n", tkv_last_error()), 0));
+    enum { N = 100 };
+    tkv_token toks[N];
+    for (int i = 0; i < N; i++)
+        toks[i] = (tkv_token)(test_rand_u64(&rng) % V);
+    tkv_session *one = prefilled(m, 128, toks, N, 0);  /* one chunk: every row brought down */
+    tkv_session *many = prefilled(m, 16, toks, N, 0);  /* 7 chunks, the first 4 not brought down */
+    tkv_session *two = prefilled(m, 8, toks, N, 90);   /* the window spans both calls */
+    tkv_session *runs[] = {many, two};
+    const size_t QD = (size_t)H * HD;
+    for (int r = 0; r < 2 && one && runs[r]; r++) {
+        const tkv_session *s = runs[r];
+        CHECK(s->obs_n == OBS_QUERIES && one->obs_n == OBS_QUERIES, "window rows %u and %u", s->obs_n, one->obs_n);
+        CHECK(memcmp(s->obs_pos, one->obs_pos, sizeof s->obs_pos) == 0 && one->obs_pos[0] == N - OBS_QUERIES,
+              "window positions differ");
+        double worst = 0, big = 0;
+        for (size_t i = 0; i < (size_t)L * OBS_QUERIES * QD; i++) {
+            worst = fmax(worst, fabs((double)s->obs_q[i] - one->obs_q[i]));
+            big = fmax(big, fabs((double)one->obs_q[i]));
+        }
+        /* chunk sizes change only float rounding; a stale or missing row is O(1) */
+        CHECK(big > 0 && worst <= 1e-4 * big, "run %d: window queries differ by %.3g (largest %.3g)", r, worst, big);
+    }
+    tkv_session_free(one);
+    tkv_session_free(many);
+    tkv_session_free(two);
+    tkv_model_free(m);
+    ref_free(&rm);
+}
+
 int main(void)
 {
     rng = test_seed();
+    test_obs_window();
     /* tolerances are relative to the largest logit. F32/F16 weights: f32
      * activations everywhere; only float rounding (K/V shared, see the top) */
     run_case(TKV_TYPE_F32, true, 1e-4, 1e-4);
