@@ -3,9 +3,14 @@
  * backend interface (host clock around ops->synchronize; many calls per
  * timing so launch gaps are amortized as in a real forward pass).
  *
- *   bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] [-j out.json] [-x]
+ *   bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] [-V 0,1,..] [-j out.json] [-x]
  *
  * -x: only decode attention at 131072 keys (32/8/128), 3 calls, for ncu.
+ * -V: the tensor-core prefill kernel's variants (tile shapes, docs/gpu.md)
+ *     that prefill-long and prefill-sparse time side by side, each checked
+ *     first (default: all; the list is printed at the start); one that
+ *     fails its check gets a CHECK FAILED row instead of a time, and the
+ *     exit status is 1
  * -j: one JSON object per decode case (the section `decode`) into a file,
  *     for scripts/bench-torch-attn.py, which puts torch SDPA and the copy
  *     bandwidth beside it.
@@ -20,8 +25,9 @@
  *            plus the host time to queue one call (block table packing and
  *            copy, launches), which overlaps the GPU's work of earlier calls
  *   prefill-long  a whole 8K, 32K, 128K-token prompt in one call (causal,
- *            32/8/128): the tensor-core kernel in both precisions, and the
- *            general kernel at 8K; TFLOP/s over the causal FLOPs
+ *            32/8/128): the tensor-core kernel in both precisions, each of
+ *            its variants (-V), and the general kernel at 8K; TFLOP/s over
+ *            the causal FLOPs
  *   prefill  that, and 512-token chunks after 8K/32K keys (the default
  *            kernel: tensor cores, split precision), checked against the CPU
  *   prefill-sparse  a 512- and a 2048-token chunk at the end of 32K keys
@@ -30,6 +36,7 @@
  *            the chunk: EntropyInfer's key blocks); that plus the chunk's own
  *            keys (as the engine passes them, causal). Each on the packed
  *            tiles (default) and the per-ref walk (TKV_CUDA_ATTN_PACK=0),
+ *            split precision, each variant of the tensor-core kernel (-V),
  *            outputs checked against the general kernel; TFLOP/s over the
  *            (query head, key) pairs actually attended; the dense / sparse
  *            time ratio of each walk against the ratio of their FLOPs
@@ -65,6 +72,10 @@ static struct tkv_backend *alt[N_ALT];
 #define gpu_general alt[0]
 static FILE *json;
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
+/* -V: the prefill kernel variants to time (v0 .. n_variants - 1 exist) */
+static bool variant_on[32];
+static int n_variants;
+static bool variant_failed; /* a variant failed its check: not timed, exit 1 at the end */
 
 static float frand(void)
 {
@@ -340,17 +351,37 @@ static void bench_prefill(uint32_t N)
                "| - |\n",
                H, Hkv, hd, B, N, t_general * 1e6, flops / t_general / 1e12);
     }
+    if (N > 8192) /* the reference: split precision, v0 */
+        run_to(pf_be[0], &a, dout, ref, qn);
     for (int i = 0; i < 2; i++) {
         if (!pf_be[i])
             continue;
-        run_to(pf_be[i], &a, dout, i == 0 && N > 8192 ? ref : cur, qn);
-        if (N <= 8192 || i == 1)
-            err[i] = max_abs(i == 0 && N > 8192 ? ref : cur, ref, qn);
-        t_pf[i] = time_calls(pf_be[i], &a);
-        printf("| prefill attention, %s | H=%u Hkv=%u hd=%u B=%u | n %6u causal | %9.1f us | | %6.2f TFLOP/s | "
-               "max diff %.1e vs %s |\n",
-               pf_names[i], H, Hkv, hd, B, N, t_pf[i] * 1e6, flops / t_pf[i] / 1e12, err[i],
-               N <= 8192 ? "general" : "mma");
+        for (int v = 0; v < n_variants; v++) {
+            if (!variant_on[v])
+                continue;
+            die_if(tkv_backend_cuda_set_prefill_variant(pf_be[i], v));
+            run_to(pf_be[i], &a, dout, cur, qn);
+            const double e = max_abs(cur, ref, qn), tol = i == 0 ? 1e-4 : 2e-3;
+            if (!(e <= tol)) { /* not timed; the other variants still are */
+                printf("| prefill attention, %s, v%d | n %6u causal | CHECK FAILED: max diff %.3g vs %s |\n",
+                       pf_names[i], v, N, e, N <= 8192 ? "general" : "mma v0");
+                variant_failed = true;
+                continue;
+            }
+            const double tv = time_calls(pf_be[i], &a);
+            if (v == 0)
+                t_pf[i] = tv, err[i] = e;
+            printf("| prefill attention, %s, v%d | H=%u Hkv=%u hd=%u B=%u | n %6u causal | %9.1f us | | %6.2f TFLOP/s "
+                   "| max diff %.1e vs %s |\n",
+                   pf_names[i], v, H, Hkv, hd, B, N, tv * 1e6, flops / tv / 1e12, e, N <= 8192 ? "general" : "mma v0");
+            if (json)
+                fprintf(json,
+                        "{\"op\": \"prefill_attention_variant\", \"n\": %u, \"precision\": \"%s\", \"variant\": %d, "
+                        "\"us\": %.1f, \"tflops\": %.2f, \"max_diff\": %.3g}\n",
+                        N, i ? "mma16" : "mma", v, tv * 1e6, flops / tv / 1e12, e);
+            fflush(stdout);
+        }
+        die_if(tkv_backend_cuda_set_prefill_variant(pf_be[i], 0));
     }
     if (json)
         fprintf(json,
@@ -432,34 +463,44 @@ static void bench_prefill_sparse(uint32_t n_q, int reps)
         {"256 x 8-row refs", sparse, (double)n_q * n_sel * L},
         {"256 x 8-row refs + chunk", mixed, (double)n_q * n_sel * L + (double)n_q * (n_q + 1) / 2},
     };
-    double t[3][2];
+    double t[3][2] = {{0}};
     for (int v = 0; v < 3; v++) {
         struct tkv_attn_args a = {.q = dq, .q_pos = pos, .out = dout, .n_q = n_q, .n_head = H, .n_head_kv = Hkv,
                                   .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = views[v].kv};
         run_to(pf_general, &a, dout, ref, qn);
         const double flops = 4.0 * hd * H * views[v].pairs;
         for (int w = 0; w < 2; w++) {
-            run_to(sp_be[w], &a, dout, cur, qn);
-            const double err = max_abs(cur, ref, qn);
-            if (!(err <= 1e-4)) {
-                fprintf(stderr, "bench-attn: prefill-sparse %s (%s) differs from the general kernel: %.3g\n",
-                        views[v].name, sp_walk[w], err);
-                exit(1);
+            for (int pv = 0; pv < n_variants; pv++) {
+                if (!variant_on[pv])
+                    continue;
+                die_if(tkv_backend_cuda_set_prefill_variant(sp_be[w], pv));
+                run_to(sp_be[w], &a, dout, cur, qn);
+                const double err = max_abs(cur, ref, qn);
+                if (!(err <= 1e-4)) { /* not timed; the other variants still are */
+                    printf("| prefill-sparse, %s, %s, v%d | n_q %4u | CHECK FAILED: max diff %.3g vs general |\n",
+                           views[v].name, sp_walk[w], pv, n_q, err);
+                    variant_failed = true;
+                    continue;
+                }
+                a.out = dout;
+                const double tv = time_on(sp_be[w], &a, reps);
+                if (pv == 0)
+                    t[v][w] = tv;
+                printf("| prefill-sparse, %s, %s, v%d | H=%u Hkv=%u hd=%u B=%u | ctx %u, n_q %4u, %.0f keys/query | "
+                       "%9.1f us | | %6.2f TFLOP/s | max diff %.1e vs general |\n",
+                       views[v].name, sp_walk[w], pv, H, Hkv, hd, B, ctx, n_q, views[v].pairs / n_q, tv * 1e6,
+                       flops / tv / 1e12, err);
+                if (json)
+                    fprintf(json,
+                            "{\"op\": \"prefill_sparse\", \"view\": \"%s\", \"walk\": \"%s\", \"variant\": %d, "
+                            "\"n_q\": %u, \"ctx\": %u, \"flops\": %.4g, \"us\": %.2f, \"tflops\": %.2f, "
+                            "\"max_diff_vs_general\": %.3g}\n",
+                            views[v].name, sp_walk[w], pv, n_q, ctx, flops, tv * 1e6, flops / tv / 1e12, err);
             }
-            a.out = dout;
-            t[v][w] = time_on(sp_be[w], &a, reps);
-            printf("| prefill-sparse, %s, %s | H=%u Hkv=%u hd=%u B=%u | ctx %u, n_q %4u, %.0f keys/query | %9.1f us | "
-                   "| %6.2f TFLOP/s | max diff %.1e vs general |\n",
-                   views[v].name, sp_walk[w], H, Hkv, hd, B, ctx, n_q, views[v].pairs / n_q, t[v][w] * 1e6,
-                   flops / t[v][w] / 1e12, err);
-            if (json)
-                fprintf(json,
-                        "{\"op\": \"prefill_sparse\", \"view\": \"%s\", \"walk\": \"%s\", \"n_q\": %u, \"ctx\": %u, "
-                        "\"flops\": %.4g, \"us\": %.2f, \"tflops\": %.2f, \"max_diff_vs_general\": %.3g}\n",
-                        views[v].name, sp_walk[w], n_q, ctx, flops, t[v][w] * 1e6, flops / t[v][w] / 1e12, err);
+            die_if(tkv_backend_cuda_set_prefill_variant(sp_be[w], 0));
         }
     }
-    for (int v = 1; v < 3; v++)
+    for (int v = 1; v < 3 && variant_on[0]; v++) /* v0's walks */
         printf("| prefill-sparse, dense / (%s) | n_q %4u | FLOPs ratio %.1f | packed %.2fx, per-ref %.2fx | | | |\n",
                views[v].name, n_q, views[0].pairs / views[v].pairs, t[0][0] / t[v][0], t[0][1] / t[v][1]);
     fflush(stdout);
@@ -519,7 +560,7 @@ static struct tkv_backend *gpu_per_ref(void)
 int main(int argc, char **argv)
 {
     int reps = 50, profile = 0;
-    const char *section = "all", *json_path = NULL;
+    const char *section = "all", *json_path = NULL, *variants = NULL;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "-r") && i + 1 < argc)
             reps = atoi(argv[++i]);
@@ -529,9 +570,11 @@ int main(int argc, char **argv)
             json_path = argv[++i];
         else if (!strcmp(argv[i], "-x"))
             profile = 1;
+        else if (!strcmp(argv[i], "-V") && i + 1 < argc)
+            variants = argv[++i];
         else {
             fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] "
-                            "[-j out.json] [-x]\n");
+                            "[-V 0,1,..] [-j out.json] [-x]\n");
             return 2;
         }
     if (tkv_backend_cuda_devices() == 0) {
@@ -546,6 +589,24 @@ int main(int argc, char **argv)
     unsetenv("TKV_CUDA_ATTN_PACK");
     die_if(tkv_backend_create("cuda", 0, &gpu));
     die_if(tkv_backend_create("cpu", 0, &cpu));
+    while (n_variants < 32 && tkv_backend_cuda_prefill_variant_desc(n_variants))
+        n_variants++;
+    for (int v = 0; v < n_variants; v++) /* -V 0,2,3: those; default all */
+        variant_on[v] = !variants;
+    for (const char *c = variants; c && *c;) {
+        char *end;
+        const long v = strtol(c, &end, 10);
+        if (end == c || v < 0 || v >= n_variants) {
+            fprintf(stderr, "bench-attn: -V %s: variants are 0 .. %d\n", variants, n_variants - 1);
+            return 2;
+        }
+        variant_on[v] = true;
+        c = *end == ',' ? end + 1 : end;
+    }
+    for (int v = 0; v < n_variants; v++)
+        if (variant_on[v])
+            printf("prefill %s\n", tkv_backend_cuda_prefill_variant_desc(v));
+    printf("\n");
     printf("| op | shape | size | time/call | bytes rate | compute rate | check |\n");
     printf("| --- | --- | --- | ---: | ---: | ---: | --- |\n");
     if (profile) {
@@ -609,5 +670,7 @@ int main(int argc, char **argv)
             alt[i]->ops->free(alt[i]);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
-    return 0;
+    if (variant_failed)
+        fprintf(stderr, "bench-attn: a prefill variant failed its check (CHECK FAILED rows)\n");
+    return variant_failed ? 1 : 0;
 }

@@ -25,6 +25,13 @@
  * dependent entry load per ref, splits over refs), kept to measure the
  * difference.
  *
+ * Variants (p->prefill_variant; TKV_CUDA_ATTN_PREFILL_VARIANT): v0 is the
+ * kernel described here (attn-prefill.cu); v1 .. v4 (attn-prefill-var.cu)
+ * are other tile shapes (128 query rows per CTA, 8 warps, 3 stages) with the
+ * same walks, precisions and outputs, kept beside it to be measured. A call
+ * with scale <= 0 runs v0 whatever the variant (the others take the row max
+ * before scaling).
+ *
  * Precision: TKV_ATTN_PREFILL_SPLIT writes Q and P each as the sum of two f16
  * numbers (hi + lo) and multiplies both parts (twice the matrix work), which
  * keeps the result within ~1e-6 of f32 arithmetic; TKV_ATTN_PREFILL_F16 uses
@@ -35,9 +42,11 @@
 
 #include "attn.cuh"
 
-/* Rows of one CTA's tile. */
+/* Rows of one CTA's tile of v0. */
 #define TKV_ATTN_PREFILL_ROWS 64u
 
+/* Raises the shared-memory limits of every variant's instances (once per
+ * device); records their CTAs per SM. */
 cudaError_t tkv_cuda_attn_prefill_init(void);
 
 /* Whether the kernel takes this call (head_dim 64 or 128, 16-byte-aligned K/V). */
@@ -47,10 +56,21 @@ bool tkv_cuda_attn_prefill_ok(const struct tkv_cuda_attn_params *p);
  * split-K then cuts each head's keys at 64-key tile boundaries, else its refs. */
 bool tkv_cuda_attn_prefill_packed(const struct tkv_cuda_attn_params *p);
 
-/* CTAs per SM of the instance that serves head_dim in mode (prefill_mode). */
-int tkv_cuda_attn_prefill_ctas_per_sm(uint32_t head_dim, int mode);
+/* The variant that serves p: p->prefill_variant, or 0 (v0) when that is out
+ * of range or p->scale <= 0. */
+int tkv_cuda_attn_prefill_variant(const struct tkv_cuda_attn_params *p);
+
+/* Query rows of one CTA, and CTAs per SM, of the instance that serves p. */
+uint32_t tkv_cuda_attn_prefill_rows(const struct tkv_cuda_attn_params *p);
+int tkv_cuda_attn_prefill_ctas_per_sm(const struct tkv_cuda_attn_params *p);
 
 /* Runs the kernel (the caller launches the merge when n_split > 1). */
 cudaError_t tkv_cuda_attn_prefill(const struct tkv_cuda_attn_params *p, cudaStream_t s);
+
+/* attn-prefill-var.cu: v1 .. v4 (variant >= 1 only). */
+cudaError_t tkv_cuda_attn_prefill_var_init(void);
+cudaError_t tkv_cuda_attn_prefill_var(const struct tkv_cuda_attn_params *p, cudaStream_t s);
+uint32_t tkv_cuda_attn_prefill_var_rows(int variant);
+int tkv_cuda_attn_prefill_var_ctas_per_sm(int variant, uint32_t head_dim, int mode);
 
 #endif

@@ -367,10 +367,9 @@ size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, uint32_t
                  (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows);
         cap = TKV_ATTN_DECODE_MAX_SPLIT;
     } else if (tkv_cuda_attn_prefill_ok(p)) {
-        const uint32_t R = TKV_ATTN_PREFILL_ROWS;
+        const uint32_t R = tkv_cuda_attn_prefill_rows(p);
         items = (rows + R - 1) / R * p->n_head_kv;
-        target = (uint32_t)(n_sm > 0 ? n_sm : 1) *
-                 (uint32_t)tkv_cuda_attn_prefill_ctas_per_sm(p->head_dim, p->prefill_mode);
+        target = (uint32_t)(n_sm > 0 ? n_sm : 1) * (uint32_t)tkv_cuda_attn_prefill_ctas_per_sm(p);
         if (tkv_cuda_attn_prefill_packed(p)) /* splits are cut between 64-key tiles */
             max_blocks = max_tiles;
     } else {
@@ -445,6 +444,7 @@ struct tkv_cuda_attn_state {
     uint32_t counters_cap;
     int decode_mode, prefill_mode;
     int prefill_pack;              /* 0 with TKV_CUDA_ATTN_PACK=0          */
+    int prefill_variant;           /* TKV_CUDA_ATTN_PREFILL_VARIANT, setter */
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
 };
 
@@ -484,12 +484,17 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **ou
         return cudaErrorMemoryAllocation;
     st->decode_mode = decode_mode;
     const char *tab = getenv("TKV_CUDA_ATTN_TABLE"), *pf = getenv("TKV_CUDA_ATTN_PREFILL");
-    const char *pack = getenv("TKV_CUDA_ATTN_PACK");
+    const char *pack = getenv("TKV_CUDA_ATTN_PACK"), *var = getenv("TKV_CUDA_ATTN_PREFILL_VARIANT");
     st->table_on_main = tab && !strcmp(tab, "main");
     st->prefill_pack = !(pack && !strcmp(pack, "0"));
     st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
                                                     : TKV_ATTN_PREFILL_SPLIT;
+    /* "v2" or "2"; anything else (or none) is v0 */
+    if (var && (var[0] == 'v' || var[0] == 'V'))
+        var++;
+    if (var && var[0] >= '0' && var[0] <= '9' && !var[1])
+        tkv_cuda_attn_state_set_prefill_variant(st, var[0] - '0');
     cudaError_t e = cudaStreamCreateWithFlags(&st->copy, cudaStreamNonBlocking);
     for (int i = 0; i < N_TABLES && e == cudaSuccess; i++) {
         e = cudaEventCreateWithFlags(&st->tab[i].copied, cudaEventDisableTiming);
@@ -502,6 +507,14 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **ou
     }
     *out = st;
     return cudaSuccess;
+}
+
+bool tkv_cuda_attn_state_set_prefill_variant(tkv_cuda_attn_state *st, int variant)
+{
+    if (variant < 0 || variant >= TKV_ATTN_PREFILL_VARIANTS)
+        return false;
+    st->prefill_variant = variant;
+    return true;
 }
 
 /* Grows *buf to at least n elements of size el; the old buffer may still be
@@ -619,6 +632,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.decode_mode = st->decode_mode;
     p.prefill_mode = st->prefill_mode;
     p.prefill_pack = st->prefill_pack;
+    p.prefill_variant = st->prefill_variant;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_tiles, n_sm);
     if (part) {
         TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));

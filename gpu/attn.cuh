@@ -65,6 +65,9 @@ struct tkv_cuda_attn_params {
     int prefill_mode;                       /* enum tkv_cuda_attn_prefill_mode  */
     int prefill_pack;                       /* prefill kernel: packed tiles when
                                                kofs is set (else per ref)       */
+    int prefill_variant;                    /* tensor-core prefill kernel: 0 ..
+                                               TKV_ATTN_PREFILL_VARIANTS - 1
+                                               (attn-prefill.cuh)               */
     uint32_t *counters;                     /* [n_head_kv], zero between calls:
                                                finished splits (fused merge)    */
 };
@@ -82,6 +85,10 @@ enum tkv_cuda_attn_prefill_mode {
     TKV_ATTN_PREFILL_SPLIT = 1,   /* tensor cores, Q and P as f16 hi + lo          */
     TKV_ATTN_PREFILL_F16 = 2,     /* tensor cores, Q and P in f16                  */
 };
+
+/* Variants of the tensor-core prefill kernel (tile shapes, attn-prefill.cuh):
+ * v0 (the default) .. v4. */
+#define TKV_ATTN_PREFILL_VARIANTS 5
 
 /* head_dim the kernels handle. */
 bool tkv_cuda_attn_supported(uint32_t head_dim);
@@ -107,12 +114,22 @@ struct tkv_cuda_attn_state;
 
 /* Read from the environment here: the prefill kernel,
  * TKV_CUDA_ATTN_PREFILL=mma (default: tensor cores, split precision), mma16
- * (tensor cores, f16) or general (the reference kernel); its key walk,
+ * (tensor cores, f16) or general (the reference kernel); the tensor-core
+ * kernel's variant, TKV_CUDA_ATTN_PREFILL_VARIANT=v0 (default) .. v4 (also
+ * set later by tkv_cuda_attn_state_set_prefill_variant); its key walk,
  * TKV_CUDA_ATTN_PACK=0 (per ref instead of packed tiles); and a knob that
  * measured the table's copy stream, TKV_CUDA_ATTN_TABLE=main (copy the
  * block table on the compute stream instead). */
 cudaError_t tkv_cuda_attn_state_create(int decode_mode, struct tkv_cuda_attn_state **out);
 void tkv_cuda_attn_state_free(struct tkv_cuda_attn_state *st); /* NULL is a no-op */
+
+/* The tensor-core prefill kernel's variant for the calls queued from now on
+ * (0 .. TKV_ATTN_PREFILL_VARIANTS - 1; false, nothing changed, otherwise).
+ * Kernels queued before keep theirs. */
+bool tkv_cuda_attn_state_set_prefill_variant(struct tkv_cuda_attn_state *st, int variant);
+
+/* "vN: ..." describing variant v (static), NULL past the last one. */
+const char *tkv_cuda_attn_prefill_variant_desc(int variant);
 
 /* Packs a's block table (a->kv: host memory holding device pointers) as
  *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | entries [total]

@@ -1408,6 +1408,22 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     return TKV_OK;
 }
 
+extern "C" tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b, int variant)
+{
+    if (!b || (b->ops != &cuda_ops && b->ops != &cuda_prof_ops))
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: prefill variant: not a CUDA backend");
+    struct cuda_backend *cb = (struct cuda_backend *)b;
+    if (!tkv_cuda_attn_state_set_prefill_variant(cb->attn, variant))
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: prefill variant %d (0 .. %d)", variant,
+                       TKV_ATTN_PREFILL_VARIANTS - 1);
+    return TKV_OK;
+}
+
+extern "C" const char *tkv_cuda_prefill_variant_desc(int variant)
+{
+    return tkv_cuda_attn_prefill_variant_desc(variant);
+}
+
 extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, struct tkv_backend **out)
 {
     (void)n_threads;

@@ -20,6 +20,14 @@ int tkv_cuda_device_count(void);
  * library last made current there. */
 tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, struct tkv_backend **out);
 
+/* The tensor-core prefill attention kernel's variant (tile shape, docs/gpu.md)
+ * for the calls b queues from now on: 0 (the default) .. the last variant.
+ * TKV_ERR_INVALID_ARG when b is not a CUDA backend or variant is out of range. */
+tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b, int variant);
+
+/* "vN: ..." describing variant N (static); NULL past the last one. */
+const char *tkv_cuda_prefill_variant_desc(int variant);
+
 #ifdef __cplusplus
 }
 #endif

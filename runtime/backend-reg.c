@@ -20,6 +20,26 @@ int tkv_backend_cuda_devices(void)
 #endif
 }
 
+tkv_status tkv_backend_cuda_set_prefill_variant(struct tkv_backend *b, int variant)
+{
+#ifdef TKV_USE_CUDA
+    return tkv_cuda_backend_set_prefill_variant(b, variant);
+#else
+    (void)b;
+    return tkv_err(TKV_ERR_UNSUPPORTED, "prefill variant %d: this build has no CUDA backend", variant);
+#endif
+}
+
+const char *tkv_backend_cuda_prefill_variant_desc(int variant)
+{
+#ifdef TKV_USE_CUDA
+    return tkv_cuda_prefill_variant_desc(variant);
+#else
+    (void)variant;
+    return NULL;
+#endif
+}
+
 static tkv_backend_factory test_factory;
 
 void tkv_backend_set_test_factory(tkv_backend_factory make) { test_factory = make; }

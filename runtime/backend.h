@@ -265,4 +265,15 @@ void tkv_backend_set_test_factory(tkv_backend_factory make);
 /* Number of usable CUDA devices; 0 when built without CUDA or none usable. */
 int tkv_backend_cuda_devices(void);
 
+/* Tests and benchmarks: the CUDA backend b's tensor-core prefill attention
+ * variant (tile shape; 0, the default, .. the last one that
+ * tkv_backend_cuda_prefill_variant_desc names; docs/gpu.md) for the calls it
+ * queues from now on. TKV_ERR_INVALID_ARG when b is not a CUDA backend or
+ * the variant does not exist, TKV_ERR_UNSUPPORTED in a build without CUDA. */
+tkv_status tkv_backend_cuda_set_prefill_variant(struct tkv_backend *b, int variant);
+
+/* "vN: <tile shape>" (static) for variant N; NULL past the last one or
+ * without CUDA. */
+const char *tkv_backend_cuda_prefill_variant_desc(int variant);
+
 #endif /* TKV_BACKEND_H */

@@ -20,7 +20,9 @@
  *              tensor-core prefill kernel (split precision, on packed
  *              64-key tiles and walking refs one by one; its f16 mode
  *              within 2e-3) and the general kernel, and between them;
- *              views of many small refs included
+ *              views of many small refs included; every variant (tile
+ *              shape) of the tensor-core kernel the same way, in both
+ *              precisions and both walks, and against v0
  *   attn_stats against the CPU backend (= the policies' own computation):
  *              segment P |gpu - cpu| <= 1e-5 cpu, entropy <= 1e-6 + 1e-5 H;
  *              window scores |gpu - cpu| <= 1e-5 |cpu|
@@ -633,6 +635,19 @@ static struct tkv_backend *gpu_attn_alt[N_ATTN_ALT]; /* [0]: the general kernel 
 static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "table-main", "mma16", "per-ref"};
 static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4};
 
+/* The tensor-core prefill kernel's variants v1, v2, ... (tile shapes,
+ * tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
+ * of their own: split precision on packed tiles, f16 (mma16) on packed
+ * tiles, split precision walking the refs one by one; each against the
+ * double reference (1e-4; f16 2e-3) and against v0 in the same setting
+ * (`gpu`, gpu_attn_alt[3] mma16, gpu_attn_alt[4] per-ref). */
+#define N_PF_VAR_BE 3
+static struct tkv_backend *gpu_pf_var[N_PF_VAR_BE];
+static const char *const pf_var_names[N_PF_VAR_BE] = {"split", "mma16", "per-ref"};
+static const double pf_var_tol[N_PF_VAR_BE] = {1e-4, 2e-3, 1e-4};
+static const int pf_var_v0[N_PF_VAR_BE] = {-1, 3, 4}; /* v0 in the same setting: gpu, gpu_attn_alt[i] */
+static int n_pf_variants;                              /* v0 .. n_pf_variants - 1 */
+
 enum view_kind { VIEW_ALL, VIEW_SPARSE, VIEW_WINDOW, VIEW_SLICES };
 
 struct kv_fixture {
@@ -773,7 +788,40 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
               attn_alt_names[i], H, Hkv, hd, label, xo, xl);
         CHECK(fo <= tol && fl <= tol, "attention: default vs %s: out %.3g lse %.3g", attn_alt_names[i], fo, fl);
     }
-    fprintf(stderr, ", general/merge/table-main/per-ref vs ref %.1e %.1e\n", worst_o, worst_l);
+    fprintf(stderr, ", general/merge/table-main/per-ref vs ref %.1e %.1e", worst_o, worst_l);
+
+    /* the prefill kernel's variants, where the call reaches it (more than 8
+     * rows per KV head, head_dim 64 or 128) */
+    if (n_q * (H / Hkv) > 8 && (hd == 64 || hd == 128)) {
+        float *o_0 = malloc(qn * sizeof *o_0), *l_0 = malloc(ln * sizeof *l_0);
+        for (int b = 0; b < N_PF_VAR_BE; b++) {
+            if (!gpu_pf_var[b])
+                continue;
+            /* v0 in this setting */
+            if (pf_var_v0[b] < 0)
+                memcpy(o_0, o_gpu, qn * sizeof *o_0), memcpy(l_0, l_gpu, ln * sizeof *l_0);
+            else if (gpu_attn_alt[pf_var_v0[b]])
+                attn_on(gpu_attn_alt[pf_var_v0[b]], &a, o_0, l_0);
+            else
+                continue;
+            double wr = 0, w0 = 0;
+            for (int v = 1; v < n_pf_variants; v++) {
+                CHECK(tkv_backend_cuda_set_prefill_variant(gpu_pf_var[b], v) == TKV_OK, "%s", tkv_last_error());
+                attn_on(gpu_pf_var[b], &a, o_x, l_x);
+                const double xo = max_err(o_x, o_ref, qn), xl = max_err(l_x, l_ref, ln);
+                const double fo = max_err(o_x, o_0, qn), fl = max_err(l_x, l_0, ln), tol = pf_var_tol[b];
+                wr = fmax(wr, fmax(xo, xl)), w0 = fmax(w0, fmax(fo, fl));
+                CHECK(xo <= tol && xl <= tol, "attention (prefill v%d, %s) H=%u Hkv=%u hd=%u %s: out err %.3g lse err %.3g",
+                      v, pf_var_names[b], H, Hkv, hd, label, xo, xl);
+                CHECK(fo <= tol && fl <= tol, "attention: prefill v%d vs v0 (%s) H=%u Hkv=%u hd=%u %s: out %.3g lse %.3g",
+                      v, pf_var_names[b], H, Hkv, hd, label, fo, fl);
+            }
+            CHECK(tkv_backend_cuda_set_prefill_variant(gpu_pf_var[b], 0) == TKV_OK, "%s", tkv_last_error());
+            fprintf(stderr, ", v1-v%d %s vs ref %.1e vs v0 %.1e", n_pf_variants - 1, pf_var_names[b], wr, w0);
+        }
+        free(o_0), free(l_0);
+    }
+    fprintf(stderr, "\n");
 
     /* without lse the output is the same */
     float *dout2 = dev_poisoned(qn);
@@ -918,6 +966,17 @@ static void test_attention(void)
     gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
     gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
+    gpu_pf_var[0] = gpu_with_attn_env("1", "copy", "mma", "1");
+    gpu_pf_var[1] = gpu_with_attn_env("1", "copy", "mma16", "1");
+    gpu_pf_var[2] = gpu_with_attn_env("1", "copy", "mma", "0");
+    for (n_pf_variants = 0; tkv_backend_cuda_prefill_variant_desc(n_pf_variants); n_pf_variants++)
+        fprintf(stderr, "  prefill %s\n", tkv_backend_cuda_prefill_variant_desc(n_pf_variants));
+    CHECK(n_pf_variants >= 2, "%d prefill variants", n_pf_variants);
+    /* the setter refuses what does not exist */
+    CHECK(tkv_backend_cuda_set_prefill_variant(gpu, n_pf_variants) == TKV_ERR_INVALID_ARG, "variant %d accepted",
+          n_pf_variants);
+    CHECK(tkv_backend_cuda_set_prefill_variant(gpu, -1) == TKV_ERR_INVALID_ARG, "variant -1 accepted");
+    CHECK(tkv_backend_cuda_set_prefill_variant(cpu, 1) == TKV_ERR_INVALID_ARG, "variant set on the CPU backend");
     fprintf(stderr, "attention, prefill:\n");
     test_attention_case(9, 3, 64, 64, 300, 300, VIEW_ALL, 0);      /* SmolLM2 shape, whole prompt */
     test_attention_case(32, 8, 128, 32, 1000, 300, VIEW_ALL, 0);   /* Llama-3 8B shape, later chunk */
@@ -973,6 +1032,11 @@ static void test_attention(void)
         if (gpu_attn_alt[i])
             gpu_attn_alt[i]->ops->free(gpu_attn_alt[i]);
         gpu_attn_alt[i] = NULL;
+    }
+    for (int i = 0; i < N_PF_VAR_BE; i++) {
+        if (gpu_pf_var[i])
+            gpu_pf_var[i]->ops->free(gpu_pf_var[i]);
+        gpu_pf_var[i] = NULL;
     }
 }
 
