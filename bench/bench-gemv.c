@@ -15,7 +15,10 @@
  * than the L2 together (512 MiB); the copy moves the same bytes between
  * buffers as large. Rates: GEMV = weight bytes / time; copy = bytes read +
  * written / time (bench-decode's roofline bandwidth); "of copy" = their
- * ratio (target >= 0.9). Exits 77 without a GPU.
+ * ratio (target >= 0.9). Then the fused decode ops (matmul_group on q/k/v
+ * and gate/up, matmul_swiglu) against the separate launches they replace,
+ * by device busy time, device span (launch gaps included) and host wall
+ * time per group. Exits 77 without a GPU.
  */
 #include "runtime/backend.h"
 
@@ -121,6 +124,72 @@ static double time_copy(struct tkv_backend *be, size_t bytes, uint32_t copies, i
     return s;
 }
 
+/* Device busy and span seconds per rep of everything profiled since the
+ * last reset (busy: the ops' own times; span: first start to last end,
+ * gaps between launches included). */
+static void dev_busy_span(struct tkv_backend *be, int reps, double *busy, double *span)
+{
+    struct tkv_op_profile p;
+    die_if(be->ops->profile_read(be, &p), "profile_read");
+    *busy = p.dev_busy_s / reps;
+    *span = p.dev_span_s / reps;
+    be->ops->profile_reset(be);
+}
+
+/* The grouped decode matmuls: nw weights of the same n_in sharing x, as
+ * separate matmuls (+ swiglu when `swiglu`) or as one fused op
+ * (matmul_group, or matmul_swiglu when `swiglu`). */
+struct group_result {
+    double busy_us, span_us, host_us;
+    float *y; /* the first output after warm-up: [n, n_out of weight 0] */
+};
+static void time_group(struct tkv_backend *be, const struct tkv_gguf_tensor *const *t, uint32_t nw, bool swiglu,
+                       bool fused, uint32_t copies, const float *x, uint32_t n, int reps, struct group_result *r)
+{
+    const uint32_t n_in = (uint32_t)t[0]->ne[0];
+    struct tkv_bweight *w[MAX_COPIES][4];
+    void *dx, *dy[4];
+    for (uint32_t c = 0; c < copies; c++)
+        for (uint32_t i = 0; i < nw; i++)
+            die_if(be->ops->weight_init(be, t[i], &w[c][i]), "weight_init");
+    die_if(be->ops->alloc(be, (size_t)n * n_in * sizeof(float), &dx), "alloc");
+    for (uint32_t i = 0; i < nw; i++)
+        die_if(be->ops->alloc(be, (size_t)n * (size_t)t[i]->ne[1] * sizeof(float), &dy[i]), "alloc");
+    die_if(be->ops->upload(be, dx, x, (size_t)n * n_in * sizeof(float)), "upload");
+    for (int i = -(int)copies - 2; i < reps; i++) { /* warm-up, then timed */
+        if (i == 0) {
+            const size_t ny = (size_t)n * (size_t)t[0]->ne[1];
+            r->y = malloc(ny * sizeof(float));
+            die_if(be->ops->download(be, r->y, dy[0], ny * sizeof(float)), "download");
+            be->ops->profile_reset(be);
+            r->host_us = now();
+        }
+        struct tkv_bweight **wc = w[(uint32_t)(i + (int)copies + 2) % copies];
+        if (fused && swiglu)
+            die_if(be->ops->matmul_swiglu(be, wc[0], wc[1], dx, dy[0], n), "matmul_swiglu");
+        else if (fused)
+            die_if(be->ops->matmul_group(be, (const struct tkv_bweight *const *)wc, nw, dx, (float *const *)dy, n),
+                   "matmul_group");
+        else {
+            for (uint32_t k = 0; k < nw; k++)
+                die_if(be->ops->matmul(be, wc[k], dx, dy[k], n), "matmul");
+            if (swiglu)
+                die_if(be->ops->swiglu(be, dy[0], dy[1], dy[0], (size_t)n * (size_t)t[0]->ne[1]), "swiglu");
+        }
+    }
+    die_if(be->ops->synchronize(be), "synchronize");
+    r->host_us = (now() - r->host_us) / reps * 1e6;
+    double busy, span;
+    dev_busy_span(be, reps, &busy, &span);
+    r->busy_us = busy * 1e6, r->span_us = span * 1e6;
+    for (uint32_t c = 0; c < copies; c++)
+        for (uint32_t i = 0; i < nw; i++)
+            be->ops->weight_free(be, w[c][i]);
+    be->ops->release(be, dx);
+    for (uint32_t i = 0; i < nw; i++)
+        be->ops->release(be, dy[i]);
+}
+
 static double rel_diff(const float *a, const float *b, size_t n)
 {
     double num = 0, den = 0;
@@ -129,6 +198,86 @@ static double rel_diff(const float *a, const float *b, size_t n)
         den += (double)b[i] * b[i];
     }
     return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* A tensor of random f16 weights [n_out, n_in] (values as in main). */
+static void make_f16(struct tkv_gguf_tensor *t, uint32_t n_out, uint32_t n_in, const char *name)
+{
+    const size_t bytes = (size_t)n_out * n_in * 2, tile = (size_t)1 << 20;
+    uint16_t *h = malloc(bytes);
+    if (!h) {
+        fprintf(stderr, "bench-gemv: out of host memory\n");
+        exit(1);
+    }
+    for (size_t i = 0; i < bytes / 2; i++)
+        h[i] = i < tile ? (uint16_t)(0x3000 + (rnd() % 0x0C00)) ^ (uint16_t)((rnd() & 1) << 15) : h[i % tile];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "bench.%s", name);
+    t->n_dims = 2;
+    t->ne[0] = n_in;
+    t->ne[1] = n_out;
+    t->ne[2] = t->ne[3] = 1;
+    t->type = TKV_TYPE_F16;
+    t->n_elems = (uint64_t)n_in * n_out;
+    t->nbytes = bytes;
+    t->data = h;
+}
+
+/* The fused decode ops on Llama-3-8B's groups against separate launches:
+ * q/k/v (matmul_group), gate/up (matmul_group, and matmul_swiglu against
+ * two matmuls and swiglu). */
+static void bench_groups(struct tkv_backend *be, uint32_t n, int reps, FILE *json, const char *commit)
+{
+    if (!be->ops->matmul_group || !be->ops->matmul_swiglu)
+        return;
+    struct tkv_gguf_tensor q, k, v, g, u;
+    make_f16(&q, 4096, 4096, "wq");
+    make_f16(&k, 1024, 4096, "wk");
+    make_f16(&v, 1024, 4096, "wv");
+    make_f16(&g, 14336, 4096, "gate");
+    make_f16(&u, 14336, 4096, "up");
+    float *x = malloc((size_t)n * 4096 * sizeof *x);
+    for (size_t i = 0; i < (size_t)n * 4096; i++)
+        x[i] = (float)((rnd() >> 40) / 16777216.0 * 2.0 - 1.0) * 0.05f;
+    const struct tkv_gguf_tensor *qkv[3] = {&q, &k, &v}, *gu[2] = {&g, &u};
+    static const struct {
+        const char *name;
+        uint32_t which; /* 0: qkv, 1: gate/up */
+        bool swiglu;
+    } cases[] = {{"qkv 6144x4096 group", 0, false}, {"gate+up 2x14336x4096 group", 1, false},
+                 {"gate+up 2x14336x4096 swiglu", 1, true}};
+    printf("\nfused decode ops vs separate launches (device busy = the ops' own time; span = first start to last "
+           "end, launch gaps included; host = wall per group, back to back)\n\n");
+    printf("| group | MB | separate busy us | span us | host us | fused busy us | span us | host us | span "
+           "speed-up | fused GB/s (span) | rel diff |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const struct tkv_gguf_tensor *const *t = cases[c].which ? gu : qkv;
+        const uint32_t nw = cases[c].which ? 2 : 3;
+        size_t bytes = 0;
+        for (uint32_t i = 0; i < nw; i++)
+            bytes += t[i]->nbytes;
+        uint32_t copies = (uint32_t)((ROTATE_BYTES + bytes - 1) / bytes);
+        copies = copies < 1 ? 1 : copies > MAX_COPIES ? MAX_COPIES : copies;
+        struct group_result sep, fus;
+        time_group(be, t, nw, cases[c].swiglu, false, copies, x, n, reps, &sep);
+        time_group(be, t, nw, cases[c].swiglu, true, copies, x, n, reps, &fus);
+        const double diff = rel_diff(fus.y, sep.y, (size_t)n * (size_t)t[0]->ne[1]);
+        printf("| %s | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.1e |\n", cases[c].name,
+               bytes / 1e6, sep.busy_us, sep.span_us, sep.host_us, fus.busy_us, fus.span_us, fus.host_us,
+               sep.span_us / fus.span_us, bytes / 1e9 / (fus.span_us * 1e-6), diff);
+        fflush(stdout);
+        if (json)
+            fprintf(json,
+                    "{\"bench\": \"gemv-group\", \"group\": \"%s\", \"n\": %u, \"bytes\": %zu, \"reps\": %d, "
+                    "\"sep_busy_us\": %.3f, \"sep_span_us\": %.3f, \"sep_host_us\": %.3f, \"fused_busy_us\": %.3f, "
+                    "\"fused_span_us\": %.3f, \"fused_host_us\": %.3f, \"rel_diff\": %.3e, \"commit\": \"%s\"}\n",
+                    cases[c].name, n, bytes, reps, sep.busy_us, sep.span_us, sep.host_us, fus.busy_us, fus.span_us,
+                    fus.host_us, diff, commit);
+        free(sep.y), free(fus.y);
+    }
+    free((void *)q.data), free((void *)k.data), free((void *)v.data), free((void *)g.data), free((void *)u.data);
+    free(x);
 }
 
 int main(int argc, char **argv)
@@ -233,6 +382,7 @@ int main(int argc, char **argv)
     printf("\na Llama-3-8B layer's 7 matmuls: ours %.1f us, reference %.1f us, at the copy rate %.1f us (ours / copy "
            "%.2f)\n",
            layer_ours, layer_ref, layer_copy, layer_copy / layer_ours);
+    bench_groups(fast, n, reps, json, commit);
     printf("of copy = (weight bytes / GEMV time) / ((read + written bytes) / copy time); host us/call: wall time per "
            "call of back-to-back calls (launch-bound when above the device time)\n");
     /* the profiles were read and reset: nothing left to print at free */
