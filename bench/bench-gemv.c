@@ -5,8 +5,9 @@
  *
  *   bench-gemv [-r reps] [-n tokens] [-j out.jsonl]
  *
- * Three CUDA backends, all through the backend interface: the default one
- * (the fast GEMV), TKV_CUDA_GEMV=ref (the reference kernel) and
+ * Four CUDA backends, all through the backend interface: the default one
+ * (the fast GEMV), TKV_CUDA_GEMV=u8 (the fast GEMV with 8 loads per lane in
+ * flight), TKV_CUDA_GEMV=ref (the reference kernel) and
  * TKV_CUDA_GEMV=cublas (cublasGemmEx, f16 x f16 -> f32, f32 compute: the
  * prefill path), each created with TKV_CUDA_PROFILE=1. Times per call are
  * device times from the op profile's events, not host clocks: a 1024x4096
@@ -311,6 +312,7 @@ int main(int argc, char **argv)
         return 1;
     }
     struct tkv_backend *fast = make_backend(NULL), *ref = make_backend("ref"), *blas = make_backend("cublas");
+    struct tkv_backend *u8 = make_backend("u8");
     char commit[64];
     build_commit(commit, sizeof commit);
 
@@ -321,10 +323,10 @@ int main(int argc, char **argv)
     printf("bench-gemv: f16 weights, n = %u token%s, %d calls per case (device times from the op profile), "
            "commit %s\n\n",
            n, n > 1 ? "s" : "", reps, commit);
-    printf("| n_out x n_in | MB | ours us | ours GB/s | of copy | ref us | ref GB/s | cuBLAS us | cuBLAS GB/s | copy us "
-           "| copy GB/s | ours host us/call | ours vs cuBLAS |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    double layer_ours = 0, layer_copy = 0, layer_ref = 0;
+    printf("| n_out x n_in | MB | ours us | ours GB/s | of copy | u8 us | u8 of copy | ref us | ref GB/s | cuBLAS us | "
+           "cuBLAS GB/s | copy us | copy GB/s | ours host us/call | ours, u8 vs cuBLAS (max) |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    double layer_ours = 0, layer_copy = 0, layer_ref = 0, layer_u8 = 0;
     for (size_t si = 0; si < n_shapes; si++) {
         const uint32_t n_out = shapes[si][0], n_in = shapes[si][1];
         const size_t bytes = (size_t)n_out * n_in * 2;
@@ -353,35 +355,40 @@ int main(int argc, char **argv)
         t.n_elems = (uint64_t)n_in * n_out;
         t.nbytes = bytes;
         t.data = h;
-        struct result rf, rr, rb;
+        struct result rf, rr, rb, r8;
         time_matmul(fast, &t, copies, x, n, reps, &rf);
+        time_matmul(u8, &t, copies, x, n, reps, &r8);
         time_matmul(ref, &t, copies, x, n, reps, &rr);
         time_matmul(blas, &t, copies, x, n, reps, &rb);
         const double copy_us = time_copy(fast, bytes, copies, reps) * 1e6;
         const double gb = bytes / 1e9;
         const double ours = gb / (rf.us * 1e-6), copy = 2 * gb / (copy_us * 1e-6);
         const double diff = rel_diff(rf.y, rb.y, (size_t)n * n_out);
-        printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %.0f | %.2f | %.1e |\n", n_out,
-               n_in, bytes / 1e6, rf.us, ours, ours / copy, rr.us, gb / (rr.us * 1e-6), rb.us, gb / (rb.us * 1e-6),
-               copy_us, copy, rf.host_us, diff);
+        const double d8 = rel_diff(r8.y, rb.y, (size_t)n * n_out);
+        printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %.0f | %.2f | "
+               "%.1e |\n",
+               n_out, n_in, bytes / 1e6, rf.us, ours, ours / copy, r8.us, gb / (r8.us * 1e-6) / copy, rr.us,
+               gb / (rr.us * 1e-6), rb.us, gb / (rb.us * 1e-6), copy_us, copy, rf.host_us, fmax(diff, d8));
         fflush(stdout);
         layer_ours += per_layer[si] * rf.us;
+        layer_u8 += per_layer[si] * r8.us;
         layer_ref += per_layer[si] * rr.us;
         layer_copy += per_layer[si] * bytes / (copy * 1e9) * 1e6;
         if (json)
             fprintf(json,
                     "{\"bench\": \"gemv\", \"n_out\": %u, \"n_in\": %u, \"n\": %u, \"bytes\": %zu, \"copies\": %u, "
-                    "\"reps\": %d, \"ours_us\": %.3f, \"ours_gbps\": %.1f, \"of_copy\": %.4f, \"ref_us\": %.3f, "
+                    "\"reps\": %d, \"ours_us\": %.3f, \"ours_gbps\": %.1f, \"of_copy\": %.4f, \"u8_us\": %.3f, "
+                    "\"ref_us\": %.3f, "
                     "\"cublas_us\": %.3f, \"copy_us\": %.3f, \"copy_gbps\": %.1f, \"ours_host_us\": %.3f, "
                     "\"ours_vs_cublas\": %.3e, \"commit\": \"%s\"}\n",
-                    n_out, n_in, n, bytes, copies, reps, rf.us, ours, ours / copy, rr.us, rb.us, copy_us, copy,
+                    n_out, n_in, n, bytes, copies, reps, rf.us, ours, ours / copy, r8.us, rr.us, rb.us, copy_us, copy,
                     rf.host_us, diff, commit);
-        free(rf.y), free(rr.y), free(rb.y);
+        free(rf.y), free(rr.y), free(rb.y), free(r8.y);
         free(h), free(x);
     }
-    printf("\na Llama-3-8B layer's 7 matmuls: ours %.1f us, reference %.1f us, at the copy rate %.1f us (ours / copy "
-           "%.2f)\n",
-           layer_ours, layer_ref, layer_copy, layer_copy / layer_ours);
+    printf("\na Llama-3-8B layer's 7 matmuls: ours %.1f us, u8 %.1f us, reference %.1f us, at the copy rate %.1f us "
+           "(ours / copy %.2f)\n",
+           layer_ours, layer_u8, layer_ref, layer_copy, layer_copy / layer_ours);
     bench_groups(fast, n, reps, json, commit);
     printf("of copy = (weight bytes / GEMV time) / ((read + written bytes) / copy time); host us/call: wall time per "
            "call of back-to-back calls (launch-bound when above the device time)\n");
@@ -389,6 +396,7 @@ int main(int argc, char **argv)
     fast->ops->free(fast);
     ref->ops->free(ref);
     blas->ops->free(blas);
+    u8->ops->free(u8);
     if (json)
         fclose(json);
     return 0;

@@ -108,8 +108,9 @@ struct cuda_backend {
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
  * TKV_CUDA_GEMV when the backend is created: the fast GEMV (default), its
  * reference kernel ("ref"), or cuBLAS as for prefill ("cublas"); the last two
- * exist to measure and test the first. */
-enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS };
+ * exist to measure and test the first. "u8": the fast GEMV with 8 loads per
+ * lane in flight, a candidate for the mid shapes (being measured). */
+enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8 };
 
 struct tkv_bweight {
     const struct tkv_gguf_tensor *t;
@@ -631,6 +632,8 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
+        else if (cb->gemv == GEMV_U8)
+            CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->stream));
         else
             CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->stream));
         return TKV_OK;
@@ -1289,13 +1292,13 @@ static tkv_status pw_get_rows(struct tkv_backend *b, const struct tkv_bweight *w
     PROF("get_rows", prof_row(cb->prof, "get_rows", true), cuda_get_rows(b, w, ids, n, out));
 }
 /* matmul rows by weight shape (n_out x n_in) and path */
-static const char *const matmul_path_name[] = {"gemv", "gemv-ref", "cublas", "cublas-f32"};
+static const char *const matmul_path_name[] = {"gemv", "gemv-ref", "cublas", "cublas-f32", "gemv-u8"};
 static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
     struct cuda_backend *cb_ = cuda_of(b);
     const uint32_t path = w->w32 ? 3u : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
                                                 tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
-                                            ? (cb_->gemv == GEMV_REF ? 1u : 0u)
+                                            ? (cb_->gemv == GEMV_REF ? 1u : cb_->gemv == GEMV_U8 ? 4u : 0u)
                                             : 2u;
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
@@ -1616,7 +1619,10 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     const char *mode = getenv("TKV_CUDA_WEIGHTS");
     cb->f32_weights = mode && !strcmp(mode, "f32");
     const char *gemv = getenv("TKV_CUDA_GEMV");
-    cb->gemv = gemv && !strcmp(gemv, "ref") ? GEMV_REF : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS : GEMV_FAST;
+    cb->gemv = gemv && !strcmp(gemv, "ref")      ? GEMV_REF
+               : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS
+               : gemv && !strcmp(gemv, "u8")     ? GEMV_U8
+                                                 : GEMV_FAST;
     const char *prof = getenv("TKV_CUDA_PROFILE");
     tkv_status st = cuda_init(cb);
     if (st == TKV_OK && prof && !strcmp(prof, "1")) {

@@ -212,19 +212,19 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p)
  * ..., U loads issued before any is used; acc[i] += token i's products. The
  * grouped and SwiGLU kernels below run the same sequence, so a row's sums
  * are the plain kernel's, bit for bit, at the same S. */
-template <int NT, uint32_t T>
+template <int NT, uint32_t T, int U = GEMV2_U>
 __device__ __forceinline__ void gemv2_row(const uint4 *w8, const float *x, uint32_t n_in, uint32_t n8, uint32_t t,
                                           float *acc)
 {
-    for (uint32_t k0 = t; k0 < n8; k0 += T * GEMV2_U) {
-        uint4 raw[GEMV2_U];
+    for (uint32_t k0 = t; k0 < n8; k0 += T * U) {
+        uint4 raw[U];
 #pragma unroll
-        for (int u = 0; u < GEMV2_U; u++) {
+        for (int u = 0; u < U; u++) {
             const uint32_t k = k0 + u * T;
             raw[u] = k < n8 ? ld_stream(w8 + k) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < GEMV2_U; u++) {
+        for (int u = 0; u < U; u++) {
             const uint32_t k = k0 + u * T;
             if (k >= n8)
                 break;
@@ -292,7 +292,7 @@ __device__ __forceinline__ bool gemv2_reduce(const float *acc, float (*part)[NT]
     return true;
 }
 
-template <int NT, int S>
+template <int NT, int S, int U>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv2_kernel(const __half *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, uint32_t n_in,
                  uint32_t n_out)
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     for (int i = 0; i < NT; i++)
         acc[i] = 0.0f;
     if (row < n_out) /* no early return: the CTA meets at the barrier below */
-        gemv2_row<NT, T>((const uint4 *)(w + (size_t)row * n_in), x, n_in, n8, t, acc);
+        gemv2_row<NT, T, U>((const uint4 *)(w + (size_t)row * n_in), x, n_in, n8, t, acc);
 #pragma unroll
     for (int i = 0; i < NT; i++) {
         const float v = tkv_warp_sum(acc[i]);
@@ -332,23 +332,40 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
 }
 
-template <int NT, int S>
+template <int NT, int S, int U>
 cudaError_t gemv2_launch(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, cudaStream_t s)
 {
-    gemv2_kernel<NT, S><<<tkv_cuda_blocks(n_out, GEMV_WARPS / S), GEMV_WARPS * 32, 0, s>>>(w, x, y, n_in, n_out);
+    gemv2_kernel<NT, S, U><<<tkv_cuda_blocks(n_out, GEMV_WARPS / S), GEMV_WARPS * 32, 0, s>>>(w, x, y, n_in, n_out);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
 
-template <int NT>
+template <int NT, int U>
 cudaError_t gemv2_pick(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t S,
                        cudaStream_t s)
 {
     switch (S) {
-    case 1: return gemv2_launch<NT, 1>(w, x, y, n_in, n_out, s);
-    case 2: return gemv2_launch<NT, 2>(w, x, y, n_in, n_out, s);
-    case 4: return gemv2_launch<NT, 4>(w, x, y, n_in, n_out, s);
-    case 8: return gemv2_launch<NT, 8>(w, x, y, n_in, n_out, s);
+    case 1: return gemv2_launch<NT, 1, U>(w, x, y, n_in, n_out, s);
+    case 2: return gemv2_launch<NT, 2, U>(w, x, y, n_in, n_out, s);
+    case 4: return gemv2_launch<NT, 4, U>(w, x, y, n_in, n_out, s);
+    case 8: return gemv2_launch<NT, 8, U>(w, x, y, n_in, n_out, s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+template <int U>
+cudaError_t gemv2_n(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n, uint32_t S,
+                    cudaStream_t s)
+{
+    switch (n) {
+    case 1: return gemv2_pick<1, U>(w, x, y, n_in, n_out, S, s);
+    case 2: return gemv2_pick<2, U>(w, x, y, n_in, n_out, S, s);
+    case 3: return gemv2_pick<3, U>(w, x, y, n_in, n_out, S, s);
+    case 4: return gemv2_pick<4, U>(w, x, y, n_in, n_out, S, s);
+    case 5: return gemv2_pick<5, U>(w, x, y, n_in, n_out, S, s);
+    case 6: return gemv2_pick<6, U>(w, x, y, n_in, n_out, S, s);
+    case 7: return gemv2_pick<7, U>(w, x, y, n_in, n_out, S, s);
+    case 8: return gemv2_pick<8, U>(w, x, y, n_in, n_out, S, s);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -686,18 +703,26 @@ cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_
 {
     if (n_out == 0)
         return cudaSuccess;
-    const uint32_t S = tkv_cuda_gemv_split(n_in, n_out, n_sm);
-    switch (n) {
-    case 1: return gemv2_pick<1>(w, x, y, n_in, n_out, S, s);
-    case 2: return gemv2_pick<2>(w, x, y, n_in, n_out, S, s);
-    case 3: return gemv2_pick<3>(w, x, y, n_in, n_out, S, s);
-    case 4: return gemv2_pick<4>(w, x, y, n_in, n_out, S, s);
-    case 5: return gemv2_pick<5>(w, x, y, n_in, n_out, S, s);
-    case 6: return gemv2_pick<6>(w, x, y, n_in, n_out, S, s);
-    case 7: return gemv2_pick<7>(w, x, y, n_in, n_out, S, s);
-    case 8: return gemv2_pick<8>(w, x, y, n_in, n_out, S, s);
-    default: return cudaErrorInvalidValue;
-    }
+    return gemv2_n<GEMV2_U>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), s);
+}
+
+uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
+{
+    const uint32_t n8 = n_in / 8;
+    uint32_t S = 1;
+    /* as tkv_cuda_gemv_split, with every thread of a row given a full set of 8 loads */
+    while (S < GEMV_WARPS && ((uint64_t)n_out * S + GEMV_WARPS - 1) / GEMV_WARPS < 4ull * n_sm &&
+           n8 >= 2 * 32 * S * 8)
+        S *= 2;
+    return S;
+}
+
+cudaError_t tkv_cuda_gemv_f16_u8(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
+                                 uint32_t n, uint32_t n_sm, cudaStream_t s)
+{
+    if (n_out == 0)
+        return cudaSuccess;
+    return gemv2_n<8>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split_u8(n_in, n_out, n_sm), s);
 }
 
 cudaError_t tkv_cuda_gemv_f16_ref(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,

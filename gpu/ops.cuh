@@ -72,6 +72,13 @@ cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_
                               uint32_t n_sm, cudaStream_t s);
 /* Warps per row the fast kernel uses (1, 2, 4 or 8). */
 uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
+/* The fast kernel with U = 8 loads per lane in flight (TKV_CUDA_GEMV=u8), a
+ * variant for the mid shapes (4096 x 4096: one round of loads per thread
+ * instead of two); its split is tkv_cuda_gemv_split_u8. Same arithmetic per
+ * chunk, other summation order. */
+cudaError_t tkv_cuda_gemv_f16_u8(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
+                                 uint32_t n, uint32_t n_sm, cudaStream_t s);
+uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
 /* The reference: one warp per row, one 16-byte load per lane at a time
  * (TKV_CUDA_GEMV=ref). */
 cudaError_t tkv_cuda_gemv_f16_ref(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,

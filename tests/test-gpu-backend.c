@@ -5,7 +5,8 @@
  *
  * Tolerances (why in docs/gpu.md):
  *   matmul     ||gpu - ref|| / ||ref|| < 1e-3 (n <= 8: f16 weights, f32
- *              activations) or 2e-3 (cuBLAS: f16 weights and activations),
+ *              activations; each GEMV kernel: fast, ref, u8) or 2e-3 (cuBLAS:
+ *              f16 weights and activations),
  *              ref = double over the exact dequantized weights; and within
  *              2e-2 of the CPU backend (which quantizes decode activations
  *              to 8 bits)
@@ -45,7 +46,7 @@ static uint64_t rng;
 static struct tkv_backend *cpu, *gpu;
 /* the decode matmul's other paths (TKV_CUDA_GEMV=ref, =cublas): the fast
  * GEMV of `gpu` is checked against both */
-static struct tkv_backend *gpu_gemv_ref, *gpu_gemv_blas;
+static struct tkv_backend *gpu_gemv_ref, *gpu_gemv_blas, *gpu_gemv_u8; /* u8: TKV_CUDA_GEMV=u8 */
 static bool f32_mode; /* gpu was created with TKV_CUDA_WEIGHTS=f32 */
 
 /* ---- device helpers ------------------------------------------------------- */
@@ -238,9 +239,9 @@ static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint3
     /* a decode GEMV: the same on the reference kernel and on cuBLAS, each
      * within its tolerance of the double reference, and the fast kernel
      * within 1e-3 of both (the three sum in different orders) */
-    struct tkv_backend *alt[2] = {gpu_gemv_ref, gpu_gemv_blas};
-    static const char *const alt_name[2] = {"ref", "cublas"};
-    for (int a = 0; a < 2 && gemv && !f32_mode && alt[a]; a++) {
+    struct tkv_backend *alt[3] = {gpu_gemv_ref, gpu_gemv_blas, gpu_gemv_u8};
+    static const char *const alt_name[3] = {"ref", "cublas", "u8"};
+    for (int a = 0; a < 3 && gemv && !f32_mode && alt[a]; a++) {
         struct tkv_bweight *wa = NULL;
         CHECK(alt[a]->ops->weight_init(alt[a], &tw.t, &wa) == TKV_OK, "weight_init: %s", tkv_last_error());
         if (!wa)
@@ -252,7 +253,7 @@ static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint3
         to_host(ya, dya, ny * sizeof *ya);
         const double e_a = rel_l2(ya, ref, ny), e_fa = rel_l2f(yg, ya, ny);
         fprintf(stderr, "  %s %.2e fast-vs-%s %.2e", alt_name[a], e_a, alt_name[a], e_fa);
-        CHECK(e_a < (a ? 2e-3 : 1e-3), "matmul %ux%u n=%u (%s): rel err %.3g", n_in, n_out, n, alt_name[a], e_a);
+        CHECK(e_a < (a == 1 ? 2e-3 : 1e-3), "matmul %ux%u n=%u (%s): rel err %.3g", n_in, n_out, n, alt_name[a], e_a);
         CHECK(e_fa < 1e-3, "matmul %ux%u n=%u: fast GEMV vs %s rel diff %.3g", n_in, n_out, n, alt_name[a], e_fa);
         dev_free(dya);
         free(ya);
@@ -1556,6 +1557,8 @@ int main(void)
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_ref) == TKV_OK, "%s", tkv_last_error());
     setenv("TKV_CUDA_GEMV", "cublas", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_blas) == TKV_OK, "%s", tkv_last_error());
+    setenv("TKV_CUDA_GEMV", "u8", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_u8) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_GEMV");
     const clock_t t0 = clock();
     /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
@@ -1580,6 +1583,7 @@ int main(void)
     fprintf(stderr, "(%.1f s of CPU time)\n", (double)(clock() - t0) / CLOCKS_PER_SEC);
     gpu_gemv_ref->ops->free(gpu_gemv_ref);
     gpu_gemv_blas->ops->free(gpu_gemv_blas);
+    gpu_gemv_u8->ops->free(gpu_gemv_u8);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return test_done();
