@@ -5,8 +5,9 @@
  *
  *   bench-gemv [-r reps] [-n tokens] [-j out.jsonl]
  *
- * Three CUDA backends, all through the backend interface: the default one
- * (the fast GEMV), TKV_CUDA_GEMV=ref (the reference kernel) and
+ * Four CUDA backends, all through the backend interface: the default one
+ * (the fast GEMV), TKV_CUDA_GEMV=u8 (the fast GEMV with 8 loads per lane in
+ * flight), TKV_CUDA_GEMV=ref (the reference kernel) and
  * TKV_CUDA_GEMV=cublas (cublasGemmEx, f16 x f16 -> f32, f32 compute: the
  * prefill path), each created with TKV_CUDA_PROFILE=1. Times per call are
  * device times from the op profile's events, not host clocks: a 1024x4096
@@ -15,7 +16,10 @@
  * than the L2 together (512 MiB); the copy moves the same bytes between
  * buffers as large. Rates: GEMV = weight bytes / time; copy = bytes read +
  * written / time (bench-decode's roofline bandwidth); "of copy" = their
- * ratio (target >= 0.9). Exits 77 without a GPU.
+ * ratio (target >= 0.9). Then the fused decode ops (matmul_group on q/k/v
+ * and gate/up, matmul_swiglu) against the separate launches they replace,
+ * by device busy time, device span (launch gaps included) and host wall
+ * time per group. Exits 77 without a GPU.
  */
 #include "runtime/backend.h"
 
@@ -121,6 +125,72 @@ static double time_copy(struct tkv_backend *be, size_t bytes, uint32_t copies, i
     return s;
 }
 
+/* Device busy and span seconds per rep of everything profiled since the
+ * last reset (busy: the ops' own times; span: first start to last end,
+ * gaps between launches included). */
+static void dev_busy_span(struct tkv_backend *be, int reps, double *busy, double *span)
+{
+    struct tkv_op_profile p;
+    die_if(be->ops->profile_read(be, &p), "profile_read");
+    *busy = p.dev_busy_s / reps;
+    *span = p.dev_span_s / reps;
+    be->ops->profile_reset(be);
+}
+
+/* The grouped decode matmuls: nw weights of the same n_in sharing x, as
+ * separate matmuls (+ swiglu when `swiglu`) or as one fused op
+ * (matmul_group, or matmul_swiglu when `swiglu`). */
+struct group_result {
+    double busy_us, span_us, host_us;
+    float *y; /* the first output after warm-up: [n, n_out of weight 0] */
+};
+static void time_group(struct tkv_backend *be, const struct tkv_gguf_tensor *const *t, uint32_t nw, bool swiglu,
+                       bool fused, uint32_t copies, const float *x, uint32_t n, int reps, struct group_result *r)
+{
+    const uint32_t n_in = (uint32_t)t[0]->ne[0];
+    struct tkv_bweight *w[MAX_COPIES][4];
+    void *dx, *dy[4];
+    for (uint32_t c = 0; c < copies; c++)
+        for (uint32_t i = 0; i < nw; i++)
+            die_if(be->ops->weight_init(be, t[i], &w[c][i]), "weight_init");
+    die_if(be->ops->alloc(be, (size_t)n * n_in * sizeof(float), &dx), "alloc");
+    for (uint32_t i = 0; i < nw; i++)
+        die_if(be->ops->alloc(be, (size_t)n * (size_t)t[i]->ne[1] * sizeof(float), &dy[i]), "alloc");
+    die_if(be->ops->upload(be, dx, x, (size_t)n * n_in * sizeof(float)), "upload");
+    for (int i = -(int)copies - 2; i < reps; i++) { /* warm-up, then timed */
+        if (i == 0) {
+            const size_t ny = (size_t)n * (size_t)t[0]->ne[1];
+            r->y = malloc(ny * sizeof(float));
+            die_if(be->ops->download(be, r->y, dy[0], ny * sizeof(float)), "download");
+            be->ops->profile_reset(be);
+            r->host_us = now();
+        }
+        struct tkv_bweight **wc = w[(uint32_t)(i + (int)copies + 2) % copies];
+        if (fused && swiglu)
+            die_if(be->ops->matmul_swiglu(be, wc[0], wc[1], dx, dy[0], n), "matmul_swiglu");
+        else if (fused)
+            die_if(be->ops->matmul_group(be, (const struct tkv_bweight *const *)wc, nw, dx, (float *const *)dy, n),
+                   "matmul_group");
+        else {
+            for (uint32_t k = 0; k < nw; k++)
+                die_if(be->ops->matmul(be, wc[k], dx, dy[k], n), "matmul");
+            if (swiglu)
+                die_if(be->ops->swiglu(be, dy[0], dy[1], dy[0], (size_t)n * (size_t)t[0]->ne[1]), "swiglu");
+        }
+    }
+    die_if(be->ops->synchronize(be), "synchronize");
+    r->host_us = (now() - r->host_us) / reps * 1e6;
+    double busy, span;
+    dev_busy_span(be, reps, &busy, &span);
+    r->busy_us = busy * 1e6, r->span_us = span * 1e6;
+    for (uint32_t c = 0; c < copies; c++)
+        for (uint32_t i = 0; i < nw; i++)
+            be->ops->weight_free(be, w[c][i]);
+    be->ops->release(be, dx);
+    for (uint32_t i = 0; i < nw; i++)
+        be->ops->release(be, dy[i]);
+}
+
 static double rel_diff(const float *a, const float *b, size_t n)
 {
     double num = 0, den = 0;
@@ -129,6 +199,86 @@ static double rel_diff(const float *a, const float *b, size_t n)
         den += (double)b[i] * b[i];
     }
     return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* A tensor of random f16 weights [n_out, n_in] (values as in main). */
+static void make_f16(struct tkv_gguf_tensor *t, uint32_t n_out, uint32_t n_in, const char *name)
+{
+    const size_t bytes = (size_t)n_out * n_in * 2, tile = (size_t)1 << 20;
+    uint16_t *h = malloc(bytes);
+    if (!h) {
+        fprintf(stderr, "bench-gemv: out of host memory\n");
+        exit(1);
+    }
+    for (size_t i = 0; i < bytes / 2; i++)
+        h[i] = i < tile ? (uint16_t)(0x3000 + (rnd() % 0x0C00)) ^ (uint16_t)((rnd() & 1) << 15) : h[i % tile];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "bench.%s", name);
+    t->n_dims = 2;
+    t->ne[0] = n_in;
+    t->ne[1] = n_out;
+    t->ne[2] = t->ne[3] = 1;
+    t->type = TKV_TYPE_F16;
+    t->n_elems = (uint64_t)n_in * n_out;
+    t->nbytes = bytes;
+    t->data = h;
+}
+
+/* The fused decode ops on Llama-3-8B's groups against separate launches:
+ * q/k/v (matmul_group), gate/up (matmul_group, and matmul_swiglu against
+ * two matmuls and swiglu). */
+static void bench_groups(struct tkv_backend *be, uint32_t n, int reps, FILE *json, const char *commit)
+{
+    if (!be->ops->matmul_group || !be->ops->matmul_swiglu)
+        return;
+    struct tkv_gguf_tensor q, k, v, g, u;
+    make_f16(&q, 4096, 4096, "wq");
+    make_f16(&k, 1024, 4096, "wk");
+    make_f16(&v, 1024, 4096, "wv");
+    make_f16(&g, 14336, 4096, "gate");
+    make_f16(&u, 14336, 4096, "up");
+    float *x = malloc((size_t)n * 4096 * sizeof *x);
+    for (size_t i = 0; i < (size_t)n * 4096; i++)
+        x[i] = (float)((rnd() >> 40) / 16777216.0 * 2.0 - 1.0) * 0.05f;
+    const struct tkv_gguf_tensor *qkv[3] = {&q, &k, &v}, *gu[2] = {&g, &u};
+    static const struct {
+        const char *name;
+        uint32_t which; /* 0: qkv, 1: gate/up */
+        bool swiglu;
+    } cases[] = {{"qkv 6144x4096 group", 0, false}, {"gate+up 2x14336x4096 group", 1, false},
+                 {"gate+up 2x14336x4096 swiglu", 1, true}};
+    printf("\nfused decode ops vs separate launches (device busy = the ops' own time; span = first start to last "
+           "end, launch gaps included; host = wall per group, back to back)\n\n");
+    printf("| group | MB | separate busy us | span us | host us | fused busy us | span us | host us | span "
+           "speed-up | fused GB/s (span) | rel diff |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const struct tkv_gguf_tensor *const *t = cases[c].which ? gu : qkv;
+        const uint32_t nw = cases[c].which ? 2 : 3;
+        size_t bytes = 0;
+        for (uint32_t i = 0; i < nw; i++)
+            bytes += t[i]->nbytes;
+        uint32_t copies = (uint32_t)((ROTATE_BYTES + bytes - 1) / bytes);
+        copies = copies < 1 ? 1 : copies > MAX_COPIES ? MAX_COPIES : copies;
+        struct group_result sep, fus;
+        time_group(be, t, nw, cases[c].swiglu, false, copies, x, n, reps, &sep);
+        time_group(be, t, nw, cases[c].swiglu, true, copies, x, n, reps, &fus);
+        const double diff = rel_diff(fus.y, sep.y, (size_t)n * (size_t)t[0]->ne[1]);
+        printf("| %s | %.1f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f | %.1e |\n", cases[c].name,
+               bytes / 1e6, sep.busy_us, sep.span_us, sep.host_us, fus.busy_us, fus.span_us, fus.host_us,
+               sep.span_us / fus.span_us, bytes / 1e9 / (fus.span_us * 1e-6), diff);
+        fflush(stdout);
+        if (json)
+            fprintf(json,
+                    "{\"bench\": \"gemv-group\", \"group\": \"%s\", \"n\": %u, \"bytes\": %zu, \"reps\": %d, "
+                    "\"sep_busy_us\": %.3f, \"sep_span_us\": %.3f, \"sep_host_us\": %.3f, \"fused_busy_us\": %.3f, "
+                    "\"fused_span_us\": %.3f, \"fused_host_us\": %.3f, \"rel_diff\": %.3e, \"commit\": \"%s\"}\n",
+                    cases[c].name, n, bytes, reps, sep.busy_us, sep.span_us, sep.host_us, fus.busy_us, fus.span_us,
+                    fus.host_us, diff, commit);
+        free(sep.y), free(fus.y);
+    }
+    free((void *)q.data), free((void *)k.data), free((void *)v.data), free((void *)g.data), free((void *)u.data);
+    free(x);
 }
 
 int main(int argc, char **argv)
@@ -162,6 +312,7 @@ int main(int argc, char **argv)
         return 1;
     }
     struct tkv_backend *fast = make_backend(NULL), *ref = make_backend("ref"), *blas = make_backend("cublas");
+    struct tkv_backend *u8 = make_backend("u8");
     char commit[64];
     build_commit(commit, sizeof commit);
 
@@ -172,10 +323,10 @@ int main(int argc, char **argv)
     printf("bench-gemv: f16 weights, n = %u token%s, %d calls per case (device times from the op profile), "
            "commit %s\n\n",
            n, n > 1 ? "s" : "", reps, commit);
-    printf("| n_out x n_in | MB | ours us | ours GB/s | of copy | ref us | ref GB/s | cuBLAS us | cuBLAS GB/s | copy us "
-           "| copy GB/s | ours host us/call | ours vs cuBLAS |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    double layer_ours = 0, layer_copy = 0, layer_ref = 0;
+    printf("| n_out x n_in | MB | ours us | ours GB/s | of copy | u8 us | u8 of copy | ref us | ref GB/s | cuBLAS us | "
+           "cuBLAS GB/s | copy us | copy GB/s | ours host us/call | ours, u8 vs cuBLAS (max) |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    double layer_ours = 0, layer_copy = 0, layer_ref = 0, layer_u8 = 0;
     for (size_t si = 0; si < n_shapes; si++) {
         const uint32_t n_out = shapes[si][0], n_in = shapes[si][1];
         const size_t bytes = (size_t)n_out * n_in * 2;
@@ -204,41 +355,48 @@ int main(int argc, char **argv)
         t.n_elems = (uint64_t)n_in * n_out;
         t.nbytes = bytes;
         t.data = h;
-        struct result rf, rr, rb;
+        struct result rf, rr, rb, r8;
         time_matmul(fast, &t, copies, x, n, reps, &rf);
+        time_matmul(u8, &t, copies, x, n, reps, &r8);
         time_matmul(ref, &t, copies, x, n, reps, &rr);
         time_matmul(blas, &t, copies, x, n, reps, &rb);
         const double copy_us = time_copy(fast, bytes, copies, reps) * 1e6;
         const double gb = bytes / 1e9;
         const double ours = gb / (rf.us * 1e-6), copy = 2 * gb / (copy_us * 1e-6);
         const double diff = rel_diff(rf.y, rb.y, (size_t)n * n_out);
-        printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %.0f | %.2f | %.1e |\n", n_out,
-               n_in, bytes / 1e6, rf.us, ours, ours / copy, rr.us, gb / (rr.us * 1e-6), rb.us, gb / (rb.us * 1e-6),
-               copy_us, copy, rf.host_us, diff);
+        const double d8 = rel_diff(r8.y, rb.y, (size_t)n * n_out);
+        printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %.0f | %.2f | "
+               "%.1e |\n",
+               n_out, n_in, bytes / 1e6, rf.us, ours, ours / copy, r8.us, gb / (r8.us * 1e-6) / copy, rr.us,
+               gb / (rr.us * 1e-6), rb.us, gb / (rb.us * 1e-6), copy_us, copy, rf.host_us, fmax(diff, d8));
         fflush(stdout);
         layer_ours += per_layer[si] * rf.us;
+        layer_u8 += per_layer[si] * r8.us;
         layer_ref += per_layer[si] * rr.us;
         layer_copy += per_layer[si] * bytes / (copy * 1e9) * 1e6;
         if (json)
             fprintf(json,
                     "{\"bench\": \"gemv\", \"n_out\": %u, \"n_in\": %u, \"n\": %u, \"bytes\": %zu, \"copies\": %u, "
-                    "\"reps\": %d, \"ours_us\": %.3f, \"ours_gbps\": %.1f, \"of_copy\": %.4f, \"ref_us\": %.3f, "
+                    "\"reps\": %d, \"ours_us\": %.3f, \"ours_gbps\": %.1f, \"of_copy\": %.4f, \"u8_us\": %.3f, "
+                    "\"ref_us\": %.3f, "
                     "\"cublas_us\": %.3f, \"copy_us\": %.3f, \"copy_gbps\": %.1f, \"ours_host_us\": %.3f, "
                     "\"ours_vs_cublas\": %.3e, \"commit\": \"%s\"}\n",
-                    n_out, n_in, n, bytes, copies, reps, rf.us, ours, ours / copy, rr.us, rb.us, copy_us, copy,
+                    n_out, n_in, n, bytes, copies, reps, rf.us, ours, ours / copy, r8.us, rr.us, rb.us, copy_us, copy,
                     rf.host_us, diff, commit);
-        free(rf.y), free(rr.y), free(rb.y);
+        free(rf.y), free(rr.y), free(rb.y), free(r8.y);
         free(h), free(x);
     }
-    printf("\na Llama-3-8B layer's 7 matmuls: ours %.1f us, reference %.1f us, at the copy rate %.1f us (ours / copy "
-           "%.2f)\n",
-           layer_ours, layer_ref, layer_copy, layer_copy / layer_ours);
+    printf("\na Llama-3-8B layer's 7 matmuls: ours %.1f us, u8 %.1f us, reference %.1f us, at the copy rate %.1f us "
+           "(ours / copy %.2f)\n",
+           layer_ours, layer_u8, layer_ref, layer_copy, layer_copy / layer_ours);
+    bench_groups(fast, n, reps, json, commit);
     printf("of copy = (weight bytes / GEMV time) / ((read + written bytes) / copy time); host us/call: wall time per "
            "call of back-to-back calls (launch-bound when above the device time)\n");
     /* the profiles were read and reset: nothing left to print at free */
     fast->ops->free(fast);
     ref->ops->free(ref);
     blas->ops->free(blas);
+    u8->ops->free(u8);
     if (json)
         fclose(json);
     return 0;

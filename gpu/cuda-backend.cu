@@ -96,14 +96,21 @@ struct cuda_backend {
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
     int gemv;                      /* decode matmul: GEMV_FAST, or TKV_CUDA_GEMV=ref|cublas */
+    float *fuse_work;              /* [fuse_work_cap bytes] matmul_swiglu's up product off the GEMV path */
+    size_t fuse_work_cap;
+    /* rope_qk's positions: the last ones uploaded (host copy, pos_n of them)
+     * stay in pos_dev, so the layers of one chunk upload them once */
+    int32_t *pos_dev, *pos_last;
+    uint32_t pos_n, pos_cap;
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
 };
 
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
  * TKV_CUDA_GEMV when the backend is created: the fast GEMV (default), its
  * reference kernel ("ref"), or cuBLAS as for prefill ("cublas"); the last two
- * exist to measure and test the first. */
-enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS };
+ * exist to measure and test the first. "u8": the fast GEMV with 8 loads per
+ * lane in flight, a candidate for the mid shapes (being measured). */
+enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8 };
 
 struct tkv_bweight {
     const struct tkv_gguf_tensor *t;
@@ -625,6 +632,8 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
+        else if (cb->gemv == GEMV_U8)
+            CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->stream));
         else
             CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->stream));
         return TKV_OK;
@@ -638,6 +647,141 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
                                     CUDA_R_32F, (int)w->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS)
         return blas_fail(s, op);
+    return TKV_OK;
+}
+
+/* ---- fused decode ops (optional members; docs/gpu.md "Fused decode ops") ---- */
+
+/* Whether the fast GEMV serves w for x and n tokens (else matmul's cuBLAS,
+ * reference or f32 paths, which the fused ops then run one by one). */
+static bool fast_gemv(const struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, uint32_t n)
+{
+    return cb->gemv == GEMV_FAST && w->w16 && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n);
+}
+
+static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
+                                    const float *x, float *const *y, uint32_t n)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "matmul_group";
+    ALIVE(op);
+    if (nw == 0 || nw > TKV_CUDA_GEMV_GROUP_MAX)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_group: %u weights (1 to %d)", nw, TKV_CUDA_GEMV_GROUP_MAX);
+    bool fast = true;
+    uint64_t rows = 0;
+    for (uint32_t i = 0; i < nw; i++) {
+        if (w[i]->is_vec || w[i]->n_in != w[0]->n_in)
+            return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_group: %s is not a matrix of %u columns", w[i]->t->name,
+                           w[0]->n_in);
+        fast = fast && fast_gemv(cb, w[i], x, n);
+        rows += w[i]->n_out;
+    }
+    if (n == 0)
+        return TKV_OK;
+    if (!fast || rows > UINT32_MAX) {
+        for (uint32_t i = 0; i < nw; i++)
+            TKV_TRY(cuda_matmul(b, w[i], x, y[i], n));
+        return TKV_OK;
+    }
+    struct tkv_cuda_gemv_group g;
+    memset(&g, 0, sizeof g);
+    g.nw = nw;
+    for (uint32_t i = 0, end = 0; i < nw; i++) {
+        g.w[i] = w[i]->w16;
+        g.y[i] = y[i];
+        g.end[i] = end += w[i]->n_out;
+    }
+    CU(op, tkv_cuda_gemv_group(&g, x, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweight *wg, const struct tkv_bweight *wu,
+                                     const float *x, float *out, uint32_t n)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "matmul_swiglu";
+    ALIVE(op);
+    if (wg->is_vec || wu->is_vec || wg->n_in != wu->n_in || wg->n_out != wu->n_out)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_swiglu: %s and %s are not matrices of one shape",
+                       wg->t->name, wu->t->name);
+    if (n == 0)
+        return TKV_OK;
+    if (fast_gemv(cb, wg, x, n) && fast_gemv(cb, wu, x, n)) {
+        CU(op, tkv_cuda_gemv_swiglu(wg->w16, wu->w16, x, out, wg->n_in, wg->n_out, n, (uint32_t)cb->n_sm,
+                                    cb->stream));
+        return TKV_OK;
+    }
+    /* the sequence, the up product in a work buffer */
+    const size_t count = (size_t)n * wg->n_out;
+    TKV_TRY(work_reserve(cb, (void **)&cb->fuse_work, &cb->fuse_work_cap, count * sizeof(float), op));
+    TKV_TRY(cuda_matmul(b, wg, x, out, n));
+    TKV_TRY(cuda_matmul(b, wu, x, cb->fuse_work, n));
+    CU(op, tkv_cuda_swiglu(out, cb->fuse_work, out, count, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status cuda_add_rmsnorm(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w,
+                                   float *h, uint32_t n, uint32_t dim, float eps)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("add_rmsnorm");
+    if (!w->is_vec || w->n_in != dim)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: add_rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
+    if (dim == 0)
+        return TKV_OK;
+    CU("add_rmsnorm", tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, cb->stream));
+    return TKV_OK;
+}
+
+/* Makes pos_dev hold pos[0..n): a copy is queued only when they differ from
+ * the last ones uploaded. Queued kernels that read the old values ran
+ * before the copy (one stream). */
+static tkv_status pos_upload(struct cuda_backend *cb, const int32_t *pos, uint32_t n, const char *op)
+{
+    if (cb->pos_n == n && !memcmp(cb->pos_last, pos, (size_t)n * sizeof *pos))
+        return TKV_OK;
+    cb->pos_n = 0; /* unknown until the copy is queued */
+    if (n > cb->pos_cap) {
+        const uint32_t cap = TKV_MAX(n, TKV_MAX(2 * cb->pos_cap, 256u));
+        CU(op, cudaStreamSynchronize(cb->stream)); /* kernels may still read the old buffer */
+        cudaFree(cb->pos_dev);
+        cb->pos_dev = NULL;
+        cb->pos_cap = 0;
+        int32_t *last = (int32_t *)realloc(cb->pos_last, (size_t)cap * sizeof *last);
+        if (!last)
+            return tkv_err(TKV_ERR_NOMEM, "cuda: %s: out of host memory for %u positions", op, cap);
+        cb->pos_last = last;
+        CU(op, cudaMalloc((void **)&cb->pos_dev, (size_t)cap * sizeof *cb->pos_dev));
+        cb->pos_cap = cap;
+    }
+    struct stage_slot *sl;
+    TKV_TRY(stage_take(cb, (size_t)n * sizeof *pos, &sl, op));
+    memcpy(sl->host, pos, (size_t)n * sizeof *pos);
+    CU(op, cudaMemcpyAsync(cb->pos_dev, sl->host, (size_t)n * sizeof *pos, cudaMemcpyHostToDevice, cb->stream));
+    CU(op, cudaEventRecord(sl->ev, cb->stream));
+    sl->pending = true;
+    memcpy(cb->pos_last, pos, (size_t)n * sizeof *pos);
+    cb->pos_n = n;
+    return TKV_OK;
+}
+
+static tkv_status cuda_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head,
+                               uint32_t n_head_kv, uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base,
+                               float freq_scale)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "rope_qk";
+    ALIVE(op);
+    if (rot_dim > head_dim || rot_dim % 2)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u invalid for head_dim %u", rot_dim, head_dim);
+    if (rot_dim > 1024)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u too large", rot_dim);
+    if (n == 0 || rot_dim == 0 || n_head + n_head_kv == 0)
+        return TKV_OK;
+    const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* as cuda_rope */
+    TKV_TRY(pos_upload(cb, pos, n, op));
+    CU(op, tkv_cuda_rope_qk(q, k, n, n_head, n_head_kv, head_dim, rot_dim, cb->pos_dev, theta_scale, freq_scale,
+                            cb->stream));
     return TKV_OK;
 }
 
@@ -1148,17 +1292,55 @@ static tkv_status pw_get_rows(struct tkv_backend *b, const struct tkv_bweight *w
     PROF("get_rows", prof_row(cb->prof, "get_rows", true), cuda_get_rows(b, w, ids, n, out));
 }
 /* matmul rows by weight shape (n_out x n_in) and path */
-static const char *const matmul_path_name[] = {"gemv", "gemv-ref", "cublas", "cublas-f32"};
+static const char *const matmul_path_name[] = {"gemv", "gemv-ref", "cublas", "cublas-f32", "gemv-u8"};
 static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
     struct cuda_backend *cb_ = cuda_of(b);
     const uint32_t path = w->w32 ? 3u : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
                                                 tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
-                                            ? (cb_->gemv == GEMV_REF ? 1u : 0u)
+                                            ? (cb_->gemv == GEMV_REF ? 1u : cb_->gemv == GEMV_U8 ? 4u : 0u)
                                             : 2u;
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
     PROF("matmul", prof_row(cb->prof, "matmul", true, w->n_out, w->n_in, path, fmt), cuda_matmul(b, w, x, y, n));
+}
+/* the fused ops: a row per shape (total rows x n_in) and path ("gemv" when
+ * one fused kernel runs, "seq" when the op runs the plain sequence) */
+static tkv_status pw_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
+                                  const float *x, float *const *y, uint32_t n)
+{
+    struct cuda_backend *cb_ = cuda_of(b);
+    uint32_t rows = 0;
+    bool fast = nw > 0 && nw <= TKV_CUDA_GEMV_GROUP_MAX;
+    for (uint32_t i = 0; fast && i < nw; i++) {
+        rows += w[i]->n_out;
+        fast = fast_gemv(cb_, w[i], x, n);
+    }
+    PROF("matmul_group",
+         prof_row(cb->prof, "matmul_group", true, rows, nw ? w[0]->n_in : 0, fast ? 0u : 1u,
+                  fast ? "%s %ux%u gemv" : "%s %ux%u seq"),
+         cuda_matmul_group(b, w, nw, x, y, n));
+}
+static tkv_status pw_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweight *wg, const struct tkv_bweight *wu,
+                                   const float *x, float *out, uint32_t n)
+{
+    struct cuda_backend *cb_ = cuda_of(b);
+    const bool fast = fast_gemv(cb_, wg, x, n) && fast_gemv(cb_, wu, x, n);
+    PROF("matmul_swiglu",
+         prof_row(cb->prof, "matmul_swiglu", true, 2 * wg->n_out, wg->n_in, fast ? 0u : 1u,
+                  fast ? "%s %ux%u gemv" : "%s %ux%u seq"),
+         cuda_matmul_swiglu(b, wg, wu, x, out, n));
+}
+static tkv_status pw_add_rmsnorm(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w, float *h,
+                                 uint32_t n, uint32_t dim, float eps)
+{
+    PROF("add_rmsnorm", prof_row(cb->prof, "add_rmsnorm", true), cuda_add_rmsnorm(b, y, x, w, h, n, dim, eps));
+}
+static tkv_status pw_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv,
+                             uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base, float freq_scale)
+{
+    PROF("rope_qk", prof_row(cb->prof, "rope_qk", true),
+         cuda_rope_qk(b, q, k, n, n_head, n_head_kv, head_dim, rot_dim, pos, base, freq_scale));
 }
 static tkv_status pw_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y, uint32_t n,
                              uint32_t dim, float eps)
@@ -1273,6 +1455,9 @@ static void cuda_free(struct tkv_backend *b)
     }
     if (cb->act16)
         cudaFree(cb->act16);
+    cudaFree(cb->fuse_work);
+    cudaFree(cb->pos_dev);
+    free(cb->pos_last);
     tkv_cuda_attn_state_free(cb->attn);
     if (cb->stats_work)
         cudaFree(cb->stats_work);
@@ -1306,6 +1491,10 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.add = cuda_add;
     o.kv_write = cuda_kv_write;
     o.kv_write_heads = cuda_kv_write_heads;
+    o.matmul_group = cuda_matmul_group;
+    o.matmul_swiglu = cuda_matmul_swiglu;
+    o.add_rmsnorm = cuda_add_rmsnorm;
+    o.rope_qk = cuda_rope_qk;
     o.attention = cuda_attention;
     o.attn_stats = cuda_attn_stats;
     o.pci_bus_id = cuda_pci_bus_id;
@@ -1336,6 +1525,10 @@ static struct tkv_backend_ops cuda_make_prof_ops(void)
     o.add = pw_add;
     o.kv_write = pw_kv_write;
     o.kv_write_heads = pw_kv_write_heads;
+    o.matmul_group = pw_matmul_group;
+    o.matmul_swiglu = pw_matmul_swiglu;
+    o.add_rmsnorm = pw_add_rmsnorm;
+    o.rope_qk = pw_rope_qk;
     o.attention = pw_attention;
     o.attn_stats = pw_attn_stats;
     o.upload_blocks = pw_upload_blocks;
@@ -1442,7 +1635,10 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     const char *mode = getenv("TKV_CUDA_WEIGHTS");
     cb->f32_weights = mode && !strcmp(mode, "f32");
     const char *gemv = getenv("TKV_CUDA_GEMV");
-    cb->gemv = gemv && !strcmp(gemv, "ref") ? GEMV_REF : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS : GEMV_FAST;
+    cb->gemv = gemv && !strcmp(gemv, "ref")      ? GEMV_REF
+               : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS
+               : gemv && !strcmp(gemv, "u8")     ? GEMV_U8
+                                                 : GEMV_FAST;
     const char *prof = getenv("TKV_CUDA_PROFILE");
     tkv_status st = cuda_init(cb);
     if (st == TKV_OK && prof && !strcmp(prof, "1")) {

@@ -208,7 +208,91 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p)
     return r;
 }
 
+/* Thread t's share of one row (T threads on the row): chunks k = t, t + T,
+ * ..., U loads issued before any is used; acc[i] += token i's products. The
+ * grouped and SwiGLU kernels below run the same sequence, so a row's sums
+ * are the plain kernel's, bit for bit, at the same S. */
+template <int NT, uint32_t T, int U = GEMV2_U>
+__device__ __forceinline__ void gemv2_row(const uint4 *w8, const float *x, uint32_t n_in, uint32_t n8, uint32_t t,
+                                          float *acc)
+{
+    for (uint32_t k0 = t; k0 < n8; k0 += T * U) {
+        uint4 raw[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const uint32_t k = k0 + u * T;
+            raw[u] = k < n8 ? ld_stream(w8 + k) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const uint32_t k = k0 + u * T;
+            if (k >= n8)
+                break;
+            gemv_dot8<NT>(raw[u], x, n_in, k, acc);
+        }
+    }
+}
+
+/* gemv2_row over two rows (gate and up) at once: 2U loads in flight, each
+ * row's accumulators in gemv2_row's order. */
+template <int NT, uint32_t T>
+__device__ __forceinline__ void gemv2_row2(const uint4 *wa, const uint4 *wb, const float *x, uint32_t n_in,
+                                           uint32_t n8, uint32_t t, float *acc_a, float *acc_b)
+{
+    for (uint32_t k0 = t; k0 < n8; k0 += T * GEMV2_U) {
+        uint4 ra[GEMV2_U], rb[GEMV2_U];
+#pragma unroll
+        for (int u = 0; u < GEMV2_U; u++) {
+            const uint32_t k = k0 + u * T;
+            ra[u] = k < n8 ? ld_stream(wa + k) : make_uint4(0, 0, 0, 0);
+            rb[u] = k < n8 ? ld_stream(wb + k) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV2_U; u++) {
+            const uint32_t k = k0 + u * T;
+            if (k >= n8)
+                break;
+            gemv_dot8<NT>(ra[u], x, n_in, k, acc_a);
+            gemv_dot8<NT>(rb[u], x, n_in, k, acc_b);
+        }
+    }
+}
+
+/* The S warps of a row combine their sums as gemv2_kernel does (warp sums,
+ * then in warp order through part): afterwards lane i < NT of the row's
+ * first warp holds token i's dot product in *out and gets true. Every
+ * thread of the CTA calls it (a barrier when S > 1). */
 template <int NT, int S>
+__device__ __forceinline__ bool gemv2_reduce(const float *acc, float (*part)[NT], uint32_t warp, uint32_t lane,
+                                             float *out)
+{
+    float mine = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        const float v = tkv_warp_sum(acc[i]); /* the same bits in every lane */
+        if (S == 1) {
+            if (lane == (uint32_t)i)
+                mine = v;
+        } else if (lane == 0) {
+            part[warp][i] = v;
+        }
+    }
+    if (S == 1) {
+        *out = mine;
+        return lane < (uint32_t)NT;
+    }
+    __syncthreads();
+    if (warp % S != 0 || lane >= (uint32_t)NT)
+        return false;
+    float v = 0.0f;
+#pragma unroll
+    for (int p = 0; p < S; p++)
+        v += part[warp + p][lane];
+    *out = v;
+    return true;
+}
+
+template <int NT, int S, int U>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv2_kernel(const __half *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, uint32_t n_in,
                  uint32_t n_out)
@@ -224,24 +308,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #pragma unroll
     for (int i = 0; i < NT; i++)
         acc[i] = 0.0f;
-    if (row < n_out) { /* no early return: the CTA meets at the barrier below */
-        const uint4 *w8 = (const uint4 *)(w + (size_t)row * n_in);
-        for (uint32_t k0 = t; k0 < n8; k0 += T * GEMV2_U) {
-            uint4 raw[GEMV2_U];
-#pragma unroll
-            for (int u = 0; u < GEMV2_U; u++) {
-                const uint32_t k = k0 + u * T;
-                raw[u] = k < n8 ? ld_stream(w8 + k) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < GEMV2_U; u++) {
-                const uint32_t k = k0 + u * T;
-                if (k >= n8)
-                    break;
-                gemv_dot8<NT>(raw[u], x, n_in, k, acc);
-            }
-        }
-    }
+    if (row < n_out) /* no early return: the CTA meets at the barrier below */
+        gemv2_row<NT, T, U>((const uint4 *)(w + (size_t)row * n_in), x, n_in, n8, t, acc);
 #pragma unroll
     for (int i = 0; i < NT; i++) {
         const float v = tkv_warp_sum(acc[i]);
@@ -264,30 +332,257 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     }
 }
 
-template <int NT, int S>
+template <int NT, int S, int U>
 cudaError_t gemv2_launch(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, cudaStream_t s)
 {
-    gemv2_kernel<NT, S><<<tkv_cuda_blocks(n_out, GEMV_WARPS / S), GEMV_WARPS * 32, 0, s>>>(w, x, y, n_in, n_out);
+    gemv2_kernel<NT, S, U><<<tkv_cuda_blocks(n_out, GEMV_WARPS / S), GEMV_WARPS * 32, 0, s>>>(w, x, y, n_in, n_out);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+template <int NT, int U>
+cudaError_t gemv2_pick(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t S,
+                       cudaStream_t s)
+{
+    switch (S) {
+    case 1: return gemv2_launch<NT, 1, U>(w, x, y, n_in, n_out, s);
+    case 2: return gemv2_launch<NT, 2, U>(w, x, y, n_in, n_out, s);
+    case 4: return gemv2_launch<NT, 4, U>(w, x, y, n_in, n_out, s);
+    case 8: return gemv2_launch<NT, 8, U>(w, x, y, n_in, n_out, s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+template <int U>
+cudaError_t gemv2_n(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n, uint32_t S,
+                    cudaStream_t s)
+{
+    switch (n) {
+    case 1: return gemv2_pick<1, U>(w, x, y, n_in, n_out, S, s);
+    case 2: return gemv2_pick<2, U>(w, x, y, n_in, n_out, S, s);
+    case 3: return gemv2_pick<3, U>(w, x, y, n_in, n_out, S, s);
+    case 4: return gemv2_pick<4, U>(w, x, y, n_in, n_out, S, s);
+    case 5: return gemv2_pick<5, U>(w, x, y, n_in, n_out, S, s);
+    case 6: return gemv2_pick<6, U>(w, x, y, n_in, n_out, S, s);
+    case 7: return gemv2_pick<7, U>(w, x, y, n_in, n_out, S, s);
+    case 8: return gemv2_pick<8, U>(w, x, y, n_in, n_out, S, s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+/* ---- grouped GEMV: several weights sharing x, one grid over their rows ---------
+ *
+ * Row r of the concatenation belongs to the weight whose rows end first
+ * after it (g.end); its CTA computes it as gemv2_kernel would a row of that
+ * weight. One launch instead of nw, and the small matrices (k, v) no longer
+ * run their own tail: the grid is sized for the sum of the rows. */
+template <int NT, int S>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_group_kernel(const struct tkv_cuda_gemv_group g, const float *__restrict__ x, uint32_t n_in)
+{
+    constexpr int ROWS = GEMV_WARPS / S;
+    constexpr uint32_t T = 32 * S;
+    __shared__ float part[GEMV_WARPS][NT];
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t row = blockIdx.x * ROWS + warp / S, t = (warp % S) * 32 + lane;
+    const uint32_t total = g.end[g.nw - 1];
+    uint32_t seg = 0;
+    while (seg + 1 < g.nw && row >= g.end[seg])
+        seg++;
+    const uint32_t first = seg ? g.end[seg - 1] : 0, n_out = g.end[seg] - first, local = row - first;
+    float acc[NT];
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+        acc[i] = 0.0f;
+    if (row < total)
+        gemv2_row<NT, T>((const uint4 *)(g.w[seg] + (size_t)local * n_in), x, n_in, n_in / 8, t, acc);
+    float v;
+    if (gemv2_reduce<NT, S>(acc, part, warp, lane, &v) && row < total)
+        g.y[seg][(size_t)lane * n_out + local] = v;
+}
+
+/* ---- GEMV of gate and up with SwiGLU: out = silu(x . wg^T) * (x . wu^T) -----------
+ *
+ * A row's threads stream row r of both matrices (2U loads in flight) and
+ * the row's first warp writes silu(g) * u, as swiglu_kernel computes it:
+ * the two products never go to memory. */
+template <int NT, int S>
+__global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_swiglu_kernel(const __half *__restrict__ wg, const __half *__restrict__ wu, const float *__restrict__ x,
+                       float *__restrict__ out, uint32_t n_in, uint32_t n_out)
+{
+    constexpr int ROWS = GEMV_WARPS / S;
+    constexpr uint32_t T = 32 * S;
+    __shared__ float part_g[GEMV_WARPS][NT], part_u[GEMV_WARPS][NT];
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t row = blockIdx.x * ROWS + warp / S, t = (warp % S) * 32 + lane;
+    float acc_g[NT], acc_u[NT];
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+        acc_g[i] = acc_u[i] = 0.0f;
+    if (row < n_out)
+        gemv2_row2<NT, T>((const uint4 *)(wg + (size_t)row * n_in), (const uint4 *)(wu + (size_t)row * n_in), x,
+                          n_in, n_in / 8, t, acc_g, acc_u);
+    float g, u;
+    const bool mine = gemv2_reduce<NT, S>(acc_g, part_g, warp, lane, &g);
+    gemv2_reduce<NT, S>(acc_u, part_u, warp, lane, &u);
+    if (mine && row < n_out)
+        out[(size_t)lane * n_out + row] = g / (1.0f + expf(-g)) * u;
+}
+
+template <int NT, int S>
+cudaError_t gemv_fused_launch(const struct tkv_cuda_gemv_group *g, const __half *wg, const __half *wu,
+                              const float *x, float *out, uint32_t n_in, uint32_t rows, cudaStream_t s)
+{
+    const unsigned blocks = tkv_cuda_blocks(rows, GEMV_WARPS / S);
+    if (g)
+        gemv_group_kernel<NT, S><<<blocks, GEMV_WARPS * 32, 0, s>>>(*g, x, n_in);
+    else
+        gemv_swiglu_kernel<NT, S><<<blocks, GEMV_WARPS * 32, 0, s>>>(wg, wu, x, out, n_in, rows);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
 
 template <int NT>
-cudaError_t gemv2_pick(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t S,
-                       cudaStream_t s)
+cudaError_t gemv_fused_pick(const struct tkv_cuda_gemv_group *g, const __half *wg, const __half *wu, const float *x,
+                            float *out, uint32_t n_in, uint32_t rows, uint32_t S, cudaStream_t s)
 {
     switch (S) {
-    case 1: return gemv2_launch<NT, 1>(w, x, y, n_in, n_out, s);
-    case 2: return gemv2_launch<NT, 2>(w, x, y, n_in, n_out, s);
-    case 4: return gemv2_launch<NT, 4>(w, x, y, n_in, n_out, s);
-    case 8: return gemv2_launch<NT, 8>(w, x, y, n_in, n_out, s);
+    case 1: return gemv_fused_launch<NT, 1>(g, wg, wu, x, out, n_in, rows, s);
+    case 2: return gemv_fused_launch<NT, 2>(g, wg, wu, x, out, n_in, rows, s);
+    case 4: return gemv_fused_launch<NT, 4>(g, wg, wu, x, out, n_in, rows, s);
+    case 8: return gemv_fused_launch<NT, 8>(g, wg, wu, x, out, n_in, rows, s);
     default: return cudaErrorInvalidValue;
     }
+}
+
+/* Either kernel for n tokens: g != NULL the grouped GEMV over g's rows,
+ * else gate/up with SwiGLU over `rows` rows. */
+cudaError_t gemv_fused(const struct tkv_cuda_gemv_group *g, const __half *wg, const __half *wu, const float *x,
+                       float *out, uint32_t n_in, uint32_t rows, uint32_t n, uint32_t S, cudaStream_t s)
+{
+    switch (n) {
+    case 1: return gemv_fused_pick<1>(g, wg, wu, x, out, n_in, rows, S, s);
+    case 2: return gemv_fused_pick<2>(g, wg, wu, x, out, n_in, rows, S, s);
+    case 3: return gemv_fused_pick<3>(g, wg, wu, x, out, n_in, rows, S, s);
+    case 4: return gemv_fused_pick<4>(g, wg, wu, x, out, n_in, rows, S, s);
+    case 5: return gemv_fused_pick<5>(g, wg, wu, x, out, n_in, rows, S, s);
+    case 6: return gemv_fused_pick<6>(g, wg, wu, x, out, n_in, rows, S, s);
+    case 7: return gemv_fused_pick<7>(g, wg, wu, x, out, n_in, rows, S, s);
+    case 8: return gemv_fused_pick<8>(g, wg, wu, x, out, n_in, rows, S, s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+/* ---- residual add + RMSNorm: one CTA per row ------------------------------------------
+ * rmsnorm_kernel's loops with the add folded into the first: the same
+ * threads own the same elements in both loops, so y[d] is read back by the
+ * thread that wrote it and h may alias x (x[d] is read before h[d] is
+ * written, by the same thread). */
+__global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, float *h, uint32_t dim, float eps)
+{
+    __shared__ double partial[32];
+    float *yr = y + (size_t)blockIdx.x * dim;
+    const float *xr = x + (size_t)blockIdx.x * dim;
+    float *hr = h + (size_t)blockIdx.x * dim;
+    double ss = 0;
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
+        const float v = yr[d] + xr[d];
+        yr[d] = v;
+        ss += (double)v * v;
+    }
+    ss = tkv_warp_sum_d(ss);
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    if (lane == 0)
+        partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = lane < n_warps ? partial[lane] : 0.0;
+        ss = tkv_warp_sum_d(ss);
+        if (lane == 0)
+            partial[0] = ss;
+    }
+    __syncthreads();
+    const float scale = 1.0f / sqrtf((float)(partial[0] / dim) + eps);
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
+        hr[d] = yr[d] * scale * w[d];
+}
+
+/* ---- RoPE of q and k in one launch ------------------------------------------------------
+ * Items [0, n*n_head*n_pairs) rotate q, the rest k, each exactly as
+ * rope_kernel does (same angle sequence). */
+__device__ __forceinline__ void rope_item(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs, size_t i,
+                                          const int32_t *pos, float theta_scale, float freq_scale)
+{
+    const uint32_t p = (uint32_t)(i % n_pairs), h = (uint32_t)(i / n_pairs % n_heads);
+    const uint32_t t = (uint32_t)(i / n_pairs / n_heads);
+    float theta = (float)pos[t];
+    for (uint32_t k = 0; k < p; k++) /* the CPU's sequence of roundings */
+        theta *= theta_scale;
+    const float th = theta * freq_scale;
+    float sn, cs;
+    sincosf(th, &sn, &cs);
+    float *v = x + ((size_t)t * n_heads + h) * head_dim + 2 * p;
+    const float x0 = v[0], x1 = v[1];
+    v[0] = x0 * cs - x1 * sn;
+    v[1] = x0 * sn + x1 * cs;
+}
+
+__global__ void rope_qk_kernel(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
+                               uint32_t n_pairs, const int32_t *pos, float theta_scale, float freq_scale)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, n_q = (size_t)n * n_head * n_pairs;
+    if (i < n_q)
+        rope_item(q, n_head, head_dim, n_pairs, i, pos, theta_scale, freq_scale);
+    else if (i - n_q < (size_t)n * n_head_kv * n_pairs)
+        rope_item(k, n_head_kv, head_dim, n_pairs, i - n_q, pos, theta_scale, freq_scale);
 }
 
 constexpr unsigned TB = 256;
 
 } // namespace
+
+cudaError_t tkv_cuda_gemv_group(const struct tkv_cuda_gemv_group *g, const float *x, uint32_t n_in, uint32_t n,
+                                uint32_t n_sm, cudaStream_t s)
+{
+    if (g->nw == 0 || g->nw > TKV_CUDA_GEMV_GROUP_MAX)
+        return cudaErrorInvalidValue;
+    const uint32_t rows = g->end[g->nw - 1];
+    if (rows == 0)
+        return cudaSuccess;
+    return gemv_fused(g, NULL, NULL, x, NULL, n_in, rows, n, tkv_cuda_gemv_split(n_in, rows, n_sm), s);
+}
+
+cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float *x, float *out, uint32_t n_in,
+                                 uint32_t n_out, uint32_t n, uint32_t n_sm, cudaStream_t s)
+{
+    if (n_out == 0)
+        return cudaSuccess;
+    return gemv_fused(NULL, wg, wu, x, out, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), s);
+}
+
+cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
+                                 float eps, cudaStream_t s)
+{
+    if (n == 0)
+        return cudaSuccess;
+    unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32; /* as tkv_cuda_rmsnorm */
+    add_rmsnorm_kernel<<<n, threads, 0, s>>>(y, x, w, h, dim, eps);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
+                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale, cudaStream_t s)
+{
+    const size_t items = (size_t)n * (n_head + n_head_kv) * (rot_dim / 2);
+    if (items == 0)
+        return cudaSuccess;
+    rope_qk_kernel<<<tkv_cuda_blocks(items, TB), TB, 0, s>>>(q, k, n, n_head, n_head_kv, head_dim, rot_dim / 2, pos,
+                                                            theta_scale, freq_scale);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
 
 cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
                              cudaStream_t s)
@@ -408,18 +703,26 @@ cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_
 {
     if (n_out == 0)
         return cudaSuccess;
-    const uint32_t S = tkv_cuda_gemv_split(n_in, n_out, n_sm);
-    switch (n) {
-    case 1: return gemv2_pick<1>(w, x, y, n_in, n_out, S, s);
-    case 2: return gemv2_pick<2>(w, x, y, n_in, n_out, S, s);
-    case 3: return gemv2_pick<3>(w, x, y, n_in, n_out, S, s);
-    case 4: return gemv2_pick<4>(w, x, y, n_in, n_out, S, s);
-    case 5: return gemv2_pick<5>(w, x, y, n_in, n_out, S, s);
-    case 6: return gemv2_pick<6>(w, x, y, n_in, n_out, S, s);
-    case 7: return gemv2_pick<7>(w, x, y, n_in, n_out, S, s);
-    case 8: return gemv2_pick<8>(w, x, y, n_in, n_out, S, s);
-    default: return cudaErrorInvalidValue;
-    }
+    return gemv2_n<GEMV2_U>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), s);
+}
+
+uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
+{
+    const uint32_t n8 = n_in / 8;
+    uint32_t S = 1;
+    /* as tkv_cuda_gemv_split, with every thread of a row given a full set of 8 loads */
+    while (S < GEMV_WARPS && ((uint64_t)n_out * S + GEMV_WARPS - 1) / GEMV_WARPS < 4ull * n_sm &&
+           n8 >= 2 * 32 * S * 8)
+        S *= 2;
+    return S;
+}
+
+cudaError_t tkv_cuda_gemv_f16_u8(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
+                                 uint32_t n, uint32_t n_sm, cudaStream_t s)
+{
+    if (n_out == 0)
+        return cudaSuccess;
+    return gemv2_n<8>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split_u8(n_in, n_out, n_sm), s);
 }
 
 cudaError_t tkv_cuda_gemv_f16_ref(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,

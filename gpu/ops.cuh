@@ -72,9 +72,52 @@ cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_
                               uint32_t n_sm, cudaStream_t s);
 /* Warps per row the fast kernel uses (1, 2, 4 or 8). */
 uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
+/* The fast kernel with U = 8 loads per lane in flight (TKV_CUDA_GEMV=u8), a
+ * variant for the mid shapes (4096 x 4096: one round of loads per thread
+ * instead of two); its split is tkv_cuda_gemv_split_u8. Same arithmetic per
+ * chunk, other summation order. */
+cudaError_t tkv_cuda_gemv_f16_u8(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
+                                 uint32_t n, uint32_t n_sm, cudaStream_t s);
+uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
 /* The reference: one warp per row, one 16-byte load per lane at a time
  * (TKV_CUDA_GEMV=ref). */
 cudaError_t tkv_cuda_gemv_f16_ref(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
                                   uint32_t n, cudaStream_t s);
+
+/* ---- fused decode ops (the backend's optional matmul_group, matmul_swiglu,
+ * add_rmsnorm, rope_qk; runtime/backend.h) ---- */
+
+/* Grouped GEMV: y[i][n, n_out_i] = x[n, n_in] . w[i]^T for i < nw, every w[i]
+ * [n_out_i, n_in] f16 (tkv_cuda_gemv_ok for each), one grid over the
+ * concatenated rows; end[i] = rows of w[0..i]. Each row is summed as the
+ * fast kernel sums it at the split the total row count gives, so a weight's
+ * results equal its own tkv_cuda_gemv_f16 within f32 reassociation (bit for
+ * bit when the split is the same). Travels as a kernel parameter. */
+#define TKV_CUDA_GEMV_GROUP_MAX 8
+struct tkv_cuda_gemv_group {
+    const __half *w[TKV_CUDA_GEMV_GROUP_MAX];
+    float *y[TKV_CUDA_GEMV_GROUP_MAX];
+    uint32_t end[TKV_CUDA_GEMV_GROUP_MAX];
+    uint32_t nw;
+};
+cudaError_t tkv_cuda_gemv_group(const struct tkv_cuda_gemv_group *g, const float *x, uint32_t n_in, uint32_t n,
+                                uint32_t n_sm, cudaStream_t s);
+
+/* out[n, n_out] = silu(x . wg^T) * (x . wu^T), wg and wu [n_out, n_in] f16:
+ * the fast GEMV of both at the split tkv_cuda_gemv_f16 takes for one, and
+ * swiglu's formula on the two sums (the same bits as gemv + gemv + swiglu
+ * unless nvcc contracts differently). out does not overlap x. */
+cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float *x, float *out, uint32_t n_in,
+                                 uint32_t n_out, uint32_t n, uint32_t n_sm, cudaStream_t s);
+
+/* y += x; h = rmsnorm(y) * w over n rows of dim: add + rmsnorm's arithmetic
+ * in one pass (bit-identical). h may alias x, not y. */
+cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
+                                 float eps, cudaStream_t s);
+
+/* tkv_cuda_rope on q [n, n_head*hd] and k [n, n_head_kv*hd] in one launch,
+ * positions pos[n] in device memory. */
+cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
+                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale, cudaStream_t s);
 
 #endif

@@ -192,6 +192,33 @@ struct tkv_backend_ops {
                                  uint16_t *const *kdst, uint16_t *const *vdst, uint32_t n_heads, uint32_t n_rows,
                                  uint32_t head_dim);
 
+    /* optional fused ops for the decode step (NULL on the CPU backend): each
+     * gives what the sequence of plain ops it names gives, within the
+     * tolerances docs/gpu.md states, in fewer launches and memory passes.
+     * The engine calls the sequence where a member is NULL or TKV_FUSE=0.
+     * matmul_group: y[i][n, n_out_i] = x[n, n_in] . w[i]^T for i < nw
+     *   (nw <= 8 weights of the same n_in sharing x: q/k/v), = nw matmuls.
+     *   No y[i] overlaps x or another y[j].
+     * matmul_swiglu: out[n, n_ff] = silu(x . w_gate^T) * (x . w_up^T), = two
+     *   matmuls and swiglu, without writing the two products out; out does
+     *   not overlap x.
+     * add_rmsnorm: y += x, then h = rmsnorm(y) * w (rmsnorm's formula) over
+     *   n rows of dim, = add then rmsnorm; h may alias x, not y.
+     * rope_qk: rope of q[n, n_head*head_dim] and k[n, n_head_kv*head_dim] at
+     *   the same host positions pos[n], = two rope calls; a backend may keep
+     *   the last positions it was given on the device (a decode step's 32
+     *   layers then upload them once). */
+    tkv_status (*matmul_group)(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
+                               const float *x, float *const *y, uint32_t n);
+    tkv_status (*matmul_swiglu)(struct tkv_backend *b, const struct tkv_bweight *w_gate,
+                                const struct tkv_bweight *w_up, const float *x, float *out, uint32_t n);
+    tkv_status (*add_rmsnorm)(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w,
+                              float *h, uint32_t n, uint32_t dim, float eps);
+    tkv_status (*rope_qk)(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head,
+                          uint32_t n_head_kv, uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base,
+                          float freq_scale);
+#define TKV_MATMUL_GROUP_MAX 8
+
     /* optional members: NULL where they do not apply (the CPU backend) */
     /* the statistics above, which the policies score keys with
      * (runtime/policy/policy.h); NULL: a policy that needs them is refused

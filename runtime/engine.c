@@ -557,8 +557,14 @@ static void observe_queries(tkv_session *s, uint32_t layer, uint32_t n)
 static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const int *plan);
 
 /* One transformer layer on the chunk in s->x: brings the layer's KV in (all
- * of it, or at decode what the policy selects), runs it, lets the KV go. */
-static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
+ * of it, or at decode what the policy selects), runs it, lets the KV go.
+ * fuse: use the backend's fused ops where it has them (backend.h; the
+ * plain sequence is their reference). *h_ready: on entry, s->h already
+ * holds rmsnorm(x) * attn_norm (the previous layer's fused add made it);
+ * next_norm (fuse only): the norm after this layer, whose output the final
+ * residual add then leaves in s->h, setting *h_ready. */
+static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fuse, const struct tkv_bweight *next_norm,
+                                bool *h_ready)
 {
     const struct tkv_backend_ops *ops = s->be->ops;
     struct tkv_backend *be = s->be;
@@ -566,12 +572,24 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
     const uint32_t E = hp->n_embd, H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim, F = hp->n_ff;
     const struct layer_weights *w = &s->layers[l];
     /* attention block */
-    TKV_TRY(ops->rmsnorm(be, s->x, w->attn_norm, s->h, n, E, hp->rms_eps));
-    TKV_TRY(ops->matmul(be, w->wq, s->h, s->q, n));
-    TKV_TRY(ops->matmul(be, w->wk, s->h, s->k, n));
-    TKV_TRY(ops->matmul(be, w->wv, s->h, s->v, n));
-    TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
-    TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+    if (!*h_ready)
+        TKV_TRY(ops->rmsnorm(be, s->x, w->attn_norm, s->h, n, E, hp->rms_eps));
+    *h_ready = false;
+    if (fuse && ops->matmul_group) {
+        const struct tkv_bweight *qkv[3] = {w->wq, w->wk, w->wv};
+        float *out[3] = {s->q, s->k, s->v};
+        TKV_TRY(ops->matmul_group(be, qkv, 3, s->h, out, n));
+    } else {
+        TKV_TRY(ops->matmul(be, w->wq, s->h, s->q, n));
+        TKV_TRY(ops->matmul(be, w->wk, s->h, s->k, n));
+        TKV_TRY(ops->matmul(be, w->wv, s->h, s->v, n));
+    }
+    if (fuse && ops->rope_qk) {
+        TKV_TRY(ops->rope_qk(be, s->q, s->k, n, H, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+    } else {
+        TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+        TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+    }
     if (s->in_decode && !s->be_host && s->policy->ops->decode_reads_query) /* the policy reads the query */
         TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
     int plan[256];
@@ -588,16 +606,30 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n)
     tkv_kvs_end_layer(s->kv, l);
     TKV_TRY(st);
     TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
-    TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
     /* feed-forward block */
-    TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
-    TKV_TRY(ops->matmul(be, w->w_gate, s->h, s->gate, n));
-    TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
-    TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
+    if (fuse && ops->add_rmsnorm) {
+        TKV_TRY(ops->add_rmsnorm(be, s->x, s->h, w->ffn_norm, s->h, n, E, hp->rms_eps));
+    } else {
+        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+        TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
+    }
+    if (fuse && ops->matmul_swiglu) {
+        TKV_TRY(ops->matmul_swiglu(be, w->w_gate, w->w_up, s->h, s->gate, n));
+    } else {
+        TKV_TRY(ops->matmul(be, w->w_gate, s->h, s->gate, n));
+        TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
+        TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
+    }
     TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
-    TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+    if (fuse && ops->add_rmsnorm && next_norm) {
+        TKV_TRY(ops->add_rmsnorm(be, s->x, s->h, next_norm, s->h, n, E, hp->rms_eps));
+        *h_ready = true;
+    } else {
+        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+    }
     return TKV_OK;
 }
+
 
 /* A decode step's attention when some selected blocks stay on the host tier
  * (s->hsplit): the device attends the rest (s->views) with its log-sum-exp,
@@ -680,11 +712,23 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
         s->pos[i] = (int32_t)(s->n_past + i);
     TKV_TRY(ops->get_rows(be, s->tok_embd, toks, n, s->x));
 
-    for (uint32_t l = 0; l < hp->n_layer; l++)
-        TKV_TRY(layer_forward(s, l, n));
+    /* TKV_FUSE=0: the plain op sequence even where the backend has fused
+     * ops (to measure them; the results agree within their tolerances) */
+    const char *fuse_env = getenv("TKV_FUSE");
+    const bool fuse = !(fuse_env && !strcmp(fuse_env, "0"));
+    /* a layer's last add leaves the next norm's output in s->h: the next
+     * layer's attn_norm, after the last layer the output norm (one row) */
+    bool h_ready = false;
+    for (uint32_t l = 0; l < hp->n_layer; l++) {
+        const struct tkv_bweight *next = l + 1 < hp->n_layer ? s->layers[l + 1].attn_norm
+                                         : want_logits && n == 1 ? s->output_norm
+                                                                 : NULL;
+        TKV_TRY(layer_forward(s, l, n, fuse, next, &h_ready));
+    }
 
     if (want_logits) {
-        TKV_TRY(ops->rmsnorm(be, s->x + (size_t)(n - 1) * E, s->output_norm, s->h, 1, E, hp->rms_eps));
+        if (!h_ready)
+            TKV_TRY(ops->rmsnorm(be, s->x + (size_t)(n - 1) * E, s->output_norm, s->h, 1, E, hp->rms_eps));
         TKV_TRY(ops->matmul(be, s->output, s->h, s->logits_dev, 1));
         TKV_TRY(ops->download(be, s->logits, s->logits_dev, (size_t)hp->n_vocab * sizeof(float)));
     }

@@ -5,7 +5,8 @@
  *
  * Tolerances (why in docs/gpu.md):
  *   matmul     ||gpu - ref|| / ||ref|| < 1e-3 (n <= 8: f16 weights, f32
- *              activations) or 2e-3 (cuBLAS: f16 weights and activations),
+ *              activations; each GEMV kernel: fast, ref, u8) or 2e-3 (cuBLAS:
+ *              f16 weights and activations),
  *              ref = double over the exact dequantized weights; and within
  *              2e-2 of the CPU backend (which quantizes decode activations
  *              to 8 bits)
@@ -14,6 +15,11 @@
  *   rope       max |gpu - cpu| <= 1e-5 (angles equal; cos/sin within ulps)
  *   swiglu     |gpu - cpu| <= 1e-6 max(1, |cpu|);  add: equal
  *   kv_write   bit-identical f16 (kv_write_heads: bit-identical to kv_write per head)
+ *   fused      against the plain op sequence on the GPU: matmul_group rel
+ *              ||.|| < 1e-5 of the matmuls (and < 1e-3 of double);
+ *              matmul_swiglu |.| <= 1e-5 max(1, |seq|) and rel < 1e-6 (< 2e-3
+ *              of double silu(g)*u); add_rmsnorm y equal, h <= 1e-6 max|h|
+ *              (<= 1e-5 vs the cpu); rope_qk bit-identical to two ropes
  *   attention  max |gpu - ref| <= 1e-4 on outputs and lse (ref = double),
  *              and the same against the CPU backend's fast path; for each
  *              of the decode kernel (fused or separate merge), the
@@ -42,7 +48,7 @@ static uint64_t rng;
 static struct tkv_backend *cpu, *gpu;
 /* the decode matmul's other paths (TKV_CUDA_GEMV=ref, =cublas): the fast
  * GEMV of `gpu` is checked against both */
-static struct tkv_backend *gpu_gemv_ref, *gpu_gemv_blas;
+static struct tkv_backend *gpu_gemv_ref, *gpu_gemv_blas, *gpu_gemv_u8; /* u8: TKV_CUDA_GEMV=u8 */
 static bool f32_mode; /* gpu was created with TKV_CUDA_WEIGHTS=f32 */
 
 /* ---- device helpers ------------------------------------------------------- */
@@ -235,9 +241,9 @@ static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint3
     /* a decode GEMV: the same on the reference kernel and on cuBLAS, each
      * within its tolerance of the double reference, and the fast kernel
      * within 1e-3 of both (the three sum in different orders) */
-    struct tkv_backend *alt[2] = {gpu_gemv_ref, gpu_gemv_blas};
-    static const char *const alt_name[2] = {"ref", "cublas"};
-    for (int a = 0; a < 2 && gemv && !f32_mode && alt[a]; a++) {
+    struct tkv_backend *alt[3] = {gpu_gemv_ref, gpu_gemv_blas, gpu_gemv_u8};
+    static const char *const alt_name[3] = {"ref", "cublas", "u8"};
+    for (int a = 0; a < 3 && gemv && !f32_mode && alt[a]; a++) {
         struct tkv_bweight *wa = NULL;
         CHECK(alt[a]->ops->weight_init(alt[a], &tw.t, &wa) == TKV_OK, "weight_init: %s", tkv_last_error());
         if (!wa)
@@ -249,7 +255,7 @@ static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint3
         to_host(ya, dya, ny * sizeof *ya);
         const double e_a = rel_l2(ya, ref, ny), e_fa = rel_l2f(yg, ya, ny);
         fprintf(stderr, "  %s %.2e fast-vs-%s %.2e", alt_name[a], e_a, alt_name[a], e_fa);
-        CHECK(e_a < (a ? 2e-3 : 1e-3), "matmul %ux%u n=%u (%s): rel err %.3g", n_in, n_out, n, alt_name[a], e_a);
+        CHECK(e_a < (a == 1 ? 2e-3 : 1e-3), "matmul %ux%u n=%u (%s): rel err %.3g", n_in, n_out, n, alt_name[a], e_a);
         CHECK(e_fa < 1e-3, "matmul %ux%u n=%u: fast GEMV vs %s rel diff %.3g", n_in, n_out, n, alt_name[a], e_fa);
         dev_free(dya);
         free(ya);
@@ -1294,6 +1300,256 @@ static void test_stats(void)
     stats_kv_free(&f);
 }
 
+/* ---- fused decode ops: each against the plain op sequence on the GPU ------------ */
+
+/* matmul_group of nw weights (n_in x n_out[i]) against nw matmul calls on
+ * the same backend and the double reference. */
+static void test_group_case(uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n)
+{
+    struct test_weight tw[TKV_MATMUL_GROUP_MAX];
+    struct tkv_bweight *wg[TKV_MATMUL_GROUP_MAX];
+    float *dy[TKV_MATMUL_GROUP_MAX], *ds[TKV_MATMUL_GROUP_MAX];
+    float *x = calloc((size_t)n * n_in, sizeof *x);
+    fill(x, (size_t)n * n_in, -1, 1);
+    float *dx = dev_from(x, (size_t)n * n_in * sizeof *x);
+    uint32_t rows = 0;
+    for (uint32_t i = 0; i < nw; i++) {
+        weight_make(&tw[i], TKV_TYPE_F16, n_in, n_out[i], 2);
+        wg[i] = NULL;
+        CHECK(gpu->ops->weight_init(gpu, &tw[i].t, &wg[i]) == TKV_OK, "%s", tkv_last_error());
+        dy[i] = dev_poisoned((size_t)n * n_out[i]);
+        ds[i] = dev_poisoned((size_t)n * n_out[i]);
+        rows += n_out[i];
+    }
+    CHECK(gpu->ops->matmul_group(gpu, (const struct tkv_bweight *const *)wg, nw, dx, dy, n) == TKV_OK, "%s",
+          tkv_last_error());
+    for (uint32_t i = 0; i < nw; i++)
+        CHECK(gpu->ops->matmul(gpu, wg[i], dx, ds[i], n) == TKV_OK, "%s", tkv_last_error());
+    double worst_seq = 0, worst_ref = 0;
+    size_t same = 0, total = 0;
+    for (uint32_t i = 0; i < nw; i++) {
+        const size_t ny = (size_t)n * n_out[i];
+        float *yg = malloc(ny * sizeof *yg), *ys = malloc(ny * sizeof *ys);
+        double *ref = malloc(ny * sizeof *ref);
+        to_host(yg, dy[i], ny * sizeof *yg);
+        to_host(ys, ds[i], ny * sizeof *ys);
+        for (uint32_t t = 0; t < n; t++)
+            for (uint32_t r = 0; r < n_out[i]; r++) {
+                double acc = 0;
+                for (uint32_t k = 0; k < n_in; k++)
+                    acc += (double)tw[i].deq[(size_t)r * n_in + k] * x[(size_t)t * n_in + k];
+                ref[(size_t)t * n_out[i] + r] = acc;
+            }
+        for (size_t j = 0; j < ny; j++)
+            same += !memcmp(&yg[j], &ys[j], sizeof *yg);
+        total += ny;
+        worst_seq = fmax(worst_seq, rel_l2f(yg, ys, ny));
+        worst_ref = fmax(worst_ref, rel_l2(yg, ref, ny));
+        free(yg), free(ys), free(ref);
+        dev_free(dy[i]), dev_free(ds[i]);
+        gpu->ops->weight_free(gpu, wg[i]);
+        weight_free(&tw[i]);
+    }
+    const double tol_ref = n <= 8 ? 1e-3 : 2e-3;
+    fprintf(stderr, "  matmul_group %u weights, %u rows x %u, n=%u: vs matmuls rel %.2e (%zu of %zu bit-identical), "
+                    "vs double %.2e\n", nw, rows, n_in, n, worst_seq, same, total, worst_ref);
+    CHECK(worst_seq < 1e-5, "matmul_group %ux%u n=%u: rel diff %.3g from the matmuls", rows, n_in, n, worst_seq);
+    CHECK(worst_ref < tol_ref, "matmul_group %ux%u n=%u: rel err %.3g", rows, n_in, n, worst_ref);
+    dev_free(dx);
+    free(x);
+}
+
+/* matmul_swiglu against matmul, matmul, swiglu on the same backend and the
+ * double reference silu(g) * u. */
+static void test_swiglu_case(uint32_t n_in, uint32_t n_ff, uint32_t n)
+{
+    struct test_weight tg, tu;
+    weight_make(&tg, TKV_TYPE_F16, n_in, n_ff, 2);
+    weight_make(&tu, TKV_TYPE_F16, n_in, n_ff, 2);
+    struct tkv_bweight *wg = NULL, *wu = NULL;
+    CHECK(gpu->ops->weight_init(gpu, &tg.t, &wg) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->weight_init(gpu, &tu.t, &wu) == TKV_OK, "%s", tkv_last_error());
+    const size_t nx = (size_t)n * n_in, ny = (size_t)n * n_ff;
+    float *x = malloc(nx * sizeof *x), *yf = malloc(ny * sizeof *yf), *ys = malloc(ny * sizeof *ys);
+    double *ref = malloc(ny * sizeof *ref);
+    fill(x, nx, -0.2f, 0.2f); /* gate sums of O(1): silu's curved part */
+    float *dx = dev_from(x, nx * sizeof *x), *dout = dev_poisoned(ny), *dg = dev_poisoned(ny), *du = dev_poisoned(ny);
+    CHECK(gpu->ops->matmul_swiglu(gpu, wg, wu, dx, dout, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->matmul(gpu, wg, dx, dg, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->matmul(gpu, wu, dx, du, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->swiglu(gpu, dg, du, dg, ny) == TKV_OK, "%s", tkv_last_error());
+    to_host(yf, dout, ny * sizeof *yf);
+    to_host(ys, dg, ny * sizeof *ys);
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t r = 0; r < n_ff; r++) {
+            double g = 0, u = 0;
+            for (uint32_t k = 0; k < n_in; k++) {
+                g += (double)tg.deq[(size_t)r * n_in + k] * x[(size_t)t * n_in + k];
+                u += (double)tu.deq[(size_t)r * n_in + k] * x[(size_t)t * n_in + k];
+            }
+            ref[(size_t)t * n_ff + r] = g / (1.0 + exp(-g)) * u;
+        }
+    size_t same = 0, bad = 0;
+    for (size_t j = 0; j < ny; j++) {
+        same += !memcmp(&yf[j], &ys[j], sizeof *yf);
+        bad += !(fabs((double)yf[j] - ys[j]) <= 1e-5 * fmax(1.0, fabs(ys[j])));
+    }
+    const double e_seq = rel_l2f(yf, ys, ny), e_ref = rel_l2(yf, ref, ny);
+    fprintf(stderr, "  matmul_swiglu %ux%u n=%u: vs matmul+matmul+swiglu rel %.2e (%zu of %zu bit-identical), "
+                    "vs double %.2e\n", n_ff, n_in, n, e_seq, same, ny, e_ref);
+    CHECK(bad == 0 && e_seq < 1e-6, "matmul_swiglu %ux%u n=%u: %zu elements beyond 1e-5, rel %.3g", n_ff, n_in, n,
+          bad, e_seq);
+    CHECK(e_ref < 2e-3, "matmul_swiglu %ux%u n=%u: rel err %.3g vs double", n_ff, n_in, n, e_ref);
+    dev_free(dx), dev_free(dout), dev_free(dg), dev_free(du);
+    gpu->ops->weight_free(gpu, wg);
+    gpu->ops->weight_free(gpu, wu);
+    free(x), free(yf), free(ys), free(ref);
+    weight_free(&tg);
+    weight_free(&tu);
+}
+
+/* add_rmsnorm (h aliasing x, as the engine calls it) against add + rmsnorm
+ * on the GPU and on the CPU. */
+static void test_add_rmsnorm_case(uint32_t dim, uint32_t n)
+{
+    struct tkv_gguf_tensor t;
+    float *g = malloc(dim * sizeof *g);
+    fill(g, dim, 0.5f, 1.5f);
+    memset(&t, 0, sizeof t);
+    snprintf(t.name, sizeof t.name, "test.norm.%u", dim);
+    t.n_dims = 1;
+    t.ne[0] = dim;
+    t.ne[1] = t.ne[2] = t.ne[3] = 1;
+    t.type = TKV_TYPE_F32;
+    t.n_elems = dim;
+    t.nbytes = dim * sizeof(float);
+    t.data = g;
+    struct tkv_bweight *wc = NULL, *wg = NULL;
+    CHECK(cpu->ops->weight_init(cpu, &t, &wc) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->weight_init(gpu, &t, &wg) == TKV_OK, "%s", tkv_last_error());
+    const size_t cnt = (size_t)n * dim;
+    float *y = malloc(cnt * sizeof *y), *x = malloc(cnt * sizeof *x), *hc = malloc(cnt * sizeof *hc);
+    float *yf = malloc(cnt * sizeof *yf), *hf = malloc(cnt * sizeof *hf), *ys = malloc(cnt * sizeof *ys);
+    float *hs = malloc(cnt * sizeof *hs);
+    fill(y, cnt, -3, 3);
+    fill(x, cnt, -3, 3);
+    float *dyf = dev_from(y, cnt * sizeof *y), *dxf = dev_from(x, cnt * sizeof *x);
+    float *dys = dev_from(y, cnt * sizeof *y), *dxs = dev_from(x, cnt * sizeof *x), *dhs = dev_poisoned(cnt);
+    CHECK(gpu->ops->add_rmsnorm(gpu, dyf, dxf, wg, dxf, n, dim, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->add(gpu, dys, dxs, cnt) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->rmsnorm(gpu, dys, wg, dhs, n, dim, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+    CHECK(cpu->ops->add(cpu, y, x, cnt) == TKV_OK && cpu->ops->rmsnorm(cpu, y, wc, hc, n, dim, 1e-5f) == TKV_OK, "%s",
+          tkv_last_error());
+    to_host(yf, dyf, cnt * sizeof *yf);
+    to_host(hf, dxf, cnt * sizeof *hf);
+    to_host(ys, dys, cnt * sizeof *ys);
+    to_host(hs, dhs, cnt * sizeof *hs);
+    double e_seq = 0, e_cpu = 0, mx = 0;
+    size_t same = 0;
+    for (size_t i = 0; i < cnt; i++) {
+        e_seq = isnan(hf[i]) ? INFINITY : fmax(e_seq, fabs(hf[i] - hs[i]));
+        e_cpu = isnan(hf[i]) ? INFINITY : fmax(e_cpu, fabs(hf[i] - hc[i]));
+        mx = fmax(mx, fabs(hc[i]));
+        same += !memcmp(&hf[i], &hs[i], sizeof *hf);
+    }
+    fprintf(stderr, "  add_rmsnorm dim=%u n=%u: y %s; h vs add+rmsnorm max %.2e (%zu of %zu bit-identical), vs cpu "
+                    "%.2e (max |h| %.2f)\n", dim, n, memcmp(yf, ys, cnt * sizeof *yf) ? "DIFFERS" : "equal", e_seq,
+            same, cnt, e_cpu, mx);
+    CHECK(!memcmp(yf, ys, cnt * sizeof *yf) && !memcmp(yf, y, cnt * sizeof *yf), "add_rmsnorm dim %u: y != y + x",
+          dim);
+    CHECK(e_seq <= 1e-6 * mx, "add_rmsnorm dim %u: h differs from add+rmsnorm by %.3g", dim, e_seq);
+    CHECK(e_cpu <= 1e-5 * mx, "add_rmsnorm dim %u: h differs from the cpu by %.3g", dim, e_cpu);
+    CHECK(gpu->ops->add_rmsnorm(gpu, dyf, dxf, wg, dxf, n, dim + 1, 1e-5f) == TKV_ERR_INVALID_ARG,
+          "add_rmsnorm: bad dim accepted");
+    dev_free(dyf), dev_free(dxf), dev_free(dys), dev_free(dxs), dev_free(dhs);
+    cpu->ops->weight_free(cpu, wc);
+    gpu->ops->weight_free(gpu, wg);
+    free(g), free(y), free(x), free(hc), free(yf), free(hf), free(ys), free(hs);
+}
+
+/* rope_qk at pos0.. against two rope calls on the GPU and the CPU's rope. */
+static void rope_qk_case(uint32_t n, uint32_t hq, uint32_t hk, uint32_t hd, uint32_t rot, float base, float fs,
+                         int32_t pos0)
+{
+    const size_t cq = (size_t)n * hq * hd, ck = (size_t)n * hk * hd;
+    float *q = malloc(cq * sizeof *q), *k = malloc(ck * sizeof *k);
+    float *qf = malloc(cq * sizeof *qf), *kf = malloc(ck * sizeof *kf), *qs = malloc(cq * sizeof *qs);
+    float *ks = malloc(ck * sizeof *ks);
+    int32_t *pos = malloc(n * sizeof *pos);
+    fill(q, cq, -1, 1);
+    fill(k, ck, -1, 1);
+    for (uint32_t t = 0; t < n; t++)
+        pos[t] = pos0 + (int32_t)t;
+    float *dqf = dev_from(q, cq * sizeof *q), *dkf = dev_from(k, ck * sizeof *k);
+    float *dqs = dev_from(q, cq * sizeof *q), *dks = dev_from(k, ck * sizeof *k);
+    CHECK(gpu->ops->rope_qk(gpu, dqf, dkf, n, hq, hk, hd, rot, pos, base, fs) == TKV_OK, "%s", tkv_last_error());
+    for (uint32_t t = 0; t < n; t++) /* the op must have taken its copy of the positions */
+        pos[t] = -7;
+    CHECK(gpu->ops->synchronize(gpu) == TKV_OK, "%s", tkv_last_error());
+    for (uint32_t t = 0; t < n; t++)
+        pos[t] = pos0 + (int32_t)t;
+    CHECK(gpu->ops->rope(gpu, dqs, n, hq, hd, rot, pos, base, fs) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu->ops->rope(gpu, dks, n, hk, hd, rot, pos, base, fs) == TKV_OK, "%s", tkv_last_error());
+    CHECK(cpu->ops->rope(cpu, q, n, hq, hd, rot, pos, base, fs) == TKV_OK, "%s", tkv_last_error());
+    CHECK(cpu->ops->rope(cpu, k, n, hk, hd, rot, pos, base, fs) == TKV_OK, "%s", tkv_last_error());
+    to_host(qf, dqf, cq * sizeof *qf);
+    to_host(kf, dkf, ck * sizeof *kf);
+    to_host(qs, dqs, cq * sizeof *qs);
+    to_host(ks, dks, ck * sizeof *ks);
+    const bool same = !memcmp(qf, qs, cq * sizeof *qf) && !memcmp(kf, ks, ck * sizeof *kf);
+    double e_cpu = 0;
+    for (size_t i = 0; i < cq; i++)
+        e_cpu = isnan(qf[i]) ? INFINITY : fmax(e_cpu, fabs(qf[i] - q[i]));
+    for (size_t i = 0; i < ck; i++)
+        e_cpu = isnan(kf[i]) ? INFINITY : fmax(e_cpu, fabs(kf[i] - k[i]));
+    fprintf(stderr, "  rope_qk n=%u heads %u/%u hd=%u rot=%u pos %d..: %s two rope calls, max |gpu-cpu| %.2e\n", n, hq,
+            hk, hd, rot, pos0, same ? "bit-identical to" : "DIFFERS from", e_cpu);
+    CHECK(same, "rope_qk n=%u pos %d: differs from two rope calls", n, pos0);
+    CHECK(e_cpu <= 1e-5, "rope_qk n=%u pos %d: err %.3g vs cpu", n, pos0, e_cpu);
+    dev_free(dqf), dev_free(dkf), dev_free(dqs), dev_free(dks);
+    free(q), free(k), free(qf), free(kf), free(qs), free(ks), free(pos);
+}
+
+static void test_fused(void)
+{
+    fprintf(stderr, "fused decode ops:\n");
+    REQUIRE_VOID(gpu->ops->matmul_group && gpu->ops->matmul_swiglu && gpu->ops->add_rmsnorm && gpu->ops->rope_qk);
+    const uint32_t qkv8b[3] = {4096, 1024, 1024}, qkv_smol[3] = {576, 192, 192};
+    const uint32_t mixed[5] = {33, 1001, 8, 2048, 100};
+    const uint32_t ns[] = {1, 3, 8};
+    for (size_t i = 0; i < 3; i++)
+        test_group_case(4096, qkv8b, 3, ns[i]);
+    test_group_case(576, qkv_smol, 3, 1);
+    test_group_case(4104, mixed, 5, 2); /* rows straddling weights inside a CTA, n_in % 256 != 0 */
+    const uint32_t few[3] = {64, 32, 100}, two[2] = {200, 300};
+    test_group_case(8192, few, 3, 1); /* 4 warps per row */
+    test_group_case(8192, few, 3, 5);
+    test_group_case(4096, two, 2, 4); /* 2 warps per row */
+    test_group_case(576, qkv_smol, 3, 9); /* n > 8: the matmuls (cuBLAS) */
+    test_group_case(576, qkv_smol, 1, 1);
+    test_swiglu_case(4096, 14336, 1);
+    test_swiglu_case(4096, 1024, 3);  /* 2 warps per row */
+    test_swiglu_case(8192, 256, 2);   /* 4 warps per row */
+    test_swiglu_case(576, 1536, 8);
+    test_swiglu_case(576, 1536, 9); /* n > 8: the sequence through the work buffer */
+    test_add_rmsnorm_case(4096, 1);
+    test_add_rmsnorm_case(576, 7);
+    test_add_rmsnorm_case(1000, 3);
+    /* the positions are uploaded again only when they change: alternate
+     * positions, then a longer chunk (the device buffer grows), then back */
+    rope_qk_case(1, 32, 8, 128, 128, 500000.0f, 1.0f, 4096);
+    rope_qk_case(1, 32, 8, 128, 128, 500000.0f, 1.0f, 4096);
+    rope_qk_case(1, 32, 8, 128, 128, 500000.0f, 1.0f, 4097);
+    rope_qk_case(300, 9, 3, 64, 64, 100000.0f, 1.0f, 17);
+    rope_qk_case(5, 8, 2, 128, 64, 10000.0f, 0.25f, 1 << 20);
+    rope_qk_case(1, 32, 8, 128, 128, 500000.0f, 1.0f, 4096);
+    CHECK(gpu->ops->rope_qk(gpu, NULL, NULL, 1, 1, 1, 64, 65, (int32_t[]){0}, 1e4f, 1.0f) == TKV_ERR_INVALID_ARG,
+          "rope_qk: odd rope dimension accepted");
+    /* the CPU backend has none of them: the engine runs the sequence there */
+    CHECK(!cpu->ops->matmul_group && !cpu->ops->matmul_swiglu && !cpu->ops->add_rmsnorm && !cpu->ops->rope_qk,
+          "the cpu backend has fused ops");
+}
+
 /* ---- the f32 validation mode (TKV_CUDA_WEIGHTS=f32) -------------------------------- */
 
 static void test_f32_mode(void)
@@ -1365,6 +1621,8 @@ int main(void)
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_ref) == TKV_OK, "%s", tkv_last_error());
     setenv("TKV_CUDA_GEMV", "cublas", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_blas) == TKV_OK, "%s", tkv_last_error());
+    setenv("TKV_CUDA_GEMV", "u8", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_u8) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_GEMV");
     const clock_t t0 = clock();
     /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
@@ -1379,6 +1637,7 @@ int main(void)
     SECTION("swiglu", test_swiglu_add);
     SECTION("kv_write", test_kv_write);
     SECTION("kv_write", test_kv_write_heads);
+    SECTION("fused", test_fused);
     SECTION("profile", test_profile);
     SECTION("attention", test_attention);
     SECTION("stats", test_stats);
@@ -1388,6 +1647,7 @@ int main(void)
     fprintf(stderr, "(%.1f s of CPU time)\n", (double)(clock() - t0) / CLOCKS_PER_SEC);
     gpu_gemv_ref->ops->free(gpu_gemv_ref);
     gpu_gemv_blas->ops->free(gpu_gemv_blas);
+    gpu_gemv_u8->ops->free(gpu_gemv_u8);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return test_done();
