@@ -20,10 +20,13 @@
  *            head_dim 128, KV blocks of 64): the default kernel (decode
  *            kernel, fused merge) and the other paths (alt_env: the general
  *            kernel, a separate merge kernel, the table copied on the
- *            compute stream), each
+ *            compute stream, the table as inline runs in the launch
+ *            parameters, that as a programmatic dependent launch), each
  *            checked against the general kernel (and the CPU up to 128K);
- *            plus the host time to queue one call (block table packing and
- *            copy, launches), which overlaps the GPU's work of earlier calls
+ *            then a summary table of every path: device time per call, and
+ *            beside it the host time of the op call itself (in the same
+ *            back-to-back loop, and once on an idle GPU: table packing and
+ *            copy, launches, which overlap the GPU's work of earlier calls)
  *   prefill-long  a whole 8K, 32K, 128K-token prompt in one call (causal,
  *            32/8/128): the tensor-core kernel in both precisions, each of
  *            its variants (-V), and the general kernel at 8K; TFLOP/s over
@@ -60,13 +63,15 @@
 static struct tkv_backend *gpu, *cpu;
 /* the decode section's other paths: backends created with these attention
  * settings (TKV_CUDA_ATTN_DECODE, _TABLE); [0] is the general kernel */
-#define N_ALT 3
+#define N_ALT 5
 static const struct {
     const char *name, *decode, *table;
 } alt_env[N_ALT] = {
     {"general kernel", "0", "copy"},
     {"separate merge", "merge", "copy"},
     {"table copied on the compute stream", "1", "main"},
+    {"inline runs (TKV_CUDA_ATTN_DECODE=runs)", "runs", "copy"},
+    {"inline runs + PDL (TKV_CUDA_ATTN_DECODE=pdl)", "pdl", "copy"},
 };
 static struct tkv_backend *alt[N_ALT];
 #define gpu_general alt[0]
@@ -148,6 +153,75 @@ static double time_on(struct tkv_backend *be, const struct tkv_attn_args *a, int
     const double t = TIME_IT(reps, be->ops->attention(be, a));
     gpu = saved;
     return t;
+}
+
+/* The attention op call itself, timed on the host: adds its wall time to
+ * *sum (seconds). */
+static tkv_status timed_call(struct tkv_backend *be, const struct tkv_attn_args *a, double *sum)
+{
+    const double t0 = now();
+    const tkv_status st = be->ops->attention(be, a);
+    *sum += now() - t0;
+    return st;
+}
+
+/* time_on, and in *host the wall time of the op call itself per call,
+ * inside the same back-to-back loop (median batch as for the device time;
+ * a call that waits for a free table buffer counts its wait). */
+static double time_on_host(struct tkv_backend *be, const struct tkv_attn_args *a, int reps, double *host)
+{
+    double ts[7], hs[7];
+    for (int w = 0; w < 2; w++)
+        die_if(be->ops->attention(be, a));
+    die_if(be->ops->synchronize(be));
+    for (int b = 0; b < 7; b++) {
+        double hsum = 0;
+        const double t0 = now();
+        for (int r = 0; r < reps; r++)
+            die_if(timed_call(be, a, &hsum));
+        die_if(be->ops->synchronize(be));
+        ts[b] = (now() - t0) / reps;
+        hs[b] = hsum / reps;
+    }
+    double tsorted[7];
+    memcpy(tsorted, ts, sizeof ts);
+    qsort(tsorted, 7, sizeof(double), cmp_double);
+    int med = 0; /* the host time of the median batch */
+    for (int b = 0; b < 7; b++)
+        if (ts[b] == tsorted[3])
+            med = b;
+    *host = hs[med];
+    return tsorted[3];
+}
+
+/* The decode section's summary: every path at every size. */
+#define N_DEC_ROWS 32
+struct dec_result {
+    const char *path;
+    uint32_t ctx;
+    double dev, host, idle, gbps; /* seconds per call; GB/s of KV read */
+};
+static struct dec_result dec_rows[N_DEC_ROWS];
+static int n_dec_rows;
+
+static void dec_row(const char *path, uint32_t ctx, double dev, double host, double idle, double bytes)
+{
+    if (n_dec_rows < N_DEC_ROWS)
+        dec_rows[n_dec_rows++] = (struct dec_result){path, ctx, dev, host, idle, bytes / dev / 1e9};
+}
+
+static void dec_rows_print(void)
+{
+    if (!n_dec_rows)
+        return;
+    printf("\nDecode attention, 32/8 heads, hd 128, f16 KV in blocks of 64, n_q 1: device = median of 7 batches of "
+           "back-to-back calls (host clock around a synchronize); host = wall time of the op call itself in that "
+           "loop; idle = one call on an idle GPU.\n\n");
+    printf("| path | keys | device us/call | GB/s | host us/call | host us (idle) |\n");
+    printf("| --- | ---: | ---: | ---: | ---: | ---: |\n");
+    for (int i = 0; i < n_dec_rows; i++)
+        printf("| %s | %u | %.1f | %.0f | %.1f | %.1f |\n", dec_rows[i].path, dec_rows[i].ctx, dec_rows[i].dev * 1e6,
+               dec_rows[i].gbps, dec_rows[i].host * 1e6, dec_rows[i].idle * 1e6);
 }
 
 static double max_abs(const float *a, const float *b, size_t n)
@@ -236,7 +310,8 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
         exit(1);
     }
     ga.out = dout;
-    const double t = time_on(gpu, &ga, reps);
+    double t_host = 0;
+    const double t = variants ? time_on_host(gpu, &ga, reps, &t_host) : time_on(gpu, &ga, reps);
     /* bytes: every visible K and V row once; FLOPs: 4 hd per (query head, visible key) */
     const double kv_bytes = (double)Hkv * ctx * hd * 2 * 2;
     double pairs = 0;
@@ -249,6 +324,7 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
            H, Hkv, hd, B, ctx, n_q, t * 1e6, kv_bytes / t / 1e9, flops / t / 1e12, check[0] ? check : "-");
     if (variants) {
         const double th = host_time(gpu, &ga);
+        dec_row("default (decode kernel, fused merge, packed table)", ctx, t, t_host, th, kv_bytes);
         double ta[N_ALT];
         for (int i = 0; i < N_ALT; i++) {
             ta[i] = -1e-6;
@@ -262,15 +338,11 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
                     exit(1);
                 }
             }
-            ta[i] = time_on(alt[i], &ga, i == 0 ? reps / 10 + 1 : reps);
-            printf("| attention, %s | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | "
-                   "%6.2f TFLOP/s | general |\n",
-                   alt_env[i].name, H, Hkv, hd, B, ctx, n_q, ta[i] * 1e6, kv_bytes / ta[i] / 1e9,
-                   flops / ta[i] / 1e12);
+            double hi = 0;
+            ta[i] = time_on_host(alt[i], &ga, i == 0 ? reps / 10 + 1 : reps, &hi);
+            dec_row(alt_env[i].name, ctx, ta[i], hi, host_time(alt[i], &ga), kv_bytes);
         }
         ga.out = dout;
-        printf("| attention, host time to queue a call | %u blocks x %u heads | ctx %7u | %9.1f us | | | |\n", nb, Hkv,
-               ctx, th * 1e6);
         if (json) {
             fprintf(json,
                     "{\"op\": \"decode_attention\", \"H\": %u, \"Hkv\": %u, \"hd\": %u, \"B\": %u, \"ctx\": %u, "
@@ -622,6 +694,7 @@ int main(int argc, char **argv)
         const uint32_t ctxs[] = {32768, 131072, 1048576};
         for (int i = 0; i < 3; i++)
             bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, true);
+        dec_rows_print();
     }
     if (all) {
         bench_attention(32, 8, 128, 64, 1024, 1, reps, false);

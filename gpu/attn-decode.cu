@@ -113,6 +113,13 @@ struct chunk_meta {
     int nvalid;
 };
 
+/* Where a chunk's keys are: key kk of it at k + kk * head_dim (V likewise). */
+struct chunk_src {
+    const uint16_t *k, *v;
+    int32_t kpos0;
+    int nvalid; /* < 0: no chunk */
+};
+
 /* The warp's walk over its chunks: chunk j of block b, then j + NW (chunks
  * numbered across the CTA's blocks). en is the next block's entry, loaded one
  * block ahead. */
@@ -151,27 +158,100 @@ __device__ __forceinline__ void cursor_advance(dec_cursor &c, int step, const tk
     }
 }
 
-/* Issues the cp.async copies of the cursor's chunk into one stage (always
- * commits a group, empty when the walk is over). */
+/* The walk over the packed table (device memory): a CTA's contiguous range
+ * of its head's blocks. */
+struct tab_walk {
+    dec_cursor c;
+    const tkv_cuda_kv_entry *blocks;
+    int32_t pos_max;
+
+    template <int CH> __device__ __forceinline__ void advance(int step) { cursor_advance<CH>(c, step, blocks, pos_max); }
+    template <int CH> __device__ __forceinline__ chunk_src src(uint32_t hd) const
+    {
+        chunk_src s;
+        s.k = s.v = nullptr;
+        s.kpos0 = 0;
+        s.nvalid = -1;
+        if (c.b < c.b_end) {
+            const int k0 = c.j * CH;
+            s.k = c.e.k + (size_t)k0 * hd;
+            s.v = c.e.v + (size_t)k0 * hd;
+            s.kpos0 = c.e.pos0 + k0;
+            s.nvalid = min(CH, (int)c.e.n - k0);
+        }
+        return s;
+    }
+};
+
+/* The walk over inline runs (kernel parameters): a CTA's contiguous range
+ * [c, c_end) of its head's chunks; chunk j of run r is the current one. */
+struct run_walk {
+    const tkv_cuda_kv_run *runs;
+    uint32_t r, j, c, c_end;
+
+    template <int CH> __device__ __forceinline__ static uint32_t n_chunks(const tkv_cuda_kv_run &R)
+    {
+        return (R.n + CH - 1) / CH;
+    }
+    /* at chunk c of the head whose runs are [r0, r1) */
+    template <int CH> __device__ __forceinline__ void start(uint32_t r0, uint32_t r1)
+    {
+        r = r0;
+        j = 0;
+        if (c >= c_end)
+            return;
+        while (r + 1 < r1 && runs[r + 1].c0 <= c)
+            r++;
+        j = c - runs[r].c0;
+    }
+    template <int CH> __device__ __forceinline__ void advance(int step)
+    {
+        c += (uint32_t)step;
+        j += (uint32_t)step;
+        if (c >= c_end)
+            return;
+        /* c < c_end <= the head's chunks: a run holds chunk c */
+        for (uint32_t nc = n_chunks<CH>(runs[r]); j >= nc; nc = n_chunks<CH>(runs[r])) {
+            j -= nc;
+            r++;
+        }
+    }
+    template <int CH> __device__ __forceinline__ chunk_src src(uint32_t hd) const
+    {
+        chunk_src s;
+        s.k = s.v = nullptr;
+        s.kpos0 = 0;
+        s.nvalid = -1;
+        if (c < c_end) {
+            const tkv_cuda_kv_run &R = runs[r];
+            const uint32_t k0 = j * CH, blk = k0 / R.bsz, row = k0 - blk * R.bsz;
+            s.k = R.k + (int64_t)blk * R.kstride + (size_t)row * hd;
+            s.v = R.v + (int64_t)blk * R.vstride + (size_t)row * hd;
+            s.kpos0 = R.pos0 + (int32_t)k0;
+            s.nvalid = (int)min((uint32_t)CH, R.n - k0);
+        }
+        return s;
+    }
+};
+
+/* Issues the cp.async copies of chunk c into one stage (always commits a
+ * group, empty when the walk is over). */
 template <class C>
-__device__ __forceinline__ chunk_meta issue_chunk(const dec_cursor &c, uint4 *kst, uint4 *vst, int lane, int sub,
+__device__ __forceinline__ chunk_meta issue_chunk(const chunk_src &c, uint4 *kst, uint4 *vst, int lane, int sub,
                                                   int dl, uint32_t hd)
 {
     chunk_meta m;
-    m.nvalid = -1;
-    m.kpos0 = 0;
-    if (c.b < c.b_end) {
-        const int k0 = c.j * C::CH;
-        m.kpos0 = c.e.pos0 + k0;
-        m.nvalid = min(C::CH, (int)c.e.n - k0);
+    m.nvalid = c.nvalid;
+    m.kpos0 = c.kpos0;
+    if (c.nvalid >= 0) {
         const bool dim_ok = dl * 8 < (int)hd;
 #pragma unroll
         for (int u = 0; u < C::U; u++) {
             const int kk = u * C::NG + sub;
-            const bool ok = dim_ok && kk < m.nvalid;
-            const size_t off = ok ? (size_t)(k0 + kk) * hd + (size_t)dl * 8 : 0;
-            cp_async16(kst + u * 32 + lane, c.e.k + off, ok);
-            cp_async16(vst + u * 32 + lane, c.e.v + off, ok);
+            const bool ok = dim_ok && kk < c.nvalid;
+            const size_t off = ok ? (size_t)kk * hd + (size_t)dl * 8 : 0;
+            cp_async16(kst + u * 32 + lane, c.k + off, ok);
+            cp_async16(vst + u * 32 + lane, c.v + off, ok);
         }
     }
     cp_async_commit();
@@ -243,8 +323,11 @@ __device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, float *sme
     }
 }
 
-template <class C>
-__global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_params p)
+/* One CTA of the decode kernel: KV head blockIdx.x, split blockIdx.y, its
+ * chunks walked by cur (positioned at the CTA's first chunk); q_pos [n_q]
+ * (device or parameter memory). */
+template <class C, class Walk>
+__device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &cur, const int32_t *q_pos)
 {
     constexpr int HD = C::HD, DR = C::DR, U = C::U, NS = C::NS, LPK = C::LPK, NG = C::NG, V = C::V, NF = C::NF,
                   W = C::W, SLOTS = C::SLOTS;
@@ -263,19 +346,16 @@ __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_
 
     /* the rows' queries (8 dims of this lane), in log2 units */
     float q[DR][8];
-    int32_t pos_max = INT_MIN;
 #pragma unroll
     for (int r = 0; r < DR; r++) {
         const uint32_t t = (uint32_t)r / G, h = g * G + (uint32_t)r % G;
-        if (r < R)
-            pos_max = max(pos_max, p.q_pos[t]);
 #pragma unroll
         for (int i = 0; i < 8; i++)
             q[r][i] = (r < R && dim_ok) ? p.q[(size_t)t * ld + (size_t)h * hd + dl * 8 + i] * p.scale_log2 : 0.0f;
     }
     /* the row whose scores this lane holds after the butterfly */
     const int r_own = dl / W, u_own = (dl % W) * NF;
-    const int32_t qp_own = r_own < R ? p.q_pos[(uint32_t)r_own / G] : INT_MIN;
+    const int32_t qp_own = r_own < R ? q_pos[(uint32_t)r_own / G] : INT_MIN;
 
     float o[DR][8], m[DR];
 #pragma unroll
@@ -287,24 +367,6 @@ __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_
     }
     float m_own = -INFINITY, l_own = 0.0f;
 
-    /* this split's blocks; the warp's first chunk */
-    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
-    dec_cursor cur;
-    cur.e.k = cur.e.v = nullptr;
-    cur.e.pos0 = 0;
-    cur.e.n = 0;
-    cur.en = cur.e;
-    cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
-    cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
-    cur.j = 0;
-    if (cur.b < cur.b_end) {
-        cur.e = load_entry(p.blocks, cur.b);
-        cur.en = cur.b + 1 < cur.b_end ? load_entry(p.blocks, cur.b + 1) : cur.e;
-        if (cur.e.pos0 > pos_max)
-            cur.b = cur.b_end;
-    }
-    cursor_advance<C::CH>(cur, warp, p.blocks, pos_max);
-
     uint4 *wpipe = pipe + (size_t)warp * NS * 2 * U * 32; /* [NS][K|V][U][32] */
     float *pb = pbuf + (size_t)(warp * NG + sub) * C::PSTRIDE;
 
@@ -312,9 +374,9 @@ __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_
     chunk_meta meta[NS];
 #pragma unroll
     for (int st = 0; st < NS - 1; st++) {
-        meta[st] = issue_chunk<C>(cur, wpipe + (st * 2) * U * 32, wpipe + (st * 2 + 1) * U * 32, lane, sub, dl,
-                                       hd);
-        cursor_advance<C::CH>(cur, NW, p.blocks, pos_max);
+        meta[st] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (st * 2) * U * 32,
+                                  wpipe + (st * 2 + 1) * U * 32, lane, sub, dl, hd);
+        cur.template advance<C::CH>(NW);
     }
 
     for (int it = 0;; it++) {
@@ -322,9 +384,9 @@ __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_
         /* refill the stage computed in the previous iteration (its reads of
          * that stage are ordered before the copies) */
         __syncwarp();
-        meta[NS - 1] = issue_chunk<C>(cur, wpipe + (sn * 2) * U * 32, wpipe + (sn * 2 + 1) * U * 32, lane, sub,
-                                           dl, hd);
-        cursor_advance<C::CH>(cur, NW, p.blocks, pos_max);
+        meta[NS - 1] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (sn * 2) * U * 32,
+                                      wpipe + (sn * 2 + 1) * U * 32, lane, sub, dl, hd);
+        cur.template advance<C::CH>(NW);
         cp_async_wait<NS - 1>(); /* this thread's copies of chunk `it` have landed */
         const chunk_meta mc = meta[0];
 #pragma unroll
@@ -460,7 +522,7 @@ __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_
             }
         }
     }
-    if (p.n_split == 1 || p.decode_mode != TKV_ATTN_DECODE_FUSED)
+    if (p.n_split == 1 || p.decode_mode == TKV_ATTN_DECODE_MERGE)
         return;
 
     /* ---- the last CTA of this KV head to finish merges the head's splits */
@@ -480,6 +542,69 @@ __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_
     }
 }
 
+/* The decode kernel over the packed table in device memory. */
+template <class C> __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_params p)
+{
+    const uint32_t g = blockIdx.x, split = blockIdx.y, G = p.n_head / p.n_head_kv;
+    const int R = (int)(p.n_q * G);
+    int32_t pos_max = INT_MIN;
+#pragma unroll
+    for (int r = 0; r < C::DR; r++)
+        if (r < R)
+            pos_max = max(pos_max, p.q_pos[(uint32_t)r / G]);
+
+    /* this split's blocks; the warp's first chunk */
+    tab_walk w;
+    w.blocks = p.blocks;
+    w.pos_max = pos_max;
+    dec_cursor &cur = w.c;
+    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
+    cur.e.k = cur.e.v = nullptr;
+    cur.e.pos0 = 0;
+    cur.e.n = 0;
+    cur.en = cur.e;
+    cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
+    cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+    cur.j = 0;
+    if (cur.b < cur.b_end) {
+        cur.e = load_entry(p.blocks, cur.b);
+        cur.en = cur.b + 1 < cur.b_end ? load_entry(p.blocks, cur.b + 1) : cur.e;
+        if (cur.e.pos0 > pos_max)
+            cur.b = cur.b_end;
+    }
+    w.template advance<C::CH>((int)(threadIdx.x >> 5));
+    decode_cta<C>(p, w, p.q_pos);
+}
+
+/* 4 KiB: the parameter space every driver takes (CUDA 12.1 raised it to
+ * 32 KiB on Volta and later; larger parameters also cost more per launch). */
+static_assert(sizeof(tkv_cuda_attn_params) + sizeof(tkv_cuda_attn_runs) <= 4096, "kernel parameters");
+
+/* The decode kernel over inline runs. Before griddepcontrol.wait it reads
+ * only its parameters: under a programmatic dependent launch that part
+ * overlaps the previous kernel's drain, and no global memory the previous
+ * kernels write (q, K/V, out, part, counters) is touched before they end.
+ * Without the launch attribute both instructions do nothing. */
+template <class C>
+__global__ void __launch_bounds__(NT, 2)
+    attn_decode_runs_kernel(const tkv_cuda_attn_params p, const __grid_constant__ tkv_cuda_attn_runs rp)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    const uint32_t g = blockIdx.x, split = blockIdx.y, nc = rp.n_chunks[g];
+    run_walk w;
+    w.runs = rp.runs;
+    w.c = (uint32_t)((uint64_t)nc * split / p.n_split);
+    w.c_end = (uint32_t)((uint64_t)nc * (split + 1) / p.n_split);
+    w.template start<C::CH>(rp.run_off[g], rp.run_off[g + 1]);
+    w.template advance<C::CH>((int)(threadIdx.x >> 5));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    decode_cta<C>(p, w, rp.q_pos);
+}
+
 __global__ void __launch_bounds__(NT) attn_decode_merge_kernel(const tkv_cuda_attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -494,8 +619,30 @@ template <class C> cudaError_t launch_decode(const tkv_cuda_attn_params *p, cuda
     return cudaSuccess;
 }
 
+/* pdl: the launch attribute that lets the kernel start while the previous
+ * kernel of the stream drains (the kernel waits for it, griddepcontrol). */
+template <class C>
+cudaError_t launch_runs(const tkv_cuda_attn_params *p, const tkv_cuda_attn_runs *r, bool pdl, cudaStream_t s)
+{
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3(p->n_head_kv, p->n_split);
+    cfg.blockDim = dim3(NT);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    memset(at, 0, sizeof at);
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, attn_decode_runs_kernel<C>, *p, *r);
+}
+
 template <class C> cudaError_t init_decode(int *ctas)
 {
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_decode_runs_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)C::SMEM));
     TKV_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
     TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_decode_kernel<C>, NT, C::SMEM));
     if (*ctas < 1)
@@ -529,7 +676,41 @@ template <template <int, int> class CF> cudaError_t launch_all(const tkv_cuda_at
     }
 }
 
+template <template <int, int> class CF>
+cudaError_t launch_all_runs(const tkv_cuda_attn_params *p, const tkv_cuda_attn_runs *r, bool pdl, cudaStream_t s)
+{
+    const bool small = p->n_q * (p->n_head / p->n_head_kv) <= 4;
+    switch (hd_index(p->head_dim)) {
+    case 0: return small ? launch_runs<CF<64, 4>>(p, r, pdl, s) : launch_runs<CF<64, 8>>(p, r, pdl, s);
+    case 1: return small ? launch_runs<CF<128, 4>>(p, r, pdl, s) : launch_runs<CF<128, 8>>(p, r, pdl, s);
+    default: return small ? launch_runs<CF<256, 4>>(p, r, pdl, s) : launch_runs<CF<256, 8>>(p, r, pdl, s);
+    }
+}
+
+template <template <int, int> class CF> uint32_t chunk_keys(uint32_t hd, uint32_t rows)
+{
+    const bool small = rows <= 4;
+    switch (hd_index(hd)) {
+    case 0: return small ? CF<64, 4>::CH : CF<64, 8>::CH;
+    case 1: return small ? CF<128, 4>::CH : CF<128, 8>::CH;
+    default: return small ? CF<256, 4>::CH : CF<256, 8>::CH;
+    }
+}
+
 } // namespace
+
+uint32_t tkv_cuda_attn_decode_chunk_keys(uint32_t head_dim, uint32_t rows)
+{
+    return chunk_keys<cfg0>(head_dim, rows);
+}
+
+cudaError_t tkv_cuda_attn_decode_runs(const tkv_cuda_attn_params *p, const tkv_cuda_attn_runs *r, bool pdl,
+                                      cudaStream_t s)
+{
+    TKV_CUDA_TRY(launch_all_runs<cfg0>(p, r, pdl, s));
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
 
 cudaError_t tkv_cuda_attn_decode_init(void)
 {
@@ -545,7 +726,7 @@ int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows)
 cudaError_t tkv_cuda_attn_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
     TKV_CUDA_TRY(launch_all<cfg0>(p, s));
-    if (p->n_split > 1 && p->decode_mode != TKV_ATTN_DECODE_FUSED) {
+    if (p->n_split > 1 && p->decode_mode == TKV_ATTN_DECODE_MERGE) {
         const size_t smem = (2 * (size_t)p->n_split * MERGE_DR + 2 * MERGE_DR) * sizeof(float);
         attn_decode_merge_kernel<<<p->n_head_kv, NT, smem, s>>>(*p);
         TKV_CUDA_LAUNCHED();

@@ -18,8 +18,14 @@
  *     ML part[n_split * n_rows * head_dim + (split * n_rows + row) * 2 + {0,1}]
  *                                                  (m in log2 units, l)
  * (n_rows = n_q * n_head) and the partials are merged either by the last CTA
- * of each KV head to finish (TKV_ATTN_DECODE_FUSED: needs p->counters) or by
+ * of each KV head to finish (every mode but MERGE: needs p->counters) or by
  * a second kernel (TKV_ATTN_DECODE_MERGE).
+ *
+ * Two ways to find the blocks: the packed table in device memory (head_off,
+ * blocks; a CTA takes a contiguous range of its head's blocks), or the
+ * inline runs of tkv_cuda_attn_runs (attn.cuh; a CTA takes a contiguous
+ * range of its head's chunks, so the splits are equal to a chunk whatever
+ * the block count, and the first loads wait on no table read).
  */
 #ifndef TKV_GPU_ATTN_DECODE_CUH
 #define TKV_GPU_ATTN_DECODE_CUH
@@ -40,5 +46,17 @@ int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows);
 /* Runs the decode kernel (and the merge kernel in TKV_ATTN_DECODE_MERGE
  * mode). Needs p->vec16 and n_q * G <= TKV_ATTN_DECODE_ROWS. */
 cudaError_t tkv_cuda_attn_decode(const struct tkv_cuda_attn_params *p, cudaStream_t s);
+
+/* Keys per chunk of the kernel that serves (head_dim, rows): a run of more
+ * than one block needs blocks of a multiple of it (attn.cuh). */
+uint32_t tkv_cuda_attn_decode_chunk_keys(uint32_t head_dim, uint32_t rows);
+
+/* The decode kernel over inline runs r (p->blocks, head_off, q_pos unused;
+ * p->n_split set by the caller, at most TKV_ATTN_DECODE_MAX_SPLIT). pdl:
+ * launched as a programmatic dependent launch. Needs n_q * G <=
+ * TKV_ATTN_DECODE_ROWS, n_head_kv <= TKV_ATTN_RUNS_HEADS, 16-byte aligned
+ * rows; the fused merge (p->counters) when split. */
+cudaError_t tkv_cuda_attn_decode_runs(const struct tkv_cuda_attn_params *p, const struct tkv_cuda_attn_runs *r,
+                                      bool pdl, cudaStream_t s);
 
 #endif

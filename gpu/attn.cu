@@ -445,6 +445,7 @@ struct tkv_cuda_attn_state {
     int decode_mode, prefill_mode;
     int prefill_pack;              /* 0 with TKV_CUDA_ATTN_PACK=0          */
     int prefill_variant;           /* TKV_CUDA_ATTN_PREFILL_VARIANT, setter */
+    struct tkv_cuda_attn_runs runs;/* the inline table being built          */
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
 };
 
@@ -536,10 +537,167 @@ static cudaError_t grow(void **buf, size_t *cap, size_t n, size_t el, bool zero,
     return cudaSuccess;
 }
 
+/* ---- decode over inline runs (TKV_ATTN_DECODE_RUNS, _PDL) ---- */
+
+/* The run being built for one KV head. */
+struct run_builder {
+    struct tkv_cuda_attn_runs *r;
+    struct tkv_cuda_kv_run *cur; /* NULL: none open */
+    uint32_t nblk;               /* blocks in cur   */
+    uint32_t nr, chunk, chunks;  /* runs used; keys per chunk; the head's chunks so far */
+};
+
+static void run_close(struct run_builder *b)
+{
+    if (b->cur) {
+        b->cur->c0 = b->chunks;
+        b->chunks += (b->cur->n + b->chunk - 1) / b->chunk;
+    }
+    b->cur = NULL;
+}
+
+/* Appends block (k, v, pos0, n) (16-byte aligned, n > 0) to the open run if
+ * it continues it (next position, same stride as the run's blocks so far,
+ * every block before it full, blocks a multiple of the chunk), else opens a
+ * run; false when the runs are used up. */
+static bool run_add(struct run_builder *b, const uint16_t *k, const uint16_t *v, int32_t pos0, uint32_t n)
+{
+    struct tkv_cuda_kv_run *c = b->cur;
+    if (c && c->n == b->nblk * c->bsz && (int64_t)pos0 == (int64_t)c->pos0 + c->n && n <= c->bsz &&
+        c->bsz % b->chunk == 0 && (uint64_t)c->n + n <= UINT32_MAX) {
+        /* element distances (the addresses are 16-byte aligned, so even) */
+        const int64_t dk = ((int64_t)(intptr_t)k - (int64_t)(intptr_t)c->k) / 2;
+        const int64_t dv = ((int64_t)(intptr_t)v - (int64_t)(intptr_t)c->v) / 2;
+        if (b->nblk == 1 || (dk == (int64_t)b->nblk * c->kstride && dv == (int64_t)b->nblk * c->vstride)) {
+            if (b->nblk == 1) {
+                c->kstride = dk;
+                c->vstride = dv;
+            }
+            b->nblk++;
+            c->n += n;
+            return true;
+        }
+    }
+    run_close(b);
+    if (b->nr == TKV_ATTN_RUNS_MAX)
+        return false;
+    c = b->cur = &b->r->runs[b->nr++];
+    c->k = k;
+    c->v = v;
+    c->kstride = c->vstride = 0;
+    c->pos0 = pos0;
+    c->n = c->bsz = n;
+    b->nblk = 1;
+    return true;
+}
+
+/* Describes a's view as runs (st->runs): refs of no rows and rows past the
+ * last query's position left out, refs that continue each other in memory
+ * (K and V rows and positions) joined into one block. False: the view does
+ * not fit (too many runs or heads, rows not 16-byte aligned); *max_chunks:
+ * the most chunks of one head. */
+static bool runs_build(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, uint32_t chunk, uint32_t *max_chunks)
+{
+    struct tkv_cuda_attn_runs *r = &st->runs;
+    if (a->n_head_kv > TKV_ATTN_RUNS_HEADS || a->n_q > sizeof r->q_pos / sizeof r->q_pos[0] || a->head_dim % 8)
+        return false;
+    const int32_t pos_max = a->q_pos[a->n_q - 1]; /* non-decreasing */
+    const size_t hd = a->head_dim;
+    memcpy(r->q_pos, a->q_pos, (size_t)a->n_q * sizeof(int32_t));
+    struct run_builder b = {r, NULL, 0, 0, chunk, 0};
+    *max_chunks = 0;
+    for (uint32_t g = 0; g < a->n_head_kv; g++) {
+        r->run_off[g] = (uint16_t)b.nr;
+        b.cur = NULL;
+        b.chunks = 0;
+        const struct tkv_kv_block_ref *refs = a->kv[g].blocks;
+        const uint16_t *bk = NULL, *bv = NULL; /* the block being joined */
+        int32_t bpos = 0;
+        uint32_t bn = 0;
+        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++) {
+            const struct tkv_kv_block_ref *x = &refs[i];
+            if (x->n == 0)
+                continue;
+            if (x->pos0 > pos_max) /* in position order: none later is visible */
+                break;
+            if (((uintptr_t)x->k | (uintptr_t)x->v) % 16)
+                return false;
+            const uint32_t n = (int64_t)x->pos0 + x->n - 1 > pos_max ? (uint32_t)(pos_max - x->pos0 + 1) : x->n;
+            if (bn && x->k == bk + (size_t)bn * hd && x->v == bv + (size_t)bn * hd &&
+                (int64_t)x->pos0 == (int64_t)bpos + bn && (uint64_t)bn + n <= UINT32_MAX) {
+                bn += n;
+                continue;
+            }
+            if (bn && !run_add(&b, bk, bv, bpos, bn))
+                return false;
+            bk = x->k, bv = x->v, bpos = x->pos0, bn = n;
+        }
+        if (bn && !run_add(&b, bk, bv, bpos, bn))
+            return false;
+        run_close(&b);
+        r->n_chunks[g] = b.chunks;
+        *max_chunks = b.chunks > *max_chunks ? b.chunks : *max_chunks;
+    }
+    r->run_off[a->n_head_kv] = (uint16_t)b.nr;
+    return true;
+}
+
+/* Runs a decode call over inline runs; *done false when the view does not
+ * fit them (nothing queued: the packed table serves the call). */
+static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s,
+                              bool *done)
+{
+    *done = false;
+    const uint32_t G = a->n_head / a->n_head_kv, rows = a->n_q * G;
+    if (rows > TKV_ATTN_DECODE_ROWS)
+        return cudaSuccess;
+    uint32_t max_chunks;
+    if (!runs_build(st, a, tkv_cuda_attn_decode_chunk_keys(a->head_dim, rows), &max_chunks))
+        return cudaSuccess;
+    tkv_cuda_attn_params p;
+    memset(&p, 0, sizeof p);
+    p.q = a->q;
+    p.out = a->out;
+    p.lse = a->lse;
+    p.n_q = a->n_q;
+    p.n_head = a->n_head;
+    p.n_head_kv = a->n_head_kv;
+    p.head_dim = a->head_dim;
+    p.scale_log2 = a->scale * 1.44269504088896341f;
+    p.vec16 = 1;
+    p.decode_mode = st->decode_mode;
+    /* one full wave: every CTA slot of the device busy, each split of a head
+     * the same number of chunks to one */
+    const uint32_t slots = (uint32_t)(n_sm > 0 ? n_sm : 1) *
+                           (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(a->head_dim, rows);
+    uint32_t n_split = (slots + a->n_head_kv - 1) / a->n_head_kv;
+    n_split = n_split < max_chunks ? n_split : max_chunks;
+    n_split = n_split < TKV_ATTN_DECODE_MAX_SPLIT ? n_split : TKV_ATTN_DECODE_MAX_SPLIT;
+    p.n_split = n_split > 0 ? n_split : 1;
+    if (p.n_split > 1) {
+        const size_t part = (size_t)p.n_split * p.n_q * p.n_head * (p.head_dim + 2);
+        TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));
+        p.part = st->part;
+        size_t cap = st->counters_cap;
+        TKV_CUDA_TRY(grow((void **)&st->counters, &cap, a->n_head_kv, sizeof(uint32_t), true, s));
+        st->counters_cap = (uint32_t)cap;
+        p.counters = st->counters;
+    }
+    TKV_CUDA_TRY(tkv_cuda_attn_decode_runs(&p, &st->runs, st->decode_mode == TKV_ATTN_DECODE_PDL, s));
+    *done = true;
+    return cudaSuccess;
+}
+
 cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s)
 {
     if (a->n_q == 0)
         return cudaSuccess;
+    if (st->decode_mode == TKV_ATTN_DECODE_RUNS || st->decode_mode == TKV_ATTN_DECODE_PDL) {
+        bool done;
+        TKV_CUDA_TRY(run_inline(st, a, n_sm, s, &done));
+        if (done)
+            return cudaSuccess;
+    }
     uint64_t total = 0;
     for (uint32_t g = 0; g < a->n_head_kv; g++)
         total += a->kv[g].n_blocks;
@@ -638,7 +796,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));
         p.part = st->part;
     }
-    if (use_decode(&p) && p.n_split > 1 && p.decode_mode == TKV_ATTN_DECODE_FUSED) {
+    if (use_decode(&p) && p.n_split > 1 && p.decode_mode != TKV_ATTN_DECODE_MERGE) { /* the fused merge */
         size_t cap = st->counters_cap;
         TKV_CUDA_TRY(grow((void **)&st->counters, &cap, a->n_head_kv, sizeof(uint32_t), true, s));
         st->counters_cap = (uint32_t)cap;

@@ -77,6 +77,43 @@ enum tkv_cuda_attn_decode_mode {
     TKV_ATTN_DECODE_OFF = 0,   /* the general kernel (the reference)                */
     TKV_ATTN_DECODE_MERGE = 1, /* the decode kernel, then a merge kernel            */
     TKV_ATTN_DECODE_FUSED = 2, /* the decode kernel; the last CTA of a head merges  */
+    TKV_ATTN_DECODE_RUNS = 3,  /* FUSED, the block table as strided runs in the
+                                  kernel's parameters (no table copy) where the
+                                  view fits (tkv_cuda_attn_runs), else FUSED    */
+    TKV_ATTN_DECODE_PDL = 4,   /* RUNS, launched as a programmatic dependent
+                                  launch (sm_90: starts while the previous
+                                  kernel drains, waits for it before any
+                                  global memory access)                          */
+};
+
+/* ---- the decode kernel's inline block table ------------------------------------
+ * A view whose blocks are laid out regularly is described by a few runs
+ * instead of one entry per block: run r of KV head g holds n keys, key i at
+ * position pos0 + i, in row i % bsz of block i / bsz, whose K rows start at
+ * k + (i / bsz) * kstride (elements; V likewise). Every block of a run but
+ * the last holds bsz rows, and bsz is a multiple of the kernel's chunk
+ * (tkv_cuda_attn_decode_chunk_keys) unless the run is one block, so a chunk
+ * never straddles two blocks. The table travels in the launch's parameters
+ * (a few KiB: no host-to-device copy, no event between streams). Runs of
+ * head g are runs[run_off[g] .. run_off[g+1]); c0 numbers the run's first
+ * chunk among the head's, n_chunks[g] counts them. */
+#define TKV_ATTN_RUNS_MAX 64u   /* runs of all heads together */
+#define TKV_ATTN_RUNS_HEADS 32u /* KV heads                   */
+
+struct tkv_cuda_kv_run {
+    const uint16_t *k, *v;   /* row 0 of the run's first block            */
+    int64_t kstride, vstride;/* elements from one block's row 0 to the next's */
+    int32_t pos0;            /* position of key 0                          */
+    uint32_t n;              /* keys                                       */
+    uint32_t bsz;            /* rows per block (every block but the last)  */
+    uint32_t c0;             /* chunks of the head before this run         */
+};
+
+struct tkv_cuda_attn_runs {
+    int32_t q_pos[8];                        /* [n_q] (n_q <= 8 in decode)  */
+    uint32_t n_chunks[TKV_ATTN_RUNS_HEADS];  /* [n_head_kv]                 */
+    uint16_t run_off[TKV_ATTN_RUNS_HEADS + 2];/* [n_head_kv + 1]            */
+    struct tkv_cuda_kv_run runs[TKV_ATTN_RUNS_MAX];
 };
 
 /* Which kernel serves calls of more query rows (attn-prefill.cuh). */
@@ -112,7 +149,8 @@ cudaError_t tkv_cuda_attention(const struct tkv_cuda_attn_params *p, cudaStream_
  * kernels queued before it; the split-K partials; the merge counters. */
 struct tkv_cuda_attn_state;
 
-/* Read from the environment here: the prefill kernel,
+/* Read from the environment here (the decode mode comes from the caller,
+ * cuda-backend.c: TKV_CUDA_ATTN_DECODE): the prefill kernel,
  * TKV_CUDA_ATTN_PREFILL=mma (default: tensor cores, split precision), mma16
  * (tensor cores, f16) or general (the reference kernel); the tensor-core
  * kernel's variant, TKV_CUDA_ATTN_PREFILL_VARIANT=v0 (default) .. v4 (also

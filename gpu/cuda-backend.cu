@@ -869,7 +869,10 @@ static tkv_status cuda_kv_write_heads(struct tkv_backend *b, const float *k, con
  * TKV_CUDA_ATTN_DECODE in the environment when the backend is created picks
  * the kernels of calls with at most 8 query rows per KV head: unset or "1"
  * the decode kernel with its fused merge, "merge" the decode kernel and a
- * separate merge kernel, "0" the general (reference) kernel. */
+ * separate merge kernel, "0" the general (reference) kernel, "runs" the
+ * decode kernel with the block table as strided runs in its launch
+ * parameters where the view fits them (attn.cuh), "pdl" that launched as a
+ * programmatic dependent launch. */
 static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -1586,6 +1589,8 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     const char *dec = getenv("TKV_CUDA_ATTN_DECODE");
     const int attn_mode = dec && !strcmp(dec, "0")       ? TKV_ATTN_DECODE_OFF
                           : dec && !strcmp(dec, "merge") ? TKV_ATTN_DECODE_MERGE
+                          : dec && !strcmp(dec, "runs")  ? TKV_ATTN_DECODE_RUNS
+                          : dec && !strcmp(dec, "pdl")   ? TKV_ATTN_DECODE_PDL
                                                          : TKV_ATTN_DECODE_FUSED;
     CU(op, tkv_cuda_attn_state_create(attn_mode, &cb->attn));
     for (int i = 0; i < N_STAGE; i++) {

@@ -634,12 +634,16 @@ static void test_profile(void)
  * (TKV_CUDA_ATTN_DECODE=merge), the block table copied on the compute stream
  * (TKV_CUDA_ATTN_TABLE=main), the tensor-core kernel with f16 Q and P
  * (TKV_CUDA_ATTN_PREFILL=mma16, as FlashAttention: held to 2e-3 instead of
- * 1e-4), and the tensor-core kernel walking the refs one by one
- * (TKV_CUDA_ATTN_PACK=0). */
-#define N_ATTN_ALT 5
+ * 1e-4), the tensor-core kernel walking the refs one by one
+ * (TKV_CUDA_ATTN_PACK=0), and the decode kernel reading the view as strided
+ * runs from its launch parameters (TKV_CUDA_ATTN_DECODE=runs; views of too
+ * many runs fall back to the packed table), also as a programmatic dependent
+ * launch (=pdl). */
+#define N_ATTN_ALT 7
 static struct tkv_backend *gpu_attn_alt[N_ATTN_ALT]; /* [0]: the general kernel */
-static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "table-main", "mma16", "per-ref"};
-static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4};
+static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "table-main", "mma16",
+                                                       "per-ref", "runs",  "pdl"};
+static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4};
 
 /* The tensor-core prefill kernel's variants v1, v2, ... (tile shapes,
  * tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
@@ -788,13 +792,15 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
             fprintf(stderr, ", %s vs ref %.1e %.1e", attn_alt_names[i], xo, xl);
         else if (i == 4)
             fprintf(stderr, ", |default-per-ref| %.1e %.1e", fo, fl);
+        else if (i == 5)
+            fprintf(stderr, ", runs vs ref %.1e %.1e", xo, xl);
         if (i != 3)
             worst_o = fmax(worst_o, xo), worst_l = fmax(worst_l, xl);
         CHECK(xo <= tol && xl <= tol, "attention (%s) H=%u Hkv=%u hd=%u %s: out err %.3g lse err %.3g",
               attn_alt_names[i], H, Hkv, hd, label, xo, xl);
         CHECK(fo <= tol && fl <= tol, "attention: default vs %s: out %.3g lse %.3g", attn_alt_names[i], fo, fl);
     }
-    fprintf(stderr, ", general/merge/table-main/per-ref vs ref %.1e %.1e", worst_o, worst_l);
+    fprintf(stderr, ", general/merge/table-main/per-ref/runs/pdl vs ref %.1e %.1e", worst_o, worst_l);
 
     /* the prefill kernel's variants, where the call reaches it (more than 8
      * rows per KV head, head_dim 64 or 128) */
@@ -972,6 +978,8 @@ static void test_attention(void)
     gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
     gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
+    gpu_attn_alt[5] = gpu_with_attn_env("runs", "copy", "mma", "1");
+    gpu_attn_alt[6] = gpu_with_attn_env("pdl", "copy", "mma", "1");
     gpu_pf_var[0] = gpu_with_attn_env("1", "copy", "mma", "1");
     gpu_pf_var[1] = gpu_with_attn_env("1", "copy", "mma16", "1");
     gpu_pf_var[2] = gpu_with_attn_env("1", "copy", "mma", "0");
@@ -1027,6 +1035,17 @@ static void test_attention(void)
     test_attention_case(8, 8, 128, 64, 4000, 1, VIEW_ALL, 0);      /* MHA: 1 row per KV head */
     test_attention_refs(32, 8, 128, 64, 5000, LENS_8, 40, 1, 2500, 4);        /* small refs, decode */
     test_attention_refs(32, 8, 128, 64, 5000, LENS_MIXED, 40, 2, 4990, 4);
+    /* views the inline runs (runs, pdl) hold, at most 64 runs in all: one
+     * run per head cut into equal chunk ranges across blocks (above: all,
+     * window, long), and here several runs per head -- gaps of dropped
+     * blocks, slices that join back into their block or leave a gap, a last
+     * block of one row, the queries' positions cutting the view */
+    test_attention_case(9, 3, 64, 64, 1000, 1, VIEW_SPARSE, 0);    /* <= 8 runs per head */
+    test_attention_case(8, 2, 128, 64, 3000, 2, VIEW_SPARSE, 0);   /* 8 rows (GQA 4 x 2 tokens) */
+    test_attention_case(8, 2, 64, 32, 400, 1, VIEW_SLICES, 0);     /* slices joined / cut */
+    test_attention_case(8, 1, 64, 48, 1000, 1, VIEW_SPARSE, 0);    /* G 8: chunks of 16 in 48-row blocks */
+    test_attention_case(9, 3, 64, 64, 4097, 1, VIEW_WINDOW, 0);    /* window; last block one row */
+    test_attention_case(8, 2, 128, 64, 2000, 2, VIEW_WINDOW, 0);   /* 2 tokens, window */
 
     /* what the kernels cannot do is refused */
     struct tkv_kv_head_view v = {0};
