@@ -15,16 +15,88 @@
 
 #include "tierkv.h"
 
-/* Fills the empty session s (policy 'full') with n_tokens of context, toks
- * being their ids (the session keeps them as it would after a prefill). The
- * first n_real tokens (at least one KV block; rounded down to whole blocks
- * when fewer than n_tokens) are prefilled for real; every KV block after
- * them, per (layer, KV head), is a copy of one of that head's real blocks,
- * taken in turn. *n_real_out (may be NULL) gets the count really computed.
- * The logits stay those of the real prefill. On failure the session holds
- * at most the real part. */
+#include <stdbool.h>
+
+/* How the synthetic part of the context is made (tkv_session_fill_synthetic_ex).
+ *
+ * Plain copies of a few real blocks make every copy of a block score alike,
+ * so decode attention spreads evenly over the copies and a top-p selection
+ * has to keep nearly all of them. To make attention concentrate the way it
+ * does over long documents, the keys of each copied block are moved towards
+ * or away from m, the mean key of that (layer, KV head)'s real prefix:
+ *
+ *     k' = m + gain * (k - m)     (f32, rounded to f16; values untouched)
+ *
+ * q.k' = q.m + gain * q.(k - m): a gain below 1 pulls the block's logits
+ * together at the head's average logit, a gain above 1 spreads them, so the
+ * largest logits of "hot" blocks (gain > 1) stand well above the mass of
+ * "cold" ones (gain < 1). Hot: the last recent_blocks copied blocks (a
+ * recent window) and about one copied block in hot_every, scattered by a
+ * hash of (seed, layer, head, block) (each head attends elsewhere, as
+ * retrieval heads do). The real prefix stays as computed (the sinks). How
+ * concentrated attention then is depends on the model's logit spread; a
+ * benchmark reports the fraction of KV each step read, never this knob, as
+ * what a policy achieved. gains of 1: plain copies (the timing-only fill). */
+struct tkv_synth_params {
+    uint32_t n_real;        /* tokens really prefilled (>= one KV block)   */
+    float    hot_gain;      /* gain of hot copied blocks' keys            */
+    float    cold_gain;     /* gain of the other copied blocks' keys      */
+    uint32_t hot_every;     /* ~1 copied block in hot_every is hot; 0: none */
+    uint32_t recent_blocks; /* the last copied blocks, hot                */
+    uint64_t seed;          /* the scatter of hot blocks                  */
+};
+
+/* Plain copies of 512 real tokens (gains 1, no hot blocks). */
+struct tkv_synth_params tkv_synth_default_params(void);
+
+/* Fills the empty session s with n_tokens of context, toks being their ids
+ * (the session keeps them as it would after a prefill). The first p->n_real
+ * tokens (at least one KV block; rounded down to whole blocks when fewer than
+ * n_tokens) are prefilled for real; every KV block after them, per (layer, KV
+ * head), is a copy of one of that head's real blocks, taken in turn, its keys
+ * moved as tkv_synth_params says. The blocks go in through the KV store's
+ * import, so those beyond the compute tier's capacity spill to the tiers
+ * below (host, then NVMe) as in any long session. *n_real_out (may be NULL)
+ * gets the count really computed. The logits stay those of the real prefill.
+ *
+ * Any policy that does not change the prefill (not changes_prefill) may
+ * hold s: whatever its after-prefill hook built saw the real prefix only.
+ * A rabitq index catches up with the synthetic keys by itself at the first
+ * decode step (its pending keys exceed a batch: that step reads every block
+ * and encodes them), which a benchmark's warm-up steps absorb. On failure
+ * the session holds at most the real part. */
+tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, uint32_t n_tokens,
+                                         const struct tkv_synth_params *p, uint32_t *n_real_out);
+/* tkv_session_fill_synthetic_ex with plain copies of n_real real tokens. */
 tkv_status tkv_session_fill_synthetic(tkv_session *s, const tkv_token *toks, uint32_t n_tokens, uint32_t n_real,
                                       uint32_t *n_real_out);
+
+/* Running totals of a session's decode steps, for a benchmark to difference
+ * around its timed steps (all sums since the session began). */
+struct tkv_step_counters {
+    uint64_t decode_steps;
+    double   decode_s;       /* wall time inside tkv_decode                               */
+    double   select_s;       /* the policy's decode selection (estimate + top-p)         */
+    double   attn_s;         /* the device's attention op (with a split: + wait, merge)  */
+    double   cpu_attn_s;     /* the CPU's attention over blocks left on the host tier    */
+    double   store_s;        /* inside the store's begin_layer: recalls issued and waited
+                                for, host reads verified (and the same in prefill chunks) */
+    double   read_tokens, read_blocks; /* sums over (step, layer, KV head) of the share of
+                                          the context's tokens / blocks attention read    */
+    uint64_t read_count;     /* (step, layer, KV head) triples in those sums              */
+    uint64_t recall_bytes;   /* written into the compute tier (recalls; imports too)      */
+    uint64_t host_out_bytes, nvme_out_bytes; /* read back from the host / NVMe tier       */
+    uint64_t cpu_heads, cpu_tokens, recall_heads, recall_blocks, host_read_blocks; /* hetero */
+};
+void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *out);
+
+/* Phase timing with backend synchronizations at the phases' edges
+ * (TKV_SESSION_PHASE_SYNC, runtime/session.h): on a GPU the phases' times
+ * then hold their own device work and the rest of the step is the weights'
+ * (at the cost of a few synchronizations per layer). Off: wall time of the
+ * host's calls, which on an asynchronous device may hold waits for earlier
+ * ops. May be switched between steps. */
+void tkv_session_set_phase_sync(tkv_session *s, bool on);
 
 /* The weight bytes one decode step reads: every matrix and norm of every
  * layer, the output norm and matrix, one row of the embedding table. */
