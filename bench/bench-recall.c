@@ -7,7 +7,7 @@
  *                [--split-steps 8] [--policy SPEC]... [--cap-full]
  *                [--gpu-kv-mem SIZE] [--host-kv-mem SIZE] [--nvme-dir DIR] [--nvme-kv-max SIZE]
  *                [--hetero auto|recall|cpu] [-t threads] [--real 512]
- *                [--hot-gain 4] [--cold-gain 0.25] [--hot-every 32] [--recent-blocks 2] [--uniform]
+ *                [--hot-spread 4] [--cold-spread 0.25] [--hot-every 64] [--recent-blocks 2] [--uniform]
  *                [-j out.jsonl]
  *
  * A separate program from bench-decode (whose table is the roofline of
@@ -22,7 +22,8 @@
  * Per row: a fresh session; the context made by the synthetic fill
  * (runtime/kv-synth.h: --real tokens prefilled, the rest copies of their KV
  * blocks with their keys moved so that attention concentrates on hot blocks:
- * the knobs --hot-gain, --cold-gain, --hot-every, --recent-blocks; --uniform:
+ * the knobs --hot-spread and --cold-spread (the copies' logit sd in nats, set
+ * per head against the model's own), --hot-every, --recent-blocks; --uniform:
  * plain copies); the same token ids for every row of a context. Then
  * --warmup untimed steps (a rabitq index encodes the synthetic keys in the
  * first: the fill leaves them pending), --steps timed steps (tok/s), and
@@ -39,6 +40,9 @@
  *            (matmuls, norms, RoPE, embedding, logits) and small host work;
  *            a residual, so the columns sum to the split step by construction
  *
+ * hot blk: the share of the copied blocks the fill made hot (per head:
+ * what a selection that found exactly them would read beyond the real
+ * prefix and the recent tokens).
  * read tok / read blk: the share of the context's tokens / KV blocks decode
  * attention read, averaged over the timed steps, layers and KV heads (1 for
  * `full`). This is what the synthetic fill's concentration made the policy
@@ -69,7 +73,7 @@ static void usage(void)
             "                    [--split-steps 8] [--policy SPEC]... [--cap-full]\n"
             "                    [--gpu-kv-mem SIZE] [--host-kv-mem SIZE] [--nvme-dir DIR] [--nvme-kv-max SIZE]\n"
             "                    [--hetero auto|recall|cpu] [-t threads] [--real 512]\n"
-            "                    [--hot-gain 4] [--cold-gain 0.25] [--hot-every 32] [--recent-blocks 2] [--uniform]\n"
+            "                    [--hot-spread 4] [--cold-spread 0.25] [--hot-every 64] [--recent-blocks 2] [--uniform]\n"
             "                    [-j out.jsonl]\n");
 }
 
@@ -154,6 +158,7 @@ struct row {
     bool fits;
     char err[160];
     uint32_t real;
+    double natural_sd, hot_share;    /* the fill's report                      */
     double fill_s, warm_s;
     double step_s;                   /* mean timed step                        */
     double read_tok, read_blk;       /* shares read, timed steps              */
@@ -208,8 +213,12 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     tkv_session *s = NULL;
     tkv_status st = tkv_session_init(m, &sp, &s);
     const double t0 = now();
+    struct tkv_synth_report rep = {0};
     if (st == TKV_OK)
-        st = tkv_session_fill_synthetic_ex(s, toks, ctx, &o->synth, &r->real);
+        st = tkv_session_fill_synthetic_ex(s, toks, ctx, &o->synth, &rep);
+    r->real = rep.n_real;
+    r->natural_sd = rep.natural_sd;
+    r->hot_share = rep.copied_blocks ? (double)rep.hot_blocks / rep.copied_blocks : 0;
     r->fill_s = now() - t0;
     free(toks);
     if (st == TKV_ERR_NOMEM || st == TKV_ERR_CONTEXT_FULL || st == TKV_ERR_DEVICE) {
@@ -274,7 +283,7 @@ int main(int argc, char **argv)
 {
     struct opts o = {.ctxs = "32768,131072", .steps = 16, .warmup = 3, .split_steps = 8,
                      .hetero = TKV_HETERO_AUTO, .synth = tkv_synth_default_params()};
-    o.synth.hot_gain = 4.0f, o.synth.cold_gain = 0.25f, o.synth.hot_every = 32, o.synth.recent_blocks = 2;
+    o.synth.hot_spread = 4.0f, o.synth.cold_spread = 0.25f, o.synth.hot_every = 64, o.synth.recent_blocks = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--cap-full")) {
@@ -282,7 +291,7 @@ int main(int argc, char **argv)
             continue;
         }
         if (!strcmp(a, "--uniform")) {
-            o.synth.hot_gain = o.synth.cold_gain = 1.0f;
+            o.synth.hot_spread = o.synth.cold_spread = 0;
             continue;
         }
         const char *v = i + 1 < argc ? argv[++i] : NULL;
@@ -319,10 +328,10 @@ int main(int argc, char **argv)
             o.threads = (uint32_t)atoi(v);
         else if (!strcmp(a, "--real"))
             o.synth.n_real = (uint32_t)atoi(v);
-        else if (!strcmp(a, "--hot-gain"))
-            o.synth.hot_gain = (float)atof(v);
-        else if (!strcmp(a, "--cold-gain"))
-            o.synth.cold_gain = (float)atof(v);
+        else if (!strcmp(a, "--hot-spread"))
+            o.synth.hot_spread = (float)atof(v);
+        else if (!strcmp(a, "--cold-spread"))
+            o.synth.cold_spread = (float)atof(v);
         else if (!strcmp(a, "--hot-every"))
             o.synth.hot_every = (uint32_t)atoi(v);
         else if (!strcmp(a, "--recent-blocks"))
@@ -381,11 +390,12 @@ int main(int argc, char **argv)
         snprintf(tiers, sizeof tiers, "host (compute) %s / nvme %s", o.host_kv ? h : "all",
                  o.nvme_dir ? (o.nvme_max ? nv : "rest") : "none");
     char synth[160];
-    if (o.synth.hot_gain == 1.0f && o.synth.cold_gain == 1.0f)
+    if (o.synth.hot_spread == 0 && o.synth.cold_spread == 0)
         snprintf(synth, sizeof synth, "synthetic (%u real, plain copies)", o.synth.n_real);
     else
-        snprintf(synth, sizeof synth, "synthetic (%u real; hot 1/%u + last %u blocks x%g, cold x%g)", o.synth.n_real,
-                 o.synth.hot_every, o.synth.recent_blocks, (double)o.synth.hot_gain, (double)o.synth.cold_gain);
+        snprintf(synth, sizeof synth, "synthetic (%u real; hot: 1/%u + last %u blocks, sd %g nats; cold: sd %g nats)",
+                 o.synth.n_real, o.synth.hot_every, o.synth.recent_blocks, (double)o.synth.hot_spread,
+                 (double)o.synth.cold_spread);
 
     printf("bench-recall: %s (%u layers, %u/%u heads, head_dim %u, matrices %s), device %s, commit %s\n", base,
            info.n_layer, info.n_head, info.n_head_kv, info.head_dim, wb.matrix_type, o.device, commit);
@@ -393,10 +403,10 @@ int main(int argc, char **argv)
            kv_per_token / 1e3, tiers, synth, o.warmup, o.steps, o.split_steps);
     if (cuda)
         printf("link: pinned host -> GPU %.1f GB/s (64 MiB copies, best of 5)\n", link);
-    printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | split step ms | rest ms | "
+    printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | hot blk | split step ms | rest ms | "
            "attn ms | select ms | cpu attn ms | stall ms | recall MB/step | recall ms @link | PCIe GB/s | PCIe util "
            "| = ref |\n");
-    printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     fflush(stdout);
 
     int rc = 0;
@@ -416,7 +426,7 @@ int main(int argc, char **argv)
             const bool capped = !is_full(o.policies[p]) || o.cap_full;
             const char *row_tiers = capped ? tiers : cuda ? "all on the GPU" : "all in host memory";
             if (!r.fits) {
-                printf("| %u | %s | %s | does not fit: %s |||||||||||||||\n", ctx, o.policies[p], row_tiers, r.err);
+                printf("| %u | %s | %s | does not fit: %s ||||||||||||||||\n", ctx, o.policies[p], row_tiers, r.err);
                 if (json)
                     fprintf(json, "{\"bench\": \"recall\", \"model\": \"%s\", \"ctx\": %u, \"policy\": \"%s\", "
                                   "\"tiers\": \"%s\", \"fits\": false, \"error\": \"%s\", \"commit\": \"%s\"}\n",
@@ -445,24 +455,24 @@ int main(int argc, char **argv)
                 snprintf(at_link, sizeof at_link, "%.3f", r.recall_b / (link * 1e9) * 1e3);
             }
             const double rest = r.split_step_s - r.select_s - r.attn_s - r.cpu_attn_s - r.stall_s;
-            printf("| %u | %s | %s | %.2f | %.3f | %s | %.4f | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | "
+            printf("| %u | %s | %s | %.2f | %.3f | %s | %.4f | %.4f | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | "
                    "%s | %.2f | %s | %s |\n",
                    ctx, o.policies[p], row_tiers, 1.0 / r.step_s, r.step_s * 1e3, ratio, r.read_tok, r.read_blk,
-                   r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3, r.select_s * 1e3, r.cpu_attn_s * 1e3,
+                   r.hot_share, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3, r.select_s * 1e3, r.cpu_attn_s * 1e3,
                    r.stall_s * 1e3, r.recall_b / 1e6, at_link, pcie, util, same);
             fflush(stdout);
             if (json) {
                 fprintf(json,
                         "{\"bench\": \"recall\", \"model\": \"%s\", \"matrix_type\": \"%s\", \"device\": \"%s\", "
                         "\"ctx\": %u, \"policy\": \"%s\", \"tiers\": \"%s\", \"fits\": true, \"fill\": \"%s\", "
-                        "\"real_tokens\": %u, \"fill_s\": %.3f, \"warmup_s\": %.3f, \"steps\": %u, "
+                        "\"real_tokens\": %u, \"natural_logit_sd\": %.4f, \"hot_block_share\": %.5f, \"fill_s\": %.3f, \"warmup_s\": %.3f, \"steps\": %u, "
                         "\"step_ms\": %.4f, \"tok_s\": %.3f, \"x_full\": %.4f, \"read_tokens\": %.6f, "
                         "\"read_blocks\": %.6f, \"split_steps\": %u, \"split_step_ms\": %.4f, \"rest_ms\": %.4f, "
                         "\"attn_ms\": %.4f, \"select_ms\": %.4f, \"cpu_attn_ms\": %.4f, \"stall_ms\": %.4f, "
                         "\"recall_bytes_per_step\": %.0f, \"host_out_bytes_per_step\": %.0f, "
                         "\"nvme_out_bytes_per_step\": %.0f, \"cpu_heads_per_step\": %.2f, \"link_gbs\": %.3f, "
                         "\"pcie_gbs\": %.4f, \"same_tokens_as_ref\": \"%s\", \"commit\": \"%s\"}\n",
-                        base, wb.matrix_type, o.device, ctx, o.policies[p], row_tiers, synth, r.real, r.fill_s,
+                        base, wb.matrix_type, o.device, ctx, o.policies[p], row_tiers, synth, r.real, r.natural_sd, r.hot_share, r.fill_s,
                         r.warm_s, o.steps, r.step_s * 1e3, 1.0 / r.step_s, full_s > 0 ? full_s / r.step_s : 0.0,
                         r.read_tok, r.read_blk, o.split_steps, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3,
                         r.select_s * 1e3, r.cpu_attn_s * 1e3, r.stall_s * 1e3, r.recall_b, r.host_out_b,

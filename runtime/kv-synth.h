@@ -27,26 +27,42 @@
  *
  *     k' = m + gain * (k - m)     (f32, rounded to f16; values untouched)
  *
- * q.k' = q.m + gain * q.(k - m): a gain below 1 pulls the block's logits
- * together at the head's average logit, a gain above 1 spreads them, so the
- * largest logits of "hot" blocks (gain > 1) stand well above the mass of
- * "cold" ones (gain < 1). Hot: the last recent_blocks copied blocks (a
- * recent window) and about one copied block in hot_every, scattered by a
- * hash of (seed, layer, head, block) (each head attends elsewhere, as
- * retrieval heads do). The real prefix stays as computed (the sinks). How
- * concentrated attention then is depends on the model's logit spread; a
- * benchmark reports the fraction of KV each step read, never this knob, as
- * what a policy achieved. gains of 1: plain copies (the timing-only fill). */
+ * so that q.k' = q.m + gain * q.(k - m): every key of the head shares q.m,
+ * and the gain scales the part of the logit that differs between keys. The
+ * gain is set per (layer, KV head) from sd, the standard deviation of
+ * scale * q.(k - m) over the real prefix's keys and the observation window's
+ * queries (the last prompt queries of the head's query group, post-RoPE:
+ * what the decode queries resemble most), so that the copies' logits spread
+ * by a chosen number of nats whatever the model's own spread (random-weight
+ * models from gen-model have small ones): gain = spread / sd.
+ *
+ * "Hot" blocks get hot_spread (several nats: a few of their keys stand far
+ * above the rest), the others cold_spread (a fraction of a nat: a flat
+ * background). Hot: the last recent_blocks copied blocks (a recent window)
+ * and about one copied block in hot_every, scattered by a hash of (seed,
+ * layer, head, block) (each head attends elsewhere, as retrieval heads do).
+ * The real prefix stays as computed (the sinks). How much of the context a
+ * policy must then read depends on these knobs and the context length; a
+ * benchmark reports the fraction each step read, never the knob, as what a
+ * policy achieved. Both spreads 0: plain copies (the timing-only fill). */
 struct tkv_synth_params {
-    uint32_t n_real;        /* tokens really prefilled (>= one KV block)   */
-    float    hot_gain;      /* gain of hot copied blocks' keys            */
-    float    cold_gain;     /* gain of the other copied blocks' keys      */
-    uint32_t hot_every;     /* ~1 copied block in hot_every is hot; 0: none */
-    uint32_t recent_blocks; /* the last copied blocks, hot                */
-    uint64_t seed;          /* the scatter of hot blocks                  */
+    uint32_t n_real;        /* tokens really prefilled (>= one KV block)        */
+    float    hot_spread;    /* sd of the hot copies' logits about q.m, nats     */
+    float    cold_spread;   /* the same for the other copies                    */
+    uint32_t hot_every;     /* ~1 copied block in hot_every is hot; 0: none     */
+    uint32_t recent_blocks; /* the last copied blocks, hot                      */
+    uint64_t seed;          /* the scatter of hot blocks                        */
 };
 
-/* Plain copies of 512 real tokens (gains 1, no hot blocks). */
+/* What the fill did. */
+struct tkv_synth_report {
+    uint32_t n_real;        /* tokens really prefilled                          */
+    double   natural_sd;    /* mean over (layer, KV head) of the real logits' sd
+                               (nats; 0 for plain copies: not measured)          */
+    uint64_t hot_blocks, copied_blocks; /* over every (layer, KV head)          */
+};
+
+/* Plain copies of 512 real tokens (spreads 0, no hot blocks). */
 struct tkv_synth_params tkv_synth_default_params(void);
 
 /* Fills the empty session s with n_tokens of context, toks being their ids
@@ -54,10 +70,11 @@ struct tkv_synth_params tkv_synth_default_params(void);
  * tokens (at least one KV block; rounded down to whole blocks when fewer than
  * n_tokens) are prefilled for real; every KV block after them, per (layer, KV
  * head), is a copy of one of that head's real blocks, taken in turn, its keys
- * moved as tkv_synth_params says. The blocks go in through the KV store's
- * import, so those beyond the compute tier's capacity spill to the tiers
- * below (host, then NVMe) as in any long session. *n_real_out (may be NULL)
- * gets the count really computed. The logits stay those of the real prefill.
+ * moved as tkv_synth_params says (a head whose sd is 0 or not finite gets
+ * plain copies). The blocks go in through the KV store's import, so those
+ * beyond the compute tier's capacity spill to the tiers below (host, then
+ * NVMe) as in any long session. rep (may be NULL) says what was done. The
+ * logits stay those of the real prefill.
  *
  * Any policy that does not change the prefill (not changes_prefill) may
  * hold s: whatever its after-prefill hook built saw the real prefix only.
@@ -66,7 +83,7 @@ struct tkv_synth_params tkv_synth_default_params(void);
  * and encodes them), which a benchmark's warm-up steps absorb. On failure
  * the session holds at most the real part. */
 tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, uint32_t n_tokens,
-                                         const struct tkv_synth_params *p, uint32_t *n_real_out);
+                                         const struct tkv_synth_params *p, struct tkv_synth_report *rep);
 /* tkv_session_fill_synthetic_ex with plain copies of n_real real tokens. */
 tkv_status tkv_session_fill_synthetic(tkv_session *s, const tkv_token *toks, uint32_t n_tokens, uint32_t n_real,
                                       uint32_t *n_real_out);

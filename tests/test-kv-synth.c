@@ -5,7 +5,8 @@
  * with NVMe below (so most of the synthetic blocks spill through the store):
  *   - plain copies (gains 1) are the real blocks byte for byte;
  *   - moved copies match a double-precision reference of m + gain (k - m)
- *     (m: the mean real key of the head) with the hot gain or the cold one,
+ *     (m: the mean real key of the head; gain: the hot or cold spread over
+ *     the sd of the head's real logits, recomputed here in two passes),
  *     the last recent_blocks with the hot one, about 1 in hot_every hot, the
  *     values untouched;
  *   - blocks really land below the compute tier;
@@ -75,10 +76,15 @@ static void test_fill_values(const tkv_model *m, const tkv_token *toks)
 
     /* moved copies against the reference */
     struct tkv_synth_params p = tkv_synth_default_params();
-    p.n_real = NREAL, p.hot_gain = 3.0f, p.cold_gain = 0.125f, p.hot_every = 3, p.recent_blocks = 2, p.seed = 7;
+    p.n_real = NREAL, p.hot_spread = 3.0f, p.cold_spread = 0.125f, p.hot_every = 3, p.recent_blocks = 2, p.seed = 7;
     s = open_session(m, "full", true);
     REQUIRE_VOID(s != NULL);
-    CHECK(tkv_session_fill_synthetic_ex(s, toks, NCTX, &p, NULL) == TKV_OK, "%s", tkv_last_error());
+    struct tkv_synth_report rep;
+    CHECK(tkv_session_fill_synthetic_ex(s, toks, NCTX, &p, &rep) == TKV_OK, "%s", tkv_last_error());
+    CHECK(rep.n_real == NREAL && rep.copied_blocks == (uint64_t)L * HKV * (nb - nb_real), "report: %u real, %llu copies",
+          rep.n_real, (unsigned long long)rep.copied_blocks);
+    CHECK(s->obs_n > 0, "no observation window");
+    double sd_sum = 0;
     uint32_t hot = 0, copies = 0, bad = 0;
     for (uint32_t l = 0; l < L; l++)
         for (uint32_t h = 0; h < HKV; h++) {
@@ -89,13 +95,35 @@ static void test_fill_values(const tkv_model *m, const tkv_token *toks)
                     for (uint32_t d = 0; d < HD; d++)
                         mean[d] += tkv_fp16_to_fp32(real[(size_t)b * S / 2 + t * HD + d]) / NREAL;
             }
+            /* the reference sd: scale * q.(k - mean) over every real key and
+             * window query of the head's group, two passes */
+            const uint32_t G = H / HKV;
+            double xs = 0, xn = 0, var = 0;
+            for (int pass = 0; pass < 2; pass++)
+                for (uint32_t i = 0; i < s->obs_n; i++)
+                    for (uint32_t g = 0; g < G; g++)
+                        for (uint32_t t = 0; t < NREAL; t++) {
+                            const float *q = s->obs_q + ((size_t)l * OBS_QUERIES + i) * H * HD + (h * G + g) * HD;
+                            const uint16_t *k = real + (size_t)(t / BLK) * S / 2 + (t % BLK) * HD;
+                            double x = 0;
+                            for (uint32_t d = 0; d < HD; d++)
+                                x += q[d] * (tkv_fp16_to_fp32(k[d]) - mean[d]);
+                            x /= sqrt((double)HD);
+                            if (pass == 0)
+                                xs += x, xn++;
+                            else
+                                var += (x - xs / xn) * (x - xs / xn) / xn;
+                        }
+            const double sd = sqrt(var), g_hot = 3.0 / sd, g_cold = 0.125 / sd;
+            sd_sum += sd;
+            CHECK(sd > 0, "layer %u head %u: sd %g", l, h, sd);
             for (uint32_t b = nb_real; b < nb; b++) {
                 CHECK(tkv_kvs_export(s->kv, l, h, b, blk) == TKV_OK, "export");
                 const uint16_t *src = real + (size_t)((b - nb_real) % nb_real) * S / 2;
                 bool is_hot = true, is_cold = true;
                 for (uint32_t i = 0; i < BLK * HD; i++) {
                     const double k = tkv_fp16_to_fp32(src[i]), mu = mean[i % HD], got = tkv_fp16_to_fp32(blk[i]);
-                    const double want_hot = mu + 3.0 * (k - mu), want_cold = mu + 0.125 * (k - mu);
+                    const double want_hot = mu + g_hot * (k - mu), want_cold = mu + g_cold * (k - mu);
                     is_hot &= fabs(got - want_hot) <= 2e-3 * (1 + fabs(want_hot));
                     is_cold &= fabs(got - want_cold) <= 2e-3 * (1 + fabs(want_cold));
                 }
@@ -112,6 +140,10 @@ static void test_fill_values(const tkv_model *m, const tkv_token *toks)
     /* about one in three: 116 candidates, binomial sd ~5 */
     CHECK(hot + 20 >= copies / 3 && hot <= copies / 3 + 20, "%u of %u copies hot (1 in 3 expected)", hot, copies);
     CHECK(bad == 0, "%u blocks off the reference", bad);
+    CHECK(fabs(rep.natural_sd - sd_sum / (L * HKV)) <= 1e-6 * (1 + sd_sum), "reported sd %g, reference %g",
+          rep.natural_sd, sd_sum / (L * HKV));
+    CHECK(rep.hot_blocks == (uint64_t)hot + (uint64_t)L * HKV * p.recent_blocks, "reported %llu hot blocks, found %u",
+          (unsigned long long)rep.hot_blocks, hot);
     tkv_session_free(s);
     free(blk), free(real);
 }
@@ -124,7 +156,7 @@ static void decode_run(const tkv_model *m, const char *policy, bool capped, cons
     tkv_session *s = open_session(m, policy, capped);
     REQUIRE_VOID(s != NULL);
     struct tkv_synth_params p = tkv_synth_default_params();
-    p.n_real = NREAL, p.hot_gain = 4.0f, p.cold_gain = 0.25f, p.hot_every = 8, p.recent_blocks = 1;
+    p.n_real = NREAL, p.hot_spread = 4.0f, p.cold_spread = 0.25f, p.hot_every = 8, p.recent_blocks = 1;
     CHECK(tkv_session_fill_synthetic_ex(s, toks, NCTX, &p, NULL) == TKV_OK, "%s", tkv_last_error());
     tkv_token tok = tkv_argmax(tkv_logits(s), V);
     struct tkv_step_counters c0;
