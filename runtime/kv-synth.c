@@ -33,34 +33,36 @@ static bool synth_hot(const struct tkv_synth_params *p, uint32_t l, uint32_t h, 
 
 /* The sd of scale * q.(k - m) over the real keys (nb_real blocks of B rows
  * at `real`, S bytes apart) and the observation window's queries of the
- * group of KV head h in layer l; 0 without queries. In double. */
+ * group of KV head h in layer l; 0 without queries. kc: scratch of
+ * nb_real * B * head_dim floats (the centred keys, converted once). Sums in
+ * double. */
 static double logit_sd(const tkv_session *s, uint32_t l, uint32_t h, const uint8_t *real, uint32_t nb_real,
-                       uint32_t S, const float *m)
+                       uint32_t S, const float *m, float *kc)
 {
-    const uint32_t hd = s->hp.head_dim, G = s->hp.n_head / s->hp.n_head_kv, B = s->kv_block;
+    const uint32_t hd = s->hp.head_dim, G = s->hp.n_head / s->hp.n_head_kv, B = s->kv_block, n = nb_real * B;
     const size_t QD = (size_t)s->hp.n_head * hd;
     const double scale = 1.0 / sqrt((double)hd);
-    double sum = 0, sum2 = 0, n = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        const uint16_t *k = (const uint16_t *)(real + (size_t)(t / B) * S) + (size_t)(t % B) * hd;
+        for (uint32_t d = 0; d < hd; d++)
+            kc[(size_t)t * hd + d] = tkv_fp16_to_fp32(k[d]) - m[d];
+    }
+    double sum = 0, sum2 = 0, cnt = 0;
     for (uint32_t i = 0; i < s->obs_n; i++)
         for (uint32_t g = 0; g < G; g++) {
             const float *q = s->obs_q + ((size_t)l * OBS_QUERIES + i) * QD + (size_t)(h * G + g) * hd;
-            double qm = 0;
-            for (uint32_t d = 0; d < hd; d++)
-                qm += (double)q[d] * m[d];
-            for (uint32_t b = 0; b < nb_real; b++) {
-                const uint16_t *k = (const uint16_t *)(real + (size_t)b * S);
-                for (uint32_t t = 0; t < B; t++) {
-                    double x = -qm;
-                    for (uint32_t d = 0; d < hd; d++)
-                        x += (double)q[d] * tkv_fp16_to_fp32(k[(size_t)t * hd + d]);
-                    x *= scale;
-                    sum += x, sum2 += x * x, n++;
-                }
+            for (uint32_t t = 0; t < n; t++) {
+                const float *k = kc + (size_t)t * hd;
+                double x = 0;
+                for (uint32_t d = 0; d < hd; d++)
+                    x += (double)q[d] * k[d];
+                x *= scale;
+                sum += x, sum2 += x * x, cnt++;
             }
         }
-    if (n < 2)
+    if (cnt < 2)
         return 0;
-    const double mean = sum / n, var = sum2 / n - mean * mean;
+    const double mean = sum / cnt, var = sum2 / cnt - mean * mean;
     return var > 0 ? sqrt(var) : 0;
 }
 
@@ -110,8 +112,9 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
     uint8_t *real = malloc((size_t)(nb_real + 1) * S); /* + one block: a moved copy */
     float *m = malloc(hd * sizeof *m);
     double *acc = malloc(hd * sizeof *acc);
-    if (!real || !m || !acc) {
-        free(real), free(m), free(acc);
+    float *kc = plain ? NULL : malloc((size_t)r * hd * sizeof *kc);
+    if (!real || !m || !acc || (!plain && !kc)) {
+        free(real), free(m), free(acc), free(kc);
         return tkv_err(TKV_ERR_NOMEM, "fill_synthetic: out of memory");
     }
     uint16_t *moved = (uint16_t *)(real + (size_t)nb_real * S);
@@ -135,7 +138,7 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
                 }
                 for (uint32_t d = 0; d < hd; d++)
                     m[d] = (float)(acc[d] / r);
-                sd = logit_sd(s, l, h, real, nb_real, S, m);
+                sd = logit_sd(s, l, h, real, nb_real, S, m, kc);
                 sd_sum += sd;
             }
             const bool move = !plain && sd > 0 && isfinite(sd);
@@ -151,7 +154,7 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
                 st = tkv_kvs_import(s->kv, l, h, b, src);
             }
         }
-    free(real), free(m), free(acc);
+    free(real), free(m), free(acc), free(kc);
     if (st != TKV_OK) {
         tkv_kvs_set_length(s->kv, r);
         return tkv_err_wrap(st, "fill_synthetic");
