@@ -324,6 +324,17 @@ static tkv_status store_kv(tkv_session *s, uint32_t layer, uint32_t n)
     return TKV_OK;
 }
 
+/* A decode phase timer's edge: the time now, after the backend has finished
+ * its queued work when the session times phases synchronously
+ * (TKV_SESSION_PHASE_SYNC); a failed synchronize is left for the next op to
+ * report. */
+static double phase_edge(tkv_session *s)
+{
+    if (s->flags & TKV_SESSION_PHASE_SYNC)
+        (void)s->be->ops->synchronize(s->be);
+    return tkv_now_seconds();
+}
+
 /* Turns token ranges into block references (slices of the layer's blocks).
  * host: NULL, or the blocks read on the host tier (tkv_kvs_host_view),
  * which stand in for the compute view's empty entries; on_host[j] (when
@@ -405,7 +416,10 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
     const bool all_in = decode && po->decode_needs_keys && po->decode_needs_keys(s->policy->state, &v);
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
         struct tkv_range *ranges = s->plan_ranges + (size_t)h * s->max_ranges;
+        const double t0 = decode && !plan ? phase_edge(s) : 0;
         int m = plan ? plan[h] : hook(s->policy->state, &v, h, ranges, s->max_ranges - 1);
+        if (decode && !plan)
+            s->ph_select += phase_edge(s) - t0;
         const bool whole = m < 0;
         if (whole) {
             if (decode)
@@ -459,6 +473,7 @@ static bool plan_decode(tkv_session *s, uint32_t layer, int *plan)
         return false;
     const uint32_t MB = tkv_kvs_max_blocks(s->kv), B = s->kv_block, nb = (s->n_past + 1 + B - 1) / B;
     memset(s->need, 0, (size_t)s->hp.n_head_kv * MB);
+    const double t0 = phase_edge(s);
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
         struct tkv_range *r = s->plan_ranges + (size_t)h * s->max_ranges;
         plan[h] = po->decode_select(s->policy->state, &v, h, r, s->max_ranges - 1);
@@ -470,6 +485,7 @@ static bool plan_decode(tkv_session *s, uint32_t layer, int *plan)
                 for (uint32_t b = r[i].begin / B; b < nb && b * B < r[i].end; b++)
                     need[b] = 1;
     }
+    s->ph_select += phase_edge(s) - t0;
     return true;
 }
 
@@ -648,17 +664,27 @@ static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a
         TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
     struct tkv_attn_args dev = *a;
     dev.lse = s->lse_dev;
+    /* timed as device attention: the device's queueing, below the wait for
+     * its partial and the merge; as CPU attention: the CPU's part (no
+     * synchronization around it: the device's part runs meanwhile) */
+    double t0 = phase_edge(s);
     TKV_TRY(ops->attention(be, &dev));
+    double t1 = tkv_now_seconds();
+    s->ph_attn += t1 - t0;
     struct tkv_attn_args cpu = *a;
     cpu.q = s->q_step;
     cpu.out = s->att_cpu;
     cpu.lse = s->lse_cpu;
     cpu.kv = s->hviews;
     TKV_TRY(s->be_cpu->ops->attention(s->be_cpu, &cpu));
+    t0 = tkv_now_seconds();
+    s->ph_cpu_attn += t0 - t1;
     TKV_TRY(ops->download(be, s->att_mrg, s->att, (size_t)H * hd * sizeof(float)));
     TKV_TRY(ops->download(be, s->lse_mrg, s->lse_dev, H * sizeof(float)));
     tkv_attn_merge(s->att_mrg, s->lse_mrg, s->att_cpu, s->lse_cpu, H, hd);
-    return ops->upload(be, s->att, s->att_mrg, (size_t)H * hd * sizeof(float));
+    tkv_status st = ops->upload(be, s->att, s->att_mrg, (size_t)H * hd * sizeof(float));
+    s->ph_attn += phase_edge(s) - t0;
+    return st;
 }
 
 /* The attention of layer l for the chunk (its KV brought in): K/V rows into
@@ -689,7 +715,10 @@ static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const 
     }
     if (s->hsplit)
         return hetero_attention(s, &a);
+    const double t0 = decode ? phase_edge(s) : 0;
     TKV_TRY(ops->attention(be, &a));
+    if (decode)
+        s->ph_attn += phase_edge(s) - t0;
     if (a.lse) {
         float lf[256], ls[256];
         TKV_TRY(ops->download(be, lf, s->lse_full, H * sizeof(float)));

@@ -5,37 +5,121 @@
 
 #include "session.h"
 
+#include <math.h>
 #include <stdlib.h>
 
-tkv_status tkv_session_fill_synthetic(tkv_session *s, const tkv_token *toks, uint32_t n_tokens, uint32_t n_real,
-                                      uint32_t *n_real_out)
+struct tkv_synth_params tkv_synth_default_params(void)
 {
-    if (n_real_out)
-        *n_real_out = 0;
-    if (!s || !toks || n_tokens == 0)
+    return (struct tkv_synth_params){.n_real = 512, .hot_spread = 0, .cold_spread = 0, .hot_every = 0,
+                                     .recent_blocks = 0, .seed = 1};
+}
+
+/* splitmix64: the scatter of hot blocks */
+static uint64_t mix64(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* Whether copied block b (of nb) of (l, h) is hot. */
+static bool synth_hot(const struct tkv_synth_params *p, uint32_t l, uint32_t h, uint32_t b, uint32_t nb)
+{
+    if (b + p->recent_blocks >= nb)
+        return true;
+    return p->hot_every && mix64(p->seed ^ mix64(((uint64_t)l << 40) ^ ((uint64_t)h << 24) ^ b)) % p->hot_every == 0;
+}
+
+/* The sd of scale * q.(k - m) over the real keys (nb_real blocks of B rows
+ * at `real`, S bytes apart) and the observation window's queries of the
+ * group of KV head h in layer l; 0 without queries. kc: scratch of
+ * nb_real * B * head_dim floats (the centred keys, converted once). Sums in
+ * double. */
+static double logit_sd(const tkv_session *s, uint32_t l, uint32_t h, const uint8_t *real, uint32_t nb_real,
+                       uint32_t S, const float *m, float *kc)
+{
+    const uint32_t hd = s->hp.head_dim, G = s->hp.n_head / s->hp.n_head_kv, B = s->kv_block, n = nb_real * B;
+    const size_t QD = (size_t)s->hp.n_head * hd;
+    const double scale = 1.0 / sqrt((double)hd);
+    for (uint32_t t = 0; t < n; t++) {
+        const uint16_t *k = (const uint16_t *)(real + (size_t)(t / B) * S) + (size_t)(t % B) * hd;
+        for (uint32_t d = 0; d < hd; d++)
+            kc[(size_t)t * hd + d] = tkv_fp16_to_fp32(k[d]) - m[d];
+    }
+    double sum = 0, sum2 = 0, cnt = 0;
+    for (uint32_t i = 0; i < s->obs_n; i++)
+        for (uint32_t g = 0; g < G; g++) {
+            const float *q = s->obs_q + ((size_t)l * OBS_QUERIES + i) * QD + (size_t)(h * G + g) * hd;
+            for (uint32_t t = 0; t < n; t++) {
+                const float *k = kc + (size_t)t * hd;
+                double x = 0;
+                for (uint32_t d = 0; d < hd; d++)
+                    x += (double)q[d] * k[d];
+                x *= scale;
+                sum += x, sum2 += x * x, cnt++;
+            }
+        }
+    if (cnt < 2)
+        return 0;
+    const double mean = sum / cnt, var = sum2 / cnt - mean * mean;
+    return var > 0 ? sqrt(var) : 0;
+}
+
+/* dst = src with its K rows moved to m + gain * (k - m); V as it is. */
+static void synth_block(uint16_t *dst, const uint16_t *src, const float *m, float gain, uint32_t B, uint32_t hd)
+{
+    const size_t kh = (size_t)B * hd;
+    for (uint32_t t = 0; t < B; t++)
+        for (uint32_t d = 0; d < hd; d++) {
+            const size_t i = (size_t)t * hd + d;
+            dst[i] = tkv_fp32_to_fp16(m[d] + gain * (tkv_fp16_to_fp32(src[i]) - m[d]));
+        }
+    memcpy(dst + kh, src + kh, kh * sizeof *dst);
+}
+
+tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, uint32_t n_tokens,
+                                         const struct tkv_synth_params *p, struct tkv_synth_report *rep)
+{
+    if (rep)
+        *rep = (struct tkv_synth_report){0};
+    if (!s || !toks || !p || n_tokens == 0)
         return tkv_err(TKV_ERR_INVALID_ARG, "fill_synthetic: NULL argument or no tokens");
     if (s->n_past != 0)
         return tkv_err(TKV_ERR_INVALID_ARG, "fill_synthetic: the session already holds %u tokens", s->n_past);
-    if (strcmp(s->policy->ops->name, "full") != 0)
-        return tkv_err(TKV_ERR_UNSUPPORTED, "fill_synthetic: policy '%s' would need to see the whole prefill; use 'full'",
+    if (s->policy->ops->changes_prefill)
+        return tkv_err(TKV_ERR_UNSUPPORTED,
+                       "fill_synthetic: policy '%s' changes the prefill, which would need to see all of it",
                        s->policy->ops->name);
+    if (!(p->hot_spread >= 0 && p->hot_spread <= 64) || !(p->cold_spread >= 0 && p->cold_spread <= 64))
+        return tkv_err(TKV_ERR_INVALID_ARG, "fill_synthetic: logit spreads %g / %g must be in [0, 64] nats",
+                       (double)p->hot_spread, (double)p->cold_spread);
     if (n_tokens > s->n_ctx)
         return tkv_err(TKV_ERR_CONTEXT_FULL, "fill_synthetic: %u tokens exceed the context of %u", n_tokens, s->n_ctx);
-    const uint32_t B = s->kv_block;
-    uint32_t r = TKV_MIN(TKV_MAX(n_real, B), n_tokens);
+    const uint32_t B = s->kv_block, hd = s->hp.head_dim;
+    uint32_t r = TKV_MIN(TKV_MAX(p->n_real, B), n_tokens);
     if (r < n_tokens)
         r = r / B * B; /* whole blocks: every copy is a full block */
     TKV_TRY(tkv_prefill(s, toks, r));
-    if (n_real_out)
-        *n_real_out = r;
+    if (rep)
+        rep->n_real = r;
     if (r == n_tokens)
         return TKV_OK;
 
     const uint32_t L = s->hp.n_layer, H = s->hp.n_head_kv, S = tkv_kvs_block_bytes(s->kv);
     const uint32_t nb_real = r / B, nb = (n_tokens + B - 1) / B;
-    uint8_t *real = malloc((size_t)nb_real * S);
-    if (!real)
+    const bool plain = p->hot_spread == 0 && p->cold_spread == 0;
+    uint8_t *real = malloc((size_t)(nb_real + 1) * S); /* + one block: a moved copy */
+    float *m = malloc(hd * sizeof *m);
+    double *acc = malloc(hd * sizeof *acc);
+    float *kc = plain ? NULL : malloc((size_t)r * hd * sizeof *kc);
+    if (!real || !m || !acc || (!plain && !kc)) {
+        free(real), free(m), free(acc), free(kc);
         return tkv_err(TKV_ERR_NOMEM, "fill_synthetic: out of memory");
+    }
+    uint16_t *moved = (uint16_t *)(real + (size_t)nb_real * S);
+    double sd_sum = 0;
+    uint64_t hot = 0;
     tkv_status st = tkv_kvs_reserve(s->kv, n_tokens);
     if (st == TKV_OK)
         tkv_kvs_set_length(s->kv, n_tokens);
@@ -43,13 +127,42 @@ tkv_status tkv_session_fill_synthetic(tkv_session *s, const tkv_token *toks, uin
         for (uint32_t h = 0; h < H && st == TKV_OK; h++) {
             for (uint32_t b = 0; b < nb_real && st == TKV_OK; b++)
                 st = tkv_kvs_export(s->kv, l, h, b, real + (size_t)b * S);
-            for (uint32_t b = nb_real; b < nb && st == TKV_OK; b++)
-                st = tkv_kvs_import(s->kv, l, h, b, real + (size_t)((b - nb_real) % nb_real) * S);
+            double sd = 0;
+            if (!plain && st == TKV_OK) { /* m: the mean of the real prefix's keys; sd: their logits' */
+                memset(acc, 0, hd * sizeof *acc);
+                for (uint32_t b = 0; b < nb_real; b++) {
+                    const uint16_t *k = (const uint16_t *)(real + (size_t)b * S);
+                    for (uint32_t t = 0; t < B; t++)
+                        for (uint32_t d = 0; d < hd; d++)
+                            acc[d] += tkv_fp16_to_fp32(k[(size_t)t * hd + d]);
+                }
+                for (uint32_t d = 0; d < hd; d++)
+                    m[d] = (float)(acc[d] / r);
+                sd = logit_sd(s, l, h, real, nb_real, S, m, kc);
+                sd_sum += sd;
+            }
+            const bool move = !plain && sd > 0 && isfinite(sd);
+            for (uint32_t b = nb_real; b < nb && st == TKV_OK; b++) {
+                const uint8_t *src = real + (size_t)((b - nb_real) % nb_real) * S;
+                const bool is_hot = synth_hot(p, l, h, b, nb);
+                hot += is_hot;
+                if (move) {
+                    const float gain = (float)((is_hot ? p->hot_spread : p->cold_spread) / sd);
+                    synth_block(moved, (const uint16_t *)src, m, gain, B, hd);
+                    src = (const uint8_t *)moved;
+                }
+                st = tkv_kvs_import(s->kv, l, h, b, src);
+            }
         }
-    free(real);
+    free(real), free(m), free(acc), free(kc);
     if (st != TKV_OK) {
         tkv_kvs_set_length(s->kv, r);
         return tkv_err_wrap(st, "fill_synthetic");
+    }
+    if (rep) {
+        rep->natural_sd = sd_sum / ((double)L * H);
+        rep->hot_blocks = hot;
+        rep->copied_blocks = (uint64_t)L * H * (nb - nb_real);
     }
     memcpy(s->tokens + r, toks + r, (size_t)(n_tokens - r) * sizeof *toks);
     s->n_past = n_tokens;
@@ -57,6 +170,40 @@ tkv_status tkv_session_fill_synthetic(tkv_session *s, const tkv_token *toks, uin
     s->prefill_end = n_tokens;
     s->step = 0;
     return TKV_OK;
+}
+
+tkv_status tkv_session_fill_synthetic(tkv_session *s, const tkv_token *toks, uint32_t n_tokens, uint32_t n_real,
+                                      uint32_t *n_real_out)
+{
+    struct tkv_synth_params p = tkv_synth_default_params();
+    p.n_real = n_real;
+    struct tkv_synth_report rep;
+    tkv_status st = tkv_session_fill_synthetic_ex(s, toks, n_tokens, &p, &rep);
+    if (n_real_out)
+        *n_real_out = rep.n_real;
+    return st;
+}
+
+void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *out)
+{
+    struct tkv_kvs_stats ks;
+    tkv_kvs_get_stats(s->kv, &ks);
+    *out = (struct tkv_step_counters){
+        .decode_steps = s->decode_tokens, .decode_s = s->decode_seconds, .select_s = s->ph_select,
+        .attn_s = s->ph_attn, .cpu_attn_s = s->ph_cpu_attn, .store_s = ks.stall_seconds,
+        .read_tokens = s->read_tokens, .read_blocks = s->read_blocks, .read_count = s->read_count,
+        .recall_bytes = ks.tier[TKV_TIER_COMPUTE].bytes_in, .host_out_bytes = ks.tier[TKV_TIER_HOST].bytes_out,
+        .nvme_out_bytes = ks.tier[TKV_TIER_NVME].bytes_out, .cpu_heads = s->het_cpu_heads,
+        .cpu_tokens = s->het_cpu_tokens, .recall_heads = s->het_recall_heads,
+        .recall_blocks = s->het_recall_blocks, .host_read_blocks = ks.host_read_blocks};
+}
+
+void tkv_session_set_phase_sync(tkv_session *s, bool on)
+{
+    if (on)
+        s->flags |= TKV_SESSION_PHASE_SYNC;
+    else
+        s->flags &= ~TKV_SESSION_PHASE_SYNC;
 }
 
 /* Bytes of a tensor read whole: as stored, and as the CUDA backend keeps it. */

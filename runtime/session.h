@@ -16,6 +16,11 @@
 /* KV storage is reserved this many tokens ahead during decode, so blocks are
  * allocated once per span rather than on every token. */
 #define DECODE_RESERVE_AHEAD 256
+/* Private session flag (beside the public TKV_SESSION_*), set by
+ * tkv_session_set_phase_sync (runtime/kv-synth.h): the decode phase timers
+ * synchronize the backend at their edges, so that on an asynchronous device
+ * each phase's time includes its device work and no earlier op's. */
+#define TKV_SESSION_PHASE_SYNC (1u << 30)
 
 struct layer_weights {
     struct tkv_bweight *attn_norm, *wq, *wk, *wv, *wo, *ffn_norm, *w_gate, *w_up, *w_down;
@@ -101,6 +106,12 @@ struct tkv_session {
     /* sums over decode steps and layers: KV heads whose host-tier blocks
      * were attended on the CPU / recalled, their tokens and blocks */
     uint64_t het_cpu_heads, het_recall_heads, het_cpu_tokens, het_cpu_blocks, het_recall_blocks;
+    /* decode phase timers, seconds summed over decode steps (wall clock; with
+     * TKV_SESSION_PHASE_SYNC bounded by backend synchronizations): the
+     * policy's selection (decode_select calls), the device's attention op
+     * (with a split: its queueing, the wait for its partial and the merge),
+     * the CPU's attention over host-tier blocks. Read by kv-synth.c. */
+    double ph_select, ph_attn, ph_cpu_attn;
     /* statistics */
     uint64_t prefill_tokens, decode_tokens, prefill_chunks;
     double prefill_seconds, decode_seconds;

@@ -1,0 +1,495 @@
+/*
+ * bench-recall.c -- decode speed with the KV spread over the tiers and a
+ * selecting policy recalling what each step reads (issue 6, item 7), beside
+ * `full` with all KV in the compute tier; per-step time split and link use.
+ *
+ *   bench-recall -m MODEL [--device cpu|cuda] [--ctx 32768,131072] [--steps 16] [--warmup 3]
+ *                [--split-steps 8] [--policy SPEC]... [--cap-full]
+ *                [--gpu-kv-mem SIZE] [--host-kv-mem SIZE] [--nvme-dir DIR] [--nvme-kv-max SIZE]
+ *                [--hetero auto|recall|cpu] [-t threads] [--real 512]
+ *                [--hot-spread 4] [--cold-spread 0.25] [--hot-every 64] [--recent-blocks 2] [--uniform]
+ *                [-j out.jsonl]
+ *
+ * A separate program from bench-decode (whose table is the roofline of
+ * `full` with the whole KV in the compute tier): here every row is a
+ * (context, policy) pair under tier caps, with columns bench-decode has no
+ * use for. Policies are given one --policy each (specs hold commas; default
+ * `full` and `rabitq:p=0.9`). The tier options go into the session exactly
+ * as `tierkv run` passes them; `full` rows leave the caps out (all KV in the
+ * compute tier, "where it fits": a session that cannot hold it is a row
+ * saying so) unless --cap-full.
+ *
+ * Per row: a fresh session; the context made by the synthetic fill
+ * (runtime/kv-synth.h: --real tokens prefilled, the rest copies of their KV
+ * blocks with their keys moved so that attention concentrates on hot blocks:
+ * the knobs --hot-spread and --cold-spread (the copies' logit sd in nats, set
+ * per head against the model's own), --hot-every, --recent-blocks; --uniform:
+ * plain copies); the same token ids for every row of a context. Then
+ * --warmup untimed steps (a rabitq index encodes the synthetic keys in the
+ * first: the fill leaves them pending), --steps timed steps (tok/s), and
+ * --split-steps more with the phase timers synchronizing the backend at their
+ * edges (kv-synth.h, tkv_session_set_phase_sync), from which the split comes:
+ *
+ *   select   the policy's selection (index estimate + top-p), per step
+ *   attn     the device's attention op (with a host split: + the wait for
+ *            its partial and the merge)
+ *   cpu attn the CPU's attention over blocks left on the host tier
+ *   stall    inside the store's begin_layer: recalls issued and waited for,
+ *            host reads verified -- the exposed recall stall
+ *   rest     the split step's time less the four above: the weights' ops
+ *            (matmuls, norms, RoPE, embedding, logits) and small host work;
+ *            a residual, so the columns sum to the split step by construction
+ *
+ * hot blk: the share of the copied blocks the fill made hot (per head:
+ * what a selection that found exactly them would read beyond the real
+ * prefix and the recent tokens).
+ * read tok / read blk: the share of the context's tokens / KV blocks decode
+ * attention read, averaged over the timed steps, layers and KV heads (1 for
+ * `full`). This is what the synthetic fill's concentration made the policy
+ * read, not what a real model would: printed beside every row.
+ * recall: bytes written into the compute tier per timed step (from host or
+ * NVMe), their time at the measured link rate, the rate they reached over
+ * the step (GB/s), and that rate over the link rate (PCIe util). Link rate
+ * (cuda): pinned host -> device copies of 64 MiB through the backend, best
+ * of 5; on the CPU there is no link (the compute tier is host memory; the
+ * recalls come from NVMe) and the util column is "-".
+ * = ref: timed-step tokens equal to the context's first row's (greedy).
+ */
+#include "runtime/backend.h"
+#include "runtime/kv-synth.h"
+
+#include "bench.h"
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_POLICIES 8
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: bench-recall -m MODEL [--device cpu|cuda] [--ctx 32768,131072] [--steps 16] [--warmup 3]\n"
+            "                    [--split-steps 8] [--policy SPEC]... [--cap-full]\n"
+            "                    [--gpu-kv-mem SIZE] [--host-kv-mem SIZE] [--nvme-dir DIR] [--nvme-kv-max SIZE]\n"
+            "                    [--hetero auto|recall|cpu] [-t threads] [--real 512]\n"
+            "                    [--hot-spread 4] [--cold-spread 0.25] [--hot-every 64] [--recent-blocks 2] [--uniform]\n"
+            "                    [-j out.jsonl]\n");
+}
+
+static int die(const char *what)
+{
+    fprintf(stderr, "bench-recall: %s: %s\n", what, tkv_last_error());
+    return 1;
+}
+
+/* "512M", "8G", "64K" (optionally with a B) or bytes; false if malformed. */
+static bool parse_size(const char *s, uint64_t *out)
+{
+    char *end;
+    const double v = strtod(s, &end);
+    if (end == s || !(v >= 0))
+        return false;
+    double mul = 1;
+    switch (*end) {
+    case 'K': case 'k': mul = 1024.0, end++; break;
+    case 'M': case 'm': mul = 1024.0 * 1024, end++; break;
+    case 'G': case 'g': mul = 1024.0 * 1024 * 1024, end++; break;
+    case 'T': case 't': mul = 1024.0 * 1024 * 1024 * 1024, end++; break;
+    default: break;
+    }
+    if (*end == 'B' || *end == 'b')
+        end++;
+    if (*end)
+        return false;
+    *out = (uint64_t)(v * mul);
+    return true;
+}
+
+static void fmt_size(char *out, size_t cap, uint64_t b)
+{
+    if (b >= (1ull << 30))
+        snprintf(out, cap, "%.4gG", b / (double)(1ull << 30));
+    else
+        snprintf(out, cap, "%.4gM", b / (double)(1ull << 20));
+}
+
+/* Pinned host -> device rate through the backend: 64 MiB registered host
+ * memory uploaded whole, best of 5 after a warm-up; 0 if it cannot. */
+static double link_rate(const char *device)
+{
+    struct tkv_backend *be;
+    if (tkv_backend_create(device, 0, &be) != TKV_OK)
+        return 0;
+    const size_t bytes = (size_t)64 << 20;
+    void *host = NULL, *dev = NULL;
+    double best = 0;
+    if (posix_memalign(&host, 4096, bytes) == 0 && be->ops->alloc(be, bytes, &dev) == TKV_OK) {
+        memset(host, 1, bytes);
+        const bool pinned = be->ops->host_register && be->ops->host_register(be, host, bytes) == TKV_OK;
+        for (int r = 0; r < 6; r++) {
+            const double t0 = now();
+            if (be->ops->upload(be, dev, host, bytes) != TKV_OK || be->ops->synchronize(be) != TKV_OK)
+                break;
+            if (r > 0)
+                best = fmax(best, bytes / (now() - t0) / 1e9);
+        }
+        if (pinned)
+            be->ops->host_unregister(be, host);
+    }
+    if (dev)
+        be->ops->release(be, dev);
+    free(host);
+    be->ops->free(be);
+    return best;
+}
+
+struct opts {
+    const char *model, *device, *ctxs, *nvme_dir, *json;
+    const char *policies[MAX_POLICIES];
+    uint32_t n_policies, steps, warmup, split_steps, threads;
+    uint64_t gpu_kv, host_kv, nvme_max;
+    enum tkv_hetero hetero;
+    bool cap_full;
+    struct tkv_synth_params synth;
+};
+
+struct row {
+    bool fits;
+    char err[160];
+    uint32_t real;
+    double natural_sd, hot_share;    /* the fill's report                      */
+    double fill_s, warm_s;
+    double step_s;                   /* mean timed step                        */
+    double read_tok, read_blk;       /* shares read, timed steps              */
+    double recall_b, host_out_b, nvme_out_b; /* bytes per timed step          */
+    double cpu_heads;                /* per timed step                        */
+    double split_step_s, select_s, attn_s, cpu_attn_s, stall_s; /* per split step */
+    tkv_token *toks_out;             /* [steps] timed tokens                  */
+};
+
+static bool is_full(const char *policy) { return !strncmp(policy, "full", 4) && (!policy[4] || policy[4] == ':'); }
+
+/* d = a - b over the sums that matter */
+static void diff(const struct tkv_step_counters *a, const struct tkv_step_counters *b, struct tkv_step_counters *d)
+{
+    *d = (struct tkv_step_counters){
+        .decode_steps = a->decode_steps - b->decode_steps, .decode_s = a->decode_s - b->decode_s,
+        .select_s = a->select_s - b->select_s, .attn_s = a->attn_s - b->attn_s,
+        .cpu_attn_s = a->cpu_attn_s - b->cpu_attn_s, .store_s = a->store_s - b->store_s,
+        .read_tokens = a->read_tokens - b->read_tokens, .read_blocks = a->read_blocks - b->read_blocks,
+        .read_count = a->read_count - b->read_count, .recall_bytes = a->recall_bytes - b->recall_bytes,
+        .host_out_bytes = a->host_out_bytes - b->host_out_bytes, .nvme_out_bytes = a->nvme_out_bytes - b->nvme_out_bytes,
+        .cpu_heads = a->cpu_heads - b->cpu_heads};
+}
+
+static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const char *policy, struct row *r)
+{
+    struct tkv_model_info info;
+    tkv_model_get_info(m, &info);
+    *r = (struct row){.fits = true};
+    tkv_token *toks = malloc((size_t)ctx * sizeof *toks);
+    r->toks_out = malloc((size_t)o->steps * sizeof *r->toks_out);
+    if (!toks || !r->toks_out) {
+        free(toks);
+        fprintf(stderr, "bench-recall: out of memory\n");
+        return 1;
+    }
+    bench_rng_state = 0x9E3779B97F4A7C15ull ^ ctx; /* the same ids for every row of a context */
+    for (uint32_t i = 0; i < ctx; i++)
+        toks[i] = (tkv_token)(rnd() % info.n_vocab);
+    struct tkv_session_params sp = tkv_session_default_params();
+    sp.n_ctx = ctx + o->warmup + o->steps + o->split_steps;
+    sp.n_threads = o->threads;
+    sp.device = o->device;
+    sp.policy = policy;
+    if (!is_full(policy) || o->cap_full) {
+        sp.gpu_kv_mem = o->gpu_kv;
+        sp.host_kv_mem = o->host_kv;
+        sp.nvme_dir = o->nvme_dir;
+        sp.nvme_kv_max = o->nvme_max;
+    }
+    sp.hetero = o->hetero;
+    tkv_session *s = NULL;
+    tkv_status st = tkv_session_init(m, &sp, &s);
+    const double t0 = now();
+    struct tkv_synth_report rep = {0};
+    if (st == TKV_OK)
+        st = tkv_session_fill_synthetic_ex(s, toks, ctx, &o->synth, &rep);
+    r->real = rep.n_real;
+    r->natural_sd = rep.natural_sd;
+    r->hot_share = rep.copied_blocks ? (double)rep.hot_blocks / rep.copied_blocks : 0;
+    r->fill_s = now() - t0;
+    free(toks);
+    if (st == TKV_ERR_NOMEM || st == TKV_ERR_CONTEXT_FULL || st == TKV_ERR_DEVICE) {
+        /* "where it fits": the row says it does not */
+        r->fits = false;
+        snprintf(r->err, sizeof r->err, "%s", tkv_last_error());
+        tkv_session_free(s);
+        return 0;
+    }
+    if (st != TKV_OK) {
+        tkv_session_free(s);
+        return die(policy);
+    }
+    tkv_token tok = tkv_argmax(tkv_logits(s), info.n_vocab);
+    struct tkv_step_counters c0, c1, c2, d;
+    const double w0 = now();
+    for (uint32_t i = 0; i < o->warmup + o->steps + o->split_steps && st == TKV_OK; i++) {
+        if (i == o->warmup) {
+            r->warm_s = now() - w0;
+            tkv_session_step_counters(s, &c0);
+        }
+        if (i == o->warmup + o->steps) {
+            tkv_session_step_counters(s, &c1);
+            tkv_session_set_phase_sync(s, true);
+        }
+        if ((st = tkv_decode(s, tok)) != TKV_OK)
+            break;
+        tok = tkv_argmax(tkv_logits(s), info.n_vocab);
+        if (i >= o->warmup && i < o->warmup + o->steps)
+            r->toks_out[i - o->warmup] = tok;
+    }
+    if (st != TKV_OK) {
+        tkv_session_free(s);
+        return die("decode");
+    }
+    tkv_session_step_counters(s, &c2);
+    if (o->split_steps == 0)
+        c1 = c2;
+    tkv_session_free(s);
+    diff(&c1, &c0, &d);
+    const double n = d.decode_steps ? (double)d.decode_steps : 1;
+    r->step_s = d.decode_s / n;
+    r->read_tok = d.read_count ? d.read_tokens / d.read_count : 1.0;
+    r->read_blk = d.read_count ? d.read_blocks / d.read_count : 1.0;
+    r->recall_b = d.recall_bytes / n;
+    r->host_out_b = d.host_out_bytes / n;
+    r->nvme_out_b = d.nvme_out_bytes / n;
+    r->cpu_heads = d.cpu_heads / n;
+    if (o->split_steps) {
+        diff(&c2, &c1, &d);
+        const double k = d.decode_steps ? (double)d.decode_steps : 1;
+        r->split_step_s = d.decode_s / k;
+        r->select_s = d.select_s / k;
+        r->attn_s = d.attn_s / k;
+        r->cpu_attn_s = d.cpu_attn_s / k;
+        r->stall_s = d.store_s / k;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o = {.ctxs = "32768,131072", .steps = 16, .warmup = 3, .split_steps = 8,
+                     .hetero = TKV_HETERO_AUTO, .synth = tkv_synth_default_params()};
+    o.synth.hot_spread = 4.0f, o.synth.cold_spread = 0.25f, o.synth.hot_every = 64, o.synth.recent_blocks = 2;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--cap-full")) {
+            o.cap_full = true;
+            continue;
+        }
+        if (!strcmp(a, "--uniform")) {
+            o.synth.hot_spread = o.synth.cold_spread = 0;
+            continue;
+        }
+        const char *v = i + 1 < argc ? argv[++i] : NULL;
+        bool ok = v != NULL;
+        if (!ok)
+            ;
+        else if (!strcmp(a, "-m"))
+            o.model = v;
+        else if (!strcmp(a, "--device"))
+            o.device = v;
+        else if (!strcmp(a, "--ctx"))
+            o.ctxs = v;
+        else if (!strcmp(a, "--steps"))
+            o.steps = (uint32_t)atoi(v);
+        else if (!strcmp(a, "--warmup"))
+            o.warmup = (uint32_t)atoi(v);
+        else if (!strcmp(a, "--split-steps"))
+            o.split_steps = (uint32_t)atoi(v);
+        else if (!strcmp(a, "--policy") && o.n_policies < MAX_POLICIES)
+            o.policies[o.n_policies++] = v;
+        else if (!strcmp(a, "--gpu-kv-mem"))
+            ok = parse_size(v, &o.gpu_kv);
+        else if (!strcmp(a, "--host-kv-mem"))
+            ok = parse_size(v, &o.host_kv);
+        else if (!strcmp(a, "--nvme-kv-max"))
+            ok = parse_size(v, &o.nvme_max);
+        else if (!strcmp(a, "--nvme-dir"))
+            o.nvme_dir = v;
+        else if (!strcmp(a, "--hetero"))
+            ok = !strcmp(v, "auto") ? (o.hetero = TKV_HETERO_AUTO, true)
+                 : !strcmp(v, "recall") ? (o.hetero = TKV_HETERO_RECALL, true)
+                 : !strcmp(v, "cpu") ? (o.hetero = TKV_HETERO_CPU, true) : false;
+        else if (!strcmp(a, "-t"))
+            o.threads = (uint32_t)atoi(v);
+        else if (!strcmp(a, "--real"))
+            o.synth.n_real = (uint32_t)atoi(v);
+        else if (!strcmp(a, "--hot-spread"))
+            o.synth.hot_spread = (float)atof(v);
+        else if (!strcmp(a, "--cold-spread"))
+            o.synth.cold_spread = (float)atof(v);
+        else if (!strcmp(a, "--hot-every"))
+            o.synth.hot_every = (uint32_t)atoi(v);
+        else if (!strcmp(a, "--recent-blocks"))
+            o.synth.recent_blocks = (uint32_t)atoi(v);
+        else if (!strcmp(a, "-j"))
+            o.json = v;
+        else
+            ok = false;
+        if (!ok) {
+            usage();
+            return 2;
+        }
+    }
+    if (!o.model || o.steps == 0 || o.synth.n_real == 0) {
+        usage();
+        return 2;
+    }
+    if (o.n_policies == 0) {
+        o.policies[o.n_policies++] = "full";
+        o.policies[o.n_policies++] = "rabitq:p=0.9";
+    }
+    if (!o.device)
+        o.device = tkv_backend_cuda_devices() > 0 ? "cuda" : "cpu";
+    const bool cuda = !strcmp(o.device, "cuda");
+    if (!cuda && strcmp(o.device, "cpu") != 0) {
+        fprintf(stderr, "bench-recall: --device is cpu or cuda, not '%s'\n", o.device);
+        return 2;
+    }
+    if (cuda && tkv_backend_cuda_devices() == 0) {
+        fprintf(stderr, "bench-recall: no CUDA device\n");
+        return 77;
+    }
+    FILE *json = NULL;
+    if (o.json && !(json = fopen(o.json, "w"))) {
+        fprintf(stderr, "bench-recall: cannot write %s\n", o.json);
+        return 1;
+    }
+    const double link = cuda ? link_rate(o.device) : 0; /* GB/s */
+
+    tkv_model *m;
+    if (tkv_model_load(o.model, &m) != TKV_OK)
+        return die("load");
+    struct tkv_model_info info;
+    tkv_model_get_info(m, &info);
+    struct tkv_decode_bytes wb;
+    tkv_model_decode_bytes(m, &wb);
+    const double kv_per_token = (double)info.n_layer * info.n_head_kv * info.head_dim * 2 * 2;
+    const char *base = strrchr(o.model, '/') ? strrchr(o.model, '/') + 1 : o.model;
+    char commit[64], tiers[160], g[32], h[32], nv[32];
+    build_commit(commit, sizeof commit);
+    fmt_size(g, sizeof g, o.gpu_kv), fmt_size(h, sizeof h, o.host_kv), fmt_size(nv, sizeof nv, o.nvme_max);
+    if (cuda)
+        snprintf(tiers, sizeof tiers, "gpu %s / host %s / nvme %s", o.gpu_kv ? g : "all", o.host_kv ? h : "none",
+                 o.nvme_dir ? (o.nvme_max ? nv : "rest") : "none");
+    else
+        snprintf(tiers, sizeof tiers, "host (compute) %s / nvme %s", o.host_kv ? h : "all",
+                 o.nvme_dir ? (o.nvme_max ? nv : "rest") : "none");
+    char synth[160];
+    if (o.synth.hot_spread == 0 && o.synth.cold_spread == 0)
+        snprintf(synth, sizeof synth, "synthetic (%u real, plain copies)", o.synth.n_real);
+    else
+        snprintf(synth, sizeof synth, "synthetic (%u real; hot: 1/%u + last %u blocks, sd %g nats; cold: sd %g nats)",
+                 o.synth.n_real, o.synth.hot_every, o.synth.recent_blocks, (double)o.synth.hot_spread,
+                 (double)o.synth.cold_spread);
+
+    printf("bench-recall: %s (%u layers, %u/%u heads, head_dim %u, matrices %s), device %s, commit %s\n", base,
+           info.n_layer, info.n_head, info.n_head_kv, info.head_dim, wb.matrix_type, o.device, commit);
+    printf("KV %.1f KB per token; capped rows: %s; fill: %s; %u warm-up, %u timed, %u split steps\n",
+           kv_per_token / 1e3, tiers, synth, o.warmup, o.steps, o.split_steps);
+    if (cuda)
+        printf("link: pinned host -> GPU %.1f GB/s (64 MiB copies, best of 5)\n", link);
+    printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | hot blk | split step ms | rest ms | "
+           "attn ms | select ms | cpu attn ms | stall ms | recall MB/step | recall ms @link | PCIe GB/s | PCIe util "
+           "| = ref |\n");
+    printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    fflush(stdout);
+
+    int rc = 0;
+    char *list = strdup(o.ctxs), *save = NULL;
+    for (char *c = strtok_r(list, ",", &save); c && !rc; c = strtok_r(NULL, ",", &save)) {
+        const uint32_t ctx = (uint32_t)strtoul(c, NULL, 10);
+        if (ctx == 0)
+            continue;
+        double full_s = 0;
+        tkv_token *ref = NULL;
+        for (uint32_t p = 0; p < o.n_policies && !rc; p++) {
+            struct row r;
+            if ((rc = run_row(m, &o, ctx, o.policies[p], &r)) != 0) {
+                free(r.toks_out);
+                break;
+            }
+            const bool capped = !is_full(o.policies[p]) || o.cap_full;
+            const char *row_tiers = capped ? tiers : cuda ? "all on the GPU" : "all in host memory";
+            if (!r.fits) {
+                printf("| %u | %s | %s | does not fit: %s ||||||||||||||||\n", ctx, o.policies[p], row_tiers, r.err);
+                if (json)
+                    fprintf(json, "{\"bench\": \"recall\", \"model\": \"%s\", \"ctx\": %u, \"policy\": \"%s\", "
+                                  "\"tiers\": \"%s\", \"fits\": false, \"error\": \"%s\", \"commit\": \"%s\"}\n",
+                            base, ctx, o.policies[p], row_tiers, r.err, commit);
+                free(r.toks_out);
+                continue;
+            }
+            if (is_full(o.policies[p]) && full_s == 0)
+                full_s = r.step_s;
+            char same[32] = "ref";
+            if (!ref) {
+                ref = r.toks_out;
+                r.toks_out = NULL;
+            } else {
+                uint32_t eq = 0;
+                while (eq < o.steps && r.toks_out[eq] == ref[eq])
+                    eq++;
+                snprintf(same, sizeof same, "%u/%u", eq, o.steps);
+            }
+            char ratio[32] = "-", util[32] = "-", at_link[32] = "-";
+            if (full_s > 0)
+                snprintf(ratio, sizeof ratio, "%.2f", full_s / r.step_s);
+            const double pcie = r.recall_b / r.step_s / 1e9;
+            if (link > 0) {
+                snprintf(util, sizeof util, "%.1f%%", 100.0 * pcie / link);
+                snprintf(at_link, sizeof at_link, "%.3f", r.recall_b / (link * 1e9) * 1e3);
+            }
+            const double rest = r.split_step_s - r.select_s - r.attn_s - r.cpu_attn_s - r.stall_s;
+            printf("| %u | %s | %s | %.2f | %.3f | %s | %.4f | %.4f | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | "
+                   "%s | %.2f | %s | %s |\n",
+                   ctx, o.policies[p], row_tiers, 1.0 / r.step_s, r.step_s * 1e3, ratio, r.read_tok, r.read_blk,
+                   r.hot_share, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3, r.select_s * 1e3, r.cpu_attn_s * 1e3,
+                   r.stall_s * 1e3, r.recall_b / 1e6, at_link, pcie, util, same);
+            fflush(stdout);
+            if (json) {
+                fprintf(json,
+                        "{\"bench\": \"recall\", \"model\": \"%s\", \"matrix_type\": \"%s\", \"device\": \"%s\", "
+                        "\"ctx\": %u, \"policy\": \"%s\", \"tiers\": \"%s\", \"fits\": true, \"fill\": \"%s\", "
+                        "\"real_tokens\": %u, \"natural_logit_sd\": %.4f, \"hot_block_share\": %.5f, \"fill_s\": %.3f, \"warmup_s\": %.3f, \"steps\": %u, "
+                        "\"step_ms\": %.4f, \"tok_s\": %.3f, \"x_full\": %.4f, \"read_tokens\": %.6f, "
+                        "\"read_blocks\": %.6f, \"split_steps\": %u, \"split_step_ms\": %.4f, \"rest_ms\": %.4f, "
+                        "\"attn_ms\": %.4f, \"select_ms\": %.4f, \"cpu_attn_ms\": %.4f, \"stall_ms\": %.4f, "
+                        "\"recall_bytes_per_step\": %.0f, \"host_out_bytes_per_step\": %.0f, "
+                        "\"nvme_out_bytes_per_step\": %.0f, \"cpu_heads_per_step\": %.2f, \"link_gbs\": %.3f, "
+                        "\"pcie_gbs\": %.4f, \"same_tokens_as_ref\": \"%s\", \"commit\": \"%s\"}\n",
+                        base, wb.matrix_type, o.device, ctx, o.policies[p], row_tiers, synth, r.real, r.natural_sd, r.hot_share, r.fill_s,
+                        r.warm_s, o.steps, r.step_s * 1e3, 1.0 / r.step_s, full_s > 0 ? full_s / r.step_s : 0.0,
+                        r.read_tok, r.read_blk, o.split_steps, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3,
+                        r.select_s * 1e3, r.cpu_attn_s * 1e3, r.stall_s * 1e3, r.recall_b, r.host_out_b,
+                        r.nvme_out_b, r.cpu_heads, link, pcie, same, commit);
+                fflush(json);
+            }
+            free(r.toks_out);
+        }
+        free(ref);
+    }
+    free(list);
+    tkv_model_free(m);
+    printf("\nfill: %s -- attention concentrates by construction, so read tok / read blk say what this fill made "
+           "the policy read, not what a real model would. x full: full's step / this row's (the context's full "
+           "row). rest: split step less attn, select, cpu attn and stall (the weights' ops; a residual).\n",
+           synth);
+    if (json)
+        fclose(json);
+    return rc;
+}
