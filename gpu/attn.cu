@@ -444,7 +444,7 @@ struct tkv_cuda_attn_state {
     uint32_t counters_cap;
     int decode_mode, prefill_mode;
     int prefill_pack;              /* 0 with TKV_CUDA_ATTN_PACK=0          */
-    int prefill_variant;           /* TKV_CUDA_ATTN_PREFILL_VARIANT, setter */
+    int prefill_variant;           /* TKV_CUDA_ATTN_PREFILL_VARIANT, setter; -1: by precision */
     struct tkv_cuda_attn_runs runs;/* the inline table being built          */
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
 };
@@ -484,6 +484,7 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **ou
     if (!st)
         return cudaErrorMemoryAllocation;
     st->decode_mode = decode_mode;
+    st->prefill_variant = -1; /* by precision (tkv_cuda_attn_prefill_variant) */
     const char *tab = getenv("TKV_CUDA_ATTN_TABLE"), *pf = getenv("TKV_CUDA_ATTN_PREFILL");
     const char *pack = getenv("TKV_CUDA_ATTN_PACK"), *var = getenv("TKV_CUDA_ATTN_PREFILL_VARIANT");
     st->table_on_main = tab && !strcmp(tab, "main");

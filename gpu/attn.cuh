@@ -65,7 +65,8 @@ struct tkv_cuda_attn_params {
     int prefill_mode;                       /* enum tkv_cuda_attn_prefill_mode  */
     int prefill_pack;                       /* prefill kernel: packed tiles when
                                                kofs is set (else per ref)       */
-    int prefill_variant;                    /* tensor-core prefill kernel: 0 ..
+    int prefill_variant;                    /* tensor-core prefill kernel: -1 (by
+                                               precision, attn-prefill.cuh), 0 ..
                                                TKV_ATTN_PREFILL_VARIANTS - 1
                                                (attn-prefill.cuh)               */
     uint32_t *counters;                     /* [n_head_kv], zero between calls:

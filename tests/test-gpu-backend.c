@@ -977,6 +977,9 @@ static void test_attention(void)
     gpu_attn_alt[1] = gpu_with_attn_env("merge", "copy", "mma", "1");
     gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
     gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
+    /* f16 runs v2 by default; v0 here, the variants below are each checked */
+    if (gpu_attn_alt[3])
+        CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
     gpu_attn_alt[5] = gpu_with_attn_env("runs", "copy", "mma", "1");
     gpu_attn_alt[6] = gpu_with_attn_env("pdl", "copy", "mma", "1");
