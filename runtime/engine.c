@@ -646,7 +646,6 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
     return TKV_OK;
 }
 
-
 /* A decode step's attention when some selected blocks stay on the host tier
  * (s->hsplit): the device attends the rest (s->views) with its log-sum-exp,
  * queued first so that the CPU's part over the host blocks (s->hviews, the
