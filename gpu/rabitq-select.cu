@@ -25,7 +25,7 @@
  *   7 whole     (optional) every block of `whole` positions with a kept key
  *               kept whole
  * Sums are 64-bit fixed point in units of 2^-40 (every term is <= 1 after
- * subtracting M; TKV_RABITQ_SELECT_MAX_N = 2^24 keys keep them below 2^64):
+ * subtracting M; TKV_RABITQ_SELECT_MAX_N = 2^23 keys keep them below 2^64):
  * N's terms rounded down and C's up, so the rule the device checks implies
  * the rule on the float exponentials themselves.
  */

@@ -126,7 +126,7 @@ struct tkv_rabitq_dev {
  * select_topp (rounding at the boundary): docs/rabitq.md, "Device top-p". */
 #define TKV_RABITQ_SELECT_MAX_G      8
 #define TKV_RABITQ_SELECT_MAX_FORCED 4
-#define TKV_RABITQ_SELECT_MAX_N      (1u << 24) /* keys per head */
+#define TKV_RABITQ_SELECT_MAX_N      (1u << 23) /* keys per head (fixed-point sums stay < 2^64) */
 struct tkv_rabitq_select_head {
     const struct tkv_rabitq_dev   *ix; /* the head's twin (arrays in backend memory) */
     const struct tkv_rabitq_query *q;  /* host [G]: the group's prepared queries      */
