@@ -5,6 +5,11 @@
  * the KV blocks, [n, head_dim] f16); also encoding and top-p selection.
  *
  *   build/bench/bench-rabitq [--quick]   (--quick: 8K keys only, a smoke run)
+ *   build/bench/bench-rabitq --gpu-select (CUDA: one layer's selection,
+ *       8 KV heads x 4 query heads, D = 128, at 32K / 128K / 1M keys: the
+ *       backend's rabitq_select against the per-head path it replaces --
+ *       rabitq_estimate, download, host select_topp, union -- and the keys
+ *       where the two unions differ)
  *
  * Keys are random (Gaussian, off-centre, a few outlier channels), queries
  * too; every variant's estimates are checked bit-identical to the scalar
@@ -14,6 +19,7 @@
  * The exact baseline is this file's AVX-512 F16C + FMA loop (4 keys in
  * flight), single-threaded like the rest. Markdown on stdout.
  */
+#include "runtime/backend.h"
 #include "runtime/rabitq/rabitq.h"
 #include "runtime/tkv-impl.h"
 
@@ -135,8 +141,107 @@ static int fail(const char *what)
     return 1;
 }
 
+/* --gpu-select: see the top of the file. */
+static int gpu_select(void)
+{
+    enum { H = 8, G = 4, D = 128, REPS = 10 };
+    struct tkv_backend *be = NULL;
+    if (tkv_backend_cuda_devices() == 0 || tkv_backend_create("cuda", 0, &be) != TKV_OK || !be->ops->rabitq_select) {
+        printf("no CUDA device with rabitq_select: nothing to time\n");
+        return 0;
+    }
+    printf("## One layer's RaBitQ selection on the GPU (%d KV heads x %d query heads, D = %d, p = 0.9, sink 64, recent 64), ms per layer\n\n", H, G, D);
+    printf("| keys | mode | rabitq_select | estimate + download + host top-p | speedup | keys differing |\n");
+    printf("|---:|---|---:|---:|---:|---:|\n");
+    const uint32_t sizes[] = {32768, 131072, 1048576};
+    for (int si = 0; si < 3; si++) {
+        const uint32_t n = sizes[si], words = (n + 31) / 32;
+        uint16_t *k = malloc((size_t)n * D * sizeof *k);
+        float *est = malloc((size_t)n * 4), *bound = malloc((size_t)n * 4);
+        uint32_t *bm = malloc((size_t)H * words * 4), *pos = malloc((size_t)n * 4);
+        uint8_t *mark = malloc(n);
+        const size_t wb = tkv_rabitq_topp_work_bytes(n);
+        void *work = malloc(wb);
+        if (!k || !est || !bound || !bm || !pos || !mark || !work)
+            return fail("gpu-select: out of memory");
+        for (size_t i = 0; i < (size_t)n * D; i++)
+            k[i] = tkv_fp32_to_fp16(gauss());
+        struct tkv_rabitq *ix = NULL;
+        struct tkv_rabitq_dev_index *dx = NULL;
+        uint16_t *k_dev = NULL;
+        float *est_dev = NULL, *bound_dev = NULL;
+        if (tkv_rabitq_init(D, 11, &ix) || tkv_rabitq_set_centroids(ix, NULL, NULL) ||
+            be->ops->alloc(be, (size_t)n * D * 2, (void **)&k_dev) || be->ops->upload(be, k_dev, k, (size_t)n * D * 2) ||
+            tkv_rabitq_dev_create(be, ix, n, &dx) || tkv_rabitq_dev_append(dx, k_dev, D, n) ||
+            be->ops->alloc(be, (size_t)n * 4, (void **)&est_dev) || be->ops->alloc(be, (size_t)n * 4, (void **)&bound_dev))
+            return fail("gpu-select: index");
+        static struct tkv_rabitq_query qq[H * G];
+        float q[D];
+        for (int j = 0; j < H * G; j++) {
+            for (int i = 0; i < D; i++)
+                q[i] = 2.0f * gauss();
+            if (tkv_rabitq_query_prepare(ix, q, 0, &qq[j]))
+                return fail("gpu-select: query");
+        }
+        struct tkv_rabitq_select_head heads[H];
+        const struct tkv_range forced[2] = {{0, 64}, {n - 64, n}};
+        for (int h = 0; h < H; h++) { /* (one index stands for the 8 heads' own: the same work) */
+            memset(&heads[h], 0, sizeof heads[h]);
+            heads[h].ix = tkv_rabitq_dev_arrays(dx), heads[h].q = &qq[h * G], heads[h].n = n, heads[h].n_forced = 2;
+            heads[h].forced[0].begin = 0, heads[h].forced[0].end = 64;
+            heads[h].forced[1].begin = n - 64, heads[h].forced[1].end = n;
+        }
+        for (int safe = 0; safe <= 1; safe++) {
+            const struct tkv_rabitq_select_args a = {.heads = heads, .n_heads = H, .G = G, .p = 0.9f,
+                                                     .scale = 1.0f / sqrtf((float)D), .extra_lse = -INFINITY,
+                                                     .safe = safe != 0, .bitmap = bm, .words = words};
+            double t_dev = 1e30, t_old = 1e30;
+            for (int r = 0; r < REPS + 1; r++) {
+                const double t0 = now();
+                if (be->ops->rabitq_select(be, &a))
+                    return fail("gpu-select: rabitq_select");
+                if (r)
+                    t_dev = fmin(t_dev, now() - t0);
+            }
+            const struct tkv_rabitq_topp_params tp = {.p = 0.9f, .scale = a.scale, .extra_lse = -INFINITY,
+                                                      .forced = forced, .n_forced = 2};
+            uint64_t differ = 0;
+            for (int r = 0; r < 3; r++) {
+                const double t0 = now();
+                for (int h = 0; h < H; h++) {
+                    memset(mark, 0, n);
+                    for (int j = 0; j < G; j++) {
+                        struct tkv_rabitq_topp_result res;
+                        if (tkv_rabitq_dev_estimate(dx, &qq[h * G + j], 0, n, est_dev, safe ? bound_dev : NULL) ||
+                            be->ops->download(be, est, est_dev, (size_t)n * 4) ||
+                            (safe && be->ops->download(be, bound, bound_dev, (size_t)n * 4)) ||
+                            tkv_rabitq_select_topp(est, safe ? bound : NULL, n, &tp, work, wb, pos, n, &res))
+                            return fail("gpu-select: old path");
+                        for (uint32_t x = 0; x < res.n_pos; x++)
+                            mark[pos[x]] = 1;
+                    }
+                    if (r == 0)
+                        for (uint32_t i = 0; i < n; i++)
+                            differ += mark[i] != (bm[(size_t)h * words + i / 32] >> (i % 32) & 1);
+                }
+                t_old = fmin(t_old, now() - t0);
+            }
+            printf("| %uK | %s | %.3f | %.3f | %.1fx | %llu of %u |\n", n / 1024, safe ? "safe" : "plain", t_dev * 1e3,
+                   t_old * 1e3, t_old / t_dev, (unsigned long long)differ, H * n);
+        }
+        tkv_rabitq_dev_free(dx);
+        tkv_rabitq_free(ix);
+        be->ops->release(be, k_dev), be->ops->release(be, est_dev), be->ops->release(be, bound_dev);
+        free(k), free(est), free(bound), free(bm), free(pos), free(mark), free(work);
+    }
+    be->ops->free(be);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "--gpu-select"))
+        return gpu_select();
     const int quick = argc > 1 && !strcmp(argv[1], "--quick");
     const uint32_t sizes[] = {8192, 131072, 1048576}, dims[] = {64, 128};
     const int n_sizes = quick ? 1 : 3;

@@ -26,6 +26,7 @@
 #include "dequant.cuh"
 #include "ops.cuh"
 #include "rabitq.cuh"
+#include "rabitq-select.cuh"
 #include "stats.cuh"
 
 extern "C" {
@@ -79,6 +80,8 @@ struct cuda_backend {
     struct tkv_cuda_attn_state *attn; /* block tables, partials (attn.cu)  */
     void *stats_work;              /* [stats_work_cap] attn_stats work memory */
     uint32_t *rq_bad;              /* rabitq_encode's first non-finite row      */
+    void *rqs_dev, *rqs_host;      /* rabitq_select: device work, pinned staging */
+    size_t rqs_dev_cap, rqs_host_cap; /* bytes                                  */
     size_t stats_work_cap;         /* bytes                                   */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
     /* block uploads: a second stream, so recalls and prefetches overlap the
@@ -1060,6 +1063,108 @@ static tkv_status cuda_rabitq_estimate(struct tkv_backend *b, const struct tkv_r
     return TKV_OK;
 }
 
+/* One layer's selection (gpu/rabitq-select.cuh): the heads' descriptors and
+ * queries go up in one copy, the bitmaps and per-pair results come down in
+ * one copy, one wait. */
+static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq_select_args *a)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "rabitq_select";
+    ALIVE(op);
+    if (!a || !a->heads || !a->bitmap || a->n_heads == 0 || a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u heads, G = %u (1..%d), or NULL outputs",
+                       a ? a->n_heads : 0, a ? a->G : 0, TKV_RABITQ_SELECT_MAX_G);
+    if (!(a->p > 0 && a->p <= 1) || !(a->scale > 0) || !isfinite(a->scale) || isnan(a->extra_lse) ||
+        a->extra_lse == INFINITY)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: p %g, scale %g, extra_lse %g", (double)a->p,
+                       (double)a->scale, (double)a->extra_lse);
+    static_assert(TKV_CUDA_RQS_MAX_G == TKV_RABITQ_SELECT_MAX_G &&
+                      TKV_CUDA_RQS_MAX_FORCED == TKV_RABITQ_SELECT_MAX_FORCED,
+                  "the same limits");
+    uint32_t n_max = 0;
+    for (uint32_t h = 0; h < a->n_heads; h++) {
+        const struct tkv_rabitq_select_head *hd = &a->heads[h];
+        if (!hd->ix || !hd->q || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
+            hd->n_forced > TKV_RABITQ_SELECT_MAX_FORCED || hd->ix->words == 0 ||
+            hd->ix->words > TKV_CUDA_RQ_MAX_WORDS)
+            return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: head %u: %u keys (1..%u), %u forced ranges", h,
+                           hd->n, TKV_RABITQ_SELECT_MAX_N, hd->n_forced);
+        for (uint32_t r = 0; r < hd->n_forced; r++)
+            if (hd->forced[r].begin > hd->forced[r].end || hd->forced[r].end > hd->n ||
+                (r && hd->forced[r].begin < hd->forced[r - 1].end))
+                return tkv_err(TKV_ERR_INVALID_ARG,
+                               "cuda: rabitq_select: head %u: forced range %u [%u, %u) not ascending within [0, %u)", h,
+                               r, hd->forced[r].begin, hd->forced[r].end, hd->n);
+        for (uint32_t j = 0; j < a->G; j++)
+            if (hd->q[j].words != hd->ix->words)
+                return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: head %u query %u: %u words, index %u", h, j,
+                               hd->q[j].words, hd->ix->words);
+        n_max = TKV_MAX(n_max, hd->n);
+    }
+    if ((uint64_t)a->words * 32 < n_max)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u bitmap words for %u keys", a->words, n_max);
+    const uint32_t H = a->n_heads, G = a->G, P = H * G;
+    /* device: heads | queries | state | scratch [3][P][n_max] | list [P][n_max] | mass [P] | n_chosen [P] | bitmap */
+    const size_t b_heads = tkv_align_up(H * sizeof(struct tkv_cuda_rqs_head), 256);
+    const size_t b_q = tkv_align_up((size_t)P * sizeof(struct tkv_cuda_rq_query), 256);
+    const size_t b_state = tkv_align_up(tkv_cuda_rqs_state_bytes(P), 256);
+    const size_t b_scratch = tkv_align_up((size_t)3 * P * n_max * sizeof(float), 256);
+    const size_t b_list = tkv_align_up((size_t)P * n_max * sizeof(uint32_t), 256);
+    const size_t b_out = (size_t)P * (sizeof(double) + sizeof(uint32_t)) + (size_t)H * a->words * sizeof(uint32_t);
+    const size_t dev_bytes = b_heads + b_q + b_state + b_scratch + b_list + b_out, up = b_heads + b_q;
+    if (dev_bytes > cb->rqs_dev_cap) {
+        CU(op, cudaStreamSynchronize(cb->stream));
+        cudaFree(cb->rqs_dev);
+        cb->rqs_dev = NULL, cb->rqs_dev_cap = 0;
+        CU(op, cudaMalloc(&cb->rqs_dev, dev_bytes));
+        cb->rqs_dev_cap = dev_bytes;
+    }
+    if (up + b_out > cb->rqs_host_cap) {
+        cudaFreeHost(cb->rqs_host); /* (the last call waited for its copies) */
+        cb->rqs_host = NULL, cb->rqs_host_cap = 0;
+        CU(op, cudaMallocHost(&cb->rqs_host, up + b_out));
+        cb->rqs_host_cap = up + b_out;
+    }
+    uint8_t *hm = (uint8_t *)cb->rqs_host, *dm = (uint8_t *)cb->rqs_dev;
+    struct tkv_cuda_rqs_head *hh = (struct tkv_cuda_rqs_head *)hm;
+    struct tkv_cuda_rq_query *hq = (struct tkv_cuda_rq_query *)(hm + b_heads);
+    for (uint32_t h = 0; h < H; h++) {
+        const struct tkv_rabitq_select_head *hd = &a->heads[h];
+        memset(&hh[h], 0, sizeof hh[h]);
+        hh[h].ix = rq_index(hd->ix);
+        hh[h].n = hd->n;
+        hh[h].n_forced = hd->n_forced;
+        for (uint32_t r = 0; r < hd->n_forced; r++)
+            hh[h].fb[r] = hd->forced[r].begin, hh[h].fe[r] = hd->forced[r].end;
+        for (uint32_t j = 0; j < G; j++) {
+            const struct tkv_rabitq_query *q = &hd->q[j];
+            struct tkv_cuda_rq_query *c = &hq[h * G + j];
+            memcpy(c->plane, q->plane, sizeof c->plane);
+            c->delta = q->delta, c->vl = q->vl, c->add = q->add, c->bound_u = q->bound_u, c->bound_w = q->bound_w;
+            c->sum_q = q->sum_q;
+        }
+    }
+    CU(op, cudaMemcpyAsync(dm, hm, up, cudaMemcpyHostToDevice, cb->stream));
+    uint8_t *out = dm + up + b_state + b_scratch + b_list;
+    const struct tkv_cuda_rqs_work w = {dm + up,
+                                        (float *)(dm + up + b_state), (uint32_t *)(dm + up + b_state + b_scratch),
+                                        (double *)out, (uint32_t *)(out + (size_t)P * sizeof(double)),
+                                        (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
+    const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
+                                           a->safe ? 1 : 0};
+    CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)dm, (const struct tkv_cuda_rq_query *)(dm + b_heads),
+                            &w, cb->stream));
+    CU(op, cudaMemcpyAsync(hm + up, out, b_out, cudaMemcpyDeviceToHost, cb->stream));
+    CU(op, cudaStreamSynchronize(cb->stream));
+    const uint8_t *ho = hm + up;
+    if (a->mass)
+        memcpy(a->mass, ho, (size_t)P * sizeof(double));
+    if (a->n_chosen)
+        memcpy(a->n_chosen, ho + (size_t)P * sizeof(double), (size_t)P * sizeof(uint32_t));
+    memcpy(a->bitmap, ho + (size_t)P * (sizeof(double) + sizeof(uint32_t)), (size_t)H * a->words * sizeof(uint32_t));
+    return TKV_OK;
+}
+
 /* ---- op profiler (TKV_CUDA_PROFILE=1) ------------------------------------------
  *
  * With TKV_CUDA_PROFILE=1 when the backend is created, its vtable is
@@ -1407,6 +1512,10 @@ static tkv_status pw_rabitq_encode(struct tkv_backend *b, const struct tkv_rabit
     PROF("rabitq_encode", prof_row(cb->prof, "rabitq_encode", true),
          cuda_rabitq_encode(b, ix, k, row_stride, n, at));
 }
+static tkv_status pw_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq_select_args *a)
+{
+    PROF("rabitq_select", prof_row(cb->prof, "rabitq_select", true), cuda_rabitq_select(b, a));
+}
 static tkv_status pw_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
                                      const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
                                      float *bound)
@@ -1445,6 +1554,8 @@ static void cuda_free(struct tkv_backend *b)
     if (cb->copy_stream)
         cudaStreamDestroy(cb->copy_stream);
     cudaFree(cb->rq_bad);
+    cudaFree(cb->rqs_dev);
+    cudaFreeHost(cb->rqs_host);
     if (cb->blas)
         cublasDestroy(cb->blas);
     for (int i = 0; i < N_STAGE; i++) {
@@ -1508,6 +1619,7 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.upload_wait = cuda_upload_wait;
     o.rabitq_encode = cuda_rabitq_encode;
     o.rabitq_estimate = cuda_rabitq_estimate;
+    o.rabitq_select = cuda_rabitq_select;
     return o;
 }
 static const struct tkv_backend_ops cuda_ops = cuda_make_ops();
@@ -1539,6 +1651,7 @@ static struct tkv_backend_ops cuda_make_prof_ops(void)
     o.upload_wait = pw_upload_wait;
     o.rabitq_encode = pw_rabitq_encode;
     o.rabitq_estimate = pw_rabitq_estimate;
+    o.rabitq_select = pw_rabitq_select;
     o.profile_read = prof_read;
     o.profile_reset = prof_reset;
     return o;

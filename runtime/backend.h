@@ -115,6 +115,44 @@ struct tkv_rabitq_dev {
     uint16_t *pc;                 /* [cap]                                       */
 };
 
+/* One layer's RaBitQ top-p selection on the backend (rabitq_select), for
+ * the KV heads a policy selects. Per head h and each of its G query heads
+ * j: every key 0 .. n-1 of the head's twin estimated as rabitq_estimate
+ * does (bit-identical), top-p over them as tkv_rabitq_select_topp with
+ * pos0 = 0, the head's forced ranges, p, scale, extra_lse, max_keep = 0 and
+ * the bounds when safe; the G kept sets ORed, forced keys included, widened
+ * to whole blocks of `whole` positions when whole > 0 (blocks start at 0).
+ * What the device guarantees, and where it may differ from the host's
+ * select_topp (rounding at the boundary): docs/rabitq.md, "Device top-p". */
+#define TKV_RABITQ_SELECT_MAX_G      8
+#define TKV_RABITQ_SELECT_MAX_FORCED 4
+#define TKV_RABITQ_SELECT_MAX_N      (1u << 23) /* keys per head (fixed-point sums stay < 2^64) */
+struct tkv_rabitq_select_head {
+    const struct tkv_rabitq_dev   *ix; /* the head's twin (arrays in backend memory) */
+    const struct tkv_rabitq_query *q;  /* host [G]: the group's prepared queries      */
+    uint32_t n;                        /* keys 0 .. n-1, position = key index, >= 1   */
+    uint32_t n_forced;                 /* <= TKV_RABITQ_SELECT_MAX_FORCED              */
+    struct tkv_rabitq_select_range { uint32_t begin, end; } forced[TKV_RABITQ_SELECT_MAX_FORCED];
+                                       /* ascending, disjoint, within [0, n)           */
+};
+struct tkv_rabitq_select_args {
+    const struct tkv_rabitq_select_head *heads; /* host [n_heads]                      */
+    uint32_t n_heads, G;                        /* G: 1 .. TKV_RABITQ_SELECT_MAX_G      */
+    float    p, scale, extra_lse;               /* as tkv_rabitq_topp_params            */
+    bool     safe;                              /* with the bounds: safe top-p          */
+    uint32_t whole;                             /* > 0: widen to blocks of this many    */
+    /* outputs, HOST memory, written when the op returns (one download):
+     * bitmap[h * words + w] bit b = position 32 w + b of head h kept (bits at
+     * or past n are 0); n_chosen[h * G + j], mass[h * G + j] as
+     * tkv_rabitq_topp_result's n_chosen and mass for query head j of head h
+     * (n_chosen = UINT32_MAX: a non-finite estimate; the head's bitmap is
+     * then every key). n_chosen and mass may be NULL. */
+    uint32_t *bitmap;
+    uint32_t  words;                            /* >= (max n + 31) / 32                 */
+    uint32_t *n_chosen;
+    double   *mass;
+};
+
 /* What a profiling backend measured per op (profile_read). An op's device
  * time is the time between two events queued around its work on the
  * backend's compute stream; ops that queue nothing there (or wait only)
@@ -263,6 +301,9 @@ struct tkv_backend_ops {
     tkv_status (*rabitq_estimate)(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
                                   const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
                                   float *bound);
+    /* optional (NULL on the CPU backend, whose policies select on the
+     * host): the selection above for one layer in one call, one wait. */
+    tkv_status (*rabitq_select)(struct tkv_backend *b, const struct tkv_rabitq_select_args *a);
     /* Op profile: non-NULL only while the backend profiles its ops (CUDA:
      * TKV_CUDA_PROFILE=1 when it is created; docs/gpu.md). profile_read
      * waits for the queued work and fills *out with the totals since the

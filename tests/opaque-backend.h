@@ -12,6 +12,7 @@
 #define TKV_OPAQUE_BACKEND_H
 
 #include "runtime/backend.h"
+#include "runtime/rabitq/rabitq.h" /* tkv_rabitq_host_select */
 #include "test.h"
 
 #include <stdlib.h>
@@ -180,12 +181,35 @@ static tkv_status o_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabi
     return op_of(b)->cpu->ops->rabitq_estimate(op_of(b)->cpu, &c, q, first, n, U(est), U(bound));
 }
 
+/* rabitq_select through the host reference (a stand-in for a device's op:
+ * the policies' one-call-per-layer path runs in the CPU-only tests too). */
+static uint64_t opaque_select_calls;
+static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq_select_args *a)
+{
+    (void)b;
+    enum { MAXH = 64 };
+    struct tkv_rabitq_dev ix[MAXH];
+    struct tkv_rabitq_select_head hd[MAXH];
+    if (a->n_heads > MAXH)
+        return tkv_err(TKV_ERR_UNSUPPORTED, "opaque: rabitq_select of %u heads", a->n_heads);
+    for (uint32_t h = 0; h < a->n_heads; h++) {
+        ix[h] = untag_rabitq(a->heads[h].ix);
+        hd[h] = a->heads[h];
+        hd[h].ix = &ix[h];
+    }
+    struct tkv_rabitq_select_args c = *a;
+    c.heads = hd;
+    opaque_rabitq_calls++;
+    opaque_select_calls++;
+    return tkv_rabitq_host_select(&c);
+}
+
 static const struct tkv_backend_ops opaque_ops = {
     .name = "opaque", .free = o_free, .alloc = o_alloc, .release = o_release, .upload = o_upload,
     .download = o_download, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
     .get_rows = o_get_rows, .matmul = o_matmul, .rmsnorm = o_rmsnorm, .rope = o_rope, .swiglu = o_swiglu,
     .add = o_add, .kv_write = o_kv_write, .attention = o_attention, .attn_stats = o_attn_stats,
-    .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate};
+    .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate, .rabitq_select = o_rabitq_select};
 
 static tkv_status opaque_create(const char *device, uint32_t n_threads, struct tkv_backend **out)
 {

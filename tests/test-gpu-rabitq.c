@@ -4,8 +4,22 @@
  * kernels' codes, popcounts, scalars, estimates and bounds bit for bit, for
  * head_dim 64, 96 (padded to 128), 128 and 256, keys appended in uneven
  * batches from strided rows, on fresh random keys and queries; a non-finite
- * key, a full index and a query of another index are refused. Skips (77)
- * without a CUDA device.
+ * key, a full index and a query of another index are refused.
+ *
+ * rabitq_select (one layer's top-p on the device, docs/rabitq.md "Device
+ * top-p"), on random, peaked, flat (every estimate equal) and tied (4
+ * distinct keys) indexes of 1 .. 200K keys, plain and safe, 0-4 forced
+ * ranges, with and without extra_lse: per query head (calls with G = 1)
+ * the forced keys are kept; every kept key's score is >= every dropped
+ * key's (plain: exactly, ties by position; safe: within 1e-5 of the
+ * double log-value); the kept mass recomputed in double from the (bit-
+ * identical) estimates is >= p and the device's mass matches it; dropping
+ * the last key taken falls below p (minimal); n_chosen counts the kept
+ * candidates; the symmetric difference with tkv_rabitq_select_topp is
+ * counted, reported and at most 4 + 1e-5 n keys. A call with G query heads
+ * gives the OR of its G single calls bit for bit (G = 1..8), `whole` the
+ * widening to blocks, and a second call the same bits. Skips (77) without
+ * a CUDA device.
  */
 #include "test.h"
 
@@ -157,6 +171,210 @@ static void run_dim(uint32_t D, enum tkv_rabitq_isa isa)
     free(k), free(off), free(gain), free(q), free(est), free(bound);
 }
 
+/* ---- rabitq_select ----------------------------------------------------------- */
+
+enum shape { RANDOM, PEAKED, FLAT, TIES };
+static const char *const shape_name[] = {"random", "peaked", "flat", "ties"};
+static uint64_t sel_symdiff, sel_pairs, sel_keys;
+
+struct sel_case {
+    uint32_t n, G;
+    enum shape shape;
+    bool safe;
+    uint32_t n_forced;
+    float extra_lse, p;
+};
+
+static double log_value(double s, double d, double p) { return s + d + log(p + (1 - p) * exp(-2 * d)); }
+
+static void run_select(const struct sel_case *c)
+{
+    enum { D = 128 };
+    const uint32_t n = c->n, G = c->G, words = (n + 31) / 32;
+    uint16_t *k = malloc((size_t)n * D * sizeof *k);
+    float *est = malloc((size_t)n * sizeof *est), *bound = malloc((size_t)n * sizeof *bound);
+    float q[TKV_RABITQ_SELECT_MAX_G][D], dir[D], base[4][D];
+    uint32_t *bm1 = calloc((size_t)G * words, 4), *bmG = calloc(words, 4), *bmW = calloc(words, 4), *bm2 = calloc(words, 4);
+    uint32_t *pos = malloc((size_t)n * sizeof *pos), nch[TKV_RABITQ_SELECT_MAX_G], nchG[TKV_RABITQ_SELECT_MAX_G];
+    double mass[TKV_RABITQ_SELECT_MAX_G], massG[TKV_RABITQ_SELECT_MAX_G];
+    const size_t wb = tkv_rabitq_topp_work_bytes(n);
+    void *work = malloc(wb);
+    REQUIRE_VOID(k && est && bound && bm1 && bmG && bmW && bm2 && pos && work);
+    for (uint32_t i = 0; i < D; i++) {
+        dir[i] = gauss();
+        for (int b = 0; b < 4; b++)
+            base[b][i] = gauss();
+    }
+    for (uint32_t r = 0; r < n; r++)
+        for (uint32_t i = 0; i < D; i++) {
+            float x = c->shape == FLAT ? base[0][i] : c->shape == TIES ? base[r % 4][i] : gauss();
+            if (c->shape == PEAKED && r % 997 == 5)
+                x += 2.5f * dir[i]; /* a few needles along the query */
+            k[(size_t)r * D + i] = tkv_fp32_to_fp16(x);
+        }
+    struct tkv_rabitq *ix = NULL;
+    struct tkv_rabitq_mean mk;
+    float ck[D];
+    REQUIRE_VOID(tkv_rabitq_init(D, 0xabcull + n, &ix) == TKV_OK);
+    tkv_rabitq_mean_init(&mk, D);
+    tkv_rabitq_mean_add_f16(&mk, k, D, TKV_MIN(n, 4096u));
+    tkv_rabitq_mean_get(&mk, ck);
+    REQUIRE_VOID(tkv_rabitq_set_centroids(ix, ck, NULL) == TKV_OK && tkv_rabitq_reserve(ix, n) == TKV_OK &&
+                 tkv_rabitq_append_f16(ix, k, D, n) == TKV_OK);
+    uint16_t *k_dev = to_device(k, (size_t)n * D * sizeof *k);
+    struct tkv_rabitq_dev_index *dx = NULL;
+    REQUIRE_VOID(k_dev && tkv_rabitq_dev_create(be, ix, n, &dx) == TKV_OK && tkv_rabitq_dev_append(dx, k_dev, D, n) == TKV_OK);
+    struct tkv_rabitq_query qq[TKV_RABITQ_SELECT_MAX_G];
+    for (uint32_t j = 0; j < G; j++) {
+        const float amp = c->shape == PEAKED ? 3.0f : 1.0f + j;
+        for (uint32_t i = 0; i < D; i++)
+            q[j][i] = amp * (c->shape == PEAKED ? dir[i] + 0.3f * gauss() : gauss());
+        REQUIRE_VOID(tkv_rabitq_query_prepare(ix, q[j], 0, &qq[j]) == TKV_OK);
+    }
+    /* forced ranges: sinks, one or two in the middle, the recent end */
+    struct tkv_rabitq_select_head h1[TKV_RABITQ_SELECT_MAX_G], hG;
+    memset(&hG, 0, sizeof hG);
+    hG.ix = tkv_rabitq_dev_arrays(dx), hG.q = qq, hG.n = n;
+    uint32_t cuts[8] = {0, n / 50, n / 3, n / 3 + n / 40, n / 2, n / 2 + 3, n - n / 30, n};
+    for (int x = 1; x < 8; x++) /* ascending, within [0, n] */
+        cuts[x] = TKV_MIN(TKV_MAX(cuts[x], cuts[x - 1]), n);
+    static const uint32_t pick[5][4] = {{0}, {6}, {0, 6}, {0, 2, 6}, {0, 2, 4, 6}};
+    for (uint32_t f = 0; f < c->n_forced; f++) {
+        const uint32_t x = pick[c->n_forced][f];
+        if (cuts[x + 1] > cuts[x])
+            hG.forced[hG.n_forced++] = (struct tkv_rabitq_select_range){cuts[x], cuts[x + 1]};
+    }
+    struct tkv_range forced[TKV_RABITQ_SELECT_MAX_FORCED];
+    for (uint32_t f = 0; f < hG.n_forced; f++)
+        forced[f] = (struct tkv_range){hG.forced[f].begin, hG.forced[f].end};
+    for (uint32_t j = 0; j < G; j++)
+        h1[j] = hG, h1[j].q = &qq[j];
+    const float scale = 1.0f / sqrtf((float)D);
+    struct tkv_rabitq_select_args a = {.heads = h1, .n_heads = G, .G = 1, .p = c->p, .scale = scale,
+                                       .extra_lse = c->extra_lse, .safe = c->safe, .bitmap = bm1, .words = words,
+                                       .n_chosen = nch, .mass = mass};
+    tkv_status st = be->ops->rabitq_select(be, &a);
+    CHECK(st == TKV_OK, "select n=%u: %s", n, tkv_last_error());
+    const struct tkv_rabitq_select_args aG = {.heads = &hG, .n_heads = 1, .G = G, .p = c->p, .scale = scale,
+                                              .extra_lse = c->extra_lse, .safe = c->safe, .bitmap = bmG,
+                                              .words = words, .n_chosen = nchG, .mass = massG};
+    CHECK(be->ops->rabitq_select(be, &aG) == TKV_OK, "select G=%u: %s", G, tkv_last_error());
+    struct tkv_rabitq_select_args aW = aG;
+    aW.bitmap = bmW, aW.whole = 64;
+    CHECK(be->ops->rabitq_select(be, &aW) == TKV_OK, "select whole: %s", tkv_last_error());
+    struct tkv_rabitq_select_args a2 = aG;
+    a2.bitmap = bm2;
+    CHECK(be->ops->rabitq_select(be, &a2) == TKV_OK, "select again: %s", tkv_last_error());
+    CHECK(!memcmp(bm2, bmG, (size_t)words * 4), "n=%u: a second call gave other bits", n);
+
+    const double p = c->p, lp = 1 - p;
+    char what[96];
+    snprintf(what, sizeof what, "%s n=%u G=%u %s forced=%u lse=%g p=%g", shape_name[c->shape], n, G,
+             c->safe ? "safe" : "plain", hG.n_forced, (double)c->extra_lse, p);
+    for (uint32_t j = 0; j < G; j++) {
+        const uint32_t *row = bm1 + (size_t)j * words;
+        REQUIRE_VOID(tkv_rabitq_estimate(ix, &qq[j], 0, n, est, bound) == TKV_OK);
+        if (!c->safe)
+            memset(bound, 0, (size_t)n * sizeof *bound);
+        double M = c->extra_lse;
+        for (uint32_t i = 0; i < n; i++)
+            M = fmax(M, (double)(scale * est[i]) + (double)(scale * bound[i]));
+        double N = exp((double)c->extra_lse - M), C = 0, kept_min = INFINITY, drop_max = -INFINITY;
+        uint32_t kept_arg = UINT32_MAX, drop_arg = UINT32_MAX, cnt = 0, bad_forced = 0, r = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            const bool kept = row[i / 32] >> (i % 32) & 1;
+            while (r < hG.n_forced && forced[r].end <= i)
+                r++;
+            const bool f = r < hG.n_forced && forced[r].begin <= i;
+            const double s = (double)(scale * est[i]), d = (double)(scale * bound[i]);
+            bad_forced += f && !kept;
+            if (kept)
+                N += exp(s - d - M);
+            else
+                C += exp(s + d - M);
+            if (f)
+                continue;
+            const double g = c->safe ? log_value(s, d, p) : s;
+            if (kept) {
+                cnt++;
+                if (g < kept_min || (g == kept_min && i > kept_arg)) /* the last taken: smallest g, then latest */
+                    kept_min = g, kept_arg = i;
+            } else if (g > drop_max || (g == drop_max && i < drop_arg)) {
+                drop_max = g, drop_arg = i;
+            }
+        }
+        CHECK(bad_forced == 0, "%s: %u forced keys dropped", what, bad_forced);
+        CHECK(nch[j] == cnt, "%s q%u: n_chosen %u, %u kept candidates", what, j, nch[j], cnt);
+        const double tol = c->safe ? 1e-5 * fmax(1.0, fabs(kept_min)) : 0.0;
+        CHECK(kept_arg == UINT32_MAX || drop_arg == UINT32_MAX || kept_min > drop_max + tol ||
+                  (fabs(kept_min - drop_max) <= tol && (c->safe || kept_arg < drop_arg)),
+              "%s q%u: kept key %u (g %.9g) after dropped key %u (g %.9g)", what, j, kept_arg, kept_min, drop_arg,
+              drop_max);
+        const double mk = N / (N + C);
+        CHECK(mk >= p - 1e-6, "%s q%u: kept mass %.9f < p", what, j, mk);
+        CHECK(fabs(mk - mass[j]) <= 1e-5, "%s q%u: device mass %.9f, recomputed %.9f", what, j, mass[j], mk);
+        if (kept_arg != UINT32_MAX) { /* minimal: without the last key taken the rule fails */
+            const double s = (double)(scale * est[kept_arg]), d = (double)(scale * bound[kept_arg]);
+            const double N2 = N - exp(s - d - M), C2 = C + exp(s + d - M);
+            CHECK(lp * N2 < p * C2 * (1 + 1e-6) + 1e-12, "%s q%u: not minimal: %.9f without key %u", what, j,
+                  N2 / (N2 + C2), kept_arg);
+        }
+        /* the host's set */
+        const struct tkv_rabitq_topp_params tp = {.p = c->p, .scale = scale, .extra_lse = c->extra_lse,
+                                                  .forced = forced, .n_forced = hG.n_forced};
+        struct tkv_rabitq_topp_result res;
+        REQUIRE_VOID(tkv_rabitq_select_topp(est, c->safe ? bound : NULL, n, &tp, work, wb, pos, n, &res) == TKV_OK);
+        uint32_t x = 0, diff = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            const bool host = x < res.n_pos && pos[x] == i;
+            x += host;
+            diff += host != (bool)(row[i / 32] >> (i % 32) & 1);
+        }
+        sel_symdiff += diff, sel_pairs++, sel_keys += n;
+        CHECK(diff <= 4 + n / 100000, "%s q%u: %u keys differ from the host's top-p (%u vs %u chosen)", what, j, diff,
+              cnt, res.n_chosen);
+    }
+    /* the union of the G calls, and its widening */
+    uint32_t bad_or = 0, bad_whole = 0;
+    for (uint32_t w = 0; w < words; w++) {
+        uint32_t u = 0;
+        for (uint32_t j = 0; j < G; j++)
+            u |= bm1[(size_t)j * words + w];
+        bad_or += u != bmG[w];
+    }
+    for (uint32_t b0 = 0; b0 < n; b0 += 64) {
+        bool any = false;
+        for (uint32_t i = b0; i < TKV_MIN(b0 + 64, n); i++)
+            any |= bmG[i / 32] >> (i % 32) & 1;
+        for (uint32_t i = b0; i < TKV_MIN(b0 + 64, n); i++)
+            bad_whole += (bool)(bmW[i / 32] >> (i % 32) & 1) != any;
+    }
+    CHECK(bad_or == 0, "%s: the G-query call is not the OR of the single calls (%u words)", what, bad_or);
+    CHECK(bad_whole == 0, "%s: whole=64 widened %u positions wrongly", what, bad_whole);
+    CHECK(n % 32 == 0 || !(bmW[words - 1] >> (n % 32)), "%s: bits past n", what);
+    tkv_rabitq_dev_free(dx);
+    be->ops->release(be, k_dev);
+    tkv_rabitq_free(ix);
+    free(k), free(est), free(bound), free(bm1), free(bmG), free(bmW), free(bm2), free(pos), free(work);
+}
+
+static void test_select(void)
+{
+    REQUIRE_VOID(be->ops->rabitq_select);
+    static const uint32_t ns[] = {1, 7, 100, 5000, 65537, 200000};
+    uint32_t t = 0;
+    for (size_t a = 0; a < sizeof ns / sizeof *ns; a++)
+        for (int shape = RANDOM; shape <= TIES; shape++)
+            for (int safe = 0; safe <= 1; safe++, t++) {
+                const struct sel_case c = {.n = ns[a], .G = 1 + t % 8, .shape = (enum shape)shape, .safe = safe != 0,
+                                           .n_forced = t % 5, .extra_lse = t % 3 == 2 ? 2.0f : -INFINITY,
+                                           .p = t % 4 == 3 ? 0.99f : t % 4 == 1 ? 1.0f : 0.9f};
+                run_select(&c);
+            }
+    fprintf(stderr, "rabitq_select: %llu query heads, %llu keys: %llu differ from the host's top-p\n",
+            (unsigned long long)sel_pairs, (unsigned long long)sel_keys, (unsigned long long)sel_symdiff);
+}
+
 int main(void)
 {
     rng = test_seed();
@@ -177,6 +395,7 @@ int main(void)
         if (best != TKV_RABITQ_ISA_SCALAR)
             run_dim(dims[i], best);
     }
+    test_select();
     be->ops->free(be);
     return test_done();
 }

@@ -279,7 +279,7 @@ static void test_routes(void)
         {"streaming:budget=200", R_NONE},
     };
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
-        struct log lg[3] = {{0}};
+        struct log lg[4] = {{0}};
         const uint64_t calls0 = opaque_stats_calls + opaque_rabitq_calls;
         struct tkv_policy *p = NULL;
         const struct tkv_policy_env env = {.n_layer = PL, .n_head = PH, .n_head_kv = PHKV, .head_dim = PHD,
@@ -287,14 +287,25 @@ static void test_routes(void)
         REQUIRE_VOID(tkv_policy_create(specs[i].spec, &env, &p) == TKV_OK);
         const bool reads_keys = p->ops->reads_keys; /* the engine refuses those on the opaque backend */
         tkv_policy_free(p);
+        const uint64_t sel0 = opaque_select_calls;
         for (int r = HOST; r <= (reads_keys ? CPU_OP : OPAQUE); r++)
             drive(&specs[i], (enum route)r, r == CPU_OP ? cpu : opq, &in, &lg[r]);
-        for (int r = CPU_OP; r <= OPAQUE; r++) {
+        const bool rq = strstr(specs[i].spec, "rabitq") != NULL;
+        if (rq) { /* the RaBitQ policies: the opaque route above selected through rabitq_select (one call
+                     per layer); again with per-head estimates downloaded and top-p on the host */
+            CHECK(opaque_select_calls > sel0, "%s: rabitq_select was not used", specs[i].spec);
+            setenv("TKV_RABITQ_DEVICE_TOPP", "0", 1);
+            const uint64_t sel1 = opaque_select_calls;
+            drive(&specs[i], OPAQUE, opq, &in, &lg[3]);
+            unsetenv("TKV_RABITQ_DEVICE_TOPP");
+            CHECK(opaque_select_calls == sel1, "%s: TKV_RABITQ_DEVICE_TOPP=0 still used rabitq_select", specs[i].spec);
+        }
+        for (int r = CPU_OP; r <= 3; r++) {
             if (!lg[r].n)
                 continue;
             CHECK(lg[r].n == lg[HOST].n && !memcmp(lg[r].v, lg[HOST].v, lg[r].n * sizeof *lg[r].v),
                   "%s: the selections through the %s differ from the host's (%zu vs %zu words)", specs[i].spec,
-                  route_name[r], lg[r].n, lg[HOST].n);
+                  r == 3 ? "opaque backend without rabitq_select" : route_name[r], lg[r].n, lg[HOST].n);
         }
         /* the selections restrict something (a test of equal "everything" proves little) */
         uint32_t restricted = 0;
@@ -307,7 +318,7 @@ static void test_routes(void)
                 specs[i].spec, lg[HOST].n, restricted,
                 (unsigned long long)(opaque_stats_calls + opaque_rabitq_calls - calls0));
         CHECK(restricted > 0, "%s: nothing was restricted", specs[i].spec);
-        for (int r = 0; r < 3; r++)
+        for (int r = 0; r < 4; r++)
             free(lg[r].v);
     }
     opq->ops->release(opq, in.k_dev);

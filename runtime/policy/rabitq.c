@@ -69,6 +69,19 @@ struct rabitq {
     size_t work_bytes;
     uint32_t *pos;          /* [n_ctx] positions top-p kept */
     uint8_t *mark;          /* [n_ctx] union over the group's query heads */
+    /* selection on the device (the backend's rabitq_select; off with
+     * TKV_RABITQ_DEVICE_TOPP=0): one call per layer at its first head, the
+     * KV heads' bitmaps cached for the later heads of the same step */
+    bool dev_sel;
+    struct tkv_rabitq_query *qs;           /* [n_head_kv * G] the layer's prepared queries */
+    struct tkv_rabitq_select_head *sh;     /* [n_head_kv]                                   */
+    uint32_t *bitmap;                      /* [n_head_kv][words]                            */
+    uint32_t words;                        /* (n_ctx + 31) / 32                             */
+    int32_t *slot;                         /* [n_head_kv] head's row in bitmap, -1: read all */
+    uint32_t *sel_n;                       /* [n_head_kv] keys the row covers               */
+    uint32_t c_layer, c_n_past, c_step;    /* what the cache holds                          */
+    const float *c_q;
+    bool c_valid;
 };
 
 static const char *const rq_keys[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", NULL};
@@ -89,6 +102,7 @@ static void rq_destroy(void *state)
     }
     free(r->ix), free(r->dx), free(r->kbuf), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
         free(r->mark);
+    free(r->qs), free(r->sh), free(r->bitmap), free(r->slot), free(r->sel_n);
     free(r);
 }
 
@@ -96,6 +110,7 @@ static void rq_reset(void *state)
 {
     struct rabitq *r = state;
     memset(r->ready, 0, (size_t)r->env.n_layer * r->env.n_head_kv * sizeof *r->ready);
+    r->c_valid = false;
 }
 
 /* Parses the rabitq parameters of args (all of them: the caller has checked
@@ -212,6 +227,20 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
     r->kbuf = malloc(B * r->env.head_dim * sizeof *r->kbuf);
     if (!r->kbuf)
         return tkv_err(TKV_ERR_NOMEM, "rabitq: out of memory");
+    const char *env_sel = getenv("TKV_RABITQ_DEVICE_TOPP");
+    const uint32_t G = r->env.n_head / r->env.n_head_kv, H = r->env.n_head_kv;
+    r->dev_sel = be->ops->rabitq_select && !(env_sel && !strcmp(env_sel, "0")) && G <= TKV_RABITQ_SELECT_MAX_G &&
+                 n <= TKV_RABITQ_SELECT_MAX_N;
+    if (r->dev_sel) {
+        r->words = (uint32_t)((n + 31) / 32);
+        r->qs = malloc((size_t)H * G * sizeof *r->qs);
+        r->sh = malloc(H * sizeof *r->sh);
+        r->bitmap = malloc((size_t)H * r->words * sizeof *r->bitmap);
+        r->slot = malloc(H * sizeof *r->slot);
+        r->sel_n = malloc(H * sizeof *r->sel_n);
+        if (!r->qs || !r->sh || !r->bitmap || !r->slot || !r->sel_n)
+            return tkv_err(TKV_ERR_NOMEM, "rabitq: out of memory");
+    }
     TKV_TRY(be->ops->alloc(be, n * sizeof(float), (void **)&r->est_dev));
     return be->ops->alloc(be, n * sizeof(float), (void **)&r->bound_dev);
 }
@@ -304,33 +333,153 @@ static tkv_status estimate(struct rabitq *r, size_t i, const struct tkv_rabitq_q
     return r->safe ? r->be->ops->download(r->be, r->bound, r->bound_dev, n * sizeof *r->bound) : TKV_OK;
 }
 
+/* The keys head i selects from this step, and its forced ranges (sinks and
+ * the recent window): false when nothing is left to choose. */
+static bool head_plan(const struct rabitq *r, const struct tkv_policy_view *v, size_t i, uint32_t *n_out,
+                      struct tkv_range *forced, uint32_t *n_forced)
+{
+    const uint32_t n = TKV_MIN(indexed(r, i), v->n_past), sink_end = TKV_MIN(r->sink, n);
+    const uint32_t recent_begin = TKV_MAX(sink_end, v->n_past > r->recent ? v->n_past - r->recent : 0);
+    if (TKV_MIN(recent_begin, n) <= sink_end || n > r->env.n_ctx) /* nothing to choose: all of it is forced */
+        return false;
+    *n_forced = 0;
+    if (sink_end > 0)
+        forced[(*n_forced)++] = (struct tkv_range){0, sink_end};
+    if (recent_begin < n)
+        forced[(*n_forced)++] = (struct tkv_range){recent_begin, n};
+    *n_out = n;
+    return true;
+}
+
+/* Appends the tail not yet encoded ([n, n_past), this step's token
+ * included) to the m ranges of out; -1 when cap is short. */
+static int add_tail(struct tkv_range *out, uint32_t m, uint32_t cap, uint32_t n, uint32_t n_past)
+{
+    if (n < n_past) {
+        if (m > 0 && out[m - 1].end == n)
+            out[m - 1].end = n_past;
+        else if (m < cap)
+            out[m++] = (struct tkv_range){n, n_past};
+        else
+            return -1;
+    }
+    return (int)m;
+}
+
+/* A completed batch of head i joins the index when the keys are at hand
+ * (the step decode_needs_keys asked for them); false: the head is read
+ * whole from now on (out of memory, or a full twin). */
+static bool catch_up(struct rabitq *r, const struct tkv_policy_view *v, uint32_t head, size_t i)
+{
+    if (v->kv && pending(r, v, i) >= r->batch) {
+        const uint32_t from = indexed(r, i), to = v->n_past - 1;
+        if ((!r->dx[i] && rq_reserve(r, r->ix[i], to) != TKV_OK) || append_keys(r, i, &v->kv[head], from, to) != TKV_OK) {
+            r->ready[i] = false;
+            return false;
+        }
+    }
+    return true;
+}
+
+/* The layer's selection on the device, one call for every KV head that
+ * selects (rabitq_select): the queries prepared here, the union of each
+ * head's G query heads comes back as a bitmap. Fills r->slot / sel_n. */
+static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
+{
+    const uint32_t H = r->env.n_head_kv, hd = r->env.head_dim, G = r->env.n_head / H;
+    const size_t QD = (size_t)r->env.n_head * hd;
+    const float *q = v->q + (size_t)(v->n_q - 1) * QD; /* this step's query */
+    uint32_t ns = 0;
+    for (uint32_t g = 0; g < H; g++) {
+        const size_t i = (size_t)v->layer * H + g;
+        r->slot[g] = -1;
+        if (!r->ready[i] || !r->dx[i] || !catch_up(r, v, g, i))
+            continue;
+        struct tkv_range forced[2];
+        uint32_t n, nf;
+        if (!head_plan(r, v, i, &n, forced, &nf))
+            continue;
+        bool ok = true;
+        for (uint32_t hh = 0; hh < G && ok; hh++)
+            ok = tkv_rabitq_query_prepare(r->ix[i], q + (size_t)(g * G + hh) * hd, r->eps, &r->qs[(size_t)ns * G + hh]) ==
+                 TKV_OK;
+        if (!ok)
+            continue; /* a non-finite query: read everything */
+        struct tkv_rabitq_select_head *s = &r->sh[ns];
+        memset(s, 0, sizeof *s);
+        s->ix = tkv_rabitq_dev_arrays(r->dx[i]);
+        s->q = &r->qs[(size_t)ns * G];
+        s->n = n;
+        s->n_forced = nf;
+        for (uint32_t f = 0; f < nf; f++)
+            s->forced[f].begin = forced[f].begin, s->forced[f].end = forced[f].end;
+        r->slot[g] = (int32_t)ns;
+        r->sel_n[g] = n;
+        ns++;
+    }
+    if (ns == 0)
+        return;
+    const struct tkv_rabitq_select_args a = {
+        .heads = r->sh, .n_heads = ns, .G = G, .p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
+        .safe = r->safe != 0, .whole = r->whole ? (r->env.block_tokens ? r->env.block_tokens : 64) : 0,
+        .bitmap = r->bitmap, .words = r->words};
+    if (r->be->ops->rabitq_select(r->be, &a) != TKV_OK)
+        for (uint32_t g = 0; g < H; g++)
+            r->slot[g] = -1; /* read everything this step */
+}
+
+/* rq_decode with the selection on the device: the layer's call at its first
+ * head (or whenever the cache holds another step), the head's row of the
+ * bitmap turned into ranges. */
+static int dev_decode(struct rabitq *r, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
+                      uint32_t cap)
+{
+    if (head == 0 || !r->c_valid || r->c_layer != v->layer || r->c_n_past != v->n_past || r->c_step != v->step ||
+        r->c_q != v->q) {
+        select_layer(r, v);
+        r->c_valid = true, r->c_layer = v->layer, r->c_n_past = v->n_past, r->c_step = v->step, r->c_q = v->q;
+    }
+    if (r->slot[head] < 0)
+        return -1;
+    const uint32_t n = r->sel_n[head], *row = r->bitmap + (size_t)r->slot[head] * r->words;
+    const uint32_t nw = (n + 31) / 32;
+    uint32_t m = 0;
+    for (uint32_t j = 0; j < n;) {
+        uint32_t w = j / 32, x = row[w] & (~0u << (j % 32)); /* the next set bit */
+        while (!x && ++w < nw)
+            x = row[w];
+        if (!x || (j = w * 32 + (uint32_t)__builtin_ctz(x)) >= n)
+            break;
+        const uint32_t b = j;
+        x = ~row[w] & (~0u << (j % 32)); /* the next clear bit */
+        while (!x && ++w < nw)
+            x = ~row[w];
+        j = TKV_MIN(x ? w * 32 + (uint32_t)__builtin_ctz(x) : nw * 32, n);
+        if (m == cap)
+            return -1;
+        out[m++] = (struct tkv_range){b, j};
+    }
+    return add_tail(out, m, cap, n, v->n_past);
+}
+
 static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out, uint32_t cap)
 {
     struct rabitq *r = state;
     const uint32_t hd = r->env.head_dim, G = r->env.n_head / r->env.n_head_kv;
     const size_t i = (size_t)v->layer * r->env.n_head_kv + head, QD = (size_t)r->env.n_head * hd;
-    if (!r->ready[i] || v->n_q == 0)
+    if (v->n_q == 0)
+        return -1;
+    if (r->dev_sel && r->dx[i])
+        return dev_decode(r, v, head, out, cap);
+    if (!r->ready[i])
         return -1;
     struct tkv_rabitq *ix = r->ix[i];
-    /* a completed batch joins the index when the keys are at hand (the
-     * step decode_needs_keys asked for them) */
-    if (v->kv && pending(r, v, i) >= r->batch) {
-        const uint32_t from = indexed(r, i), to = v->n_past - 1;
-        if ((!r->dx[i] && rq_reserve(r, ix, to) != TKV_OK) || append_keys(r, i, &v->kv[head], from, to) != TKV_OK) {
-            r->ready[i] = false; /* out of memory (or a full twin): read this head whole from now on */
-            return -1;
-        }
-    }
-    const uint32_t n = TKV_MIN(indexed(r, i), v->n_past), sink_end = TKV_MIN(r->sink, n);
-    const uint32_t recent_begin = TKV_MAX(sink_end, v->n_past > r->recent ? v->n_past - r->recent : 0);
-    if (TKV_MIN(recent_begin, n) <= sink_end || n > r->env.n_ctx) /* nothing to choose: all of it is forced */
+    if (!catch_up(r, v, head, i))
         return -1;
     struct tkv_range forced[2];
-    uint32_t n_forced = 0;
-    if (sink_end > 0)
-        forced[n_forced++] = (struct tkv_range){0, sink_end};
-    if (recent_begin < n)
-        forced[n_forced++] = (struct tkv_range){recent_begin, n};
+    uint32_t n, n_forced;
+    if (!head_plan(r, v, i, &n, forced, &n_forced))
+        return -1;
     const struct tkv_rabitq_topp_params tp = {.p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
                                               .pos0 = 0, .forced = forced, .n_forced = n_forced};
     memset(r->mark, 0, n);
@@ -367,21 +516,16 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
             return -1;
         out[m++] = (struct tkv_range){b, j};
     }
-    if (n < v->n_past) { /* the tail not yet encoded, this step's token included */
-        if (m > 0 && out[m - 1].end == n)
-            out[m - 1].end = v->n_past;
-        else if (m < cap)
-            out[m++] = (struct tkv_range){n, v->n_past};
-        else
-            return -1;
-    }
-    return (int)m;
+    return add_tail(out, m, cap, n, v->n_past); /* the tail not yet encoded, this step's token included */
 }
 
 static size_t rq_memory(void *state)
 {
     const struct rabitq *r = state;
     size_t bytes = sizeof *r + r->work_bytes + (size_t)r->env.n_ctx * (2 * sizeof(float) + sizeof(uint32_t) + 1);
+    if (r->dev_sel)
+        bytes += (size_t)r->env.n_head * sizeof *r->qs +
+                 r->env.n_head_kv * (sizeof *r->sh + r->words * sizeof *r->bitmap + sizeof *r->slot + sizeof *r->sel_n);
     for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++)
         bytes += tkv_rabitq_bytes(r->ix[i]) + tkv_rabitq_dev_bytes(r->dx[i]) + sizeof r->ix[i] + sizeof r->dx[i] +
                  2 * sizeof(bool);

@@ -108,3 +108,75 @@ tkv_status tkv_rabitq_dev_estimate(const struct tkv_rabitq_dev_index *d, const s
                        (unsigned long long)first + n, d->n);
     return n ? d->be->ops->rabitq_estimate(d->be, &d->d, q, first, n, est, bound) : TKV_OK;
 }
+
+static void set_bits(uint32_t *row, uint32_t b0, uint32_t b1)
+{
+    for (uint32_t x = b0; x < b1; x++)
+        row[x / 32] |= 1u << (x % 32);
+}
+
+tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a)
+{
+    if (!a || !a->heads || !a->bitmap || a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: NULL argument or G = %u", a ? a->G : 0);
+    uint32_t n_max = 0;
+    for (uint32_t h = 0; h < a->n_heads; h++) {
+        const struct tkv_rabitq_select_head *hd = &a->heads[h];
+        if (!hd->ix || !hd->q || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
+            hd->n_forced > TKV_RABITQ_SELECT_MAX_FORCED)
+            return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: head %u: %u keys, %u forced ranges", h, hd->n,
+                           hd->n_forced);
+        for (uint32_t r = 0; r < hd->n_forced; r++)
+            if (hd->forced[r].end > hd->n)
+                return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: head %u: forced range past %u keys", h,
+                               hd->n);
+        n_max = TKV_MAX(n_max, hd->n);
+    }
+    if ((uint64_t)a->words * 32 < n_max)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: %u bitmap words for %u keys", a->words, n_max);
+    const size_t wb = tkv_rabitq_topp_work_bytes(n_max);
+    float *est = malloc((size_t)n_max * sizeof *est), *bound = malloc((size_t)n_max * sizeof *bound);
+    uint32_t *pos = malloc((size_t)n_max * sizeof *pos);
+    void *work = malloc(wb);
+    tkv_status st = est && bound && pos && work ? TKV_OK : tkv_err(TKV_ERR_NOMEM, "rabitq: host_select: out of memory");
+    for (uint32_t h = 0; h < a->n_heads && st == TKV_OK; h++) {
+        const struct tkv_rabitq_select_head *hd = &a->heads[h];
+        uint32_t *row = a->bitmap + (size_t)h * a->words;
+        memset(row, 0, (size_t)a->words * sizeof *row);
+        struct tkv_range forced[TKV_RABITQ_SELECT_MAX_FORCED];
+        for (uint32_t r = 0; r < hd->n_forced; r++)
+            forced[r] = (struct tkv_range){hd->forced[r].begin, hd->forced[r].end};
+        const struct tkv_rabitq_topp_params tp = {.p = a->p, .scale = a->scale, .extra_lse = a->extra_lse,
+                                                  .pos0 = 0, .forced = forced, .n_forced = hd->n_forced};
+        for (uint32_t j = 0; j < a->G && st == TKV_OK; j++) {
+            struct tkv_rabitq_topp_result res;
+            st = tkv_rabitq_host_estimate(hd->ix, &hd->q[j], 0, hd->n, est, a->safe ? bound : NULL);
+            if (st != TKV_OK)
+                break;
+            tkv_status ts = tkv_rabitq_select_topp(est, a->safe ? bound : NULL, hd->n, &tp, work, wb, pos, hd->n, &res);
+            if (ts == TKV_ERR_INVALID_ARG) { /* a non-finite estimate: the whole head */
+                set_bits(row, 0, hd->n);
+                res.n_chosen = UINT32_MAX, res.mass = NAN;
+            } else if ((st = ts) != TKV_OK) {
+                break;
+            } else {
+                for (uint32_t x = 0; x < res.n_pos; x++)
+                    row[pos[x] / 32] |= 1u << (pos[x] % 32);
+            }
+            if (a->n_chosen)
+                a->n_chosen[h * a->G + j] = res.n_chosen;
+            if (a->mass)
+                a->mass[h * a->G + j] = res.mass;
+        }
+        for (uint32_t b0 = 0; a->whole && b0 < hd->n; b0 += a->whole) { /* whole blocks */
+            const uint32_t b1 = TKV_MIN(b0 + a->whole, hd->n);
+            bool any = false;
+            for (uint32_t x = b0; x < b1 && !any; x++)
+                any = row[x / 32] >> (x % 32) & 1;
+            if (any)
+                set_bits(row, b0, b1);
+        }
+    }
+    free(est), free(bound), free(pos), free(work);
+    return st;
+}

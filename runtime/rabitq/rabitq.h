@@ -170,6 +170,14 @@ tkv_status tkv_rabitq_host_encode(const struct tkv_rabitq_dev *d, const uint16_t
 tkv_status tkv_rabitq_host_estimate(const struct tkv_rabitq_dev *d, const struct tkv_rabitq_query *q, uint32_t first,
                                     uint32_t n, float *est, float *bound);
 
+/* The reference of the backend op rabitq_select (backend.h), on arrays in
+ * host memory: per head and query head tkv_rabitq_host_estimate then
+ * tkv_rabitq_select_topp, the sets ORed into the bitmap, widened to whole
+ * blocks. A non-finite estimate gives n_chosen = UINT32_MAX, mass NaN and
+ * every key of the head, as the device does. Allocates its scratch per
+ * call (tests, and test backends standing in for a device). */
+tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a);
+
 /* ---- query and estimate --------------------------------------------------- */
 
 /* A query prepared for one index: u' = P (q - c_q), quantized as

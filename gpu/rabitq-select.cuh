@@ -1,0 +1,54 @@
+/*
+ * rabitq-select.cuh -- one layer's RaBitQ top-p selection on the GPU (the
+ * device side of backend.h's rabitq_select): per (KV head, query head) pair
+ * every key estimated as rabitq.cu's estimate kernel does (bit for bit),
+ * top-p found by a histogram of the keys' log-values and an exact radix
+ * refinement of the boundary bin, the G query heads' kept sets ORed into a
+ * bitmap per KV head. docs/rabitq.md ("Device top-p") states what it
+ * guarantees and where it can differ from tkv_rabitq_select_topp.
+ *
+ * Masses are summed in 64-bit fixed point (2^-40 units; a kept key's term
+ * rounded down, a dropped key's rounded up), so the sums do not depend on
+ * the order the threads add them in: the result is the same on every run.
+ */
+#ifndef TKV_GPU_RABITQ_SELECT_CUH
+#define TKV_GPU_RABITQ_SELECT_CUH
+
+#include "rabitq.cuh"
+
+#define TKV_CUDA_RQS_MAX_G      8
+#define TKV_CUDA_RQS_MAX_FORCED 4
+#define TKV_CUDA_RQS_NBINS      4096 /* bins of 1/64 nat below the largest log-value, as the host's */
+
+/* One KV head of the call (device memory, [n_heads]). */
+struct tkv_cuda_rqs_head {
+    struct tkv_cuda_rq_index ix;
+    uint32_t n, n_forced;                       /* keys 0 .. n-1; forced ranges        */
+    uint32_t fb[TKV_CUDA_RQS_MAX_FORCED], fe[TKV_CUDA_RQS_MAX_FORCED]; /* [fb, fe)     */
+};
+
+struct tkv_cuda_rqs_params {
+    uint32_t n_heads, G, n_max, words, whole; /* n_max: the largest n; words: bitmap row */
+    float p, scale, extra_lse;
+    int safe;
+};
+
+/* Device memory one call uses, all sized by tkv_cuda_rqs_bytes. */
+struct tkv_cuda_rqs_work {
+    void *state;        /* [P] per-pair state (histogram, boundary), zeroed by run */
+    float *scratch;     /* [3][P][n_max] log-values g, scaled estimates s, bounds d */
+    uint32_t *list;     /* [P][n_max] members of the boundary bin                   */
+    double *mass;       /* [P] out                                                  */
+    uint32_t *n_chosen; /* [P] out                                                  */
+    uint32_t *bitmap;   /* [n_heads][words] out                                     */
+};
+
+/* Bytes of the per-pair state (P pairs). */
+size_t tkv_cuda_rqs_state_bytes(uint32_t P);
+
+/* Queues the selection: heads [n_heads] and q [n_heads * G] in device
+ * memory (query j of head h at q[h * G + j]). */
+cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_head *heads,
+                             const struct tkv_cuda_rq_query *q, const struct tkv_cuda_rqs_work *w, cudaStream_t s);
+
+#endif /* TKV_GPU_RABITQ_SELECT_CUH */
