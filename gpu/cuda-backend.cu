@@ -95,7 +95,7 @@ struct cuda_backend {
                                       cudaMemcpy                               */
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
-    int gemv;                      /* decode matmul: GEMV_FAST, or TKV_CUDA_GEMV=ref|cublas */
+    int gemv;                      /* decode matmul: GEMV_FAST, or TKV_CUDA_GEMV=ref|cublas|u8|auto */
     bool pdl;                      /* TKV_CUDA_PDL=1: the decode path's kernels as
                                       programmatic dependent launches        */
     float *fuse_work;              /* [fuse_work_cap bytes] matmul_swiglu's up product off the GEMV path */
@@ -112,7 +112,14 @@ struct cuda_backend {
  * reference kernel ("ref"), or cuBLAS as for prefill ("cublas"); the last two
  * exist to measure and test the first. "u8": the fast GEMV with 8 loads per
  * lane in flight, a candidate for the mid shapes (being measured). */
-enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8 };
+enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8, GEMV_AUTO };
+
+/* "auto": the fast GEMV per shape, from bench-gemv on the H200: the 8-load
+ * kernel for rows of at least GEMV_U8_MIN_IN columns (4096 x 14336, the
+ * down matrix: 35.4 us against 39.3), the 4-load one elsewhere; the fused
+ * ops run their fused kernels as under the default. */
+#define GEMV_U8_MIN_IN 8192u
+
 
 /* TKV_CUDA_PDL=1 when the backend is created (sm_90 and later): the
  * kernels of the decode path (the fast GEMVs, the fused ops, rmsnorm,
@@ -131,6 +138,12 @@ struct tkv_bweight {
 };
 
 static struct cuda_backend *cuda_of(struct tkv_backend *b) { return (struct cuda_backend *)b; }
+
+/* Whether matmul's GEMV takes the 8-load kernel for w. */
+static bool gemv_u8_for(int mode, const struct tkv_bweight *w)
+{
+    return mode == GEMV_U8 || (mode == GEMV_AUTO && w->n_in >= GEMV_U8_MIN_IN);
+}
 
 /* ---- errors --------------------------------------------------------------- */
 
@@ -641,7 +654,7 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
-        else if (cb->gemv == GEMV_U8)
+        else if (gemv_u8_for(cb->gemv, w))
             CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
                                         cb->stream));
         else
@@ -666,7 +679,7 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
  * reference or f32 paths, which the fused ops then run one by one). */
 static bool fast_gemv(const struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, uint32_t n)
 {
-    return cb->gemv == GEMV_FAST && w->w16 && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n);
+    return (cb->gemv == GEMV_FAST || cb->gemv == GEMV_AUTO) && w->w16 && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n);
 }
 
 static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
@@ -1311,7 +1324,7 @@ static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, 
     struct cuda_backend *cb_ = cuda_of(b);
     const uint32_t path = w->w32 ? 3u : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
                                                 tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
-                                            ? (cb_->gemv == GEMV_REF ? 1u : cb_->gemv == GEMV_U8 ? 4u : 0u)
+                                            ? (cb_->gemv == GEMV_REF ? 1u : gemv_u8_for(cb_->gemv, w) ? 4u : 0u)
                                             : 2u;
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
@@ -1655,6 +1668,7 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->gemv = gemv && !strcmp(gemv, "ref")      ? GEMV_REF
                : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS
                : gemv && !strcmp(gemv, "u8")     ? GEMV_U8
+               : gemv && !strcmp(gemv, "auto")   ? GEMV_AUTO
                                                  : GEMV_FAST;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = pdl && !strcmp(pdl, "1");

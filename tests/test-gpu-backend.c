@@ -6,7 +6,8 @@
  * Tolerances (why in docs/gpu.md):
  *   matmul     ||gpu - ref|| / ||ref|| < 1e-3 (n <= 8: f16 weights, f32
  *              activations; each GEMV kernel: fast, ref, u8) or 2e-3 (cuBLAS:
- *              f16 weights and activations),
+ *              f16 weights and activations); TKV_CUDA_GEMV=auto bit-identical
+ *              to the kernel it picks (8-load for n_in >= 8192, else fast),
  *              ref = double over the exact dequantized weights; and within
  *              2e-2 of the CPU backend (which quantizes decode activations
  *              to 8 bits)
@@ -52,6 +53,7 @@ static struct tkv_backend *cpu, *gpu;
 /* the decode matmul's other paths (TKV_CUDA_GEMV=ref, =cublas): the fast
  * GEMV of `gpu` is checked against both */
 static struct tkv_backend *gpu_gemv_ref, *gpu_gemv_blas, *gpu_gemv_u8; /* u8: TKV_CUDA_GEMV=u8 */
+static struct tkv_backend *gpu_gemv_auto; /* TKV_CUDA_GEMV=auto: u8 for n_in >= 8192, else the default */
 static bool f32_mode; /* gpu was created with TKV_CUDA_WEIGHTS=f32 */
 
 /* ---- device helpers ------------------------------------------------------- */
@@ -264,6 +266,36 @@ static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint3
         free(ya);
         alt[a]->ops->weight_free(alt[a], wa);
     }
+    /* TKV_CUDA_GEMV=auto picks one of two kernels by shape: the same bits
+     * as the 8-load kernel for rows of >= 8192 columns, else as the default */
+    struct tkv_bweight *w_auto = NULL, *w_u8 = NULL;
+    if (gemv && !f32_mode && gpu_gemv_auto &&
+        gpu_gemv_auto->ops->weight_init(gpu_gemv_auto, &tw.t, &w_auto) == TKV_OK &&
+        gpu_gemv_u8->ops->weight_init(gpu_gemv_u8, &tw.t, &w_u8) == TKV_OK) {
+        const bool long_rows = n_in >= 8192;
+        float *y_auto = malloc(ny * sizeof *y_auto), *y_want = malloc(ny * sizeof *y_want);
+        float *d_auto = dev_poisoned(ny), *d_u8 = dev_poisoned(ny);
+        CHECK(gpu_gemv_auto->ops->matmul(gpu_gemv_auto, w_auto, dx + x_offset, d_auto, n) == TKV_OK, "%s",
+              tkv_last_error());
+        CHECK(gpu_gemv_u8->ops->matmul(gpu_gemv_u8, w_u8, dx + x_offset, d_u8, n) == TKV_OK, "%s", tkv_last_error());
+        CHECK(gpu_gemv_auto->ops->synchronize(gpu_gemv_auto) == TKV_OK &&
+                  gpu_gemv_u8->ops->synchronize(gpu_gemv_u8) == TKV_OK, "%s", tkv_last_error());
+        to_host(y_auto, d_auto, ny * sizeof *y_auto);
+        if (long_rows)
+            to_host(y_want, d_u8, ny * sizeof *y_want);
+        else
+            memcpy(y_want, yg, ny * sizeof *y_want);
+        const bool same = !memcmp(y_auto, y_want, ny * sizeof *y_auto);
+        fprintf(stderr, " auto %s %s", same ? "==" : "!=", long_rows ? "u8" : "fast");
+        CHECK(same, "matmul %ux%u n=%u: TKV_CUDA_GEMV=auto differs from the %s kernel", n_in, n_out, n,
+              long_rows ? "8-load" : "default");
+        dev_free(d_auto), dev_free(d_u8);
+        free(y_auto), free(y_want);
+    }
+    if (w_auto)
+        gpu_gemv_auto->ops->weight_free(gpu_gemv_auto, w_auto);
+    if (w_u8)
+        gpu_gemv_u8->ops->weight_free(gpu_gemv_u8, w_u8);
     fprintf(stderr, "\n");
     dev_free(dx);
     dev_free(dy);
@@ -1810,6 +1842,8 @@ int main(void)
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_blas) == TKV_OK, "%s", tkv_last_error());
     setenv("TKV_CUDA_GEMV", "u8", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_u8) == TKV_OK, "%s", tkv_last_error());
+    setenv("TKV_CUDA_GEMV", "auto", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_auto) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_GEMV");
     const clock_t t0 = clock();
     /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
@@ -1836,6 +1870,7 @@ int main(void)
     gpu_gemv_ref->ops->free(gpu_gemv_ref);
     gpu_gemv_blas->ops->free(gpu_gemv_blas);
     gpu_gemv_u8->ops->free(gpu_gemv_u8);
+    gpu_gemv_auto->ops->free(gpu_gemv_auto);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return test_done();
