@@ -542,9 +542,13 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
     }
 }
 
-/* The decode kernel over the packed table in device memory. */
+/* The decode kernel over the packed table in device memory. Under a
+ * programmatic dependent launch (p.pdl) it waits at once: everything it
+ * reads but its parameters (the table, q, K/V) an earlier op writes. */
 template <class C> __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_params p)
 {
+    tkv_pdl_trigger();
+    tkv_pdl_wait();
     const uint32_t g = blockIdx.x, split = blockIdx.y, G = p.n_head / p.n_head_kv;
     const int R = (int)(p.n_q * G);
     int32_t pos_max = INT_MIN;
@@ -614,7 +618,7 @@ __global__ void __launch_bounds__(NT) attn_decode_merge_kernel(const tkv_cuda_at
 template <class C> cudaError_t launch_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
     const dim3 grid(p->n_head_kv, p->n_split);
-    attn_decode_kernel<C><<<grid, NT, C::SMEM, s>>>(*p);
+    TKV_CUDA_TRY(tkv_cuda_launch(p->pdl != 0, grid, NT, C::SMEM, s, attn_decode_kernel<C>, *p));
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }

@@ -447,6 +447,7 @@ struct tkv_cuda_attn_state {
     int prefill_variant;           /* TKV_CUDA_ATTN_PREFILL_VARIANT, setter; -1: by precision */
     struct tkv_cuda_attn_runs runs;/* the inline table being built          */
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
+    bool pdl;                      /* decode kernel: programmatic dependent launch */
 };
 
 void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
@@ -477,13 +478,14 @@ void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
     free(st);
 }
 
-cudaError_t tkv_cuda_attn_state_create(int decode_mode, tkv_cuda_attn_state **out)
+cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_state **out)
 {
     *out = NULL;
     tkv_cuda_attn_state *st = (tkv_cuda_attn_state *)calloc(1, sizeof *st);
     if (!st)
         return cudaErrorMemoryAllocation;
     st->decode_mode = decode_mode;
+    st->pdl = pdl;
     st->prefill_variant = -1; /* by precision (tkv_cuda_attn_prefill_variant) */
     const char *tab = getenv("TKV_CUDA_ATTN_TABLE"), *pf = getenv("TKV_CUDA_ATTN_PREFILL");
     const char *pack = getenv("TKV_CUDA_ATTN_PACK"), *var = getenv("TKV_CUDA_ATTN_PREFILL_VARIANT");
@@ -684,7 +686,7 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         st->counters_cap = (uint32_t)cap;
         p.counters = st->counters;
     }
-    TKV_CUDA_TRY(tkv_cuda_attn_decode_runs(&p, &st->runs, st->decode_mode == TKV_ATTN_DECODE_PDL, s));
+    TKV_CUDA_TRY(tkv_cuda_attn_decode_runs(&p, &st->runs, st->pdl || st->decode_mode == TKV_ATTN_DECODE_PDL, s));
     *done = true;
     return cudaSuccess;
 }
@@ -792,6 +794,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.prefill_mode = st->prefill_mode;
     p.prefill_pack = st->prefill_pack;
     p.prefill_variant = st->prefill_variant;
+    p.pdl = st->pdl;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_tiles, n_sm);
     if (part) {
         TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));

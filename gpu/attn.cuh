@@ -71,6 +71,8 @@ struct tkv_cuda_attn_params {
                                                (attn-prefill.cuh)               */
     uint32_t *counters;                     /* [n_head_kv], zero between calls:
                                                finished splits (fused merge)    */
+    int pdl;                                /* the decode kernel as a programmatic
+                                               dependent launch (common.cuh)    */
 };
 
 /* Which kernels serve calls of at most 8 query rows per KV head. */
@@ -159,7 +161,11 @@ struct tkv_cuda_attn_state;
  * TKV_CUDA_ATTN_PACK=0 (per ref instead of packed tiles); and a knob that
  * measured the table's copy stream, TKV_CUDA_ATTN_TABLE=main (copy the
  * block table on the compute stream instead). */
-cudaError_t tkv_cuda_attn_state_create(int decode_mode, struct tkv_cuda_attn_state **out);
+/* pdl: launch the decode kernel (packed table or inline runs) as a
+ * programmatic dependent launch in every decode mode that uses it
+ * (TKV_CUDA_PDL=1, cuda-backend.cu; TKV_ATTN_DECODE_PDL implies it for the
+ * runs). */
+cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, struct tkv_cuda_attn_state **out);
 void tkv_cuda_attn_state_free(struct tkv_cuda_attn_state *st); /* NULL is a no-op */
 
 /* The tensor-core prefill kernel's variant for the calls queued from now on

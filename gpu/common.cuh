@@ -42,6 +42,59 @@ static inline unsigned tkv_cuda_blocks(size_t n, unsigned per_block)
     return (unsigned)((n + per_block - 1) / per_block);
 }
 
+/* ---- programmatic dependent launch (sm_90; docs/gpu.md "Programmatic
+ * dependent launch") ------------------------------------------------------
+ *
+ * tkv_cuda_launch(pdl = true, ...) lets a kernel start while the previous
+ * kernel of the stream drains, so its launch and prologue overlap that
+ * kernel's tail. The kernel's side of the contract:
+ *   - it calls tkv_pdl_wait() in every thread before it reads anything an
+ *     earlier op of the stream writes (activations, K/V, counters, work
+ *     buffers) and before it writes anything: before the wait it may read
+ *     only its parameters and memory no op of the stream writes (weights,
+ *     written at load);
+ *   - every thread reaches the wait (no return before it), so the grid
+ *     completes only after its predecessor did: a later kernel that waits
+ *     on this one then also sees everything before it.
+ * tkv_pdl_trigger() lets the next kernel launch once every CTA of this one
+ * has run it (or exited); both compile to nothing below sm_90 and do
+ * nothing when the kernel was launched without the attribute. */
+static __device__ __forceinline__ void tkv_pdl_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void tkv_pdl_trigger(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* kernel<<<grid, block, smem, s>>>(args...), as a programmatic dependent
+ * launch when pdl (the kernel keeping the contract above); the launch's
+ * error is returned. */
+template <typename... KArgs, typename... Args>
+static inline cudaError_t tkv_cuda_launch(bool pdl, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                          void (*kernel)(KArgs...), Args... args)
+{
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    memset(at, 0, sizeof at);
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 /* ---- warp reductions (device) --------------------------------------------- */
 
 static __device__ __forceinline__ float tkv_warp_sum(float v)

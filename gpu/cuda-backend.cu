@@ -98,7 +98,9 @@ struct cuda_backend {
                                       cudaMemcpy                               */
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
-    int gemv;                      /* decode matmul: GEMV_FAST, or TKV_CUDA_GEMV=ref|cublas */
+    int gemv;                      /* decode matmul: GEMV_FAST, or TKV_CUDA_GEMV=ref|cublas|u8|auto */
+    bool pdl;                      /* TKV_CUDA_PDL=1: the decode path's kernels as
+                                      programmatic dependent launches        */
     float *fuse_work;              /* [fuse_work_cap bytes] matmul_swiglu's up product off the GEMV path */
     size_t fuse_work_cap;
     /* rope_qk's positions: the last ones uploaded (host copy, pos_n of them)
@@ -113,7 +115,21 @@ struct cuda_backend {
  * reference kernel ("ref"), or cuBLAS as for prefill ("cublas"); the last two
  * exist to measure and test the first. "u8": the fast GEMV with 8 loads per
  * lane in flight, a candidate for the mid shapes (being measured). */
-enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8 };
+enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8, GEMV_AUTO };
+
+/* "auto": the fast GEMV per shape, from bench-gemv on the H200: the 8-load
+ * kernel for rows of at least GEMV_U8_MIN_IN columns (4096 x 14336, the
+ * down matrix: 35.4 us against 39.3), the 4-load one elsewhere; the fused
+ * ops run their fused kernels as under the default. */
+#define GEMV_U8_MIN_IN 8192u
+
+
+/* TKV_CUDA_PDL=1 when the backend is created (sm_90 and later): the
+ * kernels of the decode path (the fast GEMVs, the fused ops, rmsnorm,
+ * kv_write_heads, the decode attention kernel) are queued as programmatic
+ * dependent launches, so each one's launch and first weight loads overlap
+ * the previous kernel's tail (docs/gpu.md "Programmatic dependent launch").
+ * Same kernels, same results; off by default until measured. */
 
 struct tkv_bweight {
     const struct tkv_gguf_tensor *t;
@@ -125,6 +141,12 @@ struct tkv_bweight {
 };
 
 static struct cuda_backend *cuda_of(struct tkv_backend *b) { return (struct cuda_backend *)b; }
+
+/* Whether matmul's GEMV takes the 8-load kernel for w. */
+static bool gemv_u8_for(int mode, const struct tkv_bweight *w)
+{
+    return mode == GEMV_U8 || (mode == GEMV_AUTO && w->n_in >= GEMV_U8_MIN_IN);
+}
 
 /* ---- errors --------------------------------------------------------------- */
 
@@ -635,10 +657,11 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
-        else if (cb->gemv == GEMV_U8)
-            CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->stream));
+        else if (gemv_u8_for(cb->gemv, w))
+            CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
+                                        cb->stream));
         else
-            CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->stream));
+            CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
     const size_t count = (size_t)n * w->n_in;
@@ -659,7 +682,7 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
  * reference or f32 paths, which the fused ops then run one by one). */
 static bool fast_gemv(const struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, uint32_t n)
 {
-    return cb->gemv == GEMV_FAST && w->w16 && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n);
+    return (cb->gemv == GEMV_FAST || cb->gemv == GEMV_AUTO) && w->w16 && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n);
 }
 
 static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
@@ -694,7 +717,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
         g.y[i] = y[i];
         g.end[i] = end += w[i]->n_out;
     }
-    CU(op, tkv_cuda_gemv_group(&g, x, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->stream));
+    CU(op, tkv_cuda_gemv_group(&g, x, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -710,7 +733,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     if (n == 0)
         return TKV_OK;
     if (fast_gemv(cb, wg, x, n) && fast_gemv(cb, wu, x, n)) {
-        CU(op, tkv_cuda_gemv_swiglu(wg->w16, wu->w16, x, out, wg->n_in, wg->n_out, n, (uint32_t)cb->n_sm,
+        CU(op, tkv_cuda_gemv_swiglu(wg->w16, wu->w16, x, out, wg->n_in, wg->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
                                     cb->stream));
         return TKV_OK;
     }
@@ -732,7 +755,7 @@ static tkv_status cuda_add_rmsnorm(struct tkv_backend *b, float *y, const float 
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: add_rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
     if (dim == 0)
         return TKV_OK;
-    CU("add_rmsnorm", tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, cb->stream));
+    CU("add_rmsnorm", tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -784,7 +807,7 @@ static tkv_status cuda_rope_qk(struct tkv_backend *b, float *q, float *k, uint32
     const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* as cuda_rope */
     TKV_TRY(pos_upload(cb, pos, n, op));
     CU(op, tkv_cuda_rope_qk(q, k, n, n_head, n_head_kv, head_dim, rot_dim, cb->pos_dev, theta_scale, freq_scale,
-                            cb->stream));
+                            cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -797,7 +820,7 @@ static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const stru
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
     if (dim == 0)
         return TKV_OK;
-    CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->stream));
+    CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -863,7 +886,7 @@ static tkv_status cuda_kv_write_heads(struct tkv_backend *b, const float *k, con
             dst.v[h] = vdst[h0 + h];
         }
         CU(op, tkv_cuda_kv_write_heads(k + (size_t)h0 * head_dim, v + (size_t)h0 * head_dim, stride, &dst, nh, n_rows,
-                                       head_dim, cb->stream));
+                                       head_dim, cb->pdl, cb->stream));
     }
     return TKV_OK;
 }
@@ -1406,7 +1429,7 @@ static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, 
     struct cuda_backend *cb_ = cuda_of(b);
     const uint32_t path = w->w32 ? 3u : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
                                                 tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
-                                            ? (cb_->gemv == GEMV_REF ? 1u : cb_->gemv == GEMV_U8 ? 4u : 0u)
+                                            ? (cb_->gemv == GEMV_REF ? 1u : gemv_u8_for(cb_->gemv, w) ? 4u : 0u)
                                             : 2u;
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
@@ -1677,6 +1700,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     tkv_cuda_current = cb->device;
     CU(op, cudaGetDeviceProperties(&prop, cb->device));
     cb->n_sm = prop.multiProcessorCount;
+    cb->pdl = cb->pdl && prop.major >= 9; /* griddepcontrol is sm_90's */
     if (cudaDeviceGetPCIBusId(cb->pci_bus_id, sizeof cb->pci_bus_id, cb->device) != cudaSuccess) {
         (void)cudaGetLastError();
         cb->pci_bus_id[0] = 0;
@@ -1705,7 +1729,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
                           : dec && !strcmp(dec, "runs")  ? TKV_ATTN_DECODE_RUNS
                           : dec && !strcmp(dec, "pdl")   ? TKV_ATTN_DECODE_PDL
                                                          : TKV_ATTN_DECODE_FUSED;
-    CU(op, tkv_cuda_attn_state_create(attn_mode, &cb->attn));
+    CU(op, tkv_cuda_attn_state_create(attn_mode, cb->pdl, &cb->attn));
     for (int i = 0; i < N_STAGE; i++) {
         struct stage_slot *sl = &cb->stage[i];
         CU(op, cudaEventCreateWithFlags(&sl->ev, cudaEventDisableTiming));
@@ -1713,9 +1737,10 @@ static tkv_status cuda_init(struct cuda_backend *cb)
         CU(op, cudaMalloc(&sl->dev, STAGE_MIN_BYTES));
         sl->cap = STAGE_MIN_BYTES;
     }
-    TKV_LOG_I("cuda: device %d (%s): %s, %d SMs, %.1f GiB, compute capability %d.%d%s", cb->device, cb->pci_bus_id,
-              prop.name, cb->n_sm, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
-              cb->f32_weights ? " (f32 weights: validation mode)" : "");
+    TKV_LOG_I("cuda: device %d (%s): %s, %d SMs, %.1f GiB, compute capability %d.%d%s%s", cb->device,
+              cb->pci_bus_id, prop.name, cb->n_sm, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
+              cb->f32_weights ? " (f32 weights: validation mode)" : "",
+              cb->pdl ? " (programmatic dependent launches)" : "");
     return TKV_OK;
 }
 
@@ -1756,7 +1781,10 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->gemv = gemv && !strcmp(gemv, "ref")      ? GEMV_REF
                : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS
                : gemv && !strcmp(gemv, "u8")     ? GEMV_U8
+               : gemv && !strcmp(gemv, "auto")   ? GEMV_AUTO
                                                  : GEMV_FAST;
+    const char *pdl = getenv("TKV_CUDA_PDL");
+    cb->pdl = pdl && !strcmp(pdl, "1");
     const char *prof = getenv("TKV_CUDA_PROFILE");
     tkv_status st = cuda_init(cb);
     if (st == TKV_OK && prof && !strcmp(prof, "1")) {

@@ -8,6 +8,8 @@ namespace {
 __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps)
 {
     __shared__ double partial[32];
+    tkv_pdl_trigger();
+    tkv_pdl_wait();
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *yr = y + (size_t)blockIdx.x * dim;
     double ss = 0;
@@ -90,6 +92,8 @@ __global__ void kv_write_heads_kernel(const float *k, const float *v, size_t str
 {
     const size_t per_head = (size_t)n_rows * hd, per_side = per_head * n_heads;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    tkv_pdl_trigger();
+    tkv_pdl_wait();
     if (i >= 2 * per_side)
         return;
     const bool is_v = i >= per_side;
@@ -211,35 +215,60 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p)
 /* Thread t's share of one row (T threads on the row): chunks k = t, t + T,
  * ..., U loads issued before any is used; acc[i] += token i's products. The
  * grouped and SwiGLU kernels below run the same sequence, so a row's sums
- * are the plain kernel's, bit for bit, at the same S. */
-template <int NT, uint32_t T, int U = GEMV2_U>
-__device__ __forceinline__ void gemv2_row(const uint4 *w8, const float *x, uint32_t n_in, uint32_t n8, uint32_t t,
+ * are the plain kernel's, bit for bit, at the same S.
+ *
+ * Split in three so that a kernel can issue its first round of loads
+ * (gemv2_load at k0 = t) before tkv_pdl_wait: weights are written at load
+ * and by no kernel, so under a programmatic dependent launch those loads
+ * overlap the previous kernel's tail. gemv2_row then goes on from there;
+ * the order of the products is the same either way. */
+template <uint32_t T, int U>
+__device__ __forceinline__ void gemv2_load(const uint4 *w8, uint32_t n8, uint32_t k0, uint4 *raw)
+{
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const uint32_t k = k0 + u * T;
+        raw[u] = k < n8 ? ld_stream(w8 + k) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+template <int NT, uint32_t T, int U>
+__device__ __forceinline__ void gemv2_use(const uint4 *raw, const float *x, uint32_t n_in, uint32_t n8, uint32_t k0,
                                           float *acc)
 {
-    for (uint32_t k0 = t; k0 < n8; k0 += T * U) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const uint32_t k = k0 + u * T;
+        if (k >= n8)
+            break;
+        gemv_dot8<NT>(raw[u], x, n_in, k, acc);
+    }
+}
+
+/* first: the round at k0 = t, from gemv2_load */
+template <int NT, uint32_t T, int U = GEMV2_U>
+__device__ __forceinline__ void gemv2_row(const uint4 *w8, const float *x, uint32_t n_in, uint32_t n8, uint32_t t,
+                                          const uint4 *first, float *acc)
+{
+    gemv2_use<NT, T, U>(first, x, n_in, n8, t, acc);
+    for (uint32_t k0 = t + T * U; k0 < n8; k0 += T * U) {
         uint4 raw[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const uint32_t k = k0 + u * T;
-            raw[u] = k < n8 ? ld_stream(w8 + k) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const uint32_t k = k0 + u * T;
-            if (k >= n8)
-                break;
-            gemv_dot8<NT>(raw[u], x, n_in, k, acc);
-        }
+        gemv2_load<T, U>(w8, n8, k0, raw);
+        gemv2_use<NT, T, U>(raw, x, n_in, n8, k0, acc);
     }
 }
 
 /* gemv2_row over two rows (gate and up) at once: 2U loads in flight, each
- * row's accumulators in gemv2_row's order. */
+ * row's accumulators in gemv2_row's order; first_a, first_b as for
+ * gemv2_row. */
 template <int NT, uint32_t T>
 __device__ __forceinline__ void gemv2_row2(const uint4 *wa, const uint4 *wb, const float *x, uint32_t n_in,
-                                           uint32_t n8, uint32_t t, float *acc_a, float *acc_b)
+                                           uint32_t n8, uint32_t t, const uint4 *first_a, const uint4 *first_b,
+                                           float *acc_a, float *acc_b)
 {
-    for (uint32_t k0 = t; k0 < n8; k0 += T * GEMV2_U) {
+    gemv2_use<NT, T, GEMV2_U>(first_a, x, n_in, n8, t, acc_a);
+    gemv2_use<NT, T, GEMV2_U>(first_b, x, n_in, n8, t, acc_b);
+    for (uint32_t k0 = t + T * GEMV2_U; k0 < n8; k0 += T * GEMV2_U) {
         uint4 ra[GEMV2_U], rb[GEMV2_U];
 #pragma unroll
         for (int u = 0; u < GEMV2_U; u++) {
@@ -247,14 +276,8 @@ __device__ __forceinline__ void gemv2_row2(const uint4 *wa, const uint4 *wb, con
             ra[u] = k < n8 ? ld_stream(wa + k) : make_uint4(0, 0, 0, 0);
             rb[u] = k < n8 ? ld_stream(wb + k) : make_uint4(0, 0, 0, 0);
         }
-#pragma unroll
-        for (int u = 0; u < GEMV2_U; u++) {
-            const uint32_t k = k0 + u * T;
-            if (k >= n8)
-                break;
-            gemv_dot8<NT>(ra[u], x, n_in, k, acc_a);
-            gemv_dot8<NT>(rb[u], x, n_in, k, acc_b);
-        }
+        gemv2_use<NT, T, GEMV2_U>(ra, x, n_in, n8, k0, acc_a);
+        gemv2_use<NT, T, GEMV2_U>(rb, x, n_in, n8, k0, acc_b);
     }
 }
 
@@ -304,12 +327,17 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     const uint32_t r_local = warp / S, t = (warp % S) * 32 + lane;
     const uint32_t row = blockIdx.x * ROWS + r_local;
     const uint32_t n8 = n_in / 8;
+    const uint4 *w8 = (const uint4 *)(w + (size_t)row * n_in);
+    tkv_pdl_trigger();
+    uint4 first[U];
+    gemv2_load<T, U>(w8, row < n_out ? n8 : 0, t, first);
+    tkv_pdl_wait(); /* x is the previous kernel's output; y may be read by it */
     float acc[NT];
 #pragma unroll
     for (int i = 0; i < NT; i++)
         acc[i] = 0.0f;
     if (row < n_out) /* no early return: the CTA meets at the barrier below */
-        gemv2_row<NT, T, U>((const uint4 *)(w + (size_t)row * n_in), x, n_in, n8, t, acc);
+        gemv2_row<NT, T, U>(w8, x, n_in, n8, t, first, acc);
 #pragma unroll
     for (int i = 0; i < NT; i++) {
         const float v = tkv_warp_sum(acc[i]);
@@ -333,39 +361,39 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 }
 
 template <int NT, int S, int U>
-cudaError_t gemv2_launch(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, cudaStream_t s)
+cudaError_t gemv2_launch(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, bool pdl,
+                         cudaStream_t s)
 {
-    gemv2_kernel<NT, S, U><<<tkv_cuda_blocks(n_out, GEMV_WARPS / S), GEMV_WARPS * 32, 0, s>>>(w, x, y, n_in, n_out);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(n_out, GEMV_WARPS / S), GEMV_WARPS * 32, 0, s,
+                           gemv2_kernel<NT, S, U>, w, x, y, n_in, n_out);
 }
 
 template <int NT, int U>
 cudaError_t gemv2_pick(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t S,
-                       cudaStream_t s)
+                       bool pdl, cudaStream_t s)
 {
     switch (S) {
-    case 1: return gemv2_launch<NT, 1, U>(w, x, y, n_in, n_out, s);
-    case 2: return gemv2_launch<NT, 2, U>(w, x, y, n_in, n_out, s);
-    case 4: return gemv2_launch<NT, 4, U>(w, x, y, n_in, n_out, s);
-    case 8: return gemv2_launch<NT, 8, U>(w, x, y, n_in, n_out, s);
+    case 1: return gemv2_launch<NT, 1, U>(w, x, y, n_in, n_out, pdl, s);
+    case 2: return gemv2_launch<NT, 2, U>(w, x, y, n_in, n_out, pdl, s);
+    case 4: return gemv2_launch<NT, 4, U>(w, x, y, n_in, n_out, pdl, s);
+    case 8: return gemv2_launch<NT, 8, U>(w, x, y, n_in, n_out, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
 
 template <int U>
 cudaError_t gemv2_n(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n, uint32_t S,
-                    cudaStream_t s)
+                    bool pdl, cudaStream_t s)
 {
     switch (n) {
-    case 1: return gemv2_pick<1, U>(w, x, y, n_in, n_out, S, s);
-    case 2: return gemv2_pick<2, U>(w, x, y, n_in, n_out, S, s);
-    case 3: return gemv2_pick<3, U>(w, x, y, n_in, n_out, S, s);
-    case 4: return gemv2_pick<4, U>(w, x, y, n_in, n_out, S, s);
-    case 5: return gemv2_pick<5, U>(w, x, y, n_in, n_out, S, s);
-    case 6: return gemv2_pick<6, U>(w, x, y, n_in, n_out, S, s);
-    case 7: return gemv2_pick<7, U>(w, x, y, n_in, n_out, S, s);
-    case 8: return gemv2_pick<8, U>(w, x, y, n_in, n_out, S, s);
+    case 1: return gemv2_pick<1, U>(w, x, y, n_in, n_out, S, pdl, s);
+    case 2: return gemv2_pick<2, U>(w, x, y, n_in, n_out, S, pdl, s);
+    case 3: return gemv2_pick<3, U>(w, x, y, n_in, n_out, S, pdl, s);
+    case 4: return gemv2_pick<4, U>(w, x, y, n_in, n_out, S, pdl, s);
+    case 5: return gemv2_pick<5, U>(w, x, y, n_in, n_out, S, pdl, s);
+    case 6: return gemv2_pick<6, U>(w, x, y, n_in, n_out, S, pdl, s);
+    case 7: return gemv2_pick<7, U>(w, x, y, n_in, n_out, S, pdl, s);
+    case 8: return gemv2_pick<8, U>(w, x, y, n_in, n_out, S, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -390,12 +418,18 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     while (seg + 1 < g.nw && row >= g.end[seg])
         seg++;
     const uint32_t first = seg ? g.end[seg - 1] : 0, n_out = g.end[seg] - first, local = row - first;
+    const uint32_t n8 = n_in / 8;
+    const uint4 *w8 = (const uint4 *)(g.w[seg] + (size_t)local * n_in);
+    tkv_pdl_trigger();
+    uint4 first_round[GEMV2_U];
+    gemv2_load<T, GEMV2_U>(w8, row < total ? n8 : 0, t, first_round);
+    tkv_pdl_wait();
     float acc[NT];
 #pragma unroll
     for (int i = 0; i < NT; i++)
         acc[i] = 0.0f;
     if (row < total)
-        gemv2_row<NT, T>((const uint4 *)(g.w[seg] + (size_t)local * n_in), x, n_in, n_in / 8, t, acc);
+        gemv2_row<NT, T>(w8, x, n_in, n8, t, first_round, acc);
     float v;
     if (gemv2_reduce<NT, S>(acc, part, warp, lane, &v) && row < total)
         g.y[seg][(size_t)lane * n_out + local] = v;
@@ -416,13 +450,19 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     __shared__ float part_g[GEMV_WARPS][NT], part_u[GEMV_WARPS][NT];
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t row = blockIdx.x * ROWS + warp / S, t = (warp % S) * 32 + lane;
+    const uint32_t n8 = n_in / 8;
+    const uint4 *wg8 = (const uint4 *)(wg + (size_t)row * n_in), *wu8 = (const uint4 *)(wu + (size_t)row * n_in);
+    tkv_pdl_trigger();
+    uint4 first_g[GEMV2_U], first_u[GEMV2_U];
+    gemv2_load<T, GEMV2_U>(wg8, row < n_out ? n8 : 0, t, first_g);
+    gemv2_load<T, GEMV2_U>(wu8, row < n_out ? n8 : 0, t, first_u);
+    tkv_pdl_wait();
     float acc_g[NT], acc_u[NT];
 #pragma unroll
     for (int i = 0; i < NT; i++)
         acc_g[i] = acc_u[i] = 0.0f;
     if (row < n_out)
-        gemv2_row2<NT, T>((const uint4 *)(wg + (size_t)row * n_in), (const uint4 *)(wu + (size_t)row * n_in), x,
-                          n_in, n_in / 8, t, acc_g, acc_u);
+        gemv2_row2<NT, T>(wg8, wu8, x, n_in, n8, t, first_g, first_u, acc_g, acc_u);
     float g, u;
     const bool mine = gemv2_reduce<NT, S>(acc_g, part_g, warp, lane, &g);
     gemv2_reduce<NT, S>(acc_u, part_u, warp, lane, &u);
@@ -432,26 +472,23 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 
 template <int NT, int S>
 cudaError_t gemv_fused_launch(const struct tkv_cuda_gemv_group *g, const __half *wg, const __half *wu,
-                              const float *x, float *out, uint32_t n_in, uint32_t rows, cudaStream_t s)
+                              const float *x, float *out, uint32_t n_in, uint32_t rows, bool pdl, cudaStream_t s)
 {
     const unsigned blocks = tkv_cuda_blocks(rows, GEMV_WARPS / S);
     if (g)
-        gemv_group_kernel<NT, S><<<blocks, GEMV_WARPS * 32, 0, s>>>(*g, x, n_in);
-    else
-        gemv_swiglu_kernel<NT, S><<<blocks, GEMV_WARPS * 32, 0, s>>>(wg, wu, x, out, n_in, rows);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+        return tkv_cuda_launch(pdl, blocks, GEMV_WARPS * 32, 0, s, gemv_group_kernel<NT, S>, *g, x, n_in);
+    return tkv_cuda_launch(pdl, blocks, GEMV_WARPS * 32, 0, s, gemv_swiglu_kernel<NT, S>, wg, wu, x, out, n_in, rows);
 }
 
 template <int NT>
 cudaError_t gemv_fused_pick(const struct tkv_cuda_gemv_group *g, const __half *wg, const __half *wu, const float *x,
-                            float *out, uint32_t n_in, uint32_t rows, uint32_t S, cudaStream_t s)
+                            float *out, uint32_t n_in, uint32_t rows, uint32_t S, bool pdl, cudaStream_t s)
 {
     switch (S) {
-    case 1: return gemv_fused_launch<NT, 1>(g, wg, wu, x, out, n_in, rows, s);
-    case 2: return gemv_fused_launch<NT, 2>(g, wg, wu, x, out, n_in, rows, s);
-    case 4: return gemv_fused_launch<NT, 4>(g, wg, wu, x, out, n_in, rows, s);
-    case 8: return gemv_fused_launch<NT, 8>(g, wg, wu, x, out, n_in, rows, s);
+    case 1: return gemv_fused_launch<NT, 1>(g, wg, wu, x, out, n_in, rows, pdl, s);
+    case 2: return gemv_fused_launch<NT, 2>(g, wg, wu, x, out, n_in, rows, pdl, s);
+    case 4: return gemv_fused_launch<NT, 4>(g, wg, wu, x, out, n_in, rows, pdl, s);
+    case 8: return gemv_fused_launch<NT, 8>(g, wg, wu, x, out, n_in, rows, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -459,17 +496,17 @@ cudaError_t gemv_fused_pick(const struct tkv_cuda_gemv_group *g, const __half *w
 /* Either kernel for n tokens: g != NULL the grouped GEMV over g's rows,
  * else gate/up with SwiGLU over `rows` rows. */
 cudaError_t gemv_fused(const struct tkv_cuda_gemv_group *g, const __half *wg, const __half *wu, const float *x,
-                       float *out, uint32_t n_in, uint32_t rows, uint32_t n, uint32_t S, cudaStream_t s)
+                       float *out, uint32_t n_in, uint32_t rows, uint32_t n, uint32_t S, bool pdl, cudaStream_t s)
 {
     switch (n) {
-    case 1: return gemv_fused_pick<1>(g, wg, wu, x, out, n_in, rows, S, s);
-    case 2: return gemv_fused_pick<2>(g, wg, wu, x, out, n_in, rows, S, s);
-    case 3: return gemv_fused_pick<3>(g, wg, wu, x, out, n_in, rows, S, s);
-    case 4: return gemv_fused_pick<4>(g, wg, wu, x, out, n_in, rows, S, s);
-    case 5: return gemv_fused_pick<5>(g, wg, wu, x, out, n_in, rows, S, s);
-    case 6: return gemv_fused_pick<6>(g, wg, wu, x, out, n_in, rows, S, s);
-    case 7: return gemv_fused_pick<7>(g, wg, wu, x, out, n_in, rows, S, s);
-    case 8: return gemv_fused_pick<8>(g, wg, wu, x, out, n_in, rows, S, s);
+    case 1: return gemv_fused_pick<1>(g, wg, wu, x, out, n_in, rows, S, pdl, s);
+    case 2: return gemv_fused_pick<2>(g, wg, wu, x, out, n_in, rows, S, pdl, s);
+    case 3: return gemv_fused_pick<3>(g, wg, wu, x, out, n_in, rows, S, pdl, s);
+    case 4: return gemv_fused_pick<4>(g, wg, wu, x, out, n_in, rows, S, pdl, s);
+    case 5: return gemv_fused_pick<5>(g, wg, wu, x, out, n_in, rows, S, pdl, s);
+    case 6: return gemv_fused_pick<6>(g, wg, wu, x, out, n_in, rows, S, pdl, s);
+    case 7: return gemv_fused_pick<7>(g, wg, wu, x, out, n_in, rows, S, pdl, s);
+    case 8: return gemv_fused_pick<8>(g, wg, wu, x, out, n_in, rows, S, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -482,6 +519,8 @@ cudaError_t gemv_fused(const struct tkv_cuda_gemv_group *g, const __half *wg, co
 __global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, float *h, uint32_t dim, float eps)
 {
     __shared__ double partial[32];
+    tkv_pdl_trigger();
+    tkv_pdl_wait();
     float *yr = y + (size_t)blockIdx.x * dim;
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *hr = h + (size_t)blockIdx.x * dim;
@@ -532,6 +571,8 @@ __global__ void rope_qk_kernel(float *q, float *k, uint32_t n, uint32_t n_head, 
                                uint32_t n_pairs, const int32_t *pos, float theta_scale, float freq_scale)
 {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, n_q = (size_t)n * n_head * n_pairs;
+    tkv_pdl_trigger();
+    tkv_pdl_wait();
     if (i < n_q)
         rope_item(q, n_head, head_dim, n_pairs, i, pos, theta_scale, freq_scale);
     else if (i - n_q < (size_t)n * n_head_kv * n_pairs)
@@ -543,56 +584,51 @@ constexpr unsigned TB = 256;
 } // namespace
 
 cudaError_t tkv_cuda_gemv_group(const struct tkv_cuda_gemv_group *g, const float *x, uint32_t n_in, uint32_t n,
-                                uint32_t n_sm, cudaStream_t s)
+                                uint32_t n_sm, bool pdl, cudaStream_t s)
 {
     if (g->nw == 0 || g->nw > TKV_CUDA_GEMV_GROUP_MAX)
         return cudaErrorInvalidValue;
     const uint32_t rows = g->end[g->nw - 1];
     if (rows == 0)
         return cudaSuccess;
-    return gemv_fused(g, NULL, NULL, x, NULL, n_in, rows, n, tkv_cuda_gemv_split(n_in, rows, n_sm), s);
+    return gemv_fused(g, NULL, NULL, x, NULL, n_in, rows, n, tkv_cuda_gemv_split(n_in, rows, n_sm), pdl, s);
 }
 
 cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float *x, float *out, uint32_t n_in,
-                                 uint32_t n_out, uint32_t n, uint32_t n_sm, cudaStream_t s)
+                                 uint32_t n_out, uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s)
 {
     if (n_out == 0)
         return cudaSuccess;
-    return gemv_fused(NULL, wg, wu, x, out, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), s);
+    return gemv_fused(NULL, wg, wu, x, out, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), pdl, s);
 }
 
 cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
-                                 float eps, cudaStream_t s)
+                                 float eps, bool pdl, cudaStream_t s)
 {
     if (n == 0)
         return cudaSuccess;
     unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32; /* as tkv_cuda_rmsnorm */
-    add_rmsnorm_kernel<<<n, threads, 0, s>>>(y, x, w, h, dim, eps);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+    return tkv_cuda_launch(pdl, n, threads, 0, s, add_rmsnorm_kernel, y, x, w, h, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
-                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale, cudaStream_t s)
+                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale, bool pdl,
+                             cudaStream_t s)
 {
     const size_t items = (size_t)n * (n_head + n_head_kv) * (rot_dim / 2);
     if (items == 0)
         return cudaSuccess;
-    rope_qk_kernel<<<tkv_cuda_blocks(items, TB), TB, 0, s>>>(q, k, n, n_head, n_head_kv, head_dim, rot_dim / 2, pos,
-                                                            theta_scale, freq_scale);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(items, TB), TB, 0, s, rope_qk_kernel, q, k, n, n_head, n_head_kv,
+                           head_dim, rot_dim / 2, pos, theta_scale, freq_scale);
 }
 
-cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,
                              cudaStream_t s)
 {
     if (n == 0)
         return cudaSuccess;
     unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    rmsnorm_kernel<<<n, threads, 0, s>>>(x, w, y, dim, eps);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+    return tkv_cuda_launch(pdl, n, threads, 0, s, rmsnorm_kernel, x, w, y, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim,
@@ -637,16 +673,15 @@ cudaError_t tkv_cuda_kv_write(const float *src, size_t src_stride, uint16_t *dst
 }
 
 cudaError_t tkv_cuda_kv_write_heads(const float *k, const float *v, size_t stride, const struct tkv_cuda_kv_dst *dst,
-                                    uint32_t n_heads, uint32_t n_rows, uint32_t head_dim, cudaStream_t s)
+                                    uint32_t n_heads, uint32_t n_rows, uint32_t head_dim, bool pdl, cudaStream_t s)
 {
     const size_t count = 2 * (size_t)n_heads * n_rows * head_dim;
     if (count == 0)
         return cudaSuccess;
     if (n_heads > TKV_CUDA_KV_HEADS_MAX)
         return cudaErrorInvalidValue;
-    kv_write_heads_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(k, v, stride, *dst, n_heads, n_rows, head_dim);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(count, TB), TB, 0, s, kv_write_heads_kernel, k, v, stride, *dst,
+                           n_heads, n_rows, head_dim);
 }
 
 cudaError_t tkv_cuda_get_rows_f16(const __half *w, uint32_t n_in, const int32_t *ids, uint32_t n, float *out,
@@ -699,11 +734,11 @@ uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
 }
 
 cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n,
-                              uint32_t n_sm, cudaStream_t s)
+                              uint32_t n_sm, bool pdl, cudaStream_t s)
 {
     if (n_out == 0)
         return cudaSuccess;
-    return gemv2_n<GEMV2_U>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), s);
+    return gemv2_n<GEMV2_U>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), pdl, s);
 }
 
 uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
@@ -718,11 +753,11 @@ uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
 }
 
 cudaError_t tkv_cuda_gemv_f16_u8(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
-                                 uint32_t n, uint32_t n_sm, cudaStream_t s)
+                                 uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s)
 {
     if (n_out == 0)
         return cudaSuccess;
-    return gemv2_n<8>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split_u8(n_in, n_out, n_sm), s);
+    return gemv2_n<8>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split_u8(n_in, n_out, n_sm), pdl, s);
 }
 
 cudaError_t tkv_cuda_gemv_f16_ref(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,

@@ -7,6 +7,11 @@
  * All pointers are device memory; activations are row-major f32. Semantics
  * are runtime/backend.h's, computed as cpu/cpu-backend.c does (same formula
  * and operation order; see each launcher for what may differ in rounding).
+ *
+ * Launchers with a `pdl` argument launch their kernel as a programmatic
+ * dependent launch when it is true (common.cuh: the kernel may start while
+ * the previous one drains and waits for it before touching activations);
+ * the kernels and their results are the same either way.
  */
 #ifndef TKV_GPU_OPS_CUH
 #define TKV_GPU_OPS_CUH
@@ -15,7 +20,7 @@
 
 /* y[n, dim] = x / sqrt(mean(x^2) + eps) * w; sum of squares in double as on
  * the CPU. y may alias x. */
-cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,
                              cudaStream_t s);
 
 /* In place on x[n, n_heads*head_dim], positions pos[n] (device). The angle of
@@ -46,7 +51,7 @@ struct tkv_cuda_kv_dst {
     uint16_t *v[TKV_CUDA_KV_HEADS_MAX];
 };
 cudaError_t tkv_cuda_kv_write_heads(const float *k, const float *v, size_t stride, const struct tkv_cuda_kv_dst *dst,
-                                    uint32_t n_heads, uint32_t n_rows, uint32_t head_dim, cudaStream_t s);
+                                    uint32_t n_heads, uint32_t n_rows, uint32_t head_dim, bool pdl, cudaStream_t s);
 
 /* out[i, :] = f32(w[ids[i], :]) for w [n_rows, n_in] f16; ids in device
  * memory, already range-checked. */
@@ -69,7 +74,7 @@ bool tkv_cuda_gemv_ok(const __half *w, const float *x, uint32_t n_in, uint32_t n
  * a row split over S warps (tkv_cuda_gemv_split) when n_out is small for
  * the n_sm SMs. Sums in another order than the reference (below). */
 cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n,
-                              uint32_t n_sm, cudaStream_t s);
+                              uint32_t n_sm, bool pdl, cudaStream_t s);
 /* Warps per row the fast kernel uses (1, 2, 4 or 8). */
 uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
 /* The fast kernel with U = 8 loads per lane in flight (TKV_CUDA_GEMV=u8), a
@@ -77,7 +82,7 @@ uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
  * instead of two); its split is tkv_cuda_gemv_split_u8. Same arithmetic per
  * chunk, other summation order. */
 cudaError_t tkv_cuda_gemv_f16_u8(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
-                                 uint32_t n, uint32_t n_sm, cudaStream_t s);
+                                 uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s);
 uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
 /* The reference: one warp per row, one 16-byte load per lane at a time
  * (TKV_CUDA_GEMV=ref). */
@@ -101,23 +106,24 @@ struct tkv_cuda_gemv_group {
     uint32_t nw;
 };
 cudaError_t tkv_cuda_gemv_group(const struct tkv_cuda_gemv_group *g, const float *x, uint32_t n_in, uint32_t n,
-                                uint32_t n_sm, cudaStream_t s);
+                                uint32_t n_sm, bool pdl, cudaStream_t s);
 
 /* out[n, n_out] = silu(x . wg^T) * (x . wu^T), wg and wu [n_out, n_in] f16:
  * the fast GEMV of both at the split tkv_cuda_gemv_f16 takes for one, and
  * swiglu's formula on the two sums (the same bits as gemv + gemv + swiglu
  * unless nvcc contracts differently). out does not overlap x. */
 cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float *x, float *out, uint32_t n_in,
-                                 uint32_t n_out, uint32_t n, uint32_t n_sm, cudaStream_t s);
+                                 uint32_t n_out, uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s);
 
 /* y += x; h = rmsnorm(y) * w over n rows of dim: add + rmsnorm's arithmetic
  * in one pass (bit-identical). h may alias x, not y. */
 cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
-                                 float eps, cudaStream_t s);
+                                 float eps, bool pdl, cudaStream_t s);
 
 /* tkv_cuda_rope on q [n, n_head*hd] and k [n, n_head_kv*hd] in one launch,
  * positions pos[n] in device memory. */
 cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
-                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale, cudaStream_t s);
+                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale, bool pdl,
+                             cudaStream_t s);
 
 #endif

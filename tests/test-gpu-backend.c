@@ -6,7 +6,8 @@
  * Tolerances (why in docs/gpu.md):
  *   matmul     ||gpu - ref|| / ||ref|| < 1e-3 (n <= 8: f16 weights, f32
  *              activations; each GEMV kernel: fast, ref, u8) or 2e-3 (cuBLAS:
- *              f16 weights and activations),
+ *              f16 weights and activations); TKV_CUDA_GEMV=auto bit-identical
+ *              to the kernel it picks (8-load for n_in >= 8192, else fast),
  *              ref = double over the exact dequantized weights; and within
  *              2e-2 of the CPU backend (which quantizes decode activations
  *              to 8 bits)
@@ -20,6 +21,9 @@
  *              matmul_swiglu |.| <= 1e-5 max(1, |seq|) and rel < 1e-6 (< 2e-3
  *              of double silu(g)*u); add_rmsnorm y equal, h <= 1e-6 max|h|
  *              (<= 1e-5 vs the cpu); rope_qk bit-identical to two ropes
+ *   pdl        a decode step's op chain (5 steps x 4 layers, queued back to
+ *              back) on a TKV_CUDA_PDL=1 backend bit-identical to the default
+ *              one: x, logits, K/V written, attention output
  *   attention  max |gpu - ref| <= 1e-4 on outputs and lse (ref = double),
  *              and the same against the CPU backend's fast path; for each
  *              of the decode kernel (fused or separate merge), the
@@ -49,6 +53,7 @@ static struct tkv_backend *cpu, *gpu;
 /* the decode matmul's other paths (TKV_CUDA_GEMV=ref, =cublas): the fast
  * GEMV of `gpu` is checked against both */
 static struct tkv_backend *gpu_gemv_ref, *gpu_gemv_blas, *gpu_gemv_u8; /* u8: TKV_CUDA_GEMV=u8 */
+static struct tkv_backend *gpu_gemv_auto; /* TKV_CUDA_GEMV=auto: u8 for n_in >= 8192, else the default */
 static bool f32_mode; /* gpu was created with TKV_CUDA_WEIGHTS=f32 */
 
 /* ---- device helpers ------------------------------------------------------- */
@@ -261,6 +266,36 @@ static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint3
         free(ya);
         alt[a]->ops->weight_free(alt[a], wa);
     }
+    /* TKV_CUDA_GEMV=auto picks one of two kernels by shape: the same bits
+     * as the 8-load kernel for rows of >= 8192 columns, else as the default */
+    struct tkv_bweight *w_auto = NULL, *w_u8 = NULL;
+    if (gemv && !f32_mode && gpu_gemv_auto &&
+        gpu_gemv_auto->ops->weight_init(gpu_gemv_auto, &tw.t, &w_auto) == TKV_OK &&
+        gpu_gemv_u8->ops->weight_init(gpu_gemv_u8, &tw.t, &w_u8) == TKV_OK) {
+        const bool long_rows = n_in >= 8192;
+        float *y_auto = malloc(ny * sizeof *y_auto), *y_want = malloc(ny * sizeof *y_want);
+        float *d_auto = dev_poisoned(ny), *d_u8 = dev_poisoned(ny);
+        CHECK(gpu_gemv_auto->ops->matmul(gpu_gemv_auto, w_auto, dx + x_offset, d_auto, n) == TKV_OK, "%s",
+              tkv_last_error());
+        CHECK(gpu_gemv_u8->ops->matmul(gpu_gemv_u8, w_u8, dx + x_offset, d_u8, n) == TKV_OK, "%s", tkv_last_error());
+        CHECK(gpu_gemv_auto->ops->synchronize(gpu_gemv_auto) == TKV_OK &&
+                  gpu_gemv_u8->ops->synchronize(gpu_gemv_u8) == TKV_OK, "%s", tkv_last_error());
+        to_host(y_auto, d_auto, ny * sizeof *y_auto);
+        if (long_rows)
+            to_host(y_want, d_u8, ny * sizeof *y_want);
+        else
+            memcpy(y_want, yg, ny * sizeof *y_want);
+        const bool same = !memcmp(y_auto, y_want, ny * sizeof *y_auto);
+        fprintf(stderr, " auto %s %s", same ? "==" : "!=", long_rows ? "u8" : "fast");
+        CHECK(same, "matmul %ux%u n=%u: TKV_CUDA_GEMV=auto differs from the %s kernel", n_in, n_out, n,
+              long_rows ? "8-load" : "default");
+        dev_free(d_auto), dev_free(d_u8);
+        free(y_auto), free(y_want);
+    }
+    if (w_auto)
+        gpu_gemv_auto->ops->weight_free(gpu_gemv_auto, w_auto);
+    if (w_u8)
+        gpu_gemv_u8->ops->weight_free(gpu_gemv_u8, w_u8);
     fprintf(stderr, "\n");
     dev_free(dx);
     dev_free(dy);
@@ -1572,6 +1607,168 @@ static void test_fused(void)
           "the cpu backend has fused ops");
 }
 
+/* ---- programmatic dependent launches (TKV_CUDA_PDL=1) ------------------------------------
+ *
+ * A decode step's op chain, queued back to back with no synchronization,
+ * on the default backend and on one created with TKV_CUDA_PDL=1: the
+ * kernels are the same, so every output must be bit-identical. A kernel
+ * that touched its predecessor's output before griddepcontrol.wait would
+ * read stale or half-written values and differ (how often depends on the
+ * timing; the chain runs several layers and steps to give it chances). */
+
+struct pdl_model {
+    uint32_t E, H, Hkv, hd, F, V, B, nb;
+    struct test_weight wq, wk, wv, wo, wg, wu, wd, out, norm;
+    struct tkv_bweight *w[2][9]; /* per backend: q k v o gate up down output norm */
+};
+
+struct pdl_state {
+    float *x, *h, *q, *k, *v, *att, *hb, *gate, *logits; /* device */
+    uint16_t *kv;                                          /* [Hkv][nb][K|V][B][hd] */
+};
+
+static void pdl_state_make(struct pdl_state *st, const struct pdl_model *m, const float *x0, const uint16_t *kv0)
+{
+    st->x = dev_from(x0, m->E * sizeof(float));
+    st->h = dev_poisoned(m->E), st->hb = dev_poisoned(m->E), st->att = dev_poisoned(m->H * m->hd);
+    st->q = dev_poisoned(m->H * m->hd), st->k = dev_poisoned(m->Hkv * m->hd), st->v = dev_poisoned(m->Hkv * m->hd);
+    st->gate = dev_poisoned(m->F), st->logits = dev_poisoned(m->V);
+    st->kv = dev_from(kv0, (size_t)m->Hkv * m->nb * 2 * m->B * m->hd * sizeof(uint16_t));
+}
+
+static void pdl_state_free(struct pdl_state *st)
+{
+    dev_free(st->x), dev_free(st->h), dev_free(st->hb), dev_free(st->att), dev_free(st->q), dev_free(st->k);
+    dev_free(st->v), dev_free(st->gate), dev_free(st->logits), dev_free(st->kv);
+}
+
+/* n_layers layers at positions pos, pos+1, ... (one layer's weights and KV
+ * reused), then the output norm and matmul: the engine's fused sequence. */
+static void pdl_chain(struct tkv_backend *be, const struct pdl_model *m, struct tkv_bweight *const *w,
+                      struct pdl_state *st, int32_t pos, uint32_t n_layers)
+{
+    const struct tkv_backend_ops *ops = be->ops;
+    const uint32_t E = m->E, H = m->H, Hkv = m->Hkv, hd = m->hd, B = m->B;
+    struct tkv_kv_block_ref refs[8][64];
+    struct tkv_kv_head_view views[8];
+    uint16_t *kdst[8], *vdst[8];
+    CHECK(ops->rmsnorm(be, st->x, w[8], st->h, 1, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+    for (uint32_t l = 0; l < n_layers; l++, pos++) {
+        const struct tkv_bweight *qkv[3] = {w[0], w[1], w[2]};
+        float *outs[3] = {st->q, st->k, st->v};
+        CHECK(ops->matmul_group(be, qkv, 3, st->h, outs, 1) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->rope_qk(be, st->q, st->k, 1, H, Hkv, hd, hd, &pos, 500000.0f, 1.0f) == TKV_OK, "%s",
+              tkv_last_error());
+        const uint32_t nblk = (uint32_t)pos / B + 1;
+        for (uint32_t g = 0; g < Hkv; g++) {
+            uint16_t *base = st->kv + (size_t)g * m->nb * 2 * B * hd;
+            for (uint32_t b = 0; b < nblk; b++) {
+                uint16_t *kb = base + (size_t)b * 2 * B * hd;
+                refs[g][b] = (struct tkv_kv_block_ref){.k = kb, .v = kb + (size_t)B * hd, .pos0 = (int32_t)(b * B),
+                                                       .n = b + 1 < nblk ? B : (uint32_t)pos - b * B + 1};
+            }
+            views[g] = (struct tkv_kv_head_view){.blocks = refs[g], .n_blocks = nblk};
+            const uint32_t row = (uint32_t)pos - (nblk - 1) * B;
+            kdst[g] = refs[g][nblk - 1].k + (size_t)row * hd;
+            vdst[g] = refs[g][nblk - 1].v + (size_t)row * hd;
+        }
+        CHECK(ops->kv_write_heads(be, st->k, st->v, (size_t)Hkv * hd, kdst, vdst, Hkv, 1, hd) == TKV_OK, "%s",
+              tkv_last_error());
+        struct tkv_attn_args a = {.q = st->q, .q_pos = &pos, .out = st->att, .lse = NULL, .n_q = 1, .n_head = H,
+                                  .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = views};
+        CHECK(ops->attention(be, &a) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->matmul(be, w[3], st->att, st->hb, 1) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->add_rmsnorm(be, st->x, st->hb, w[8], st->h, 1, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->matmul_swiglu(be, w[4], w[5], st->h, st->gate, 1) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->matmul(be, w[6], st->gate, st->hb, 1) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->add_rmsnorm(be, st->x, st->hb, w[8], st->h, 1, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+    }
+    CHECK(ops->matmul(be, w[7], st->h, st->logits, 1) == TKV_OK, "%s", tkv_last_error());
+}
+
+static bool dev_equal(const void *a, const void *b, size_t bytes)
+{
+    void *ha = malloc(bytes), *hb = malloc(bytes);
+    to_host(ha, a, bytes);
+    to_host(hb, b, bytes);
+    const bool same = !memcmp(ha, hb, bytes);
+    free(ha), free(hb);
+    return same;
+}
+
+static void test_pdl(void)
+{
+    fprintf(stderr, "programmatic dependent launches:\n");
+    REQUIRE_VOID(gpu->ops->matmul_group && gpu->ops->matmul_swiglu && gpu->ops->add_rmsnorm && gpu->ops->rope_qk);
+    struct tkv_backend *be[2] = {gpu, NULL};
+    setenv("TKV_CUDA_PDL", "1", 1);
+    tkv_status cst = tkv_backend_create("cuda", 0, &be[1]);
+    unsetenv("TKV_CUDA_PDL");
+    CHECK(cst == TKV_OK, "TKV_CUDA_PDL=1: %s", tkv_last_error());
+    if (cst != TKV_OK)
+        return;
+    /* Llama-3-8B's widths over 2 (the GEMVs take S = 1, 2 and 4 warps per
+     * row), 16 query heads on 4 KV heads, 20 positions past 1000 keys */
+    struct pdl_model m = {.E = 2048, .H = 16, .Hkv = 4, .hd = 128, .F = 5632, .V = 8000, .B = 64};
+    const int32_t pos0 = 1000;
+    const uint32_t steps = 5, layers = 4;
+    m.nb = (pos0 + steps * layers) / m.B + 1;
+    weight_make(&m.wq, TKV_TYPE_F16, m.E, m.H * m.hd, 2);
+    weight_make(&m.wk, TKV_TYPE_F16, m.E, m.Hkv * m.hd, 2);
+    weight_make(&m.wv, TKV_TYPE_F16, m.E, m.Hkv * m.hd, 2);
+    weight_make(&m.wo, TKV_TYPE_F16, m.H * m.hd, m.E, 2);
+    weight_make(&m.wg, TKV_TYPE_F16, m.E, m.F, 2);
+    weight_make(&m.wu, TKV_TYPE_F16, m.E, m.F, 2);
+    weight_make(&m.wd, TKV_TYPE_F16, m.F, m.E, 2);
+    weight_make(&m.out, TKV_TYPE_F16, m.E, m.V, 2);
+    weight_make(&m.norm, TKV_TYPE_F32, m.E, 1, 1);
+    const struct test_weight *tw[9] = {&m.wq, &m.wk, &m.wv, &m.wo, &m.wg, &m.wu, &m.wd, &m.out, &m.norm};
+    for (int b = 0; b < 2; b++)
+        for (int i = 0; i < 9; i++) {
+            m.w[b][i] = NULL;
+            CHECK(be[b]->ops->weight_init(be[b], &tw[i]->t, &m.w[b][i]) == TKV_OK, "%s", tkv_last_error());
+        }
+    const size_t kv_elems = (size_t)m.Hkv * m.nb * 2 * m.B * m.hd;
+    uint16_t *kv0 = malloc(kv_elems * sizeof *kv0);
+    for (size_t i = 0; i < kv_elems; i++)
+        kv0[i] = tkv_fp32_to_fp16(test_rand_f32(&rng, -2, 2));
+    float *x0 = malloc(m.E * sizeof *x0);
+    fill(x0, m.E, -1, 1);
+    struct pdl_state st[2];
+    for (int b = 0; b < 2; b++)
+        pdl_state_make(&st[b], &m, x0, kv0);
+    /* each backend queues all its steps before anyone waits */
+    for (int b = 0; b < 2; b++)
+        for (uint32_t s = 0; s < steps; s++)
+            pdl_chain(be[b], &m, m.w[b], &st[b], pos0 + (int32_t)(s * layers), layers);
+    for (int b = 0; b < 2; b++)
+        CHECK(be[b]->ops->synchronize(be[b]) == TKV_OK, "%s", tkv_last_error());
+    const bool x_same = dev_equal(st[0].x, st[1].x, m.E * sizeof(float));
+    const bool l_same = dev_equal(st[0].logits, st[1].logits, m.V * sizeof(float));
+    const bool kv_same = dev_equal(st[0].kv, st[1].kv, kv_elems * sizeof(uint16_t));
+    const bool a_same = dev_equal(st[0].att, st[1].att, m.H * m.hd * sizeof(float));
+    float *lg = malloc(m.V * sizeof *lg);
+    to_host(lg, st[1].logits, m.V * sizeof *lg);
+    size_t finite = 0;
+    for (uint32_t i = 0; i < m.V; i++)
+        finite += isfinite(lg[i]) != 0;
+    fprintf(stderr, "  %u steps x %u layers (E %u, %u/%u heads, F %u, %u keys): pdl vs plain: x %s, logits %s, "
+                    "K/V %s, attention %s; %zu of %u logits finite\n", steps, layers, m.E, m.H, m.Hkv, m.F,
+            pos0 + steps * layers, x_same ? "bit-identical" : "DIFFER", l_same ? "bit-identical" : "DIFFER",
+            kv_same ? "bit-identical" : "DIFFER", a_same ? "bit-identical" : "DIFFER", finite, m.V);
+    CHECK(x_same && l_same && kv_same && a_same, "TKV_CUDA_PDL=1 changed the decode chain's results");
+    CHECK(finite == m.V, "non-finite logits (%zu of %u finite)", finite, m.V);
+    for (int b = 0; b < 2; b++) {
+        pdl_state_free(&st[b]);
+        for (int i = 0; i < 9; i++)
+            be[b]->ops->weight_free(be[b], m.w[b][i]);
+    }
+    for (int i = 0; i < 9; i++)
+        weight_free((struct test_weight *)tw[i]);
+    be[1]->ops->free(be[1]);
+    free(kv0), free(x0), free(lg);
+}
+
 /* ---- the f32 validation mode (TKV_CUDA_WEIGHTS=f32) -------------------------------- */
 
 static void test_f32_mode(void)
@@ -1645,6 +1842,8 @@ int main(void)
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_blas) == TKV_OK, "%s", tkv_last_error());
     setenv("TKV_CUDA_GEMV", "u8", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_u8) == TKV_OK, "%s", tkv_last_error());
+    setenv("TKV_CUDA_GEMV", "auto", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_auto) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_GEMV");
     const clock_t t0 = clock();
     /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
@@ -1660,6 +1859,7 @@ int main(void)
     SECTION("kv_write", test_kv_write);
     SECTION("kv_write", test_kv_write_heads);
     SECTION("fused", test_fused);
+    SECTION("pdl", test_pdl);
     SECTION("profile", test_profile);
     SECTION("attention", test_attention);
     SECTION("stats", test_stats);
@@ -1670,6 +1870,7 @@ int main(void)
     gpu_gemv_ref->ops->free(gpu_gemv_ref);
     gpu_gemv_blas->ops->free(gpu_gemv_blas);
     gpu_gemv_u8->ops->free(gpu_gemv_u8);
+    gpu_gemv_auto->ops->free(gpu_gemv_auto);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return test_done();
