@@ -26,8 +26,9 @@
  * difference.
  *
  * Variants (p->prefill_variant; TKV_CUDA_ATTN_PREFILL_VARIANT): v0 is the
- * kernel described here (attn-prefill.cu); v1 .. v4 (attn-prefill-var.cu)
- * are other tile shapes (128 query rows per CTA, 8 warps, 3 stages) with the
+ * kernel described here (attn-prefill.cu); v1 .. v6 (attn-prefill-var.cu)
+ * are other tile shapes (128 query rows per CTA, 8 warps, 3 stages) and
+ * schedules (one barrier per tile, lazy rescale, 32-key steps) with the
  * same walks, precisions and outputs, kept beside it to be measured. A call
  * with scale <= 0 runs v0 whatever the variant (the others take the row max
  * before scaling).
@@ -68,7 +69,8 @@ int tkv_cuda_attn_prefill_ctas_per_sm(const struct tkv_cuda_attn_params *p);
 /* Runs the kernel (the caller launches the merge when n_split > 1). */
 cudaError_t tkv_cuda_attn_prefill(const struct tkv_cuda_attn_params *p, cudaStream_t s);
 
-/* attn-prefill-var.cu: v1 .. v4 (variant >= 1 only). */
+/* attn-prefill-var.cu: v1 .. v6 (variant >= 1 only; tkv_cuda_attn_prefill_var
+ * runs the variant tkv_cuda_attn_prefill_variant resolves). */
 cudaError_t tkv_cuda_attn_prefill_var_init(void);
 cudaError_t tkv_cuda_attn_prefill_var(const struct tkv_cuda_attn_params *p, cudaStream_t s);
 uint32_t tkv_cuda_attn_prefill_var_rows(int variant);
