@@ -24,29 +24,57 @@
  *               32 positions
  *   7 whole     (optional) every block of `whole` positions with a kept key
  *               kept whole
- * Sums are 64-bit fixed point in units of 2^-40 (every term is <= 1 after
- * subtracting M; TKV_RABITQ_SELECT_MAX_N = 2^23 keys keep them below 2^64):
- * N's terms rounded down and C's up, so the rule the device checks implies
- * the rule on the float exponentials themselves.
+ * Sums: within a bin (and within the boundary bin's radix digits) 64-bit
+ * fixed point, so they do not depend on the order the threads add them in;
+ * N's terms rounded down and C's up. Each bin has its own units for l and
+ * for u, 2^(E-40) with 2^(E-1) >= every term the bin can hold (bin_exps):
+ *   u <= e^(g-M) / p      (e^g = (1-p) l + p u; plain: u = e^(g-M)),
+ *   l <= min(e^(g-M) / (1-p), Lref)   (Lref: the largest l of any key or
+ *                                      e^(extra_lse-M)),
+ * with g <= gmax - b/64 in bin b; the forced keys' l and e^(extra_lse-M)
+ * in units of Lref. Terms are then <= 2^39 units and 2^23 keys
+ * (TKV_RABITQ_SELECT_MAX_N) sum below 2^63; a term over 2^40 units (the
+ * bounds broken) marks the pair bad: read whole. Across bins the sums are
+ * doubles, added in a fixed order (the scan's tree) with directed rounding
+ * (N down, C up; the rule's products too), so the rule the device checks
+ * implies the rule on the float exponentials, and every run gives the
+ * same bits.
+ *
+ * Why per-bin units: one fixed point of 2^-40 relative to M (the first
+ * version) has no relative precision for terms far below the largest u. In
+ * safe mode a needle's kept l is e^(-2d) of its u (d ~ 20 nat on peaked
+ * heads: l ~ 4e-18 < 2^-40 rounds to 0), while every dropped background key
+ * (u ~ e^-80) rounds UP to one unit: the rule could only be met by keeping
+ * almost every key (H200: 108938 kept where the host keeps 184). Here a
+ * u term's rounding is < 4 2^-40 / p of itself (u >= e^g in its bin: only
+ * the last bin, g < gmax - 64 nat, is coarser, its error < n 2^-38
+ * e^(gmax-64-M) / p in all), and N's error is < n 2^-38 Lref, relative to
+ * N < n 2^-38 max(1, (1-p)/p) wherever the rule holds (the Lref term is
+ * in N, or dropped with u >= Lref, so that (1-p) N >= p Lref).
  */
 #include "rabitq-select.cuh"
 
 #define NB        TKV_CUDA_RQS_NBINS
 #define BPN       64.0f
 #define CHUNK     8192 /* keys per block of the hist and members kernels */
-#define FX_SCALE  1099511627776.0 /* 2^40 */
+#define FX_BITS   40 /* a bin's largest possible term is <= 2^(FX_BITS-1) units */
+#define E_MIN     (-149) /* bin exponents: floats are >= 2^-149; clamped, the units only coarsen */
+#define E_MAX     300
+#define LOG2E     1.4426950408889634
 
 typedef unsigned long long u64;
 
 struct rqs_state {
-    unsigned gmax_o, umax_o; /* ordered-bit maxima; 0 = none                      */
-    unsigned bad, m;         /* a non-finite estimate; members listed             */
-    u64 nf;                  /* forced keys' l                                    */
-    u64 N, C;                /* at the boundary: kept before it, dropped after it */
-    u64 kstar;               /* the last member of the boundary bin taken          */
-    uint32_t bstar, partial, cnt, pad;
+    unsigned gmax_o, umax_o, lo_o; /* ordered-bit maxima of g, s+d, s-d; 0 = none       */
+    unsigned bad, m;               /* a non-finite estimate or a term past its units;
+                                      members listed                                    */
+    uint32_t bstar, partial, cnt;
+    u64 nf;                        /* forced keys' l, units of Lref (bin_exps)           */
+    double N, C;                   /* at the boundary: kept before it (rounded down),
+                                      dropped after it (rounded up)                     */
+    u64 kstar;                     /* the last member of the boundary bin taken          */
     float M, gmax;
-    u64 hl[NB], hu[NB];
+    u64 hl[NB], hu[NB];            /* per bin, in the bin's own units (bin_exps)         */
     uint32_t hc[NB];
 };
 
@@ -67,8 +95,30 @@ static __device__ __forceinline__ u64 key_of(float g, uint32_t i)
 {
     return ((u64)ord_f(g) << 32) | (u64)(~i);
 }
-static __device__ __forceinline__ u64 fx_down(float x) { return __double2ull_rz((double)x * FX_SCALE); }
-static __device__ __forceinline__ u64 fx_up(float x) { return __double2ull_ru((double)x * FX_SCALE); }
+/* 2^k, exactly, for -1022 <= k <= 1023 */
+static __device__ __forceinline__ double pow2(int k) { return __longlong_as_double((long long)(k + 1023) << 52); }
+/* x >= 0 in units of 2^(E-FX_BITS), rounded down / up; *over set past 2^FX_BITS
+ * units (the bound that chose E broken). The scaling is exact (a power of 2). */
+static __device__ __forceinline__ u64 fx_down(float x, int E, bool *over)
+{
+    const double v = __dmul_rn((double)x, pow2(FX_BITS - E));
+    *over |= !(v <= (double)(1ull << FX_BITS));
+    return __double2ull_rz(v);
+}
+static __device__ __forceinline__ u64 fx_up(float x, int E, bool *over)
+{
+    const double v = __dmul_rn((double)x, pow2(FX_BITS - E));
+    *over |= !(v <= (double)(1ull << FX_BITS));
+    return __double2ull_ru(v);
+}
+/* a sum of units 2^(E-FX_BITS) as a double: N's rounded down, C's up */
+static __device__ __forceinline__ double fx_dbl_dn(u64 q, int E) { return __dmul_rn(__ull2double_rd(q), pow2(E - FX_BITS)); }
+static __device__ __forceinline__ double fx_dbl_up(u64 q, int E) { return __dmul_rn(__ull2double_ru(q), pow2(E - FX_BITS)); }
+/* the exponent of units for terms <= 2^x: 2^(E-1) >= 2^x, clamped (NaN, -inf: E_MIN) */
+static __device__ __forceinline__ int exp_of(double x)
+{
+    return !(x > E_MIN) ? E_MIN : x > E_MAX ? E_MAX : (int)ceil(x) + 1;
+}
 
 /* the host's bin_of */
 static __device__ __forceinline__ uint32_t bin_of(float g, float gmax)
@@ -127,7 +177,7 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
     for (uint32_t j = 0; j < pp.G; j++) {
         const uint32_t pair = h * pp.G + j;
         struct rqs_state *st = (struct rqs_state *)w.state + pair;
-        unsigned go = 0, uo = 0, bad = 0;
+        unsigned go = 0, uo = 0, lo = 0, bad = 0;
         if (valid) {
             const struct tkv_cuda_rq_query &qq = q[j];
             uint32_t ip = 0;
@@ -159,16 +209,20 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
                 pt.d[i] = d;
             }
             uo = bad ? 0 : ord_f(sd);
+            lo = bad ? 0 : ord_f(__fsub_rn(s, d));
             go = bad || forced ? 0 : ord_f(g);
         }
         go = __reduce_max_sync(0xffffffffu, go);
         uo = __reduce_max_sync(0xffffffffu, uo);
+        lo = __reduce_max_sync(0xffffffffu, lo);
         bad = __reduce_or_sync(0xffffffffu, bad);
         if (threadIdx.x % 32 == 0) {
             if (go)
                 atomicMax(&st->gmax_o, go);
             if (uo)
                 atomicMax(&st->umax_o, uo);
+            if (lo)
+                atomicMax(&st->lo_o, lo);
             if (bad)
                 atomicOr(&st->bad, 1u);
         }
@@ -183,6 +237,43 @@ static __device__ __forceinline__ void pair_max(const struct tkv_cuda_rqs_params
     float m = umax > pp.extra_lse ? umax : pp.extra_lse;
     *M = m == -INFINITY ? 0.0f : m;
     *gmax = st->gmax_o ? unord_f(st->gmax_o) : -INFINITY;
+}
+
+/* A pair's units (the comment at the top): log2 of the bounds of bin b's
+ * terms are a0 - b log2(e)/64 + lu_off (u) and min(that + ll_off, log2L)
+ * (l). One function for every kernel, explicit roundings (no contraction),
+ * so each computes the same exponents. */
+struct rqs_units {
+    float M, gmax;
+    double a0, lu_off, ll_off, log2L;
+    int Ef; /* forced keys' l and e^(extra_lse-M) */
+};
+static __device__ __forceinline__ struct rqs_units pair_units(const struct tkv_cuda_rqs_params &pp,
+                                                              const struct rqs_state *st)
+{
+    struct rqs_units c;
+    pair_max(pp, st, &c.M, &c.gmax);
+    const float lo = st->lo_o ? unord_f(st->lo_o) : -INFINITY;
+    const float lk = expf(__fsub_rn(lo, c.M)), le = expf(__fsub_rn(pp.extra_lse, c.M));
+    c.log2L = log2((double)(lk > le ? lk : le)); /* -inf when both are 0: E_MIN */
+    c.a0 = __dmul_rn(__dsub_rn((double)c.gmax, (double)c.M), LOG2E);
+    c.lu_off = pp.safe ? -log2((double)pp.p) : 0.0;
+    c.ll_off = pp.safe ? -log2(__dsub_rn(1.0, (double)pp.p)) : 0.0; /* p = 1: +inf, log2L bounds */
+    c.Ef = exp_of(c.log2L);
+    return c;
+}
+static __device__ __forceinline__ void bin_exps(const struct rqs_units &c, uint32_t b, int *El, int *Eu)
+{
+    const double a = __fma_rn(-(double)b, LOG2E / BPN, c.a0);
+    const double lu = __dadd_rn(a, c.lu_off), ll = __dadd_rn(a, c.ll_off);
+    *Eu = exp_of(lu);
+    *El = exp_of(ll < c.log2L ? ll : c.log2L);
+}
+
+/* the rule (1-p) N >= p C, rounded against it */
+static __device__ __forceinline__ bool rule(double lp, float p, double N, double C)
+{
+    return __dmul_rd(lp, N) >= __dmul_ru((double)p, C);
 }
 
 /* 2: grid (n_max / CHUNK, P), dynamic shared memory NB * 20 bytes */
@@ -201,26 +292,30 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
     for (uint32_t b = threadIdx.x; b < NB; b += blockDim.x)
         hl[b] = hu[b] = 0, hc[b] = 0;
     __syncthreads();
-    float M, gmax;
-    pair_max(pp, st, &M, &gmax);
+    const struct rqs_units c = pair_units(pp, st);
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
     const uint32_t i1 = min(i0 + CHUNK, hd.n);
     u64 nf = 0;
+    bool over = false;
     for (uint32_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
         const float g = pt.g[i], s = pp.safe ? pt.s[i] : g, d = pp.safe ? pt.d[i] : 0.0f;
         float l, u;
-        key_lu(s, d, M, pp.safe, &l, &u);
+        key_lu(s, d, c.M, pp.safe, &l, &u);
         if (is_forced(hd, i)) {
-            nf += fx_down(l);
+            nf += fx_down(l, c.Ef, &over);
         } else {
-            const uint32_t b = bin_of(g, gmax);
-            atomicAdd(&hl[b], fx_down(l));
-            atomicAdd(&hu[b], fx_up(u));
+            const uint32_t b = bin_of(g, c.gmax);
+            int El, Eu;
+            bin_exps(c, b, &El, &Eu);
+            atomicAdd(&hl[b], fx_down(l, El, &over));
+            atomicAdd(&hu[b], fx_up(u, Eu, &over));
             atomicAdd(&hc[b], 1u);
         }
     }
     if (nf)
         atomicAdd(&st->nf, nf);
+    if (over) /* cannot happen (the bounds above): read the head whole */
+        atomicOr(&st->bad, 1u);
     __syncthreads();
     for (uint32_t b = threadIdx.x; b < NB; b += blockDim.x)
         if (hc[b]) {
@@ -230,77 +325,79 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
         }
 }
 
-/* the rule (1-p) N >= p C on fixed-point sums */
-static __device__ __forceinline__ bool rule(double lp, float p, u64 N, u64 C)
-{
-    return lp * (double)N >= (double)p * (double)C;
-}
-
 #define SCAN_T 1024
 #define SCAN_B (NB / SCAN_T)
 
-/* 3: one block of SCAN_T threads per pair; thread t owns bins SCAN_B t .. */
+/* 3: one block of SCAN_T threads per pair; thread t owns bins SCAN_B t ..
+ * Each bin's sums become doubles (l down, u up); N before a bin is nf plus
+ * an exclusive prefix, C after it a suffix, all added rounding down (N) or
+ * up (C) in a fixed tree, so the boundary and the N, C stored with it are
+ * the same bits on every run. */
 __global__ void rqs_scan(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work w)
 {
-    __shared__ u64 sl[SCAN_T], su[SCAN_T];
+    __shared__ double sl[SCAN_T], su[SCAN_T];
     __shared__ uint32_t sc[SCAN_T];
     __shared__ uint32_t bmin;
     struct rqs_state *st = (struct rqs_state *)w.state + blockIdx.x;
     const uint32_t t = threadIdx.x;
-    u64 l = 0, u = 0;
+    const struct rqs_units un = pair_units(pp, st);
+    double bl[SCAN_B], bu[SCAN_B], l = 0, u = 0;
     uint32_t c = 0;
-    for (int k = 0; k < SCAN_B; k++)
-        l += st->hl[t * SCAN_B + k], u += st->hu[t * SCAN_B + k], c += st->hc[t * SCAN_B + k];
+    for (int k = 0; k < SCAN_B; k++) {
+        const uint32_t b = t * SCAN_B + k;
+        int El, Eu;
+        bin_exps(un, b, &El, &Eu);
+        bl[k] = fx_dbl_dn(st->hl[b], El), bu[k] = fx_dbl_up(st->hu[b], Eu);
+        l = __dadd_rd(l, bl[k]), u = __dadd_ru(u, bu[k]), c += st->hc[b];
+    }
     sl[t] = l, su[t] = u, sc[t] = c;
     if (t == 0)
         bmin = UINT32_MAX;
     __syncthreads();
     /* inclusive scans: sl, sc prefix (ascending); su suffix (descending) */
     for (uint32_t o = 1; o < SCAN_T; o <<= 1) {
-        const u64 al = t >= o ? sl[t - o] : 0, au = t + o < SCAN_T ? su[t + o] : 0;
+        const double al = t >= o ? sl[t - o] : 0, au = t + o < SCAN_T ? su[t + o] : 0;
         const uint32_t ac = t >= o ? sc[t - o] : 0;
         __syncthreads();
-        sl[t] += al, su[t] += au, sc[t] += ac;
+        sl[t] = __dadd_rd(sl[t], al), su[t] = __dadd_ru(su[t], au), sc[t] += ac;
         __syncthreads();
     }
-    float M, gmax;
-    pair_max(pp, st, &M, &gmax);
-    const u64 nf = st->nf + fx_down(expf(__fsub_rn(pp.extra_lse, M)));
+    bool over = false;
+    const u64 nfq = st->nf + fx_down(expf(__fsub_rn(pp.extra_lse, un.M)), un.Ef, &over); /* (<= Lref: no over) */
+    const double nf = fx_dbl_dn(nfq, un.Ef);
     const double lp = 1 - (double)pp.p;
-    const u64 ctot = su[0];
+    const double ctot = su[0];
     const uint32_t ncand = sc[SCAN_T - 1];
     const bool none = st->bad || ncand == 0 || rule(lp, pp.p, nf, ctot);
-    /* bins before mine: prefix minus my own; after mine: suffix minus my own */
-    u64 Nb = nf + sl[t] - l, Ca = su[t];
-    uint32_t cb = sc[t] - c;
+    /* N before my bins: nf + the threads before mine; C after bin k of mine */
+    double Nb = t ? __dadd_rd(nf, sl[t - 1]) : nf, Ca[SCAN_B];
+    Ca[SCAN_B - 1] = t + 1 < SCAN_T ? su[t + 1] : 0.0;
+    for (int k = SCAN_B - 2; k >= 0; k--)
+        Ca[k] = __dadd_ru(Ca[k + 1], bu[k + 1]);
+    uint32_t cb = sc[t] - c, mine = UINT32_MAX;
+    double mN = 0, mC = 0;
     if (!none)
         for (int k = 0; k < SCAN_B; k++) {
             const uint32_t b = t * SCAN_B + k;
-            const u64 hl = st->hl[b], hu = st->hu[b];
-            Ca -= hu;
-            if (st->hc[b] && rule(lp, pp.p, Nb + hl, Ca)) {
+            if (st->hc[b] && rule(lp, pp.p, __dadd_rd(Nb, bl[k]), Ca[k])) {
+                mine = b, mN = Nb, mC = Ca[k];
                 atomicMin(&bmin, b);
                 break;
             }
-            Nb += hl;
+            Nb = __dadd_rd(Nb, bl[k]);
             cb += st->hc[b];
         }
     __syncthreads();
     if (none) {
         if (t == 0)
-            st->bstar = 0, st->partial = 0, st->cnt = 0, st->N = nf, st->C = ctot, st->M = M, st->gmax = gmax;
+            st->bstar = 0, st->partial = 0, st->cnt = 0, st->N = nf, st->C = ctot, st->M = un.M, st->gmax = un.gmax;
         return;
     }
-    if (bmin / SCAN_B == t) { /* the owner: N and C at the start of the boundary bin */
-        u64 N = nf + sl[t] - l, C = su[t] - u;
-        uint32_t cnt = sc[t] - c;
-        for (uint32_t b = t * SCAN_B; b < bmin; b++)
-            N += st->hl[b], cnt += st->hc[b];
-        for (uint32_t b = bmin; b < (t + 1) * SCAN_B; b++)
-            C += st->hu[b];
-        st->bstar = bmin, st->partial = 1, st->cnt = cnt, st->N = N, st->C = C - st->hu[bmin], st->M = M,
-        st->gmax = gmax;
-    }
+    /* the owner: N and C at the start of the boundary bin (exactly the
+     * values its rule was checked with, which rqs_refine continues from).
+     * A bin always qualifies: after the last non-empty one, C = 0. */
+    if (mine == bmin)
+        st->bstar = bmin, st->partial = 1, st->cnt = cb, st->N = mN, st->C = mC, st->M = un.M, st->gmax = un.gmax;
 }
 
 /* 4: grid (n_max / CHUNK, P) */
@@ -323,13 +420,18 @@ __global__ void rqs_members(struct tkv_cuda_rqs_params pp, const struct tkv_cuda
 
 #define REF_T 256
 
-/* 5: one block of REF_T threads per pair: the last key taken (kstar) */
+/* 5: one block of REF_T threads per pair: the last key taken (kstar). The
+ * boundary bin's taken l (ni) and dropped u (ci) stay integers in the bin's
+ * units, checked as N + ni, C + ci with N, C rqs_scan's: at a region's end
+ * that is the same sum, the same bits, as the check that chose the region
+ * (at the first pass the scan's own), so "the rule holds at its end" is
+ * exact. */
 __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work w)
 {
     __shared__ u64 dl[256], du[256];
     __shared__ uint32_t dc[256];
     __shared__ int dstar;
-    __shared__ u64 sN, sC, skey;
+    __shared__ u64 sni, sci, skey;
     __shared__ uint32_t scnt, shere;
     const uint32_t pair = blockIdx.x, t = threadIdx.x;
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
@@ -344,14 +446,19 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
     if (!st->partial) {
         if (t == 0) {
             w.n_chosen[pair] = st->cnt;
-            w.mass[pair] = st->N + st->C > 0 ? (double)st->N / ((double)st->N + (double)st->C) : 1.0;
+            w.mass[pair] = st->N + st->C > 0 ? st->N / (st->N + st->C) : 1.0;
         }
         return;
     }
     const uint32_t m = st->m;
-    const float M = st->M;
+    const struct rqs_units un = pair_units(pp, st);
+    const float M = un.M;
+    const double N0 = st->N, C0 = st->C;
+    int El, Eu;
+    bin_exps(un, st->bstar, &El, &Eu);
+    bool over = false; /* (the hist kernel's terms, which did not overflow) */
     if (t == 0)
-        sN = st->N, sC = st->C, scnt = st->cnt, skey = 0;
+        sni = 0, sci = 0, scnt = st->cnt, skey = 0;
     u64 prefix = 0, mask = 0;
     bool found = false;
     for (int shift = 56; shift >= 0 && !found; shift -= 8) {
@@ -368,8 +475,8 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
             float l, u;
             key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
             const uint32_t dg = (uint32_t)(K >> shift) & 255u;
-            atomicAdd(&dl[dg], fx_down(l));
-            atomicAdd(&du[dg], fx_up(u));
+            atomicAdd(&dl[dg], fx_down(l, El, &over));
+            atomicAdd(&du[dg], fx_up(u, Eu, &over));
             atomicAdd(&dc[dg], 1u);
         }
         __syncthreads();
@@ -379,7 +486,8 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
             Lb += dl[k];
         for (uint32_t k = 0; k < t; k++)
             Ua += du[k];
-        if (dc[t] && rule(lp, pp.p, sN + Lb + dl[t], sC + Ua))
+        if (dc[t] && rule(lp, pp.p, __dadd_rd(N0, fx_dbl_dn(sni + Lb + dl[t], El)),
+                          __dadd_ru(C0, fx_dbl_up(sci + Ua, Eu))))
             atomicMax(&dstar, (int)t);
         __syncthreads();
         const int ds = dstar;
@@ -389,7 +497,7 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
             uint32_t cb = 0;
             for (uint32_t k = t + 1; k < 256; k++)
                 cb += dc[k];
-            sN += Lb, sC += Ua, scnt += cb, shere = dc[t];
+            sni += Lb, sci += Ua, scnt += cb, shere = dc[t];
         }
         __syncthreads();
         prefix |= (u64)ds << shift;
@@ -418,10 +526,11 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
         const float g = pt.g[i];
         float l, u;
         key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
-        const u64 N = sN + fx_down(l), C = sC;
+        const double N = __dadd_rd(N0, fx_dbl_dn(sni + fx_down(l, El, &over), El)),
+                     C = __dadd_ru(C0, fx_dbl_up(sci, Eu));
         st->kstar = skey;
         w.n_chosen[pair] = scnt + 1;
-        w.mass[pair] = N + C > 0 ? (double)N / ((double)N + (double)C) : 1.0;
+        w.mass[pair] = N + C > 0 ? N / (N + C) : 1.0;
     }
 }
 

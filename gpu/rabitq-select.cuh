@@ -7,9 +7,11 @@
  * bitmap per KV head. docs/rabitq.md ("Device top-p") states what it
  * guarantees and where it can differ from tkv_rabitq_select_topp.
  *
- * Masses are summed in 64-bit fixed point (2^-40 units; a kept key's term
- * rounded down, a dropped key's rounded up), so the sums do not depend on
- * the order the threads add them in: the result is the same on every run.
+ * Masses are summed in 64-bit fixed point within a bin of the histogram,
+ * in units of the bin's own (2^-40 of the largest term the bin can hold, for
+ * l and for u apart), and in doubles added in a fixed order across bins; a
+ * kept key's term rounded down, a dropped key's up: the result is the same
+ * on every run and the rule checked implies the rule on the exponentials.
  */
 #ifndef TKV_GPU_RABITQ_SELECT_CUH
 #define TKV_GPU_RABITQ_SELECT_CUH
