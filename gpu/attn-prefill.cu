@@ -324,10 +324,10 @@ bool tkv_cuda_attn_prefill_packed(const tkv_cuda_attn_params *p) { return p->pre
 
 int tkv_cuda_attn_prefill_variant(const tkv_cuda_attn_params *p)
 {
-    /* unset: the fastest measured on the H200 (docs/benchmarks.md) -- v2
-     * (4 warps x 32 rows) for f16, v0 for split precision, where v2's 255
-     * registers spill */
-    const int v = p->prefill_variant >= 0 ? p->prefill_variant : p->prefill_mode == TKV_ATTN_PREFILL_F16 ? 2 : 0;
+    /* unset: the fastest measured on the H200 (docs/benchmarks.md) -- v5
+     * (v2's 4 warps x 32 rows, one barrier per tile, P packed after the
+     * exponential) for f16, v0 for split precision, where v2 and v5 spill */
+    const int v = p->prefill_variant >= 0 ? p->prefill_variant : p->prefill_mode == TKV_ATTN_PREFILL_F16 ? 5 : 0;
     return v > 0 && v < TKV_ATTN_PREFILL_VARIANTS && p->scale_log2 > 0.0f ? v : 0;
 }
 

@@ -57,7 +57,7 @@ bool tkv_cuda_attn_prefill_ok(const struct tkv_cuda_attn_params *p);
  * split-K then cuts each head's keys at 64-key tile boundaries, else its refs. */
 bool tkv_cuda_attn_prefill_packed(const struct tkv_cuda_attn_params *p);
 
-/* The variant that serves p: p->prefill_variant (-1, the default: v2 for
+/* The variant that serves p: p->prefill_variant (-1, the default: v5 for
  * f16, v0 for split precision), or 0 (v0) when that is out of range or
  * p->scale <= 0. */
 int tkv_cuda_attn_prefill_variant(const struct tkv_cuda_attn_params *p);

@@ -98,9 +98,9 @@ struct cuda_backend {
                                       cudaMemcpy                               */
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
-    int gemv;                      /* decode matmul: GEMV_FAST, or TKV_CUDA_GEMV=ref|cublas|u8|auto */
-    bool pdl;                      /* TKV_CUDA_PDL=1: the decode path's kernels as
-                                      programmatic dependent launches        */
+    int gemv;                      /* decode matmul: GEMV_AUTO, or TKV_CUDA_GEMV=fast|ref|cublas|u8 */
+    bool pdl;                      /* the decode path's kernels as programmatic
+                                      dependent launches (TKV_CUDA_PDL=0: not) */
     float *fuse_work;              /* [fuse_work_cap bytes] matmul_swiglu's up product off the GEMV path */
     size_t fuse_work_cap;
     /* rope_qk's positions: the last ones uploaded (host copy, pos_n of them)
@@ -111,25 +111,26 @@ struct cuda_backend {
 };
 
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
- * TKV_CUDA_GEMV when the backend is created: the fast GEMV (default), its
- * reference kernel ("ref"), or cuBLAS as for prefill ("cublas"); the last two
- * exist to measure and test the first. "u8": the fast GEMV with 8 loads per
- * lane in flight, a candidate for the mid shapes (being measured). */
+ * TKV_CUDA_GEMV when the backend is created: "auto" (default, below), the
+ * fast GEMV with 4 loads per lane in flight everywhere ("fast"), with 8
+ * ("u8"), its reference kernel ("ref"), or cuBLAS as for prefill
+ * ("cublas"); the others exist to measure and test the default. */
 enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8, GEMV_AUTO };
 
 /* "auto": the fast GEMV per shape, from bench-gemv on the H200: the 8-load
  * kernel for rows of at least GEMV_U8_MIN_IN columns (4096 x 14336, the
  * down matrix: 35.4 us against 39.3), the 4-load one elsewhere; the fused
- * ops run their fused kernels as under the default. */
+ * ops run their fused kernels. With PDL, 3.5-3.7% off a llama3-8b decode
+ * step on the H200 (docs/benchmarks.md). */
 #define GEMV_U8_MIN_IN 8192u
 
 
-/* TKV_CUDA_PDL=1 when the backend is created (sm_90 and later): the
+/* Unless TKV_CUDA_PDL=0 when the backend is created (sm_90 and later): the
  * kernels of the decode path (the fast GEMVs, the fused ops, rmsnorm,
  * kv_write_heads, the decode attention kernel) are queued as programmatic
  * dependent launches, so each one's launch and first weight loads overlap
  * the previous kernel's tail (docs/gpu.md "Programmatic dependent launch").
- * Same kernels, same results; off by default until measured. */
+ * Same kernels, same results (test-gpu-backend's pdl section: bit for bit). */
 
 struct tkv_bweight {
     const struct tkv_gguf_tensor *t;
@@ -1781,10 +1782,10 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->gemv = gemv && !strcmp(gemv, "ref")      ? GEMV_REF
                : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS
                : gemv && !strcmp(gemv, "u8")     ? GEMV_U8
-               : gemv && !strcmp(gemv, "auto")   ? GEMV_AUTO
-                                                 : GEMV_FAST;
+               : gemv && !strcmp(gemv, "fast")   ? GEMV_FAST
+                                                 : GEMV_AUTO;
     const char *pdl = getenv("TKV_CUDA_PDL");
-    cb->pdl = pdl && !strcmp(pdl, "1");
+    cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");
     tkv_status st = cuda_init(cb);
     if (st == TKV_OK && prof && !strcmp(prof, "1")) {

@@ -1012,7 +1012,7 @@ static void test_attention(void)
     gpu_attn_alt[1] = gpu_with_attn_env("merge", "copy", "mma", "1");
     gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
     gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
-    /* f16 runs v2 by default; v0 here, the variants below are each checked */
+    /* f16 runs v5 by default; v0 here, the variants below are each checked */
     if (gpu_attn_alt[3])
         CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
@@ -1702,8 +1702,9 @@ static void test_pdl(void)
     REQUIRE_VOID(gpu->ops->matmul_group && gpu->ops->matmul_swiglu && gpu->ops->add_rmsnorm && gpu->ops->rope_qk);
     struct tkv_backend *be[2] = {gpu, NULL};
     setenv("TKV_CUDA_PDL", "1", 1);
+    setenv("TKV_CUDA_GEMV", "fast", 1); /* the reference's GEMV: the bits must match */
     tkv_status cst = tkv_backend_create("cuda", 0, &be[1]);
-    unsetenv("TKV_CUDA_PDL");
+    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV");
     CHECK(cst == TKV_OK, "TKV_CUDA_PDL=1: %s", tkv_last_error());
     if (cst != TKV_OK)
         return;
@@ -1834,7 +1835,12 @@ int main(void)
         SKIP("no usable CUDA device");
     rng = test_seed();
     REQUIRE(tkv_backend_create("cpu", 0, &cpu) == TKV_OK, "%s", tkv_last_error());
+    /* the reference configuration: the 4-load GEMV everywhere, plain
+     * launches; the defaults (auto, PDL) are each checked against it */
+    setenv("TKV_CUDA_GEMV", "fast", 1);
+    setenv("TKV_CUDA_PDL", "0", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu) == TKV_OK, "%s", tkv_last_error());
+    unsetenv("TKV_CUDA_PDL");
     REQUIRE(!strcmp(gpu->ops->name, "cuda"), "backend %s", gpu->ops->name);
     setenv("TKV_CUDA_GEMV", "ref", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_ref) == TKV_OK, "%s", tkv_last_error());
