@@ -628,19 +628,8 @@ template <class C> cudaError_t launch_decode(const tkv_cuda_attn_params *p, cuda
 template <class C>
 cudaError_t launch_runs(const tkv_cuda_attn_params *p, const tkv_cuda_attn_runs *r, bool pdl, cudaStream_t s)
 {
-    cudaLaunchConfig_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.gridDim = dim3(p->n_head_kv, p->n_split);
-    cfg.blockDim = dim3(NT);
-    cfg.dynamicSmemBytes = C::SMEM;
-    cfg.stream = s;
-    cudaLaunchAttribute at[1];
-    memset(at, 0, sizeof at);
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = pdl ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, attn_decode_runs_kernel<C>, *p, *r);
+    return tkv_cuda_launch(pdl, dim3(p->n_head_kv, p->n_split), dim3(NT), C::SMEM, s, attn_decode_runs_kernel<C>, *p,
+                           *r);
 }
 
 template <class C> cudaError_t init_decode(int *ctas)

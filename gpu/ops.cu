@@ -5,6 +5,26 @@ namespace {
 
 /* ---- RMSNorm: one CTA per row ------------------------------------------------ */
 
+/* The CTA's sum of every thread's v, in a fixed order (warps, then their
+ * partial sums): the same bits on every run. partial: 32 doubles of shared
+ * memory; every thread gets the sum. */
+__device__ double row_sum(double v, double *partial)
+{
+    v = tkv_warp_sum_d(v);
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    if (lane == 0)
+        partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < n_warps ? partial[lane] : 0.0;
+        v = tkv_warp_sum_d(v);
+        if (lane == 0)
+            partial[0] = v;
+    }
+    __syncthreads();
+    return partial[0];
+}
+
 __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps)
 {
     __shared__ double partial[32];
@@ -15,37 +35,23 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_
     double ss = 0;
     for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
         ss += (double)xr[d] * xr[d];
-    ss = tkv_warp_sum_d(ss);
-    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
-    if (lane == 0)
-        partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        ss = lane < n_warps ? partial[lane] : 0.0;
-        ss = tkv_warp_sum_d(ss);
-        if (lane == 0)
-            partial[0] = ss;
-    }
-    __syncthreads();
-    const float scale = 1.0f / sqrtf((float)(partial[0] / dim) + eps);
+    const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
     /* each thread reads x[d] before writing y[d]: y may alias x */
     for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
         yr[d] = xr[d] * scale * w[d];
 }
 
-/* ---- RoPE: one thread per (token, pair), looping over heads ------------------------ */
+/* ---- RoPE: one thread per (token, head, rotated pair) -------------------------------- */
 
-/* One thread per (token, head, rotated pair), pairs fastest: a decode step's
+/* Item i = (token, head, rotated pair), pairs fastest: a decode step's
  * query is n_heads x n_pairs threads (2048 for Llama-3-8B) rather than
  * n_pairs threads each walking every head (64 threads: 11 us per call on an
  * H200). Each thread derives its angle by the CPU's sequence of roundings,
- * so the result is bit-identical to the per-pair loop it replaced. */
-__global__ void rope_kernel(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs,
-                            const int32_t *pos, float theta_scale, float freq_scale)
+ * so the result is bit-identical to the per-pair loop it replaced.
+ * rope_kernel and rope_qk_kernel both rotate through it. */
+__device__ __forceinline__ void rope_item(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs, size_t i,
+                                          const int32_t *pos, float theta_scale, float freq_scale)
 {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)n * n_heads * n_pairs)
-        return;
     const uint32_t p = (uint32_t)(i % n_pairs), h = (uint32_t)(i / n_pairs % n_heads);
     const uint32_t t = (uint32_t)(i / n_pairs / n_heads);
     float theta = (float)pos[t];
@@ -58,6 +64,14 @@ __global__ void rope_kernel(float *x, uint32_t n, uint32_t n_heads, uint32_t hea
     const float x0 = v[0], x1 = v[1];
     v[0] = x0 * cs - x1 * sn;
     v[1] = x0 * sn + x1 * cs;
+}
+
+__global__ void rope_kernel(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs,
+                            const int32_t *pos, float theta_scale, float freq_scale)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (size_t)n * n_heads * n_pairs)
+        rope_item(x, n_heads, head_dim, n_pairs, i, pos, theta_scale, freq_scale);
 }
 
 __global__ void swiglu_kernel(const float *gate, const float *up, float *out, size_t count)
@@ -530,19 +544,7 @@ __global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, flo
         yr[d] = v;
         ss += (double)v * v;
     }
-    ss = tkv_warp_sum_d(ss);
-    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
-    if (lane == 0)
-        partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        ss = lane < n_warps ? partial[lane] : 0.0;
-        ss = tkv_warp_sum_d(ss);
-        if (lane == 0)
-            partial[0] = ss;
-    }
-    __syncthreads();
-    const float scale = 1.0f / sqrtf((float)(partial[0] / dim) + eps);
+    const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
     for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
         hr[d] = yr[d] * scale * w[d];
 }
@@ -550,22 +552,6 @@ __global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, flo
 /* ---- RoPE of q and k in one launch ------------------------------------------------------
  * Items [0, n*n_head*n_pairs) rotate q, the rest k, each exactly as
  * rope_kernel does (same angle sequence). */
-__device__ __forceinline__ void rope_item(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs, size_t i,
-                                          const int32_t *pos, float theta_scale, float freq_scale)
-{
-    const uint32_t p = (uint32_t)(i % n_pairs), h = (uint32_t)(i / n_pairs % n_heads);
-    const uint32_t t = (uint32_t)(i / n_pairs / n_heads);
-    float theta = (float)pos[t];
-    for (uint32_t k = 0; k < p; k++) /* the CPU's sequence of roundings */
-        theta *= theta_scale;
-    const float th = theta * freq_scale;
-    float sn, cs;
-    sincosf(th, &sn, &cs);
-    float *v = x + ((size_t)t * n_heads + h) * head_dim + 2 * p;
-    const float x0 = v[0], x1 = v[1];
-    v[0] = x0 * cs - x1 * sn;
-    v[1] = x0 * sn + x1 * cs;
-}
 
 __global__ void rope_qk_kernel(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
                                uint32_t n_pairs, const int32_t *pos, float theta_scale, float freq_scale)
