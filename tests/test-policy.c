@@ -3,7 +3,8 @@
  * answers: a sink-only head is Rigid and a head with spread attention is
  * Dynamic (EntropyInfer); CritiPrefill selects the blocks the segment's
  * queries point at; SnapKV keeps a needle the observation window attends
- * to; AdaKV's per-head budgets sum to the total and follow the scores;
+ * to, and EntropyInfer at gap=0 with the whole observation window (its
+ * faithful variant with the newest half, as released); AdaKV's per-head budgets sum to the total and follow the scores;
  * StreamingLLM keeps sinks and a window; spec parsing names what is wrong;
  * the O(n) top-k equals its sort-based reference on random scores.
  */
@@ -229,6 +230,65 @@ static void test_snapkv_needle(void)
     }
 }
 
+/* ---- EntropyInfer's decode window at gap=0 --------------------------------------------------- */
+
+/* The needle is attended only by the oldest 16 of the 32 observed prompt
+ * queries (the newest 16 point away from it). Compressing at the first
+ * generated token (gap=0), the default variant scores with all 32 prompt
+ * queries and keeps it; the faithful one takes window/2 = 16, the newest,
+ * and drops it. */
+static void test_entropy_window(void)
+{
+    static struct keys K;
+    static float q[32][H * HD];
+    static int32_t pos[32];
+    float x[HD];
+    const uint32_t n = 1500, needle = 700;
+    for (uint32_t p = 0; p < n; p++)
+        for (uint32_t g = 0; g < HKV; g++) {
+            for (uint32_t d = 0; d < HD; d++)
+                x[d] = test_rand_f32(&rng, -0.5f, 0.5f);
+            if (p == needle)
+                x[2] = 12.0f;
+            set_key(&K, g, p, x);
+        }
+    keys_views(&K, n);
+    for (uint32_t t = 0; t < 32; t++) {
+        pos[t] = (int32_t)(n - 32 + t);
+        for (uint32_t j = 0; j < H * HD; j++)
+            q[t][j] = (j % HD == 2) ? (t < 16 ? 1.0f : -1.0f) : test_rand_f32(&rng, -0.3f, 0.3f);
+    }
+    const char *specs[] = {"entropy:gap=0", "entropy:faithful=1,gap=0"};
+    for (int i = 0; i < 2; i++) {
+        struct tkv_policy *p = make(specs[i], 128);
+        REQUIRE_VOID(p);
+        struct tkv_policy_view v = {.n_past = n, .n_prompt = n, .q = &q[0][0], .q_pos = pos, .n_q = 32, .kv = K.view};
+        for (v.layer = 0; v.layer < env.n_layer; v.layer++)
+            CHECK(p->ops->after_prefill(p->state, &v) == TKV_OK, "%s: %s", specs[i], tkv_last_error());
+        static struct tkv_range r[1024];
+        /* step 1 compresses every layer (and still reads everything), step 2 reads the kept sets */
+        for (uint32_t step = 0; step < 2; step++) {
+            v.step = step;
+            v.n_past = n + 1 + step;
+            v.n_q = 1;
+            v.q_pos = &pos[31];
+            for (v.layer = 0; v.layer < env.n_layer; v.layer++)
+                for (uint32_t g = 0; g < HKV; g++) {
+                    const int m = p->ops->decode_select(p->state, &v, g, r, 1024);
+                    if (step == 0) {
+                        CHECK(m < 0, "%s: the compressing step reads everything (got %d ranges)", specs[i], m);
+                        continue;
+                    }
+                    REQUIRE_VOID(m > 0);
+                    CHECK(contains(r, m, needle) == (i == 0), "%s layer %u head %u: needle %s", specs[i], v.layer, g,
+                          i == 0 ? "dropped" : "kept by the newest 16 queries");
+                    CHECK(contains(r, m, n - 1), "%s: recent window missing", specs[i]);
+                }
+        }
+        tkv_policy_free(p);
+    }
+}
+
 /* ---- AdaKV allocation -------------------------------------------------------------------- */
 
 static void test_adakv_allocation(void)
@@ -321,6 +381,7 @@ int main(void)
     test_entropy_classes();
     test_critiprefill();
     test_snapkv_needle();
+    test_entropy_window();
     test_adakv_allocation();
     test_streaming_and_specs();
     test_top_k();

@@ -14,7 +14,9 @@
  * Decode: after `gap` generated tokens, the cache is scored once SnapKV-style
  * with the last window/2 prompt queries and the first window/2 generated
  * ones (avg-pool 5) and each KV head keeps `keep` tokens (the recent window
- * included); tokens generated later are always attended.
+ * included); tokens generated later are always attended. The default
+ * variant fills the window with more prompt queries where fewer than
+ * window/2 were generated (gap=0: the last `window`).
  *
  * Two variants share this file:
  *   entropy:faithful=1  as the released code behaves: Rigid only if below e_t
@@ -57,7 +59,7 @@ struct entropy {
     uint32_t *idx;                    /* [max_blocks] + top-k scratch [2 max_blocks] */
     uint32_t max_blocks;
     /* decode */
-    float *obs;                       /* [layer][window/2][QD] last prompt queries */
+    float *obs;                       /* [layer][window][QD] last prompt queries */
     int32_t obs_pos[MAX_WINDOW];
     uint32_t n_obs;
     float *gen;                       /* [layer][window][QD] generated queries, ring */
@@ -141,7 +143,7 @@ static tkv_status ent_create(const struct tkv_policy_env *env, const struct tkv_
     e->n_sel = malloc(H * sizeof *e->n_sel);
     e->P = malloc(H * e->max_blocks * sizeof *e->P);
     e->idx = malloc((size_t)3 * e->max_blocks * sizeof *e->idx);
-    e->obs = malloc(L * (p.window / 2) * QD * sizeof *e->obs);
+    e->obs = malloc(L * p.window * QD * sizeof *e->obs);
     e->gen = malloc(L * p.window * QD * sizeof *e->gen);
     e->gen_pos = malloc(L * p.window * sizeof *e->gen_pos);
     e->n_gen = calloc(L, sizeof *e->n_gen);
@@ -250,8 +252,8 @@ static tkv_status ent_after_prefill(void *state, const struct tkv_policy_view *v
 {
     struct entropy *e = state;
     const size_t QD = (size_t)e->env.n_head * e->env.head_dim;
-    const uint32_t half = e->window / 2, n = TKV_MIN(half, v->n_q);
-    memcpy(e->obs + (size_t)v->layer * half * QD, v->q + (size_t)(v->n_q - n) * QD, n * QD * sizeof(float));
+    const uint32_t n = TKV_MIN(e->window, v->n_q);
+    memcpy(e->obs + (size_t)v->layer * e->window * QD, v->q + (size_t)(v->n_q - n) * QD, n * QD * sizeof(float));
     if (v->layer == 0) {
         memcpy(e->obs_pos, v->q_pos + (v->n_q - n), n * sizeof *e->obs_pos);
         e->n_obs = n;
@@ -275,12 +277,17 @@ static tkv_status compress_layer(struct entropy *e, const struct tkv_policy_view
     if (!wq)
         return tkv_err(TKV_ERR_NOMEM, "policy 'entropy': out of memory");
     uint32_t n = 0;
-    /* the first compression: last window/2 prompt queries + first window/2
-     * generated ones (faithful); re-selection: the latest generated ones */
+    /* the first compression: the last window/2 prompt queries + the first
+     * window/2 generated ones (faithful); ours fills the window with prompt
+     * queries where fewer were generated (gap < window/2: at gap=0, the
+     * last `window` prompt queries, as SnapKV observes); re-selection: the
+     * latest generated ones */
     if (first) {
-        memcpy(wq, e->obs + (size_t)l * half * QD, e->n_obs * QD * sizeof *wq);
-        memcpy(wpos, e->obs_pos, e->n_obs * sizeof *wpos);
-        n = e->n_obs;
+        const uint32_t want = e->faithful ? half : e->window - TKV_MIN(ng, half), np = TKV_MIN(e->n_obs, want);
+        const uint32_t skip = e->n_obs - np; /* the oldest rows not taken */
+        memcpy(wq, e->obs + ((size_t)l * e->window + skip) * QD, np * QD * sizeof *wq);
+        memcpy(wpos, e->obs_pos + skip, np * sizeof *wpos);
+        n = np;
     }
     const uint32_t take = first ? TKV_MIN(ng, e->window - n) : ng;
     for (uint32_t i = 0; i < take; i++) {
