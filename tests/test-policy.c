@@ -185,27 +185,36 @@ static void test_critiprefill(void)
 
 /* ---- SnapKV: a needle the window attends to ---------------------------------------------- */
 
-static void test_snapkv_needle(void)
+/* n random keys per KV head, the one at `needle` with a large component 2;
+ * the 32 observed queries at positions n-32 .. n-1, component 2 of the
+ * older 16 `older`, of the newer 16 `newer` (1: towards the needle). */
+static void needle_case(struct keys *K, float q[32][H * HD], int32_t pos[32], uint32_t n, uint32_t needle, float older,
+                        float newer)
 {
-    static struct keys K;
-    static float q[32][H * HD];
-    static int32_t pos[32];
     float x[HD];
-    const uint32_t n = 1500, needle = 700;
     for (uint32_t p = 0; p < n; p++)
         for (uint32_t g = 0; g < HKV; g++) {
             for (uint32_t d = 0; d < HD; d++)
                 x[d] = test_rand_f32(&rng, -0.5f, 0.5f);
             if (p == needle)
                 x[2] = 12.0f;
-            set_key(&K, g, p, x);
+            set_key(K, g, p, x);
         }
-    keys_views(&K, n);
+    keys_views(K, n);
     for (uint32_t t = 0; t < 32; t++) {
         pos[t] = (int32_t)(n - 32 + t);
         for (uint32_t j = 0; j < H * HD; j++)
-            q[t][j] = (j % HD == 2) ? 1.0f : test_rand_f32(&rng, -0.3f, 0.3f);
+            q[t][j] = (j % HD == 2) ? (t < 16 ? older : newer) : test_rand_f32(&rng, -0.3f, 0.3f);
     }
+}
+
+static void test_snapkv_needle(void)
+{
+    static struct keys K;
+    static float q[32][H * HD];
+    static int32_t pos[32];
+    const uint32_t n = 1500, needle = 700;
+    needle_case(&K, q, pos, n, needle, 1.0f, 1.0f);
     const char *specs[] = {"snapkv", "adakv"};
     for (int i = 0; i < 2; i++) {
         struct tkv_policy *p = make(specs[i], 128);
@@ -242,22 +251,8 @@ static void test_entropy_window(void)
     static struct keys K;
     static float q[32][H * HD];
     static int32_t pos[32];
-    float x[HD];
     const uint32_t n = 1500, needle = 700;
-    for (uint32_t p = 0; p < n; p++)
-        for (uint32_t g = 0; g < HKV; g++) {
-            for (uint32_t d = 0; d < HD; d++)
-                x[d] = test_rand_f32(&rng, -0.5f, 0.5f);
-            if (p == needle)
-                x[2] = 12.0f;
-            set_key(&K, g, p, x);
-        }
-    keys_views(&K, n);
-    for (uint32_t t = 0; t < 32; t++) {
-        pos[t] = (int32_t)(n - 32 + t);
-        for (uint32_t j = 0; j < H * HD; j++)
-            q[t][j] = (j % HD == 2) ? (t < 16 ? 1.0f : -1.0f) : test_rand_f32(&rng, -0.3f, 0.3f);
-    }
+    needle_case(&K, q, pos, n, needle, 1.0f, -1.0f);
     const char *specs[] = {"entropy:gap=0", "entropy:faithful=1,gap=0"};
     for (int i = 0; i < 2; i++) {
         struct tkv_policy *p = make(specs[i], 128);
