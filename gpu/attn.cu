@@ -645,6 +645,24 @@ static bool runs_build(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, u
     return true;
 }
 
+/* The kernel parameters every path takes from the call and the state: the
+ * query, outputs and shape, the scale in log2 units, the decode mode. */
+static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struct tkv_attn_args *a)
+{
+    tkv_cuda_attn_params p;
+    memset(&p, 0, sizeof p);
+    p.q = a->q;
+    p.out = a->out;
+    p.lse = a->lse;
+    p.n_q = a->n_q;
+    p.n_head = a->n_head;
+    p.n_head_kv = a->n_head_kv;
+    p.head_dim = a->head_dim;
+    p.scale_log2 = a->scale * 1.44269504088896341f;
+    p.decode_mode = st->decode_mode;
+    return p;
+}
+
 /* Runs a decode call over inline runs; *done false when the view does not
  * fit them (nothing queued: the packed table serves the call). */
 static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s,
@@ -657,18 +675,8 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     uint32_t max_chunks;
     if (!runs_build(st, a, tkv_cuda_attn_decode_chunk_keys(a->head_dim, rows), &max_chunks))
         return cudaSuccess;
-    tkv_cuda_attn_params p;
-    memset(&p, 0, sizeof p);
-    p.q = a->q;
-    p.out = a->out;
-    p.lse = a->lse;
-    p.n_q = a->n_q;
-    p.n_head = a->n_head;
-    p.n_head_kv = a->n_head_kv;
-    p.head_dim = a->head_dim;
-    p.scale_log2 = a->scale * 1.44269504088896341f;
+    tkv_cuda_attn_params p = params_of(st, a);
     p.vec16 = 1;
-    p.decode_mode = st->decode_mode;
     /* one full wave: every CTA slot of the device busy, each split of a head
      * the same number of chunks to one */
     const uint32_t slots = (uint32_t)(n_sm > 0 ? n_sm : 1) *
@@ -775,22 +783,12 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         TKV_CUDA_TRY(cudaStreamWaitEvent(s, t->copied, 0));
     }
 
-    tkv_cuda_attn_params p;
-    memset(&p, 0, sizeof p);
-    p.q = a->q;
+    tkv_cuda_attn_params p = params_of(st, a);
     p.q_pos = (const int32_t *)t->dev;
-    p.out = a->out;
-    p.lse = a->lse;
     p.blocks = (const struct tkv_cuda_kv_entry *)((uint8_t *)t->dev + off_e);
     p.head_off = (const uint32_t *)((uint8_t *)t->dev + off_h);
     p.kofs = keys <= KOFS_MAX_KEYS ? (const uint32_t *)((uint8_t *)t->dev + off_k) : NULL;
-    p.n_q = a->n_q;
-    p.n_head = a->n_head;
-    p.n_head_kv = a->n_head_kv;
-    p.head_dim = a->head_dim;
-    p.scale_log2 = a->scale * 1.44269504088896341f;
     p.vec16 = (addr_bits % 16) == 0 && a->head_dim % 8 == 0;
-    p.decode_mode = st->decode_mode;
     p.prefill_mode = st->prefill_mode;
     p.prefill_pack = st->prefill_pack;
     p.prefill_variant = st->prefill_variant;

@@ -1041,6 +1041,16 @@ static struct tkv_cuda_rq_index rq_index(const struct tkv_rabitq_dev *ix)
                                       ix->code, ix->a, ix->e, ix->t, ix->pc};
 }
 
+/* A prepared query (runtime/rabitq/rabitq.h) as the kernels take it. */
+static struct tkv_cuda_rq_query rq_query(const struct tkv_rabitq_query *q)
+{
+    struct tkv_cuda_rq_query c;
+    memcpy(c.plane, q->plane, sizeof c.plane);
+    c.delta = q->delta, c.vl = q->vl, c.add = q->add, c.bound_u = q->bound_u, c.bound_w = q->bound_w;
+    c.sum_q = q->sum_q;
+    return c;
+}
+
 /* Encodes on the compute stream and waits for the verdict on the batch. */
 static tkv_status cuda_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
                                      size_t row_stride, uint32_t n, uint32_t at)
@@ -1074,14 +1084,7 @@ static tkv_status cuda_rabitq_estimate(struct tkv_backend *b, const struct tkv_r
     ALIVE(op);
     if (ix->words == 0 || ix->words > TKV_CUDA_RQ_MAX_WORDS || q->words != ix->words)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_estimate: %u code words, query %u", ix->words, q->words);
-    struct tkv_cuda_rq_query cq;
-    memcpy(cq.plane, q->plane, sizeof cq.plane);
-    cq.delta = q->delta;
-    cq.vl = q->vl;
-    cq.add = q->add;
-    cq.bound_u = q->bound_u;
-    cq.bound_w = q->bound_w;
-    cq.sum_q = q->sum_q;
+    const struct tkv_cuda_rq_query cq = rq_query(q);
     const struct tkv_cuda_rq_index d = rq_index(ix);
     CU(op, tkv_cuda_rq_estimate(&d, &cq, first, n, est, bound, cb->stream));
     return TKV_OK;
@@ -1161,11 +1164,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         for (uint32_t r = 0; r < hd->n_forced; r++)
             hh[h].fb[r] = hd->forced[r].begin, hh[h].fe[r] = hd->forced[r].end;
         for (uint32_t j = 0; j < G; j++) {
-            const struct tkv_rabitq_query *q = &hd->q[j];
-            struct tkv_cuda_rq_query *c = &hq[h * G + j];
-            memcpy(c->plane, q->plane, sizeof c->plane);
-            c->delta = q->delta, c->vl = q->vl, c->add = q->add, c->bound_u = q->bound_u, c->bound_w = q->bound_w;
-            c->sum_q = q->sum_q;
+            hq[h * G + j] = rq_query(&hd->q[j]);
         }
     }
     CU(op, cudaMemcpyAsync(dm, hm, up, cudaMemcpyHostToDevice, cb->stream));

@@ -180,23 +180,8 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
         if (valid) {
             const struct tkv_cuda_rq_query &qq = q[j];
-            uint32_t ip = 0;
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                uint32_t c = 0;
-                for (uint32_t x = 0; x < ix.words; x++)
-                    c += (uint32_t)__popcll(cw[x] & qq.plane[b][x]);
-                ip += c << b;
-            }
-            const int32_t xa = 2 * (int32_t)ip - qq.sum_q;
-            const float xx = fmaf(qq.delta, (float)xa, __fmul_rn(qq.vl, (float)xb));
-            const float est = fmaf(a, xx, __fadd_rn(t, qq.add));
-            const float s = __fmul_rn(pp.scale, est);
-            float d = 0.0f;
-            if (pp.safe) {
-                const float bound = __fsqrt_rn(fmaf(__fmul_rn(e, e), qq.bound_u, __fmul_rn(__fmul_rn(a, a), qq.bound_w)));
-                d = __fmul_rn(pp.scale, bound);
-            }
+            const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est(cw, ix.words, qq, xb, a, t));
+            const float d = pp.safe ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a, e, qq)) : 0.0f;
             const float sd = __fadd_rn(s, d);
             bad = isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || sd == INFINITY;
             const float g = pp.safe

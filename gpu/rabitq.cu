@@ -112,22 +112,11 @@ __global__ void rq_estimate_kernel(struct tkv_cuda_rq_index ix, struct tkv_cuda_
     uint64_t cw[TKV_CUDA_RQ_MAX_WORDS];
     for (uint32_t w = 0; w < ix.words; w++)
         cw[w] = c[w];
-    uint32_t ip = 0;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        uint32_t s = 0;
-        for (uint32_t w = 0; w < ix.words; w++)
-            s += (uint32_t)__popcll(cw[w] & q.plane[j][w]);
-        ip += s << j;
-    }
-    const int32_t xa = 2 * (int32_t)ip - q.sum_q, xb = 2 * (int32_t)ix.pc[key] - (int32_t)ix.dim_pad;
+    const int32_t xb = 2 * (int32_t)ix.pc[key] - (int32_t)ix.dim_pad;
     const float a = ix.a[key];
-    const float x = fmaf(q.delta, (float)xa, __fmul_rn(q.vl, (float)xb));
-    est[i] = fmaf(a, x, __fadd_rn(ix.t[key], q.add));
-    if (bound) {
-        const float e = ix.e[key];
-        bound[i] = __fsqrt_rn(fmaf(__fmul_rn(e, e), q.bound_u, __fmul_rn(__fmul_rn(a, a), q.bound_w)));
-    }
+    est[i] = tkv_cuda_rq_est(cw, ix.words, q, xb, a, ix.t[key]);
+    if (bound)
+        bound[i] = tkv_cuda_rq_bound(a, ix.e[key], q);
 }
 
 cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const uint16_t *k, size_t row_stride, uint32_t n,

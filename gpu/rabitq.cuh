@@ -40,6 +40,31 @@ struct tkv_cuda_rq_query {
     int32_t sum_q;
 };
 
+/* One key's estimate and error bound, as tkv_rabitq_estimate computes them
+ * (the same products and roundings: bit for bit): cw the key's code words,
+ * xb = 2 popcount(code) - dim_pad, a and t its scalars (e for the bound).
+ * rq_estimate_kernel and the selection's estimate kernel both use these. */
+__device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t words, const struct tkv_cuda_rq_query &q,
+                                                 int32_t xb, float a, float t)
+{
+    uint32_t ip = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        uint32_t s = 0;
+        for (uint32_t w = 0; w < words; w++)
+            s += (uint32_t)__popcll(cw[w] & q.plane[j][w]);
+        ip += s << j;
+    }
+    const int32_t xa = 2 * (int32_t)ip - q.sum_q;
+    const float x = fmaf(q.delta, (float)xa, __fmul_rn(q.vl, (float)xb));
+    return fmaf(a, x, __fadd_rn(t, q.add));
+}
+
+__device__ __forceinline__ float tkv_cuda_rq_bound(float a, float e, const struct tkv_cuda_rq_query &q)
+{
+    return __fsqrt_rn(fmaf(__fmul_rn(e, e), q.bound_u, __fmul_rn(__fmul_rn(a, a), q.bound_w)));
+}
+
 /* Encodes n keys (f16 rows, row r at k + r * row_stride, device memory) as
  * keys at .. at+n-1. *bad (device) is lowered to the first row whose sums
  * are not finite (the caller sets it to UINT32_MAX first and discards the

@@ -149,6 +149,11 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     const struct tkv_model_info *hp = &s->hp;
     TKV_TRY(tkv_backend_create(s->device, p->n_threads, &s->be));
     s->be_host = !strcmp(s->be->ops->name, "cpu");
+    /* TKV_FUSE=0: the plain op sequence even where the backend has fused
+     * ops (to measure them; the results agree within their tolerances);
+     * read once here, not per forward call */
+    const char *fuse_env = getenv("TKV_FUSE");
+    s->fuse = !(fuse_env && !strcmp(fuse_env, "0"));
 
     TKV_TRY(weight(s, m->tok_embd, &s->tok_embd));
     TKV_TRY(weight(s, m->output_norm, &s->output_norm));
@@ -740,10 +745,7 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
         s->pos[i] = (int32_t)(s->n_past + i);
     TKV_TRY(ops->get_rows(be, s->tok_embd, toks, n, s->x));
 
-    /* TKV_FUSE=0: the plain op sequence even where the backend has fused
-     * ops (to measure them; the results agree within their tolerances) */
-    const char *fuse_env = getenv("TKV_FUSE");
-    const bool fuse = !(fuse_env && !strcmp(fuse_env, "0"));
+    const bool fuse = s->fuse;
     /* a layer's last add leaves the next norm's output in s->h: the next
      * layer's attn_norm, after the last layer the output norm (one row) */
     bool h_ready = false;

@@ -73,6 +73,7 @@ struct tkv_session {
      * layer (post-RoPE), for policies that compress after the prefill */
     float *obs_q;                    /* host [n_layer][OBS_QUERIES][n_head*head_dim] */
     int32_t obs_pos[OBS_QUERIES];
+    bool fuse;                       /* use the backend's fused decode ops (TKV_FUSE) */
     uint32_t obs_n;
 
     /* policy selections turned into block lists */
