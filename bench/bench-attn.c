@@ -5,7 +5,8 @@
  *
  *   bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] [-V 0,1,..] [-j out.json] [-x]
  *
- * -x: only decode attention at 131072 keys (32/8/128), 3 calls, for ncu.
+ * -x [ctx]: only decode attention at ctx keys (default 131072; 32/8/128), 3
+ *     calls, for ncu.
  * -V: the tensor-core prefill kernel's variants (tile shapes, docs/gpu.md)
  *     that prefill-long and prefill-sparse time side by side, each checked
  *     first (default: all; the list is printed at the start); one that
@@ -640,13 +641,16 @@ int main(int argc, char **argv)
             section = argv[++i];
         else if (!strcmp(argv[i], "-j") && i + 1 < argc)
             json_path = argv[++i];
-        else if (!strcmp(argv[i], "-x"))
-            profile = 1;
+        else if (!strcmp(argv[i], "-x")) {
+            profile = 131072;
+            if (i + 1 < argc && argv[i + 1][0] >= '1' && argv[i + 1][0] <= '9')
+                profile = atoi(argv[++i]);
+        }
         else if (!strcmp(argv[i], "-V") && i + 1 < argc)
             variants = argv[++i];
         else {
             fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] "
-                            "[-V 0,1,..] [-j out.json] [-x]\n");
+                            "[-V 0,1,..] [-j out.json] [-x [ctx]]\n");
             return 2;
         }
     if (tkv_backend_cuda_devices() == 0) {
@@ -682,7 +686,7 @@ int main(int argc, char **argv)
     printf("| op | shape | size | time/call | bytes rate | compute rate | check |\n");
     printf("| --- | --- | --- | ---: | ---: | ---: | --- |\n");
     if (profile) {
-        bench_attention(32, 8, 128, 64, 131072, 1, 1, false);
+        bench_attention(32, 8, 128, 64, (uint32_t)profile, 1, 1, false);
         gpu->ops->free(gpu);
         cpu->ops->free(cpu);
         return 0;
