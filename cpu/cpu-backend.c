@@ -356,11 +356,12 @@ static tkv_status cpu_attention(struct tkv_backend *b, const struct tkv_attn_arg
 }
 
 /* The RaBitQ ops: the index's own CPU kernels over the arrays (host memory). */
-static tkv_status cpu_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
-                                    size_t row_stride, uint32_t n, uint32_t at)
+static tkv_status cpu_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                    const struct tkv_rabitq_span *spans, uint32_t n_spans, size_t row_stride,
+                                    uint32_t at)
 {
     (void)b;
-    return tkv_rabitq_host_encode(ix, k, row_stride, n, at);
+    return tkv_rabitq_host_encode(ix, spans, n_spans, row_stride, at);
 }
 
 static tkv_status cpu_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,

@@ -1078,27 +1078,47 @@ static struct tkv_cuda_rq_query rq_query(const struct tkv_rabitq_query *q)
     return c;
 }
 
-/* Encodes on the compute stream and waits for the verdict on the batch. */
-static tkv_status cuda_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
-                                     size_t row_stride, uint32_t n, uint32_t at)
+/* Encodes every span's rows in one grid on the compute stream (the span
+ * table goes up through a staging slot) and waits once for the verdict. */
+static tkv_status cuda_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                     const struct tkv_rabitq_span *spans, uint32_t n_spans, size_t row_stride,
+                                     uint32_t at)
 {
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "rabitq_encode";
     ALIVE(op);
-    if (n == 0)
-        return TKV_OK;
     if (ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || ix->words * 64 != ix->dim_pad)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_encode: dim_pad %u", ix->dim_pad);
+    uint64_t n = 0;
+    uint32_t m = 0; /* non-empty spans */
+    for (uint32_t s = 0; s < n_spans; s++) {
+        n += spans[s].n;
+        m += spans[s].n > 0;
+    }
+    if (n > UINT32_MAX - at)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_encode of %llu keys at %u", (unsigned long long)n, at);
+    if (n == 0)
+        return TKV_OK;
     if (!cb->rq_bad)
         CU(op, cudaMalloc(&cb->rq_bad, sizeof *cb->rq_bad));
+    struct stage_slot *sl;
+    const size_t bytes = (size_t)m * sizeof(struct tkv_cuda_rq_span);
+    TKV_TRY(stage_take(cb, bytes, &sl, op));
+    struct tkv_cuda_rq_span *tab = (struct tkv_cuda_rq_span *)sl->host;
+    uint32_t first = 0, j = 0;
+    for (uint32_t s = 0; s < n_spans; first += spans[s].n, s++)
+        if (spans[s].n)
+            tab[j++] = (struct tkv_cuda_rq_span){spans[s].k, first, 0};
+    TKV_TRY(stage_send(cb, sl, bytes, op));
     CU(op, cudaMemsetAsync(cb->rq_bad, 0xff, sizeof *cb->rq_bad, cb->stream));
     const struct tkv_cuda_rq_index d = rq_index(ix);
-    CU(op, tkv_cuda_rq_encode(&d, k, row_stride, n, at, cb->rq_bad, cb->stream));
+    CU(op, tkv_cuda_rq_encode(&d, (const struct tkv_cuda_rq_span *)sl->dev, m, (uint32_t)n, row_stride, at,
+                              cb->rq_bad, cb->stream));
     uint32_t bad = 0;
     CU(op, cudaMemcpyAsync(&bad, cb->rq_bad, sizeof bad, cudaMemcpyDeviceToHost, cb->stream));
     CU(op, cudaStreamSynchronize(cb->stream));
     if (bad != UINT32_MAX)
-        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append: key row %u of the batch is not finite", bad);
+        return tkv_rabitq_encode_error(spans, n_spans, at, bad);
     return TKV_OK;
 }
 
@@ -1559,11 +1579,12 @@ static tkv_status pw_upload_wait(struct tkv_backend *b, uint64_t upto, bool bloc
 {
     PROF("upload_wait", prof_row(cb->prof, "upload_wait", false), cuda_upload_wait(b, upto, block, done));
 }
-static tkv_status pw_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
-                                   size_t row_stride, uint32_t n, uint32_t at)
+static tkv_status pw_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                   const struct tkv_rabitq_span *spans, uint32_t n_spans, size_t row_stride,
+                                   uint32_t at)
 {
     PROF("rabitq_encode", prof_row(cb->prof, "rabitq_encode", true),
-         cuda_rabitq_encode(b, ix, k, row_stride, n, at));
+         cuda_rabitq_encode(b, ix, spans, n_spans, row_stride, at));
 }
 static tkv_status pw_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq_select_args *a)
 {

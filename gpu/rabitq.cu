@@ -20,9 +20,10 @@ static __device__ __forceinline__ float rq_fold16(float v)
 
 /* One warp per key: f16 row -> r = k - c_k -> y = P r (three rounds of signs
  * and Walsh-Hadamard butterflies, then the scale) -> code bits y > 0, and the
- * sums |r|^2, |y|_1, c_q . k, finished into a, e, t in double. */
-__global__ void rq_encode_kernel(struct tkv_cuda_rq_index ix, const uint16_t *k, size_t row_stride, uint32_t n,
-                                 uint32_t at, uint32_t *bad)
+ * sums |r|^2, |y|_1, c_q . k, finished into a, e, t in double. Row r of the
+ * call is in the last span whose first is <= r. */
+__global__ void rq_encode_kernel(struct tkv_cuda_rq_index ix, const struct tkv_cuda_rq_span *spans, uint32_t n_spans,
+                                 uint32_t n, size_t row_stride, uint32_t at, uint32_t *bad)
 {
     __shared__ float ys[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM], ks[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM];
     const unsigned wp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -31,7 +32,15 @@ __global__ void rq_encode_kernel(struct tkv_cuda_rq_index ix, const uint16_t *k,
         return;
     float *y = ys[wp], *kf = ks[wp];
     const uint32_t D = ix.dim_pad;
-    const __half *row = (const __half *)(k + (size_t)r * row_stride);
+    uint32_t lo = 0, hi = n_spans - 1; /* every lane the same search: spans[0].first = 0 <= r */
+    while (lo < hi) {
+        const uint32_t mid = hi - (hi - lo) / 2;
+        if (spans[mid].first <= r)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    const __half *row = (const __half *)(spans[lo].k + (size_t)(r - spans[lo].first) * row_stride);
     for (uint32_t i = lane; i < D; i += 32) {
         const float x = i < ix.dim ? __half2float(row[i]) : 0.0f;
         kf[i] = x;
@@ -119,14 +128,16 @@ __global__ void rq_estimate_kernel(struct tkv_cuda_rq_index ix, struct tkv_cuda_
         bound[i] = tkv_cuda_rq_bound(a, ix.e[key], q);
 }
 
-cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const uint16_t *k, size_t row_stride, uint32_t n,
-                               uint32_t at, uint32_t *bad, cudaStream_t s)
+cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_span *spans,
+                               uint32_t n_spans, uint32_t n_rows, size_t row_stride, uint32_t at, uint32_t *bad,
+                               cudaStream_t s)
 {
-    if (n == 0)
+    if (n_rows == 0)
         return cudaSuccess;
-    if (ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || ix->words * 64 != ix->dim_pad)
+    if (n_spans == 0 || ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || ix->words * 64 != ix->dim_pad)
         return cudaErrorInvalidValue;
-    rq_encode_kernel<<<tkv_cuda_blocks(n, RQ_WARPS), RQ_WARPS * 32, 0, s>>>(*ix, k, row_stride, n, at, bad);
+    rq_encode_kernel<<<tkv_cuda_blocks(n_rows, RQ_WARPS), RQ_WARPS * 32, 0, s>>>(*ix, spans, n_spans, n_rows,
+                                                                                 row_stride, at, bad);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }

@@ -65,12 +65,24 @@ __device__ __forceinline__ float tkv_cuda_rq_bound(float a, float e, const struc
     return __fsqrt_rn(fmaf(__fmul_rn(e, e), q.bound_u, __fmul_rn(__fmul_rn(a, a), q.bound_w)));
 }
 
-/* Encodes n keys (f16 rows, row r at k + r * row_stride, device memory) as
- * keys at .. at+n-1. *bad (device) is lowered to the first row whose sums
- * are not finite (the caller sets it to UINT32_MAX first and discards the
- * batch if it changed). */
-cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const uint16_t *k, size_t row_stride, uint32_t n,
-                               uint32_t at, uint32_t *bad, cudaStream_t s);
+/* One span of an encode call (device memory, a table of n_spans): rows
+ * first .. first + n - 1 of the call (n = the next span's first, or n_rows
+ * for the last) are at k, k + row_stride, ... (device memory). Spans are in
+ * call order with ascending first; the first span's first is 0; none empty. */
+struct tkv_cuda_rq_span {
+    const uint16_t *k;
+    uint32_t first;
+    uint32_t pad_;
+};
+
+/* Encodes the n_rows rows of the spans as keys at .. at+n_rows-1, all in one
+ * grid (one warp per row, which finds its span by binary search). *bad
+ * (device) is lowered to the first row of the call whose sums are not
+ * finite (the caller sets it to UINT32_MAX first and discards the call's
+ * keys if it changed). */
+cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_span *spans,
+                               uint32_t n_spans, uint32_t n_rows, size_t row_stride, uint32_t at, uint32_t *bad,
+                               cudaStream_t s);
 
 /* est[i] (and bound[i] unless bound is NULL), device memory, for keys
  * first .. first+n-1. */

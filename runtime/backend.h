@@ -115,6 +115,13 @@ struct tkv_rabitq_dev {
     uint16_t *pc;                 /* [cap]                                       */
 };
 
+/* n consecutive keys' f16 rows in backend memory, row r at k + r * row_stride
+ * (e.g. the part of one KV block an encode covers). */
+struct tkv_rabitq_span {
+    const uint16_t *k;
+    uint32_t        n;
+};
+
 /* One layer's RaBitQ top-p selection on the backend (rabitq_select), for
  * the KV heads a policy selects. Per head h and each of its G query heads
  * j: every key 0 .. n-1 of the head's twin estimated as rabitq_estimate
@@ -290,14 +297,17 @@ struct tkv_backend_ops {
     tkv_status (*upload_fence)(struct tkv_backend *b, uint64_t upto);
     tkv_status (*upload_wait)(struct tkv_backend *b, uint64_t upto, bool block, bool *done);
     /* RaBitQ on the device, bit-identical to the CPU kernels.
-     * rabitq_encode: keys at .. at+n-1 of ix from n f16 rows (backend memory,
-     * row r at k + r * row_stride), as tkv_rabitq_append_f16 encodes them;
-     * waits for the result: TKV_ERR_INVALID_ARG naming the row when a key is
-     * not finite (the caller then does not count the batch).
+     * rabitq_encode: the rows of spans[0 .. n_spans-1] (host array; the rows
+     * in backend memory, one row_stride for all) as keys at, at+1, ... in
+     * span order (span s from key at + spans[0].n + ... + spans[s-1].n), as
+     * tkv_rabitq_append_f16 encodes them; one call, one wait for the result:
+     * TKV_ERR_INVALID_ARG naming the first key (its index, and its span and
+     * row) that is not finite (the caller then does not count the batch).
      * rabitq_estimate: est[i] and bound[i] (backend memory; bound may be
      * NULL) for keys first .. first+n-1, as tkv_rabitq_estimate; queued. */
-    tkv_status (*rabitq_encode)(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
-                                size_t row_stride, uint32_t n, uint32_t at);
+    tkv_status (*rabitq_encode)(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                const struct tkv_rabitq_span *spans, uint32_t n_spans, size_t row_stride,
+                                uint32_t at);
     tkv_status (*rabitq_estimate)(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
                                   const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
                                   float *bound);

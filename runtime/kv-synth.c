@@ -4,6 +4,7 @@
 #include "kv-synth.h"
 
 #include "session.h"
+#include "../cpu/quant.h" /* tkv_fp16_to_fp32_row, tkv_fp32_to_fp16_row */
 
 #include <math.h>
 #include <stdlib.h>
@@ -34,30 +35,40 @@ static bool synth_hot(const struct tkv_synth_params *p, uint32_t l, uint32_t h, 
 /* The sd of scale * q.(k - m) over the real keys (nb_real blocks of B rows
  * at `real`, S bytes apart) and the observation window's queries of the
  * group of KV head h in layer l; 0 without queries. kc: scratch of
- * nb_real * B * head_dim floats (the centred keys, converted once). Sums in
- * double. */
+ * nb_real * B * head_dim floats (the centred keys, converted once, stored
+ * by dimension: kc[d * n + t]); x: scratch of nb_real * B doubles; kf: of
+ * B * head_dim floats. Sums in
+ * double; each q.k is x += q[d] * k[d] for d ascending, as a plain loop
+ * over d would do it, but computed for every key at once (the inner loop
+ * runs over keys, so it vectorizes without reordering any key's sum). */
 static double logit_sd(const tkv_session *s, uint32_t l, uint32_t h, const uint8_t *real, uint32_t nb_real,
-                       uint32_t S, const float *m, float *kc)
+                       uint32_t S, const float *m, float *kc, double *x, float *kf)
 {
     const uint32_t hd = s->hp.head_dim, G = s->hp.n_head / s->hp.n_head_kv, B = s->kv_block, n = nb_real * B;
     const size_t QD = (size_t)s->hp.n_head * hd;
     const double scale = 1.0 / sqrt((double)hd);
-    for (uint32_t t = 0; t < n; t++) {
-        const uint16_t *k = (const uint16_t *)(real + (size_t)(t / B) * S) + (size_t)(t % B) * hd;
-        for (uint32_t d = 0; d < hd; d++)
-            kc[(size_t)t * hd + d] = tkv_fp16_to_fp32(k[d]) - m[d];
+    for (uint32_t b = 0; b < nb_real; b++) {
+        tkv_fp16_to_fp32_row((const uint16_t *)(real + (size_t)b * S), kf, (int64_t)B * hd); /* exact */
+        for (uint32_t t = 0; t < B; t++)
+            for (uint32_t d = 0; d < hd; d++)
+                kc[(size_t)d * n + b * B + t] = kf[(size_t)t * hd + d] - m[d];
     }
     double sum = 0, sum2 = 0, cnt = 0;
     for (uint32_t i = 0; i < s->obs_n; i++)
         for (uint32_t g = 0; g < G; g++) {
             const float *q = s->obs_q + ((size_t)l * OBS_QUERIES + i) * QD + (size_t)(h * G + g) * hd;
+            for (uint32_t t = 0; t < n; t++)
+                x[t] = 0;
+            for (uint32_t d = 0; d < hd; d++) {
+                const double qd = q[d];
+                const float *kd = kc + (size_t)d * n;
+                for (uint32_t t = 0; t < n; t++)
+                    x[t] += qd * kd[t];
+            }
             for (uint32_t t = 0; t < n; t++) {
-                const float *k = kc + (size_t)t * hd;
-                double x = 0;
-                for (uint32_t d = 0; d < hd; d++)
-                    x += (double)q[d] * k[d];
-                x *= scale;
-                sum += x, sum2 += x * x, cnt++;
+                double xt = x[t];
+                xt *= scale;
+                sum += xt, sum2 += xt * xt, cnt++;
             }
         }
     if (cnt < 2)
@@ -66,15 +77,20 @@ static double logit_sd(const tkv_session *s, uint32_t l, uint32_t h, const uint8
     return var > 0 ? sqrt(var) : 0;
 }
 
-/* dst = src with its K rows moved to m + gain * (k - m); V as it is. */
-static void synth_block(uint16_t *dst, const uint16_t *src, const float *m, float gain, uint32_t B, uint32_t hd)
+/* dst = src with its K rows moved to m + gain * (k - m); V as it is. kf:
+ * scratch of B * hd floats. The conversions are the exact row versions of
+ * tkv_fp16_to_fp32 / tkv_fp32_to_fp16 (F16C where the build has it). */
+static void synth_block(uint16_t *dst, const uint16_t *src, const float *m, float gain, uint32_t B, uint32_t hd,
+                        float *kf)
 {
     const size_t kh = (size_t)B * hd;
+    tkv_fp16_to_fp32_row(src, kf, (int64_t)kh);
     for (uint32_t t = 0; t < B; t++)
         for (uint32_t d = 0; d < hd; d++) {
             const size_t i = (size_t)t * hd + d;
-            dst[i] = tkv_fp32_to_fp16(m[d] + gain * (tkv_fp16_to_fp32(src[i]) - m[d]));
+            kf[i] = m[d] + gain * (kf[i] - m[d]);
         }
+    tkv_fp32_to_fp16_row(kf, dst, (int64_t)kh);
     memcpy(dst + kh, src + kh, kh * sizeof *dst);
 }
 
@@ -112,9 +128,10 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
     uint8_t *real = malloc((size_t)(nb_real + 1) * S); /* + one block: a moved copy */
     float *m = malloc(hd * sizeof *m);
     double *acc = malloc(hd * sizeof *acc);
-    float *kc = plain ? NULL : malloc((size_t)r * hd * sizeof *kc);
-    if (!real || !m || !acc || (!plain && !kc)) {
-        free(real), free(m), free(acc), free(kc);
+    float *kc = plain ? NULL : malloc((size_t)r * hd * sizeof *kc), *kf = plain ? NULL : malloc(S);
+    double *x = plain ? NULL : malloc((size_t)r * sizeof *x);
+    if (!real || !m || !acc || (!plain && (!kc || !kf || !x))) {
+        free(real), free(m), free(acc), free(kc), free(kf), free(x);
         return tkv_err(TKV_ERR_NOMEM, "fill_synthetic: out of memory");
     }
     uint16_t *moved = (uint16_t *)(real + (size_t)nb_real * S);
@@ -138,7 +155,7 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
                 }
                 for (uint32_t d = 0; d < hd; d++)
                     m[d] = (float)(acc[d] / r);
-                sd = logit_sd(s, l, h, real, nb_real, S, m, kc);
+                sd = logit_sd(s, l, h, real, nb_real, S, m, kc, x, kf);
                 sd_sum += sd;
             }
             const bool move = !plain && sd > 0 && isfinite(sd);
@@ -148,13 +165,13 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
                 hot += is_hot;
                 if (move) {
                     const float gain = (float)((is_hot ? p->hot_spread : p->cold_spread) / sd);
-                    synth_block(moved, (const uint16_t *)src, m, gain, B, hd);
+                    synth_block(moved, (const uint16_t *)src, m, gain, B, hd, kf);
                     src = (const uint8_t *)moved;
                 }
                 st = tkv_kvs_import(s->kv, l, h, b, src);
             }
         }
-    free(real), free(m), free(acc), free(kc);
+    free(real), free(m), free(acc), free(kc), free(kf), free(x);
     if (st != TKV_OK) {
         tkv_kvs_set_length(s->kv, r);
         return tkv_err_wrap(st, "fill_synthetic");

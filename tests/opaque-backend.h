@@ -165,12 +165,22 @@ static struct tkv_rabitq_dev untag_rabitq(const struct tkv_rabitq_dev *ix)
     c.e = U(ix->e), c.t = U(ix->t), c.pc = U(ix->pc);
     return c;
 }
-static tkv_status o_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix, const uint16_t *k,
-                                  size_t stride, uint32_t n, uint32_t at)
+static uint64_t opaque_encode_calls, opaque_encode_spans; /* rabitq_encode calls, and spans they carried */
+static tkv_status o_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
+                                  const struct tkv_rabitq_span *spans, uint32_t n_spans, size_t stride, uint32_t at)
 {
     const struct tkv_rabitq_dev c = untag_rabitq(ix);
+    struct tkv_rabitq_span *u = malloc((n_spans ? n_spans : 1) * sizeof *u);
+    if (!u)
+        return tkv_err(TKV_ERR_NOMEM, "opaque: rabitq_encode of %u spans", n_spans);
+    for (uint32_t s = 0; s < n_spans; s++)
+        u[s] = (struct tkv_rabitq_span){U(spans[s].k), spans[s].n};
     opaque_rabitq_calls++;
-    return op_of(b)->cpu->ops->rabitq_encode(op_of(b)->cpu, &c, U(k), stride, n, at);
+    opaque_encode_calls++;
+    opaque_encode_spans += n_spans;
+    tkv_status st = op_of(b)->cpu->ops->rabitq_encode(op_of(b)->cpu, &c, u, n_spans, stride, at);
+    free(u);
+    return st;
 }
 static tkv_status o_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
                                     const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,

@@ -4,7 +4,12 @@
  * kernels' codes, popcounts, scalars, estimates and bounds bit for bit, for
  * head_dim 64, 96 (padded to 128), 128 and 256, keys appended in uneven
  * batches from strided rows, on fresh random keys and queries; a non-finite
- * key, a full index and a query of another index are refused.
+ * key, a full index and a query of another index are refused. The batched
+ * encode (dev_append_spans: one rabitq_encode call, one grid, over 160
+ * spans of 0 .. 200 rows scattered in device memory) gives the host index's
+ * bytes, as one call, as three, and as one call per span; a call with
+ * non-finite keys in its middle names the first (key, span, row) and keeps
+ * nothing (tests/rabitq-spans.h).
  *
  * rabitq_select (one layer's top-p on the device, docs/rabitq.md "Device
  * top-p"), on random, peaked, flat (every estimate equal) and tied (4
@@ -22,6 +27,7 @@
  * a CUDA device.
  */
 #include "test.h"
+#include "rabitq-spans.h"
 
 #include "runtime/backend.h"
 #include "runtime/rabitq/rabitq.h"
@@ -394,6 +400,9 @@ int main(void)
                                                                                    : TKV_RABITQ_ISA_SCALAR;
         if (best != TKV_RABITQ_ISA_SCALAR)
             run_dim(dims[i], best);
+        check_spans(be, dims[i], TKV_RABITQ_ISA_SCALAR, &rng);
+        if (best != TKV_RABITQ_ISA_SCALAR)
+            check_spans(be, dims[i], best, &rng);
     }
     test_select();
     be->ops->free(be);

@@ -287,13 +287,17 @@ static void test_routes(void)
         REQUIRE_VOID(tkv_policy_create(specs[i].spec, &env, &p) == TKV_OK);
         const bool reads_keys = p->ops->reads_keys; /* the engine refuses those on the opaque backend */
         tkv_policy_free(p);
-        const uint64_t sel0 = opaque_select_calls;
+        const uint64_t sel0 = opaque_select_calls, enc0 = opaque_encode_calls, spans0 = opaque_encode_spans;
         for (int r = HOST; r <= (reads_keys ? CPU_OP : OPAQUE); r++)
             drive(&specs[i], (enum route)r, r == CPU_OP ? cpu : opq, &in, &lg[r]);
         const bool rq = strstr(specs[i].spec, "rabitq") != NULL;
         if (rq) { /* the RaBitQ policies: the opaque route above selected through rabitq_select (one call
                      per layer); again with per-head estimates downloaded and top-p on the host */
             CHECK(opaque_select_calls > sel0, "%s: rabitq_select was not used", specs[i].spec);
+            /* the prompt's keys go to a twin in one encode call over its blocks, not one call per block */
+            CHECK(opaque_encode_spans - spans0 > opaque_encode_calls - enc0,
+                  "%s: %llu rabitq_encode calls carried %llu spans: one call per block", specs[i].spec,
+                  (unsigned long long)(opaque_encode_calls - enc0), (unsigned long long)(opaque_encode_spans - spans0));
             setenv("TKV_RABITQ_DEVICE_TOPP", "0", 1);
             const uint64_t sel1 = opaque_select_calls;
             drive(&specs[i], OPAQUE, opq, &in, &lg[3]);

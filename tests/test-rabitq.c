@@ -8,13 +8,18 @@
  * variant bit-identical to the scalar reference (codes, scalars, estimates,
  * bounds); safe top-p keeping >= p of the exact softmax mass in >= 99% of
  * trials, plain top-p's kept mass reported, both the smallest set for their
- * rule; bad input refused with a status.
+ * rule; bad input refused with a status. The batched encode of the device
+ * twin (dev_append_spans: many spans in one rabitq_encode call) on the CPU
+ * backend equals per-span appends and the host index byte for byte, and
+ * names the first non-finite key of a call (tests/rabitq-spans.h).
  */
 #include "test.h"
 
 #include "runtime/rabitq/rabitq.h"
 #include "runtime/session.h"
 #include "runtime/tkv-impl.h"
+
+#include "rabitq-spans.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -819,6 +824,20 @@ static void test_real_keys(void)
     tkv_model_free(m);
 }
 
+/* The device twin's batched encode on the CPU backend (host memory stands
+ * in for the device's), for every kernel variant this CPU has. */
+static void test_spans_cpu(void)
+{
+    struct tkv_backend *be = NULL;
+    REQUIRE_VOID(tkv_backend_create("cpu", 1, &be) == TKV_OK);
+    const uint32_t dims[] = {64, 96, 128, 256};
+    for (size_t i = 0; i < sizeof dims / sizeof *dims; i++)
+        for (int isa = 0; isa < TKV_RABITQ_ISA_COUNT; isa++)
+            if (tkv_rabitq_isa_supported((enum tkv_rabitq_isa)isa))
+                check_spans(be, dims[i], (enum tkv_rabitq_isa)isa, &rng);
+    be->ops->free(be);
+}
+
 int main(void)
 {
     const uint64_t seed = test_seed();
@@ -833,6 +852,7 @@ int main(void)
     test_topp_edges();
     test_topp_random();
     test_real_keys();
+    test_spans_cpu();
     fprintf(stderr, "seed %llu (TKV_SEED to replay)\n", (unsigned long long)seed);
     return test_done();
 }

@@ -61,6 +61,8 @@ struct rabitq {
     struct tkv_rabitq_dev_index **dx;    /* [layer][head] device twins       */
     float *est_dev, *bound_dev;          /* backend [n_ctx]                  */
     uint16_t *kbuf;                      /* host [block_tokens, head_dim]    */
+    struct tkv_rabitq_span *spans;       /* [n_spans]: one encode call's blocks */
+    uint32_t n_spans;
     bool *use;              /* [layer][head]: selected by top-p (else read whole) */
     bool *ready;            /* [layer][head]: the index holds the prompt's keys */
     /* scratch of one selection, for n_ctx keys: no allocation per step */
@@ -100,7 +102,7 @@ static void rq_destroy(void *state)
         r->be->ops->release(r->be, r->est_dev);
         r->be->ops->release(r->be, r->bound_dev);
     }
-    free(r->ix), free(r->dx), free(r->kbuf), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
+    free(r->ix), free(r->dx), free(r->kbuf), free(r->spans), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
         free(r->mark);
     free(r->qs), free(r->sh), free(r->bitmap), free(r->slot), free(r->sel_n);
     free(r);
@@ -193,13 +195,15 @@ static uint32_t indexed(const struct rabitq *r, size_t i)
     return r->dx[i] ? tkv_rabitq_dev_size(r->dx[i]) : tkv_rabitq_size(r->ix[i]);
 }
 
-/* Appends the keys of positions [from, to) of head view kv to index i.
- * TKV_ERR_INTERNAL if a block holding them is not in memory. */
+/* Appends the keys of positions [from, to) of head view kv to index i: on
+ * the host block by block, to a device twin in one encode call over the
+ * blocks (r->n_spans of them at a time), which waits once. TKV_ERR_INTERNAL
+ * if a block holding them is not in memory. */
 static tkv_status append_keys(struct rabitq *r, size_t i, const struct tkv_kv_head_view *kv, uint32_t from,
                               uint32_t to)
 {
     const uint32_t hd = r->env.head_dim;
-    uint32_t at = from;
+    uint32_t at = from, m = 0;
     for (uint32_t b = 0; b < kv->n_blocks && at < to; b++) {
         const struct tkv_kv_block_ref *blk = &kv->blocks[b];
         const uint32_t p0 = (uint32_t)blk->pos0, p1 = p0 + blk->n;
@@ -209,9 +213,19 @@ static tkv_status append_keys(struct rabitq *r, size_t i, const struct tkv_kv_he
             return tkv_err(TKV_ERR_INTERNAL, "rabitq: the block of position %u is not in memory", at);
         const uint32_t n = TKV_MIN(p1, to) - at;
         const uint16_t *rows = blk->k + (size_t)(at - p0) * hd;
-        TKV_TRY(r->dx[i] ? tkv_rabitq_dev_append(r->dx[i], rows, hd, n) : tkv_rabitq_append_f16(r->ix[i], rows, hd, n));
+        if (!r->dx[i]) {
+            TKV_TRY(tkv_rabitq_append_f16(r->ix[i], rows, hd, n));
+        } else {
+            if (m == r->n_spans) { /* more blocks than n_ctx / block_tokens + 1: encode what is gathered */
+                TKV_TRY(tkv_rabitq_dev_append_spans(r->dx[i], r->spans, m, hd));
+                m = 0;
+            }
+            r->spans[m++] = (struct tkv_rabitq_span){rows, n};
+        }
         at += n;
     }
+    if (m > 0)
+        TKV_TRY(tkv_rabitq_dev_append_spans(r->dx[i], r->spans, m, hd));
     if (at < to)
         return tkv_err(TKV_ERR_INTERNAL, "rabitq: keys [%u, %u) missing from the layer's view", at, to);
     return TKV_OK;
@@ -225,7 +239,9 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
     const size_t n = r->env.n_ctx ? r->env.n_ctx : 1, B = r->env.block_tokens ? r->env.block_tokens : 64;
     r->be = be; /* from here on destroy releases what was allocated */
     r->kbuf = malloc(B * r->env.head_dim * sizeof *r->kbuf);
-    if (!r->kbuf)
+    r->n_spans = (uint32_t)((n + B - 1) / B + 1);
+    r->spans = malloc(r->n_spans * sizeof *r->spans);
+    if (!r->kbuf || !r->spans)
         return tkv_err(TKV_ERR_NOMEM, "rabitq: out of memory");
     const char *env_sel = getenv("TKV_RABITQ_DEVICE_TOPP");
     const uint32_t G = r->env.n_head / r->env.n_head_kv, H = r->env.n_head_kv;

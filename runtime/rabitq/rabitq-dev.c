@@ -81,19 +81,35 @@ const struct tkv_rabitq_dev *tkv_rabitq_dev_arrays(const struct tkv_rabitq_dev_i
 
 size_t tkv_rabitq_dev_bytes(const struct tkv_rabitq_dev_index *d) { return d ? sizeof *d + d->bytes : 0; }
 
+tkv_status tkv_rabitq_dev_append_spans(struct tkv_rabitq_dev_index *d, const struct tkv_rabitq_span *spans,
+                                       uint32_t n_spans, size_t row_stride)
+{
+    if (!d || (!spans && n_spans))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: dev_append: index or spans NULL");
+    if (row_stride < d->d.dim)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: dev_append: row stride %zu < head_dim %u", row_stride, d->d.dim);
+    uint64_t n = 0;
+    for (uint32_t s = 0; s < n_spans; s++) {
+        if (!spans[s].k && spans[s].n)
+            return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: dev_append: span %u of %u rows is NULL", s, spans[s].n);
+        n += spans[s].n;
+    }
+    if (n > d->cap - d->n)
+        return tkv_err(TKV_ERR_TOO_SMALL, "rabitq: dev_append of %llu keys to %u of %u reserved",
+                       (unsigned long long)n, d->n, d->cap);
+    if (n == 0)
+        return TKV_OK;
+    TKV_TRY(d->be->ops->rabitq_encode(d->be, &d->d, spans, n_spans, row_stride, d->n));
+    d->n += (uint32_t)n;
+    return TKV_OK;
+}
+
 tkv_status tkv_rabitq_dev_append(struct tkv_rabitq_dev_index *d, const uint16_t *k, size_t row_stride, uint32_t n)
 {
     if (!d || (!k && n))
         return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: dev_append: index or rows NULL");
-    if (row_stride < d->d.dim)
-        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: dev_append: row stride %zu < head_dim %u", row_stride, d->d.dim);
-    if (n > d->cap - d->n)
-        return tkv_err(TKV_ERR_TOO_SMALL, "rabitq: dev_append of %u keys to %u of %u reserved", n, d->n, d->cap);
-    if (n == 0)
-        return TKV_OK;
-    TKV_TRY(d->be->ops->rabitq_encode(d->be, &d->d, k, row_stride, n, d->n));
-    d->n += n;
-    return TKV_OK;
+    const struct tkv_rabitq_span sp = {k, n};
+    return tkv_rabitq_dev_append_spans(d, &sp, 1, row_stride);
 }
 
 tkv_status tkv_rabitq_dev_estimate(const struct tkv_rabitq_dev_index *d, const struct tkv_rabitq_query *q,

@@ -379,17 +379,34 @@ static tkv_status host_view(const struct tkv_rabitq_dev *d, uint32_t n_keys, str
     return TKV_OK;
 }
 
-tkv_status tkv_rabitq_host_encode(const struct tkv_rabitq_dev *d, const uint16_t *k, size_t row_stride, uint32_t n,
-                                  uint32_t at)
+tkv_status tkv_rabitq_encode_error(const struct tkv_rabitq_span *spans, uint32_t n_spans, uint32_t at, uint32_t row)
 {
+    uint32_t sp = 0, r = row;
+    while (sp + 1 < n_spans && r >= spans[sp].n)
+        r -= spans[sp++].n;
+    return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append: key %llu (row %u of span %u) is not finite",
+                   (unsigned long long)at + row, r, sp);
+}
+
+tkv_status tkv_rabitq_host_encode(const struct tkv_rabitq_dev *d, const struct tkv_rabitq_span *spans,
+                                  uint32_t n_spans, size_t row_stride, uint32_t at)
+{
+    uint64_t n = 0;
+    for (uint32_t s = 0; s < n_spans; s++)
+        n += spans[s].n;
+    if (n > UINT32_MAX - at)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: encode of %llu keys at %u", (unsigned long long)n, at);
     struct tkv_rabitq ix;
-    TKV_TRY(host_view(d, at + n, &ix));
+    TKV_TRY(host_view(d, at + (uint32_t)n, &ix));
     if (n == 0)
         return TKV_OK;
-    ix.kern->encode(&ix, k, row_stride, n, at);
+    uint32_t off = at;
+    for (uint32_t s = 0; s < n_spans; off += spans[s].n, s++)
+        if (spans[s].n)
+            ix.kern->encode(&ix, spans[s].k, row_stride, spans[s].n, off);
     uint32_t bad;
-    if (!finish_keys(&ix, at, n, &bad))
-        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: append: key row %u of the batch is not finite", bad);
+    if (!finish_keys(&ix, at, (uint32_t)n, &bad))
+        return tkv_rabitq_encode_error(spans, n_spans, at, bad);
     return TKV_OK;
 }
 

@@ -154,6 +154,13 @@ uint32_t   tkv_rabitq_dev_size(const struct tkv_rabitq_dev_index *d);
  * TKV_ERR_TOO_SMALL past the capacity, TKV_ERR_INVALID_ARG for a non-finite
  * key (nothing of the batch kept). */
 tkv_status tkv_rabitq_dev_append(struct tkv_rabitq_dev_index *d, const uint16_t *k, size_t row_stride, uint32_t n);
+/* The same for the rows of every span in order (backend.h: struct
+ * tkv_rabitq_span; e.g. one per KV block of a range), in one backend call
+ * with one wait; the keys as one dev_append per span would make them. A
+ * non-finite key: TKV_ERR_INVALID_ARG naming its key index (= position when
+ * the index holds positions 0, 1, ...), span and row; none of the spans kept. */
+tkv_status tkv_rabitq_dev_append_spans(struct tkv_rabitq_dev_index *d, const struct tkv_rabitq_span *spans,
+                                       uint32_t n_spans, size_t row_stride);
 /* est / bound (backend memory, bound may be NULL) for keys first .. first+n-1
  * with a query prepared by the host index d was created from. */
 tkv_status tkv_rabitq_dev_estimate(const struct tkv_rabitq_dev_index *d, const struct tkv_rabitq_query *q,
@@ -165,8 +172,11 @@ size_t     tkv_rabitq_dev_bytes(const struct tkv_rabitq_dev_index *d);
 
 /* The ops on arrays in host memory, with this CPU's kernels: the CPU
  * backend's rabitq_encode / rabitq_estimate. */
-tkv_status tkv_rabitq_host_encode(const struct tkv_rabitq_dev *d, const uint16_t *k, size_t row_stride, uint32_t n,
-                                  uint32_t at);
+tkv_status tkv_rabitq_host_encode(const struct tkv_rabitq_dev *d, const struct tkv_rabitq_span *spans,
+                                  uint32_t n_spans, size_t row_stride, uint32_t at);
+/* rabitq_encode's refusal (every backend words it alike): key at + row, the
+ * row-th of the spans' rows, is not finite. Returns TKV_ERR_INVALID_ARG. */
+tkv_status tkv_rabitq_encode_error(const struct tkv_rabitq_span *spans, uint32_t n_spans, uint32_t at, uint32_t row);
 tkv_status tkv_rabitq_host_estimate(const struct tkv_rabitq_dev *d, const struct tkv_rabitq_query *q, uint32_t first,
                                     uint32_t n, float *est, float *bound);
 
