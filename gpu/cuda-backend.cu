@@ -24,7 +24,6 @@
 #include "common.cuh"
 #include "copy.cuh"
 #include "dequant.cuh"
-#include "gemv-bulk.cuh"
 #include "ops.cuh"
 #include "rabitq.cuh"
 #include "rabitq-select.cuh"
@@ -99,8 +98,7 @@ struct cuda_backend {
                                       cudaMemcpy                               */
     bool failed;                   /* a sticky CUDA error: the context is gone */
     char failed_msg[128];
-    int gemv;                      /* decode matmul: GEMV_AUTO, or TKV_CUDA_GEMV=fast|ref|cublas|u8|bulk */
-    bool bulk_copy;                /* sm_90 or later: cp.async.bulk (the bulk GEMV) */
+    int gemv;                      /* decode matmul: GEMV_AUTO, or TKV_CUDA_GEMV=fast|ref|cublas|u8 */
     bool pdl;                      /* the decode path's kernels as programmatic
                                       dependent launches (TKV_CUDA_PDL=0: not) */
     float *fuse_work;              /* [fuse_work_cap bytes] matmul_swiglu's up product off the GEMV path */
@@ -115,11 +113,9 @@ struct cuda_backend {
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
  * TKV_CUDA_GEMV when the backend is created: "auto" (default, below), the
  * fast GEMV with 4 loads per lane in flight everywhere ("fast"), with 8
- * ("u8"), its reference kernel ("ref"), cuBLAS as for prefill ("cublas"),
- * or the bulk-copy GEMV of gemv-bulk.cu where it takes the shape (sm_90,
- * n_in % 256 == 0; else as "auto") and the fused ops through it ("bulk");
- * the others exist to measure and test the default. */
-enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8, GEMV_AUTO, GEMV_BULK };
+ * ("u8"), its reference kernel ("ref"), or cuBLAS as for prefill
+ * ("cublas"); the others exist to measure and test the default. */
+enum { GEMV_FAST, GEMV_REF, GEMV_CUBLAS, GEMV_U8, GEMV_AUTO };
 
 /* "auto": the fast GEMV per shape, from bench-gemv on the H200: the 8-load
  * kernel for rows of at least GEMV_U8_MIN_IN columns (4096 x 14336, the
@@ -150,13 +146,7 @@ static struct cuda_backend *cuda_of(struct tkv_backend *b) { return (struct cuda
 /* Whether matmul's GEMV takes the 8-load kernel for w. */
 static bool gemv_u8_for(int mode, const struct tkv_bweight *w)
 {
-    return mode == GEMV_U8 || ((mode == GEMV_AUTO || mode == GEMV_BULK) && w->n_in >= GEMV_U8_MIN_IN);
-}
-
-/* Whether the bulk-copy GEMV serves w for x and n tokens. */
-static bool bulk_for(const struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, uint32_t n)
-{
-    return cb->gemv == GEMV_BULK && cb->bulk_copy && w->w16 && tkv_cuda_gemv_bulk_ok(w->w16, x, w->n_in, n);
+    return mode == GEMV_U8 || (mode == GEMV_AUTO && w->n_in >= GEMV_U8_MIN_IN);
 }
 
 /* ---- errors --------------------------------------------------------------- */
@@ -666,12 +656,7 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
         return s == CUBLAS_STATUS_SUCCESS ? TKV_OK : blas_fail(s, op);
     }
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
-        if (bulk_for(cb, w, x, n)) {
-            struct tkv_cuda_gemv_group g;
-            memset(&g, 0, sizeof g);
-            g.w[0] = w->w16, g.y[0] = y, g.end[0] = w->n_out, g.nw = 1;
-            CU(op, tkv_cuda_gemv_bulk(&g, x, w->n_in, n, NULL, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
-        } else if (cb->gemv == GEMV_REF)
+        if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
         else if (gemv_u8_for(cb->gemv, w))
             CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
@@ -698,8 +683,7 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
  * reference or f32 paths, which the fused ops then run one by one). */
 static bool fast_gemv(const struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, uint32_t n)
 {
-    return (cb->gemv == GEMV_FAST || cb->gemv == GEMV_AUTO || cb->gemv == GEMV_BULK) && w->w16 &&
-           tkv_cuda_gemv_ok(w->w16, x, w->n_in, n);
+    return (cb->gemv == GEMV_FAST || cb->gemv == GEMV_AUTO) && w->w16 && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n);
 }
 
 static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
@@ -710,14 +694,13 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
     ALIVE(op);
     if (nw == 0 || nw > TKV_CUDA_GEMV_GROUP_MAX)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_group: %u weights (1 to %d)", nw, TKV_CUDA_GEMV_GROUP_MAX);
-    bool fast = true, bulk = true;
+    bool fast = true;
     uint64_t rows = 0;
     for (uint32_t i = 0; i < nw; i++) {
         if (w[i]->is_vec || w[i]->n_in != w[0]->n_in)
             return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_group: %s is not a matrix of %u columns", w[i]->t->name,
                            w[0]->n_in);
         fast = fast && fast_gemv(cb, w[i], x, n);
-        bulk = bulk && bulk_for(cb, w[i], x, n);
         rows += w[i]->n_out;
     }
     if (n == 0)
@@ -735,10 +718,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
         g.y[i] = y[i];
         g.end[i] = end += w[i]->n_out;
     }
-    if (bulk)
-        CU(op, tkv_cuda_gemv_bulk(&g, x, w[0]->n_in, n, NULL, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
-    else
-        CU(op, tkv_cuda_gemv_group(&g, x, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
+    CU(op, tkv_cuda_gemv_group(&g, x, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -753,13 +733,6 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
                        wg->t->name, wu->t->name);
     if (n == 0)
         return TKV_OK;
-    if (bulk_for(cb, wg, x, n) && bulk_for(cb, wu, x, n)) {
-        struct tkv_cuda_gemv_group g;
-        memset(&g, 0, sizeof g);
-        g.w[0] = wg->w16, g.w[1] = wu->w16, g.end[0] = wg->n_out, g.end[1] = 2 * wg->n_out, g.nw = 2;
-        CU(op, tkv_cuda_gemv_bulk(&g, x, wg->n_in, n, out, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
-        return TKV_OK;
-    }
     if (fast_gemv(cb, wg, x, n) && fast_gemv(cb, wu, x, n)) {
         CU(op, tkv_cuda_gemv_swiglu(wg->w16, wu->w16, x, out, wg->n_in, wg->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
                                     cb->stream));
@@ -1470,16 +1443,13 @@ static tkv_status pw_get_rows(struct tkv_backend *b, const struct tkv_bweight *w
     PROF("get_rows", prof_row(cb->prof, "get_rows", true), cuda_get_rows(b, w, ids, n, out));
 }
 /* matmul rows by weight shape (n_out x n_in) and path */
-static const char *const matmul_path_name[] = {"gemv", "gemv-ref", "cublas", "cublas-f32", "gemv-u8", "gemv-bulk"};
+static const char *const matmul_path_name[] = {"gemv", "gemv-ref", "cublas", "cublas-f32", "gemv-u8"};
 static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
     struct cuda_backend *cb_ = cuda_of(b);
     const uint32_t path = w->w32 ? 3u : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
                                                 tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
-                                            ? (cb_->gemv == GEMV_REF ? 1u
-                                               : bulk_for(cb_, w, x, n) ? 5u
-                                               : gemv_u8_for(cb_->gemv, w) ? 4u
-                                                                          : 0u)
+                                            ? (cb_->gemv == GEMV_REF ? 1u : gemv_u8_for(cb_->gemv, w) ? 4u : 0u)
                                             : 2u;
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
@@ -1752,7 +1722,6 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     CU(op, cudaGetDeviceProperties(&prop, cb->device));
     cb->n_sm = prop.multiProcessorCount;
     cb->pdl = cb->pdl && prop.major >= 9; /* griddepcontrol is sm_90's */
-    cb->bulk_copy = prop.major >= 9;      /* so are cp.async.bulk and its mbarriers */
     if (cudaDeviceGetPCIBusId(cb->pci_bus_id, sizeof cb->pci_bus_id, cb->device) != cudaSuccess) {
         (void)cudaGetLastError();
         cb->pci_bus_id[0] = 0;
@@ -1834,7 +1803,6 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
                : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS
                : gemv && !strcmp(gemv, "u8")     ? GEMV_U8
                : gemv && !strcmp(gemv, "fast")   ? GEMV_FAST
-               : gemv && !strcmp(gemv, "bulk")   ? GEMV_BULK
                                                  : GEMV_AUTO;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));

@@ -53,7 +53,6 @@ static struct tkv_backend *cpu, *gpu;
 /* the decode matmul's other paths (TKV_CUDA_GEMV=ref, =cublas): the fast
  * GEMV of `gpu` is checked against both */
 static struct tkv_backend *gpu_gemv_ref, *gpu_gemv_blas, *gpu_gemv_u8; /* u8: TKV_CUDA_GEMV=u8 */
-static struct tkv_backend *gpu_gemv_bulk; /* TKV_CUDA_GEMV=bulk: the bulk-copy GEMV (gemv-bulk.cu) */
 static struct tkv_backend *gpu_gemv_auto; /* TKV_CUDA_GEMV=auto: u8 for n_in >= 8192, else the default */
 static bool f32_mode; /* gpu was created with TKV_CUDA_WEIGHTS=f32 */
 
@@ -247,9 +246,9 @@ static void test_matmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint3
     /* a decode GEMV: the same on the reference kernel and on cuBLAS, each
      * within its tolerance of the double reference, and the fast kernel
      * within 1e-3 of both (the three sum in different orders) */
-    struct tkv_backend *alt[4] = {gpu_gemv_ref, gpu_gemv_blas, gpu_gemv_u8, gpu_gemv_bulk};
-    static const char *const alt_name[4] = {"ref", "cublas", "u8", "bulk"};
-    for (int a = 0; a < 4 && gemv && !f32_mode && alt[a]; a++) {
+    struct tkv_backend *alt[3] = {gpu_gemv_ref, gpu_gemv_blas, gpu_gemv_u8};
+    static const char *const alt_name[3] = {"ref", "cublas", "u8"};
+    for (int a = 0; a < 3 && gemv && !f32_mode && alt[a]; a++) {
         struct tkv_bweight *wa = NULL;
         CHECK(alt[a]->ops->weight_init(alt[a], &tw.t, &wa) == TKV_OK, "weight_init: %s", tkv_last_error());
         if (!wa)
@@ -1360,14 +1359,10 @@ static void test_stats(void)
 
 /* ---- fused decode ops: each against the plain op sequence on the GPU ------------ */
 
-/* The backend the fused cases run on: gpu, then gpu_gemv_bulk. */
-static struct tkv_backend *fused_be;
-
 /* matmul_group of nw weights (n_in x n_out[i]) against nw matmul calls on
  * the same backend and the double reference. */
 static void test_group_case(uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n)
 {
-    struct tkv_backend *gpu = fused_be;
     struct test_weight tw[TKV_MATMUL_GROUP_MAX];
     struct tkv_bweight *wg[TKV_MATMUL_GROUP_MAX];
     float *dy[TKV_MATMUL_GROUP_MAX], *ds[TKV_MATMUL_GROUP_MAX];
@@ -1425,7 +1420,6 @@ static void test_group_case(uint32_t n_in, const uint32_t *n_out, uint32_t nw, u
  * double reference silu(g) * u. */
 static void test_swiglu_case(uint32_t n_in, uint32_t n_ff, uint32_t n)
 {
-    struct tkv_backend *gpu = fused_be;
     struct test_weight tg, tu;
     weight_make(&tg, TKV_TYPE_F16, n_in, n_ff, 2);
     weight_make(&tu, TKV_TYPE_F16, n_in, n_ff, 2);
@@ -1580,7 +1574,6 @@ static void test_fused(void)
     const uint32_t qkv8b[3] = {4096, 1024, 1024}, qkv_smol[3] = {576, 192, 192};
     const uint32_t mixed[5] = {33, 1001, 8, 2048, 100};
     const uint32_t ns[] = {1, 3, 8};
-    fused_be = gpu;
     for (size_t i = 0; i < 3; i++)
         test_group_case(4096, qkv8b, 3, ns[i]);
     test_group_case(576, qkv_smol, 3, 1);
@@ -1596,23 +1589,6 @@ static void test_fused(void)
     test_swiglu_case(8192, 256, 2);   /* 4 warps per row */
     test_swiglu_case(576, 1536, 8);
     test_swiglu_case(576, 1536, 9); /* n > 8: the sequence through the work buffer */
-    if (gpu_gemv_bulk) { /* the same ops through the bulk-copy GEMV */
-        fprintf(stderr, " TKV_CUDA_GEMV=bulk:\n");
-        fused_be = gpu_gemv_bulk;
-        for (size_t i = 0; i < 3; i++)
-            test_group_case(4096, qkv8b, 3, ns[i]);
-        test_group_case(4096, mixed, 5, 2); /* rows of several weights in one CTA and one stage */
-        test_group_case(8192, few, 3, 5);
-        test_group_case(256, two, 2, 1);    /* one 512-byte piece per row */
-        const uint32_t many[2] = {40000, 21000};
-        test_group_case(256, many, 2, 1);   /* more rows than one wave of CTAs holds */
-        test_group_case(576, qkv_smol, 3, 1); /* n_in % 256 != 0: the fast kernel */
-        test_swiglu_case(4096, 14336, 1);
-        test_swiglu_case(4096, 1024, 3);
-        test_swiglu_case(8192, 256, 8);
-        test_swiglu_case(256, 70000, 1);    /* gate and up rows in several waves */
-        fused_be = gpu;
-    }
     test_add_rmsnorm_case(4096, 1);
     test_add_rmsnorm_case(576, 7);
     test_add_rmsnorm_case(1000, 3);
@@ -1874,8 +1850,6 @@ int main(void)
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_u8) == TKV_OK, "%s", tkv_last_error());
     setenv("TKV_CUDA_GEMV", "auto", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_auto) == TKV_OK, "%s", tkv_last_error());
-    setenv("TKV_CUDA_GEMV", "bulk", 1);
-    REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_bulk) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_GEMV");
     const clock_t t0 = clock();
     /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
@@ -1903,7 +1877,6 @@ int main(void)
     gpu_gemv_blas->ops->free(gpu_gemv_blas);
     gpu_gemv_u8->ops->free(gpu_gemv_u8);
     gpu_gemv_auto->ops->free(gpu_gemv_auto);
-    gpu_gemv_bulk->ops->free(gpu_gemv_bulk);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return test_done();
