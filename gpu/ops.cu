@@ -1,5 +1,6 @@
 /* ops.cu -- see ops.cuh. */
 #include "ops.cuh"
+#include <stdlib.h>
 
 namespace {
 
@@ -707,10 +708,29 @@ bool tkv_cuda_gemv_ok(const __half *w, const float *x, uint32_t n_in, uint32_t n
            ((uintptr_t)x % 16) == 0;
 }
 
+/* TKV_CUDA_GEMV_SPLIT=1|2|4|8 in the environment (read once per process):
+ * every fast-kernel row on that many warps where the row holds a full set
+ * of loads for each, for measuring the rule below (bench-gemv). */
+static uint32_t gemv_split_forced(void)
+{
+    static int forced = -1; /* benign race: every thread computes the same value */
+    if (forced < 0) {
+        const char *e = getenv("TKV_CUDA_GEMV_SPLIT");
+        const int v = e ? atoi(e) : 0;
+        forced = v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
+    }
+    return (uint32_t)forced;
+}
+
 uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
 {
     const uint32_t n8 = n_in / 8;
     uint32_t S = 1;
+    if (gemv_split_forced()) {
+        while (S < gemv_split_forced() && n8 >= 2 * 32 * S * GEMV2_U)
+            S *= 2;
+        return S;
+    }
     /* split while the CTAs (8 / S rows each) are fewer than 4 per SM and
      * every thread of a row still has a full set of U loads */
     while (S < GEMV_WARPS && ((uint64_t)n_out * S + GEMV_WARPS - 1) / GEMV_WARPS < 4ull * n_sm &&
