@@ -696,13 +696,14 @@ static int qgemv_path(const struct cuda_backend *cb, const struct tkv_bweight *w
 }
 
 /* x [n][n_in] -> the backend's quantized-activation buffer (grown on demand,
- * kept). Queued after whatever reads the buffer: those kernels end before
- * this one writes it (stream order; under PDL its griddepcontrol.wait). */
-static tkv_status q8_prepare(struct cuda_backend *cb, const float *x, uint32_t n, uint32_t n_in,
+ * kept), in the block order of the GEMVs of `type` (tkv_cuda_q8_order).
+ * Queued after whatever reads the buffer: those kernels end before this one
+ * writes it (stream order; under PDL its griddepcontrol.wait). */
+static tkv_status q8_prepare(struct cuda_backend *cb, uint32_t type, const float *x, uint32_t n, uint32_t n_in,
                              struct tkv_cuda_q8_act *a, const char *op)
 {
     TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, n_in), op));
-    *a = tkv_cuda_q8_act_at(cb->q8_work, n, n_in);
+    *a = tkv_cuda_q8_act_at(cb->q8_work, n, n_in, tkv_cuda_q8_order(type, n_in));
     CU(op, tkv_cuda_q8_quantize(x, n, n_in, *a, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -711,7 +712,7 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
                                uint32_t n, int path, const char *op)
 {
     struct tkv_cuda_q8_act a;
-    TKV_TRY(q8_prepare(cb, x, n, w->n_in, &a, op));
+    TKV_TRY(q8_prepare(cb, w->t->type, x, n, w->n_in, &a, op));
     if (path == QGEMV_REF) {
         CU(op, tkv_cuda_qgemv_ref(w->t->type, w->wq, a, y, w->n_in, w->n_out, n, cb->stream));
         return TKV_OK;
@@ -806,7 +807,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
     }
     if (quant && qfast) {
         struct tkv_cuda_q8_act a;
-        TKV_TRY(q8_prepare(cb, x, n, w[0]->n_in, &a, op));
+        TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
         struct tkv_cuda_qgemv g;
         memset(&g, 0, sizeof g);
         g.nw = nw;
@@ -849,7 +850,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     const int pg = qgemv_path(cb, wg, n), pu = qgemv_path(cb, wu, n);
     if (pg == QGEMV_FAST && pu == QGEMV_FAST && wg->t->type == wu->t->type) {
         struct tkv_cuda_q8_act a;
-        TKV_TRY(q8_prepare(cb, x, n, wg->n_in, &a, op));
+        TKV_TRY(q8_prepare(cb, wg->t->type, x, n, wg->n_in, &a, op));
         struct tkv_cuda_qgemv g;
         memset(&g, 0, sizeof g);
         g.nw = 1;
@@ -1921,7 +1922,7 @@ extern "C" tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint3
     if (n == 0)
         return TKV_OK;
     struct tkv_cuda_q8_act a;
-    TKV_TRY(q8_prepare(cb, x, n, n_in, &a, op));
+    TKV_TRY(q8_prepare(cb, weight_type, x, n, n_in, &a, op));
     CU(op, tkv_cuda_q8_pack(a, n, n_in, weight_type == TKV_TYPE_Q4_1, dst, cb->stream));
     return TKV_OK;
 }

@@ -52,8 +52,14 @@ __device__ __forceinline__ float round_away(float x)
     return fabsf(x - t) >= 0.5f ? t + copysignf(1.0f, x) : t;
 }
 
-__global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_blocks, int8_t *__restrict__ q,
-                                   struct tkv_cuda_q8_meta *__restrict__ meta)
+/* Position of block kb of a row of nb blocks in the planes (block order gb). */
+__device__ __forceinline__ uint32_t q8_pos(uint32_t kb, uint32_t nb, uint32_t gb)
+{
+    return (kb % gb) * (nb / gb) + kb / gb;
+}
+
+__global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_blocks, uint32_t nb, uint32_t gb,
+                                   int8_t *__restrict__ q, struct tkv_cuda_q8_meta *__restrict__ meta)
 {
     tkv_pdl_trigger();
     tkv_pdl_wait(); /* x is the previous kernel's output; q may still be read by it */
@@ -75,25 +81,27 @@ __global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_block
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    q[(size_t)blk * 32 + lane] = (int8_t)qi;
+    const size_t pos = (size_t)(blk / nb) * nb + q8_pos(blk % nb, nb, gb);
+    q[pos * 32 + lane] = (int8_t)qi;
     if (lane == 0) {
         struct tkv_cuda_q8_meta m;
         m.d = __float2half_rn(d);
         m.s = __float2half_rn(__fmul_rn((float)sum, d));
         m.sum = sum;
-        meta[blk] = m;
+        meta[pos] = m;
     }
 }
 
 __global__ void q8_pack_kernel(const int8_t *__restrict__ q, const struct tkv_cuda_q8_meta *__restrict__ meta,
-                               uint32_t n_blocks, bool q8_1, uint8_t *__restrict__ dst)
+                               uint32_t n_blocks, uint32_t nb, uint32_t gb, bool q8_1, uint8_t *__restrict__ dst)
 {
     const uint32_t blk = blockIdx.x * blockDim.x + threadIdx.x;
     if (blk >= n_blocks)
         return;
+    const size_t pos = (size_t)(blk / nb) * nb + q8_pos(blk % nb, nb, gb);
     const uint32_t bytes = q8_1 ? 36 : 34;
     uint8_t *o = dst + (size_t)blk * bytes;
-    const unsigned short d = __half_as_ushort(meta[blk].d), s = __half_as_ushort(meta[blk].s);
+    const unsigned short d = __half_as_ushort(meta[pos].d), s = __half_as_ushort(meta[pos].s);
     o[0] = (uint8_t)(d & 255);
     o[1] = (uint8_t)(d >> 8);
     if (q8_1) {
@@ -101,7 +109,7 @@ __global__ void q8_pack_kernel(const int8_t *__restrict__ q, const struct tkv_cu
         o[3] = (uint8_t)(s >> 8);
     }
     for (int j = 0; j < 32; j++)
-        o[bytes - 32 + j] = (uint8_t)q[(size_t)blk * 32 + j];
+        o[bytes - 32 + j] = (uint8_t)q[pos * 32 + j];
 }
 
 /* ---- the fast kernel ------------------------------------------------------------------ */
@@ -190,17 +198,19 @@ __device__ __forceinline__ float block_term(const wblock &w, const uint4 &a0, co
     }
 }
 
-/* acc[i] (acc2[i]: the second matrix, swiglu) += the terms of one group
- * (blocks kb0 .. kb0 + GB - 1 of a row) staged at g0 (g1). Activations come
- * through the read-only cache: every row of the grid reads them. */
+/* acc[i] (acc2[i]: the second matrix, swiglu) += the terms of group j of a
+ * row (blocks j GB .. j GB + GB - 1) staged at g0 (g1). Activations come
+ * through the read-only cache (every row of the grid reads them), in block
+ * order GB: block b of group j at position b gpr + j, so the lanes of a row
+ * (consecutive j) read consecutive blocks. */
 template <int QT, int NT, bool SW>
 __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, const int8_t *__restrict__ aq,
                                           const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in,
-                                          uint32_t kb0, float *acc, float *acc2)
+                                          uint32_t j, float *acc, float *acc2)
 {
     using Q = qtype<QT>;
     constexpr int PER = Q::GB / Q::HALVES; /* blocks per half */
-    const uint32_t nb = n_in / 32;
+    const uint32_t nb = n_in / 32, gpr = nb / Q::GB;
 #pragma unroll
     for (int h = 0; h < Q::HALVES; h++) {
         constexpr int NC = (PER * Q::BB + 15) / 16 + 1;
@@ -219,7 +229,7 @@ __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, cons
             wblock w1;
             if (SW)
                 w1 = wblock_at<QT>(r1, o);
-            const uint32_t kb = kb0 + h * PER + b;
+            const uint32_t kb = (h * PER + b) * gpr + j; /* the block's position */
 #pragma unroll
             for (int i = 0; i < NT; i++) {
                 const uint4 *ap = (const uint4 *)(aq + (size_t)i * n_in + (size_t)kb * 32);
@@ -340,7 +350,7 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
         const uint32_t j = k0 + t;
         if (live && j < gpr) {
             const uint4 *gs = mine + st * stage_chunks + lane * CH;
-            group_dot<QT, NT, SW>(gs, gs + 32 * CH, aq, am, n_in, j * Q::GB, acc, acc2);
+            group_dot<QT, NT, SW>(gs, gs + 32 * CH, aq, am, n_in, j, acc, acc2);
         }
         __syncwarp(); /* the stage is read before it is refilled */
         if (nstage == 1 && k0 + L < gpr)
@@ -454,8 +464,8 @@ __device__ __forceinline__ float f16_bytes(const uint8_t *p)
 }
 
 template <int QT>
-__global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struct tkv_cuda_q8_meta *am, float *y,
-                                 uint32_t n_in, uint32_t n_out, uint32_t n)
+__global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struct tkv_cuda_q8_meta *am, uint32_t gb,
+                                 float *y, uint32_t n_in, uint32_t n_out, uint32_t n)
 {
     const uint32_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= n_out)
@@ -465,8 +475,9 @@ __global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struc
         float acc = 0.0f;
         for (uint32_t kb = lane; kb < nb; kb += 32) {
             const uint8_t *blk = w + ((size_t)row * nb + kb) * bb;
-            const int8_t *a = aq + (size_t)i * n_in + (size_t)kb * 32;
-            const struct tkv_cuda_q8_meta m = am[(size_t)i * nb + kb];
+            const uint32_t pos = q8_pos(kb, nb, gb);
+            const int8_t *a = aq + (size_t)i * n_in + (size_t)pos * 32;
+            const struct tkv_cuda_q8_meta m = am[(size_t)i * nb + pos];
             const float dw = f16_bytes(blk), da = __half2float(m.d);
             int s = 0;
             float term;
@@ -501,9 +512,16 @@ size_t tkv_cuda_q8_act_bytes(uint32_t n, uint32_t n_in)
     return q + (size_t)n * (n_in / 32) * sizeof(struct tkv_cuda_q8_meta);
 }
 
-struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in)
+uint32_t tkv_cuda_q8_order(uint32_t type, uint32_t n_in)
+{
+    const int qt = qt_of(type);
+    return qt >= 0 && n_in % (32 * group_blocks(qt)) == 0 ? group_blocks(qt) : 1;
+}
+
+struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in, uint32_t gb)
 {
     struct tkv_cuda_q8_act a;
+    a.gb = gb;
     a.q = (int8_t *)buf;
     a.meta = (struct tkv_cuda_q8_meta *)((uint8_t *)buf + ((size_t)n * n_in + 15) / 16 * 16);
     return a;
@@ -512,19 +530,24 @@ struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in)
 cudaError_t tkv_cuda_q8_quantize(const float *x, uint32_t n, uint32_t n_in, struct tkv_cuda_q8_act a, bool pdl,
                                  cudaStream_t s)
 {
-    const uint32_t blocks = n * (n_in / 32);
+    const uint32_t nb = n_in / 32, blocks = n * nb;
     if (blocks == 0)
         return cudaSuccess;
-    return tkv_cuda_launch(pdl, tkv_cuda_blocks(blocks, 8), 256, 0, s, q8_quantize_kernel, x, blocks, a.q, a.meta);
+    if (a.gb == 0 || nb % a.gb != 0)
+        return cudaErrorInvalidValue;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(blocks, 8), 256, 0, s, q8_quantize_kernel, x, blocks, nb, a.gb, a.q,
+                           a.meta);
 }
 
 cudaError_t tkv_cuda_q8_pack(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in, bool q8_1, void *dst,
                              cudaStream_t s)
 {
-    const uint32_t blocks = n * (n_in / 32);
+    const uint32_t nb = n_in / 32, blocks = n * nb;
     if (blocks == 0)
         return cudaSuccess;
-    q8_pack_kernel<<<tkv_cuda_blocks(blocks, 256), 256, 0, s>>>(a.q, a.meta, blocks, q8_1, (uint8_t *)dst);
+    if (a.gb == 0 || nb % a.gb != 0)
+        return cudaErrorInvalidValue;
+    q8_pack_kernel<<<tkv_cuda_blocks(blocks, 256), 256, 0, s>>>(a.q, a.meta, blocks, nb, a.gb, q8_1, (uint8_t *)dst);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
@@ -547,7 +570,8 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
                            uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s)
 {
     const int qt = qt_of(type);
-    if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && g->nw != 1))
+    if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && g->nw != 1) ||
+        a.gb != group_blocks(qt))
         return cudaErrorInvalidValue;
     for (uint32_t i = 0; i < g->nw; i++)
         if (!tkv_cuda_qgemv_fast_ok(type, g->w[i], n_in) || (g->swiglu && !tkv_cuda_qgemv_fast_ok(type, g->wu, n_in)))
@@ -568,18 +592,18 @@ cudaError_t tkv_cuda_qgemv_ref(uint32_t type, const void *w, struct tkv_cuda_q8_
                                uint32_t n_out, uint32_t n, cudaStream_t s)
 {
     const int qt = qt_of(type);
-    if (qt < 0 || n_in % 32 != 0)
+    if (qt < 0 || n_in % 32 != 0 || a.gb == 0 || (n_in / 32) % a.gb != 0)
         return cudaErrorInvalidValue;
     if (n_out == 0 || n == 0)
         return cudaSuccess;
     const unsigned grid = tkv_cuda_blocks(n_out, 8);
     const uint8_t *wb = (const uint8_t *)w;
     if (qt == QT_Q4_0)
-        qgemv_ref_kernel<QT_Q4_0><<<grid, 256, 0, s>>>(wb, a.q, a.meta, y, n_in, n_out, n);
+        qgemv_ref_kernel<QT_Q4_0><<<grid, 256, 0, s>>>(wb, a.q, a.meta, a.gb, y, n_in, n_out, n);
     else if (qt == QT_Q4_1)
-        qgemv_ref_kernel<QT_Q4_1><<<grid, 256, 0, s>>>(wb, a.q, a.meta, y, n_in, n_out, n);
+        qgemv_ref_kernel<QT_Q4_1><<<grid, 256, 0, s>>>(wb, a.q, a.meta, a.gb, y, n_in, n_out, n);
     else
-        qgemv_ref_kernel<QT_Q8_0><<<grid, 256, 0, s>>>(wb, a.q, a.meta, y, n_in, n_out, n);
+        qgemv_ref_kernel<QT_Q8_0><<<grid, 256, 0, s>>>(wb, a.q, a.meta, a.gb, y, n_in, n_out, n);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
