@@ -19,7 +19,12 @@
  * ratio (target >= 0.9). Then the fused decode ops (matmul_group on q/k/v
  * and gate/up, matmul_swiglu) against the separate launches they replace,
  * by device busy time, device span (launch gaps included) and host wall
- * time per group. Exits 77 without a GPU.
+ * time per group. Then the quantized decode GEMV (Q4_0, Q8_0 and Q4_1
+ * weights kept as their GGUF blocks, activations quantized to 8 bits in the
+ * same op: the matmul row's time includes that kernel) against a device
+ * copy of the quantized bytes and against the f16 GEMV of the same matrix
+ * (a TKV_CUDA_GEMV_QUANT=0 backend), and the fused ops on Q4_0 weights.
+ * Exits 77 without a GPU.
  */
 #include "runtime/backend.h"
 
@@ -41,14 +46,17 @@ static void die_if(tkv_status st, const char *what)
     }
 }
 
-static struct tkv_backend *make_backend(const char *gemv)
+static struct tkv_backend *make_backend_q(const char *gemv, const char *quant)
 {
     struct tkv_backend *be;
     setenv("TKV_CUDA_PROFILE", "1", 1);
     if (gemv)
         setenv("TKV_CUDA_GEMV", gemv, 1);
+    if (quant)
+        setenv("TKV_CUDA_GEMV_QUANT", quant, 1);
     die_if(tkv_backend_create("cuda", 0, &be), "backend");
     unsetenv("TKV_CUDA_GEMV");
+    unsetenv("TKV_CUDA_GEMV_QUANT");
     unsetenv("TKV_CUDA_PROFILE");
     if (!be->ops->profile_read) {
         fprintf(stderr, "bench-gemv: the CUDA backend keeps no op profile\n");
@@ -56,6 +64,8 @@ static struct tkv_backend *make_backend(const char *gemv)
     }
     return be;
 }
+
+static struct tkv_backend *make_backend(const char *gemv) { return make_backend_q(gemv, NULL); }
 
 /* Device seconds per call of the profile rows whose name starts with op. */
 static double dev_per_call(struct tkv_backend *be, const char *op)
@@ -201,24 +211,39 @@ static double rel_diff(const float *a, const float *b, size_t n)
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
-/* A tensor of random f16 weights [n_out, n_in] (values as in main). */
-static void make_f16(struct tkv_gguf_tensor *t, uint32_t n_out, uint32_t n_in, const char *name)
+/* A tensor of random weights [n_out, n_in]: f16 values as in main, or
+ * Q4_0 / Q4_1 / Q8_0 blocks of random quants with scales of 1/64 .. 1/128
+ * (1 MiB of them, tiled). */
+static void make_weight(struct tkv_gguf_tensor *t, uint32_t type, uint32_t n_out, uint32_t n_in, const char *name)
 {
-    const size_t bytes = (size_t)n_out * n_in * 2, tile = (size_t)1 << 20;
-    uint16_t *h = malloc(bytes);
+    const size_t bb = type == TKV_TYPE_Q4_0 ? 18 : type == TKV_TYPE_Q4_1 ? 20 : type == TKV_TYPE_Q8_0 ? 34 : 0;
+    const size_t bytes = bb ? (size_t)n_out * n_in / 32 * bb : (size_t)n_out * n_in * 2, tile = (size_t)1 << 20;
+    uint8_t *h = malloc(bytes);
     if (!h) {
         fprintf(stderr, "bench-gemv: out of host memory\n");
         exit(1);
     }
-    for (size_t i = 0; i < bytes / 2; i++)
-        h[i] = i < tile ? (uint16_t)(0x3000 + (rnd() % 0x0C00)) ^ (uint16_t)((rnd() & 1) << 15) : h[i % tile];
+    if (!bb) {
+        uint16_t *h16 = (uint16_t *)h;
+        for (size_t i = 0; i < bytes / 2; i++)
+            h16[i] = i < tile ? (uint16_t)(0x3000 + (rnd() % 0x0C00)) ^ (uint16_t)((rnd() & 1) << 15) : h16[i % tile];
+    } else {
+        for (size_t i = 0; i < bytes; i++)
+            h[i] = i < tile * bb ? (uint8_t)rnd() : h[i % (tile * bb)];
+        for (size_t b = 0; b < bytes / bb; b++) { /* d (and m) as f16 in [1/128, 1/64) */
+            const uint16_t d = (uint16_t)(0x2000 + (rnd() % 0x0400));
+            memcpy(h + b * bb, &d, 2);
+            if (type == TKV_TYPE_Q4_1)
+                memcpy(h + b * bb + 2, &d, 2);
+        }
+    }
     memset(t, 0, sizeof *t);
     snprintf(t->name, sizeof t->name, "bench.%s", name);
     t->n_dims = 2;
     t->ne[0] = n_in;
     t->ne[1] = n_out;
     t->ne[2] = t->ne[3] = 1;
-    t->type = TKV_TYPE_F16;
+    t->type = bb ? type : TKV_TYPE_F16;
     t->n_elems = (uint64_t)n_in * n_out;
     t->nbytes = bytes;
     t->data = h;
@@ -227,16 +252,16 @@ static void make_f16(struct tkv_gguf_tensor *t, uint32_t n_out, uint32_t n_in, c
 /* The fused decode ops on Llama-3-8B's groups against separate launches:
  * q/k/v (matmul_group), gate/up (matmul_group, and matmul_swiglu against
  * two matmuls and swiglu). */
-static void bench_groups(struct tkv_backend *be, uint32_t n, int reps, FILE *json, const char *commit)
+static void bench_groups(struct tkv_backend *be, uint32_t type, uint32_t n, int reps, FILE *json, const char *commit)
 {
     if (!be->ops->matmul_group || !be->ops->matmul_swiglu)
         return;
     struct tkv_gguf_tensor q, k, v, g, u;
-    make_f16(&q, 4096, 4096, "wq");
-    make_f16(&k, 1024, 4096, "wk");
-    make_f16(&v, 1024, 4096, "wv");
-    make_f16(&g, 14336, 4096, "gate");
-    make_f16(&u, 14336, 4096, "up");
+    make_weight(&q, type, 4096, 4096, "wq");
+    make_weight(&k, type, 1024, 4096, "wk");
+    make_weight(&v, type, 1024, 4096, "wv");
+    make_weight(&g, type, 14336, 4096, "gate");
+    make_weight(&u, type, 14336, 4096, "up");
     float *x = malloc((size_t)n * 4096 * sizeof *x);
     for (size_t i = 0; i < (size_t)n * 4096; i++)
         x[i] = (float)((rnd() >> 40) / 16777216.0 * 2.0 - 1.0) * 0.05f;
@@ -247,8 +272,9 @@ static void bench_groups(struct tkv_backend *be, uint32_t n, int reps, FILE *jso
         bool swiglu;
     } cases[] = {{"qkv 6144x4096 group", 0, false}, {"gate+up 2x14336x4096 group", 1, false},
                  {"gate+up 2x14336x4096 swiglu", 1, true}};
-    printf("\nfused decode ops vs separate launches (device busy = the ops' own time; span = first start to last "
-           "end, launch gaps included; host = wall per group, back to back)\n\n");
+    printf("\n%s weights: fused decode ops vs separate launches (device busy = the ops' own time; span = first start to last "
+           "end, launch gaps included; host = wall per group, back to back)\n\n",
+           type == TKV_TYPE_F16 ? "f16" : "Q4_0 (quantized GEMV)");
     printf("| group | MB | separate busy us | span us | host us | fused busy us | span us | host us | span "
            "speed-up | fused GB/s (span) | rel diff |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
@@ -270,15 +296,71 @@ static void bench_groups(struct tkv_backend *be, uint32_t n, int reps, FILE *jso
         fflush(stdout);
         if (json)
             fprintf(json,
-                    "{\"bench\": \"gemv-group\", \"group\": \"%s\", \"n\": %u, \"bytes\": %zu, \"reps\": %d, "
+                    "{\"bench\": \"gemv-group\", \"type\": \"%s\", \"group\": \"%s\", \"n\": %u, \"bytes\": %zu, \"reps\": %d, "
                     "\"sep_busy_us\": %.3f, \"sep_span_us\": %.3f, \"sep_host_us\": %.3f, \"fused_busy_us\": %.3f, "
                     "\"fused_span_us\": %.3f, \"fused_host_us\": %.3f, \"rel_diff\": %.3e, \"commit\": \"%s\"}\n",
-                    cases[c].name, n, bytes, reps, sep.busy_us, sep.span_us, sep.host_us, fus.busy_us, fus.span_us,
+                    tkv_type_name(type), cases[c].name, n, bytes, reps, sep.busy_us, sep.span_us, sep.host_us, fus.busy_us, fus.span_us,
                     fus.host_us, diff, commit);
         free(sep.y), free(fus.y);
     }
     free((void *)q.data), free((void *)k.data), free((void *)v.data), free((void *)g.data), free((void *)u.data);
     free(x);
+}
+
+/* The quantized decode GEMV on Llama-3-8B's shapes: q (default backend)
+ * against a copy of the quantized bytes and the f16 GEMV (f16: a
+ * TKV_CUDA_GEMV_QUANT=0 backend, the same matrix dequantized at load). */
+static void bench_quant(struct tkv_backend *q, struct tkv_backend *f16, uint32_t type, uint32_t n, int reps,
+                        FILE *json, const char *commit)
+{
+    static const uint32_t shapes[][2] = {{4096, 4096}, {1024, 4096}, {14336, 4096}, {4096, 14336}, {128256, 4096}};
+    static const uint32_t per_layer[] = {2, 2, 2, 1, 0};
+    printf("\n%s weights, quantized GEMV (activation quantization included), n = %u\n\n", tkv_type_name(type), n);
+    printf("| n_out x n_in | MB | qgemv us | GB/s | of copy | copy us | copy GB/s | f16 GEMV us | f16 / qgemv | "
+           "qgemv host us/call | qgemv vs f16 (rel) |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    double layer_q = 0, layer_copy = 0, layer_f16 = 0;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const uint32_t n_out = shapes[si][0], n_in = shapes[si][1];
+        struct tkv_gguf_tensor t;
+        char name[32];
+        snprintf(name, sizeof name, "%ux%u", n_out, n_in);
+        make_weight(&t, type, n_out, n_in, name);
+        const size_t bytes = t.nbytes, f16_bytes = (size_t)n_out * n_in * 2;
+        /* copies of the f16 matrix and the blocks together larger than the L2 */
+        uint32_t copies = (uint32_t)((ROTATE_BYTES + bytes - 1) / bytes);
+        copies = copies < 1 ? 1 : copies > MAX_COPIES ? MAX_COPIES : copies;
+        uint32_t copies16 = (uint32_t)((ROTATE_BYTES + f16_bytes - 1) / f16_bytes);
+        copies16 = copies16 < 1 ? 1 : copies16 > MAX_COPIES ? MAX_COPIES : copies16;
+        float *x = malloc((size_t)n * n_in * sizeof *x);
+        for (size_t i = 0; i < (size_t)n * n_in; i++)
+            x[i] = (float)((rnd() >> 40) / 16777216.0 * 2.0 - 1.0);
+        struct result rq, rf;
+        time_matmul(q, &t, copies, x, n, reps, &rq);
+        time_matmul(f16, &t, copies16, x, n, reps, &rf);
+        const double copy_us = time_copy(q, bytes, copies, reps) * 1e6;
+        const double gb = bytes / 1e9, rate = gb / (rq.us * 1e-6), copy = 2 * gb / (copy_us * 1e-6);
+        const double diff = rel_diff(rq.y, rf.y, (size_t)n * n_out);
+        printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.0f | %.2f | %.2f | %.2f | %.1e |\n", n_out, n_in,
+               bytes / 1e6, rq.us, rate, rate / copy, copy_us, copy, rf.us, rf.us / rq.us, rq.host_us, diff);
+        fflush(stdout);
+        layer_q += per_layer[si] * rq.us;
+        layer_f16 += per_layer[si] * rf.us;
+        layer_copy += per_layer[si] * bytes / (copy * 1e9) * 1e6;
+        if (json)
+            fprintf(json,
+                    "{\"bench\": \"gemv-quant\", \"type\": \"%s\", \"n_out\": %u, \"n_in\": %u, \"n\": %u, "
+                    "\"bytes\": %zu, \"copies\": %u, \"reps\": %d, \"qgemv_us\": %.3f, \"qgemv_gbps\": %.1f, "
+                    "\"of_copy\": %.4f, \"copy_us\": %.3f, \"copy_gbps\": %.1f, \"f16_us\": %.3f, "
+                    "\"qgemv_host_us\": %.3f, \"qgemv_vs_f16\": %.3e, \"commit\": \"%s\"}\n",
+                    tkv_type_name(type), n_out, n_in, n, bytes, copies, reps, rq.us, rate, rate / copy, copy_us, copy,
+                    rf.us, rq.host_us, diff, commit);
+        free(rq.y), free(rf.y), free(x);
+        free((void *)t.data);
+    }
+    printf("\na Llama-3-8B layer's 7 matmuls in %s: quantized GEMV %.1f us, at the copy rate %.1f us (copy / qgemv "
+           "%.2f), f16 GEMV %.1f us\n",
+           tkv_type_name(type), layer_q, layer_copy, layer_copy / layer_q, layer_f16);
 }
 
 int main(int argc, char **argv)
@@ -389,7 +471,13 @@ int main(int argc, char **argv)
     printf("\na Llama-3-8B layer's 7 matmuls: ours %.1f us, u8 %.1f us, reference %.1f us, at the copy rate %.1f us "
            "(ours / copy %.2f)\n",
            layer_ours, layer_u8, layer_ref, layer_copy, layer_copy / layer_ours);
-    bench_groups(fast, n, reps, json, commit);
+    bench_groups(fast, TKV_TYPE_F16, n, reps, json, commit);
+    struct tkv_backend *f16q = make_backend_q(NULL, "0");
+    static const uint32_t qtypes[] = {TKV_TYPE_Q4_0, TKV_TYPE_Q8_0, TKV_TYPE_Q4_1};
+    for (size_t i = 0; i < sizeof qtypes / sizeof qtypes[0]; i++)
+        bench_quant(fast, f16q, qtypes[i], n, reps, json, commit);
+    bench_groups(fast, TKV_TYPE_Q4_0, n, reps, json, commit);
+    f16q->ops->free(f16q);
     printf("of copy = (weight bytes / GEMV time) / ((read + written bytes) / copy time); host us/call: wall time per "
            "call of back-to-back calls (launch-bound when above the device time)\n");
     /* the profiles were read and reset: nothing left to print at free */

@@ -13,7 +13,11 @@
  * Weights: matrices are dequantized on the GPU to f16 once at load
  * (dequant.cu) and multiplied with cuBLAS (f16 x f16 -> f32, f32 accumulate)
  * or, for up to 8 tokens, with a GEMV kernel that reads the f32 activations
- * directly; vectors (norm weights) are kept in f32.
+ * directly; vectors (norm weights) are kept in f32. Q4_0, Q4_1 and Q8_0
+ * matrices also keep their GGUF blocks, and for up to 8 tokens the
+ * quantized GEMV multiplies those with activations quantized to 8 bits
+ * (gemv-quant.cu; TKV_CUDA_GEMV_QUANT=0 when the backend is created: the
+ * f16 path instead, =ref: the reference kernel).
  *
  * Validation mode: with TKV_CUDA_WEIGHTS=f32 in the environment when the
  * backend is created, matrices are kept as exact f32 dequantizations and
@@ -24,6 +28,7 @@
 #include "common.cuh"
 #include "copy.cuh"
 #include "dequant.cuh"
+#include "gemv-quant.cuh"
 #include "ops.cuh"
 #include "rabitq.cuh"
 #include "rabitq-select.cuh"
@@ -108,7 +113,18 @@ struct cuda_backend {
     int32_t *pos_dev, *pos_last;
     uint32_t pos_n, pos_cap;
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
+    int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
+    void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
+    size_t q8_work_cap;
+    size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
 };
+
+/* How Q4_0 / Q4_1 / Q8_0 matrices multiply few tokens, from
+ * TKV_CUDA_GEMV_QUANT when the backend is created: the quantized GEMV's fast
+ * kernel (default; its reference where the fast one cannot take the shape),
+ * its reference kernel ("ref"), or not at all ("0": their blocks are not
+ * kept and the f16 path of TKV_CUDA_GEMV serves them, for A/B measuring). */
+enum { QGEMV_FAST, QGEMV_REF, QGEMV_OFF };
 
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
  * TKV_CUDA_GEMV when the backend is created: "auto" (default, below), the
@@ -139,6 +155,11 @@ struct tkv_bweight {
     __half *w16;   /* matrices: [n_out, n_in] f16                           */
     float *w32;    /* matrices in the f32 validation mode: [n_out, n_in]    */
     float *v32;    /* vectors:  [n_in] f32                                  */
+    void *wq;      /* Q4_0 / Q4_1 / Q8_0 matrices (unless TKV_CUDA_GEMV_QUANT=0
+                      or f32 mode): the GGUF blocks, [n_out][n_in / 32] blocks,
+                      for the quantized decode GEMV; else NULL              */
+    size_t bytes, bytes_wq; /* device bytes of w16 / w32 / v32 + wq, and of wq
+                               (counted in the backend's totals once loaded) */
 };
 
 static struct cuda_backend *cuda_of(struct tkv_backend *b) { return (struct cuda_backend *)b; }
@@ -551,6 +572,10 @@ static void cuda_weight_free(struct tkv_backend *b, struct tkv_bweight *w)
     cuda_release(b, w->w16);
     cuda_release(b, w->w32);
     cuda_release(b, w->v32);
+    cuda_release(b, w->wq);
+    struct cuda_backend *cb = cuda_of(b);
+    cb->weight_bytes -= w->bytes;
+    cb->weight_raw_bytes -= w->bytes_wq;
     free(w);
 }
 
@@ -558,13 +583,24 @@ static tkv_status weight_load(struct cuda_backend *cb, const struct tkv_gguf_ten
                               size_t n_elems, size_t raw_bytes, void **raw)
 {
     const char *op = "weight_init";
+    const size_t stored = n_elems * (w->is_vec || cb->f32_weights ? sizeof(float) : sizeof(__half));
     if (w->is_vec)
-        CU(op, cudaMalloc((void **)&w->v32, n_elems * sizeof(float)));
+        CU(op, cudaMalloc((void **)&w->v32, stored));
     else if (cb->f32_weights)
-        CU(op, cudaMalloc((void **)&w->w32, n_elems * sizeof(float)));
+        CU(op, cudaMalloc((void **)&w->w32, stored));
     else
-        CU(op, cudaMalloc((void **)&w->w16, n_elems * sizeof(__half)));
-    if (t->type == TKV_TYPE_F16 && w->w16) { /* already the storage format */
+        CU(op, cudaMalloc((void **)&w->w16, stored));
+    size_t kept = 0;
+    /* the quantized GEMV's copy: the blocks as uploaded (rounded up to 16
+     * bytes: the fast kernel copies whole 16-byte chunks) */
+    const bool keep = w->w16 && cb->gemv_quant != QGEMV_OFF && tkv_cuda_qgemv_supported(t->type);
+    if (keep) {
+        kept = (raw_bytes + 15) / 16 * 16;
+        CU(op, cudaMalloc(&w->wq, kept));
+        CU(op, cudaMemsetAsync((uint8_t *)w->wq + raw_bytes, 0, kept - raw_bytes, cb->stream));
+        CU(op, cudaMemcpyAsync(w->wq, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
+        CU(op, tkv_cuda_dequant(t->type, w->wq, n_elems, w->w16, NULL, cb->stream));
+    } else if (t->type == TKV_TYPE_F16 && w->w16) { /* already the storage format */
         CU(op, cudaMemcpyAsync(w->w16, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
     } else {
         CU(op, cudaMalloc(raw, raw_bytes));
@@ -572,6 +608,14 @@ static tkv_status weight_load(struct cuda_backend *cb, const struct tkv_gguf_ten
         CU(op, tkv_cuda_dequant(t->type, *raw, n_elems, w->w16, w->is_vec ? w->v32 : w->w32, cb->stream));
     }
     CU(op, cudaStreamSynchronize(cb->stream));
+    w->bytes = stored + kept;
+    w->bytes_wq = kept;
+    cb->weight_bytes += w->bytes;
+    cb->weight_raw_bytes += kept;
+    if (keep)
+        TKV_LOG_D("cuda: %s: %zu bytes of %s blocks kept beside the f16 copy for the decode GEMV (weights: %.1f MiB, "
+                  "%.1f MiB of them blocks)", t->name, kept, tkv_type_name(t->type),
+                  cb->weight_bytes / 1048576.0, cb->weight_raw_bytes / 1048576.0);
     return TKV_OK;
 }
 
@@ -638,6 +682,51 @@ static tkv_status cuda_get_rows(struct tkv_backend *b, const struct tkv_bweight 
     return TKV_OK;
 }
 
+/* ---- the quantized decode GEMV (gemv-quant.cu) ---- */
+
+/* Which quantized kernel matmul runs for w and n tokens: QGEMV_FAST,
+ * QGEMV_REF, or QGEMV_OFF when w is multiplied in f16 / f32 (no blocks
+ * kept, or n > TKV_CUDA_GEMV_MAX_N: prefill). */
+static int qgemv_path(const struct cuda_backend *cb, const struct tkv_bweight *w, uint32_t n)
+{
+    if (!w->wq || n < 1 || n > TKV_CUDA_GEMV_MAX_N)
+        return QGEMV_OFF;
+    return cb->gemv_quant == QGEMV_FAST && tkv_cuda_qgemv_fast_ok(w->t->type, w->wq, w->n_in) ? QGEMV_FAST
+                                                                                               : QGEMV_REF;
+}
+
+/* x [n][n_in] -> the backend's quantized-activation buffer (grown on demand,
+ * kept), in the block order of the GEMVs of `type` (tkv_cuda_q8_order).
+ * Queued after whatever reads the buffer: those kernels end before this one
+ * writes it (stream order; under PDL its griddepcontrol.wait). */
+static tkv_status q8_prepare(struct cuda_backend *cb, uint32_t type, const float *x, uint32_t n, uint32_t n_in,
+                             struct tkv_cuda_q8_act *a, const char *op)
+{
+    TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, n_in), op));
+    *a = tkv_cuda_q8_act_at(cb->q8_work, n, n_in, tkv_cuda_q8_order(type, n_in));
+    CU(op, tkv_cuda_q8_quantize(x, n, n_in, *a, cb->pdl, cb->stream));
+    return TKV_OK;
+}
+
+static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
+                               uint32_t n, int path, const char *op)
+{
+    struct tkv_cuda_q8_act a;
+    TKV_TRY(q8_prepare(cb, w->t->type, x, n, w->n_in, &a, op));
+    if (path == QGEMV_REF) {
+        CU(op, tkv_cuda_qgemv_ref(w->t->type, w->wq, a, y, w->n_in, w->n_out, n, cb->stream));
+        return TKV_OK;
+    }
+    struct tkv_cuda_qgemv g;
+    memset(&g, 0, sizeof g);
+    g.nw = 1;
+    g.w[0] = w->wq;
+    g.y[0] = y;
+    g.end[0] = w->n_out;
+    CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
+    return TKV_OK;
+}
+
 static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -655,6 +744,9 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
                          CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT);
         return s == CUBLAS_STATUS_SUCCESS ? TKV_OK : blas_fail(s, op);
     }
+    const int qpath = qgemv_path(cb, w, n);
+    if (qpath != QGEMV_OFF)
+        return qgemv_matmul(cb, w, x, y, n, qpath, op);
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
@@ -705,7 +797,29 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
     }
     if (n == 0)
         return TKV_OK;
-    if (!fast || rows > UINT32_MAX) {
+    /* quantized weights: one quantized-GEMV grid when all of them take its
+     * fast kernel with one type, else each matmul on its own path */
+    bool quant = false, qfast = rows <= UINT32_MAX;
+    for (uint32_t i = 0; i < nw; i++) {
+        const int p = qgemv_path(cb, w[i], n);
+        quant = quant || p != QGEMV_OFF;
+        qfast = qfast && p == QGEMV_FAST && w[i]->t->type == w[0]->t->type;
+    }
+    if (quant && qfast) {
+        struct tkv_cuda_q8_act a;
+        TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
+        struct tkv_cuda_qgemv g;
+        memset(&g, 0, sizeof g);
+        g.nw = nw;
+        for (uint32_t i = 0, end = 0; i < nw; i++) {
+            g.w[i] = w[i]->wq;
+            g.y[i] = y[i];
+            g.end[i] = end += w[i]->n_out;
+        }
+        CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
+        return TKV_OK;
+    }
+    if (!fast || quant || rows > UINT32_MAX) {
         for (uint32_t i = 0; i < nw; i++)
             TKV_TRY(cuda_matmul(b, w[i], x, y[i], n));
         return TKV_OK;
@@ -733,7 +847,22 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
                        wg->t->name, wu->t->name);
     if (n == 0)
         return TKV_OK;
-    if (fast_gemv(cb, wg, x, n) && fast_gemv(cb, wu, x, n)) {
+    const int pg = qgemv_path(cb, wg, n), pu = qgemv_path(cb, wu, n);
+    if (pg == QGEMV_FAST && pu == QGEMV_FAST && wg->t->type == wu->t->type) {
+        struct tkv_cuda_q8_act a;
+        TKV_TRY(q8_prepare(cb, wg->t->type, x, n, wg->n_in, &a, op));
+        struct tkv_cuda_qgemv g;
+        memset(&g, 0, sizeof g);
+        g.nw = 1;
+        g.w[0] = wg->wq;
+        g.wu = wu->wq;
+        g.swiglu = true;
+        g.y[0] = out;
+        g.end[0] = wg->n_out;
+        CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
+        return TKV_OK;
+    }
+    if (pg == QGEMV_OFF && pu == QGEMV_OFF && fast_gemv(cb, wg, x, n) && fast_gemv(cb, wu, x, n)) {
         CU(op, tkv_cuda_gemv_swiglu(wg->w16, wu->w16, x, out, wg->n_in, wg->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
                                     cb->stream));
         return TKV_OK;
@@ -1443,11 +1572,21 @@ static tkv_status pw_get_rows(struct tkv_backend *b, const struct tkv_bweight *w
     PROF("get_rows", prof_row(cb->prof, "get_rows", true), cuda_get_rows(b, w, ids, n, out));
 }
 /* matmul rows by weight shape (n_out x n_in) and path */
-static const char *const matmul_path_name[] = {"gemv", "gemv-ref", "cublas", "cublas-f32", "gemv-u8"};
+static const char *const matmul_path_name[] = {"gemv",      "gemv-ref",  "cublas",    "cublas-f32", "gemv-u8",
+                                                "gemv-q4_0", "gemv-q4_1", "gemv-q8_0", "gemv-q-ref"};
+/* The quantized GEMV's row name for w: "gemv-q4_0" ... (fast), "gemv-q-ref" */
+static uint32_t qgemv_path_row(int qpath, const struct tkv_bweight *w)
+{
+    if (qpath == QGEMV_REF)
+        return 8u;
+    return w->t->type == TKV_TYPE_Q4_0 ? 5u : w->t->type == TKV_TYPE_Q4_1 ? 6u : 7u;
+}
 static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
     struct cuda_backend *cb_ = cuda_of(b);
-    const uint32_t path = w->w32 ? 3u : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
+    const int qpath = w->is_vec ? QGEMV_OFF : qgemv_path(cb_, w, n);
+    const uint32_t path = w->w32 ? 3u : qpath != QGEMV_OFF ? qgemv_path_row(qpath, w)
+                                    : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
                                                 tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
                                             ? (cb_->gemv == GEMV_REF ? 1u : gemv_u8_for(cb_->gemv, w) ? 4u : 0u)
                                             : 2u;
@@ -1462,24 +1601,34 @@ static tkv_status pw_matmul_group(struct tkv_backend *b, const struct tkv_bweigh
 {
     struct cuda_backend *cb_ = cuda_of(b);
     uint32_t rows = 0;
-    bool fast = nw > 0 && nw <= TKV_CUDA_GEMV_GROUP_MAX;
-    for (uint32_t i = 0; fast && i < nw; i++) {
+    const bool ok = nw > 0 && nw <= TKV_CUDA_GEMV_GROUP_MAX;
+    bool fast = ok, quant = false, qfast = ok;
+    for (uint32_t i = 0; ok && i < nw; i++) {
         rows += w[i]->n_out;
-        fast = fast_gemv(cb_, w[i], x, n);
+        fast = fast && fast_gemv(cb_, w[i], x, n);
+        const int p = w[i]->is_vec ? QGEMV_OFF : qgemv_path(cb_, w[i], n);
+        quant = quant || p != QGEMV_OFF;
+        qfast = qfast && p == QGEMV_FAST && w[i]->t->type == w[0]->t->type;
     }
-    PROF("matmul_group",
-         prof_row(cb->prof, "matmul_group", true, rows, nw ? w[0]->n_in : 0, fast ? 0u : 1u,
-                  fast ? "%s %ux%u gemv" : "%s %ux%u seq"),
+    /* path 0: the f16 group kernel, 1: the sequence, 5..7: the quantized one */
+    const uint32_t path = quant ? (qfast ? qgemv_path_row(QGEMV_FAST, w[0]) : 1u) : fast ? 0u : 1u;
+    char fmt[48];
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
+    PROF("matmul_group", prof_row(cb->prof, "matmul_group", true, rows, nw ? w[0]->n_in : 0, path, fmt),
          cuda_matmul_group(b, w, nw, x, y, n));
 }
 static tkv_status pw_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweight *wg, const struct tkv_bweight *wu,
                                    const float *x, float *out, uint32_t n)
 {
     struct cuda_backend *cb_ = cuda_of(b);
-    const bool fast = fast_gemv(cb_, wg, x, n) && fast_gemv(cb_, wu, x, n);
-    PROF("matmul_swiglu",
-         prof_row(cb->prof, "matmul_swiglu", true, 2 * wg->n_out, wg->n_in, fast ? 0u : 1u,
-                  fast ? "%s %ux%u gemv" : "%s %ux%u seq"),
+    const int pg = wg->is_vec ? QGEMV_OFF : qgemv_path(cb_, wg, n), pu = wu->is_vec ? QGEMV_OFF : qgemv_path(cb_, wu, n);
+    const bool quant = pg != QGEMV_OFF || pu != QGEMV_OFF;
+    const bool qfast = pg == QGEMV_FAST && pu == QGEMV_FAST && wg->t->type == wu->t->type;
+    const bool fast = !quant && fast_gemv(cb_, wg, x, n) && fast_gemv(cb_, wu, x, n);
+    const uint32_t path = quant ? (qfast ? qgemv_path_row(QGEMV_FAST, wg) : 1u) : fast ? 0u : 1u;
+    char fmt[48];
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
+    PROF("matmul_swiglu", prof_row(cb->prof, "matmul_swiglu", true, 2 * wg->n_out, wg->n_in, path, fmt),
          cuda_matmul_swiglu(b, wg, wu, x, out, n));
 }
 static tkv_status pw_add_rmsnorm(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w, float *h,
@@ -1614,6 +1763,7 @@ static void cuda_free(struct tkv_backend *b)
     if (cb->act16)
         cudaFree(cb->act16);
     cudaFree(cb->fuse_work);
+    cudaFree(cb->q8_work);
     cudaFree(cb->pos_dev);
     free(cb->pos_last);
     tkv_cuda_attn_state_free(cb->attn);
@@ -1758,10 +1908,13 @@ static tkv_status cuda_init(struct cuda_backend *cb)
         CU(op, cudaMalloc(&sl->dev, STAGE_MIN_BYTES));
         sl->cap = STAGE_MIN_BYTES;
     }
-    TKV_LOG_I("cuda: device %d (%s): %s, %d SMs, %.1f GiB, compute capability %d.%d%s%s", cb->device,
+    TKV_LOG_I("cuda: device %d (%s): %s, %d SMs, %.1f GiB, compute capability %d.%d%s%s%s", cb->device,
               cb->pci_bus_id, prop.name, cb->n_sm, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
               cb->f32_weights ? " (f32 weights: validation mode)" : "",
-              cb->pdl ? " (programmatic dependent launches)" : "");
+              cb->pdl ? " (programmatic dependent launches)" : "",
+              cb->f32_weights || cb->gemv_quant == QGEMV_OFF ? ""
+              : cb->gemv_quant == QGEMV_REF                  ? " (quantized decode GEMV: reference kernel)"
+                                                             : " (quantized decode GEMV)");
     return TKV_OK;
 }
 
@@ -1773,6 +1926,25 @@ extern "C" tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b
     if (!tkv_cuda_attn_state_set_prefill_variant(cb->attn, variant))
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: prefill variant %d (0 .. %d)", variant,
                        TKV_ATTN_PREFILL_VARIANTS - 1);
+    return TKV_OK;
+}
+
+extern "C" tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint32_t weight_type, const float *x,
+                                                    uint32_t n, uint32_t n_in, void *dst)
+{
+    if (!b || (b->ops != &cuda_ops && b->ops != &cuda_prof_ops))
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: quantize_act: not a CUDA backend");
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "quantize_act";
+    ALIVE(op);
+    if (!tkv_cuda_qgemv_supported(weight_type) || n_in % 32 != 0)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: quantize_act: weight type %s, %u columns (Q4_0, Q4_1 or Q8_0, "
+                       "whole blocks of 32)", tkv_type_name(weight_type), n_in);
+    if (n == 0)
+        return TKV_OK;
+    struct tkv_cuda_q8_act a;
+    TKV_TRY(q8_prepare(cb, weight_type, x, n, n_in, &a, op));
+    CU(op, tkv_cuda_q8_pack(a, n, n_in, weight_type == TKV_TYPE_Q4_1, dst, cb->stream));
     return TKV_OK;
 }
 
@@ -1804,6 +1976,10 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
                : gemv && !strcmp(gemv, "u8")     ? GEMV_U8
                : gemv && !strcmp(gemv, "fast")   ? GEMV_FAST
                                                  : GEMV_AUTO;
+    const char *quant = getenv("TKV_CUDA_GEMV_QUANT");
+    cb->gemv_quant = quant && !strcmp(quant, "0")     ? QGEMV_OFF
+                     : quant && !strcmp(quant, "ref") ? QGEMV_REF
+                                                      : QGEMV_FAST;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");

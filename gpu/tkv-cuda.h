@@ -25,6 +25,11 @@ tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, struct tkv_ba
  * TKV_ERR_INVALID_ARG when b is not a CUDA backend or variant is out of range. */
 tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b, int variant);
 
+/* tkv_backend_cuda_quantize_act (runtime/backend.h): the activation rows the
+ * quantized decode GEMV reads, as llama.cpp blocks. */
+tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
+                                         uint32_t n_in, void *dst);
+
 /* "vN: ..." describing variant N (static); NULL past the last one. */
 const char *tkv_cuda_prefill_variant_desc(int variant);
 

@@ -350,6 +350,16 @@ int tkv_backend_cuda_devices(void);
  * the variant does not exist, TKV_ERR_UNSUPPORTED in a build without CUDA. */
 tkv_status tkv_backend_cuda_set_prefill_variant(struct tkv_backend *b, int variant);
 
+/* Tests: the CUDA backend b's activation quantization for the quantized
+ * decode GEMV: x [n][n_in] f32 (device memory, n_in % 32 == 0) -> n rows of
+ * n_in / 32 blocks of tkv_act_type(weight_type) (tkv_block_q8_0 or
+ * tkv_block_q8_1) at dst (device memory), the bytes the GEMV reads
+ * (weight_type Q4_0, Q4_1 or Q8_0). Queued on b's stream. TKV_ERR_INVALID_ARG
+ * when b is not a CUDA backend or the type is not one of those,
+ * TKV_ERR_UNSUPPORTED in a build without CUDA. */
+tkv_status tkv_backend_cuda_quantize_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
+                                         uint32_t n_in, void *dst);
+
 /* "vN: <tile shape>" (static) for variant N; NULL past the last one or
  * without CUDA. */
 const char *tkv_backend_cuda_prefill_variant_desc(int variant);

@@ -21,6 +21,11 @@
  *              matmul_swiglu |.| <= 1e-5 max(1, |seq|) and rel < 1e-6 (< 2e-3
  *              of double silu(g)*u); add_rmsnorm y equal, h <= 1e-6 max|h|
  *              (<= 1e-5 vs the cpu); rope_qk bit-identical to two ropes
+ *   quant      the quantized decode GEMV (Q4_0 / Q4_1 / Q8_0 weights, n <= 8):
+ *              its activation blocks byte-identical to tkv_quantize_act_ref;
+ *              matmul, matmul_group, matmul_swiglu within the float
+ *              reassociation bound 2 (blocks + 8) 2^-24 sum |terms| of the
+ *              CPU reference (tkv_quantize_act_ref + tkv_vec_dot_ref)
  *   pdl        a decode step's op chain (5 steps x 4 layers, queued back to
  *              back) on a TKV_CUDA_PDL=1 backend bit-identical to the default
  *              one: x, logits, K/V written, attention output
@@ -1607,6 +1612,333 @@ static void test_fused(void)
           "the cpu backend has fused ops");
 }
 
+/* ---- the quantized decode GEMV (Q4_0 / Q4_1 / Q8_0 weights, n <= 8) ------------------
+ *
+ * gpu_q runs the defaults (quantized GEMV, TKV_CUDA_GEMV=auto, PDL),
+ * gpu_q_ref TKV_CUDA_GEMV_QUANT=ref (the reference kernel). The CPU reference
+ * is the CPU backend's own decode arithmetic: tkv_quantize_act_ref of each
+ * token row, tkv_vec_dot_ref of each weight row. Both sides sum exact
+ * integer block sums, so a result may differ from it only by the order of
+ * the float block terms: |gpu - ref| <= 2 (blocks + 8) 2^-24 sum |terms|
+ * (cpu/quant.h's bound). An f16 path, a dropped Q4_0 offset of 8 or a
+ * dropped Q4_1 m * s term misses it by orders of magnitude. */
+
+/* sum over the row's blocks of |each float term| of tkv_vec_dot_ref */
+static double qterms_abs(uint32_t type, const void *w, const void *act, uint32_t n_in)
+{
+    double s = 0;
+    for (uint32_t b = 0; b < n_in / 32; b++) {
+        int isum = 0;
+        double term, extra = 0;
+        if (type == TKV_TYPE_Q4_0) {
+            const tkv_block_q4_0 *x = (const tkv_block_q4_0 *)w + b;
+            const tkv_block_q8_0 *y = (const tkv_block_q8_0 *)act + b;
+            for (int j = 0; j < 16; j++)
+                isum += ((x->qs[j] & 15) - 8) * y->qs[j] + ((x->qs[j] >> 4) - 8) * y->qs[j + 16];
+            term = (double)tkv_fp16_to_fp32(x->d) * tkv_fp16_to_fp32(y->d) * isum;
+        } else if (type == TKV_TYPE_Q4_1) {
+            const tkv_block_q4_1 *x = (const tkv_block_q4_1 *)w + b;
+            const tkv_block_q8_1 *y = (const tkv_block_q8_1 *)act + b;
+            for (int j = 0; j < 16; j++)
+                isum += (x->qs[j] & 15) * y->qs[j] + (x->qs[j] >> 4) * y->qs[j + 16];
+            term = (double)tkv_fp16_to_fp32(x->d) * tkv_fp16_to_fp32(y->d) * isum;
+            extra = (double)tkv_fp16_to_fp32(x->m) * tkv_fp16_to_fp32(y->s);
+        } else {
+            const tkv_block_q8_0 *x = (const tkv_block_q8_0 *)w + b;
+            const tkv_block_q8_0 *y = (const tkv_block_q8_0 *)act + b;
+            for (int j = 0; j < 32; j++)
+                isum += x->qs[j] * y->qs[j];
+            term = (double)tkv_fp16_to_fp32(x->d) * tkv_fp16_to_fp32(y->d) * isum;
+        }
+        s += fabs(term) + fabs(extra);
+    }
+    return s;
+}
+
+/* The CPU reference of x [n][n_in] . w^T: ref[i][r] and its bound. */
+static void qref(const struct test_weight *tw, const float *x, uint32_t n, float *ref, double *bound)
+{
+    const uint32_t type = tw->t.type, n_in = (uint32_t)tw->t.ne[0], n_out = (uint32_t)tw->t.ne[1];
+    const size_t row = tw->t.nbytes / n_out, abytes = tkv_act_row_bytes(type, n_in);
+    void *act = malloc(abytes);
+    for (uint32_t i = 0; i < n; i++) {
+        tkv_quantize_act_ref(type, x + (size_t)i * n_in, act, n_in);
+        for (uint32_t r = 0; r < n_out; r++) {
+            const uint8_t *wr = (const uint8_t *)tw->data + r * row;
+            ref[(size_t)i * n_out + r] = tkv_vec_dot_ref(type, wr, act, n_in);
+            bound[(size_t)i * n_out + r] = 2.0 * (n_in / 32 + 8) * 0x1p-24 * qterms_abs(type, wr, act, n_in);
+        }
+    }
+    free(act);
+}
+
+/* Elements of got beyond ref +- bound (NaN counts); *worst: max |got - ref| / bound. */
+static size_t qbeyond(const float *got, const float *ref, const double *bound, size_t count, double *worst)
+{
+    size_t bad = 0;
+    *worst = 0;
+    for (size_t j = 0; j < count; j++) {
+        const double e = fabs((double)got[j] - ref[j]);
+        if (!(e <= bound[j]))
+            bad++;
+        if (bound[j] > 0)
+            *worst = fmax(*worst, e / bound[j]);
+        else if (e > 0 || isnan(got[j]))
+            *worst = INFINITY;
+    }
+    return bad;
+}
+
+static struct tkv_backend *gpu_q, *gpu_q_ref; /* quantized GEMV: defaults; TKV_CUDA_GEMV_QUANT=ref */
+
+/* Activation rows that stress the quantizer: [row % 6] random; zeros;
+ * exact ties (x * id = m + 0.5: amax = 127 * 2^k gives d = 2^k, id = 2^-k)
+ * and the float just below 0.5; large magnitudes (f16 d and s overflow to
+ * Inf); tiny ones (f16 d subnormal or 0); a random scale per block. */
+static void qact_fill(float *x, uint32_t n, uint32_t n_in)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        float *r = x + (size_t)i * n_in;
+        for (uint32_t b = 0; b < n_in / 32; b++) {
+            float *v = r + b * 32;
+            const int k = (int)(test_rand_u64(&rng) % 21) - 10;
+            const float scale = ldexpf(1.0f, k);
+            for (int j = 0; j < 32; j++) {
+                switch (i % 6) {
+                case 0: v[j] = test_rand_f32(&rng, -1, 1); break;
+                case 1: v[j] = 0.0f; break;
+                case 2: {
+                    const int m = (int)(test_rand_u64(&rng) % 253) - 126;
+                    v[j] = j == 0 ? 127.0f * scale
+                           : j == 1 ? 0.49999997f * scale
+                           : j == 2 ? -0.5f * scale
+                                    : ((float)m + (m < 0 ? -0.5f : 0.5f)) * scale;
+                    break;
+                }
+                case 3: v[j] = test_rand_f32(&rng, -1, 1) * (b % 2 ? 1e30f : 3e6f); break;
+                case 4: v[j] = test_rand_f32(&rng, -1, 1) * 1e-6f; break;
+                default: v[j] = test_rand_f32(&rng, -1, 1) * ldexpf(1.0f, 4 * k); break;
+                }
+            }
+        }
+    }
+}
+
+static void test_q8_act_case(uint32_t wtype, uint32_t n, uint32_t n_in)
+{
+    const uint32_t nb = n_in / 32;
+    const size_t bsz = wtype == TKV_TYPE_Q4_1 ? 36 : 34, bytes = (size_t)n * nb * bsz;
+    float *x = malloc((size_t)n * n_in * sizeof *x);
+    qact_fill(x, n, n_in);
+    uint8_t *want = malloc(bytes), *got = malloc(bytes), *act = malloc(tkv_act_row_bytes(wtype, n_in));
+    for (uint32_t i = 0; i < n; i++) {
+        tkv_quantize_act_ref(wtype, x + (size_t)i * n_in, act, n_in);
+        memcpy(want + (size_t)i * nb * bsz, act, nb * bsz); /* the llama.cpp blocks start the row */
+    }
+    float *dx = dev_from(x, (size_t)n * n_in * sizeof *x);
+    uint8_t *dq = dev_alloc(bytes);
+    CHECK(tkv_backend_cuda_quantize_act(gpu_q, wtype, dx, n, n_in, dq) == TKV_OK, "%s", tkv_last_error());
+    to_host(got, dq, bytes);
+    size_t bad = 0, first = SIZE_MAX;
+    for (size_t b = 0; b < (size_t)n * nb; b++)
+        if (memcmp(got + b * bsz, want + b * bsz, bsz)) {
+            bad++;
+            first = first == SIZE_MAX ? b : first;
+        }
+    fprintf(stderr, "  quantize %s rows n=%u x %u: %zu of %zu blocks differ from tkv_quantize_act_ref\n",
+            wtype == TKV_TYPE_Q4_1 ? "Q8_1" : "Q8_0", n, n_in, bad, (size_t)n * nb);
+    CHECK(bad == 0, "quantize_act %s n=%u x %u: %zu blocks differ, the first block %zu (row %zu: d %04x vs %04x)",
+          tkv_type_name(wtype), n, n_in, bad, first, first / nb,
+          bad ? (unsigned)(got[first * bsz] | got[first * bsz + 1] << 8) : 0u,
+          bad ? (unsigned)(want[first * bsz] | want[first * bsz + 1] << 8) : 0u);
+    dev_free(dx), dev_free(dq);
+    free(x), free(want), free(got), free(act);
+}
+
+/* matmul on gpu_q and gpu_q_ref against the CPU reference. */
+static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint32_t n)
+{
+    struct test_weight tw;
+    weight_make(&tw, type, n_in, n_out, 2);
+    const size_t nx = (size_t)n * n_in, ny = (size_t)n * n_out;
+    float *x = malloc(nx * sizeof *x), *ref = malloc(ny * sizeof *ref), *yg = malloc(ny * sizeof *yg);
+    double *bound = malloc(ny * sizeof *bound);
+    fill(x, nx, -1, 1);
+    if (n > 2) /* a zero row and a row of large values among the tokens */
+        for (uint32_t k = 0; k < n_in; k++)
+            x[k + n_in] = 0.0f, x[k + 2 * (size_t)n_in] *= 1000.0f;
+    qref(&tw, x, n, ref, bound);
+    float *dx = dev_from(x, nx * sizeof *x);
+    struct tkv_backend *be[2] = {gpu_q, gpu_q_ref};
+    static const char *const name[2] = {"fast", "ref"};
+    fprintf(stderr, "  qmatmul %-5s %5ux%-5u n=%u:", tkv_type_name(type), n_in, n_out, n);
+    for (int b = 0; b < 2; b++) {
+        struct tkv_bweight *w = NULL;
+        CHECK(be[b]->ops->weight_init(be[b], &tw.t, &w) == TKV_OK, "%s", tkv_last_error());
+        if (!w)
+            continue;
+        float *dy = dev_poisoned(ny);
+        CHECK(be[b]->ops->matmul(be[b], w, dx, dy, n) == TKV_OK, "%s", tkv_last_error());
+        CHECK(be[b]->ops->synchronize(be[b]) == TKV_OK, "%s", tkv_last_error());
+        to_host(yg, dy, ny * sizeof *yg);
+        double worst;
+        const size_t bad = qbeyond(yg, ref, bound, ny, &worst);
+        fprintf(stderr, " %s: worst |gpu-ref|/bound %.3f%s", name[b], worst, bad ? " FAIL" : "");
+        CHECK(bad == 0, "qmatmul %s %ux%u n=%u (%s): %zu of %zu beyond the bound (worst %.3g x)", tkv_type_name(type),
+              n_in, n_out, n, name[b], bad, ny, worst);
+        dev_free(dy);
+        be[b]->ops->weight_free(be[b], w);
+    }
+    fprintf(stderr, "\n");
+    dev_free(dx);
+    free(x), free(ref), free(yg), free(bound);
+    weight_free(&tw);
+}
+
+/* matmul_group on gpu_q against the CPU reference of each weight. */
+static void test_qgroup_case(uint32_t type, uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n)
+{
+    struct test_weight tw[TKV_MATMUL_GROUP_MAX];
+    struct tkv_bweight *wq[TKV_MATMUL_GROUP_MAX];
+    float *dy[TKV_MATMUL_GROUP_MAX];
+    float *x = malloc((size_t)n * n_in * sizeof *x);
+    fill(x, (size_t)n * n_in, -1, 1);
+    float *dx = dev_from(x, (size_t)n * n_in * sizeof *x);
+    uint32_t rows = 0;
+    for (uint32_t i = 0; i < nw; i++) {
+        weight_make(&tw[i], type, n_in, n_out[i], 2);
+        wq[i] = NULL;
+        CHECK(gpu_q->ops->weight_init(gpu_q, &tw[i].t, &wq[i]) == TKV_OK, "%s", tkv_last_error());
+        dy[i] = dev_poisoned((size_t)n * n_out[i]);
+        rows += n_out[i];
+    }
+    CHECK(gpu_q->ops->matmul_group(gpu_q, (const struct tkv_bweight *const *)wq, nw, dx, dy, n) == TKV_OK, "%s",
+          tkv_last_error());
+    size_t bad = 0, total = 0;
+    double worst = 0;
+    for (uint32_t i = 0; i < nw; i++) {
+        const size_t ny = (size_t)n * n_out[i];
+        float *yg = malloc(ny * sizeof *yg), *ref = malloc(ny * sizeof *ref);
+        double *bound = malloc(ny * sizeof *bound), w_i;
+        qref(&tw[i], x, n, ref, bound);
+        to_host(yg, dy[i], ny * sizeof *yg);
+        bad += qbeyond(yg, ref, bound, ny, &w_i);
+        worst = fmax(worst, w_i);
+        total += ny;
+        free(yg), free(ref), free(bound);
+        dev_free(dy[i]);
+        gpu_q->ops->weight_free(gpu_q, wq[i]);
+        weight_free(&tw[i]);
+    }
+    fprintf(stderr, "  qmatmul_group %-5s %u weights, %u rows x %u, n=%u: worst |gpu-ref|/bound %.3f\n",
+            tkv_type_name(type), nw, rows, n_in, n, worst);
+    CHECK(bad == 0, "qmatmul_group %s %ux%u n=%u: %zu of %zu beyond the bound", tkv_type_name(type), rows, n_in, n,
+          bad, total);
+    dev_free(dx);
+    free(x);
+}
+
+/* matmul_swiglu on gpu_q against silu(g) * u of the CPU references (bounds
+ * carried through silu's slope, <= 1.1, and the product) and against
+ * matmul + matmul + swiglu on gpu_q. */
+static void test_qswiglu_case(uint32_t type, uint32_t n_in, uint32_t n_ff, uint32_t n)
+{
+    struct test_weight tg, tu;
+    weight_make(&tg, type, n_in, n_ff, 2);
+    weight_make(&tu, type, n_in, n_ff, 2);
+    struct tkv_bweight *wg = NULL, *wu = NULL;
+    CHECK(gpu_q->ops->weight_init(gpu_q, &tg.t, &wg) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->weight_init(gpu_q, &tu.t, &wu) == TKV_OK, "%s", tkv_last_error());
+    const size_t nx = (size_t)n * n_in, ny = (size_t)n * n_ff;
+    float *x = malloc(nx * sizeof *x), *yf = malloc(ny * sizeof *yf), *ys = malloc(ny * sizeof *ys);
+    float *rg = malloc(ny * sizeof *rg), *ru = malloc(ny * sizeof *ru);
+    double *bg = malloc(ny * sizeof *bg), *bu = malloc(ny * sizeof *bu);
+    fill(x, nx, -0.5f, 0.5f);
+    qref(&tg, x, n, rg, bg);
+    qref(&tu, x, n, ru, bu);
+    float *dx = dev_from(x, nx * sizeof *x), *dout = dev_poisoned(ny), *dg = dev_poisoned(ny), *du = dev_poisoned(ny);
+    CHECK(gpu_q->ops->matmul_swiglu(gpu_q, wg, wu, dx, dout, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->matmul(gpu_q, wg, dx, dg, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->matmul(gpu_q, wu, dx, du, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->swiglu(gpu_q, dg, du, dg, ny) == TKV_OK, "%s", tkv_last_error());
+    to_host(yf, dout, ny * sizeof *yf);
+    to_host(ys, dg, ny * sizeof *ys);
+    size_t bad = 0, bad_seq = 0, same = 0;
+    double worst = 0;
+    for (size_t j = 0; j < ny; j++) {
+        const double g = rg[j], u = ru[j], sg = g / (1.0 + exp(-g));
+        const double tol = 1.1 * bg[j] * fabs(u) + fabs(sg) * bu[j] + 1.1 * bg[j] * bu[j] + 8 * 0x1p-24 * fabs(sg * u);
+        const double e = fabs((double)yf[j] - sg * u);
+        bad += !(e <= tol);
+        if (tol > 0)
+            worst = fmax(worst, e / tol);
+        bad_seq += !(fabs((double)yf[j] - ys[j]) <= 2 * tol);
+        same += !memcmp(&yf[j], &ys[j], sizeof *yf);
+    }
+    fprintf(stderr, "  qmatmul_swiglu %-5s %ux%u n=%u: worst |gpu-ref|/bound %.3f, vs matmul+matmul+swiglu %zu of %zu "
+                    "bit-identical\n", tkv_type_name(type), n_ff, n_in, n, worst, same, ny);
+    CHECK(bad == 0, "qmatmul_swiglu %s %ux%u n=%u: %zu of %zu beyond the bound", tkv_type_name(type), n_ff, n_in, n,
+          bad, ny);
+    CHECK(bad_seq == 0, "qmatmul_swiglu %s %ux%u n=%u: %zu of %zu beyond the bound of the sequence",
+          tkv_type_name(type), n_ff, n_in, n, bad_seq, ny);
+    dev_free(dx), dev_free(dout), dev_free(dg), dev_free(du);
+    gpu_q->ops->weight_free(gpu_q, wg);
+    gpu_q->ops->weight_free(gpu_q, wu);
+    free(x), free(yf), free(ys), free(rg), free(ru), free(bg), free(bu);
+    weight_free(&tg);
+    weight_free(&tu);
+}
+
+static void test_quant(void)
+{
+    fprintf(stderr, "quantized decode GEMV:\n");
+    const uint32_t qtypes[3] = {TKV_TYPE_Q4_0, TKV_TYPE_Q4_1, TKV_TYPE_Q8_0};
+    /* (a) the activation rows, byte for byte */
+    for (int t = 0; t < 3; t += 1) {
+        test_q8_act_case(qtypes[t], 6, 32);
+        test_q8_act_case(qtypes[t], 8, 4096);
+        test_q8_act_case(qtypes[t], 7, 14336);
+        test_q8_act_case(qtypes[t], 1, 64);
+    }
+    CHECK(tkv_backend_cuda_quantize_act(cpu, TKV_TYPE_Q4_0, NULL, 1, 32, NULL) == TKV_ERR_INVALID_ARG,
+          "quantize_act took the cpu backend");
+    CHECK(tkv_backend_cuda_quantize_act(gpu_q, TKV_TYPE_Q4_K, NULL, 1, 256, NULL) == TKV_ERR_INVALID_ARG,
+          "quantize_act took Q4_K");
+    /* (b) matmul: short rows (the reference kernel), odd row counts, the
+     * fast kernel's row splits (8 to 128 threads per row: tkv_cuda_qgemv_plan),
+     * rows of several rounds (two stages), Llama-3-8B's shapes */
+    for (int t = 0; t < 3; t++) {
+        const uint32_t ty = qtypes[t];
+        for (uint32_t n = 1; n <= 8; n++) {
+            test_qmatmul_case(ty, 32, 33, n);
+            test_qmatmul_case(ty, 4096, 1024, n); /* wk, wv */
+        }
+        test_qmatmul_case(ty, 64, 7, 3);
+        test_qmatmul_case(ty, 576, 129, 2);     /* not a whole group of blocks: the reference kernel */
+        test_qmatmul_case(ty, 2048, 1001, 5);
+        test_qmatmul_case(ty, 4096, 4096, 1);   /* wq, wo */
+        test_qmatmul_case(ty, 14336, 515, 4);   /* two rounds per row */
+        test_qmatmul_case(ty, 14336, 4096, 1);  /* down */
+        test_qmatmul_case(ty, 4096, 14336, 1);  /* gate, up */
+        test_qmatmul_case(ty, 16384, 100, 2);   /* 2 warps per row */
+        test_qmatmul_case(ty, 32768, 40, 8);    /* 4 warps per row */
+    }
+    /* (c) the fused ops against their sequence's reference */
+    const uint32_t qkv8b[3] = {4096, 1024, 1024}, mixed[5] = {33, 1001, 8, 2048, 100}, few[3] = {64, 32, 100};
+    const uint32_t qkv_smol[3] = {576, 192, 192};
+    for (int t = 0; t < 3; t++) {
+        test_qgroup_case(qtypes[t], 4096, qkv8b, 3, 1);
+        test_qgroup_case(qtypes[t], 4096, qkv8b, 3, 8);
+        test_qgroup_case(qtypes[t], 4096, mixed, 5, 2); /* rows of two weights in one warp */
+        test_qgroup_case(qtypes[t], 16384, few, 3, 3);  /* 2 warps per row */
+        test_qgroup_case(qtypes[t], 576, qkv_smol, 3, 1); /* the sequence (reference kernel) */
+        test_qswiglu_case(qtypes[t], 4096, 14336, 1);
+        test_qswiglu_case(qtypes[t], 4096, 1024, 3);
+        test_qswiglu_case(qtypes[t], 16384, 64, 2);     /* 2 warps per row */
+        test_qswiglu_case(qtypes[t], 576, 1536, 8);     /* the sequence */
+    }
+}
+
 /* ---- programmatic dependent launches (TKV_CUDA_PDL=1) ------------------------------------
  *
  * A decode step's op chain, queued back to back with no synchronization,
@@ -1696,11 +2028,11 @@ static bool dev_equal(const void *a, const void *b, size_t bytes)
     return same;
 }
 
-static void test_pdl(void)
+/* The chain with matrices of wtype on `plain` (no PDL) and on a
+ * TKV_CUDA_PDL=1 backend (quantized GEMV on: Q4_0 matrices take it). */
+static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
 {
-    fprintf(stderr, "programmatic dependent launches:\n");
-    REQUIRE_VOID(gpu->ops->matmul_group && gpu->ops->matmul_swiglu && gpu->ops->add_rmsnorm && gpu->ops->rope_qk);
-    struct tkv_backend *be[2] = {gpu, NULL};
+    struct tkv_backend *be[2] = {plain, NULL};
     setenv("TKV_CUDA_PDL", "1", 1);
     setenv("TKV_CUDA_GEMV", "fast", 1); /* the reference's GEMV: the bits must match */
     tkv_status cst = tkv_backend_create("cuda", 0, &be[1]);
@@ -1714,14 +2046,14 @@ static void test_pdl(void)
     const int32_t pos0 = 1000;
     const uint32_t steps = 5, layers = 4;
     m.nb = (pos0 + steps * layers) / m.B + 1;
-    weight_make(&m.wq, TKV_TYPE_F16, m.E, m.H * m.hd, 2);
-    weight_make(&m.wk, TKV_TYPE_F16, m.E, m.Hkv * m.hd, 2);
-    weight_make(&m.wv, TKV_TYPE_F16, m.E, m.Hkv * m.hd, 2);
-    weight_make(&m.wo, TKV_TYPE_F16, m.H * m.hd, m.E, 2);
-    weight_make(&m.wg, TKV_TYPE_F16, m.E, m.F, 2);
-    weight_make(&m.wu, TKV_TYPE_F16, m.E, m.F, 2);
-    weight_make(&m.wd, TKV_TYPE_F16, m.F, m.E, 2);
-    weight_make(&m.out, TKV_TYPE_F16, m.E, m.V, 2);
+    weight_make(&m.wq, wtype, m.E, m.H * m.hd, 2);
+    weight_make(&m.wk, wtype, m.E, m.Hkv * m.hd, 2);
+    weight_make(&m.wv, wtype, m.E, m.Hkv * m.hd, 2);
+    weight_make(&m.wo, wtype, m.H * m.hd, m.E, 2);
+    weight_make(&m.wg, wtype, m.E, m.F, 2);
+    weight_make(&m.wu, wtype, m.E, m.F, 2);
+    weight_make(&m.wd, wtype, m.F, m.E, 2);
+    weight_make(&m.out, wtype, m.E, m.V, 2);
     weight_make(&m.norm, TKV_TYPE_F32, m.E, 1, 1);
     const struct test_weight *tw[9] = {&m.wq, &m.wk, &m.wv, &m.wo, &m.wg, &m.wu, &m.wd, &m.out, &m.norm};
     for (int b = 0; b < 2; b++)
@@ -1753,8 +2085,8 @@ static void test_pdl(void)
     size_t finite = 0;
     for (uint32_t i = 0; i < m.V; i++)
         finite += isfinite(lg[i]) != 0;
-    fprintf(stderr, "  %u steps x %u layers (E %u, %u/%u heads, F %u, %u keys): pdl vs plain: x %s, logits %s, "
-                    "K/V %s, attention %s; %zu of %u logits finite\n", steps, layers, m.E, m.H, m.Hkv, m.F,
+    fprintf(stderr, "  %s: %u steps x %u layers (E %u, %u/%u heads, F %u, %u keys): pdl vs plain: x %s, logits %s, "
+                    "K/V %s, attention %s; %zu of %u logits finite\n", tkv_type_name(wtype), steps, layers, m.E, m.H, m.Hkv, m.F,
             pos0 + steps * layers, x_same ? "bit-identical" : "DIFFER", l_same ? "bit-identical" : "DIFFER",
             kv_same ? "bit-identical" : "DIFFER", a_same ? "bit-identical" : "DIFFER", finite, m.V);
     CHECK(x_same && l_same && kv_same && a_same, "TKV_CUDA_PDL=1 changed the decode chain's results");
@@ -1768,6 +2100,24 @@ static void test_pdl(void)
         weight_free((struct test_weight *)tw[i]);
     be[1]->ops->free(be[1]);
     free(kv0), free(x0), free(lg);
+}
+
+static void test_pdl(void)
+{
+    fprintf(stderr, "programmatic dependent launches:\n");
+    REQUIRE_VOID(gpu->ops->matmul_group && gpu->ops->matmul_swiglu && gpu->ops->add_rmsnorm && gpu->ops->rope_qk);
+    pdl_case(TKV_TYPE_F16, gpu);
+    /* the quantized GEMV and its activation quantization in the chain */
+    struct tkv_backend *qplain = NULL;
+    setenv("TKV_CUDA_PDL", "0", 1);
+    setenv("TKV_CUDA_GEMV", "fast", 1);
+    tkv_status st = tkv_backend_create("cuda", 0, &qplain);
+    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV");
+    CHECK(st == TKV_OK, "%s", tkv_last_error());
+    if (st == TKV_OK) {
+        pdl_case(TKV_TYPE_Q4_0, qplain);
+        qplain->ops->free(qplain);
+    }
 }
 
 /* ---- the f32 validation mode (TKV_CUDA_WEIGHTS=f32) -------------------------------- */
@@ -1839,6 +2189,7 @@ int main(void)
      * launches; the defaults (auto, PDL) are each checked against it */
     setenv("TKV_CUDA_GEMV", "fast", 1);
     setenv("TKV_CUDA_PDL", "0", 1);
+    setenv("TKV_CUDA_GEMV_QUANT", "0", 1); /* the f16 GEMVs for every weight type; the quantized one: gpu_q */
     REQUIRE(tkv_backend_create("cuda", 0, &gpu) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_PDL");
     REQUIRE(!strcmp(gpu->ops->name, "cuda"), "backend %s", gpu->ops->name);
@@ -1851,6 +2202,11 @@ int main(void)
     setenv("TKV_CUDA_GEMV", "auto", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_gemv_auto) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_GEMV");
+    unsetenv("TKV_CUDA_GEMV_QUANT");
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_q) == TKV_OK, "%s", tkv_last_error());
+    setenv("TKV_CUDA_GEMV_QUANT", "ref", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_q_ref) == TKV_OK, "%s", tkv_last_error());
+    unsetenv("TKV_CUDA_GEMV_QUANT");
     const clock_t t0 = clock();
     /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
     const char *only = getenv("TKV_TEST_ONLY");
@@ -1865,6 +2221,7 @@ int main(void)
     SECTION("kv_write", test_kv_write);
     SECTION("kv_write", test_kv_write_heads);
     SECTION("fused", test_fused);
+    SECTION("quant", test_quant);
     SECTION("pdl", test_pdl);
     SECTION("profile", test_profile);
     SECTION("attention", test_attention);
@@ -1877,6 +2234,8 @@ int main(void)
     gpu_gemv_blas->ops->free(gpu_gemv_blas);
     gpu_gemv_u8->ops->free(gpu_gemv_u8);
     gpu_gemv_auto->ops->free(gpu_gemv_auto);
+    gpu_q->ops->free(gpu_q);
+    gpu_q_ref->ops->free(gpu_q_ref);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
     return test_done();

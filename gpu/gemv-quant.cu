@@ -1,0 +1,609 @@
+/*
+ * gemv-quant.cu -- the quantized decode GEMV (gemv-quant.cuh): activation
+ * quantization to Q8_0 / Q8_1 planes, the fast kernel (plain, grouped and
+ * gate/up + SwiGLU in one template) and its reference.
+ *
+ * Why the shared-memory stage: Q4_0 blocks are 18 bytes, so a block's 16
+ * quant bytes sit at a 2-byte offset and a lane that reads its own blocks
+ * straight from global memory either issues 2-byte loads or 16-byte loads
+ * 144 bytes apart across the warp (~36 L1 wavefronts per instruction
+ * instead of 4). Here a lane owns a group of 8 blocks (4 for Q4_1, whose
+ * 20-byte blocks give 80 bytes; Q8_0's 8 x 34 = 272): 9, 5 or 17 16-byte
+ * chunks, an odd number, so the warp copies its 32 groups (contiguous runs
+ * of the rows) to a warp-private stage with coalesced 16-byte cp.async,
+ * and each lane then reads its group with 128-bit shared loads 9 / 5 / 17
+ * chunks apart: conflict-free. The weights never pass through L1 (.cg).
+ */
+#include "gemv-quant.cuh"
+
+namespace {
+
+enum { QT_Q4_0, QT_Q4_1, QT_Q8_0 };
+
+/* BB: bytes per block; GB: blocks per lane group; CH: 16-byte chunks per group */
+template <int QT> struct qtype;
+template <> struct qtype<QT_Q4_0> { static constexpr int BB = 18, GB = 8, CH = 9, HALVES = 1; };
+template <> struct qtype<QT_Q4_1> { static constexpr int BB = 20, GB = 4, CH = 5, HALVES = 1; };
+template <> struct qtype<QT_Q8_0> { static constexpr int BB = 34, GB = 8, CH = 17, HALVES = 2; };
+
+int qt_of(uint32_t type)
+{
+    switch (type) {
+    case TKV_TYPE_Q4_0: return QT_Q4_0;
+    case TKV_TYPE_Q4_1: return QT_Q4_1;
+    case TKV_TYPE_Q8_0: return QT_Q8_0;
+    default: return -1;
+    }
+}
+
+uint32_t group_blocks(int qt) { return qt == QT_Q4_1 ? 4 : 8; }
+uint32_t group_chunks(int qt) { return qt == QT_Q4_0 ? 9 : qt == QT_Q4_1 ? 5 : 17; }
+
+constexpr uint32_t QG_SMEM_MAX = 48u << 10; /* no opt-in attribute needed */
+constexpr int QG_THREADS_MAX = 256;
+
+/* ---- activation quantization: one warp per 32-element block ------------------------ */
+
+/* roundf: half away from zero. x - trunc(x) is exact (the fraction of a
+ * float below 2^23, or 0 above), so the comparison with 0.5 is too. */
+__device__ __forceinline__ float round_away(float x)
+{
+    const float t = truncf(x);
+    return fabsf(x - t) >= 0.5f ? t + copysignf(1.0f, x) : t;
+}
+
+/* Position of block kb of a row of nb blocks in the planes (block order gb). */
+__device__ __forceinline__ uint32_t q8_pos(uint32_t kb, uint32_t nb, uint32_t gb)
+{
+    return (kb % gb) * (nb / gb) + kb / gb;
+}
+
+__global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_blocks, uint32_t nb, uint32_t gb,
+                                   int8_t *__restrict__ q, struct tkv_cuda_q8_meta *__restrict__ meta)
+{
+    tkv_pdl_trigger();
+    tkv_pdl_wait(); /* x is the previous kernel's output; q may still be read by it */
+    const uint32_t blk = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (blk >= n_blocks)
+        return;
+    /* rows are n_in = 32 * nb long, so block blk of the [n][nb] blocks starts at 32 * blk */
+    const float v = x[(size_t)blk * 32 + lane];
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) { /* TKV_MAX(amax, .): order-free for every non-NaN input */
+        const float other = __shfl_xor_sync(0xffffffffu, amax, o);
+        amax = other > amax ? other : amax;
+    }
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const int qi = (int)round_away(__fmul_rn(v, id));
+    int sum = qi;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const size_t pos = (size_t)(blk / nb) * nb + q8_pos(blk % nb, nb, gb);
+    q[pos * 32 + lane] = (int8_t)qi;
+    if (lane == 0) {
+        struct tkv_cuda_q8_meta m;
+        m.d = __float2half_rn(d);
+        m.s = __float2half_rn(__fmul_rn((float)sum, d));
+        m.sum = sum;
+        meta[pos] = m;
+    }
+}
+
+__global__ void q8_pack_kernel(const int8_t *__restrict__ q, const struct tkv_cuda_q8_meta *__restrict__ meta,
+                               uint32_t n_blocks, uint32_t nb, uint32_t gb, bool q8_1, uint8_t *__restrict__ dst)
+{
+    const uint32_t blk = blockIdx.x * blockDim.x + threadIdx.x;
+    if (blk >= n_blocks)
+        return;
+    const size_t pos = (size_t)(blk / nb) * nb + q8_pos(blk % nb, nb, gb);
+    const uint32_t bytes = q8_1 ? 36 : 34;
+    uint8_t *o = dst + (size_t)blk * bytes;
+    const unsigned short d = __half_as_ushort(meta[pos].d), s = __half_as_ushort(meta[pos].s);
+    o[0] = (uint8_t)(d & 255);
+    o[1] = (uint8_t)(d >> 8);
+    if (q8_1) {
+        o[2] = (uint8_t)(s & 255);
+        o[3] = (uint8_t)(s >> 8);
+    }
+    for (int j = 0; j < 32; j++)
+        o[bytes - 32 + j] = (uint8_t)q[pos * 32 + j];
+}
+
+/* ---- the fast kernel ------------------------------------------------------------------ */
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint32_t u4_word(const uint4 &v, int k)
+{
+    return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
+
+/* The 4 bytes at byte offset o (even, a compile-time constant once the
+ * callers are unrolled) of the chunks r[]. */
+__device__ __forceinline__ uint32_t word_at(const uint4 *r, int o)
+{
+    const int i = o / 4;
+    const uint32_t a = u4_word(r[i / 4], i % 4);
+    if (o % 4 == 0)
+        return a;
+    const uint32_t b = u4_word(r[(i + 1) / 4], (i + 1) % 4);
+    return __byte_perm(a, b, 0x5432);
+}
+
+__device__ __forceinline__ float half_at(const uint4 *r, int o)
+{
+    const uint32_t w = u4_word(r[o / 16], (o / 4) % 4);
+    return __half2float(__ushort_as_half((unsigned short)(o % 4 == 0 ? w & 0xffffu : w >> 16)));
+}
+
+/* One weight block, unpacked: d (and m for Q4_1) widened to f32, the quant
+ * bytes as words (Q4: 4 words of nibble pairs; Q8_0: 8 words). */
+struct wblock {
+    float d, m;
+    uint32_t q[8];
+};
+
+template <int QT>
+__device__ __forceinline__ wblock wblock_at(const uint4 *r, int o)
+{
+    wblock b;
+    b.d = half_at(r, o);
+    b.m = QT == QT_Q4_1 ? half_at(r, o + 2) : 0.0f;
+    const int qo = o + (QT == QT_Q4_1 ? 4 : 2), nq = QT == QT_Q8_0 ? 8 : 4;
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        b.q[k] = k < nq ? word_at(r, qo + 4 * k) : 0u;
+    return b;
+}
+
+/* The block term of the CPU reference (tkv_vec_dot_ref) for one weight
+ * block and one activation block (a0, a1: its 32 quant bytes; md: d | s << 16;
+ * asum: the exact sum of its quants). */
+template <int QT>
+__device__ __forceinline__ float block_term(const wblock &w, const uint4 &a0, const uint4 &a1, uint32_t md, int asum)
+{
+    const float da = __half2float(__ushort_as_half((unsigned short)(md & 0xffffu)));
+    int s = 0;
+    if constexpr (QT == QT_Q8_0) {
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            s = __dp4a((int)w.q[k], (int)(k < 4 ? u4_word(a0, k) : u4_word(a1, k - 4)), s);
+        return __fmul_rn(__fmul_rn(w.d, da), (float)s);
+    } else {
+        /* qs[j] & 15 is element j, qs[j] >> 4 element j + 16 */
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            s = __dp4a((int)(w.q[k] & 0x0F0F0F0Fu), (int)u4_word(a0, k), s);
+            s = __dp4a((int)((w.q[k] >> 4) & 0x0F0F0F0Fu), (int)u4_word(a1, k), s);
+        }
+        if constexpr (QT == QT_Q4_0) { /* sum((q - 8) * a) */
+            return __fmul_rn(__fmul_rn(w.d, da), (float)(s - 8 * asum));
+        } else {
+            const float sa = __half2float(__ushort_as_half((unsigned short)(md >> 16)));
+            return __fadd_rn(__fmul_rn(__fmul_rn(w.d, da), (float)s), __fmul_rn(w.m, sa));
+        }
+    }
+}
+
+/* acc[i] (acc2[i]: the second matrix, swiglu) += the terms of group j of a
+ * row (blocks j GB .. j GB + GB - 1) staged at g0 (g1). Activations come
+ * through the read-only cache (every row of the grid reads them), in block
+ * order GB: block b of group j at position b gpr + j, so the lanes of a row
+ * (consecutive j) read consecutive blocks. */
+template <int QT, int NT, bool SW>
+__device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, const int8_t *__restrict__ aq,
+                                          const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in,
+                                          uint32_t j, float *acc, float *acc2)
+{
+    using Q = qtype<QT>;
+    constexpr int PER = Q::GB / Q::HALVES; /* blocks per half */
+    const uint32_t nb = n_in / 32, gpr = nb / Q::GB;
+#pragma unroll
+    for (int h = 0; h < Q::HALVES; h++) {
+        constexpr int NC = (PER * Q::BB + 15) / 16 + 1;
+        const int c0 = h * PER * Q::BB / 16, c1 = ((h + 1) * PER * Q::BB - 1) / 16;
+        uint4 r0[NC], r1[NC];
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            r0[c] = c0 + c <= c1 ? g0[c0 + c] : make_uint4(0, 0, 0, 0);
+            if (SW)
+                r1[c] = c0 + c <= c1 ? g1[c0 + c] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int b = 0; b < PER; b++) {
+            const int o = (h * PER + b) * Q::BB - c0 * 16;
+            const wblock w0 = wblock_at<QT>(r0, o);
+            wblock w1;
+            if (SW)
+                w1 = wblock_at<QT>(r1, o);
+            const uint32_t kb = (h * PER + b) * gpr + j; /* the block's position */
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                const uint4 *ap = (const uint4 *)(aq + (size_t)i * n_in + (size_t)kb * 32);
+                const uint4 a0 = __ldg(ap), a1 = __ldg(ap + 1);
+                const uint2 m = __ldg((const uint2 *)(am + (size_t)i * nb + kb));
+                acc[i] = __fadd_rn(acc[i], block_term<QT>(w0, a0, a1, m.x, (int)m.y));
+                if (SW)
+                    acc2[i] = __fadd_rn(acc2[i], block_term<QT>(w1, a0, a1, m.x, (int)m.y));
+            }
+        }
+    }
+}
+
+/* The row's L threads combine their sums: afterwards thread i < NT of the
+ * row holds token i's dot product in *out and gets true. L <= 32: a
+ * butterfly inside the row's lanes; L > 32: warp sums, then the row's S
+ * warps in warp order through part. Every thread of the CTA calls it. */
+template <int NT, int L>
+__device__ __forceinline__ bool row_reduce(const float *acc, float *part, uint32_t warp, uint32_t lane, float *out)
+{
+    float mine = 0.0f;
+    const uint32_t t = lane % (L < 32 ? L : 32);
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        float v = acc[i];
+#pragma unroll
+        for (int o = (L < 32 ? L : 32) / 2; o > 0; o >>= 1)
+            v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (L <= 32) {
+            if (t == (uint32_t)i)
+                mine = v;
+        } else if (lane == 0) {
+            part[warp * NT + i] = v;
+        }
+    }
+    if (L <= 32) {
+        *out = mine;
+        return t < (uint32_t)NT;
+    }
+    constexpr int S = L > 32 ? L / 32 : 1;
+    __syncthreads();
+    if (warp % S != 0 || lane >= (uint32_t)NT)
+        return false;
+    float v = 0.0f;
+#pragma unroll
+    for (int p = 0; p < S; p++)
+        v += part[(warp + p) * NT + lane];
+    *out = v;
+    return true;
+}
+
+/* L threads per row (8 .. 256); blockDim.x / L rows per CTA; nstage 1 or 2
+ * stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
+ * the reduction's part[warps][NM][NT]. */
+template <int QT, int NT, int L, bool SW>
+__global__ void __launch_bounds__(QG_THREADS_MAX)
+    qgemv_kernel(const struct tkv_cuda_qgemv g, const int8_t *__restrict__ aq,
+                 const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in, uint32_t nstage)
+{
+    using Q = qtype<QT>;
+    constexpr int CH = Q::CH, NM = SW ? 2 : 1;
+    extern __shared__ uint4 qg_smem[];
+    const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t row = blockIdx.x * (blockDim.x / L) + threadIdx.x / L, t = threadIdx.x % L;
+    const uint32_t gpr = n_in / (32 * Q::GB); /* groups per row */
+    const size_t row_bytes = (size_t)(n_in / 32) * Q::BB;
+    const uint32_t total = g.end[g.nw - 1];
+    uint32_t seg = 0;
+    while (seg + 1 < g.nw && row >= g.end[seg])
+        seg++;
+    const bool live = row < total;
+    const uint32_t local = live ? row - (seg ? g.end[seg - 1] : 0) : 0;
+    const uint8_t *w0 = (const uint8_t *)g.w[seg] + local * row_bytes;
+    const uint8_t *w1 = SW ? (const uint8_t *)g.wu + local * row_bytes : NULL;
+    const size_t stage_chunks = (size_t)warps * NM * 32 * CH;
+    uint4 *mine = qg_smem + (size_t)warp * NM * 32 * CH; /* this warp's stage 0 */
+
+    /* Copies the groups of this warp's lanes at iteration k0 (lane l's at
+     * chunks l * CH .. of the stage): chunk c = i * 32 + lane belongs to
+     * lane c / CH, whose row pointer comes by shuffle. */
+    auto issue = [&](uint32_t k0, uint32_t st) {
+        const uint32_t j = k0 + t;
+        const bool ok = live && j < gpr;
+#pragma unroll
+        for (int m = 0; m < NM; m++) {
+            const uint8_t *src = ok ? (m ? w1 : w0) + (size_t)j * (CH * 16) : NULL;
+            uint4 *dst = mine + st * stage_chunks + m * 32 * CH;
+#pragma unroll
+            for (int i = 0; i < CH; i++) {
+                const uint32_t c = i * 32 + lane;
+                const uint8_t *p = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)src, c / CH);
+                cp_async16(dst + c, p ? p + (c % CH) * 16 : (const void *)g.w[0], p != NULL);
+            }
+        }
+        cp_async_commit();
+    };
+
+    tkv_pdl_trigger();
+    issue(0, 0); /* weights only: written at load, by no kernel */
+    tkv_pdl_wait();
+    float acc[NT], acc2[NT];
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+        acc[i] = acc2[i] = 0.0f;
+    for (uint32_t k0 = 0, it = 0; k0 < gpr; k0 += L, it++) {
+        const uint32_t st = nstage == 2 ? it & 1 : 0;
+        if (k0 + L < gpr) {
+            if (nstage == 2) {
+                issue(k0 + L, st ^ 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncwarp(); /* every lane's copies of this stage have landed */
+        const uint32_t j = k0 + t;
+        if (live && j < gpr) {
+            const uint4 *gs = mine + st * stage_chunks + lane * CH;
+            group_dot<QT, NT, SW>(gs, gs + 32 * CH, aq, am, n_in, j, acc, acc2);
+        }
+        __syncwarp(); /* the stage is read before it is refilled */
+        if (nstage == 1 && k0 + L < gpr)
+            issue(k0 + L, 0);
+    }
+    float *part = (float *)(qg_smem + nstage * stage_chunks);
+    float v0, v1 = 0.0f;
+    const bool out = row_reduce<NT, L>(acc, part, warp, lane, &v0);
+    if (SW)
+        row_reduce<NT, L>(acc2, part + warps * NT, warp, lane, &v1);
+    if (!out || !live)
+        return;
+    const uint32_t i = L <= 32 ? t : lane, n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
+    g.y[seg][(size_t)i * n_out + local] = SW ? v0 / (1.0f + expf(-v0)) * v1 : v0;
+}
+
+uint32_t stage_bytes(int qt, uint32_t warps, bool sw)
+{
+    return warps * (sw ? 2 : 1) * 32 * group_chunks(qt) * 16;
+}
+
+uint32_t smem_bytes(int qt, uint32_t warps, bool sw, uint32_t nstage, uint32_t nt)
+{
+    return nstage * stage_bytes(qt, warps, sw) + warps * (sw ? 2 : 1) * nt * (uint32_t)sizeof(float);
+}
+
+/* Threads per row L, warps per CTA and stages for rows x n_in. */
+void plan(int qt, uint32_t n_in, uint32_t rows, uint32_t n_sm, bool sw, uint32_t *L_out, uint32_t *warps_out,
+          uint32_t *nstage_out)
+{
+    const uint32_t gpr = n_in / (32 * group_blocks(qt));
+    uint32_t L = 8;
+    while (L < 32 && 2 * L <= gpr) /* every lane of a row a group, where rows are long enough */
+        L *= 2;
+    auto ctas = [&](uint32_t l, uint32_t w) { return ((uint64_t)rows * l + 32 * w - 1) / (32 * w); };
+    auto wmin = [](uint32_t l) { return l > 32 ? l / 32 : 1u; };
+    /* few rows: split them over more warps while each thread keeps a group
+     * (and the row's warps' stage fits) */
+    while (L < 128 && ctas(L, 8) < 2ull * n_sm && 2 * L <= gpr &&
+           smem_bytes(qt, wmin(2 * L), sw, 1, 8) <= QG_SMEM_MAX)
+        L *= 2;
+    /* a second stage (the next round's copies in flight during this one's
+     * arithmetic) where a row takes several rounds */
+    const uint32_t nstage = gpr > L && smem_bytes(qt, wmin(L), sw, 2, 8) <= QG_SMEM_MAX ? 2 : 1;
+    uint32_t w = 8;
+    while (w > wmin(L) && smem_bytes(qt, w, sw, nstage, 8) > QG_SMEM_MAX)
+        w /= 2;
+    /* then smaller CTAs while the grid does not fill the GPU twice over */
+    while (w > 2 && w > wmin(L) && ctas(L, w) < 2ull * n_sm)
+        w /= 2;
+    *L_out = L;
+    *warps_out = w;
+    *nstage_out = nstage;
+}
+
+template <int QT, int NT, int L, bool SW>
+cudaError_t qgemv_launch(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t rows,
+                         uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
+{
+    const uint32_t threads = warps * 32, smem = smem_bytes(QT, warps, SW, nstage, NT);
+    if (smem > QG_SMEM_MAX || threads < (uint32_t)L)
+        return cudaErrorInvalidConfiguration;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(rows, threads / L), threads, smem, s, qgemv_kernel<QT, NT, L, SW>,
+                           *g, (const int8_t *)a.q, (const struct tkv_cuda_q8_meta *)a.meta, n_in, nstage);
+}
+
+template <int QT, int NT, bool SW>
+cudaError_t qgemv_pick_l(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t rows,
+                         uint32_t L, uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
+{
+    switch (L) {
+    case 8: return qgemv_launch<QT, NT, 8, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
+    case 16: return qgemv_launch<QT, NT, 16, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
+    case 32: return qgemv_launch<QT, NT, 32, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
+    case 64: return qgemv_launch<QT, NT, 64, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
+    case 128: return qgemv_launch<QT, NT, 128, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+template <int QT, bool SW>
+cudaError_t qgemv_pick_n(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t rows,
+                         uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
+{
+    switch (n) {
+    case 1: return qgemv_pick_l<QT, 1, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    case 2: return qgemv_pick_l<QT, 2, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    case 3: return qgemv_pick_l<QT, 3, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    case 4: return qgemv_pick_l<QT, 4, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    case 5: return qgemv_pick_l<QT, 5, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    case 6: return qgemv_pick_l<QT, 6, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    case 7: return qgemv_pick_l<QT, 7, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    case 8: return qgemv_pick_l<QT, 8, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+template <int QT>
+cudaError_t qgemv_pick_sw(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t rows,
+                          uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
+{
+    return g->swiglu ? qgemv_pick_n<QT, true>(g, a, n_in, rows, n, L, warps, nstage, pdl, s)
+                     : qgemv_pick_n<QT, false>(g, a, n_in, rows, n, L, warps, nstage, pdl, s);
+}
+
+/* ---- the reference: one warp per row, a lane per block, byte loads ------------------ */
+
+__device__ __forceinline__ float f16_bytes(const uint8_t *p)
+{
+    return __half2float(__ushort_as_half((unsigned short)(p[0] | p[1] << 8)));
+}
+
+template <int QT>
+__global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struct tkv_cuda_q8_meta *am, uint32_t gb,
+                                 float *y, uint32_t n_in, uint32_t n_out, uint32_t n)
+{
+    const uint32_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= n_out)
+        return;
+    const uint32_t nb = n_in / 32, bb = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
+    for (uint32_t i = 0; i < n; i++) {
+        float acc = 0.0f;
+        for (uint32_t kb = lane; kb < nb; kb += 32) {
+            const uint8_t *blk = w + ((size_t)row * nb + kb) * bb;
+            const uint32_t pos = q8_pos(kb, nb, gb);
+            const int8_t *a = aq + (size_t)i * n_in + (size_t)pos * 32;
+            const struct tkv_cuda_q8_meta m = am[(size_t)i * nb + pos];
+            const float dw = f16_bytes(blk), da = __half2float(m.d);
+            int s = 0;
+            float term;
+            if (QT == QT_Q8_0) {
+                for (int j = 0; j < 32; j++)
+                    s += (int8_t)blk[2 + j] * a[j];
+                term = __fmul_rn(__fmul_rn(dw, da), (float)s);
+            } else if (QT == QT_Q4_0) {
+                for (int j = 0; j < 16; j++)
+                    s += ((blk[2 + j] & 15) - 8) * a[j] + ((blk[2 + j] >> 4) - 8) * a[j + 16];
+                term = __fmul_rn(__fmul_rn(dw, da), (float)s);
+            } else {
+                for (int j = 0; j < 16; j++)
+                    s += (blk[4 + j] & 15) * a[j] + (blk[4 + j] >> 4) * a[j + 16];
+                term = __fadd_rn(__fmul_rn(__fmul_rn(dw, da), (float)s), __fmul_rn(f16_bytes(blk + 2), __half2float(m.s)));
+            }
+            acc = __fadd_rn(acc, term);
+        }
+        acc = tkv_warp_sum(acc);
+        if (lane == 0)
+            y[(size_t)i * n_out + row] = acc;
+    }
+}
+
+} // namespace
+
+bool tkv_cuda_qgemv_supported(uint32_t type) { return qt_of(type) >= 0; }
+
+size_t tkv_cuda_q8_act_bytes(uint32_t n, uint32_t n_in)
+{
+    const size_t q = ((size_t)n * n_in + 15) / 16 * 16;
+    return q + (size_t)n * (n_in / 32) * sizeof(struct tkv_cuda_q8_meta);
+}
+
+uint32_t tkv_cuda_q8_order(uint32_t type, uint32_t n_in)
+{
+    const int qt = qt_of(type);
+    return qt >= 0 && n_in % (32 * group_blocks(qt)) == 0 ? group_blocks(qt) : 1;
+}
+
+struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in, uint32_t gb)
+{
+    struct tkv_cuda_q8_act a;
+    a.gb = gb;
+    a.q = (int8_t *)buf;
+    a.meta = (struct tkv_cuda_q8_meta *)((uint8_t *)buf + ((size_t)n * n_in + 15) / 16 * 16);
+    return a;
+}
+
+cudaError_t tkv_cuda_q8_quantize(const float *x, uint32_t n, uint32_t n_in, struct tkv_cuda_q8_act a, bool pdl,
+                                 cudaStream_t s)
+{
+    const uint32_t nb = n_in / 32, blocks = n * nb;
+    if (blocks == 0)
+        return cudaSuccess;
+    if (a.gb == 0 || nb % a.gb != 0)
+        return cudaErrorInvalidValue;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(blocks, 8), 256, 0, s, q8_quantize_kernel, x, blocks, nb, a.gb, a.q,
+                           a.meta);
+}
+
+cudaError_t tkv_cuda_q8_pack(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in, bool q8_1, void *dst,
+                             cudaStream_t s)
+{
+    const uint32_t nb = n_in / 32, blocks = n * nb;
+    if (blocks == 0)
+        return cudaSuccess;
+    if (a.gb == 0 || nb % a.gb != 0)
+        return cudaErrorInvalidValue;
+    q8_pack_kernel<<<tkv_cuda_blocks(blocks, 256), 256, 0, s>>>(a.q, a.meta, blocks, nb, a.gb, q8_1, (uint8_t *)dst);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in)
+{
+    const int qt = qt_of(type);
+    return qt >= 0 && n_in % (32 * group_blocks(qt)) == 0 && (uintptr_t)w % 16 == 0;
+}
+
+void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n_sm, uint32_t *threads_per_row,
+                         uint32_t *warps)
+{
+    uint32_t nstage;
+    const int qt = qt_of(type);
+    plan(qt < 0 ? QT_Q4_0 : qt, n_in, rows, n_sm, false, threads_per_row, warps, &nstage);
+}
+
+cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
+                           uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s)
+{
+    const int qt = qt_of(type);
+    if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && g->nw != 1) ||
+        a.gb != group_blocks(qt))
+        return cudaErrorInvalidValue;
+    for (uint32_t i = 0; i < g->nw; i++)
+        if (!tkv_cuda_qgemv_fast_ok(type, g->w[i], n_in) || (g->swiglu && !tkv_cuda_qgemv_fast_ok(type, g->wu, n_in)))
+            return cudaErrorInvalidValue;
+    const uint32_t rows = g->end[g->nw - 1];
+    if (rows == 0 || n == 0)
+        return cudaSuccess;
+    uint32_t L, warps, nstage;
+    plan(qt, n_in, rows, n_sm, g->swiglu, &L, &warps, &nstage);
+    switch (qt) {
+    case QT_Q4_0: return qgemv_pick_sw<QT_Q4_0>(g, a, n_in, rows, n, L, warps, nstage, pdl, s);
+    case QT_Q4_1: return qgemv_pick_sw<QT_Q4_1>(g, a, n_in, rows, n, L, warps, nstage, pdl, s);
+    default: return qgemv_pick_sw<QT_Q8_0>(g, a, n_in, rows, n, L, warps, nstage, pdl, s);
+    }
+}
+
+cudaError_t tkv_cuda_qgemv_ref(uint32_t type, const void *w, struct tkv_cuda_q8_act a, float *y, uint32_t n_in,
+                               uint32_t n_out, uint32_t n, cudaStream_t s)
+{
+    const int qt = qt_of(type);
+    if (qt < 0 || n_in % 32 != 0 || a.gb == 0 || (n_in / 32) % a.gb != 0)
+        return cudaErrorInvalidValue;
+    if (n_out == 0 || n == 0)
+        return cudaSuccess;
+    const unsigned grid = tkv_cuda_blocks(n_out, 8);
+    const uint8_t *wb = (const uint8_t *)w;
+    if (qt == QT_Q4_0)
+        qgemv_ref_kernel<QT_Q4_0><<<grid, 256, 0, s>>>(wb, a.q, a.meta, a.gb, y, n_in, n_out, n);
+    else if (qt == QT_Q4_1)
+        qgemv_ref_kernel<QT_Q4_1><<<grid, 256, 0, s>>>(wb, a.q, a.meta, a.gb, y, n_in, n_out, n);
+    else
+        qgemv_ref_kernel<QT_Q8_0><<<grid, 256, 0, s>>>(wb, a.q, a.meta, a.gb, y, n_in, n_out, n);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}

@@ -1,0 +1,111 @@
+/*
+ * gemv-quant.cuh -- the quantized decode GEMV ("MMVQ"): weights kept as their
+ * GGUF blocks (Q4_0, Q4_1, Q8_0), activations quantized to 8 bits once per
+ * call, integer dot products per 32-element block (__dp4a), as the CPU
+ * backend's decode matmul does (cpu/quant.h):
+ *     weight Q4_0, Q8_0 -> activation Q8_0;  weight Q4_1 -> activation Q8_1.
+ *
+ * Activations live in two device planes (struct tkv_cuda_q8_act), the bytes
+ * of the llama.cpp blocks split so the GEMV can load them 16 bytes at a
+ * time; tkv_cuda_q8_pack turns them into tkv_block_q8_0 / tkv_block_q8_1
+ * rows (the test compares those byte for byte with the CPU reference).
+ *
+ * Per block the float arithmetic is the CPU reference's (cpu/quant-ref.c,
+ * tkv_vec_dot_ref), products and sums rounded one at a time (__fmul_rn,
+ * __fadd_rn: nvcc cannot contract them):
+ *     Q4_0 x Q8_0:  (d_w * d_a) * isum,  isum = sum((q_w - 8) * q_a)
+ *     Q4_1 x Q8_1:  (d_w * d_a) * isum + m_w * s_a,  isum = sum(q_w * q_a)
+ *     Q8_0 x Q8_0:  (d_w * d_a) * isum
+ * The integer sums are exact, so a row differs from the CPU's only by the
+ * order in which the block terms are added (f32 reassociation).
+ */
+#ifndef TKV_GPU_GEMV_QUANT_CUH
+#define TKV_GPU_GEMV_QUANT_CUH
+
+#include "common.cuh"
+
+/* The weight types the quantized GEMV reads: Q4_0, Q4_1, Q8_0. */
+bool tkv_cuda_qgemv_supported(uint32_t type);
+
+/* Quantized activations of n rows of n_in elements (n_in % 32 == 0), nb =
+ * n_in / 32 blocks per row, in device memory:
+ *   q    [n][nb][32] int8  the blocks' qs (16-byte aligned)
+ *   meta [n][nb]     {f16 d, f16 s, int32 sum}: the block's d and s exactly
+ *                    as tkv_block_q8_1 stores them (s = f16(d * sum); Q8_0
+ *                    rows ignore it) and sum = the exact integer sum of its qs
+ * Block kb of a row sits at position (kb % gb) * (nb / gb) + kb / gb (gb
+ * divides nb): with gb = the fast kernel's blocks per lane group, the lanes
+ * of a row, which own consecutive groups, read consecutive 32-byte blocks
+ * (coalesced) at every step of their group; gb = 1 is the plain order. */
+struct tkv_cuda_q8_meta {
+    __half d, s;
+    int32_t sum;
+};
+struct tkv_cuda_q8_act {
+    int8_t *q;
+    struct tkv_cuda_q8_meta *meta;
+    uint32_t gb; /* the block order above */
+};
+/* Bytes of the planes for n rows of n_in (q first, meta 16-byte aligned after). */
+size_t tkv_cuda_q8_act_bytes(uint32_t n, uint32_t n_in);
+/* The block order the GEMVs of weight `type` with rows of n_in read: the fast
+ * kernel's group (8 blocks; 4 for Q4_1) where it takes n_in, else 1. */
+uint32_t tkv_cuda_q8_order(uint32_t type, uint32_t n_in);
+/* The planes inside a buffer of tkv_cuda_q8_act_bytes(n, n_in) bytes, in
+ * block order gb. */
+struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in, uint32_t gb);
+
+/* x [n][n_in] f32 -> the planes, byte for byte what cpu/quant-ref.c's
+ * q8_block_ref computes: amax, d = amax / 127, id = d ? 1 / d : 0,
+ * q = roundf(x * id) (half away from zero), d and s rounded to f16. A
+ * programmatic dependent launch when pdl (common.cuh's contract). */
+cudaError_t tkv_cuda_q8_quantize(const float *x, uint32_t n, uint32_t n_in, struct tkv_cuda_q8_act a, bool pdl,
+                                 cudaStream_t s);
+
+/* The planes -> n rows of nb llama.cpp blocks at dst: tkv_block_q8_1 when
+ * q8_1, else tkv_block_q8_0 (for tests: what the GEMV reads, in the CPU's
+ * format). */
+cudaError_t tkv_cuda_q8_pack(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in, bool q8_1, void *dst,
+                             cudaStream_t s);
+
+/* Whether the fast kernel takes rows of n_in for type (n_in a multiple of
+ * the kernel's group of blocks: 256 for Q4_0 and Q8_0, 128 for Q4_1, and
+ * 16-byte aligned weights); else tkv_cuda_qgemv_ref serves them. */
+bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in);
+
+/* One grid over the rows of up to TKV_CUDA_QGEMV_MAX weights of one type
+ * sharing the activations (matmul: nw = 1; matmul_group: q, k, v):
+ * y[i][n, n_out_i] = x . w[i]^T, end[i] = rows of w[0..i]. With swiglu set
+ * (nw = 1), w[0] is the gate and wu the up matrix of the same shape, and
+ * y[0] = silu(x . w[0]^T) * (x . wu^T) with swiglu's formula. Travels as a
+ * kernel parameter. */
+#define TKV_CUDA_QGEMV_MAX 8
+struct tkv_cuda_qgemv {
+    const void *w[TKV_CUDA_QGEMV_MAX];
+    float *y[TKV_CUDA_QGEMV_MAX];
+    uint32_t end[TKV_CUDA_QGEMV_MAX];
+    uint32_t nw;
+    const void *wu;
+    bool swiglu;
+};
+
+/* The fast kernel, 1 <= n <= 8 tokens, activations in the type's block
+ * order (tkv_cuda_q8_order): each lane streams groups of 8 blocks
+ * (4 for Q4_1; 144, 80 or 272 bytes) through a warp-private shared-memory
+ * stage with cp.async (coalesced 16-byte copies; the first round issued
+ * before griddepcontrol.wait under pdl), then reads its own group from
+ * there. A row is shared by 8 .. 256 threads (tkv_cuda_qgemv_plan), the
+ * CTA's warp count shrinks while the grid would not fill the n_sm SMs. */
+cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
+                           uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s);
+/* Threads per row and warps per CTA the fast kernel takes for rows x n_in. */
+void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n_sm, uint32_t *threads_per_row,
+                         uint32_t *warps);
+
+/* The reference: one warp per row, a lane per block, byte loads and plain
+ * integer products; any n_in % 32 == 0, any alignment, one weight
+ * (TKV_CUDA_GEMV_QUANT=ref). */
+cudaError_t tkv_cuda_qgemv_ref(uint32_t type, const void *w, struct tkv_cuda_q8_act a, float *y, uint32_t n_in,
+                               uint32_t n_out, uint32_t n, cudaStream_t s);
+
+#endif
