@@ -105,6 +105,18 @@ static void to_host(void *host, const void *dev, size_t bytes)
 
 static void dev_free(void *p) { gpu->ops->release(gpu, p); }
 
+/* The buffers above are uploaded and downloaded on gpu's stream; a test that
+ * runs ops on another backend (its own stream) orders the two with this:
+ * before the ops, from = gpu (its uploads landed); before to_host, from =
+ * the other backend (its kernels finished). */
+static void settle(struct tkv_backend *from)
+{
+    if (from->ops->synchronize(from) != TKV_OK) {
+        fprintf(stderr, "synchronize: %s\n", tkv_last_error());
+        exit(1);
+    }
+}
+
 static void fill(float *x, size_t n, float lo, float hi)
 {
     for (size_t i = 0; i < n; i++)
@@ -1737,7 +1749,9 @@ static void test_q8_act_case(uint32_t wtype, uint32_t n, uint32_t n_in)
     }
     float *dx = dev_from(x, (size_t)n * n_in * sizeof *x);
     uint8_t *dq = dev_alloc(bytes);
+    settle(gpu);
     CHECK(tkv_backend_cuda_quantize_act(gpu_q, wtype, dx, n, n_in, dq) == TKV_OK, "%s", tkv_last_error());
+    settle(gpu_q);
     to_host(got, dq, bytes);
     size_t bad = 0, first = SIZE_MAX;
     for (size_t b = 0; b < (size_t)n * nb; b++)
@@ -1778,6 +1792,7 @@ static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint
         if (!w)
             continue;
         float *dy = dev_poisoned(ny);
+        settle(gpu);
         CHECK(be[b]->ops->matmul(be[b], w, dx, dy, n) == TKV_OK, "%s", tkv_last_error());
         CHECK(be[b]->ops->synchronize(be[b]) == TKV_OK, "%s", tkv_last_error());
         to_host(yg, dy, ny * sizeof *yg);
@@ -1812,8 +1827,10 @@ static void test_qgroup_case(uint32_t type, uint32_t n_in, const uint32_t *n_out
         dy[i] = dev_poisoned((size_t)n * n_out[i]);
         rows += n_out[i];
     }
+    settle(gpu);
     CHECK(gpu_q->ops->matmul_group(gpu_q, (const struct tkv_bweight *const *)wq, nw, dx, dy, n) == TKV_OK, "%s",
           tkv_last_error());
+    settle(gpu_q);
     size_t bad = 0, total = 0;
     double worst = 0;
     for (uint32_t i = 0; i < nw; i++) {
@@ -1857,10 +1874,12 @@ static void test_qswiglu_case(uint32_t type, uint32_t n_in, uint32_t n_ff, uint3
     qref(&tg, x, n, rg, bg);
     qref(&tu, x, n, ru, bu);
     float *dx = dev_from(x, nx * sizeof *x), *dout = dev_poisoned(ny), *dg = dev_poisoned(ny), *du = dev_poisoned(ny);
+    settle(gpu);
     CHECK(gpu_q->ops->matmul_swiglu(gpu_q, wg, wu, dx, dout, n) == TKV_OK, "%s", tkv_last_error());
     CHECK(gpu_q->ops->matmul(gpu_q, wg, dx, dg, n) == TKV_OK, "%s", tkv_last_error());
     CHECK(gpu_q->ops->matmul(gpu_q, wu, dx, du, n) == TKV_OK, "%s", tkv_last_error());
     CHECK(gpu_q->ops->swiglu(gpu_q, dg, du, dg, ny) == TKV_OK, "%s", tkv_last_error());
+    settle(gpu_q);
     to_host(yf, dout, ny * sizeof *yf);
     to_host(ys, dg, ny * sizeof *ys);
     size_t bad = 0, bad_seq = 0, same = 0;

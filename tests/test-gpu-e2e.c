@@ -22,8 +22,15 @@
  *      These sessions run the f16 decode GEMV (TKV_CUDA_GEMV_QUANT=0) for
  *      what they attribute; a fourth, teacher-forced, runs the default
  *      quantized decode GEMV (Q4_1 weights x Q8_1 activations, the CPU
- *      backend's arithmetic): cuda-q vs cpu within CPU_REL, CPU_ABS too
- *      (expected much closer; printed).
+ *      backend's kind of arithmetic): its distance from cuda-f32 must stay
+ *      within Q_VS_CPU times the CPU's own distance from cuda-f32 (rel and
+ *      abs), i.e. its rounding is the 8-bit activations' and nothing worse
+ *      (a dropped term of the block formula moves logits by whole units).
+ *      cuda-q vs cpu is printed, not bounded: the two quantize activations
+ *      that already differ in their last bits (f16 prefill on the GPU), so
+ *      their 8-bit roundings are independent and the distance is ~sqrt(2)
+ *      times either's (H200: 0.27 / 0.20 / 0.06 rel against 0.15 / 0.11 /
+ *      0.06 for cpu vs cuda-f32).
  * Logits of this model are O(10).
  *
  * Prompts: a chat prompt with 32 greedy tokens (one 512-token chunk, KV
@@ -68,6 +75,7 @@
 #define POL_JACCARD 0.90  /* policies: mean top-n/4 overlap, cuda vs cpu sessions */
 #define POL_JACCARD_F32 0.97
 #define POL_CLASS 0.98    /* share of (call, head) with the same Rigid class */
+#define Q_VS_CPU 1.5       /* cuda-q vs cuda-f32 within this times cpu vs cuda-f32 */
 #define STATS_REL 1e-5    /* attn_stats gpu vs cpu reference on the same inputs (docs/gpu.md) */
 
 static double now(void)
@@ -234,7 +242,7 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
 
     /* 2. teacher-forced logits */
     double w[3][2] = {{0}}; /* worst (rel, abs): cuda-cpu, cuda-f32, cpu-f32 */
-    double wq[2] = {0};     /* cuda-q vs cpu */
+    double wq[2] = {0}, wq32[2] = {0}; /* cuda-q vs cpu, cuda-q vs cuda-f32 */
     int flips = 0, ties = 0;
     for (int i = 0; i <= n_gen; i++) {
         const float *lc = cpu.logits + (size_t)i * V, *lg = gpu_tf.logits + (size_t)i * V;
@@ -248,6 +256,8 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
         double dq[2];
         logit_diff(gq_tf.logits + (size_t)i * V, lc, V, &dq[0], &dq[1]);
         wq[0] = fmax(wq[0], dq[0]), wq[1] = fmax(wq[1], dq[1]);
+        logit_diff(gq_tf.logits + (size_t)i * V, l32, V, &dq[0], &dq[1]);
+        wq32[0] = fmax(wq32[0], dq[0]), wq32[1] = fmax(wq32[1], dq[1]);
         const float margin = top2_margin(lc, V);
         const bool same = tkv_argmax(lg, V) == tkv_argmax(lc, V);
         ties += margin < NEAR_TIE;
@@ -268,9 +278,11 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
     CHECK(w[0][0] < CPU_REL && w[0][1] < CPU_ABS, "%s: cuda vs cpu logits: rel %.3g, max %.3g", name, w[0][0],
           w[0][1]);
     CHECK(flips == 0, "%s: %d argmax flips at steps with a CPU margin >= %.1f", name, flips, CPU_ABS);
-    fprintf(stderr, "  teacher-forced, quantized decode GEMV: cuda-q-vs-cpu worst rel %.2e max %.3f\n", wq[0], wq[1]);
-    CHECK(wq[0] < CPU_REL && wq[1] < CPU_ABS, "%s: cuda (quantized GEMV) vs cpu logits: rel %.3g, max %.3g", name,
-          wq[0], wq[1]);
+    fprintf(stderr, "  teacher-forced, quantized decode GEMV: cuda-q-vs-f32 worst rel %.2e max %.3f (cpu-vs-f32 %.2e "
+                    "%.3f) | cuda-q-vs-cpu rel %.2e max %.3f\n", wq32[0], wq32[1], w[2][0], w[2][1], wq[0], wq[1]);
+    CHECK(wq32[0] <= Q_VS_CPU * w[2][0] && wq32[1] <= Q_VS_CPU * w[2][1],
+          "%s: cuda (quantized GEMV) vs cuda-f32 logits: rel %.3g, max %.3g, beyond %.1f x the cpu's %.3g, %.3g", name,
+          wq32[0], wq32[1], Q_VS_CPU, w[2][0], w[2][1]);
 out:
     free(cpu.logits), free(gpu.logits), free(g32.logits), free(gpu_tf.logits), free(g32_tf.logits);
     free(gq_tf.logits);
