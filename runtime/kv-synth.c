@@ -9,6 +9,9 @@
 #include <math.h>
 #include <stdlib.h>
 
+#define FILL_RUN_BYTES (64u << 20) /* moved copies imported per call: a 128K-token head of
+                                      llama3-8b's shape (2048 blocks of 32 KiB) */
+
 struct tkv_synth_params tkv_synth_default_params(void)
 {
     return (struct tkv_synth_params){.n_real = 512, .hot_spread = 0, .cold_spread = 0, .hot_every = 0,
@@ -125,16 +128,21 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
     const uint32_t L = s->hp.n_layer, H = s->hp.n_head_kv, S = tkv_kvs_block_bytes(s->kv);
     const uint32_t nb_real = r / B, nb = (n_tokens + B - 1) / B;
     const bool plain = p->hot_spread == 0 && p->cold_spread == 0;
-    uint8_t *real = malloc((size_t)(nb_real + 1) * S); /* + one block: a moved copy */
+    /* the copies go into the store a run at a time (tkv_kvs_import_n: one
+     * eviction pass and batched uploads per run): a head's copies, or as
+     * many moved copies as FILL_RUN_BYTES hold */
+    const uint32_t run = plain ? nb - nb_real : TKV_MAX(1u, TKV_MIN(nb - nb_real, FILL_RUN_BYTES / S));
+    uint8_t *real = malloc((size_t)nb_real * S);
+    uint8_t *moved = plain ? NULL : malloc((size_t)run * S); /* the run's moved copies */
+    const void **srcs = malloc((size_t)run * sizeof *srcs);
     float *m = malloc(hd * sizeof *m);
     double *acc = malloc(hd * sizeof *acc);
     float *kc = plain ? NULL : malloc((size_t)r * hd * sizeof *kc), *kf = plain ? NULL : malloc(S);
     double *x = plain ? NULL : malloc((size_t)r * sizeof *x);
-    if (!real || !m || !acc || (!plain && (!kc || !kf || !x))) {
-        free(real), free(m), free(acc), free(kc), free(kf), free(x);
+    if (!real || !srcs || !m || !acc || (!plain && (!moved || !kc || !kf || !x))) {
+        free(real), free(moved), free(srcs), free(m), free(acc), free(kc), free(kf), free(x);
         return tkv_err(TKV_ERR_NOMEM, "fill_synthetic: out of memory");
     }
-    uint16_t *moved = (uint16_t *)(real + (size_t)nb_real * S);
     double sd_sum = 0;
     uint64_t hot = 0;
     tkv_status st = tkv_kvs_reserve(s->kv, n_tokens);
@@ -159,19 +167,24 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
                 sd_sum += sd;
             }
             const bool move = !plain && sd > 0 && isfinite(sd);
-            for (uint32_t b = nb_real; b < nb && st == TKV_OK; b++) {
-                const uint8_t *src = real + (size_t)((b - nb_real) % nb_real) * S;
-                const bool is_hot = synth_hot(p, l, h, b, nb);
-                hot += is_hot;
-                if (move) {
-                    const float gain = (float)((is_hot ? p->hot_spread : p->cold_spread) / sd);
-                    synth_block(moved, (const uint16_t *)src, m, gain, B, hd, kf);
-                    src = (const uint8_t *)moved;
+            for (uint32_t b0 = nb_real; b0 < nb && st == TKV_OK; b0 += run) {
+                const uint32_t n = TKV_MIN(run, nb - b0);
+                for (uint32_t j = 0; j < n; j++) {
+                    const uint32_t b = b0 + j;
+                    const uint8_t *src = real + (size_t)((b - nb_real) % nb_real) * S;
+                    const bool is_hot = synth_hot(p, l, h, b, nb);
+                    hot += is_hot;
+                    if (move) {
+                        const float gain = (float)((is_hot ? p->hot_spread : p->cold_spread) / sd);
+                        synth_block((uint16_t *)(moved + (size_t)j * S), (const uint16_t *)src, m, gain, B, hd, kf);
+                        src = moved + (size_t)j * S;
+                    }
+                    srcs[j] = src;
                 }
-                st = tkv_kvs_import(s->kv, l, h, b, src);
+                st = tkv_kvs_import_n(s->kv, l, h, b0, n, srcs);
             }
         }
-    free(real), free(m), free(acc), free(kc), free(kf), free(x);
+    free(real), free(moved), free(srcs), free(m), free(acc), free(kc), free(kf), free(x);
     if (st != TKV_OK) {
         tkv_kvs_set_length(s->kv, r);
         return tkv_err_wrap(st, "fill_synthetic");

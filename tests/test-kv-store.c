@@ -8,7 +8,12 @@
  * host tier + NVMe, using the CPU backend's memory as the device; the
  * synchronous I/O engine). Then fault injection through the I/O hook: a
  * failing write, ENOSPC, short transfers, a flipped bit in a spilled block;
- * each gives the expected error and loses no data. File descriptors and
+ * each gives the expected error and loses no data. Bulk imports
+ * (tkv_kvs_import_n, the synthetic fill's path) past the compute tier's
+ * capacity: the blocks the compute tier keeps against a one-at-a-time
+ * reference of the eviction order, every block's bytes from whichever tier
+ * holds it, and failures (no tier below, EIO, a failed upload) leaving each
+ * block whole or empty. File descriptors and
  * spill files are checked for leaks. Seeds are printed (TKV_SEED replays).
  */
 #include "io/io.h"
@@ -178,6 +183,7 @@ static struct deferred {
     struct { void *dst; const void *src; size_t bytes; uint32_t crc; uint8_t *bad; uint64_t seq; } q[MAX_DEFERRED];
     uint32_t n;
     uint64_t queued, fences, seq;
+    bool fail_uploads; /* upload_blocks fails (a device error) */
 } dfr;
 
 /* Lands the queued copies of uploads 1 .. upto, in order. */
@@ -213,6 +219,8 @@ static tkv_status dfr_upload_blocks(struct tkv_backend *b, void *const *dst, con
                                     size_t bytes, const uint32_t *crc, uint8_t *bad, uint64_t *ticket)
 {
     (void)b;
+    if (dfr.fail_uploads)
+        return tkv_err(TKV_ERR_DEVICE, "deferred: injected upload failure");
     if (ticket)
         *ticket = n ? dfr.seq + 1 : 0;
     if (n == 0)
@@ -309,6 +317,32 @@ static void random_ops(struct tkv_kvs *s, int n_ops, const char *name)
                 memcpy(mirror[l][h][b * B + j][0], payload + (size_t)j * HD * 2, HD * 2);
                 memcpy(mirror[l][h][b * B + j][1], payload + (size_t)(B + j) * HD * 2, HD * 2);
             }
+        } else if (r < 96 && length > 0) { /* truncate and refill in runs, as the synthetic fill does */
+            uint32_t keep = (uint32_t)(test_rand_u64(&rng) % (length + 1)), n = length;
+            tkv_kvs_set_length(s, keep);
+            tkv_kvs_set_length(s, n); /* the kept partial block holds data: the per-block path */
+            length = n;
+            static uint8_t run[NB][4 * B * HD];
+            const void *src[NB];
+            for (uint32_t l = 0; l < L; l++)
+                for (uint32_t h = 0; h < H; h++)
+                    for (uint32_t b0 = keep / B; b0 * B < length;) {
+                        const uint32_t want = 1 + (uint32_t)(test_rand_u64(&rng) % 9); /* TKV_MIN evaluates twice */
+                        const uint32_t m = TKV_MIN(want, (length + B - 1) / B - b0);
+                        for (uint32_t j = 0; j < m; j++) {
+                            for (size_t i = 0; i < sizeof run[j]; i++)
+                                run[j][i] = (uint8_t)test_rand_u64(&rng);
+                            src[j] = run[j];
+                        }
+                        tkv_status st = tkv_kvs_import_n(s, l, h, b0, m, src);
+                        CHECK(st == TKV_OK, "%s op %d: import_n: %s", name, op, tkv_last_error());
+                        for (uint32_t j = 0; j < m; j++)
+                            for (uint32_t p = (b0 + j) * B; p < (b0 + j + 1) * B && p < length; p++) {
+                                memcpy(mirror[l][h][p][0], run[j] + (size_t)(p % B) * HD * 2, HD * 2);
+                                memcpy(mirror[l][h][p][1], run[j] + (size_t)(B + p % B) * HD * 2, HD * 2);
+                            }
+                        b0 += m;
+                    }
         } else if (length > 0) { /* truncate */
             uint32_t n = (uint32_t)(test_rand_u64(&rng) % (length + 1));
             tkv_kvs_set_length(s, n);
@@ -323,6 +357,189 @@ static void random_ops(struct tkv_kvs *s, int n_ops, const char *name)
             (unsigned long long)st.tier[2].bytes_in, (unsigned long long)st.tier[2].bytes_out,
             (unsigned long long)st.prefetched_blocks);
     CHECK(st.tier[2].bytes_in > 0 && st.tier[2].bytes_out > 0, "%s: the test never spilled and recalled", name);
+}
+
+/* ---- bulk import ------------------------------------------------------------------ */
+
+static uint8_t imp_pay[L][H][NB][4 * B * HD]; /* the payloads imported */
+
+/* Imports blocks [b_from, NB) of every (layer, head) with tkv_kvs_import_n,
+ * in the fill's order, in runs of 1..max_run blocks; payloads random (kept
+ * in imp_pay and the mirror). Stops at the first error and returns it. */
+static tkv_status import_runs(struct tkv_kvs *s, uint32_t b_from, uint32_t max_run)
+{
+    const void *src[NB];
+    for (uint32_t l = 0; l < L; l++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b0 = b_from; b0 < NB;) {
+                const uint32_t want = 1 + (uint32_t)(test_rand_u64(&rng) % max_run); /* TKV_MIN evaluates twice */
+                const uint32_t m = TKV_MIN(want, NB - b0);
+                for (uint32_t j = 0; j < m; j++) {
+                    for (size_t i = 0; i < sizeof imp_pay[l][h][b0 + j]; i++)
+                        imp_pay[l][h][b0 + j][i] = (uint8_t)test_rand_u64(&rng);
+                    src[j] = imp_pay[l][h][b0 + j];
+                    for (uint32_t r = 0; r < B; r++) {
+                        memcpy(mirror[l][h][(b0 + j) * B + r][0], imp_pay[l][h][b0 + j] + (size_t)r * HD * 2, HD * 2);
+                        memcpy(mirror[l][h][(b0 + j) * B + r][1], imp_pay[l][h][b0 + j] + (size_t)(B + r) * HD * 2,
+                               HD * 2);
+                    }
+                }
+                TKV_TRY(tkv_kvs_import_n(s, l, h, b0, m, src));
+                b0 += m;
+            }
+    return TKV_OK;
+}
+
+/* Blocks [b_from, NB) of every (layer, head) export as imp_pay; returns how
+ * many hold nothing (export says so) when holes_ok, else checks none does. */
+static uint32_t check_exports(struct tkv_kvs *s, uint32_t b_from, bool holes_ok, const char *when)
+{
+    uint8_t got[4 * B * HD];
+    uint32_t holes = 0;
+    for (uint32_t l = 0; l < L; l++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = b_from; b < NB; b++) {
+                tkv_status st = tkv_kvs_export(s, l, h, b, got);
+                if (st == TKV_ERR_INVALID_ARG && holes_ok && tkv_kvs_block_tier(s, l, h, b) < 0) {
+                    holes++;
+                    continue;
+                }
+                CHECK(st == TKV_OK, "%s: export (%u,%u,%u): %s", when, l, h, b, tkv_last_error());
+                CHECK(st != TKV_OK || !memcmp(got, imp_pay[l][h][b], sizeof got),
+                      "%s: block (%u,%u,%u) on tier %d differs from what was imported", when, l, h, b,
+                      tkv_kvs_block_tier(s, l, h, b));
+            }
+    return holes;
+}
+
+/* A fresh context imported in runs past the compute tier's capacity (the
+ * synthetic fill's pattern). Checks
+ *   - which blocks the compute tier keeps: exactly those of a reference
+ *     importing one block at a time that evicts one block per import when
+ *     full -- the block whose layer comes furthest after the current one
+ *     (kv-layout.md: Belady's order for the layer cycle), least recently
+ *     used among those, never the block being imported;
+ *   - every block's bytes, exported from whichever tier holds it, and every
+ *     layer's views (recalls verify the checksums made on the way down);
+ *   - a second import over the same blocks (the per-block path). */
+static void test_import_n(bool compute_is_host, uint32_t cap, uint32_t host_blocks, const char *name)
+{
+    struct tkv_kvs *s = make_store(compute_is_host, cap, host_blocks, true);
+    REQUIRE_VOID(s);
+    REQUIRE_VOID(tkv_kvs_reserve(s, CTX) == TKV_OK);
+    tkv_kvs_set_length(s, CTX);
+    length = CTX;
+    const uint64_t rng0 = rng;
+    tkv_status st = import_runs(s, 0, 7);
+    CHECK(st == TKV_OK, "%s: import_n: %s", name, tkv_last_error());
+
+    /* the reference: the same imports one by one; a fresh store measures
+     * distances from layer 0, and every import has its own LRU stamp */
+    enum { NBLK = L * H * NB };
+    static bool in[NBLK];
+    static uint64_t stamp[NBLK];
+    uint32_t n_in = 0;
+    memset(in, 0, sizeof in);
+    for (uint32_t i = 0; i < NBLK; i++) { /* the fill's order: layer, head, block */
+        if (n_in == cap) {
+            int64_t v = -1;
+            for (uint32_t c = 0; c < NBLK; c++) {
+                if (!in[c])
+                    continue;
+                const uint32_t lc = c / (H * NB), lv = v < 0 ? 0 : (uint32_t)v / (H * NB);
+                if (v < 0 || lc > lv || (lc == lv && stamp[c] < stamp[v]))
+                    v = c;
+            }
+            in[v] = false;
+            n_in--;
+        }
+        in[i] = true;
+        stamp[i] = i + 1;
+        n_in++;
+    }
+    uint32_t wrong = 0, on_compute = 0, below = 0;
+    for (uint32_t i = 0; i < NBLK; i++) {
+        const uint32_t l = i / (H * NB), h = i / NB % H, b = i % NB;
+        const int t = tkv_kvs_block_tier(s, l, h, b);
+        on_compute += t == TKV_TIER_COMPUTE;
+        below += t == TKV_TIER_HOST || t == TKV_TIER_NVME;
+        if ((t == TKV_TIER_COMPUTE) != in[i] && wrong++ < 5)
+            CHECK(false, "%s: block (%u,%u,%u) is on tier %d; the eviction order keeps it %s", name, l, h, b, t,
+                  in[i] ? "in the compute tier" : "below");
+    }
+    CHECK(wrong == 0, "%s: %u blocks placed against the eviction order", name, wrong);
+    CHECK(on_compute == cap && on_compute + below == NBLK, "%s: %u blocks on the compute tier (cap %u), %u below",
+          name, on_compute, cap, below);
+    check_exports(s, 0, false, name);
+    check_all(s, name);
+    /* again over blocks that hold data: one import each, same contract */
+    st = import_runs(s, NB / 2, 5);
+    CHECK(st == TKV_OK, "%s: import_n over stored blocks: %s", name, tkv_last_error());
+    check_exports(s, 0, false, name);
+    check_all(s, name);
+    fprintf(stderr, "%s: import_n of %d blocks, %u kept in the compute tier as the eviction order says (seed %llu)\n",
+            name, NBLK, on_compute, (unsigned long long)rng0);
+    tkv_kvs_free(s);
+}
+
+/* Failures inside tkv_kvs_import_n: each block holds its payload or
+ * nothing, the error names what failed, and the import can be retried. */
+static void test_import_n_faults(void)
+{
+    /* 1. nowhere to spill: a full compute tier with no tier below */
+    struct tkv_kvs *s = make_store(true, 40, 0, false);
+    REQUIRE_VOID(s);
+    REQUIRE_VOID(tkv_kvs_reserve(s, CTX) == TKV_OK);
+    tkv_kvs_set_length(s, CTX);
+    length = CTX;
+    tkv_status st = import_runs(s, 0, 7);
+    CHECK(st == TKV_ERR_NOMEM && strstr(tkv_last_error(), "no NVMe tier"), "no tier below: %s (%s)",
+          tkv_status_str(st), tkv_last_error());
+    uint32_t holes = check_exports(s, 0, true, "no tier below");
+    CHECK(holes >= L * H * NB - 40, "no tier below: only %u blocks hold nothing (40 fit)", holes); /* the rest never went in */
+    tkv_kvs_free(s);
+
+    /* 2. NVMe writes fail (EIO) while a run goes straight below */
+    s = make_store(true, 40, 0, true);
+    REQUIRE_VOID(s);
+    REQUIRE_VOID(tkv_kvs_reserve(s, CTX) == TKV_OK);
+    tkv_kvs_set_length(s, CTX);
+    length = CTX;
+    struct tkv_io_fault f = {.ops_skip = 0, .ops_count = 1000, .op_err = EIO};
+    tkv_io_set_fault(tkv_kvs_io(s), &f);
+    st = import_runs(s, 0, 7);
+    CHECK(st == TKV_ERR_IO && strstr(tkv_last_error(), "block (layer"), "EIO on spill: %s (%s)", tkv_status_str(st),
+          tkv_last_error());
+    holes = check_exports(s, 0, true, "after EIO");
+    CHECK(holes > 0, "EIO: every block holds data");
+    tkv_io_set_fault(tkv_kvs_io(s), NULL);
+    CHECK(import_runs(s, 0, 7) == TKV_OK, "retry after EIO: %s", tkv_last_error());
+    check_exports(s, 0, false, "retry after EIO");
+    check_all(s, "retry after EIO");
+    tkv_kvs_free(s);
+
+    /* 3. a device whose block uploads fail */
+    struct tkv_backend *saved = be;
+    be = deferred_backend(saved);
+    s = make_store(false, 40, 40, true);
+    if (s) {
+        REQUIRE_VOID(tkv_kvs_reserve(s, CTX) == TKV_OK);
+        tkv_kvs_set_length(s, CTX);
+        length = CTX;
+        dfr.fail_uploads = true;
+        st = import_runs(s, 0, 7);
+        dfr.fail_uploads = false;
+        CHECK(st == TKV_ERR_DEVICE && strstr(tkv_last_error(), "importing") &&
+                  strstr(tkv_last_error(), "injected upload failure"),
+              "failed upload: %s (%s)", tkv_status_str(st), tkv_last_error());
+        holes = check_exports(s, 0, true, "after a failed upload");
+        CHECK(holes > 0, "failed upload: every block holds data");
+        CHECK(import_runs(s, 0, 7) == TKV_OK, "retry after a failed upload: %s", tkv_last_error());
+        check_exports(s, 0, false, "retry after a failed upload");
+        check_all(s, "retry after a failed upload");
+        tkv_kvs_free(s);
+    }
+    be = saved;
 }
 
 /* ---- prefetch pipeline ------------------------------------------------------------ */
@@ -653,6 +870,12 @@ int main(void)
     }
     unsetenv("TKV_IO_FORCE_SYNC");
     test_faults();
+    test_import_n(true, 40, 0, "import_n host+nvme");
+    test_import_n(false, 40, 40, "import_n device+host+nvme");
+    be = deferred_backend(cpu_be);
+    test_import_n(false, 40, 40, "import_n device (late uploads)+host+nvme");
+    be = cpu_be;
+    test_import_n_faults();
     /* before the GPU part: the CUDA driver keeps its device files open */
     const int fds_after = count_fds();
     CHECK(fds_after == fds_before, "file descriptors leaked: %d before, %d after", fds_before, fds_after);

@@ -127,6 +127,7 @@ struct tkv_kvs {
     uint32_t *lists;         /* [2 * head*max_blocks] recall and new-block lists */
     uint32_t *order_tmp;     /* [layer*head*max_blocks] eviction ordering     */
     uint32_t *order_count;   /* [layer + 1]                                   */
+    uint8_t *run_below;      /* [max_blocks] import_n: run block j goes below compute */
     struct io_op *ops;       /* [IO_BATCH] */
     int64_t *results;        /* [IO_BATCH] */
 
@@ -524,6 +525,35 @@ static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_
     }
 }
 
+/* The error for dirty blocks of memory tier t with nowhere to go. */
+static tkv_status no_lower_tier(const struct tkv_kvs *s, int t)
+{
+    return tkv_err(TKV_ERR_NOMEM,
+                   "kv-store: the %s tier is full and there is no NVMe tier to spill to "
+                   "(give --nvme-dir or raise the capacity)",
+                   t == TKV_TIER_COMPUTE && s->p.compute_is_host ? "host" : tier_names[t]);
+}
+
+/* Writes dirty[0..nd) (nd <= IO_BATCH; only a copy on memory tier t is
+ * current) to the tier below t -- host below a GPU compute tier, else NVMe
+ * -- and drops their copies on t; *freed counts them. */
+static tkv_status spill_down(struct tkv_kvs *s, int t, const uint32_t *dirty, uint32_t nd, uint32_t *freed)
+{
+    if (t == TKV_TIER_HOST || !s->pool[TKV_TIER_HOST].present) {
+        if (!s->pool[TKV_TIER_NVME].present)
+            return no_lower_tier(s, t);
+        TKV_TRY(spill_to_nvme(s, t, dirty, nd));
+    } else {
+        TKV_TRY(spill_to_host(s, dirty, nd));
+    }
+    for (uint32_t j = 0; j < nd; j++)
+        if (s->blk[dirty[j]].valid & ~BIT(t)) {
+            drop_copy(s, dirty[j], t);
+            (*freed)++;
+        }
+    return TKV_OK;
+}
+
 static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool clean_only);
 
 /* Frees at least `need` slots on memory tier t by moving unpinned blocks
@@ -558,7 +588,6 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
                        "capacity",
                        tier_names[t], pl->cap, s->S);
     order_victims(s, cand, n_cand, want);
-    const int below = t == TKV_TIER_COMPUTE && s->pool[TKV_TIER_HOST].present ? TKV_TIER_HOST : TKV_TIER_NVME;
     uint32_t freed = 0;
     for (uint32_t c = 0; c < n_cand && freed < want;) {
         /* a batch of victims. Clean ones (another current copy exists) are
@@ -574,23 +603,8 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
                 dirty[nd++] = i;
             }
         }
-        if (nd > 0) {
-            if (t == TKV_TIER_HOST || below == TKV_TIER_NVME) {
-                if (!s->pool[TKV_TIER_NVME].present)
-                    return tkv_err(TKV_ERR_NOMEM,
-                                   "kv-store: the %s tier is full and there is no NVMe tier to spill to "
-                                   "(give --nvme-dir or raise the capacity)",
-                                   t == TKV_TIER_COMPUTE && s->p.compute_is_host ? "host" : tier_names[t]);
-                TKV_TRY(spill_to_nvme(s, t, dirty, nd));
-            } else {
-                TKV_TRY(spill_to_host(s, dirty, nd));
-            }
-            for (uint32_t j = 0; j < nd; j++)
-                if (s->blk[dirty[j]].valid & ~BIT(t)) {
-                    drop_copy(s, dirty[j], t);
-                    freed++;
-                }
-        }
+        if (nd > 0)
+            TKV_TRY(spill_down(s, t, dirty, nd, &freed));
     }
     return clean_only || pl->n_free >= need
                ? TKV_OK
@@ -1044,10 +1058,11 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
     s->order_tmp = malloc(total * sizeof *s->order_tmp);
     s->order_count = malloc((p->n_layer + 1) * sizeof *s->order_count);
+    s->run_below = malloc(s->max_blocks);
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->inflight_reads || !s->ops || !s->results) {
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->run_below || !s->inflight_reads || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
     }
@@ -1185,6 +1200,7 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->lists);
     free(s->order_tmp);
     free(s->order_count);
+    free(s->run_below);
     free(s->inflight_reads);
     free(s->ops);
     free(s->results);
@@ -1571,6 +1587,203 @@ tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
     k->lru = ++s->clock;
     s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
     return TKV_OK;
+}
+
+/* ---- bulk import ---------------------------------------------------------------- */
+
+/* Evicts list[0..n) from memory tier t, exactly those: clean ones dropped
+ * first (see make_room_ex), dirty ones written down IO_BATCH at a time. */
+static tkv_status evict_list(struct tkv_kvs *s, int t, uint32_t *list, uint32_t n)
+{
+    uint32_t nd = 0, freed = 0;
+    for (uint32_t j = 0; j < n; j++) {
+        if (s->blk[list[j]].valid & ~BIT(t))
+            drop_copy(s, list[j], t);
+        else
+            list[nd++] = list[j];
+    }
+    for (uint32_t j0 = 0; j0 < nd; j0 += IO_BATCH)
+        TKV_TRY(spill_down(s, t, list + j0, TKV_MIN(IO_BATCH, nd - j0), &freed));
+    return TKV_OK;
+}
+
+/* Writes the run blocks base + j with s->run_below[j] set (no copy anywhere
+ * yet), payloads src[j], straight to the tier below compute with their
+ * checksums: host-tier slots below a GPU, else NVMe through the staging
+ * buffer (O_DIRECT wants it aligned; src need not be). A block whose write
+ * fails holds nothing; the first error is returned. */
+static tkv_status import_below(struct tkv_kvs *s, uint32_t base, const void *const *src, uint32_t n)
+{
+    const bool host = s->pool[TKV_TIER_HOST].present;
+    uint32_t j = 0;
+    while (j < n) {
+        uint32_t run[IO_BATCH], m = 0;
+        const void *from[IO_BATCH];
+        for (; j < n && m < IO_BATCH; j++)
+            if (s->run_below[j]) {
+                run[m] = base + j;
+                from[m++] = src[j];
+            }
+        if (m == 0)
+            break;
+        if (host) {
+            TKV_TRY(make_room(s, TKV_TIER_HOST, m));
+            for (uint32_t r = 0; r < m; r++) {
+                struct blk *k = &s->blk[run[r]];
+                int32_t hs = pool_take(s, TKV_TIER_HOST, run[r]);
+                if (hs < 0)
+                    return block_error(s, TKV_ERR_INTERNAL, run[r], "no host-tier slot after making room");
+                k->slot[TKV_TIER_HOST] = hs;
+                uint8_t *dst = slot_ptr(s, TKV_TIER_HOST, hs);
+                memcpy(dst, from[r], s->S);
+                k->crc = tkv_crc32c(0, dst, s->S);
+                k->valid = BIT(TKV_TIER_HOST);
+                s->st[TKV_TIER_HOST].bytes_in += s->S;
+            }
+            continue;
+        }
+        if (!s->pool[TKV_TIER_NVME].present)
+            return no_lower_tier(s, TKV_TIER_COMPUTE);
+        for (uint32_t r = 0; r < m; r++) {
+            TKV_TRY(nvme_slot(s, run[r]));
+            uint8_t *buf = s->staging + (size_t)r * s->S;
+            memcpy(buf, from[r], s->S);
+            s->blk[run[r]].crc = tkv_crc32c(0, buf, s->S);
+            s->ops[r] = (struct io_op){.blk = run[r], .write = true, .buf = buf};
+        }
+        tkv_status st = nvme_run(s, s->ops, m, s->results);
+        for (uint32_t r = 0; r < m; r++)
+            if (s->results[r] == (int64_t)s->S) {
+                s->blk[run[r]].valid = BIT(TKV_TIER_NVME);
+                s->st[TKV_TIER_NVME].bytes_in += s->S;
+            }
+        TKV_TRY(st);
+    }
+    return TKV_OK;
+}
+
+/* Copies the payloads src[j] of the run blocks base + j that stay
+ * (s->run_below[j] clear) into compute slots. Below a GPU whose backend
+ * queues block uploads they go up IO_BATCH at a time through the registered
+ * staging buffer, one wait per batch (src is the caller's memory, neither
+ * registered nor ours after the call); else one upload (a memcpy on the
+ * CPU) each. On failure no block keeps a slot without its payload. */
+static tkv_status import_up(struct tkv_kvs *s, uint32_t base, const void *const *src, uint32_t n)
+{
+    const bool batched = !s->p.compute_is_host && s->staging_async;
+    tkv_status st = TKV_OK;
+    uint32_t j = 0;
+    while (j < n && st == TKV_OK) {
+        uint32_t run[IO_BATCH], m = 0;
+        void *dst[IO_BATCH];
+        const void *from[IO_BATCH];
+        for (; j < n && m < (batched ? IO_BATCH : 1); j++) {
+            if (s->run_below[j])
+                continue;
+            struct blk *k = &s->blk[base + j];
+            int32_t cs = pool_take(s, TKV_TIER_COMPUTE, base + j);
+            if (cs < 0) {
+                st = block_error(s, TKV_ERR_INTERNAL, base + j, "no compute slot after making room");
+                break;
+            }
+            k->slot[TKV_TIER_COMPUTE] = cs;
+            run[m] = base + j;
+            dst[m] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
+            from[m++] = src[j];
+        }
+        if (m == 0)
+            break;
+        if (st == TKV_OK && !batched) {
+            st = host_to_compute(s, from[0], s->blk[run[0]].slot[TKV_TIER_COMPUTE]);
+        } else if (st == TKV_OK) {
+            for (uint32_t r = 0; r < m; r++) {
+                memcpy(s->staging + (size_t)r * s->S, from[r], s->S);
+                from[r] = s->staging + (size_t)r * s->S;
+            }
+            uint64_t ticket = 0;
+            st = s->be->ops->upload_blocks(s->be, dst, from, m, s->S, NULL, NULL, &ticket);
+            if (st == TKV_OK && (st = s->be->ops->upload_wait(s->be, ticket, true, NULL)) != TKV_OK)
+                (void)s->be->ops->upload_fence(s->be, ticket); /* a late copy lands before the slot's next user */
+        }
+        if (st != TKV_OK) {
+            uint32_t l, h, b;
+            blk_coords(s, run[0], &l, &h, &b);
+            st = tkv_err_wrap(st, "kv-store: importing %u block(s) from (layer %u, head %u, block %u)", m, l, h, b);
+            break;
+        }
+        for (uint32_t r = 0; r < m; r++)
+            s->blk[run[r]].valid = BIT(TKV_TIER_COMPUTE);
+        s->st[TKV_TIER_COMPUTE].bytes_in += (uint64_t)m * s->S;
+    }
+    if (st != TKV_OK)
+        for (uint32_t r = 0; r < n; r++)
+            if (!s->run_below[r] && !(s->blk[base + r].valid & BIT(TKV_TIER_COMPUTE)))
+                drop_copy(s, base + r, TKV_TIER_COMPUTE);
+    return st;
+}
+
+tkv_status tkv_kvs_import_n(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b0, uint32_t n,
+                            const void *const *src)
+{
+    if (n == 0)
+        return TKV_OK;
+    TKV_TRY(check_block(s, layer, head, b0));
+    if (!src || n > s->n_blocks - b0)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: import of %u blocks from (layer %u, head %u, block %u): %s", n,
+                       layer, head, b0, src ? "past the reserved blocks" : "no payloads");
+    prefetch_drain(s); /* an in-flight read must not land on top of the import */
+    TKV_TRY(prefetch_settle(s));
+    const uint32_t base = blk_index(s, layer, head, b0);
+    for (uint32_t j = 0; j < n; j++) {
+        const struct blk *k = &s->blk[base + j];
+        if (k->valid || k->slot[TKV_TIER_COMPUTE] >= 0 || k->slot[TKV_TIER_HOST] >= 0) {
+            for (uint32_t r = 0; r < n; r++) /* holds data: the general path */
+                TKV_TRY(tkv_kvs_import(s, layer, head, b0 + r, src[r]));
+            return TKV_OK;
+        }
+    }
+    struct pool *pc = &s->pool[TKV_TIER_COMPUTE];
+    if (pc->n_free < n)
+        TKV_TRY(pool_grow(s, TKV_TIER_COMPUTE, pc->n + (n - pc->n_free))); /* within capacity */
+    for (uint32_t j = 0; j < n; j++) /* as n imports would stamp them */
+        s->blk[base + j].lru = s->clock + 1 + j;
+    s->clock += n;
+    memset(s->run_below, 0, n);
+    const uint32_t over = n > pc->n_free ? n - pc->n_free : 0; /* blocks that must leave the compute tier */
+    if (over > 0) {
+        if (!s->pool[TKV_TIER_HOST].present && !s->pool[TKV_TIER_NVME].present)
+            return no_lower_tier(s, TKV_TIER_COMPUTE);
+        /* one victim order over what import would consider, one block at a
+         * time: the evictable compute blocks, and the run's earlier blocks
+         * (the last one is, like import's block, never its own victim) */
+        uint32_t *cand = s->cand[TKV_TIER_COMPUTE], n_cand = 0;
+        for (uint32_t slot = 0; slot < pc->n; slot++) {
+            int32_t i = pc->owner[slot];
+            if (i >= 0 && !s->blk[i].pinned && !s->blk[i].inflight)
+                cand[n_cand++] = (uint32_t)i;
+        }
+        for (uint32_t j = 0; j + 1 < n; j++)
+            cand[n_cand++] = base + j;
+        if (n_cand < over)
+            return tkv_err(TKV_ERR_NOMEM,
+                           "kv-store: the %s tier (%u blocks of %u bytes) cannot hold the blocks in use; raise its "
+                           "capacity",
+                           tier_names[TKV_TIER_COMPUTE], pc->cap, s->S);
+        order_victims(s, cand, n_cand, over);
+        uint32_t n_old = 0; /* victims already in the tier: evicted now */
+        for (uint32_t c = 0; c < over; c++) {
+            if (cand[c] >= base && cand[c] < base + n)
+                s->run_below[cand[c] - base] = 1;
+            else
+                cand[n_old++] = cand[c];
+        }
+        TKV_TRY(evict_list(s, TKV_TIER_COMPUTE, cand, n_old));
+        if (pc->n_free < n - (over - n_old))
+            return tkv_err(TKV_ERR_INTERNAL, "kv-store: bulk import freed too few compute slots (%u free, %u needed)",
+                           pc->n_free, n - (over - n_old));
+        TKV_TRY(import_below(s, base, src, n));
+    }
+    return import_up(s, base, src, n);
 }
 
 tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)

@@ -152,6 +152,21 @@ uint32_t tkv_kvs_verify_threads(const struct tkv_kvs *s);
 tkv_status tkv_kvs_export(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, void *dst);
 /* Stores a payload as block b of (layer, head) (positions must be reserved). */
 tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b, const void *src);
+/* Stores n payloads, src[j] as block b0 + j of (layer, head) (positions must
+ * be reserved; src[j] is read only during the call). Where the blocks hold
+ * nothing yet (a fill after set_length), the compute tier ends as n
+ * tkv_kvs_import calls in order would leave it if each evicted one block:
+ * one victim order (the eviction order, kv-layout.md) is computed once for
+ * the call over the tier's evictable blocks and the run's own blocks but the
+ * last (which, like an import's block, is never its own victim); run blocks
+ * that lose go straight to the tier below (host, else NVMe) with their
+ * checksum, never through the compute tier, and those that stay go up in
+ * batches (one backend wait per batch) instead of one synchronous upload
+ * each. Blocks that already hold data are imported one by one. On an error
+ * some of the run may be stored and the rest not (each block either holds
+ * its payload or nothing); the error names the block. */
+tkv_status tkv_kvs_import_n(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b0, uint32_t n,
+                            const void *const *src);
 
 /* Moves block b of (layer, head) to a lower tier now (a policy's page-out). */
 tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b);
