@@ -731,9 +731,12 @@ uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
             S *= 2;
         return S;
     }
-    /* split while the CTAs (8 / S rows each) are fewer than 4 per SM and
-     * every thread of a row still has a full set of U loads */
-    while (S < GEMV_WARPS && ((uint64_t)n_out * S + GEMV_WARPS - 1) / GEMV_WARPS < 4ull * n_sm &&
+    /* split while the CTAs (8 / S rows each) are fewer than 3 per SM and
+     * every thread of a row still has a full set of U loads. (4 per SM
+     * split 4096-row matrices in two: bench-gemv on the H200 with
+     * TKV_CUDA_GEMV_SPLIT=1, 2026-12-03: 4096 x 4096 13.55 us unsplit
+     * against 15.79 split, 4096 x 14336 36.4 either way.) */
+    while (S < GEMV_WARPS && ((uint64_t)n_out * S + GEMV_WARPS - 1) / GEMV_WARPS < 3ull * n_sm &&
            n8 >= 2 * 32 * S * GEMV2_U)
         S *= 2;
     return S;
