@@ -14,7 +14,9 @@
  *
  * Loading reads the whole file twice: the first pass verifies everything
  * (structure, model, sizes, every checksum) and the second installs it, so a
- * bad file changes nothing in the session.
+ * bad file changes nothing in the session. The second pass hands the store a
+ * run of a (layer, head)'s blocks at a time (tkv_kvs_import_n: one eviction
+ * pass per run, not one per 32 blocks, under a capped compute tier).
  */
 #include "session.h"
 
@@ -26,6 +28,8 @@
 
 #define KV_MAGIC "TKVKVSV1"
 #define KV_VERSION 1u
+#define LOAD_RUN_BYTES (64u << 20) /* payloads installed per tkv_kvs_import_n call, at most: a
+                                      128K-token head of llama3-8b's shape, as the fill's runs */
 
 struct kv_header {
     char     magic[8];
@@ -174,7 +178,8 @@ tkv_status tkv_session_load(tkv_session *s, const char *path)
     uint32_t *crcs = NULL;
     tkv_token *toks = NULL;
     float *logits = NULL;
-    uint8_t *payload = NULL;
+    uint8_t *payload = NULL; /* [run][S]: pass 1 checks one block at a time, pass 2 installs runs */
+    const void **srcs = NULL; /* [run] */
     tkv_status st = read_exact(f, &h, sizeof h, path, "header");
     if (st != TKV_OK)
         goto out;
@@ -209,11 +214,14 @@ tkv_status tkv_session_load(tkv_session *s, const char *path)
         goto out;
     }
     const size_t n_blk = (size_t)h.n_layer * h.n_head_kv * h.n_blocks;
+    /* blocks per import_n call: a head's, or as many as LOAD_RUN_BYTES hold */
+    const uint32_t run = TKV_MAX(1u, TKV_MIN(h.n_blocks, LOAD_RUN_BYTES / S));
     toks = malloc((size_t)h.n_tokens * sizeof *toks);
     logits = malloc((size_t)h.n_vocab * sizeof *logits);
     crcs = malloc(n_blk * sizeof *crcs);
-    payload = malloc(S);
-    if (!toks || !logits || !crcs || !payload) {
+    payload = malloc((size_t)run * S);
+    srcs = malloc((size_t)run * sizeof *srcs);
+    if (!toks || !logits || !crcs || !payload || !srcs) {
         st = tkv_err(TKV_ERR_NOMEM, "load-kv: out of memory");
         goto out;
     }
@@ -251,16 +259,21 @@ tkv_status tkv_session_load(tkv_session *s, const char *path)
     if ((st = tkv_kvs_reserve(s->kv, h.n_tokens)) != TKV_OK)
         goto out;
     tkv_kvs_set_length(s->kv, h.n_tokens);
+    /* the reset left every block empty: import_n's one-pass path */
     for (uint32_t l = 0, j = 0; l < h.n_layer; l++)
         for (uint32_t hh = 0; hh < h.n_head_kv; hh++)
-            for (uint32_t b = 0; b < h.n_blocks; b++, j++) {
-                if ((st = read_exact(f, payload, S, path, "KV blocks")) != TKV_OK)
+            for (uint32_t b0 = 0; b0 < h.n_blocks; b0 += run) {
+                const uint32_t n = TKV_MIN(run, h.n_blocks - b0);
+                if ((st = read_exact(f, payload, (size_t)n * S, path, "KV blocks")) != TKV_OK)
                     goto fail_installed;
-                if (tkv_crc32c(0, payload, S) != crcs[j]) { /* changed since pass 1 */
-                    st = tkv_err(TKV_ERR_CORRUPT, "load-kv: '%s' changed while being read", path);
-                    goto fail_installed;
+                for (uint32_t r = 0; r < n; r++, j++) {
+                    srcs[r] = payload + (size_t)r * S;
+                    if (tkv_crc32c(0, srcs[r], S) != crcs[j]) { /* changed since pass 1 */
+                        st = tkv_err(TKV_ERR_CORRUPT, "load-kv: '%s' changed while being read", path);
+                        goto fail_installed;
+                    }
                 }
-                if ((st = tkv_kvs_import(s->kv, l, hh, b, payload)) != TKV_OK)
+                if ((st = tkv_kvs_import_n(s->kv, l, hh, b0, n, srcs)) != TKV_OK)
                     goto fail_installed;
             }
     memcpy(s->tokens, toks, (size_t)h.n_tokens * sizeof *toks);
@@ -276,6 +289,7 @@ out:
     free(logits);
     free(crcs);
     free(payload);
+    free(srcs);
     return st;
 }
 

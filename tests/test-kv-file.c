@@ -2,11 +2,14 @@
  * test-kv-file.c -- saving and restoring a session's KV (tkv_session_save /
  * tkv_session_load) on a tiny random model: the restored session continues
  * exactly as the original (same logits, bit for bit), also when the KV is
- * spilled to NVMe on either side; and a truncated, bit-flipped, other-model
- * or mismatched file is refused with the right status while the session
- * keeps what it had.
+ * spilled to NVMe on either side, and when most of a longer context lands
+ * below a tight compute tier (through the store's bulk import); and a
+ * truncated, bit-flipped, other-model or mismatched file is refused with the
+ * right status while the session keeps what it had.
  */
 #include "tierkv.h"
+#include "runtime/gen-model.h"
+#include "runtime/session.h" /* the session's KV store: where the blocks went, and how */
 #include "tiny-model.h"
 
 #include <sys/stat.h>
@@ -118,6 +121,85 @@ static void round_trip(tkv_model *m, bool spill_save, bool spill_load)
     tkv_session_free(b);
 }
 
+/* A longer context (8 layers, 1000 tokens: 256 blocks of 4 KiB) restored
+ * into a session whose compute tier holds one layer and one block: the load
+ * goes through tkv_kvs_import_n (counted by the store; the blocks that lose
+ * go straight to NVMe, so the compute tier takes in fewer than all of them,
+ * which importing one block at a time cannot do), most blocks end below, and
+ * decoding continues bit for bit as in the session that was saved. */
+static void tight_cap_load(void)
+{
+    enum { N = 1000, NB = (N + 63) / 64, STEPS = 8 };
+    char model_path[512], path[512];
+    snprintf(model_path, sizeof model_path, "%s/c.gguf", dir);
+    snprintf(path, sizeof path, "%s/long.bin", dir);
+    struct tkv_gen_params gp = {.type = TKV_TYPE_F16, .seed = 7, .n_threads = 2};
+    REQUIRE_VOID(tkv_gen_shape_parse("custom:8,64,4,2,96,258", &gp.shape) == TKV_OK);
+    REQUIRE_VOID(tkv_gen_model(&gp, model_path) == TKV_OK);
+    tkv_model *m = NULL;
+    tkv_status st = tkv_model_load(model_path, &m);
+    unlink(model_path);
+    REQUIRE_VOID(st == TKV_OK);
+    const uint32_t L = gp.shape.n_layer, HKV = gp.shape.n_head_kv, n_vocab = gp.shape.n_vocab;
+    const uint64_t n_blk = (uint64_t)L * HKV * NB, S = 4u * 64 * (gp.shape.n_embd / gp.shape.n_head);
+
+    tkv_token toks[N + STEPS], other[300];
+    for (int i = 0; i < N + STEPS; i++)
+        toks[i] = (tkv_token)(1 + test_rand_u64(&rng) % (n_vocab - 1));
+    for (int i = 0; i < 300; i++)
+        other[i] = (tkv_token)(1 + test_rand_u64(&rng) % (n_vocab - 1));
+    struct tkv_session_params sp = tkv_session_default_params();
+    sp.n_threads = 2;
+    sp.n_ctx = 1024; /* one layer of it: 32 blocks */
+    sp.kv_block = 64;
+    tkv_session *a = NULL, *b = NULL;
+    REQUIRE_VOID(tkv_session_init(m, &sp, &a) == TKV_OK);
+    sp.host_kv_mem = (HKV * NB + 1) * S; /* one layer and one block */
+    sp.nvme_dir = dir;
+    REQUIRE_VOID(tkv_session_init(m, &sp, &b) == TKV_OK);
+    REQUIRE_VOID(tkv_prefill(a, toks, N) == TKV_OK);
+    CHECK(tkv_prefill(b, other, 300) == TKV_OK, "prefill: %s", tkv_last_error()); /* a context of its own, spilled */
+    st = tkv_session_save(a, path);
+    CHECK(st == TKV_OK, "save: %s", tkv_last_error());
+    CHECK(tkv_kvs_block_bytes(b->kv) == S, "block bytes %u, expected %llu", tkv_kvs_block_bytes(b->kv),
+          (unsigned long long)S);
+
+    struct tkv_kvs_stats k0, k1;
+    tkv_kvs_get_stats(b->kv, &k0);
+    st = tkv_session_load(b, path);
+    CHECK(st == TKV_OK, "load under a tight cap: %s", tkv_last_error());
+    tkv_kvs_get_stats(b->kv, &k1);
+    const uint64_t bulk = k1.bulk_blocks - k0.bulk_blocks,
+                   compute_in = k1.tier[TKV_TIER_COMPUTE].bytes_in - k0.tier[TKV_TIER_COMPUTE].bytes_in,
+                   nvme_in = k1.tier[TKV_TIER_NVME].bytes_in - k0.tier[TKV_TIER_NVME].bytes_in;
+    uint64_t below = 0;
+    for (uint32_t l = 0; l < L; l++)
+        for (uint32_t h = 0; h < HKV; h++)
+            for (uint32_t blk = 0; blk < NB; blk++)
+                below += tkv_kvs_block_tier(b->kv, l, h, blk) != TKV_TIER_COMPUTE;
+    fprintf(stderr, "tight cap: %llu blocks, %llu bulk-imported, %llu below compute; compute took %llu, nvme %llu\n",
+            (unsigned long long)n_blk, (unsigned long long)bulk, (unsigned long long)below,
+            (unsigned long long)(compute_in / S), (unsigned long long)(nvme_in / S));
+    CHECK(bulk == n_blk, "the load bulk-imported %llu of %llu blocks", (unsigned long long)bulk,
+          (unsigned long long)n_blk);
+    CHECK(compute_in < n_blk * S && nvme_in > 0,
+          "every block passed through the compute tier (%llu bytes in): not the bulk path", (unsigned long long)compute_in);
+    CHECK(below * 2 > n_blk, "only %llu of %llu blocks below the compute tier", (unsigned long long)below,
+          (unsigned long long)n_blk);
+    CHECK(tkv_session_n_past(b) == N && !memcmp(tkv_session_tokens(b), toks, N * sizeof *toks),
+          "restored tokens differ");
+    CHECK(tkv_logits(b) && !memcmp(tkv_logits(a), tkv_logits(b), n_vocab * sizeof(float)), "restored logits differ");
+    for (int i = N; i < N + STEPS; i++) {
+        CHECK(tkv_decode(a, toks[i]) == TKV_OK && tkv_decode(b, toks[i]) == TKV_OK, "decode: %s", tkv_last_error());
+        CHECK(!memcmp(tkv_logits(a), tkv_logits(b), n_vocab * sizeof(float)),
+              "decode step %d after a tight-cap restore differs", i);
+    }
+    unlink(path);
+    tkv_session_free(a);
+    tkv_session_free(b);
+    tkv_model_free(m);
+}
+
 int main(void)
 {
     rng = test_seed();
@@ -130,6 +212,7 @@ int main(void)
     round_trip(m, false, false);
     round_trip(m, true, false); /* saved from NVMe-spilled KV */
     round_trip(m, false, true); /* restored into a session that spills */
+    tight_cap_load();
 
     /* a good file, then damaged copies of it */
     tkv_token toks[60];

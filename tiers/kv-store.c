@@ -134,6 +134,7 @@ struct tkv_kvs {
     struct tkv_tier_stats st[TKV_TIER_COUNT];
     double stall;
     uint64_t prefetched, corrupt;
+    uint64_t bulk_blocks;    /* stored by import_n's one-pass path             */
     uint32_t n_inflight;     /* prefetch reads not yet completed */
     uint32_t *inflight_reads; /* [layer] of them, per layer        */
     bool     broken;         /* the I/O engine lost ops: refuse further work */
@@ -1783,7 +1784,9 @@ tkv_status tkv_kvs_import_n(struct tkv_kvs *s, uint32_t layer, uint32_t head, ui
                            pc->n_free, n - (over - n_old));
         TKV_TRY(import_below(s, base, src, n));
     }
-    return import_up(s, base, src, n);
+    TKV_TRY(import_up(s, base, src, n));
+    s->bulk_blocks += n;
+    return TKV_OK;
 }
 
 tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
@@ -1819,6 +1822,7 @@ void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out)
     out->prefetched_blocks = s->prefetched;
     out->corrupt_blocks = s->corrupt;
     out->host_read_blocks = s->host_reads;
+    out->bulk_blocks = s->bulk_blocks;
     if (s->io) {
         struct tkv_io_info info;
         tkv_io_get_info(s->io, &info);

@@ -65,6 +65,8 @@ struct tkv_kvs_stats {
     uint64_t corrupt_blocks;      /* checksum mismatches detected              */
     uint64_t host_read_blocks;    /* blocks read in place on the host tier
                                      (begin_layer_split), each verified       */
+    uint64_t bulk_blocks;         /* blocks stored by tkv_kvs_import_n's one-pass
+                                     path (not one import each)               */
     const char *io_engine;        /* "io_uring", "sync" or NULL without NVMe   */
     bool     nvme_direct;
 };
