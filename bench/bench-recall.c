@@ -54,6 +54,12 @@
  * of 5; on the CPU there is no link (the compute tier is host memory; the
  * recalls come from NVMe) and the util column is "-".
  * = ref: timed-step tokens equal to the context's first row's (greedy).
+ *
+ * A second table splits the stall (tkv_kvs_stats.stall, per split step:
+ * settle, evict, verify, upload issue / wait, nvme, other, summing to the
+ * stall column) with the store's per-step work: recalled blocks, eviction
+ * passes, slots scanned, blocks evicted and spilled, upload calls and
+ * waits, bytes checksummed on the CPU (docs/bench-decode.md).
  */
 #include "runtime/backend.h"
 #include "runtime/kv-synth.h"

@@ -58,6 +58,14 @@ static tkv_status dev_download(struct tkv_backend *b, void *d, const void *s, si
     (void)b;
     return TKV_OK;
 }
+static tkv_status dev_download_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
+                                      size_t bytes)
+{
+    (void)b;
+    for (uint32_t j = 0; j < n; j++)
+        memcpy(dst[j], src[j], bytes);
+    return TKV_OK;
+}
 static tkv_status dev_sync(struct tkv_backend *b)
 {
     (void)b;
@@ -139,7 +147,7 @@ int main(int argc, char **argv)
                                      .upload = dev_upload, .download = dev_download, .synchronize = dev_sync,
                                      .upload_blocks = dev_upload_blocks, .upload_fence = dev_upload_fence,
                                      .upload_wait = dev_upload_wait, .host_register = dev_host_register,
-                                     .host_unregister = dev_host_unregister};
+                                     .host_unregister = dev_host_unregister, .download_blocks = dev_download_blocks};
     d.base.ops = &d.ops;
     const uint32_t S = 4 * B * hd, nb = ctx / B, MB = (ctx + steps + warmup + B - 1) / B + 1;
     const uint64_t total = (uint64_t)L * H * MB;

@@ -501,28 +501,78 @@ static tkv_status spill_to_nvme(struct tkv_kvs *s, int from, const uint32_t *idx
     return first != TKV_OK ? first : st;
 }
 
-/* Copies compute-tier blocks to the host tier (GPU compute only). */
+/* Checksums of the n payloads data[j] of blocks idx[j] into their crc
+ * fields, spread over the CRC threads like verify_batch. */
+struct crc_job {
+    struct tkv_kvs *s;
+    const uint32_t *idx;
+    const void *const *data;
+    uint32_t n;
+};
+
+static void crc_part(void *ctx, uint32_t ith, uint32_t nth)
+{
+    const struct crc_job *j = ctx;
+    uint64_t b, e;
+    tkv_split(j->n, ith, nth, &b, &e);
+    for (uint64_t r = b; r < e; r++)
+        j->s->blk[j->idx[r]].crc = tkv_crc32c(0, j->data[r], j->s->S);
+}
+
+static void crc_batch(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n)
+{
+    struct crc_job job = {s, idx, data, n};
+    if (s->crc_pool && (uint64_t)n * s->S >= (1u << 20))
+        tkv_pool_run(s->crc_pool, crc_part, &job);
+    else
+        crc_part(&job, 0, 1);
+}
+
+/* Copies compute-tier blocks idx[0..n) (n <= IO_BATCH) to the host tier
+ * (GPU compute only): one download_blocks for the batch where the backend
+ * has it (else one download each), then the checksums of those without an
+ * NVMe copy on the CRC threads. On failure none of them gets a host copy. */
 static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
 {
     TKV_TRY(make_room(s, TKV_TIER_HOST, n));
-    for (uint32_t j = 0; j < n; j++) {
-        uint32_t i = idx[j];
+    void *dst[IO_BATCH];
+    const void *src[IO_BATCH];
+    uint32_t sum_idx[IO_BATCH], n_sum = 0;
+    const void *sum_data[IO_BATCH];
+    tkv_status st = TKV_OK;
+    uint32_t taken = 0;
+    for (; taken < n; taken++) {
+        const uint32_t i = idx[taken];
         struct blk *k = &s->blk[i];
         int32_t hs = pool_take(s, TKV_TIER_HOST, i);
-        if (hs < 0)
-            return block_error(s, TKV_ERR_NOMEM, i, "no host-tier slot");
-        k->slot[TKV_TIER_HOST] = hs;
-        uint8_t *dst = slot_ptr(s, TKV_TIER_HOST, hs);
-        tkv_status st = compute_to_host(s, k->slot[TKV_TIER_COMPUTE], dst);
-        if (st != TKV_OK) {
-            drop_copy(s, i, TKV_TIER_HOST);
-            return st;
+        if (hs < 0) {
+            st = block_error(s, TKV_ERR_NOMEM, i, "no host-tier slot");
+            break;
         }
-        if (!(k->valid & BIT(TKV_TIER_NVME)))
-            k->crc = tkv_crc32c(0, dst, s->S);
-        k->valid |= BIT(TKV_TIER_HOST);
-        s->st[TKV_TIER_HOST].bytes_in += s->S;
+        k->slot[TKV_TIER_HOST] = hs;
+        dst[taken] = slot_ptr(s, TKV_TIER_HOST, hs);
+        src[taken] = slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]);
+        if (!(k->valid & BIT(TKV_TIER_NVME))) {
+            sum_idx[n_sum] = i;
+            sum_data[n_sum++] = dst[taken];
+        }
     }
+    if (st == TKV_OK && s->be->ops->download_blocks)
+        st = s->be->ops->download_blocks(s->be, dst, src, n, s->S);
+    for (uint32_t j = 0; st == TKV_OK && !s->be->ops->download_blocks && j < n; j++)
+        st = s->be->ops->download(s->be, dst[j], src[j], s->S);
+    if (st != TKV_OK) {
+        for (uint32_t j = 0; j < taken; j++)
+            drop_copy(s, idx[j], TKV_TIER_HOST);
+        return st;
+    }
+    const int prev = part_switch(s, PART_VERIFY);
+    STALL_COUNT(s, verify_bytes, (uint64_t)n_sum * s->S);
+    crc_batch(s, sum_idx, sum_data, n_sum);
+    part_switch(s, prev);
+    for (uint32_t j = 0; j < n; j++)
+        s->blk[idx[j]].valid |= BIT(TKV_TIER_HOST);
+    s->st[TKV_TIER_HOST].bytes_in += (uint64_t)n * s->S;
     return TKV_OK;
 }
 

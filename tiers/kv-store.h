@@ -69,7 +69,8 @@ struct tkv_kvs_stall {
     double settle_s;       /* this layer's prefetches drained, waited for and settled  */
     double evict_s;        /* make_room: slot scans, victim ordering, drops, spills down */
     double verify_s;       /* CRC-32C on the CPU: blocks read on the host tier (split),
-                              uploads the device cannot check, NVMe reads              */
+                              uploads the device cannot check, NVMe reads; and the
+                              checksums of dirty blocks spilled to the host tier      */
     double upload_issue_s; /* host -> compute copies queued (upload_blocks), or done one
                               by one (upload, memcpy on a host compute tier)          */
     double upload_wait_s;  /* upload_wait (the copies and the device's checks), fences  */
@@ -84,7 +85,7 @@ struct tkv_kvs_stall {
     uint64_t spilled_blocks;  /* of those, dirty ones written down first (the rest: dropped) */
     uint64_t upload_calls;    /* upload_blocks (or upload) calls                       */
     uint64_t upload_waits;    /* upload_wait calls                                     */
-    uint64_t verify_bytes;    /* bytes CRC-checked on the CPU                          */
+    uint64_t verify_bytes;    /* bytes CRC-checked (or checksummed, spills) on the CPU  */
 };
 
 struct tkv_kvs_stats {
