@@ -54,6 +54,12 @@
  * of 5; on the CPU there is no link (the compute tier is host memory; the
  * recalls come from NVMe) and the util column is "-".
  * = ref: timed-step tokens equal to the context's first row's (greedy).
+ *
+ * A second table splits the stall (tkv_kvs_stats.stall, per split step:
+ * settle, evict, verify, upload issue / wait, nvme, other, summing to the
+ * stall column) with the store's per-step work: recalled blocks, eviction
+ * passes, slots scanned, blocks evicted and spilled, upload calls and
+ * waits, bytes checksummed on the CPU (docs/bench-decode.md).
  */
 #include "runtime/backend.h"
 #include "runtime/kv-synth.h"
@@ -165,6 +171,8 @@ struct row {
     double recall_b, host_out_b, nvme_out_b; /* bytes per timed step          */
     double cpu_heads;                /* per timed step                        */
     double split_step_s, select_s, attn_s, cpu_attn_s, stall_s; /* per split step */
+    struct tkv_kvs_stall stall;      /* the stall's parts and counts, summed over the split steps */
+    double stall_steps;              /* the steps they are summed over          */
     tkv_token *toks_out;             /* [steps] timed tokens                  */
 };
 
@@ -181,6 +189,17 @@ static void diff(const struct tkv_step_counters *a, const struct tkv_step_counte
         .read_count = a->read_count - b->read_count, .recall_bytes = a->recall_bytes - b->recall_bytes,
         .host_out_bytes = a->host_out_bytes - b->host_out_bytes, .nvme_out_bytes = a->nvme_out_bytes - b->nvme_out_bytes,
         .cpu_heads = a->cpu_heads - b->cpu_heads};
+    const struct tkv_kvs_stall *x = &a->store, *y = &b->store;
+    d->store = (struct tkv_kvs_stall){
+        .settle_s = x->settle_s - y->settle_s, .evict_s = x->evict_s - y->evict_s,
+        .verify_s = x->verify_s - y->verify_s, .upload_issue_s = x->upload_issue_s - y->upload_issue_s,
+        .upload_wait_s = x->upload_wait_s - y->upload_wait_s, .nvme_s = x->nvme_s - y->nvme_s,
+        .other_s = x->other_s - y->other_s, .layers = x->layers - y->layers,
+        .recalled_blocks = x->recalled_blocks - y->recalled_blocks, .evict_passes = x->evict_passes - y->evict_passes,
+        .evict_scanned = x->evict_scanned - y->evict_scanned, .evicted_blocks = x->evicted_blocks - y->evicted_blocks,
+        .spilled_blocks = x->spilled_blocks - y->spilled_blocks,
+        .upload_calls = x->upload_calls - y->upload_calls, .upload_waits = x->upload_waits - y->upload_waits,
+        .verify_bytes = x->verify_bytes - y->verify_bytes};
 }
 
 static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const char *policy, struct row *r)
@@ -267,6 +286,8 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     r->host_out_b = d.host_out_bytes / n;
     r->nvme_out_b = d.nvme_out_bytes / n;
     r->cpu_heads = d.cpu_heads / n;
+    r->stall = d.store; /* the timed steps', unless split steps follow */
+    r->stall_steps = n;
     if (o->split_steps) {
         diff(&c2, &c1, &d);
         const double k = d.decode_steps ? (double)d.decode_steps : 1;
@@ -275,8 +296,35 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
         r->attn_s = d.attn_s / k;
         r->cpu_attn_s = d.cpu_attn_s / k;
         r->stall_s = d.store_s / k;
+        r->stall = d.store;
+        r->stall_steps = k;
     }
     return 0;
+}
+
+/* One row of the stall split table (per step, over the steps the stall
+ * column comes from), appended to *buf; and its JSON object. */
+static void stall_row(char **buf, size_t *len, uint32_t ctx, const char *policy, const struct row *r)
+{
+    const struct tkv_kvs_stall *t = &r->stall;
+    const double k = r->stall_steps > 0 ? r->stall_steps : 1;
+    const double total = t->settle_s + t->evict_s + t->verify_s + t->upload_issue_s + t->upload_wait_s + t->nvme_s +
+                         t->other_s;
+    char line[512];
+    int w = snprintf(line, sizeof line,
+                     "| %u | %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.0f | %.2f | %.1f | %.0f | %.0f "
+                     "| %.1f | %.1f | %.1f | %.2f |\n",
+                     ctx, policy, total / k * 1e3, t->settle_s / k * 1e3, t->evict_s / k * 1e3, t->verify_s / k * 1e3,
+                     t->upload_issue_s / k * 1e3, t->upload_wait_s / k * 1e3, t->nvme_s / k * 1e3, t->other_s / k * 1e3,
+                     t->recalled_blocks / k, t->evict_passes / k, t->evict_scanned / k / 1e3, t->evicted_blocks / k,
+                     t->spilled_blocks / k, t->upload_calls / k, t->upload_waits / k, t->verify_bytes / k / 1e6,
+                     t->recalled_blocks ? total / t->recalled_blocks * 1e6 : 0.0);
+    char *nb = realloc(*buf, *len + (size_t)w + 1);
+    if (!nb)
+        return;
+    memcpy(nb + *len, line, (size_t)w + 1);
+    *buf = nb;
+    *len += (size_t)w;
 }
 
 int main(int argc, char **argv)
@@ -410,6 +458,8 @@ int main(int argc, char **argv)
     fflush(stdout);
 
     int rc = 0;
+    char *split_tab = NULL; /* the stall split table, printed after the main one */
+    size_t split_len = 0;
     char *list = strdup(o.ctxs), *save = NULL;
     for (char *c = strtok_r(list, ",", &save); c && !rc; c = strtok_r(NULL, ",", &save)) {
         const uint32_t ctx = (uint32_t)strtoul(c, NULL, 10);
@@ -455,6 +505,7 @@ int main(int argc, char **argv)
                 snprintf(at_link, sizeof at_link, "%.3f", r.recall_b / (link * 1e9) * 1e3);
             }
             const double rest = r.split_step_s - r.select_s - r.attn_s - r.cpu_attn_s - r.stall_s;
+            stall_row(&split_tab, &split_len, ctx, o.policies[p], &r);
             printf("| %u | %s | %s | %.2f | %.3f | %s | %.4f | %.4f | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | "
                    "%s | %.2f | %s | %s |\n",
                    ctx, o.policies[p], row_tiers, 1.0 / r.step_s, r.step_s * 1e3, ratio, r.read_tok, r.read_blk,
@@ -471,12 +522,24 @@ int main(int argc, char **argv)
                         "\"attn_ms\": %.4f, \"select_ms\": %.4f, \"cpu_attn_ms\": %.4f, \"stall_ms\": %.4f, "
                         "\"recall_bytes_per_step\": %.0f, \"host_out_bytes_per_step\": %.0f, "
                         "\"nvme_out_bytes_per_step\": %.0f, \"cpu_heads_per_step\": %.2f, \"link_gbs\": %.3f, "
-                        "\"pcie_gbs\": %.4f, \"same_tokens_as_ref\": \"%s\", \"commit\": \"%s\"}\n",
+                        "\"pcie_gbs\": %.4f, \"same_tokens_as_ref\": \"%s\", \"commit\": \"%s\", ",
                         base, wb.matrix_type, o.device, ctx, o.policies[p], row_tiers, synth, r.real, r.natural_sd, r.hot_share, r.fill_s,
                         r.warm_s, o.steps, r.step_s * 1e3, 1.0 / r.step_s, full_s > 0 ? full_s / r.step_s : 0.0,
                         r.read_tok, r.read_blk, o.split_steps, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3,
                         r.select_s * 1e3, r.cpu_attn_s * 1e3, r.stall_s * 1e3, r.recall_b, r.host_out_b,
                         r.nvme_out_b, r.cpu_heads, link, pcie, same, commit);
+                const struct tkv_kvs_stall *t = &r.stall;
+                const double k = r.stall_steps > 0 ? r.stall_steps : 1;
+                fprintf(json,
+                        "\"stall_split_ms\": {\"settle\": %.4f, \"evict\": %.4f, \"verify\": %.4f, "
+                        "\"upload_issue\": %.4f, \"upload_wait\": %.4f, \"nvme\": %.4f, \"other\": %.4f}, "
+                        "\"stall_per_step\": {\"layers\": %.1f, \"recalled_blocks\": %.1f, \"evict_passes\": %.2f, "
+                        "\"evict_scanned_slots\": %.0f, \"evicted_blocks\": %.1f, \"spilled_blocks\": %.1f, \"upload_calls\": %.2f, "
+                        "\"upload_waits\": %.2f, \"verify_bytes\": %.0f}}\n",
+                        t->settle_s / k * 1e3, t->evict_s / k * 1e3, t->verify_s / k * 1e3, t->upload_issue_s / k * 1e3,
+                        t->upload_wait_s / k * 1e3, t->nvme_s / k * 1e3, t->other_s / k * 1e3, t->layers / k,
+                        t->recalled_blocks / k, t->evict_passes / k, t->evict_scanned / k, t->evicted_blocks / k,
+                        t->spilled_blocks / k, t->upload_calls / k, t->upload_waits / k, t->verify_bytes / k);
                 fflush(json);
             }
             free(r.toks_out);
@@ -485,6 +548,17 @@ int main(int argc, char **argv)
     }
     free(list);
     tkv_model_free(m);
+    if (split_tab) {
+        printf("\nWhere the stall goes (per step, over the split steps; the parts sum to `stall ms`):\n\n"
+               "| ctx | policy | stall ms | settle | evict | verify | upload issue | upload wait | nvme | other | "
+               "recalls | evict passes | scanned K slots | evicted | spilled | uploads | waits | CPU CRC MB | us/recall |\n"
+               "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n%s",
+               split_tab);
+        printf("\nsettle: this layer's prefetches waited for; evict: make_room (slot scans, victim order, drops, "
+               "spills; spilled: victims written down first); verify: CRC-32C on the CPU; upload issue / wait: host -> compute copies queued / waited for "
+               "(and fences); nvme: NVMe reads; other: page-table passes, slots taken, lists. Counts per step.\n");
+        free(split_tab);
+    }
     printf("\nfill: %s -- attention concentrates by construction, so read tok / read blk say what this fill made "
            "the policy read, not what a real model would. x full: full's step / this row's (the context's full "
            "row). rest: split step less attn, select, cpu attn and stall (the weights' ops; a residual).\n",

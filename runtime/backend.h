@@ -294,6 +294,13 @@ struct tkv_backend_ops {
      * TKV_UPLOADS_ALL names every upload queued so far. */
     tkv_status (*upload_blocks)(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
                                 size_t bytes, const uint32_t *crc, uint8_t *bad, uint64_t *ticket);
+    /* Optional: n copies of `bytes` each, src[i] (backend memory) -> dst[i]
+     * (host memory, registered with host_register where the backend has
+     * it), after all work queued so far; returns when all have landed: one
+     * wait for the batch (the KV store's spills of dirty blocks to the host
+     * tier). NULL: the store calls download once per block. */
+    tkv_status (*download_blocks)(struct tkv_backend *b, void *const *dst_host, const void *const *src, uint32_t n,
+                                  size_t bytes);
     tkv_status (*upload_fence)(struct tkv_backend *b, uint64_t upto);
     tkv_status (*upload_wait)(struct tkv_backend *b, uint64_t upto, bool block, bool *done);
     /* RaBitQ on the device, bit-identical to the CPU kernels.

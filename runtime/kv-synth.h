@@ -14,6 +14,7 @@
 #define TKV_KV_SYNTH_H
 
 #include "tierkv.h"
+#include "../tiers/kv-store.h" /* struct tkv_kvs_stall */
 
 #include <stdbool.h>
 
@@ -104,6 +105,7 @@ struct tkv_step_counters {
     uint64_t recall_bytes;   /* written into the compute tier (recalls; imports too)      */
     uint64_t host_out_bytes, nvme_out_bytes; /* read back from the host / NVMe tier       */
     uint64_t cpu_heads, cpu_tokens, recall_heads, recall_blocks, host_read_blocks; /* hetero */
+    struct tkv_kvs_stall store; /* store_s split into its parts, and the work behind them */
 };
 void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *out);
 

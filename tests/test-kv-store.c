@@ -24,6 +24,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -182,7 +183,7 @@ static struct deferred {
     struct tkv_backend *inner;
     struct { void *dst; const void *src; size_t bytes; uint32_t crc; uint8_t *bad; uint64_t seq; } q[MAX_DEFERRED];
     uint32_t n;
-    uint64_t queued, fences, seq;
+    uint64_t queued, fences, seq, downloads; /* downloads: download_blocks calls */
     bool fail_uploads; /* upload_blocks fails (a device error) */
 } dfr;
 
@@ -215,6 +216,15 @@ static tkv_status dfr_download(struct tkv_backend *b, void *dst, const void *src
     return dfr.inner->ops->download(dfr.inner, dst, src, n);
 }
 static tkv_status dfr_sync(struct tkv_backend *b) { (void)b; dfr_flush(TKV_UPLOADS_ALL); return TKV_OK; }
+static tkv_status dfr_download_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
+                                      size_t bytes)
+{
+    (void)b; /* the compute stream, like download */
+    dfr.downloads++;
+    for (uint32_t j = 0; j < n; j++)
+        TKV_TRY(dfr.inner->ops->download(dfr.inner, dst[j], src[j], bytes));
+    return TKV_OK;
+}
 static tkv_status dfr_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
                                     size_t bytes, const uint32_t *crc, uint8_t *bad, uint64_t *ticket)
 {
@@ -261,7 +271,8 @@ static struct tkv_backend *deferred_backend(struct tkv_backend *inner)
     dfr_ops = (struct tkv_backend_ops){.name = "deferred", .free = dfr_free, .alloc = dfr_alloc,
                                        .release = dfr_release, .upload = dfr_upload, .download = dfr_download,
                                        .synchronize = dfr_sync, .upload_blocks = dfr_upload_blocks,
-                                       .upload_fence = dfr_fence, .upload_wait = dfr_wait};
+                                       .upload_fence = dfr_fence, .upload_wait = dfr_wait,
+                                       .download_blocks = dfr_download_blocks};
     dfr.base.ops = &dfr_ops;
     dfr.inner = inner;
     return &dfr.base;
@@ -800,6 +811,217 @@ static void test_gpu_upload_blocks(struct tkv_backend *g)
 /* The fast CRC-32C (three interleaved streams joined by GF(2) products)
  * against the bitwise reference: random lengths around the interleaving
  * threshold and block sizes, random starting values and alignments. */
+/* ---- scoped eviction against the full pass --------------------------------------- */
+
+/* Decode-like traffic (appends, selections of a layer's blocks, split reads
+ * on the host tier, prefetches, demotions, bulk imports) on two stores in
+ * lockstep: one evicting with the scoped scan (the farthest layers only, the
+ * cut bucket's first places selected), one with the full reference pass
+ * (evict_ref). After every operation each block must sit on the same tier in
+ * both and the tier counters must agree: the same victims, in the same
+ * order. A layer's views must be byte-identical across the two. With more
+ * layers than the mirror test, so that a pass really takes only a few. */
+enum { EL = 12, EH = 2, EB = 16, EHD = 64, ECTX = 512, ENB = ECTX / EB, ES = 4 * EB * EHD };
+
+static bool evict_same(struct tkv_kvs *a, struct tkv_kvs *r, const char *name, int op)
+{
+    for (uint32_t l = 0; l < EL; l++)
+        for (uint32_t h = 0; h < EH; h++)
+            for (uint32_t b = 0; b < ENB; b++)
+                if (tkv_kvs_block_tier(a, l, h, b) != tkv_kvs_block_tier(r, l, h, b)) {
+                    CHECK(false, "%s op %d: block (%u,%u,%u) on tier %d scoped, %d reference", name, op, l, h, b,
+                          tkv_kvs_block_tier(a, l, h, b), tkv_kvs_block_tier(r, l, h, b));
+                    return false;
+                }
+    struct tkv_kvs_stats x, y;
+    tkv_kvs_get_stats(a, &x);
+    tkv_kvs_get_stats(r, &y);
+    for (int t = 0; t < TKV_TIER_COUNT; t++)
+        if (x.tier[t].bytes_in != y.tier[t].bytes_in || x.tier[t].bytes_out != y.tier[t].bytes_out ||
+            x.tier[t].used_bytes != y.tier[t].used_bytes || x.tier[t].hits != y.tier[t].hits) {
+            CHECK(false, "%s op %d: tier %d counters differ (in %llu/%llu out %llu/%llu)", name, op, t,
+                  (unsigned long long)x.tier[t].bytes_in, (unsigned long long)y.tier[t].bytes_in,
+                  (unsigned long long)x.tier[t].bytes_out, (unsigned long long)y.tier[t].bytes_out);
+            return false;
+        }
+    return true;
+}
+
+static bool views_same(struct tkv_kvs *a, struct tkv_kvs *r, uint32_t l, bool host, const char *name, int op)
+{
+    static uint8_t pa[ES], pr[ES];
+    for (uint32_t h = 0; h < EH; h++) {
+        struct tkv_kv_head_view va = host ? tkv_kvs_host_view(a, l, h) : tkv_kvs_view(a, l, h);
+        struct tkv_kv_head_view vr = host ? tkv_kvs_host_view(r, l, h) : tkv_kvs_view(r, l, h);
+        for (uint32_t b = 0; b < va.n_blocks; b++) {
+            const struct tkv_kv_block_ref *x = &va.blocks[b], *y = &vr.blocks[b];
+            if (!x->k != !y->k) {
+                CHECK(false, "%s op %d: layer %u head %u block %u present in one view only", name, op, l, h, b);
+                return false;
+            }
+            if (!x->k)
+                continue;
+            const size_t n = (size_t)x->n * EHD * 2;
+            if (host) {
+                memcpy(pa, x->k, n), memcpy(pa + n, x->v, n), memcpy(pr, y->k, n), memcpy(pr + n, y->v, n);
+            } else {
+                be->ops->download(be, pa, x->k, n), be->ops->download(be, pa + n, x->v, n);
+                be->ops->download(be, pr, y->k, n), be->ops->download(be, pr + n, y->v, n);
+            }
+            if (memcmp(pa, pr, 2 * n)) {
+                CHECK(false, "%s op %d: layer %u head %u block %u differs between the stores", name, op, l, h, b);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+static void test_evict_scoped(bool compute_is_host, const char *name)
+{
+    struct tkv_kvs *st[2] = {NULL, NULL}; /* scoped, reference */
+    for (int i = 0; i < 2; i++) {
+        struct tkv_kvs_params p = {.n_layer = EL, .n_head_kv = EH, .head_dim = EHD, .block_tokens = EB,
+                                   .max_tokens = ECTX, .compute_is_host = compute_is_host,
+                                   .compute_bytes = (uint64_t)3 * EH * ENB * ES, /* 3 of 12 layers */
+                                   .host_bytes = compute_is_host ? 0 : (uint64_t)5 * EH * ENB * ES,
+                                   .nvme_dir = spill_dir, .upload_piece_bytes = 5 * ES, .evict_ref = i == 1};
+        tkv_status e = tkv_kvs_init(&p, be, &st[i]);
+        CHECK(e == TKV_OK, "%s: kvs_init: %s", name, tkv_last_error());
+    }
+    static uint8_t need[EH * (ENB + 1)], host_ok[EH * (ENB + 1)], row[2 * EHD * 2], run[ENB][ES];
+    const void *src[ENB];
+    uint32_t len = 0;
+    const int fail0 = test_failures_;
+    const uint32_t MB = st[0] ? tkv_kvs_max_blocks(st[0]) : 0;
+    for (int op = 0; st[0] && st[1] && op < 1500 && test_failures_ == fail0; op++) {
+        const uint32_t r = (uint32_t)(test_rand_u64(&rng) % 100), l = (uint32_t)(test_rand_u64(&rng) % EL);
+        const uint32_t nb = (len + EB - 1) / EB;
+        uint64_t seed = test_rand_u64(&rng); /* the same draws for both stores */
+        if (r < 30 && len < ECTX) { /* a decode step's worth of layers writing, or a prefill chunk */
+            const uint32_t n = TKV_MIN(r < 10 ? 1 + (uint32_t)(seed % 48) : 1u, ECTX - len);
+            for (int i = 0; i < 2; i++) {
+                CHECK(tkv_kvs_reserve(st[i], len + n) == TKV_OK, "%s: reserve: %s", name, tkv_last_error());
+                tkv_kvs_set_length(st[i], len + n);
+                uint64_t g = seed;
+                for (uint32_t ll = 0; ll < EL; ll++) {
+                    tkv_status e = tkv_kvs_begin_layer(st[i], ll, len, n);
+                    CHECK(e == TKV_OK, "%s op %d: begin_layer: %s", name, op, tkv_last_error());
+                    if (e != TKV_OK)
+                        break;
+                    for (uint32_t h = 0; h < EH; h++)
+                        for (uint32_t q = len; q < len + n; q++) {
+                            uint16_t *k, *v;
+                            tkv_kvs_locate(st[i], ll, h, q, &k, &v);
+                            for (size_t j = 0; j < sizeof row; j++)
+                                row[j] = (uint8_t)test_rand_u64(&g);
+                            be->ops->upload(be, k, row, EHD * 2);
+                            be->ops->upload(be, v, row + EHD * 2, EHD * 2);
+                        }
+                    tkv_kvs_end_layer(st[i], ll);
+                }
+            }
+            len += n;
+        } else if (r < 75 && nb > 0) { /* a selection (and some blocks read on the host tier) */
+            uint64_t g = seed;
+            memset(need, 0, sizeof need);
+            for (uint32_t h = 0; h < EH; h++)
+                for (uint32_t b = 0; b < nb; b++) {
+                    need[h * MB + b] = test_rand_u64(&g) % 4 == 0;
+                    host_ok[h * MB + b] = test_rand_u64(&g) % 2 == 0;
+                }
+            const bool split = !compute_is_host && r >= 60;
+            for (int i = 0; i < 2; i++) {
+                tkv_status e = tkv_kvs_begin_layer_split(st[i], l, 0, 0, need, split ? host_ok : NULL, NULL);
+                CHECK(e == TKV_OK, "%s op %d: begin_layer_split: %s", name, op, tkv_last_error());
+            }
+            if (test_failures_ == fail0)
+                if (views_same(st[0], st[1], l, false, name, op) && split)
+                    views_same(st[0], st[1], l, true, name, op);
+            tkv_kvs_end_layer(st[0], l);
+            tkv_kvs_end_layer(st[1], l);
+        } else if (r < 85) { /* the next layer's prefetch */
+            for (int i = 0; i < 2; i++) {
+                tkv_kvs_prefetch(st[i], l);
+                /* NVMe reads land when the disk says: the stores would part
+                 * ways on timing, not on eviction (the late uploads land
+                 * only when asked: those stay in flight) */
+                if (compute_is_host)
+                    CHECK(tkv_kvs_prefetch_wait(st[i]) == TKV_OK, "%s: prefetch_wait: %s", name, tkv_last_error());
+            }
+        } else if (r < 92 && nb > 0) {
+            const uint32_t h = (uint32_t)(seed % EH), b = (uint32_t)(seed >> 8) % nb;
+            for (int i = 0; i < 2; i++)
+                CHECK(tkv_kvs_demote(st[i], l, h, b) == TKV_OK, "%s: demote: %s", name, tkv_last_error());
+        } else if (nb > 1) { /* truncate to a block boundary and refill a head in one run (the fill) */
+            const uint32_t keep = (uint32_t)(seed % nb) * EB;
+            uint64_t g = seed;
+            for (uint32_t b = keep / EB; b < nb; b++) {
+                for (size_t j = 0; j < ES; j++)
+                    run[b - keep / EB][j] = (uint8_t)test_rand_u64(&g);
+                src[b - keep / EB] = run[b - keep / EB];
+            }
+            for (int i = 0; i < 2; i++) {
+                tkv_kvs_set_length(st[i], keep);
+                tkv_kvs_set_length(st[i], len);
+                for (uint32_t ll = 0; ll < EL; ll++)
+                    for (uint32_t hh = 0; hh < EH; hh++) {
+                        /* every head refilled: a block left empty holds no defined bytes */
+                        const uint32_t b0 = keep / EB, m = nb - b0;
+                        CHECK(tkv_kvs_import_n(st[i], ll, hh, b0, m, src) == TKV_OK, "%s: import_n: %s", name,
+                              tkv_last_error());
+                    }
+            }
+        }
+        if (test_failures_ == fail0)
+            evict_same(st[0], st[1], name, op);
+    }
+    struct tkv_kvs_stats x;
+    if (st[0]) {
+        tkv_kvs_get_stats(st[0], &x);
+        fprintf(stderr, "%s: %llu begin_layer, %llu eviction passes, %llu evicted, %llu spilled, %llu recalled\n", name,
+                (unsigned long long)x.stall.layers, (unsigned long long)x.stall.evict_passes,
+                (unsigned long long)x.stall.evicted_blocks, (unsigned long long)x.stall.spilled_blocks,
+                (unsigned long long)x.stall.recalled_blocks);
+        CHECK(x.stall.evict_passes > 100 && x.stall.spilled_blocks > 0, "%s: too little eviction to compare", name);
+        const double parts = x.stall.settle_s + x.stall.evict_s + x.stall.verify_s + x.stall.upload_issue_s +
+                             x.stall.upload_wait_s + x.stall.nvme_s + x.stall.other_s;
+        CHECK(fabs(parts - x.stall_seconds) <= 1e-9 + 1e-9 * x.stall_seconds,
+              "%s: the stall's parts sum to %.9f s, the stall is %.9f s", name, parts, x.stall_seconds);
+    }
+    /* a corrupt block among a layer's many recalls: named, the rest intact */
+    if (st[0] && !compute_is_host && test_failures_ == fail0) {
+        struct tkv_kvs *s = st[0];
+        /* prefetches landed first: a block they bring up is not recalled */
+        CHECK(tkv_kvs_prefetch_wait(s) == TKV_OK, "%s: prefetch_wait: %s", name, tkv_last_error());
+        uint32_t bl = EL, bh = 0, bb = 0, n_host = 0;
+        for (uint32_t l = 0; l < EL && bl == EL; l++) {
+            n_host = 0;
+            for (uint32_t h = 0; h < EH; h++)
+                for (uint32_t b = 0; b < (len + EB - 1) / EB; b++)
+                    if (tkv_kvs_block_tier(s, l, h, b) == TKV_TIER_HOST && ++n_host == 7)
+                        bl = l, bh = h, bb = b;
+        }
+        CHECK(bl < EL, "%s: no layer with 7 blocks on the host tier", name);
+        if (bl < EL) {
+            static uint8_t before[ES];
+            const uint32_t ob = bb == 0 ? 1 : 0; /* another block of the batch */
+            CHECK(tkv_kvs_export(s, bl, bh, ob, before) == TKV_OK, "export: %s", tkv_last_error());
+            CHECK(tkv_kvs_test_flip_bit(s, bl, bh, bb, TKV_TIER_HOST) == TKV_OK, "flip: %s", tkv_last_error());
+            tkv_status e = tkv_kvs_begin_layer(s, bl, 0, 0);
+            char want[96];
+            snprintf(want, sizeof want, "(layer %u, head %u, block %u)", bl, bh, bb);
+            CHECK(e == TKV_ERR_CORRUPT && strstr(tkv_last_error(), want), "%s: corrupt block in a batch: %s (%s)",
+                  name, tkv_status_str(e), tkv_last_error());
+            static uint8_t after[ES];
+            CHECK(tkv_kvs_export(s, bl, bh, ob, after) == TKV_OK && !memcmp(before, after, ES),
+                  "%s: a good block of the corrupt batch changed", name);
+        }
+    }
+    tkv_kvs_free(st[0]);
+    tkv_kvs_free(st[1]);
+}
+
 static void test_crc32c(void)
 {
     static uint8_t buf[70000];
@@ -860,6 +1082,7 @@ int main(void)
     }
     CHECK(dfr.queued > 0 && dfr.fences > 0, "the asynchronous uploads were never used (%llu queued)",
           (unsigned long long)dfr.queued);
+    CHECK(dfr.downloads > 0, "the batched spill downloads were never used");
     be = cpu_be;
     test_prefetch_pipeline();
     setenv("TKV_IO_FORCE_SYNC", "1", 1);
@@ -876,6 +1099,11 @@ int main(void)
     test_import_n(false, 40, 40, "import_n device (late uploads)+host+nvme");
     be = cpu_be;
     test_import_n_faults();
+    test_evict_scoped(true, "scoped eviction host+nvme");
+    test_evict_scoped(false, "scoped eviction device+host+nvme");
+    be = deferred_backend(cpu_be);
+    test_evict_scoped(false, "scoped eviction device (late uploads)+host+nvme");
+    be = cpu_be;
     /* before the GPU part: the CUDA driver keeps its device files open */
     const int fds_after = count_fds();
     CHECK(fds_after == fds_before, "file descriptors leaked: %d before, %d after", fds_before, fds_after);

@@ -48,6 +48,9 @@ struct pool {
     int32_t *free_list;      /* [cap]                                 */
     uint32_t n_free;
     int32_t *owner;          /* [cap] block index, -1 if free         */
+    uint16_t *slot_layer;    /* [cap] the owner's layer, n_layer if free:
+                                eviction reads this, not the blocks   */
+    uint32_t *layer_used;    /* [n_layer] slots held by each layer    */
     uint8_t **slab;          /* [cap / SLAB_SLOTS + 1] memory tiers    */
     struct tkv_host_mem *slab_host; /* host-memory slabs             */
     bool     host_memory;    /* slabs are host memory (else backend)  */
@@ -92,6 +95,16 @@ static void up_batch_free(struct up_batch *ub)
     free(ub->crc);
 }
 
+/* The parts of begin_layer's time (struct tkv_kvs_stall). */
+enum { PART_NONE = -1, PART_OTHER, PART_SETTLE, PART_EVICT, PART_VERIFY, PART_ISSUE, PART_WAIT, PART_NVME, PART_COUNT };
+
+/* A candidate of the bucket whose LRU order is needed (order_victims). */
+struct vkey {
+    uint64_t lru;
+    uint32_t pos; /* its place before: ties go the way a stable sort leaves them */
+    uint32_t blk;
+};
+
 struct io_op {
     uint32_t blk;
     bool     write;
@@ -127,12 +140,20 @@ struct tkv_kvs {
     uint32_t *lists;         /* [2 * head*max_blocks] recall and new-block lists */
     uint32_t *order_tmp;     /* [layer*head*max_blocks] eviction ordering     */
     uint32_t *order_count;   /* [layer + 1]                                   */
+    uint8_t *take_layer;     /* [layer + 1] eviction: layers whose slots are candidates */
+    struct vkey *vkeys;      /* [head*max_blocks] eviction: one layer's candidates by LRU */
     uint8_t *run_below;      /* [max_blocks] import_n: run block j goes below compute */
     struct io_op *ops;       /* [IO_BATCH] */
     int64_t *results;        /* [IO_BATCH] */
 
     struct tkv_tier_stats st[TKV_TIER_COUNT];
     double stall;
+    /* the stall's split: inside begin_layer every moment is charged to the
+     * part in `part` (PART_NONE outside: nothing is timed or counted) */
+    int    part;
+    double part_t;           /* when the current part started        */
+    double part_s[PART_COUNT];
+    struct tkv_kvs_stall sc; /* the counts (times are in part_s)      */
     uint64_t prefetched, corrupt;
     uint64_t bulk_blocks;    /* stored by import_n's one-pass path             */
     uint32_t n_inflight;     /* prefetch reads not yet completed */
@@ -188,21 +209,43 @@ static tkv_status block_error(const struct tkv_kvs *s, tkv_status st, uint32_t i
     return tkv_err(st, "kv-store: block (layer %u, head %u, block %u): %s", l, h, b, what);
 }
 
+/* Charges the time since the last switch to the current part and makes
+ * `to` current; returns the part that was current (to switch back to).
+ * Outside begin_layer (PART_NONE) it does nothing. */
+static int part_switch(struct tkv_kvs *s, int to)
+{
+    const int from = s->part;
+    if (from == PART_NONE)
+        return PART_NONE;
+    const double now = tkv_now_seconds();
+    s->part_s[from] += now - s->part_t;
+    s->part_t = now;
+    s->part = to;
+    return from;
+}
+
+/* Counts stall work (only inside begin_layer). */
+#define STALL_COUNT(s, field, n) ((s)->part != PART_NONE ? (void)((s)->sc.field += (n)) : (void)0)
+
 /* ---- slot pools ---------------------------------------------------------------- */
 
-static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory)
+static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uint32_t n_layer)
 {
     pl->present = true;
     pl->cap = cap;
     pl->host_memory = host_memory;
     pl->free_list = malloc((size_t)cap * sizeof *pl->free_list);
     pl->owner = malloc((size_t)cap * sizeof *pl->owner);
+    pl->slot_layer = malloc((size_t)cap * sizeof *pl->slot_layer);
+    pl->layer_used = calloc(n_layer, sizeof *pl->layer_used);
     pl->slab = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab);
     pl->slab_host = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab_host);
-    if (!pl->free_list || !pl->owner || !pl->slab || !pl->slab_host)
+    if (!pl->free_list || !pl->owner || !pl->slot_layer || !pl->layer_used || !pl->slab || !pl->slab_host)
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for a slot table");
-    for (uint32_t i = 0; i < cap; i++)
+    for (uint32_t i = 0; i < cap; i++) {
         pl->owner[i] = -1;
+        pl->slot_layer[i] = (uint16_t)n_layer;
+    }
     return TKV_OK;
 }
 
@@ -252,6 +295,8 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
         return -1;
     int32_t slot = pl->free_list[--pl->n_free];
     pl->owner[slot] = (int32_t)owner;
+    pl->slot_layer[slot] = (uint16_t)s->blk[owner].layer;
+    pl->layer_used[s->blk[owner].layer]++;
     pl->used += s->S;
     pl->peak = TKV_MAX(pl->peak, pl->used);
     return slot;
@@ -260,6 +305,8 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
 static void pool_give(struct tkv_kvs *s, int t, int32_t slot)
 {
     struct pool *pl = &s->pool[t];
+    pl->layer_used[pl->slot_layer[slot]]--;
+    pl->slot_layer[slot] = (uint16_t)s->p.n_layer;
     pl->owner[slot] = -1;
     pl->free_list[pl->n_free++] = slot;
     pl->used -= s->S;
@@ -279,6 +326,8 @@ static void pool_free(struct tkv_kvs *s, int t)
         }
     free(pl->free_list);
     free(pl->owner);
+    free(pl->slot_layer);
+    free(pl->layer_used);
     free(pl->slab);
     free(pl->slab_host);
 }
@@ -311,10 +360,16 @@ static tkv_status host_to_compute(struct tkv_kvs *s, const void *src, int32_t cs
 {
     uint8_t *dst = slot_ptr(s, TKV_TIER_COMPUTE, cslot);
     if (s->p.compute_is_host) {
+        const int prev = part_switch(s, PART_ISSUE);
         memcpy(dst, src, s->S);
+        part_switch(s, prev);
         return TKV_OK;
     }
-    return s->be->ops->upload(s->be, dst, src, s->S);
+    const int prev = part_switch(s, PART_ISSUE);
+    STALL_COUNT(s, upload_calls, 1);
+    tkv_status st = s->be->ops->upload(s->be, dst, src, s->S);
+    part_switch(s, prev);
+    return st;
 }
 
 /* ---- NVMe batches ------------------------------------------------------------- */
@@ -447,28 +502,78 @@ static tkv_status spill_to_nvme(struct tkv_kvs *s, int from, const uint32_t *idx
     return first != TKV_OK ? first : st;
 }
 
-/* Copies compute-tier blocks to the host tier (GPU compute only). */
+/* Checksums of the n payloads data[j] of blocks idx[j] into their crc
+ * fields, spread over the CRC threads like verify_batch. */
+struct crc_job {
+    struct tkv_kvs *s;
+    const uint32_t *idx;
+    const void *const *data;
+    uint32_t n;
+};
+
+static void crc_part(void *ctx, uint32_t ith, uint32_t nth)
+{
+    const struct crc_job *j = ctx;
+    uint64_t b, e;
+    tkv_split(j->n, ith, nth, &b, &e);
+    for (uint64_t r = b; r < e; r++)
+        j->s->blk[j->idx[r]].crc = tkv_crc32c(0, j->data[r], j->s->S);
+}
+
+static void crc_batch(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n)
+{
+    struct crc_job job = {s, idx, data, n};
+    if (s->crc_pool && (uint64_t)n * s->S >= (1u << 20))
+        tkv_pool_run(s->crc_pool, crc_part, &job);
+    else
+        crc_part(&job, 0, 1);
+}
+
+/* Copies compute-tier blocks idx[0..n) (n <= IO_BATCH) to the host tier
+ * (GPU compute only): one download_blocks for the batch where the backend
+ * has it (else one download each), then the checksums of those without an
+ * NVMe copy on the CRC threads. On failure none of them gets a host copy. */
 static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
 {
     TKV_TRY(make_room(s, TKV_TIER_HOST, n));
-    for (uint32_t j = 0; j < n; j++) {
-        uint32_t i = idx[j];
+    void *dst[IO_BATCH];
+    const void *src[IO_BATCH];
+    uint32_t sum_idx[IO_BATCH], n_sum = 0;
+    const void *sum_data[IO_BATCH];
+    tkv_status st = TKV_OK;
+    uint32_t taken = 0;
+    for (; taken < n; taken++) {
+        const uint32_t i = idx[taken];
         struct blk *k = &s->blk[i];
         int32_t hs = pool_take(s, TKV_TIER_HOST, i);
-        if (hs < 0)
-            return block_error(s, TKV_ERR_NOMEM, i, "no host-tier slot");
-        k->slot[TKV_TIER_HOST] = hs;
-        uint8_t *dst = slot_ptr(s, TKV_TIER_HOST, hs);
-        tkv_status st = compute_to_host(s, k->slot[TKV_TIER_COMPUTE], dst);
-        if (st != TKV_OK) {
-            drop_copy(s, i, TKV_TIER_HOST);
-            return st;
+        if (hs < 0) {
+            st = block_error(s, TKV_ERR_NOMEM, i, "no host-tier slot");
+            break;
         }
-        if (!(k->valid & BIT(TKV_TIER_NVME)))
-            k->crc = tkv_crc32c(0, dst, s->S);
-        k->valid |= BIT(TKV_TIER_HOST);
-        s->st[TKV_TIER_HOST].bytes_in += s->S;
+        k->slot[TKV_TIER_HOST] = hs;
+        dst[taken] = slot_ptr(s, TKV_TIER_HOST, hs);
+        src[taken] = slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]);
+        if (!(k->valid & BIT(TKV_TIER_NVME))) {
+            sum_idx[n_sum] = i;
+            sum_data[n_sum++] = dst[taken];
+        }
     }
+    if (st == TKV_OK && s->be->ops->download_blocks)
+        st = s->be->ops->download_blocks(s->be, dst, src, n, s->S);
+    for (uint32_t j = 0; st == TKV_OK && !s->be->ops->download_blocks && j < n; j++)
+        st = s->be->ops->download(s->be, dst[j], src[j], s->S);
+    if (st != TKV_OK) {
+        for (uint32_t j = 0; j < taken; j++)
+            drop_copy(s, idx[j], TKV_TIER_HOST);
+        return st;
+    }
+    const int prev = part_switch(s, PART_VERIFY);
+    STALL_COUNT(s, verify_bytes, (uint64_t)n_sum * s->S);
+    crc_batch(s, sum_idx, sum_data, n_sum);
+    part_switch(s, prev);
+    for (uint32_t j = 0; j < n; j++)
+        s->blk[idx[j]].valid |= BIT(TKV_TIER_HOST);
+    s->st[TKV_TIER_HOST].bytes_in += (uint64_t)n * s->S;
     return TKV_OK;
 }
 
@@ -482,25 +587,70 @@ static inline uint32_t next_use_distance(const struct tkv_kvs *s, uint32_t i)
     return layer >= s->cur_layer ? layer - s->cur_layer : layer + s->p.n_layer - s->cur_layer;
 }
 
-static int cmp_victim(const void *a, const void *b, void *ctx)
+static bool vkey_less(const struct vkey *a, const struct vkey *b)
 {
-    const struct tkv_kvs *s = ctx;
-    const uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-    const uint32_t dx = next_use_distance(s, x), dy = next_use_distance(s, y);
-    if (dx != dy)
-        return dx > dy ? -1 : 1;
-    return s->blk[x].lru < s->blk[y].lru ? -1 : s->blk[x].lru > s->blk[y].lru;
+    return a->lru < b->lru || (a->lru == b->lru && a->pos < b->pos);
+}
+
+static int vkey_cmp(const void *a, const void *b)
+{
+    const struct vkey *x = a, *y = b;
+    return vkey_less(x, y) ? -1 : vkey_less(y, x);
+}
+
+/* Rearranges a[0..n) so that a[0..r) hold its r least keys (in no
+ * particular order); 0 < r < n. Quickselect (Hoare partition, median of
+ * three); the keys are distinct (pos). */
+static void vkey_select(struct vkey *a, uint32_t n, uint32_t r)
+{
+    int64_t lo = 0, hi = (int64_t)n - 1;
+    const int64_t t = (int64_t)r - 1; /* the place of the r-th least */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        struct vkey x;
+#define VSWAP(i, j) (x = a[i], a[i] = a[j], a[j] = x)
+        if (vkey_less(&a[mid], &a[lo]))
+            VSWAP(mid, lo);
+        if (vkey_less(&a[hi], &a[lo]))
+            VSWAP(hi, lo);
+        if (vkey_less(&a[hi], &a[mid]))
+            VSWAP(hi, mid);
+        const struct vkey pv = a[mid];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (vkey_less(&a[i], &pv))
+                i++;
+            while (vkey_less(&pv, &a[j]))
+                j--;
+            if (i <= j) {
+                VSWAP(i, j);
+                i++, j--;
+            }
+        }
+#undef VSWAP
+        if (t <= j)
+            hi = j;
+        else if (t >= i)
+            lo = i;
+        else
+            return;
+    }
 }
 
 /* Puts the victims first in cand[0..n): by next-use distance, farthest
  * first (a counting sort over the L distances, O(n)), and by LRU inside the
- * one distance bucket that straddles the first `want` -- sorting all n with
- * a comparator cost several milliseconds per layer at 100K blocks, as much
- * as the recall itself. */
-static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_t want)
+ * one distance bucket that straddles the first `want`; ties in LRU keep the
+ * order cand had (a stable sort's). Only cand[0..exact) (exact >= want) is
+ * in that order: the straddling bucket's blocks past it are the right ones
+ * but in no particular order. Sorting all n with a comparator cost several
+ * milliseconds per layer at 100K blocks, as much as the recall itself; the
+ * bucket's first places are now selected (O(bucket)) and only they sorted. */
+static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_t want, uint32_t exact)
 {
     const uint32_t L = s->p.n_layer;
     uint32_t *count = s->order_count, *tmp = s->order_tmp;
+    if (s->p.evict_ref)
+        exact = n;
     memset(count, 0, (L + 1) * sizeof *count);
     for (uint32_t j = 0; j < n; j++)
         count[L - 1 - next_use_distance(s, cand[j]) + 1]++; /* bucket 0: farthest */
@@ -509,21 +659,83 @@ static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_
     for (uint32_t j = 0; j < n; j++)
         tmp[count[L - 1 - next_use_distance(s, cand[j])]++] = cand[j];
     memcpy(cand, tmp, (size_t)n * sizeof *cand);
-    /* count[d] is now the end of bucket d; sort the straddling bucket by LRU
+    /* count[d] is now the end of bucket d; order the straddling bucket by LRU
      * unless all its blocks were last used together (a whole layer) */
     uint32_t begin = 0;
     for (uint32_t d = 0; d < L; begin = count[d], d++) {
         if (count[d] <= want || count[d] == begin)
             continue;
+        const uint32_t m = count[d] - begin;
         uint64_t lo = UINT64_MAX, hi = 0;
         for (uint32_t j = begin; j < count[d]; j++) {
             lo = TKV_MIN(lo, s->blk[cand[j]].lru);
             hi = TKV_MAX(hi, s->blk[cand[j]].lru);
         }
-        if (lo != hi)
-            qsort_r(cand + begin, count[d] - begin, sizeof *cand, cmp_victim, s);
+        if (lo == hi)
+            break;
+        /* one bucket is one layer: at most head*max_blocks blocks */
+        struct vkey *key = s->vkeys;
+        for (uint32_t j = 0; j < m; j++)
+            key[j] = (struct vkey){.lru = s->blk[cand[begin + j]].lru, .pos = j, .blk = cand[begin + j]};
+        const uint32_t r = exact > begin ? TKV_MIN(m, exact - begin) : 0;
+        if (r < m && r > 0)
+            vkey_select(key, m, r);
+        qsort(key, r, sizeof *key, vkey_cmp);
+        for (uint32_t j = 0; j < m; j++)
+            cand[begin + j] = key[j].blk;
         break;
     }
+}
+
+/* Whether block i, holding a slot on memory tier t, may be evicted now. */
+static inline bool evictable(const struct tkv_kvs *s, int t, int32_t i, bool clean_only)
+{
+    const struct blk *k = &s->blk[i];
+    /* pinning is about compute residency: a pinned block's host copy may go */
+    return !(t == TKV_TIER_COMPUTE && k->pinned) && !(t == TKV_TIER_HOST && k->hpinned) && !k->inflight &&
+           (!clean_only || (k->valid & ~BIT(t)));
+}
+
+/* Collects in s->cand[t] (returns their count) the eviction candidates of
+ * memory tier t that the first k places of the victim order can come from,
+ * in slot order, as a scan of every slot would list them: all candidates of
+ * the layers farthest from the current one, as many layers as hold k of
+ * them. The victim order puts a farther layer's blocks first, so ordering
+ * these gives the full order's first k places. n_extra more blocks of
+ * extra_layer (< n_layer; else none) count as candidates (the caller appends
+ * them when *extra_in). With every layer taken this is the full scan. Per
+ * layer the tier counts its slots (pool.layer_used) and each slot's layer
+ * (pool.slot_layer), so only the chosen layers' blocks are read. */
+static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, uint64_t k, uint32_t extra_layer,
+                                   uint32_t n_extra, bool *extra_in)
+{
+    const struct pool *pl = &s->pool[t];
+    const uint32_t L = s->p.n_layer;
+    uint8_t *take = s->take_layer;
+    memset(take, 0, L + 1); /* take[L]: free slots, never */
+    uint32_t *cand = s->cand[t], n_cand = 0, d = 0;
+    if (s->p.evict_ref)
+        k = UINT64_MAX; /* every layer */
+    uint64_t bound = 0, target = k;
+    for (;;) {
+        while (d < L && bound < target) { /* farthest first: distance L-1-d */
+            const uint32_t layer = (s->cur_layer + L - 1 - d) % L;
+            take[layer] = 1;
+            bound += pl->layer_used[layer] + (layer == extra_layer ? n_extra : 0);
+            d++;
+        }
+        n_cand = 0;
+        for (uint32_t slot = 0; slot < pl->n; slot++)
+            if (take[pl->slot_layer[slot]] && evictable(s, t, pl->owner[slot], clean_only))
+                cand[n_cand++] = (uint32_t)pl->owner[slot];
+        STALL_COUNT(s, evict_scanned, pl->n);
+        const uint64_t found = n_cand + (extra_layer < L && take[extra_layer] ? n_extra : 0);
+        if (found >= k || d == L)
+            break;
+        target = bound + (k - found); /* pinned or in-flight blocks filled the bound: take more layers */
+    }
+    *extra_in = extra_layer < L && take[extra_layer];
+    return n_cand;
 }
 
 /* The error for dirty blocks of memory tier t with nowhere to go. */
@@ -551,6 +763,7 @@ static tkv_status spill_down(struct tkv_kvs *s, int t, const uint32_t *dirty, ui
         if (s->blk[dirty[j]].valid & ~BIT(t)) {
             drop_copy(s, dirty[j], t);
             (*freed)++;
+            STALL_COUNT(s, spilled_blocks, 1);
         }
     return TKV_OK;
 }
@@ -563,7 +776,19 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
 static tkv_status make_room(struct tkv_kvs *s, int t, uint32_t need) { return make_room_ex(s, t, need, false); }
 
 /* clean_only: free only what costs no I/O (prefetch); may free fewer. */
+static tkv_status make_room_ex_timed(struct tkv_kvs *s, int t, uint32_t need, bool clean_only);
+
 static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool clean_only)
+{
+    if (s->pool[t].n_free >= need)
+        return TKV_OK;
+    const int prev = part_switch(s, PART_EVICT);
+    tkv_status st = make_room_ex_timed(s, t, need, clean_only);
+    part_switch(s, prev);
+    return st;
+}
+
+static tkv_status make_room_ex_timed(struct tkv_kvs *s, int t, uint32_t need, bool clean_only)
 {
     struct pool *pl = &s->pool[t];
     if (pl->n_free >= need)
@@ -571,16 +796,13 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
     TKV_TRY(pool_grow(s, t, pl->n + (need - pl->n_free))); /* within capacity: just grow */
     if (pl->n_free >= need)
         return TKV_OK;
-    uint32_t *cand = s->cand[t], n_cand = 0;
-    for (uint32_t slot = 0; slot < pl->n; slot++) {
-        int32_t i = pl->owner[slot];
-        /* pinning is about compute residency: a pinned block's host copy may go */
-        if (i >= 0 && !(t == TKV_TIER_COMPUTE && s->blk[i].pinned) && !(t == TKV_TIER_HOST && s->blk[i].hpinned) &&
-            !s->blk[i].inflight &&
-            (!clean_only || (s->blk[i].valid & ~BIT(t))))
-            cand[n_cand++] = (uint32_t)i;
-    }
+    /* the loop below consumes at most want + IO_BATCH - 1 candidates (a
+     * batch of dirty victims is completed before `freed` is counted) */
     uint32_t want = need - pl->n_free;
+    const uint64_t exact = (uint64_t)want + IO_BATCH;
+    bool unused;
+    uint32_t *cand = s->cand[t];
+    uint32_t n_cand = collect_candidates(s, t, clean_only, exact, UINT32_MAX, 0, &unused);
     if (clean_only)
         want = TKV_MIN(want, n_cand);
     else if (n_cand < want)
@@ -588,7 +810,8 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
                        "kv-store: the %s tier (%u blocks of %u bytes) cannot hold the blocks in use; raise its "
                        "capacity",
                        tier_names[t], pl->cap, s->S);
-    order_victims(s, cand, n_cand, want);
+    STALL_COUNT(s, evict_passes, 1);
+    order_victims(s, cand, n_cand, want, (uint32_t)TKV_MIN(exact, n_cand));
     uint32_t freed = 0;
     for (uint32_t c = 0; c < n_cand && freed < want;) {
         /* a batch of victims. Clean ones (another current copy exists) are
@@ -607,6 +830,7 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
         if (nd > 0)
             TKV_TRY(spill_down(s, t, dirty, nd, &freed));
     }
+    STALL_COUNT(s, evicted_blocks, freed);
     return clean_only || pl->n_free >= need
                ? TKV_OK
                : tkv_err(TKV_ERR_INTERNAL, "kv-store: eviction freed too few slots (%s tier: need %u, free %u, %u candidates, freed %u)",
@@ -620,9 +844,11 @@ static tkv_status corrupt_error(struct tkv_kvs *s, uint32_t i, int from);
 
 static tkv_status verify(struct tkv_kvs *s, uint32_t i, const void *data, int from)
 {
-    if (tkv_crc32c(0, data, s->S) == s->blk[i].crc)
-        return TKV_OK;
-    return corrupt_error(s, i, from);
+    const int prev = part_switch(s, PART_VERIFY);
+    STALL_COUNT(s, verify_bytes, s->S);
+    const bool ok = tkv_crc32c(0, data, s->S) == s->blk[i].crc;
+    part_switch(s, prev);
+    return ok ? TKV_OK : corrupt_error(s, i, from);
 }
 
 /* Checksums of n payloads data[j] of blocks idx[j]; bad[j] = 1 where one does
@@ -646,11 +872,14 @@ static void verify_part(void *ctx, uint32_t ith, uint32_t nth)
 
 static void verify_batch(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n, uint8_t *bad)
 {
+    const int prev = part_switch(s, PART_VERIFY);
+    STALL_COUNT(s, verify_bytes, (uint64_t)n * s->S);
     struct verify_job job = {s, idx, data, bad, n};
     if (s->crc_pool && (uint64_t)n * s->S >= (1u << 20))
         tkv_pool_run(s->crc_pool, verify_part, &job);
     else
         verify_part(&job, 0, 1);
+    part_switch(s, prev);
 }
 
 /* The error for a block whose recalled copy failed its checksum. */
@@ -706,7 +935,11 @@ static tkv_status prefetch_settle_layer(struct tkv_kvs *s, uint32_t layer)
 static tkv_status upload_batch(struct tkv_kvs *s, uint32_t n)
 {
     struct up_batch *ub = &s->dm;
-    TKV_TRY(s->be->ops->upload_blocks(s->be, ub->dst, ub->src, n, s->S, NULL, NULL, &ub->ticket));
+    const int prev = part_switch(s, PART_ISSUE);
+    STALL_COUNT(s, upload_calls, 1);
+    tkv_status st = s->be->ops->upload_blocks(s->be, ub->dst, ub->src, n, s->S, NULL, NULL, &ub->ticket);
+    part_switch(s, prev);
+    TKV_TRY(st);
     for (uint32_t j = 0; j < n; j++)
         s->blk[ub->idx[j]].valid |= BIT(TKV_TIER_COMPUTE);
     s->st[TKV_TIER_NVME].bytes_out += (uint64_t)n * s->S;
@@ -726,7 +959,11 @@ static void prefetch_complete(struct tkv_kvs *s, const struct tkv_io_cqe *c)
     s->n_inflight--;
     s->inflight_reads[k->layer]--;
     const void *data = slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]);
-    if (c->result == (int64_t)s->S && tkv_crc32c(0, data, s->S) == k->crc) {
+    const int prev = part_switch(s, PART_VERIFY);
+    const bool ok = c->result == (int64_t)s->S && tkv_crc32c(0, data, s->S) == k->crc;
+    STALL_COUNT(s, verify_bytes, c->result == (int64_t)s->S ? s->S : 0);
+    part_switch(s, prev);
+    if (ok) {
         k->valid |= BIT(TKV_TIER_COMPUTE);
         s->st[TKV_TIER_NVME].bytes_out += s->S;
         s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
@@ -840,6 +1077,8 @@ static tkv_status up_send(struct tkv_kvs *s, struct up_batch *ub, uint32_t n)
         return TKV_OK;
     for (uint32_t j = first; j < n; j++)
         ub->crc[j] = s->blk[ub->idx[j]].crc;
+    const int prev = part_switch(s, PART_ISSUE);
+    STALL_COUNT(s, upload_calls, 1);
     tkv_status st = TKV_ERR_UNSUPPORTED;
     uint64_t ticket = 0;
     if (first == 0 || ub->on_device)
@@ -854,6 +1093,7 @@ static tkv_status up_send(struct tkv_kvs *s, struct up_batch *ub, uint32_t n)
         ub->sent = n;
         ub->ticket = ticket;
     }
+    part_switch(s, prev);
     return st;
 }
 
@@ -873,10 +1113,14 @@ static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
     ub->on_device = false;
     ub->ticket = 0;
     tkv_status st = TKV_OK;
-    if (on_device)
+    if (on_device) {
+        const int prev = part_switch(s, PART_WAIT);
+        STALL_COUNT(s, upload_waits, 1);
         st = s->be->ops->upload_wait(s->be, ticket, true, NULL); /* the verdicts */
-    else
+        part_switch(s, prev);
+    } else {
         verify_batch(s, ub->idx, ub->src, n, ub->bad);
+    }
     uint32_t good = 0;
     tkv_status bad = TKV_OK; /* the first corrupt block; the others stay usable */
     for (uint32_t j = 0; j < n; j++) {
@@ -897,7 +1141,9 @@ static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
     s->st[TKV_TIER_HOST].bytes_out += (uint64_t)good * s->S;
     s->st[TKV_TIER_COMPUTE].bytes_in += (uint64_t)good * s->S;
     /* always: a dropped slot's late copy must land before its next user */
+    const int prev = part_switch(s, PART_WAIT);
     tkv_status f = s->be->ops->upload_fence(s->be, ticket);
+    part_switch(s, prev);
     return st != TKV_OK ? st : f;
 }
 
@@ -924,7 +1170,10 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
         uint32_t m = TKV_MIN(IO_BATCH, n - j0);
         for (uint32_t r = 0; r < m; r++)
             s->ops[r] = (struct io_op){.blk = nv[j0 + r], .write = false, .buf = s->staging + (size_t)r * s->S};
-        if ((st = nvme_run(s, s->ops, m, s->results)) != TKV_OK)
+        const int prev = part_switch(s, PART_NVME);
+        st = nvme_run(s, s->ops, m, s->results);
+        part_switch(s, prev);
+        if (st != TKV_OK)
             break;
         if (s->staging_async) {
             struct up_batch *ub = &s->dm;
@@ -945,7 +1194,10 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
                 ub->dst[k++] = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[bi].slot[TKV_TIER_COMPUTE]);
             }
             tkv_status u = upload_batch(s, k);
+            const int prev = part_switch(s, PART_WAIT);
+            STALL_COUNT(s, upload_waits, 1);
             tkv_status w = s->be->ops->upload_wait(s->be, ub->ticket, true, NULL); /* the staging buffer is reused */
+            part_switch(s, prev);
             st = st != TKV_OK ? st : u != TKV_OK ? u : w;
             continue;
         }
@@ -1015,8 +1267,14 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
         tkv_status f = up_finish(s, ub, true); /* also after an error: what was sent lands first */
         st = st != TKV_OK ? st : u != TKV_OK ? u : f;
     }
-    if (st == TKV_OK && n_nv > 0)
-        st = s->p.compute_is_host ? nvme_stream_reads(s, nv, n_nv) : recall_nvme_staged(s, nv, n_nv);
+    if (st == TKV_OK && n_nv > 0 && s->p.compute_is_host) {
+        const int prev = part_switch(s, PART_NVME);
+        st = nvme_stream_reads(s, nv, n_nv);
+        part_switch(s, prev);
+    } else if (st == TKV_OK && n_nv > 0) {
+        st = recall_nvme_staged(s, nv, n_nv);
+    }
+    STALL_COUNT(s, recalled_blocks, n);
     if (st != TKV_OK && !s->broken) /* give back the slots that hold nothing current */
         for (uint32_t j = 0; j < n; j++)
             if (!(s->blk[idx[j]].valid & BIT(TKV_TIER_COMPUTE)) && s->blk[idx[j]].slot[TKV_TIER_COMPUTE] >= 0)
@@ -1033,12 +1291,15 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: zero dimension in parameters");
     if (p->block_tokens > 256)
         return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: block of %u tokens is too large (max 256)", p->block_tokens);
+    if (p->n_layer >= UINT16_MAX)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: %u layers are too many (max %u)", p->n_layer, UINT16_MAX - 1);
     struct tkv_kvs *s = calloc(1, sizeof *s);
     if (!s)
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory");
     s->p = *p;
     s->p.nvme_dir = NULL; /* not kept: only used here (pci_bus_id is the backend's, it outlives us) */
     s->be = backend;
+    s->part = PART_NONE;
     s->S = 4u * p->block_tokens * p->head_dim;
     s->max_blocks = (p->max_tokens + p->block_tokens - 1) / p->block_tokens;
     const uint64_t total = (uint64_t)p->n_layer * p->n_head_kv * s->max_blocks;
@@ -1059,11 +1320,13 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
     s->order_tmp = malloc(total * sizeof *s->order_tmp);
     s->order_count = malloc((p->n_layer + 1) * sizeof *s->order_count);
+    s->take_layer = calloc(p->n_layer + 1, 1);
+    s->vkeys = malloc(layer_blocks * sizeof *s->vkeys);
     s->run_below = malloc(s->max_blocks);
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->run_below || !s->inflight_reads || !s->ops || !s->results) {
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->take_layer || !s->vkeys || !s->run_below || !s->inflight_reads || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
     }
@@ -1081,7 +1344,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
                      (unsigned long long)(layer_blocks * s->S));
         goto fail;
     }
-    if ((st = pool_init(&s->pool[TKV_TIER_COMPUTE], (uint32_t)TKV_MIN(cap, total), p->compute_is_host)) != TKV_OK)
+    if ((st = pool_init(&s->pool[TKV_TIER_COMPUTE], (uint32_t)TKV_MIN(cap, total), p->compute_is_host, p->n_layer)) != TKV_OK)
         goto fail;
     if (!p->compute_is_host && p->host_bytes) {
         uint64_t hcap = TKV_MIN(p->host_bytes / s->S, total);
@@ -1090,7 +1353,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
                          (unsigned long long)p->host_bytes, IO_BATCH);
             goto fail;
         }
-        if ((st = pool_init(&s->pool[TKV_TIER_HOST], (uint32_t)hcap, true)) != TKV_OK ||
+        if ((st = pool_init(&s->pool[TKV_TIER_HOST], (uint32_t)hcap, true, p->n_layer)) != TKV_OK ||
             (st = pool_grow(s, TKV_TIER_HOST, (uint32_t)hcap)) != TKV_OK)
             goto fail;
     }
@@ -1101,7 +1364,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
             goto fail;
         }
         uint64_t ncap = p->nvme_bytes ? TKV_MIN(p->nvme_bytes / s->S, total) : total;
-        if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false)) != TKV_OK)
+        if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false, p->n_layer)) != TKV_OK)
             goto fail;
         struct tkv_io_params iop = tkv_io_default_params();
         iop.queue_depth = 256; /* a whole layer's recall streams at this depth */
@@ -1201,6 +1464,8 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->lists);
     free(s->order_tmp);
     free(s->order_count);
+    free(s->take_layer);
+    free(s->vkeys);
     free(s->run_below);
     free(s->inflight_reads);
     free(s->ops);
@@ -1265,11 +1530,15 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
     if (s->broken)
         return tkv_err(TKV_ERR_IO, "kv-store: the NVMe tier failed earlier; the session cannot continue");
     const double t0 = tkv_now_seconds();
+    s->part = PART_SETTLE;
+    s->part_t = t0;
+    s->sc.layers++;
     s->cur_layer = layer; /* eviction distances are measured from here */
     prefetch_drain_layer(s, layer);
     /* a prefetch of a later layer stays in flight (its blocks are not
      * evicted: in flight) and keeps the link busy meanwhile */
     tkv_status st = prefetch_settle_layer(s, layer);
+    part_switch(s, PART_OTHER);
     if (st != TKV_OK)
         goto out;
     uint32_t n_missing = 0, n_host = 0;
@@ -1368,8 +1637,11 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
 #undef HOST_READ
 #undef NEEDED
     s->cur_layer = layer;
-out:
-    s->stall += tkv_now_seconds() - t0;
+out:;
+    const double t1 = tkv_now_seconds();
+    s->part_s[s->part] += t1 - s->part_t;
+    s->part = PART_NONE;
+    s->stall += t1 - t0;
     if (st != TKV_OK)
         tkv_kvs_end_layer(s, layer);
     return st;
@@ -1757,20 +2029,17 @@ tkv_status tkv_kvs_import_n(struct tkv_kvs *s, uint32_t layer, uint32_t head, ui
         /* one victim order over what import would consider, one block at a
          * time: the evictable compute blocks, and the run's earlier blocks
          * (the last one is, like import's block, never its own victim) */
-        uint32_t *cand = s->cand[TKV_TIER_COMPUTE], n_cand = 0;
-        for (uint32_t slot = 0; slot < pc->n; slot++) {
-            int32_t i = pc->owner[slot];
-            if (i >= 0 && !s->blk[i].pinned && !s->blk[i].inflight)
-                cand[n_cand++] = (uint32_t)i;
-        }
-        for (uint32_t j = 0; j + 1 < n; j++)
+        uint32_t *cand = s->cand[TKV_TIER_COMPUTE];
+        bool run_in;
+        uint32_t n_cand = collect_candidates(s, TKV_TIER_COMPUTE, false, over, layer, n - 1, &run_in);
+        for (uint32_t j = 0; run_in && j + 1 < n; j++)
             cand[n_cand++] = base + j;
         if (n_cand < over)
             return tkv_err(TKV_ERR_NOMEM,
                            "kv-store: the %s tier (%u blocks of %u bytes) cannot hold the blocks in use; raise its "
                            "capacity",
                            tier_names[TKV_TIER_COMPUTE], pc->cap, s->S);
-        order_victims(s, cand, n_cand, over);
+        order_victims(s, cand, n_cand, over, over);
         uint32_t n_old = 0; /* victims already in the tier: evicted now */
         for (uint32_t c = 0; c < over; c++) {
             if (cand[c] >= base && cand[c] < base + n)
@@ -1819,6 +2088,14 @@ void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out)
         out->tier[t].peak_bytes = s->pool[t].peak;
     }
     out->stall_seconds = s->stall;
+    out->stall = s->sc;
+    out->stall.settle_s = s->part_s[PART_SETTLE];
+    out->stall.evict_s = s->part_s[PART_EVICT];
+    out->stall.verify_s = s->part_s[PART_VERIFY];
+    out->stall.upload_issue_s = s->part_s[PART_ISSUE];
+    out->stall.upload_wait_s = s->part_s[PART_WAIT];
+    out->stall.nvme_s = s->part_s[PART_NVME];
+    out->stall.other_s = s->part_s[PART_OTHER];
     out->prefetched_blocks = s->prefetched;
     out->corrupt_blocks = s->corrupt;
     out->host_read_blocks = s->host_reads;

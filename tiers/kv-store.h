@@ -45,6 +45,9 @@ struct tkv_kvs_params {
     const char *pci_bus_id;   /* GPU's bus id for NUMA placement, or NULL */
     uint32_t upload_piece_bytes; /* host -> GPU recalls are queued in pieces this
                                     large while the rest is prepared; 0 = 128 MiB */
+    bool     evict_ref;       /* test hook: every eviction scans every slot and orders the
+                                 whole bucket it cuts (the full pass the scoped one
+                                 replaced; it must pick the same victims in the same order) */
 };
 
 enum tkv_tier { TKV_TIER_COMPUTE = 0, TKV_TIER_HOST = 1, TKV_TIER_NVME = 2, TKV_TIER_COUNT = 3 };
@@ -58,9 +61,37 @@ struct tkv_tier_stats {
     uint64_t hits, misses; /* block wanted from this tier: present / absent */
 };
 
+/* Where the time inside begin_layer goes (stall_seconds, split). Each
+ * moment of a begin_layer call is counted in exactly one part, so the parts
+ * sum to stall_seconds; the counts are of work done inside begin_layer only
+ * (imports, prefetches and exports are not in them). */
+struct tkv_kvs_stall {
+    double settle_s;       /* this layer's prefetches drained, waited for and settled  */
+    double evict_s;        /* make_room: slot scans, victim ordering, drops, spills down */
+    double verify_s;       /* CRC-32C on the CPU: blocks read on the host tier (split),
+                              uploads the device cannot check, NVMe reads; and the
+                              checksums of dirty blocks spilled to the host tier      */
+    double upload_issue_s; /* host -> compute copies queued (upload_blocks), or done one
+                              by one (upload, memcpy on a host compute tier)          */
+    double upload_wait_s;  /* upload_wait (the copies and the device's checks), fences  */
+    double nvme_s;         /* NVMe reads issued and waited for                          */
+    double other_s;        /* the rest: page-table passes (needed blocks, pins, write
+                              marks, views), slots taken, recall lists                */
+    uint64_t layers;          /* begin_layer calls                                     */
+    uint64_t recalled_blocks; /* brought into the compute tier from host or NVMe       */
+    uint64_t evict_passes;    /* make_room calls that had to evict                     */
+    uint64_t evict_scanned;   /* slots those passes looked at                          */
+    uint64_t evicted_blocks;  /* blocks they dropped or moved down                     */
+    uint64_t spilled_blocks;  /* of those, dirty ones written down first (the rest: dropped) */
+    uint64_t upload_calls;    /* upload_blocks (or upload) calls                       */
+    uint64_t upload_waits;    /* upload_wait calls                                     */
+    uint64_t verify_bytes;    /* bytes CRC-checked (or checksummed, spills) on the CPU  */
+};
+
 struct tkv_kvs_stats {
     struct tkv_tier_stats tier[TKV_TIER_COUNT];
     double   stall_seconds;       /* waiting for recalls inside begin_layer   */
+    struct tkv_kvs_stall stall;   /* ... and where that time went             */
     uint64_t prefetched_blocks;   /* recalls started ahead of need             */
     uint64_t corrupt_blocks;      /* checksum mismatches detected              */
     uint64_t host_read_blocks;    /* blocks read in place on the host tier
