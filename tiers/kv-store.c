@@ -502,12 +502,14 @@ static tkv_status spill_to_nvme(struct tkv_kvs *s, int from, const uint32_t *idx
     return first != TKV_OK ? first : st;
 }
 
-/* Checksums of the n payloads data[j] of blocks idx[j] into their crc
- * fields, spread over the CRC threads like verify_batch. */
+/* The checksums of n payloads data[j] of blocks idx[j]: recorded into the
+ * blocks' crc fields (bad == NULL), or compared with them (bad[j] = 1 where
+ * they differ); spread over the CRC threads when there are enough bytes. */
 struct crc_job {
     struct tkv_kvs *s;
     const uint32_t *idx;
     const void *const *data;
+    uint8_t *bad;
     uint32_t n;
 };
 
@@ -516,17 +518,27 @@ static void crc_part(void *ctx, uint32_t ith, uint32_t nth)
     const struct crc_job *j = ctx;
     uint64_t b, e;
     tkv_split(j->n, ith, nth, &b, &e);
-    for (uint64_t r = b; r < e; r++)
-        j->s->blk[j->idx[r]].crc = tkv_crc32c(0, j->data[r], j->s->S);
+    for (uint64_t r = b; r < e; r++) {
+        const uint32_t c = tkv_crc32c(0, j->data[r], j->s->S);
+        if (j->bad)
+            j->bad[r] = c != j->s->blk[j->idx[r]].crc;
+        else
+            j->s->blk[j->idx[r]].crc = c;
+    }
 }
 
-static void crc_batch(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n)
+static void crc_run(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n, uint8_t *bad)
 {
-    struct crc_job job = {s, idx, data, n};
+    struct crc_job job = {s, idx, data, bad, n};
     if (s->crc_pool && (uint64_t)n * s->S >= (1u << 20))
         tkv_pool_run(s->crc_pool, crc_part, &job);
     else
         crc_part(&job, 0, 1);
+}
+
+static void crc_batch(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n)
+{
+    crc_run(s, idx, data, n, NULL);
 }
 
 /* Copies compute-tier blocks idx[0..n) (n <= IO_BATCH) to the host tier
@@ -853,32 +865,11 @@ static tkv_status verify(struct tkv_kvs *s, uint32_t i, const void *data, int fr
 
 /* Checksums of n payloads data[j] of blocks idx[j]; bad[j] = 1 where one does
  * not match. Spread over the CRC threads when there are enough bytes. */
-struct verify_job {
-    const struct tkv_kvs *s;
-    const uint32_t *idx;
-    const void *const *data;
-    uint8_t *bad;
-    uint32_t n;
-};
-
-static void verify_part(void *ctx, uint32_t ith, uint32_t nth)
-{
-    const struct verify_job *j = ctx;
-    uint64_t b, e;
-    tkv_split(j->n, ith, nth, &b, &e);
-    for (uint64_t r = b; r < e; r++)
-        j->bad[r] = tkv_crc32c(0, j->data[r], j->s->S) != j->s->blk[j->idx[r]].crc;
-}
-
 static void verify_batch(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n, uint8_t *bad)
 {
     const int prev = part_switch(s, PART_VERIFY);
     STALL_COUNT(s, verify_bytes, (uint64_t)n * s->S);
-    struct verify_job job = {s, idx, data, bad, n};
-    if (s->crc_pool && (uint64_t)n * s->S >= (1u << 20))
-        tkv_pool_run(s->crc_pool, verify_part, &job);
-    else
-        verify_part(&job, 0, 1);
+    crc_run(s, idx, data, n, bad);
     part_switch(s, prev);
 }
 
