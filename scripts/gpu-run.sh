@@ -11,7 +11,7 @@
 #                                      others' uncommitted GPU files would
 #                                      not build)
 #   scripts/gpu-run.sh model           here: split the model into .gpu-model/
-#   scripts/gpu-run.sh test [sanitize] there: build .gpu-snap, run ctest -R gpu
+#   scripts/gpu-run.sh test [sanitize] there: build .gpu-snap, run ctest -R gpu, kv-store, hetero
 #                                      (and compute-sanitizer memcheck)
 #   scripts/gpu-run.sh bench           there: build and run bench-attn
 #   scripts/gpu-run.sh attn [sanitize|-] [decode|prefill|decode,prefill]
@@ -75,11 +75,16 @@ test)
     if [ -f /tmp/m/model.gguf ]; then
         mkdir -p models && ln -sf /tmp/m/model.gguf models/SmolLM2-135M-Instruct.Q4_1.gguf
     fi
-    ctest --test-dir /tmp/tkv-build -R gpu -V > /tmp/ctest.log 2>&1 || rc=$?
+    # the GPU tests, and the store and hetero tests, whose configurations
+    # include a real GPU tier where one is
+    ctest --test-dir /tmp/tkv-build -R "gpu|kv-store|hetero" -V > /tmp/ctest.log 2>&1 || rc=$?
     grep -v "Test command\|Test timeout\|^UpdateCTest\|^Parse\|Environment\|^Constructing\|^Checking\|^Updating\|^Add " /tmp/ctest.log
     if [ "${2:-}" = sanitize ]; then
-        timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 /tmp/tkv-build/tests/test-gpu-backend 2>&1 \
-            | grep -E "ERROR SUMMARY|Invalid|checks,|SKIP|failed|^=========" | head -40 || true
+        for t in test-gpu-backend test-gpu-rabitq; do
+            echo "== memcheck $t"
+            timeout 300 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+                /tmp/tkv-build/tests/$t 2>&1 | grep -E "ERROR SUMMARY|Invalid|checks,|SKIP|failed|^=========" | head -40 || true
+        done
     fi
     exit "${rc:-0}"
     ;;
