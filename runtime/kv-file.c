@@ -28,8 +28,9 @@
 
 #define KV_MAGIC "TKVKVSV1"
 #define KV_VERSION 1u
-#define LOAD_RUN_BYTES (64u << 20) /* payloads installed per tkv_kvs_import_n call, at most: a
-                                      128K-token head of llama3-8b's shape, as the fill's runs */
+#define LOAD_RUN_BYTES (64u << 20) /* payloads installed per tkv_kvs_import_n call by load and
+                                      fork, at most: a 128K-token head of llama3-8b's shape, as
+                                      the fill's runs */
 
 struct kv_header {
     char     magic[8];
@@ -327,17 +328,31 @@ tkv_status tkv_session_fork(const tkv_session *src, const struct tkv_session_par
     }
     tkv_session *mut = (tkv_session *)src; /* export only drains I/O; the context is unchanged */
     const uint32_t L = s->hp.n_layer, H = s->hp.n_head_kv, nb = blocks_per_head(src);
-    uint8_t *payload = malloc(tkv_kvs_block_bytes(s->kv));
-    tkv_status st = payload ? tkv_kvs_reserve(s->kv, src->n_past) : tkv_err(TKV_ERR_NOMEM, "fork: out of memory");
+    const uint32_t S = tkv_kvs_block_bytes(s->kv);
+    /* blocks per import_n call: a head's, or as many as LOAD_RUN_BYTES hold;
+     * the new session's blocks are empty, so each run takes the store's
+     * one-pass path (as the load's) */
+    const uint32_t run = TKV_MAX(1u, TKV_MIN(nb, LOAD_RUN_BYTES / S));
+    uint8_t *payload = malloc((size_t)run * S);
+    const void **srcs = malloc((size_t)run * sizeof *srcs);
+    tkv_status st =
+        payload && srcs ? tkv_kvs_reserve(s->kv, src->n_past) : tkv_err(TKV_ERR_NOMEM, "fork: out of memory");
     if (st == TKV_OK) {
         tkv_kvs_set_length(s->kv, src->n_past);
         for (uint32_t l = 0; l < L && st == TKV_OK; l++)
             for (uint32_t h = 0; h < H && st == TKV_OK; h++)
-                for (uint32_t b = 0; b < nb && st == TKV_OK; b++)
-                    if ((st = tkv_kvs_export(mut->kv, l, h, b, payload)) == TKV_OK)
-                        st = tkv_kvs_import(s->kv, l, h, b, payload);
+                for (uint32_t b0 = 0; b0 < nb && st == TKV_OK; b0 += run) {
+                    const uint32_t n = TKV_MIN(run, nb - b0);
+                    for (uint32_t r = 0; r < n && st == TKV_OK; r++) {
+                        srcs[r] = payload + (size_t)r * S;
+                        st = tkv_kvs_export(mut->kv, l, h, b0 + r, payload + (size_t)r * S);
+                    }
+                    if (st == TKV_OK)
+                        st = tkv_kvs_import_n(s->kv, l, h, b0, n, srcs);
+                }
     }
     free(payload);
+    free(srcs);
     if (st == TKV_OK) {
         memcpy(s->tokens, src->tokens, (size_t)src->n_past * sizeof *s->tokens);
         memcpy(s->logits, src->logits, (size_t)s->hp.n_vocab * sizeof *s->logits);

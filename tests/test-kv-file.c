@@ -126,7 +126,8 @@ static void round_trip(tkv_model *m, bool spill_save, bool spill_load)
  * goes through tkv_kvs_import_n (counted by the store; the blocks that lose
  * go straight to NVMe, so the compute tier takes in fewer than all of them,
  * which importing one block at a time cannot do), most blocks end below, and
- * decoding continues bit for bit as in the session that was saved. */
+ * decoding continues bit for bit as in the session that was saved. The
+ * same for tkv_session_fork of the saved session into that cap. */
 static void tight_cap_load(void)
 {
     enum { N = 1000, NB = (N + 63) / 64, STEPS = 8 };
@@ -189,11 +190,27 @@ static void tight_cap_load(void)
     CHECK(tkv_session_n_past(b) == N && !memcmp(tkv_session_tokens(b), toks, N * sizeof *toks),
           "restored tokens differ");
     CHECK(tkv_logits(b) && !memcmp(tkv_logits(a), tkv_logits(b), n_vocab * sizeof(float)), "restored logits differ");
+    /* a fork into the same tight cap takes the bulk path too */
+    tkv_session *c = NULL;
+    st = tkv_session_fork(a, &sp, &c);
+    REQUIRE_VOID(st == TKV_OK);
+    struct tkv_kvs_stats kc;
+    tkv_kvs_get_stats(c->kv, &kc);
+    fprintf(stderr, "tight cap fork: %llu of %llu blocks bulk-imported\n", (unsigned long long)kc.bulk_blocks,
+            (unsigned long long)n_blk);
+    CHECK(kc.bulk_blocks == n_blk, "the fork bulk-imported %llu of %llu blocks", (unsigned long long)kc.bulk_blocks,
+          (unsigned long long)n_blk);
+    CHECK(kc.tier[TKV_TIER_COMPUTE].bytes_in < n_blk * S, "every forked block passed through the compute tier");
+    CHECK(tkv_logits(c) && !memcmp(tkv_logits(a), tkv_logits(c), n_vocab * sizeof(float)), "forked logits differ");
     for (int i = N; i < N + STEPS; i++) {
-        CHECK(tkv_decode(a, toks[i]) == TKV_OK && tkv_decode(b, toks[i]) == TKV_OK, "decode: %s", tkv_last_error());
+        CHECK(tkv_decode(a, toks[i]) == TKV_OK && tkv_decode(b, toks[i]) == TKV_OK && tkv_decode(c, toks[i]) == TKV_OK,
+              "decode: %s", tkv_last_error());
         CHECK(!memcmp(tkv_logits(a), tkv_logits(b), n_vocab * sizeof(float)),
               "decode step %d after a tight-cap restore differs", i);
+        CHECK(!memcmp(tkv_logits(a), tkv_logits(c), n_vocab * sizeof(float)),
+              "decode step %d after a tight-cap fork differs", i);
     }
+    tkv_session_free(c);
     unlink(path);
     tkv_session_free(a);
     tkv_session_free(b);
