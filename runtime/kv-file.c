@@ -28,9 +28,6 @@
 
 #define KV_MAGIC "TKVKVSV1"
 #define KV_VERSION 1u
-#define LOAD_RUN_BYTES (64u << 20) /* payloads installed per tkv_kvs_import_n call by load and
-                                      fork, at most: a 128K-token head of llama3-8b's shape, as
-                                      the fill's runs */
 
 struct kv_header {
     char     magic[8];
@@ -215,8 +212,8 @@ tkv_status tkv_session_load(tkv_session *s, const char *path)
         goto out;
     }
     const size_t n_blk = (size_t)h.n_layer * h.n_head_kv * h.n_blocks;
-    /* blocks per import_n call: a head's, or as many as LOAD_RUN_BYTES hold */
-    const uint32_t run = TKV_MAX(1u, TKV_MIN(h.n_blocks, LOAD_RUN_BYTES / S));
+    /* blocks per import_n call (the store's run size) */
+    const uint32_t run = tkv_kvs_import_run(s->kv, h.n_blocks);
     toks = malloc((size_t)h.n_tokens * sizeof *toks);
     logits = malloc((size_t)h.n_vocab * sizeof *logits);
     crcs = malloc(n_blk * sizeof *crcs);
@@ -329,10 +326,9 @@ tkv_status tkv_session_fork(const tkv_session *src, const struct tkv_session_par
     tkv_session *mut = (tkv_session *)src; /* export only drains I/O; the context is unchanged */
     const uint32_t L = s->hp.n_layer, H = s->hp.n_head_kv, nb = blocks_per_head(src);
     const uint32_t S = tkv_kvs_block_bytes(s->kv);
-    /* blocks per import_n call: a head's, or as many as LOAD_RUN_BYTES hold;
-     * the new session's blocks are empty, so each run takes the store's
-     * one-pass path (as the load's) */
-    const uint32_t run = TKV_MAX(1u, TKV_MIN(nb, LOAD_RUN_BYTES / S));
+    /* blocks per import_n call (the store's run size); the new session's
+     * blocks are empty, so each run takes the store's one-pass path */
+    const uint32_t run = tkv_kvs_import_run(s->kv, nb);
     uint8_t *payload = malloc((size_t)run * S);
     const void **srcs = malloc((size_t)run * sizeof *srcs);
     tkv_status st =

@@ -9,8 +9,6 @@
 #include <math.h>
 #include <stdlib.h>
 
-#define FILL_RUN_BYTES (64u << 20) /* moved copies imported per call: a 128K-token head of
-                                      llama3-8b's shape (2048 blocks of 32 KiB) */
 
 struct tkv_synth_params tkv_synth_default_params(void)
 {
@@ -129,9 +127,10 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
     const uint32_t nb_real = r / B, nb = (n_tokens + B - 1) / B;
     const bool plain = p->hot_spread == 0 && p->cold_spread == 0;
     /* the copies go into the store a run at a time (tkv_kvs_import_n: one
-     * eviction pass and batched uploads per run): a head's copies, or as
-     * many moved copies as FILL_RUN_BYTES hold */
-    const uint32_t run = plain ? nb - nb_real : TKV_MAX(1u, TKV_MIN(nb - nb_real, FILL_RUN_BYTES / S));
+     * eviction pass and batched uploads per run): a head's copies (plain:
+     * pointers to the real blocks), or as many moved copies as the store's
+     * run size holds */
+    const uint32_t run = plain ? nb - nb_real : tkv_kvs_import_run(s->kv, nb - nb_real);
     uint8_t *real = malloc((size_t)nb_real * S);
     uint8_t *moved = plain ? NULL : malloc((size_t)run * S); /* the run's moved copies */
     const void **srcs = malloc((size_t)run * sizeof *srcs);

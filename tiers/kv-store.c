@@ -572,8 +572,9 @@ static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t
     }
     if (st == TKV_OK && s->be->ops->download_blocks)
         st = s->be->ops->download_blocks(s->be, dst, src, n, s->S);
-    for (uint32_t j = 0; st == TKV_OK && !s->be->ops->download_blocks && j < n; j++)
-        st = s->be->ops->download(s->be, dst[j], src[j], s->S);
+    else
+        for (uint32_t j = 0; st == TKV_OK && j < n; j++)
+            st = s->be->ops->download(s->be, dst[j], src[j], s->S);
     if (st != TKV_OK) {
         for (uint32_t j = 0; j < taken; j++)
             drop_copy(s, idx[j], TKV_TIER_HOST);
@@ -787,24 +788,24 @@ static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool cle
  * exists) are dropped for free; others are written down first. */
 static tkv_status make_room(struct tkv_kvs *s, int t, uint32_t need) { return make_room_ex(s, t, need, false); }
 
-/* clean_only: free only what costs no I/O (prefetch); may free fewer. */
-static tkv_status make_room_ex_timed(struct tkv_kvs *s, int t, uint32_t need, bool clean_only);
+static tkv_status evict_for(struct tkv_kvs *s, int t, uint32_t need, bool clean_only);
 
+/* clean_only: free only what costs no I/O (prefetch); may free fewer. The
+ * time goes to the stall's evict part. */
 static tkv_status make_room_ex(struct tkv_kvs *s, int t, uint32_t need, bool clean_only)
 {
     if (s->pool[t].n_free >= need)
         return TKV_OK;
     const int prev = part_switch(s, PART_EVICT);
-    tkv_status st = make_room_ex_timed(s, t, need, clean_only);
+    tkv_status st = evict_for(s, t, need, clean_only);
     part_switch(s, prev);
     return st;
 }
 
-static tkv_status make_room_ex_timed(struct tkv_kvs *s, int t, uint32_t need, bool clean_only)
+/* make_room_ex's work, with fewer than `need` slots free. */
+static tkv_status evict_for(struct tkv_kvs *s, int t, uint32_t need, bool clean_only)
 {
     struct pool *pl = &s->pool[t];
-    if (pl->n_free >= need)
-        return TKV_OK;
     TKV_TRY(pool_grow(s, t, pl->n + (need - pl->n_free))); /* within capacity: just grow */
     if (pl->n_free >= need)
         return TKV_OK;
@@ -1890,6 +1891,7 @@ static tkv_status import_below(struct tkv_kvs *s, uint32_t base, const void *con
             }
         if (m == 0)
             break;
+        const void *copy[IO_BATCH]; /* where the payloads are now: checksummed on the CRC threads */
         if (host) {
             TKV_TRY(make_room(s, TKV_TIER_HOST, m));
             for (uint32_t r = 0; r < m; r++) {
@@ -1900,10 +1902,11 @@ static tkv_status import_below(struct tkv_kvs *s, uint32_t base, const void *con
                 k->slot[TKV_TIER_HOST] = hs;
                 uint8_t *dst = slot_ptr(s, TKV_TIER_HOST, hs);
                 memcpy(dst, from[r], s->S);
-                k->crc = tkv_crc32c(0, dst, s->S);
+                copy[r] = dst;
                 k->valid = BIT(TKV_TIER_HOST);
-                s->st[TKV_TIER_HOST].bytes_in += s->S;
             }
+            crc_batch(s, run, copy, m);
+            s->st[TKV_TIER_HOST].bytes_in += (uint64_t)m * s->S;
             continue;
         }
         if (!s->pool[TKV_TIER_NVME].present)
@@ -1912,9 +1915,10 @@ static tkv_status import_below(struct tkv_kvs *s, uint32_t base, const void *con
             TKV_TRY(nvme_slot(s, run[r]));
             uint8_t *buf = s->staging + (size_t)r * s->S;
             memcpy(buf, from[r], s->S);
-            s->blk[run[r]].crc = tkv_crc32c(0, buf, s->S);
+            copy[r] = buf;
             s->ops[r] = (struct io_op){.blk = run[r], .write = true, .buf = buf};
         }
+        crc_batch(s, run, copy, m);
         tkv_status st = nvme_run(s, s->ops, m, s->results);
         for (uint32_t r = 0; r < m; r++)
             if (s->results[r] == (int64_t)s->S) {
@@ -1984,6 +1988,11 @@ static tkv_status import_up(struct tkv_kvs *s, uint32_t base, const void *const 
             if (!s->run_below[r] && !(s->blk[base + r].valid & BIT(TKV_TIER_COMPUTE)))
                 drop_copy(s, base + r, TKV_TIER_COMPUTE);
     return st;
+}
+
+uint32_t tkv_kvs_import_run(const struct tkv_kvs *s, uint32_t n_blocks)
+{
+    return TKV_MAX(1u, TKV_MIN(n_blocks, (64u << 20) / s->S));
 }
 
 tkv_status tkv_kvs_import_n(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b0, uint32_t n,

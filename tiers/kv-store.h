@@ -200,6 +200,10 @@ tkv_status tkv_kvs_import(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
  * its payload or nothing); the error names the block. */
 tkv_status tkv_kvs_import_n(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b0, uint32_t n,
                             const void *const *src);
+/* How many blocks a caller of tkv_kvs_import_n stages per call for a head
+ * of n_blocks: all of them, or as many as 64 MiB of payloads hold (a
+ * 128K-token head of llama3-8b's shape); at least 1. */
+uint32_t tkv_kvs_import_run(const struct tkv_kvs *s, uint32_t n_blocks);
 
 /* Moves block b of (layer, head) to a lower tier now (a policy's page-out). */
 tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b);
