@@ -203,7 +203,11 @@ static void segment_case(struct tkv_backend *be, uint32_t H, uint32_t Hkv, uint3
         CHECK(isnan(probs[(size_t)g * stride + nb]), "segment head %u: wrote past its %u blocks", g, nb);
         double hr;
         ref_segment(&f, q, n_q, H, n_past, block, g, P, &hr);
-        const double ep = rel_err(probs + (size_t)g * stride, P, nb, 1e-30), eh = fabs(ent[g] - hr) / (hr + 1e-6);
+        /* the entropy relative to H + 1e-3 nats: P is f32, and a probability
+         * near 1 is off by up to 2^-24 from the exact one; its term -p ln p
+         * ~ 1 - p moves by as much, so an entropy of ~1e-9 (one key taking
+         * everything) is only known to ~6e-8 nats absolute */
+        const double ep = rel_err(probs + (size_t)g * stride, P, nb, 1e-30), eh = fabs(ent[g] - hr) / (hr + 1e-3);
         worst_p = ep > worst_p ? ep : worst_p;
         worst_h = eh > worst_h ? eh : worst_h;
         h_min = ent[g] < h_min ? ent[g] : h_min;
