@@ -5,7 +5,7 @@
  *
  *   bench-stall [--ctx 131072] [--layers 32] [--heads 8] [--head-dim 16] [--block-tokens 64]
  *               [--compute-frac 0.5] [--read 0.10] [--fresh 0.25] [--host-read 0]
- *               [--steps 8] [--warmup 2] [--seed 1] [--evict-ref]
+ *               [--steps 8] [--warmup 2] [--seed 1] [--evict-ref] [--walk-ref]
  *
  * The compute tier is a "device": the CPU backend behind a wrapper that
  * says its memory is not host memory and queues block uploads (copied at
@@ -25,6 +25,9 @@
  * --host-read, that share of the needed host-tier blocks is read in place
  * (begin_layer_split, the heterogeneous path). --evict-ref: the store's
  * reference eviction (every slot scanned, the cut bucket sorted whole).
+ * --walk-ref: the store's reference begin_layer (every block of the layer
+ * walked, pinned and stamped; with --read 1 the steps are whole-layer reads,
+ * which otherwise look only at the blocks that can have changed).
  */
 #include "cpu/cpu.h"
 #include "tiers/kv-store.h"
@@ -119,10 +122,11 @@ int main(int argc, char **argv)
 {
     uint32_t ctx = 131072, L = 32, H = 8, hd = 16, B = 64, steps = 8, warmup = 2;
     double compute_frac = 0.5, read = 0.10, fresh = 0.25, host_read = 0;
-    bool evict_ref = false;
+    bool evict_ref = false, walk_ref = false;
     for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--evict-ref")) evict_ref = true, i--;
+        else if (!strcmp(a, "--walk-ref")) walk_ref = true, i--;
         else if (!strcmp(a, "--ctx")) ctx = (uint32_t)atoi(v);
         else if (!strcmp(a, "--layers")) L = (uint32_t)atoi(v);
         else if (!strcmp(a, "--heads")) H = (uint32_t)atoi(v);
@@ -153,7 +157,8 @@ int main(int argc, char **argv)
     const uint64_t total = (uint64_t)L * H * MB;
     struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = hd, .block_tokens = B,
                                .max_tokens = MB * B, .compute_bytes = (uint64_t)(compute_frac * total) * S,
-                               .host_bytes = total * S, .evict_ref = evict_ref};
+                               .host_bytes = total * S, .evict_ref = evict_ref,
+                               .walk_ref = walk_ref};
     struct tkv_kvs *s;
     if (tkv_kvs_init(&p, &d.base, &s) != TKV_OK)
         return die("init");
@@ -179,6 +184,7 @@ int main(int argc, char **argv)
     for (size_t j = 0; j < (size_t)L * H * MBs; j++)
         hot[j] = (uint32_t)(rnd() % 1000000) < (uint32_t)(read * (1 - fresh) * 1e6);
     struct tkv_kvs_stats a, z;
+    const bool whole = read >= 1 && host_read <= 0; /* no selection to make */
     uint32_t pos = ctx;
     double step_s = 0;
     for (uint32_t st = 0; st < warmup + steps; st++, pos++) {
@@ -189,6 +195,12 @@ int main(int argc, char **argv)
         tkv_kvs_set_length(s, pos + 1);
         const uint32_t n_b = (pos + 1 + B - 1) / B;
         for (uint32_t l = 0; l < L; l++) {
+            if (whole || st < warmup) { /* every block: the engine's begin_layer without a selection */
+                if (tkv_kvs_begin_layer(s, l, pos, 1) != TKV_OK)
+                    return die("begin_layer");
+                tkv_kvs_end_layer(s, l);
+                continue;
+            }
             for (uint32_t h = 0; h < H; h++)
                 for (uint32_t b = 0; b < n_b; b++) {
                     const size_t r = (size_t)h * MBs + b;
@@ -196,9 +208,7 @@ int main(int argc, char **argv)
                               (uint32_t)(rnd() % 1000000) < (uint32_t)(read * fresh * 1e6);
                     host_ok[r] = (uint32_t)(rnd() % 1000000) < (uint32_t)(host_read * 1e6);
                 }
-            tkv_status e = st < warmup ? tkv_kvs_begin_layer(s, l, pos, 1)
-                                       : tkv_kvs_begin_layer_split(s, l, pos, 1, need, host_read > 0 ? host_ok : NULL,
-                                                                   NULL);
+            tkv_status e = tkv_kvs_begin_layer_split(s, l, pos, 1, need, host_read > 0 ? host_ok : NULL, NULL);
             if (e != TKV_OK)
                 return die("begin_layer");
             tkv_kvs_end_layer(s, l);
@@ -214,6 +224,8 @@ int main(int argc, char **argv)
            "warm-up, %u steps\n\n",
            ctx, L, H, nb, S, B, compute_frac * 100, (unsigned long long)(compute_frac * total), read, fresh, host_read,
            evict_ref ? "reference (full scan)" : "scoped", fill_s, warmup, steps);
+    if (whole)
+        printf("steps: whole-layer reads (no selection)%s\n\n", walk_ref ? ", every block walked (--walk-ref)" : "");
     printf("| step ms | stall ms | settle | evict | verify | upload issue | upload wait | nvme | other | recalls | "
            "evict passes | scanned K slots | evicted | spilled | uploads | waits | CPU CRC MB | us/recall |\n");
     printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");

@@ -813,14 +813,16 @@ static void test_gpu_upload_blocks(struct tkv_backend *g)
  * threshold and block sizes, random starting values and alignments. */
 /* ---- scoped eviction against the full pass --------------------------------------- */
 
-/* Decode-like traffic (appends, selections of a layer's blocks, split reads
- * on the host tier, prefetches, demotions, bulk imports) on two stores in
- * lockstep: one evicting with the scoped scan (the farthest layers only, the
- * cut bucket's first places selected), one with the full reference pass
- * (evict_ref). After every operation each block must sit on the same tier in
- * both and the tier counters must agree: the same victims, in the same
- * order. A layer's views must be byte-identical across the two. With more
- * layers than the mirror test, so that a pass really takes only a few. */
+/* Decode-like traffic (appends, whole-layer reads, selections of a layer's
+ * blocks, split reads on the host tier, prefetches, demotions, bulk imports)
+ * on two stores in lockstep: one with the fast paths (eviction scanning the
+ * farthest layers only, the cut bucket's first places selected; whole-layer
+ * reads pinned and stamped as one, walking only the blocks that can have
+ * changed), one with the reference passes (evict_ref, walk_ref). After every
+ * operation each block must sit on the same tier in both and the tier
+ * counters must agree: the same victims, in the same order. A layer's views
+ * must be byte-identical across the two. With more layers than the mirror
+ * test, so that a pass really takes only a few. */
 enum { EL = 12, EH = 2, EB = 16, EHD = 64, ECTX = 512, ENB = ECTX / EB, ES = 4 * EB * EHD };
 
 static bool evict_same(struct tkv_kvs *a, struct tkv_kvs *r, const char *name, int op)
@@ -885,7 +887,8 @@ static void test_evict_scoped(bool compute_is_host, const char *name)
                                    .max_tokens = ECTX, .compute_is_host = compute_is_host,
                                    .compute_bytes = (uint64_t)3 * EH * ENB * ES, /* 3 of 12 layers */
                                    .host_bytes = compute_is_host ? 0 : (uint64_t)5 * EH * ENB * ES,
-                                   .nvme_dir = spill_dir, .upload_piece_bytes = 5 * ES, .evict_ref = i == 1};
+                                   .nvme_dir = spill_dir, .upload_piece_bytes = 5 * ES, .evict_ref = i == 1,
+                                   .walk_ref = i == 1};
         tkv_status e = tkv_kvs_init(&p, be, &st[i]);
         CHECK(e == TKV_OK, "%s: kvs_init: %s", name, tkv_last_error());
     }
@@ -903,8 +906,13 @@ static void test_evict_scoped(bool compute_is_host, const char *name)
             for (int i = 0; i < 2; i++) {
                 CHECK(tkv_kvs_reserve(st[i], len + n) == TKV_OK, "%s: reserve: %s", name, tkv_last_error());
                 tkv_kvs_set_length(st[i], len + n);
-                uint64_t g = seed;
-                for (uint32_t ll = 0; ll < EL; ll++) {
+            }
+            /* layer by layer on both stores: the whole-layer reads' views
+             * (the shortcut's against every block walked) compared after
+             * the writes */
+            for (uint32_t ll = 0; ll < EL && test_failures_ == fail0; ll++) {
+                for (int i = 0; i < 2; i++) {
+                    uint64_t g = seed ^ ll;
                     tkv_status e = tkv_kvs_begin_layer(st[i], ll, len, n);
                     CHECK(e == TKV_OK, "%s op %d: begin_layer: %s", name, op, tkv_last_error());
                     if (e != TKV_OK)
@@ -918,10 +926,21 @@ static void test_evict_scoped(bool compute_is_host, const char *name)
                             be->ops->upload(be, k, row, EHD * 2);
                             be->ops->upload(be, v, row + EHD * 2, EHD * 2);
                         }
-                    tkv_kvs_end_layer(st[i], ll);
                 }
+                if (test_failures_ == fail0)
+                    views_same(st[0], st[1], ll, false, name, op);
+                tkv_kvs_end_layer(st[0], ll);
+                tkv_kvs_end_layer(st[1], ll);
             }
             len += n;
+        } else if (r < 40 && nb > 0) { /* a whole layer read (no write) */
+            for (int i = 0; i < 2; i++)
+                CHECK(tkv_kvs_begin_layer(st[i], l, 0, 0) == TKV_OK, "%s op %d: begin_layer: %s", name, op,
+                      tkv_last_error());
+            if (test_failures_ == fail0)
+                views_same(st[0], st[1], l, false, name, op);
+            tkv_kvs_end_layer(st[0], l);
+            tkv_kvs_end_layer(st[1], l);
         } else if (r < 75 && nb > 0) { /* a selection (and some blocks read on the host tier) */
             uint64_t g = seed;
             memset(need, 0, sizeof need);

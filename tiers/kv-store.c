@@ -121,8 +121,23 @@ struct tkv_kvs {
     uint64_t clock;
     struct blk *blk;         /* [layer][head][max_blocks]             */
     struct pool pool[TKV_TIER_COUNT];
-    struct tkv_kv_block_ref *refs; /* [head][max_blocks] views of the current layer */
-    struct tkv_kv_block_ref *host_refs; /* [head][max_blocks] its blocks read on the host tier */
+    struct tkv_kv_block_ref *refs; /* [layer][head][max_blocks] views, each layer's as
+                                      its last begin_layer left them            */
+    struct tkv_kv_block_ref *host_refs; /* [head][max_blocks] the current layer's blocks read
+                                           on the host tier (begin_layer_split)      */
+    /* Whole-layer reads (begin_layer without a selection or host reads): the
+     * layer is pinned and LRU-stamped as one instead of block by block, and
+     * its views are kept: while no compute slot of the layer changes hands
+     * (layer_gen) only the blocks from the last one its views cover on can
+     * have changed (the last grows; new ones follow). */
+    uint8_t  *layer_pin;     /* [layer] 1 between a whole-layer begin and its end */
+    uint64_t *layer_lru;     /* [layer] the clock of its last whole-layer read: a
+                                block's LRU stamp is the later of this and its own */
+    uint64_t *layer_gen;     /* [layer] bumped when one of its compute slots is
+                                taken or given                               */
+    uint64_t *views_gen;     /* [layer] layer_gen when refs[layer] was last made
+                                complete (every block present); VIEWS_STALE: not */
+    uint32_t *views_nb;      /* [layer] blocks per head those complete views covered */
     uint32_t *hlist;         /* [head*max_blocks] blocks read on the host tier this layer */
     const void **hdata;      /* [head*max_blocks] their payloads                  */
     uint8_t *hbad;           /* [head*max_blocks] their checksum verdicts         */
@@ -174,6 +189,21 @@ struct tkv_kvs {
 };
 
 /* ---- small helpers ------------------------------------------------------------ */
+
+#define VIEWS_STALE UINT64_MAX
+
+/* A block's LRU stamp and its compute pin, the per-block state combined with
+ * its layer's (whole-layer reads set only the layer's). */
+static inline uint64_t blk_lru(const struct tkv_kvs *s, uint32_t i)
+{
+    const struct blk *k = &s->blk[i];
+    return TKV_MAX(k->lru, s->layer_lru[k->layer]);
+}
+
+static inline bool blk_pinned(const struct tkv_kvs *s, const struct blk *k)
+{
+    return k->pinned || s->layer_pin[k->layer];
+}
 
 /* The view entry of block b whose payload (K then V) is at p, or an entry
  * without pointers (p NULL: the block is not read from there). */
@@ -294,6 +324,8 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
     if (pl->n_free == 0)
         return -1;
     int32_t slot = pl->free_list[--pl->n_free];
+    if (t == TKV_TIER_COMPUTE)
+        s->layer_gen[s->blk[owner].layer]++;
     pl->owner[slot] = (int32_t)owner;
     pl->slot_layer[slot] = (uint16_t)s->blk[owner].layer;
     pl->layer_used[s->blk[owner].layer]++;
@@ -305,6 +337,8 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
 static void pool_give(struct tkv_kvs *s, int t, int32_t slot)
 {
     struct pool *pl = &s->pool[t];
+    if (t == TKV_TIER_COMPUTE)
+        s->layer_gen[pl->slot_layer[slot]]++;
     pl->layer_used[pl->slot_layer[slot]]--;
     pl->slot_layer[slot] = (uint16_t)s->p.n_layer;
     pl->owner[slot] = -1;
@@ -681,15 +715,15 @@ static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_
         const uint32_t m = count[d] - begin;
         uint64_t lo = UINT64_MAX, hi = 0;
         for (uint32_t j = begin; j < count[d]; j++) {
-            lo = TKV_MIN(lo, s->blk[cand[j]].lru);
-            hi = TKV_MAX(hi, s->blk[cand[j]].lru);
+            lo = TKV_MIN(lo, blk_lru(s, cand[j]));
+            hi = TKV_MAX(hi, blk_lru(s, cand[j]));
         }
         if (lo == hi)
             break;
         /* one bucket is one layer: at most head*max_blocks blocks */
         struct vkey *key = s->vkeys;
         for (uint32_t j = 0; j < m; j++)
-            key[j] = (struct vkey){.lru = s->blk[cand[begin + j]].lru, .pos = j, .blk = cand[begin + j]};
+            key[j] = (struct vkey){.lru = blk_lru(s, cand[begin + j]), .pos = j, .blk = cand[begin + j]};
         const uint32_t r = exact > begin ? TKV_MIN(m, exact - begin) : 0;
         if (r < m && r > 0)
             vkey_select(key, m, r);
@@ -705,7 +739,7 @@ static inline bool evictable(const struct tkv_kvs *s, int t, int32_t i, bool cle
 {
     const struct blk *k = &s->blk[i];
     /* pinning is about compute residency: a pinned block's host copy may go */
-    return !(t == TKV_TIER_COMPUTE && k->pinned) && !(t == TKV_TIER_HOST && k->hpinned) && !k->inflight &&
+    return !(t == TKV_TIER_COMPUTE && blk_pinned(s, k)) && !(t == TKV_TIER_HOST && k->hpinned) && !k->inflight &&
            (!clean_only || (k->valid & ~BIT(t)));
 }
 
@@ -1302,7 +1336,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         goto fail;
     }
     s->blk = malloc(total * sizeof *s->blk);
-    s->refs = calloc(layer_blocks, sizeof *s->refs);
+    s->refs = calloc(total, sizeof *s->refs); /* untouched pages of unused layers stay unmapped */
     s->host_refs = calloc(layer_blocks, sizeof *s->host_refs);
     s->hlist = malloc(layer_blocks * sizeof *s->hlist);
     s->hdata = malloc(layer_blocks * sizeof *s->hdata);
@@ -1316,14 +1350,22 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->vkeys = malloc(layer_blocks * sizeof *s->vkeys);
     s->run_below = malloc(s->max_blocks);
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
+    s->layer_pin = calloc(p->n_layer, sizeof *s->layer_pin);
+    s->layer_lru = calloc(p->n_layer, sizeof *s->layer_lru);
+    s->layer_gen = calloc(p->n_layer, sizeof *s->layer_gen);
+    s->views_gen = malloc(p->n_layer * sizeof *s->views_gen);
+    s->views_nb = calloc(p->n_layer, sizeof *s->views_nb);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->take_layer || !s->vkeys || !s->run_below || !s->inflight_reads || !s->ops || !s->results) {
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->take_layer || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
+        !s->views_nb || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
     }
     for (uint64_t i = 0; i < total; i++)
         s->blk[i] = (struct blk){.slot = {-1, -1, -1}, .layer = (uint32_t)(i / layer_blocks)};
+    for (uint32_t l = 0; l < p->n_layer; l++)
+        s->views_gen[l] = VIEWS_STALE;
 
     /* compute tier: must hold at least one layer's blocks for the whole context */
     uint64_t cap = p->compute_bytes ? p->compute_bytes / s->S : total;
@@ -1460,6 +1502,11 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->vkeys);
     free(s->run_below);
     free(s->inflight_reads);
+    free(s->layer_pin);
+    free(s->layer_lru);
+    free(s->layer_gen);
+    free(s->views_gen);
+    free(s->views_nb);
     free(s->ops);
     free(s->results);
     free(s);
@@ -1536,10 +1583,26 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
     uint32_t n_missing = 0, n_host = 0;
     s->clock++;
     const uint32_t w0 = n_write ? write_pos / B : UINT32_MAX, w1 = n_write ? (write_pos + n_write - 1) / B : 0;
-#define NEEDED(h, b) (!need || need[(size_t)(h) * s->max_blocks + (b)] || ((b) >= w0 && (b) <= w1))
     /* left on the host tier: allowed, not about to be written, and its
      * current copy is there and not in the compute tier */
     const bool split = host_ok && s->pool[TKV_TIER_HOST].present;
+    /* A whole-layer read pins and stamps the layer as one. Its blocks below
+     * b0 are known to be in the compute tier with the views refs[layer]
+     * holds: the last whole-layer read made those views complete, and no
+     * compute slot of the layer changed hands since (any move of a block in
+     * or out of the compute tier takes or gives one). From b0 on a block may
+     * have grown (the last one then), be new, or be anywhere. */
+    const bool whole = !need && !split && !s->p.walk_ref;
+    uint32_t b0 = 0;
+    if (whole) {
+        if (s->views_gen[layer] == s->layer_gen[layer] && s->views_nb[layer] > 0)
+            b0 = TKV_MIN(TKV_MIN(s->views_nb[layer] - 1, nb), w0);
+        s->layer_pin[layer] = 1;
+        s->layer_lru[layer] = s->clock;
+        s->st[TKV_TIER_COMPUTE].hits += (uint64_t)H * b0;
+    }
+    s->views_gen[layer] = VIEWS_STALE; /* until this begin has completed them */
+#define NEEDED(h, b) (!need || need[(size_t)(h) * s->max_blocks + (b)] || ((b) >= w0 && (b) <= w1))
     /* host blocks pinned in place must leave the host tier room for a batch
      * of spills (make_room spills IO_BATCH at a time), so that no recall of
      * this begin finds the host tier full of pins; beyond that, recalled */
@@ -1548,19 +1611,21 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
     (split && n_host < max_host && host_ok[(size_t)(h) * s->max_blocks + (b)] && !((b) >= w0 && (b) <= w1) &&     \
      !((k)->valid & BIT(TKV_TIER_COMPUTE)) && ((k)->valid & BIT(TKV_TIER_HOST)))
     for (uint32_t h = 0; h < H; h++)
-        for (uint32_t b = 0; b < nb; b++) {
+        for (uint32_t b = b0; b < nb; b++) {
             if (!NEEDED(h, b))
                 continue;
             uint32_t i = blk_index(s, layer, h, b);
             struct blk *k = &s->blk[i];
-            k->lru = s->clock;
-            if (HOST_READ(h, b, k)) { /* pinned on the host tier before anything can spill into it */
-                k->hpinned = 1;
-                s->hlist[n_host] = i;
-                s->hdata[n_host++] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
-                continue;
+            if (!whole) {
+                k->lru = s->clock;
+                if (HOST_READ(h, b, k)) { /* pinned on the host tier before anything can spill into it */
+                    k->hpinned = 1;
+                    s->hlist[n_host] = i;
+                    s->hdata[n_host++] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                    continue;
+                }
+                k->pinned = 1;
             }
-            k->pinned = 1;
             if (k->valid & BIT(TKV_TIER_COMPUTE)) {
                 s->st[TKV_TIER_COMPUTE].hits++;
             } else {
@@ -1612,18 +1677,23 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
                     drop_copy(s, i, TKV_TIER_HOST);
                 s->blk[i].valid = BIT(TKV_TIER_COMPUTE); /* the NVMe slot is kept for the next spill */
             }
-    /* the views of this layer (blocks left out: no pointers), and those of
-     * the blocks read on the host tier */
+    /* the views of this layer from b0 on (blocks left out: no pointers),
+     * and those of the blocks read on the host tier */
+    struct tkv_kv_block_ref *refs = s->refs + (size_t)layer * H * s->max_blocks;
     for (uint32_t h = 0; h < H; h++)
-        for (uint32_t b = 0; b < nb; b++) {
+        for (uint32_t b = b0; b < nb; b++) {
             const struct blk *k = &s->blk[blk_index(s, layer, h, b)];
             const bool on_host = NEEDED(h, b) && k->hpinned;
             uint8_t *p = NEEDED(h, b) && !on_host ? slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]) : NULL;
-            uint8_t *hp = on_host ? slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]) : NULL;
             const size_t r = (size_t)h * s->max_blocks + b;
-            s->refs[r] = block_ref(s, b, p);
-            s->host_refs[r] = block_ref(s, b, hp);
+            refs[r] = block_ref(s, b, p);
+            if (!whole)
+                s->host_refs[r] = block_ref(s, b, on_host ? slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]) : NULL);
         }
+    if (!need && n_host == 0) { /* complete: the next whole-layer read may start from the last block */
+        s->views_gen[layer] = s->layer_gen[layer];
+        s->views_nb[layer] = nb;
+    }
     if (n_host_out)
         *n_host_out = n_host;
 #undef HOST_READ
@@ -1641,6 +1711,10 @@ out:;
 
 void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
 {
+    if (s->layer_pin[layer]) { /* a whole-layer read: nothing was pinned block by block */
+        s->layer_pin[layer] = 0;
+        return;
+    }
     const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);
     for (uint32_t h = 0; h < s->p.n_head_kv; h++)
         for (uint32_t b = 0; b < nb; b++) {
@@ -1762,7 +1836,7 @@ tkv_status tkv_kvs_prefetch_wait(struct tkv_kvs *s)
 
 struct tkv_kv_head_view tkv_kvs_view(const struct tkv_kvs *s, uint32_t layer, uint32_t head)
 {
-    return (struct tkv_kv_head_view){.blocks = s->refs + (size_t)head * s->max_blocks,
+    return (struct tkv_kv_head_view){.blocks = s->refs + ((size_t)layer * s->p.n_head_kv + head) * s->max_blocks,
                                      .n_blocks = (s->length + s->p.block_tokens - 1) / s->p.block_tokens};
 }
 
@@ -1776,7 +1850,7 @@ struct tkv_kv_head_view tkv_kvs_host_view(const struct tkv_kvs *s, uint32_t laye
 void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t pos, uint16_t **k, uint16_t **v)
 {
     const uint32_t B = s->p.block_tokens;
-    const struct tkv_kv_block_ref *r = &s->refs[(size_t)head * s->max_blocks + pos / B];
+    const struct tkv_kv_block_ref *r = &s->refs[((size_t)layer * s->p.n_head_kv + head) * s->max_blocks + pos / B];
     *k = r->k + (size_t)(pos % B) * s->p.head_dim;
     *v = r->v + (size_t)(pos % B) * s->p.head_dim;
 }
@@ -2065,7 +2139,7 @@ tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
     TKV_TRY(prefetch_settle(s));
     uint32_t i = blk_index(s, layer, head, b);
     struct blk *k = &s->blk[i];
-    if (!(k->valid & BIT(TKV_TIER_COMPUTE)) || k->pinned)
+    if (!(k->valid & BIT(TKV_TIER_COMPUTE)) || blk_pinned(s, k))
         return TKV_OK;
     if (!(k->valid & (BIT(TKV_TIER_HOST) | BIT(TKV_TIER_NVME)))) {
         if (s->pool[TKV_TIER_HOST].present)

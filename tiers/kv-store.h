@@ -48,6 +48,10 @@ struct tkv_kvs_params {
     bool     evict_ref;       /* test hook: every eviction scans every slot and orders the
                                  whole bucket it cuts (the full pass the scoped one
                                  replaced; it must pick the same victims in the same order) */
+    bool     walk_ref;        /* test hook: begin_layer and end_layer walk every block of the
+                                 layer, pinning and stamping each (the pass the whole-layer
+                                 shortcut replaced; the views and every eviction must come
+                                 out the same) */
 };
 
 enum tkv_tier { TKV_TIER_COMPUTE = 0, TKV_TIER_HOST = 1, TKV_TIER_NVME = 2, TKV_TIER_COUNT = 3 };
@@ -119,7 +123,11 @@ void     tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens);
 /* Brings every valid block of `layer` into the compute tier and pins it; the
  * blocks holding positions [write_pos, write_pos + n_write) are marked
  * dirty (they are about to change). Between begin and end, tkv_kvs_view and
- * tkv_kvs_locate are valid for this layer. */
+ * tkv_kvs_locate are valid for this layer.
+ * Cost: a whole-layer read pins and stamps the layer as one; when none of
+ * the layer's compute slots changed hands since its last whole-layer read,
+ * only the blocks from the last one read then are looked at (a decode step
+ * of a resident context costs O(heads), not O(context)). */
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write);
 /* The same for a selection: only blocks with need[head * blocks_per_head + b]
  * set (and those being written) are recalled and pinned; the others stay
