@@ -3,7 +3,8 @@
  * backend interface (host clock around ops->synchronize; many calls per
  * timing so launch gaps are amortized as in a real forward pass).
  *
- *   bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] [-V 0,1,..] [-j out.json] [-x]
+ *   bench-attn [-r reps] [-s all|decode|decode-short|prefill|prefill-long|prefill-sparse|matmul] [-V 0,1,..]
+ *              [-j out.json] [-x]
  *
  * -x [ctx]: only decode attention at ctx keys (default 131072; 32/8/128), 3
  *     calls, for ncu.
@@ -28,6 +29,9 @@
  *            beside it the host time of the op call itself (in the same
  *            back-to-back loop, and once on an idle GPU: table packing and
  *            copy, launches, which overlap the GPU's work of earlier calls)
+ *   decode-short  n_q = 1 over 4K, 8K, 16K, 32K and 128K keys (32/8/128), the
+ *            default path only (TKV_CUDA_ATTN_DECODE_SPLITS=N in the
+ *            environment fixes its splits per KV head: the split-count sweep)
  *   prefill-long  a whole 8K, 32K, 128K-token prompt in one call (causal,
  *            32/8/128): the tensor-core kernel in both precisions, each of
  *            its variants (-V), and the general kernel at 8K; TFLOP/s over
@@ -649,7 +653,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "-V") && i + 1 < argc)
             variants = argv[++i];
         else {
-            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|prefill|prefill-long|prefill-sparse|matmul] "
+            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|decode-short|prefill|prefill-long|prefill-sparse|matmul] "
                             "[-V 0,1,..] [-j out.json] [-x [ctx]]\n");
             return 2;
         }
@@ -699,6 +703,11 @@ int main(int argc, char **argv)
         for (int i = 0; i < 3; i++)
             bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, true);
         dec_rows_print();
+    }
+    if (!strcmp(section, "decode-short")) { /* the default path only, short to long (split-count sweeps) */
+        const uint32_t ctxs[] = {4096, 8192, 16384, 32768, 131072};
+        for (int i = 0; i < 5; i++)
+            bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, false);
     }
     if (all) {
         bench_attention(32, 8, 128, 64, 1024, 1, reps, false);

@@ -448,6 +448,8 @@ struct tkv_cuda_attn_state {
     struct tkv_cuda_attn_runs runs;/* the inline table being built          */
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
     bool pdl;                      /* decode kernel: programmatic dependent launch */
+    uint32_t decode_splits;        /* TKV_CUDA_ATTN_DECODE_SPLITS: the decode kernel's
+                                      splits per KV head (at most the blocks); 0: the plan's */
 };
 
 void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
@@ -486,6 +488,8 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
         return cudaErrorMemoryAllocation;
     st->decode_mode = decode_mode;
     st->pdl = pdl;
+    const char *splits = getenv("TKV_CUDA_ATTN_DECODE_SPLITS"); /* an experiment's knob (bench-attn -s decode-short) */
+    st->decode_splits = splits ? (uint32_t)strtoul(splits, NULL, 10) : 0;
     st->prefill_variant = -1; /* by precision (tkv_cuda_attn_prefill_variant) */
     const char *tab = getenv("TKV_CUDA_ATTN_TABLE"), *pf = getenv("TKV_CUDA_ATTN_PREFILL");
     const char *pack = getenv("TKV_CUDA_ATTN_PACK"), *var = getenv("TKV_CUDA_ATTN_PREFILL_VARIANT");
@@ -793,7 +797,13 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.prefill_pack = st->prefill_pack;
     p.prefill_variant = st->prefill_variant;
     p.pdl = st->pdl;
-    const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_tiles, n_sm);
+    size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_tiles, n_sm);
+    if (st->decode_splits && use_decode(&p)) {
+        uint32_t n = st->decode_splits < max_blocks ? st->decode_splits : max_blocks;
+        n = n < (uint32_t)TKV_ATTN_DECODE_MAX_SPLIT ? n : (uint32_t)TKV_ATTN_DECODE_MAX_SPLIT;
+        p.n_split = n > 0 ? n : 1;
+        part = p.n_split > 1 ? (size_t)p.n_split * p.n_q * p.n_head * (p.head_dim + 2) : 0;
+    }
     if (part) {
         TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));
         p.part = st->part;
