@@ -697,8 +697,8 @@ static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "tabl
                                                        "per-ref", "runs",  "pdl"};
 static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4};
 
-/* The tensor-core prefill kernel's variants v1, v2, ... (tile shapes,
- * tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
+/* The tensor-core prefill kernel's variants past v0 (v1: 128-row tiles; set
+ * by tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
  * of their own: split precision on packed tiles, f16 (mma16) on packed
  * tiles, split precision walking the refs one by one; each against the
  * double reference (1e-4; f16 2e-3) and against v0 in the same setting
@@ -881,7 +881,8 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
                       v, pf_var_names[b], H, Hkv, hd, label, fo, fl);
             }
             CHECK(tkv_backend_cuda_set_prefill_variant(gpu_pf_var[b], 0) == TKV_OK, "%s", tkv_last_error());
-            fprintf(stderr, ", v1-v%d %s vs ref %.1e vs v0 %.1e", n_pf_variants - 1, pf_var_names[b], wr, w0);
+            fprintf(stderr, ", v%s%d %s vs ref %.1e vs v0 %.1e", n_pf_variants > 2 ? "1-v" : "", n_pf_variants - 1,
+                    pf_var_names[b], wr, w0);
         }
         free(o_0), free(l_0);
     }
@@ -1029,7 +1030,7 @@ static void test_attention(void)
     gpu_attn_alt[1] = gpu_with_attn_env("merge", "copy", "mma", "1");
     gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
     gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
-    /* f16 runs v5 by default; v0 here, the variants below are each checked */
+    /* f16 runs v1 by default; v0 here, the variants below are each checked */
     if (gpu_attn_alt[3])
         CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
