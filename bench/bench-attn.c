@@ -671,7 +671,7 @@ int main(int argc, char **argv)
     die_if(tkv_backend_create("cpu", 0, &cpu));
     while (n_variants < 32 && tkv_backend_cuda_prefill_variant_desc(n_variants))
         n_variants++;
-    for (int v = 0; v < n_variants; v++) /* -V 0,2,3: those; default all */
+    for (int v = 0; v < n_variants; v++) /* -V 1 or 0,1: those; default all */
         variant_on[v] = !variants;
     for (const char *c = variants; c && *c;) {
         char *end;

@@ -67,6 +67,14 @@ static struct tkv_backend *make_backend_q(const char *gemv, const char *quant)
 
 static struct tkv_backend *make_backend(const char *gemv) { return make_backend_q(gemv, NULL); }
 
+/* How many copies of a weight of `bytes` to cycle through so that together
+ * they exceed the L2 (1 .. MAX_COPIES). */
+static uint32_t n_copies(size_t bytes)
+{
+    const uint32_t c = (uint32_t)((ROTATE_BYTES + bytes - 1) / bytes);
+    return c < 1 ? 1 : c > MAX_COPIES ? MAX_COPIES : c;
+}
+
 /* Device seconds per call of the profile rows whose name starts with op. */
 static double dev_per_call(struct tkv_backend *be, const char *op)
 {
@@ -211,9 +219,9 @@ static double rel_diff(const float *a, const float *b, size_t n)
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
-/* A tensor of random weights [n_out, n_in]: f16 values as in main, or
- * Q4_0 / Q4_1 / Q8_0 blocks of random quants with scales of 1/64 .. 1/128
- * (1 MiB of them, tiled). */
+/* A tensor of random weights [n_out, n_in]: f16 values in (-1, 1) of
+ * magnitude >= 1/8 (1M of them, tiled), or Q4_0 / Q4_1 / Q8_0 blocks of
+ * random quants with scales of 1/64 .. 1/128 (1 MiB of them, tiled). */
 static void make_weight(struct tkv_gguf_tensor *t, uint32_t type, uint32_t n_out, uint32_t n_in, const char *name)
 {
     const size_t bb = type == TKV_TYPE_Q4_0 ? 18 : type == TKV_TYPE_Q4_1 ? 20 : type == TKV_TYPE_Q8_0 ? 34 : 0;
@@ -284,8 +292,7 @@ static void bench_groups(struct tkv_backend *be, uint32_t type, uint32_t n, int 
         size_t bytes = 0;
         for (uint32_t i = 0; i < nw; i++)
             bytes += t[i]->nbytes;
-        uint32_t copies = (uint32_t)((ROTATE_BYTES + bytes - 1) / bytes);
-        copies = copies < 1 ? 1 : copies > MAX_COPIES ? MAX_COPIES : copies;
+        const uint32_t copies = n_copies(bytes);
         struct group_result sep, fus;
         time_group(be, t, nw, cases[c].swiglu, false, copies, x, n, reps, &sep);
         time_group(be, t, nw, cases[c].swiglu, true, copies, x, n, reps, &fus);
@@ -307,60 +314,158 @@ static void bench_groups(struct tkv_backend *be, uint32_t type, uint32_t n, int 
     free(x);
 }
 
+/* ---- the GEMV tables: Llama-3-8B's matrices, one row each ---------------------------- */
+
+/* n_out x n_in: wq/wo, wk/wv, gate/up, down, the output matrix */
+static const uint32_t shapes[][2] = {{4096, 4096}, {1024, 4096}, {14336, 4096}, {4096, 14336}, {128256, 4096}};
+static const uint32_t per_layer[] = {2, 2, 2, 1, 0}; /* how many a Llama-3-8B layer has */
+#define N_SHAPES (sizeof shapes / sizeof shapes[0])
+#define MAX_TABLE_BE 4
+
+/* One shape of a table, as measured. */
+struct gemv_row {
+    uint32_t n_out, n_in;
+    size_t bytes;                     /* the weight as stored (f16, or blocks) */
+    uint32_t copies;                  /* of it, cycled through on be[0]        */
+    double gb;                        /* bytes / 1e9                           */
+    double copy_us, copy_gbps;        /* a device copy of bytes: read + written */
+    struct result r[MAX_TABLE_BE];    /* the matmul on each be[i]              */
+};
+
+/* A GEMV table: its columns' backends, what it measures with, how it prints a row. */
+struct gemv_table {
+    uint32_t type;                          /* the weights' type              */
+    struct tkv_backend *be[MAX_TABLE_BE];   /* columns (run_gemv_table)       */
+    int n_be;
+    uint32_t n;                             /* tokens                         */
+    int reps;
+    FILE *json;                             /* JSON lines, or NULL            */
+    const char *commit;
+    void (*print_row)(const struct gemv_table *tb, const struct gemv_row *row);
+    double layer[MAX_TABLE_BE + 1];         /* out: a layer's 7 matmuls, us:
+                                               on be[i]; [n_be] at the copy rate */
+};
+
+/* For each shape: random weights of tb->type and activations x [n][n_in]
+ * (make_weight), the matmul timed on each backend in order -- be[0] keeps
+ * the weight as stored, the others as f16 (f16 weights; or a backend that
+ * dequantizes at load), each cycling over copies of what it keeps that
+ * together exceed the L2 -- then a device copy of the stored bytes on
+ * be[0]; print_row as each shape is done, and the layer totals. */
+static void run_gemv_table(struct gemv_table *tb)
+{
+    const uint32_t n = tb->n;
+    for (int i = 0; i <= tb->n_be; i++)
+        tb->layer[i] = 0;
+    for (size_t si = 0; si < N_SHAPES; si++) {
+        struct gemv_row w = {.n_out = shapes[si][0], .n_in = shapes[si][1]};
+        struct tkv_gguf_tensor t;
+        char name[32];
+        snprintf(name, sizeof name, "%ux%u", w.n_out, w.n_in);
+        make_weight(&t, tb->type, w.n_out, w.n_in, name);
+        w.bytes = t.nbytes;
+        w.copies = n_copies(w.bytes);
+        const uint32_t copies16 = n_copies((size_t)w.n_out * w.n_in * 2);
+        float *x = malloc((size_t)n * w.n_in * sizeof *x);
+        if (!x) {
+            fprintf(stderr, "bench-gemv: out of host memory\n");
+            exit(1);
+        }
+        for (size_t i = 0; i < (size_t)n * w.n_in; i++)
+            x[i] = (float)((rnd() >> 40) / 16777216.0 * 2.0 - 1.0);
+        for (int b = 0; b < tb->n_be; b++)
+            time_matmul(tb->be[b], &t, b == 0 ? w.copies : copies16, x, n, tb->reps, &w.r[b]);
+        w.copy_us = time_copy(tb->be[0], w.bytes, w.copies, tb->reps) * 1e6;
+        w.gb = w.bytes / 1e9;
+        w.copy_gbps = 2 * w.gb / (w.copy_us * 1e-6);
+        tb->print_row(tb, &w);
+        fflush(stdout);
+        for (int b = 0; b < tb->n_be; b++)
+            tb->layer[b] += per_layer[si] * w.r[b].us;
+        tb->layer[tb->n_be] += per_layer[si] * w.bytes / (w.copy_gbps * 1e9) * 1e6;
+        for (int b = 0; b < tb->n_be; b++)
+            free(w.r[b].y);
+        free(x);
+        free((void *)t.data);
+    }
+}
+
+/* f16 weights: be = the fast GEMV (default), u8, the reference kernel, cuBLAS. */
+static void print_f16_row(const struct gemv_table *tb, const struct gemv_row *w)
+{
+    const struct result *rf = &w->r[0], *r8 = &w->r[1], *rr = &w->r[2], *rb = &w->r[3];
+    const double gb = w->gb, copy = w->copy_gbps, ours = gb / (rf->us * 1e-6);
+    const double diff = rel_diff(rf->y, rb->y, (size_t)tb->n * w->n_out);
+    const double d8 = rel_diff(r8->y, rb->y, (size_t)tb->n * w->n_out);
+    printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %.0f | %.2f | "
+           "%.1e |\n",
+           w->n_out, w->n_in, w->bytes / 1e6, rf->us, ours, ours / copy, r8->us, gb / (r8->us * 1e-6) / copy, rr->us,
+           gb / (rr->us * 1e-6), rb->us, gb / (rb->us * 1e-6), w->copy_us, copy, rf->host_us, fmax(diff, d8));
+    if (tb->json)
+        fprintf(tb->json,
+                "{\"bench\": \"gemv\", \"n_out\": %u, \"n_in\": %u, \"n\": %u, \"bytes\": %zu, \"copies\": %u, "
+                "\"reps\": %d, \"ours_us\": %.3f, \"ours_gbps\": %.1f, \"of_copy\": %.4f, \"u8_us\": %.3f, "
+                "\"ref_us\": %.3f, "
+                "\"cublas_us\": %.3f, \"copy_us\": %.3f, \"copy_gbps\": %.1f, \"ours_host_us\": %.3f, "
+                "\"ours_vs_cublas\": %.3e, \"commit\": \"%s\"}\n",
+                w->n_out, w->n_in, tb->n, w->bytes, w->copies, tb->reps, rf->us, ours, ours / copy, r8->us, rr->us,
+                rb->us, w->copy_us, copy, rf->host_us, diff, tb->commit);
+}
+
+/* The f16 decode GEMV on Llama-3-8B's shapes against its reference kernel,
+ * the 8-load variant, cuBLAS and a copy of the same bytes. */
+static void bench_f16(struct tkv_backend *fast, struct tkv_backend *u8, struct tkv_backend *ref,
+                      struct tkv_backend *blas, uint32_t n, int reps, FILE *json, const char *commit)
+{
+    struct gemv_table tb = {.type = TKV_TYPE_F16, .be = {fast, u8, ref, blas}, .n_be = 4, .n = n, .reps = reps,
+                            .json = json, .commit = commit, .print_row = print_f16_row};
+    printf("bench-gemv: f16 weights, n = %u token%s, %d calls per case (device times from the op profile), "
+           "commit %s\n\n",
+           n, n > 1 ? "s" : "", reps, commit);
+    printf("| n_out x n_in | MB | ours us | ours GB/s | of copy | u8 us | u8 of copy | ref us | ref GB/s | cuBLAS us | "
+           "cuBLAS GB/s | copy us | copy GB/s | ours host us/call | ours, u8 vs cuBLAS (max) |\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    run_gemv_table(&tb);
+    printf("\na Llama-3-8B layer's 7 matmuls: ours %.1f us, u8 %.1f us, reference %.1f us, at the copy rate %.1f us "
+           "(ours / copy %.2f)\n",
+           tb.layer[0], tb.layer[1], tb.layer[2], tb.layer[4], tb.layer[4] / tb.layer[0]);
+}
+
+/* Quantized weights: be = the quantized GEMV (default backend), the f16 GEMV
+ * of the same matrix (a TKV_CUDA_GEMV_QUANT=0 backend, dequantized at load). */
+static void print_quant_row(const struct gemv_table *tb, const struct gemv_row *w)
+{
+    const struct result *rq = &w->r[0], *rf = &w->r[1];
+    const double copy = w->copy_gbps, rate = w->gb / (rq->us * 1e-6);
+    const double diff = rel_diff(rq->y, rf->y, (size_t)tb->n * w->n_out);
+    printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.0f | %.2f | %.2f | %.2f | %.1e |\n", w->n_out, w->n_in,
+           w->bytes / 1e6, rq->us, rate, rate / copy, w->copy_us, copy, rf->us, rf->us / rq->us, rq->host_us, diff);
+    if (tb->json)
+        fprintf(tb->json,
+                "{\"bench\": \"gemv-quant\", \"type\": \"%s\", \"n_out\": %u, \"n_in\": %u, \"n\": %u, "
+                "\"bytes\": %zu, \"copies\": %u, \"reps\": %d, \"qgemv_us\": %.3f, \"qgemv_gbps\": %.1f, "
+                "\"of_copy\": %.4f, \"copy_us\": %.3f, \"copy_gbps\": %.1f, \"f16_us\": %.3f, "
+                "\"qgemv_host_us\": %.3f, \"qgemv_vs_f16\": %.3e, \"commit\": \"%s\"}\n",
+                tkv_type_name(tb->type), w->n_out, w->n_in, tb->n, w->bytes, w->copies, tb->reps, rq->us, rate,
+                rate / copy, w->copy_us, copy, rf->us, rq->host_us, diff, tb->commit);
+}
+
 /* The quantized decode GEMV on Llama-3-8B's shapes: q (default backend)
  * against a copy of the quantized bytes and the f16 GEMV (f16: a
  * TKV_CUDA_GEMV_QUANT=0 backend, the same matrix dequantized at load). */
 static void bench_quant(struct tkv_backend *q, struct tkv_backend *f16, uint32_t type, uint32_t n, int reps,
                         FILE *json, const char *commit)
 {
-    static const uint32_t shapes[][2] = {{4096, 4096}, {1024, 4096}, {14336, 4096}, {4096, 14336}, {128256, 4096}};
-    static const uint32_t per_layer[] = {2, 2, 2, 1, 0};
+    struct gemv_table tb = {.type = type, .be = {q, f16}, .n_be = 2, .n = n, .reps = reps, .json = json,
+                            .commit = commit, .print_row = print_quant_row};
     printf("\n%s weights, quantized GEMV (activation quantization included), n = %u\n\n", tkv_type_name(type), n);
     printf("| n_out x n_in | MB | qgemv us | GB/s | of copy | copy us | copy GB/s | f16 GEMV us | f16 / qgemv | "
            "qgemv host us/call | qgemv vs f16 (rel) |\n");
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    double layer_q = 0, layer_copy = 0, layer_f16 = 0;
-    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
-        const uint32_t n_out = shapes[si][0], n_in = shapes[si][1];
-        struct tkv_gguf_tensor t;
-        char name[32];
-        snprintf(name, sizeof name, "%ux%u", n_out, n_in);
-        make_weight(&t, type, n_out, n_in, name);
-        const size_t bytes = t.nbytes, f16_bytes = (size_t)n_out * n_in * 2;
-        /* copies of the f16 matrix and the blocks together larger than the L2 */
-        uint32_t copies = (uint32_t)((ROTATE_BYTES + bytes - 1) / bytes);
-        copies = copies < 1 ? 1 : copies > MAX_COPIES ? MAX_COPIES : copies;
-        uint32_t copies16 = (uint32_t)((ROTATE_BYTES + f16_bytes - 1) / f16_bytes);
-        copies16 = copies16 < 1 ? 1 : copies16 > MAX_COPIES ? MAX_COPIES : copies16;
-        float *x = malloc((size_t)n * n_in * sizeof *x);
-        for (size_t i = 0; i < (size_t)n * n_in; i++)
-            x[i] = (float)((rnd() >> 40) / 16777216.0 * 2.0 - 1.0);
-        struct result rq, rf;
-        time_matmul(q, &t, copies, x, n, reps, &rq);
-        time_matmul(f16, &t, copies16, x, n, reps, &rf);
-        const double copy_us = time_copy(q, bytes, copies, reps) * 1e6;
-        const double gb = bytes / 1e9, rate = gb / (rq.us * 1e-6), copy = 2 * gb / (copy_us * 1e-6);
-        const double diff = rel_diff(rq.y, rf.y, (size_t)n * n_out);
-        printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.0f | %.2f | %.2f | %.2f | %.1e |\n", n_out, n_in,
-               bytes / 1e6, rq.us, rate, rate / copy, copy_us, copy, rf.us, rf.us / rq.us, rq.host_us, diff);
-        fflush(stdout);
-        layer_q += per_layer[si] * rq.us;
-        layer_f16 += per_layer[si] * rf.us;
-        layer_copy += per_layer[si] * bytes / (copy * 1e9) * 1e6;
-        if (json)
-            fprintf(json,
-                    "{\"bench\": \"gemv-quant\", \"type\": \"%s\", \"n_out\": %u, \"n_in\": %u, \"n\": %u, "
-                    "\"bytes\": %zu, \"copies\": %u, \"reps\": %d, \"qgemv_us\": %.3f, \"qgemv_gbps\": %.1f, "
-                    "\"of_copy\": %.4f, \"copy_us\": %.3f, \"copy_gbps\": %.1f, \"f16_us\": %.3f, "
-                    "\"qgemv_host_us\": %.3f, \"qgemv_vs_f16\": %.3e, \"commit\": \"%s\"}\n",
-                    tkv_type_name(type), n_out, n_in, n, bytes, copies, reps, rq.us, rate, rate / copy, copy_us, copy,
-                    rf.us, rq.host_us, diff, commit);
-        free(rq.y), free(rf.y), free(x);
-        free((void *)t.data);
-    }
+    run_gemv_table(&tb);
     printf("\na Llama-3-8B layer's 7 matmuls in %s: quantized GEMV %.1f us, at the copy rate %.1f us (copy / qgemv "
            "%.2f), f16 GEMV %.1f us\n",
-           tkv_type_name(type), layer_q, layer_copy, layer_copy / layer_q, layer_f16);
+           tkv_type_name(type), tb.layer[0], tb.layer[2], tb.layer[2] / tb.layer[0], tb.layer[1]);
 }
 
 int main(int argc, char **argv)
@@ -398,79 +503,7 @@ int main(int argc, char **argv)
     char commit[64];
     build_commit(commit, sizeof commit);
 
-    /* n_out x n_in: wq/wo, wk/wv, gate/up, down, the output matrix */
-    static const uint32_t shapes[][2] = {{4096, 4096}, {1024, 4096}, {14336, 4096}, {4096, 14336}, {128256, 4096}};
-    static const uint32_t per_layer[] = {2, 2, 2, 1, 0}; /* how many a Llama-3-8B layer has */
-    const size_t n_shapes = sizeof shapes / sizeof shapes[0];
-    printf("bench-gemv: f16 weights, n = %u token%s, %d calls per case (device times from the op profile), "
-           "commit %s\n\n",
-           n, n > 1 ? "s" : "", reps, commit);
-    printf("| n_out x n_in | MB | ours us | ours GB/s | of copy | u8 us | u8 of copy | ref us | ref GB/s | cuBLAS us | "
-           "cuBLAS GB/s | copy us | copy GB/s | ours host us/call | ours, u8 vs cuBLAS (max) |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    double layer_ours = 0, layer_copy = 0, layer_ref = 0, layer_u8 = 0;
-    for (size_t si = 0; si < n_shapes; si++) {
-        const uint32_t n_out = shapes[si][0], n_in = shapes[si][1];
-        const size_t bytes = (size_t)n_out * n_in * 2;
-        uint32_t copies = (uint32_t)((ROTATE_BYTES + bytes - 1) / bytes);
-        copies = copies < 1 ? 1 : copies > MAX_COPIES ? MAX_COPIES : copies;
-        /* random f16 weights in [-1, 1): 1M random values tiled */
-        uint16_t *h = malloc(bytes);
-        float *x = malloc((size_t)n * n_in * sizeof *x);
-        if (!h || !x) {
-            fprintf(stderr, "bench-gemv: out of host memory\n");
-            return 1;
-        }
-        const size_t tile = (size_t)1 << 20, elems = bytes / 2;
-        for (size_t i = 0; i < elems; i++)
-            h[i] = i < tile ? (uint16_t)(0x3000 + (rnd() % 0x0C00)) ^ (uint16_t)((rnd() & 1) << 15) : h[i % tile];
-        for (size_t i = 0; i < (size_t)n * n_in; i++)
-            x[i] = (float)((rnd() >> 40) / 16777216.0 * 2.0 - 1.0);
-        struct tkv_gguf_tensor t;
-        memset(&t, 0, sizeof t);
-        snprintf(t.name, sizeof t.name, "bench.%ux%u", n_out, n_in);
-        t.n_dims = 2;
-        t.ne[0] = n_in;
-        t.ne[1] = n_out;
-        t.ne[2] = t.ne[3] = 1;
-        t.type = TKV_TYPE_F16;
-        t.n_elems = (uint64_t)n_in * n_out;
-        t.nbytes = bytes;
-        t.data = h;
-        struct result rf, rr, rb, r8;
-        time_matmul(fast, &t, copies, x, n, reps, &rf);
-        time_matmul(u8, &t, copies, x, n, reps, &r8);
-        time_matmul(ref, &t, copies, x, n, reps, &rr);
-        time_matmul(blas, &t, copies, x, n, reps, &rb);
-        const double copy_us = time_copy(fast, bytes, copies, reps) * 1e6;
-        const double gb = bytes / 1e9;
-        const double ours = gb / (rf.us * 1e-6), copy = 2 * gb / (copy_us * 1e-6);
-        const double diff = rel_diff(rf.y, rb.y, (size_t)n * n_out);
-        const double d8 = rel_diff(r8.y, rb.y, (size_t)n * n_out);
-        printf("| %ux%u | %.1f | %.2f | %.0f | %.2f | %.2f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %.0f | %.2f | "
-               "%.1e |\n",
-               n_out, n_in, bytes / 1e6, rf.us, ours, ours / copy, r8.us, gb / (r8.us * 1e-6) / copy, rr.us,
-               gb / (rr.us * 1e-6), rb.us, gb / (rb.us * 1e-6), copy_us, copy, rf.host_us, fmax(diff, d8));
-        fflush(stdout);
-        layer_ours += per_layer[si] * rf.us;
-        layer_u8 += per_layer[si] * r8.us;
-        layer_ref += per_layer[si] * rr.us;
-        layer_copy += per_layer[si] * bytes / (copy * 1e9) * 1e6;
-        if (json)
-            fprintf(json,
-                    "{\"bench\": \"gemv\", \"n_out\": %u, \"n_in\": %u, \"n\": %u, \"bytes\": %zu, \"copies\": %u, "
-                    "\"reps\": %d, \"ours_us\": %.3f, \"ours_gbps\": %.1f, \"of_copy\": %.4f, \"u8_us\": %.3f, "
-                    "\"ref_us\": %.3f, "
-                    "\"cublas_us\": %.3f, \"copy_us\": %.3f, \"copy_gbps\": %.1f, \"ours_host_us\": %.3f, "
-                    "\"ours_vs_cublas\": %.3e, \"commit\": \"%s\"}\n",
-                    n_out, n_in, n, bytes, copies, reps, rf.us, ours, ours / copy, r8.us, rr.us, rb.us, copy_us, copy,
-                    rf.host_us, diff, commit);
-        free(rf.y), free(rr.y), free(rb.y), free(r8.y);
-        free(h), free(x);
-    }
-    printf("\na Llama-3-8B layer's 7 matmuls: ours %.1f us, u8 %.1f us, reference %.1f us, at the copy rate %.1f us "
-           "(ours / copy %.2f)\n",
-           layer_ours, layer_u8, layer_ref, layer_copy, layer_copy / layer_ours);
+    bench_f16(fast, u8, ref, blas, n, reps, json, commit);
     bench_groups(fast, TKV_TYPE_F16, n, reps, json, commit);
     struct tkv_backend *f16q = make_backend_q(NULL, "0");
     static const uint32_t qtypes[] = {TKV_TYPE_Q4_0, TKV_TYPE_Q8_0, TKV_TYPE_Q4_1};

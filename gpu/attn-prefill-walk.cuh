@@ -4,10 +4,10 @@
  * m16n8k16, cp.async), f16 hi/lo splitting, and the two K/V walks that fill
  * one 64-key shared-memory stage: the packed walk (fill_packed: tile t of a
  * split = keys [64t, 64t + 64) of the concatenation of the head's refs) and
- * the per-ref walk (fill_tile). Both are run by the CTA's first NT = 128
- * threads (4 warps of 16 rows each); a kernel of more warps lets only those
- * fill (attn-prefill-var.cu). Stage layout: [BN][HD + 8] f16 rows for K and
- * for V, kpos [BN] positions (INT_MAX past the keys).
+ * the per-ref walk (fill_tile). Both are run by NT = 128 threads, 4 warps
+ * each filling 16 rows of the stage: the whole CTA of either kernel (v0,
+ * v1). Stage layout: [BN][HD + 8] f16 rows for K and for V, kpos [BN]
+ * positions (INT_MAX past the keys).
  */
 #ifndef TKV_GPU_ATTN_PREFILL_WALK_CUH
 #define TKV_GPU_ATTN_PREFILL_WALK_CUH

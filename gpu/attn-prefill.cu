@@ -324,24 +324,22 @@ bool tkv_cuda_attn_prefill_packed(const tkv_cuda_attn_params *p) { return p->pre
 
 int tkv_cuda_attn_prefill_variant(const tkv_cuda_attn_params *p)
 {
-    /* unset: the fastest measured on the H200 (docs/benchmarks.md) -- v5
-     * (v2's 4 warps x 32 rows, one barrier per tile, P packed after the
-     * exponential) for f16, v0 for split precision, where v2 and v5 spill */
-    const int v = p->prefill_variant >= 0 ? p->prefill_variant : p->prefill_mode == TKV_ATTN_PREFILL_F16 ? 5 : 0;
-    return v > 0 && v < TKV_ATTN_PREFILL_VARIANTS && p->scale_log2 > 0.0f ? v : 0;
+    /* unset: the fastest measured on the H200 (docs/benchmarks.md) -- v1
+     * (4 warps x 32 rows, one barrier per tile, P packed after the
+     * exponential) for f16, v0 for split precision (v1 is slower there) */
+    const int v = p->prefill_variant >= 0 ? p->prefill_variant : p->prefill_mode == TKV_ATTN_PREFILL_F16 ? 1 : 0;
+    return v == 1 && p->scale_log2 > 0.0f ? 1 : 0;
 }
 
 uint32_t tkv_cuda_attn_prefill_rows(const tkv_cuda_attn_params *p)
 {
-    const int v = tkv_cuda_attn_prefill_variant(p);
-    return v ? tkv_cuda_attn_prefill_var_rows(v) : TKV_ATTN_PREFILL_ROWS;
+    return tkv_cuda_attn_prefill_variant(p) ? TKV_ATTN_PREFILL_VAR_ROWS : TKV_ATTN_PREFILL_ROWS;
 }
 
 int tkv_cuda_attn_prefill_ctas_per_sm(const tkv_cuda_attn_params *p)
 {
-    const int v = tkv_cuda_attn_prefill_variant(p);
-    if (v)
-        return tkv_cuda_attn_prefill_var_ctas_per_sm(v, p->head_dim, p->prefill_mode);
+    if (tkv_cuda_attn_prefill_variant(p))
+        return tkv_cuda_attn_prefill_var_ctas_per_sm(p->head_dim, p->prefill_mode);
     return g_pf_ctas[p->head_dim == 64 ? 0 : 1][p->prefill_mode == TKV_ATTN_PREFILL_SPLIT ? 1 : 0];
 }
 
@@ -353,4 +351,14 @@ cudaError_t tkv_cuda_attn_prefill(const tkv_cuda_attn_params *p, cudaStream_t s)
     if (p->head_dim == 64)
         return split ? launch_pf<64, true>(p, s) : launch_pf<64, false>(p, s);
     return split ? launch_pf<128, true>(p, s) : launch_pf<128, false>(p, s);
+}
+
+const char *tkv_cuda_attn_prefill_variant_desc(int variant)
+{
+    static const char *const desc[TKV_ATTN_PREFILL_VARIANTS] = {
+        "v0: 64 rows (4 warps x 16), Q in registers, 2 stages (attn-prefill.cu)",
+        "v1: 128 rows (4 warps x 32), Q from smem, 2 stages, one barrier per tile, P to f16 at the exponential, "
+        "O rescaled only when a max moves (was v5; attn-prefill-var.cu)",
+    };
+    return variant >= 0 && variant < TKV_ATTN_PREFILL_VARIANTS ? desc[variant] : NULL;
 }

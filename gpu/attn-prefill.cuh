@@ -26,12 +26,12 @@
  * difference.
  *
  * Variants (p->prefill_variant; TKV_CUDA_ATTN_PREFILL_VARIANT): v0 is the
- * kernel described here (attn-prefill.cu); v1 .. v6 (attn-prefill-var.cu)
- * are other tile shapes (128 query rows per CTA, 8 warps, 3 stages) and
- * schedules (one barrier per tile, lazy rescale, 32-key steps) with the
- * same walks, precisions and outputs, kept beside it to be measured. A call
- * with scale <= 0 runs v0 whatever the variant (the others take the row max
- * before scaling).
+ * kernel described here (attn-prefill.cu), the default in split precision;
+ * v1 (attn-prefill-var.cu), the default in f16, has 128 query rows per CTA
+ * (4 warps of 32) and another schedule (one barrier per tile, lazy
+ * rescale), with the same walks, precisions and outputs. A call with
+ * scale <= 0 runs v0 whatever the variant (v1 takes the row max before
+ * scaling).
  *
  * Precision: TKV_ATTN_PREFILL_SPLIT writes Q and P each as the sum of two f16
  * numbers (hi + lo) and multiplies both parts (twice the matrix work), which
@@ -43,10 +43,11 @@
 
 #include "attn.cuh"
 
-/* Rows of one CTA's tile of v0. */
+/* Rows of one CTA's tile of v0 and of v1. */
 #define TKV_ATTN_PREFILL_ROWS 64u
+#define TKV_ATTN_PREFILL_VAR_ROWS 128u
 
-/* Raises the shared-memory limits of every variant's instances (once per
+/* Raises the shared-memory limits of both variants' instances (once per
  * device); records their CTAs per SM. */
 cudaError_t tkv_cuda_attn_prefill_init(void);
 
@@ -57,9 +58,8 @@ bool tkv_cuda_attn_prefill_ok(const struct tkv_cuda_attn_params *p);
  * split-K then cuts each head's keys at 64-key tile boundaries, else its refs. */
 bool tkv_cuda_attn_prefill_packed(const struct tkv_cuda_attn_params *p);
 
-/* The variant that serves p: p->prefill_variant (-1, the default: v5 for
- * f16, v0 for split precision), or 0 (v0) when that is out of range or
- * p->scale <= 0. */
+/* The variant that serves p: p->prefill_variant (-1, the default: v1 for
+ * f16, v0 for split precision), or 0 (v0) when p->scale <= 0. */
 int tkv_cuda_attn_prefill_variant(const struct tkv_cuda_attn_params *p);
 
 /* Query rows of one CTA, and CTAs per SM, of the instance that serves p. */
@@ -69,11 +69,9 @@ int tkv_cuda_attn_prefill_ctas_per_sm(const struct tkv_cuda_attn_params *p);
 /* Runs the kernel (the caller launches the merge when n_split > 1). */
 cudaError_t tkv_cuda_attn_prefill(const struct tkv_cuda_attn_params *p, cudaStream_t s);
 
-/* attn-prefill-var.cu: v1 .. v6 (variant >= 1 only; tkv_cuda_attn_prefill_var
- * runs the variant tkv_cuda_attn_prefill_variant resolves). */
+/* attn-prefill-var.cu: v1 (the dispatch above runs it for variant 1). */
 cudaError_t tkv_cuda_attn_prefill_var_init(void);
 cudaError_t tkv_cuda_attn_prefill_var(const struct tkv_cuda_attn_params *p, cudaStream_t s);
-uint32_t tkv_cuda_attn_prefill_var_rows(int variant);
-int tkv_cuda_attn_prefill_var_ctas_per_sm(int variant, uint32_t head_dim, int mode);
+int tkv_cuda_attn_prefill_var_ctas_per_sm(uint32_t head_dim, int mode);
 
 #endif

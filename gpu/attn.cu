@@ -498,7 +498,8 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
                                                     : TKV_ATTN_PREFILL_SPLIT;
-    /* "v2" or "2"; anything else (or none) is v0 */
+    /* "v1" or "1" (one digit, v optional): that variant where it exists;
+     * anything else (or none): by precision */
     if (var && (var[0] == 'v' || var[0] == 'V'))
         var++;
     if (var && var[0] >= '0' && var[0] <= '9' && !var[1])

@@ -127,8 +127,8 @@ enum tkv_cuda_attn_prefill_mode {
 };
 
 /* Variants of the tensor-core prefill kernel (tile shapes, attn-prefill.cuh):
- * v0 .. v6 (the default: attn-prefill.cuh, tkv_cuda_attn_prefill_variant). */
-#define TKV_ATTN_PREFILL_VARIANTS 7
+ * v0 and v1 (the default: attn-prefill.cuh, tkv_cuda_attn_prefill_variant). */
+#define TKV_ATTN_PREFILL_VARIANTS 2
 
 /* head_dim the kernels handle. */
 bool tkv_cuda_attn_supported(uint32_t head_dim);
@@ -156,7 +156,7 @@ struct tkv_cuda_attn_state;
  * cuda-backend.c: TKV_CUDA_ATTN_DECODE): the prefill kernel,
  * TKV_CUDA_ATTN_PREFILL=mma (default: tensor cores, split precision), mma16
  * (tensor cores, f16) or general (the reference kernel); the tensor-core
- * kernel's variant, TKV_CUDA_ATTN_PREFILL_VARIANT=v0 .. v6 (also
+ * kernel's variant, TKV_CUDA_ATTN_PREFILL_VARIANT=v0 or v1 (also
  * set later by tkv_cuda_attn_state_set_prefill_variant); its key walk,
  * TKV_CUDA_ATTN_PACK=0 (per ref instead of packed tiles); and a knob that
  * measured the table's copy stream, TKV_CUDA_ATTN_TABLE=main (copy the

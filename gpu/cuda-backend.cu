@@ -1944,7 +1944,7 @@ extern "C" tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: prefill variant: not a CUDA backend");
     struct cuda_backend *cb = (struct cuda_backend *)b;
     if (!tkv_cuda_attn_state_set_prefill_variant(cb->attn, variant))
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: prefill variant %d (0 .. %d)", variant,
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: prefill variant %d does not exist (0 .. %d)", variant,
                        TKV_ATTN_PREFILL_VARIANTS - 1);
     return TKV_OK;
 }

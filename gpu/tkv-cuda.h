@@ -21,8 +21,9 @@ int tkv_cuda_device_count(void);
 tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, struct tkv_backend **out);
 
 /* The tensor-core prefill attention kernel's variant (tile shape, docs/gpu.md)
- * for the calls b queues from now on: 0 (the default) .. the last variant.
- * TKV_ERR_INVALID_ARG when b is not a CUDA backend or variant is out of range. */
+ * for the calls b queues from now on: 0 or 1 (until set: v1 in f16, v0 in
+ * split precision). TKV_ERR_INVALID_ARG when b is not a CUDA backend or
+ * variant is out of range. */
 tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b, int variant);
 
 /* tkv_backend_cuda_quantize_act (runtime/backend.h): the activation rows the

@@ -351,10 +351,11 @@ void tkv_backend_set_test_factory(tkv_backend_factory make);
 int tkv_backend_cuda_devices(void);
 
 /* Tests and benchmarks: the CUDA backend b's tensor-core prefill attention
- * variant (tile shape; 0, the default, .. the last one that
- * tkv_backend_cuda_prefill_variant_desc names; docs/gpu.md) for the calls it
- * queues from now on. TKV_ERR_INVALID_ARG when b is not a CUDA backend or
- * the variant does not exist, TKV_ERR_UNSUPPORTED in a build without CUDA. */
+ * variant (tile shape, docs/gpu.md: 0 or 1, the ones that
+ * tkv_backend_cuda_prefill_variant_desc names; until set, v1 in f16 and v0
+ * in split precision) for the calls it queues from now on.
+ * TKV_ERR_INVALID_ARG when b is not a CUDA backend or the variant does not
+ * exist, TKV_ERR_UNSUPPORTED in a build without CUDA. */
 tkv_status tkv_backend_cuda_set_prefill_variant(struct tkv_backend *b, int variant);
 
 /* Tests: the CUDA backend b's activation quantization for the quantized

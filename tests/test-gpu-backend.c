@@ -697,8 +697,8 @@ static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "tabl
                                                        "per-ref", "runs",  "pdl"};
 static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4};
 
-/* The tensor-core prefill kernel's variants v1, v2, ... (tile shapes,
- * tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
+/* The tensor-core prefill kernel's variants past v0 (v1: 128-row tiles; set
+ * by tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
  * of their own: split precision on packed tiles, f16 (mma16) on packed
  * tiles, split precision walking the refs one by one; each against the
  * double reference (1e-4; f16 2e-3) and against v0 in the same setting
@@ -881,7 +881,8 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
                       v, pf_var_names[b], H, Hkv, hd, label, fo, fl);
             }
             CHECK(tkv_backend_cuda_set_prefill_variant(gpu_pf_var[b], 0) == TKV_OK, "%s", tkv_last_error());
-            fprintf(stderr, ", v1-v%d %s vs ref %.1e vs v0 %.1e", n_pf_variants - 1, pf_var_names[b], wr, w0);
+            fprintf(stderr, ", v%s%d %s vs ref %.1e vs v0 %.1e", n_pf_variants > 2 ? "1-v" : "", n_pf_variants - 1,
+                    pf_var_names[b], wr, w0);
         }
         free(o_0), free(l_0);
     }
@@ -1029,7 +1030,7 @@ static void test_attention(void)
     gpu_attn_alt[1] = gpu_with_attn_env("merge", "copy", "mma", "1");
     gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
     gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
-    /* f16 runs v5 by default; v0 here, the variants below are each checked */
+    /* f16 runs v1 by default; v0 here, the variants below are each checked */
     if (gpu_attn_alt[3])
         CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
@@ -1376,62 +1377,9 @@ static void test_stats(void)
 
 /* ---- fused decode ops: each against the plain op sequence on the GPU ------------ */
 
-/* matmul_group of nw weights (n_in x n_out[i]) against nw matmul calls on
- * the same backend and the double reference. */
-static void test_group_case(uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n)
-{
-    struct test_weight tw[TKV_MATMUL_GROUP_MAX];
-    struct tkv_bweight *wg[TKV_MATMUL_GROUP_MAX];
-    float *dy[TKV_MATMUL_GROUP_MAX], *ds[TKV_MATMUL_GROUP_MAX];
-    float *x = calloc((size_t)n * n_in, sizeof *x);
-    fill(x, (size_t)n * n_in, -1, 1);
-    float *dx = dev_from(x, (size_t)n * n_in * sizeof *x);
-    uint32_t rows = 0;
-    for (uint32_t i = 0; i < nw; i++) {
-        weight_make(&tw[i], TKV_TYPE_F16, n_in, n_out[i], 2);
-        wg[i] = NULL;
-        CHECK(gpu->ops->weight_init(gpu, &tw[i].t, &wg[i]) == TKV_OK, "%s", tkv_last_error());
-        dy[i] = dev_poisoned((size_t)n * n_out[i]);
-        ds[i] = dev_poisoned((size_t)n * n_out[i]);
-        rows += n_out[i];
-    }
-    CHECK(gpu->ops->matmul_group(gpu, (const struct tkv_bweight *const *)wg, nw, dx, dy, n) == TKV_OK, "%s",
-          tkv_last_error());
-    for (uint32_t i = 0; i < nw; i++)
-        CHECK(gpu->ops->matmul(gpu, wg[i], dx, ds[i], n) == TKV_OK, "%s", tkv_last_error());
-    double worst_seq = 0, worst_ref = 0;
-    size_t same = 0, total = 0;
-    for (uint32_t i = 0; i < nw; i++) {
-        const size_t ny = (size_t)n * n_out[i];
-        float *yg = malloc(ny * sizeof *yg), *ys = malloc(ny * sizeof *ys);
-        double *ref = malloc(ny * sizeof *ref);
-        to_host(yg, dy[i], ny * sizeof *yg);
-        to_host(ys, ds[i], ny * sizeof *ys);
-        for (uint32_t t = 0; t < n; t++)
-            for (uint32_t r = 0; r < n_out[i]; r++) {
-                double acc = 0;
-                for (uint32_t k = 0; k < n_in; k++)
-                    acc += (double)tw[i].deq[(size_t)r * n_in + k] * x[(size_t)t * n_in + k];
-                ref[(size_t)t * n_out[i] + r] = acc;
-            }
-        for (size_t j = 0; j < ny; j++)
-            same += !memcmp(&yg[j], &ys[j], sizeof *yg);
-        total += ny;
-        worst_seq = fmax(worst_seq, rel_l2f(yg, ys, ny));
-        worst_ref = fmax(worst_ref, rel_l2(yg, ref, ny));
-        free(yg), free(ys), free(ref);
-        dev_free(dy[i]), dev_free(ds[i]);
-        gpu->ops->weight_free(gpu, wg[i]);
-        weight_free(&tw[i]);
-    }
-    const double tol_ref = n <= 8 ? 1e-3 : 2e-3;
-    fprintf(stderr, "  matmul_group %u weights, %u rows x %u, n=%u: vs matmuls rel %.2e (%zu of %zu bit-identical), "
-                    "vs double %.2e\n", nw, rows, n_in, n, worst_seq, same, total, worst_ref);
-    CHECK(worst_seq < 1e-5, "matmul_group %ux%u n=%u: rel diff %.3g from the matmuls", rows, n_in, n, worst_seq);
-    CHECK(worst_ref < tol_ref, "matmul_group %ux%u n=%u: rel err %.3g", rows, n_in, n, worst_ref);
-    dev_free(dx);
-    free(x);
-}
+/* matmul_group of weights of one type against its reference (defined with
+ * the quantized references, below). */
+static void test_group_case(uint32_t type, uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n);
 
 /* matmul_swiglu against matmul, matmul, swiglu on the same backend and the
  * double reference silu(g) * u. */
@@ -1592,15 +1540,15 @@ static void test_fused(void)
     const uint32_t mixed[5] = {33, 1001, 8, 2048, 100};
     const uint32_t ns[] = {1, 3, 8};
     for (size_t i = 0; i < 3; i++)
-        test_group_case(4096, qkv8b, 3, ns[i]);
-    test_group_case(576, qkv_smol, 3, 1);
-    test_group_case(4104, mixed, 5, 2); /* rows straddling weights inside a CTA, n_in % 256 != 0 */
+        test_group_case(TKV_TYPE_F16, 4096, qkv8b, 3, ns[i]);
+    test_group_case(TKV_TYPE_F16, 576, qkv_smol, 3, 1);
+    test_group_case(TKV_TYPE_F16, 4104, mixed, 5, 2); /* rows straddling weights inside a CTA, n_in % 256 != 0 */
     const uint32_t few[3] = {64, 32, 100}, two[2] = {200, 300};
-    test_group_case(8192, few, 3, 1); /* 4 warps per row */
-    test_group_case(8192, few, 3, 5);
-    test_group_case(4096, two, 2, 4); /* 2 warps per row */
-    test_group_case(576, qkv_smol, 3, 9); /* n > 8: the matmuls (cuBLAS) */
-    test_group_case(576, qkv_smol, 1, 1);
+    test_group_case(TKV_TYPE_F16, 8192, few, 3, 1); /* 4 warps per row */
+    test_group_case(TKV_TYPE_F16, 8192, few, 3, 5);
+    test_group_case(TKV_TYPE_F16, 4096, two, 2, 4); /* 2 warps per row */
+    test_group_case(TKV_TYPE_F16, 576, qkv_smol, 3, 9); /* n > 8: the matmuls (cuBLAS) */
+    test_group_case(TKV_TYPE_F16, 576, qkv_smol, 1, 1);
     test_swiglu_case(4096, 14336, 1);
     test_swiglu_case(4096, 1024, 3);  /* 2 warps per row */
     test_swiglu_case(8192, 256, 2);   /* 4 warps per row */
@@ -1810,47 +1758,91 @@ static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint
     weight_free(&tw);
 }
 
-/* matmul_group on gpu_q against the CPU reference of each weight. */
-static void test_qgroup_case(uint32_t type, uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n)
+/* matmul_group of nw weights of type (n_in x n_out[i]), one output each,
+ * against each weight's reference within its bound:
+ *   f16 (on gpu): against nw matmul calls on the same backend (rel 1e-5)
+ *       and the double product of the dequantized weights (rel 1e-3; 2e-3
+ *       for n > 8, cuBLAS)
+ *   Q4_0, Q4_1, Q8_0 (on gpu_q): element by element against the CPU
+ *       reference, within its float reassociation bound (qref) */
+static void test_group_case(uint32_t type, uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n)
 {
+    const bool quant = type != TKV_TYPE_F16;
+    struct tkv_backend *be = quant ? gpu_q : gpu;
     struct test_weight tw[TKV_MATMUL_GROUP_MAX];
-    struct tkv_bweight *wq[TKV_MATMUL_GROUP_MAX];
-    float *dy[TKV_MATMUL_GROUP_MAX];
-    float *x = malloc((size_t)n * n_in * sizeof *x);
+    struct tkv_bweight *wg[TKV_MATMUL_GROUP_MAX];
+    float *dy[TKV_MATMUL_GROUP_MAX], *ds[TKV_MATMUL_GROUP_MAX]; /* ds: the matmuls' outputs (f16) */
+    float *x = calloc((size_t)n * n_in, sizeof *x);
     fill(x, (size_t)n * n_in, -1, 1);
     float *dx = dev_from(x, (size_t)n * n_in * sizeof *x);
     uint32_t rows = 0;
     for (uint32_t i = 0; i < nw; i++) {
         weight_make(&tw[i], type, n_in, n_out[i], 2);
-        wq[i] = NULL;
-        CHECK(gpu_q->ops->weight_init(gpu_q, &tw[i].t, &wq[i]) == TKV_OK, "%s", tkv_last_error());
+        wg[i] = NULL;
+        CHECK(be->ops->weight_init(be, &tw[i].t, &wg[i]) == TKV_OK, "%s", tkv_last_error());
         dy[i] = dev_poisoned((size_t)n * n_out[i]);
+        ds[i] = quant ? NULL : dev_poisoned((size_t)n * n_out[i]);
         rows += n_out[i];
     }
-    settle(gpu);
-    CHECK(gpu_q->ops->matmul_group(gpu_q, (const struct tkv_bweight *const *)wq, nw, dx, dy, n) == TKV_OK, "%s",
+    if (be != gpu)
+        settle(gpu);
+    CHECK(be->ops->matmul_group(be, (const struct tkv_bweight *const *)wg, nw, dx, dy, n) == TKV_OK, "%s",
           tkv_last_error());
-    settle(gpu_q);
-    size_t bad = 0, total = 0;
-    double worst = 0;
+    for (uint32_t i = 0; i < nw && !quant; i++)
+        CHECK(be->ops->matmul(be, wg[i], dx, ds[i], n) == TKV_OK, "%s", tkv_last_error());
+    if (be != gpu)
+        settle(be);
+
+    double worst_seq = 0, worst_ref = 0; /* f16: rel ||.|| from the matmuls, from double */
+    double worst_bound = 0;              /* quantized: max |gpu - ref| / bound */
+    size_t same = 0, bad = 0, total = 0;
     for (uint32_t i = 0; i < nw; i++) {
         const size_t ny = (size_t)n * n_out[i];
-        float *yg = malloc(ny * sizeof *yg), *ref = malloc(ny * sizeof *ref);
-        double *bound = malloc(ny * sizeof *bound), w_i;
-        qref(&tw[i], x, n, ref, bound);
+        float *yg = malloc(ny * sizeof *yg);
         to_host(yg, dy[i], ny * sizeof *yg);
-        bad += qbeyond(yg, ref, bound, ny, &w_i);
-        worst = fmax(worst, w_i);
+        if (quant) {
+            float *ref = malloc(ny * sizeof *ref);
+            double *bound = malloc(ny * sizeof *bound), w_i;
+            qref(&tw[i], x, n, ref, bound);
+            bad += qbeyond(yg, ref, bound, ny, &w_i);
+            worst_bound = fmax(worst_bound, w_i);
+            free(ref), free(bound);
+        } else {
+            float *ys = malloc(ny * sizeof *ys);
+            double *ref = malloc(ny * sizeof *ref);
+            to_host(ys, ds[i], ny * sizeof *ys);
+            for (uint32_t t = 0; t < n; t++)
+                for (uint32_t r = 0; r < n_out[i]; r++) {
+                    double acc = 0;
+                    for (uint32_t k = 0; k < n_in; k++)
+                        acc += (double)tw[i].deq[(size_t)r * n_in + k] * x[(size_t)t * n_in + k];
+                    ref[(size_t)t * n_out[i] + r] = acc;
+                }
+            for (size_t j = 0; j < ny; j++)
+                same += !memcmp(&yg[j], &ys[j], sizeof *yg);
+            worst_seq = fmax(worst_seq, rel_l2f(yg, ys, ny));
+            worst_ref = fmax(worst_ref, rel_l2(yg, ref, ny));
+            free(ys), free(ref);
+            dev_free(ds[i]);
+        }
         total += ny;
-        free(yg), free(ref), free(bound);
+        free(yg);
         dev_free(dy[i]);
-        gpu_q->ops->weight_free(gpu_q, wq[i]);
+        be->ops->weight_free(be, wg[i]);
         weight_free(&tw[i]);
     }
-    fprintf(stderr, "  qmatmul_group %-5s %u weights, %u rows x %u, n=%u: worst |gpu-ref|/bound %.3f\n",
-            tkv_type_name(type), nw, rows, n_in, n, worst);
-    CHECK(bad == 0, "qmatmul_group %s %ux%u n=%u: %zu of %zu beyond the bound", tkv_type_name(type), rows, n_in, n,
-          bad, total);
+    if (quant) {
+        fprintf(stderr, "  qmatmul_group %-5s %u weights, %u rows x %u, n=%u: worst |gpu-ref|/bound %.3f\n",
+                tkv_type_name(type), nw, rows, n_in, n, worst_bound);
+        CHECK(bad == 0, "qmatmul_group %s %ux%u n=%u: %zu of %zu beyond the bound", tkv_type_name(type), rows, n_in,
+              n, bad, total);
+    } else {
+        const double tol_ref = n <= 8 ? 1e-3 : 2e-3;
+        fprintf(stderr, "  matmul_group %u weights, %u rows x %u, n=%u: vs matmuls rel %.2e (%zu of %zu "
+                        "bit-identical), vs double %.2e\n", nw, rows, n_in, n, worst_seq, same, total, worst_ref);
+        CHECK(worst_seq < 1e-5, "matmul_group %ux%u n=%u: rel diff %.3g from the matmuls", rows, n_in, n, worst_seq);
+        CHECK(worst_ref < tol_ref, "matmul_group %ux%u n=%u: rel err %.3g", rows, n_in, n, worst_ref);
+    }
     dev_free(dx);
     free(x);
 }
@@ -1946,11 +1938,11 @@ static void test_quant(void)
     const uint32_t qkv8b[3] = {4096, 1024, 1024}, mixed[5] = {33, 1001, 8, 2048, 100}, few[3] = {64, 32, 100};
     const uint32_t qkv_smol[3] = {576, 192, 192};
     for (int t = 0; t < 3; t++) {
-        test_qgroup_case(qtypes[t], 4096, qkv8b, 3, 1);
-        test_qgroup_case(qtypes[t], 4096, qkv8b, 3, 8);
-        test_qgroup_case(qtypes[t], 4096, mixed, 5, 2); /* rows of two weights in one warp */
-        test_qgroup_case(qtypes[t], 16384, few, 3, 3);  /* 2 warps per row */
-        test_qgroup_case(qtypes[t], 576, qkv_smol, 3, 1); /* the sequence (reference kernel) */
+        test_group_case(qtypes[t], 4096, qkv8b, 3, 1);
+        test_group_case(qtypes[t], 4096, qkv8b, 3, 8);
+        test_group_case(qtypes[t], 4096, mixed, 5, 2); /* rows of two weights in one warp */
+        test_group_case(qtypes[t], 16384, few, 3, 3);  /* 2 warps per row */
+        test_group_case(qtypes[t], 576, qkv_smol, 3, 1); /* the sequence (reference kernel) */
         test_qswiglu_case(qtypes[t], 4096, 14336, 1);
         test_qswiglu_case(qtypes[t], 4096, 1024, 3);
         test_qswiglu_case(qtypes[t], 16384, 64, 2);     /* 2 warps per row */
