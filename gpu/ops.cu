@@ -296,40 +296,6 @@ __device__ __forceinline__ void gemv2_row2(const uint4 *wa, const uint4 *wb, con
     }
 }
 
-/* The S warps of a row combine their sums as gemv2_kernel does (warp sums,
- * then in warp order through part): afterwards lane i < NT of the row's
- * first warp holds token i's dot product in *out and gets true. Every
- * thread of the CTA calls it (a barrier when S > 1). */
-template <int NT, int S>
-__device__ __forceinline__ bool gemv2_reduce(const float *acc, float (*part)[NT], uint32_t warp, uint32_t lane,
-                                             float *out)
-{
-    float mine = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-        const float v = tkv_warp_sum(acc[i]); /* the same bits in every lane */
-        if (S == 1) {
-            if (lane == (uint32_t)i)
-                mine = v;
-        } else if (lane == 0) {
-            part[warp][i] = v;
-        }
-    }
-    if (S == 1) {
-        *out = mine;
-        return lane < (uint32_t)NT;
-    }
-    __syncthreads();
-    if (warp % S != 0 || lane >= (uint32_t)NT)
-        return false;
-    float v = 0.0f;
-#pragma unroll
-    for (int p = 0; p < S; p++)
-        v += part[warp + p][lane];
-    *out = v;
-    return true;
-}
-
 template <int NT, int S, int U>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv2_kernel(const __half *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, uint32_t n_in,
@@ -351,28 +317,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #pragma unroll
     for (int i = 0; i < NT; i++)
         acc[i] = 0.0f;
-    if (row < n_out) /* no early return: the CTA meets at the barrier below */
+    if (row < n_out) /* no early return: the CTA meets at the barrier in tkv_row_reduce */
         gemv2_row<NT, T, U>(w8, x, n_in, n8, t, first, acc);
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-        const float v = tkv_warp_sum(acc[i]);
-        if (S == 1) {
-            if (lane == 0 && row < n_out)
-                y[(size_t)i * n_out + row] = v;
-        } else if (lane == 0) {
-            part[warp][i] = v;
-        }
-    }
-    if (S == 1)
-        return;
-    __syncthreads();
-    if (warp % S == 0 && lane < NT && row < n_out) {
-        float v = 0.0f;
-#pragma unroll
-        for (int p = 0; p < S; p++)
-            v += part[warp + p][lane];
+    float v;
+    if (tkv_row_reduce<NT, T>(acc, &part[0][0], warp, lane, &v) && row < n_out)
         y[(size_t)lane * n_out + row] = v;
-    }
 }
 
 template <int NT, int S, int U>
@@ -446,7 +395,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if (row < total)
         gemv2_row<NT, T>(w8, x, n_in, n8, t, first_round, acc);
     float v;
-    if (gemv2_reduce<NT, S>(acc, part, warp, lane, &v) && row < total)
+    if (tkv_row_reduce<NT, T>(acc, &part[0][0], warp, lane, &v) && row < total)
         g.y[seg][(size_t)lane * n_out + local] = v;
 }
 
@@ -479,8 +428,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if (row < n_out)
         gemv2_row2<NT, T>(wg8, wu8, x, n_in, n8, t, first_g, first_u, acc_g, acc_u);
     float g, u;
-    const bool mine = gemv2_reduce<NT, S>(acc_g, part_g, warp, lane, &g);
-    gemv2_reduce<NT, S>(acc_u, part_u, warp, lane, &u);
+    const bool mine = tkv_row_reduce<NT, T>(acc_g, &part_g[0][0], warp, lane, &g);
+    tkv_row_reduce<NT, T>(acc_u, &part_u[0][0], warp, lane, &u);
     if (mine && row < n_out)
         out[(size_t)lane * n_out + row] = g / (1.0f + expf(-g)) * u;
 }

@@ -16,7 +16,7 @@
 #ifndef TKV_GPU_OPS_CUH
 #define TKV_GPU_OPS_CUH
 
-#include "common.cuh"
+#include "gemv-common.cuh"
 
 /* y[n, dim] = x / sqrt(mean(x^2) + eps) * w; sum of squares in double as on
  * the CPU. y may alias x. */
