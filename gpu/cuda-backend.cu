@@ -721,6 +721,24 @@ static tkv_status q8_prepare(struct cuda_backend *cb, uint32_t type, const float
     return TKV_OK;
 }
 
+/* One descriptor for the grouped GEMVs' grid over the rows of w[0 .. nw-1]
+ * (end[i] = their rows so far), with each weight's copy that kernel reads:
+ * f16 (struct tkv_cuda_gemv_group) or the GGUF blocks (struct
+ * tkv_cuda_qgemv; its swiglu fields left unset). */
+static void group_weight(const __half **slot, const struct tkv_bweight *w) { *slot = w->w16; }
+static void group_weight(const void **slot, const struct tkv_bweight *w) { *slot = w->wq; }
+template <typename G>
+static void group_build(G *g, const struct tkv_bweight *const *w, uint32_t nw, float *const *y)
+{
+    memset(g, 0, sizeof *g);
+    g->nw = nw;
+    for (uint32_t i = 0, end = 0; i < nw; i++) {
+        group_weight(&g->w[i], w[i]);
+        g->y[i] = y[i];
+        g->end[i] = end += w[i]->n_out;
+    }
+}
+
 static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
                                uint32_t n, int path, const char *op)
 {
@@ -731,11 +749,7 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
         return TKV_OK;
     }
     struct tkv_cuda_qgemv g;
-    memset(&g, 0, sizeof g);
-    g.nw = 1;
-    g.w[0] = w->wq;
-    g.y[0] = y;
-    g.end[0] = w->n_out;
+    group_build(&g, &w, 1, &y);
     CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -822,13 +836,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
         struct tkv_cuda_q8_act a;
         TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
         struct tkv_cuda_qgemv g;
-        memset(&g, 0, sizeof g);
-        g.nw = nw;
-        for (uint32_t i = 0, end = 0; i < nw; i++) {
-            g.w[i] = w[i]->wq;
-            g.y[i] = y[i];
-            g.end[i] = end += w[i]->n_out;
-        }
+        group_build(&g, w, nw, y);
         CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
@@ -838,13 +846,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
         return TKV_OK;
     }
     struct tkv_cuda_gemv_group g;
-    memset(&g, 0, sizeof g);
-    g.nw = nw;
-    for (uint32_t i = 0, end = 0; i < nw; i++) {
-        g.w[i] = w[i]->w16;
-        g.y[i] = y[i];
-        g.end[i] = end += w[i]->n_out;
-    }
+    group_build(&g, w, nw, y);
     CU(op, tkv_cuda_gemv_group(&g, x, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -865,13 +867,9 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
         struct tkv_cuda_q8_act a;
         TKV_TRY(q8_prepare(cb, wg->t->type, x, n, wg->n_in, &a, op));
         struct tkv_cuda_qgemv g;
-        memset(&g, 0, sizeof g);
-        g.nw = 1;
-        g.w[0] = wg->wq;
+        group_build(&g, &wg, 1, &out);
         g.wu = wu->wq;
         g.swiglu = true;
-        g.y[0] = out;
-        g.end[0] = wg->n_out;
         CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
