@@ -44,22 +44,11 @@ constexpr int QG_THREADS_MAX = 256;
 
 /* ---- activation quantization: one warp per 32-element block ------------------------ */
 
-/* roundf: half away from zero. x - trunc(x) is exact (the fraction of a
- * float below 2^23, or 0 above), so the comparison with 0.5 is too. */
-__device__ __forceinline__ float round_away(float x)
-{
-    const float t = truncf(x);
-    return fabsf(x - t) >= 0.5f ? t + copysignf(1.0f, x) : t;
-}
-
-/* Position of block kb of a row of nb blocks in the planes (block order gb). */
-__device__ __forceinline__ uint32_t q8_pos(uint32_t kb, uint32_t nb, uint32_t gb)
-{
-    return (kb % gb) * (nb / gb) + kb / gb;
-}
-
-__global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_blocks, uint32_t nb, uint32_t gb,
-                                   int8_t *__restrict__ q, struct tkv_cuda_q8_meta *__restrict__ meta)
+/* One warp per block of the [n][nb] blocks of x; tkv_q8_block_of is the
+ * arithmetic (shared with the norm kernels that fold the quantization, so
+ * both write the same bytes). */
+__global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_blocks, uint32_t nb,
+                                   struct tkv_cuda_q8_act a)
 {
     tkv_pdl_trigger();
     tkv_pdl_wait(); /* x is the previous kernel's output; q may still be read by it */
@@ -67,29 +56,8 @@ __global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_block
     if (blk >= n_blocks)
         return;
     /* rows are n_in = 32 * nb long, so block blk of the [n][nb] blocks starts at 32 * blk */
-    const float v = x[(size_t)blk * 32 + lane];
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { /* TKV_MAX(amax, .): order-free for every non-NaN input */
-        const float other = __shfl_xor_sync(0xffffffffu, amax, o);
-        amax = other > amax ? other : amax;
-    }
-    const float d = __fdiv_rn(amax, 127.0f);
-    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    const int qi = (int)round_away(__fmul_rn(v, id));
-    int sum = qi;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const size_t pos = (size_t)(blk / nb) * nb + q8_pos(blk % nb, nb, gb);
-    q[pos * 32 + lane] = (int8_t)qi;
-    if (lane == 0) {
-        struct tkv_cuda_q8_meta m;
-        m.d = __float2half_rn(d);
-        m.s = __float2half_rn(__fmul_rn((float)sum, d));
-        m.sum = sum;
-        meta[pos] = m;
-    }
+    const struct tkv_q8_block b = tkv_q8_block_of(x[(size_t)blk * 32 + lane]);
+    tkv_q8_block_put(b, lane, a, (size_t)(blk / nb) * nb + tkv_q8_pos(blk % nb, nb, a.gb));
 }
 
 __global__ void q8_pack_kernel(const int8_t *__restrict__ q, const struct tkv_cuda_q8_meta *__restrict__ meta,
@@ -98,7 +66,7 @@ __global__ void q8_pack_kernel(const int8_t *__restrict__ q, const struct tkv_cu
     const uint32_t blk = blockIdx.x * blockDim.x + threadIdx.x;
     if (blk >= n_blocks)
         return;
-    const size_t pos = (size_t)(blk / nb) * nb + q8_pos(blk % nb, nb, gb);
+    const size_t pos = (size_t)(blk / nb) * nb + tkv_q8_pos(blk % nb, nb, gb);
     const uint32_t bytes = q8_1 ? 36 : 34;
     uint8_t *o = dst + (size_t)blk * bytes;
     const unsigned short d = __half_as_ushort(meta[pos].d), s = __half_as_ushort(meta[pos].s);
@@ -243,44 +211,6 @@ __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, cons
     }
 }
 
-/* The row's L threads combine their sums: afterwards thread i < NT of the
- * row holds token i's dot product in *out and gets true. L <= 32: a
- * butterfly inside the row's lanes; L > 32: warp sums, then the row's S
- * warps in warp order through part. Every thread of the CTA calls it. */
-template <int NT, int L>
-__device__ __forceinline__ bool row_reduce(const float *acc, float *part, uint32_t warp, uint32_t lane, float *out)
-{
-    float mine = 0.0f;
-    const uint32_t t = lane % (L < 32 ? L : 32);
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-        float v = acc[i];
-#pragma unroll
-        for (int o = (L < 32 ? L : 32) / 2; o > 0; o >>= 1)
-            v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (L <= 32) {
-            if (t == (uint32_t)i)
-                mine = v;
-        } else if (lane == 0) {
-            part[warp * NT + i] = v;
-        }
-    }
-    if (L <= 32) {
-        *out = mine;
-        return t < (uint32_t)NT;
-    }
-    constexpr int S = L > 32 ? L / 32 : 1;
-    __syncthreads();
-    if (warp % S != 0 || lane >= (uint32_t)NT)
-        return false;
-    float v = 0.0f;
-#pragma unroll
-    for (int p = 0; p < S; p++)
-        v += part[(warp + p) * NT + lane];
-    *out = v;
-    return true;
-}
-
 /* L threads per row (8 .. 256); blockDim.x / L rows per CTA; nstage 1 or 2
  * stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
  * the reduction's part[warps][NM][NT]. */
@@ -358,9 +288,9 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
     }
     float *part = (float *)(qg_smem + nstage * stage_chunks);
     float v0, v1 = 0.0f;
-    const bool out = row_reduce<NT, L>(acc, part, warp, lane, &v0);
+    const bool out = tkv_row_reduce<NT, L>(acc, part, warp, lane, &v0);
     if (SW)
-        row_reduce<NT, L>(acc2, part + warps * NT, warp, lane, &v1);
+        tkv_row_reduce<NT, L>(acc2, part + warps * NT, warp, lane, &v1);
     if (!out || !live)
         return;
     const uint32_t i = L <= 32 ? t : lane, n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
@@ -475,7 +405,7 @@ __global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struc
         float acc = 0.0f;
         for (uint32_t kb = lane; kb < nb; kb += 32) {
             const uint8_t *blk = w + ((size_t)row * nb + kb) * bb;
-            const uint32_t pos = q8_pos(kb, nb, gb);
+            const uint32_t pos = tkv_q8_pos(kb, nb, gb);
             const int8_t *a = aq + (size_t)i * n_in + (size_t)pos * 32;
             const struct tkv_cuda_q8_meta m = am[(size_t)i * nb + pos];
             const float dw = f16_bytes(blk), da = __half2float(m.d);
@@ -535,8 +465,7 @@ cudaError_t tkv_cuda_q8_quantize(const float *x, uint32_t n, uint32_t n_in, stru
         return cudaSuccess;
     if (a.gb == 0 || nb % a.gb != 0)
         return cudaErrorInvalidValue;
-    return tkv_cuda_launch(pdl, tkv_cuda_blocks(blocks, 8), 256, 0, s, q8_quantize_kernel, x, blocks, nb, a.gb, a.q,
-                           a.meta);
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(blocks, 8), 256, 0, s, q8_quantize_kernel, x, blocks, nb, a);
 }
 
 cudaError_t tkv_cuda_q8_pack(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in, bool q8_1, void *dst,

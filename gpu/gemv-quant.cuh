@@ -22,31 +22,14 @@
 #ifndef TKV_GPU_GEMV_QUANT_CUH
 #define TKV_GPU_GEMV_QUANT_CUH
 
-#include "common.cuh"
+#include "gemv-common.cuh"
 
 /* The weight types the quantized GEMV reads: Q4_0, Q4_1, Q8_0. */
 bool tkv_cuda_qgemv_supported(uint32_t type);
 
-/* Quantized activations of n rows of n_in elements (n_in % 32 == 0), nb =
- * n_in / 32 blocks per row, in device memory:
- *   q    [n][nb][32] int8  the blocks' qs (16-byte aligned)
- *   meta [n][nb]     {f16 d, f16 s, int32 sum}: the block's d and s exactly
- *                    as tkv_block_q8_1 stores them (s = f16(d * sum); Q8_0
- *                    rows ignore it) and sum = the exact integer sum of its qs
- * Block kb of a row sits at position (kb % gb) * (nb / gb) + kb / gb (gb
- * divides nb): with gb = the fast kernel's blocks per lane group, the lanes
- * of a row, which own consecutive groups, read consecutive 32-byte blocks
- * (coalesced) at every step of their group; gb = 1 is the plain order. */
-struct tkv_cuda_q8_meta {
-    __half d, s;
-    int32_t sum;
-};
-struct tkv_cuda_q8_act {
-    int8_t *q;
-    struct tkv_cuda_q8_meta *meta;
-    uint32_t gb; /* the block order above */
-};
-/* Bytes of the planes for n rows of n_in (q first, meta 16-byte aligned after). */
+/* The activation planes (struct tkv_cuda_q8_act) are described in
+ * gemv-common.cuh. Bytes of the planes for n rows of n_in (q first, meta
+ * 16-byte aligned after). */
 size_t tkv_cuda_q8_act_bytes(uint32_t n, uint32_t n_in);
 /* The block order the GEMVs of weight `type` with rows of n_in read: the fast
  * kernel's group (8 blocks; 4 for Q4_1) where it takes n_in, else 1. */
@@ -57,7 +40,8 @@ struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in, 
 
 /* x [n][n_in] f32 -> the planes, byte for byte what cpu/quant-ref.c's
  * q8_block_ref computes: amax, d = amax / 127, id = d ? 1 / d : 0,
- * q = roundf(x * id) (half away from zero), d and s rounded to f16. A
+ * q = roundf(x * id) (half away from zero), d and s rounded to f16
+ * (tkv_q8_block_of, which the folding norm kernels call too). A
  * programmatic dependent launch when pdl (common.cuh's contract). */
 cudaError_t tkv_cuda_q8_quantize(const float *x, uint32_t n, uint32_t n_in, struct tkv_cuda_q8_act a, bool pdl,
                                  cudaStream_t s);

@@ -26,11 +26,19 @@ __device__ double row_sum(double v, double *partial)
     return partial[0];
 }
 
-__global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps)
+/* With QF the kernel also writes the 8-bit planes of its output row (the
+ * quantization folded in: docs/gpu.md "Quantized GEMV"). Launched with
+ * dim % 32 == 0 and blockDim.x % 32 == 0, so at every step of the output
+ * loop each warp holds one whole 32-element block, lane j element j, or
+ * none: the warp-wide quantizer runs with all its lanes. The value it
+ * quantizes is the f32 the thread writes to y (one register for both). */
+template <bool QF>
+__global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps,
+                               const struct tkv_cuda_q8_out qo)
 {
     __shared__ double partial[32];
     tkv_pdl_trigger();
-    tkv_pdl_wait();
+    tkv_pdl_wait(); /* also orders the plane writes after the GEMV that read them last */
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *yr = y + (size_t)blockIdx.x * dim;
     double ss = 0;
@@ -38,8 +46,12 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_
         ss += (double)xr[d] * xr[d];
     const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
     /* each thread reads x[d] before writing y[d]: y may alias x */
-    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
-        yr[d] = xr[d] * scale * w[d];
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
+        const float v = xr[d] * scale * w[d];
+        yr[d] = v;
+        if (QF)
+            tkv_q8_block_store(v, threadIdx.x % 32, blockIdx.x, d / 32, dim / 32, qo);
+    }
 }
 
 /* ---- RoPE: one thread per (token, head, rotated pair) -------------------------------- */
@@ -296,40 +308,6 @@ __device__ __forceinline__ void gemv2_row2(const uint4 *wa, const uint4 *wb, con
     }
 }
 
-/* The S warps of a row combine their sums as gemv2_kernel does (warp sums,
- * then in warp order through part): afterwards lane i < NT of the row's
- * first warp holds token i's dot product in *out and gets true. Every
- * thread of the CTA calls it (a barrier when S > 1). */
-template <int NT, int S>
-__device__ __forceinline__ bool gemv2_reduce(const float *acc, float (*part)[NT], uint32_t warp, uint32_t lane,
-                                             float *out)
-{
-    float mine = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-        const float v = tkv_warp_sum(acc[i]); /* the same bits in every lane */
-        if (S == 1) {
-            if (lane == (uint32_t)i)
-                mine = v;
-        } else if (lane == 0) {
-            part[warp][i] = v;
-        }
-    }
-    if (S == 1) {
-        *out = mine;
-        return lane < (uint32_t)NT;
-    }
-    __syncthreads();
-    if (warp % S != 0 || lane >= (uint32_t)NT)
-        return false;
-    float v = 0.0f;
-#pragma unroll
-    for (int p = 0; p < S; p++)
-        v += part[warp + p][lane];
-    *out = v;
-    return true;
-}
-
 template <int NT, int S, int U>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv2_kernel(const __half *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, uint32_t n_in,
@@ -351,28 +329,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #pragma unroll
     for (int i = 0; i < NT; i++)
         acc[i] = 0.0f;
-    if (row < n_out) /* no early return: the CTA meets at the barrier below */
+    if (row < n_out) /* no early return: the CTA meets at the barrier in tkv_row_reduce */
         gemv2_row<NT, T, U>(w8, x, n_in, n8, t, first, acc);
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-        const float v = tkv_warp_sum(acc[i]);
-        if (S == 1) {
-            if (lane == 0 && row < n_out)
-                y[(size_t)i * n_out + row] = v;
-        } else if (lane == 0) {
-            part[warp][i] = v;
-        }
-    }
-    if (S == 1)
-        return;
-    __syncthreads();
-    if (warp % S == 0 && lane < NT && row < n_out) {
-        float v = 0.0f;
-#pragma unroll
-        for (int p = 0; p < S; p++)
-            v += part[warp + p][lane];
+    float v;
+    if (tkv_row_reduce<NT, T>(acc, &part[0][0], warp, lane, &v) && row < n_out)
         y[(size_t)lane * n_out + row] = v;
-    }
 }
 
 template <int NT, int S, int U>
@@ -446,7 +407,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if (row < total)
         gemv2_row<NT, T>(w8, x, n_in, n8, t, first_round, acc);
     float v;
-    if (gemv2_reduce<NT, S>(acc, part, warp, lane, &v) && row < total)
+    if (tkv_row_reduce<NT, T>(acc, &part[0][0], warp, lane, &v) && row < total)
         g.y[seg][(size_t)lane * n_out + local] = v;
 }
 
@@ -479,8 +440,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if (row < n_out)
         gemv2_row2<NT, T>(wg8, wu8, x, n_in, n8, t, first_g, first_u, acc_g, acc_u);
     float g, u;
-    const bool mine = gemv2_reduce<NT, S>(acc_g, part_g, warp, lane, &g);
-    gemv2_reduce<NT, S>(acc_u, part_u, warp, lane, &u);
+    const bool mine = tkv_row_reduce<NT, T>(acc_g, &part_g[0][0], warp, lane, &g);
+    tkv_row_reduce<NT, T>(acc_u, &part_u[0][0], warp, lane, &u);
     if (mine && row < n_out)
         out[(size_t)lane * n_out + row] = g / (1.0f + expf(-g)) * u;
 }
@@ -531,11 +492,13 @@ cudaError_t gemv_fused(const struct tkv_cuda_gemv_group *g, const __half *wg, co
  * threads own the same elements in both loops, so y[d] is read back by the
  * thread that wrote it and h may alias x (x[d] is read before h[d] is
  * written, by the same thread). */
-__global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, float *h, uint32_t dim, float eps)
+template <bool QF>
+__global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, float *h, uint32_t dim, float eps,
+                                   const struct tkv_cuda_q8_out qo)
 {
     __shared__ double partial[32];
     tkv_pdl_trigger();
-    tkv_pdl_wait();
+    tkv_pdl_wait(); /* also orders the plane writes after the GEMV that read them last */
     float *yr = y + (size_t)blockIdx.x * dim;
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *hr = h + (size_t)blockIdx.x * dim;
@@ -546,8 +509,12 @@ __global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, flo
         ss += (double)v * v;
     }
     const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
-    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
-        hr[d] = yr[d] * scale * w[d];
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
+        const float v = yr[d] * scale * w[d];
+        hr[d] = v;
+        if (QF) /* as rmsnorm_kernel */
+            tkv_q8_block_store(v, threadIdx.x % 32, blockIdx.x, d / 32, dim / 32, qo);
+    }
 }
 
 /* ---- RoPE of q and k in one launch ------------------------------------------------------
@@ -567,6 +534,37 @@ __global__ void rope_qk_kernel(float *q, float *k, uint32_t n, uint32_t n_head, 
 }
 
 constexpr unsigned TB = 256;
+
+/* Whether the norm kernels can fold the quantization into q's plane sets:
+ * whole blocks (with a CTA of whole warps, every warp holds one block or
+ * none at each step) and block orders that divide the row's blocks. */
+bool norm_q8_ok(const struct tkv_cuda_q8_out *q, uint32_t dim)
+{
+    if (dim % 32 != 0 || q->n > TKV_CUDA_Q8_OUT_MAX)
+        return false;
+    for (uint32_t k = 0; k < q->n; k++)
+        if (q->a[k].gb == 0 || (dim / 32) % q->a[k].gb != 0 || !q->a[k].q || !q->a[k].meta)
+            return false;
+    return true;
+}
+
+/* A norm kernel over n rows of dim, one CTA per row of up to 1024 threads
+ * (whole warps): `folded` writing q's plane sets, or `plain` (q NULL or
+ * empty); args are the kernel's own, q's sets its last parameter. */
+template <typename... KArgs, typename... Args>
+cudaError_t norm_launch(void (*plain)(KArgs...), void (*folded)(KArgs...), const struct tkv_cuda_q8_out *q,
+                        uint32_t n, uint32_t dim, bool pdl, cudaStream_t s, Args... args)
+{
+    if (n == 0)
+        return cudaSuccess;
+    const unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
+    if (q && q->n)
+        return norm_q8_ok(q, dim) ? tkv_cuda_launch(pdl, n, threads, 0, s, folded, args..., *q)
+                                  : cudaErrorInvalidValue;
+    struct tkv_cuda_q8_out none;
+    memset(&none, 0, sizeof none);
+    return tkv_cuda_launch(pdl, n, threads, 0, s, plain, args..., none);
+}
 
 } // namespace
 
@@ -590,12 +588,9 @@ cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float
 }
 
 cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
-                                 float eps, bool pdl, cudaStream_t s)
+                                 float eps, const struct tkv_cuda_q8_out *q, bool pdl, cudaStream_t s)
 {
-    if (n == 0)
-        return cudaSuccess;
-    unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32; /* as tkv_cuda_rmsnorm */
-    return tkv_cuda_launch(pdl, n, threads, 0, s, add_rmsnorm_kernel, y, x, w, h, dim, eps);
+    return norm_launch(add_rmsnorm_kernel<false>, add_rmsnorm_kernel<true>, q, n, dim, pdl, s, y, x, w, h, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
@@ -609,13 +604,10 @@ cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, ui
                            head_dim, rot_dim / 2, pos, theta_scale, freq_scale);
 }
 
-cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,
-                             cudaStream_t s)
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
+                             const struct tkv_cuda_q8_out *q, bool pdl, cudaStream_t s)
 {
-    if (n == 0)
-        return cudaSuccess;
-    unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    return tkv_cuda_launch(pdl, n, threads, 0, s, rmsnorm_kernel, x, w, y, dim, eps);
+    return norm_launch(rmsnorm_kernel<false>, rmsnorm_kernel<true>, q, n, dim, pdl, s, x, w, y, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim,

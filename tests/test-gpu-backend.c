@@ -1950,6 +1950,430 @@ static void test_quant(void)
     }
 }
 
+/* ---- the quantization folded into the norms (TKV_CUDA_QFOLD) -----------------------------
+ *
+ * With Q4_0 / Q4_1 / Q8_0 matrices of a norm's width loaded, rmsnorm and
+ * add_rmsnorm on few rows (n <= 8) also write the 8-bit planes of their
+ * output, and the matmul that follows on the same pointer, n and width
+ * reads them instead of quantizing (docs/gpu.md, "Quantized GEMV"). Checked:
+ * (a) the planes, byte for byte, against tkv_quantize_act_ref of the norm's
+ * output as downloaded (tkv_backend_cuda_folded_act), and when there must
+ * be none; (b) decode-like chains on a folding backend (plain and profiled)
+ * bit-identical to a TKV_CUDA_QFOLD=0 backend, with the profile naming the
+ * folded calls; (c) staleness: an op between the norm and the matmul that
+ * overwrites the norm's output, or a matmul on another pointer, n or width,
+ * must quantize afresh (bit-identical to the non-folding backend, no
+ * folded call in the profile). */
+
+static bool dev_equal(const void *a, const void *b, size_t bytes);
+
+static const uint32_t qf_types[3] = {TKV_TYPE_Q4_0, TKV_TYPE_Q4_1, TKV_TYPE_Q8_0};
+
+/* A profiling CUDA backend with the defaults, or with TKV_CUDA_QFOLD=0. */
+static struct tkv_backend *qf_backend(bool fold)
+{
+    struct tkv_backend *be = NULL;
+    setenv("TKV_CUDA_PROFILE", "1", 1);
+    if (!fold)
+        setenv("TKV_CUDA_QFOLD", "0", 1);
+    const tkv_status st = tkv_backend_create("cuda", 0, &be);
+    unsetenv("TKV_CUDA_PROFILE"), unsetenv("TKV_CUDA_QFOLD");
+    CHECK(st == TKV_OK && be && be->ops->profile_read, "%s", tkv_last_error());
+    return st == TKV_OK ? be : NULL;
+}
+
+/* Calls of be's profile rows whose name contains `part`, since the last reset. */
+static uint64_t qf_calls(struct tkv_backend *be, const char *part)
+{
+    struct tkv_op_profile p;
+    CHECK(be->ops->profile_read(be, &p) == TKV_OK, "%s", tkv_last_error());
+    uint64_t calls = 0;
+    for (uint32_t i = 0; i < p.n_rows; i++)
+        if (strstr(p.rows[i].name, part))
+            calls += p.rows[i].calls;
+    return calls;
+}
+
+/* A norm weight [dim] in [-1.5, 1.5] times 2^k per 32-element block, k in
+ * [-8, 16]: blocks of the output from ~1e-3 to ~1e5 (f16 s overflows to Inf
+ * in the largest, d stays finite). */
+static void qf_norm_make(struct test_weight *tn, uint32_t dim)
+{
+    weight_make(tn, TKV_TYPE_F32, dim, 1, 1);
+    float *g = tn->data;
+    for (uint32_t b = 0; b < (dim + 31) / 32; b++) {
+        const float s = ldexpf(1.5f, (int)(test_rand_u64(&rng) % 25) - 8);
+        for (uint32_t j = b * 32; j < dim && j < b * 32 + 32; j++)
+            g[j] *= s;
+    }
+}
+
+/* (a) rmsnorm (or add_rmsnorm, its output aliasing x as the engine calls it)
+ * on gpu_q with matrices of every quantized type `dim` columns wide loaded:
+ * the planes it folded in, per type, against tkv_quantize_act_ref of the
+ * output rows it wrote. */
+static void qfold_blocks_case(uint32_t dim, uint32_t n, bool add)
+{
+    struct test_weight tw[3], tn;
+    struct tkv_bweight *wq[3], *wn = NULL;
+    for (int t = 0; t < 3; t++) {
+        weight_make(&tw[t], qf_types[t], dim, 8, 2);
+        wq[t] = NULL;
+        CHECK(gpu_q->ops->weight_init(gpu_q, &tw[t].t, &wq[t]) == TKV_OK, "%s", tkv_last_error());
+    }
+    qf_norm_make(&tn, dim);
+    CHECK(gpu_q->ops->weight_init(gpu_q, &tn.t, &wn) == TKV_OK, "%s", tkv_last_error());
+    const size_t cnt = (size_t)n * dim, nb = dim / 32;
+    float *x = malloc(cnt * sizeof *x), *y = malloc(cnt * sizeof *y), *h = malloc(cnt * sizeof *h);
+    fill(x, cnt, -2, 2);
+    fill(y, cnt, -2, 2);
+    for (int t = 0; t < 3; t++) {
+        const size_t bsz = qf_types[t] == TKV_TYPE_Q4_1 ? 36 : 34, bytes = (size_t)n * nb * bsz;
+        uint8_t *got = malloc(bytes), *want = malloc(tkv_act_row_bytes(qf_types[t], dim));
+        float *dx = dev_from(x, cnt * sizeof *x), *dy = dev_from(y, cnt * sizeof *y), *dh = dev_poisoned(cnt);
+        uint8_t *dq = dev_alloc(bytes);
+        float *out = add ? dx : dh;
+        settle(gpu);
+        if (add)
+            CHECK(gpu_q->ops->add_rmsnorm(gpu_q, dy, dx, wn, dx, n, dim, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+        else
+            CHECK(gpu_q->ops->rmsnorm(gpu_q, dx, wn, dh, n, dim, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+        bool folded = false;
+        CHECK(tkv_backend_cuda_folded_act(gpu_q, qf_types[t], out, n, dim, dq, &folded) == TKV_OK, "%s",
+              tkv_last_error());
+        settle(gpu_q);
+        to_host(h, out, cnt * sizeof *h);
+        to_host(got, dq, bytes);
+        size_t bad = 0, nonfinite = 0;
+        for (uint32_t i = 0; folded && i < n; i++) {
+            tkv_quantize_act_ref(qf_types[t], h + (size_t)i * dim, want, dim);
+            for (size_t b = 0; b < nb; b++) {
+                const uint8_t *gb = got + ((size_t)i * nb + b) * bsz, *wb = want + b * bsz;
+                bad += memcmp(gb, wb, bsz) != 0;
+                nonfinite += bsz == 36 && (wb[3] & 0x7c) == 0x7c; /* s = f16 Inf */
+            }
+        }
+        fprintf(stderr, "  qfold %s %s dim=%u n=%u: %s, %zu of %zu blocks differ from tkv_quantize_act_ref of its "
+                        "output%s\n", add ? "add_rmsnorm" : "rmsnorm", tkv_type_name(qf_types[t]), dim, n,
+                folded ? "folded" : "NOT FOLDED", bad, (size_t)n * nb, nonfinite ? " (some s = Inf)" : "");
+        CHECK(folded, "qfold: %s dim %u n %u: no planes for %s", add ? "add_rmsnorm" : "rmsnorm", dim, n,
+              tkv_type_name(qf_types[t]));
+        CHECK(bad == 0, "qfold: %s %s dim %u n %u: %zu blocks differ", add ? "add_rmsnorm" : "rmsnorm",
+              tkv_type_name(qf_types[t]), dim, n, bad);
+        dev_free(dx), dev_free(dy), dev_free(dh), dev_free(dq);
+        free(got), free(want);
+    }
+    for (int t = 0; t < 3; t++) {
+        gpu_q->ops->weight_free(gpu_q, wq[t]);
+        weight_free(&tw[t]);
+    }
+    gpu_q->ops->weight_free(gpu_q, wn);
+    weight_free(&tn);
+    free(x), free(y), free(h);
+}
+
+/* rmsnorm of n rows of dim on be, then `between` (or nothing), then whether
+ * folded_act finds Q4_0 planes of its output. The matmul over the output
+ * has f16 weights: it quantizes nothing, so only the overlap of its output
+ * with the norm's can end the planes. */
+enum qf_between { QF_NOTHING, QF_ADD, QF_SYNC, QF_MATMUL_ELSEWHERE, QF_MATMUL_OVER };
+static bool qf_folded_after(struct tkv_backend *be, uint32_t dim, uint32_t n, enum qf_between between)
+{
+    struct test_weight tw, th, tn;
+    struct tkv_bweight *wq = NULL, *wh = NULL, *wn = NULL;
+    weight_make(&tw, TKV_TYPE_Q4_0, dim, 64, 2);
+    weight_make(&th, TKV_TYPE_F16, dim, 64, 2);
+    weight_make(&tn, TKV_TYPE_F32, dim, 1, 1);
+    CHECK(be->ops->weight_init(be, &tw.t, &wq) == TKV_OK && be->ops->weight_init(be, &th.t, &wh) == TKV_OK &&
+              be->ops->weight_init(be, &tn.t, &wn) == TKV_OK,
+          "%s", tkv_last_error());
+    const size_t cnt = (size_t)n * dim;
+    float *x = malloc(cnt * sizeof *x);
+    fill(x, cnt, -1, 1);
+    float *dx = dev_from(x, cnt * sizeof *x), *dh = dev_poisoned(cnt), *dy = dev_poisoned((size_t)n * 64);
+    uint8_t *dq = dev_alloc((size_t)n * (dim / 32) * 34);
+    settle(gpu);
+    CHECK(be->ops->rmsnorm(be, dx, wn, dh, n, dim, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+    if (between == QF_ADD)
+        CHECK(be->ops->add(be, dh, dx, cnt) == TKV_OK, "%s", tkv_last_error());
+    else if (between == QF_SYNC)
+        CHECK(be->ops->synchronize(be) == TKV_OK, "%s", tkv_last_error());
+    else if (between == QF_MATMUL_ELSEWHERE)
+        CHECK(be->ops->matmul(be, wq, dh, dy, n) == TKV_OK, "%s", tkv_last_error());
+    else if (between == QF_MATMUL_OVER) /* writes h's first n * 64 floats */
+        CHECK(be->ops->matmul(be, wh, dx, dh, n) == TKV_OK, "%s", tkv_last_error());
+    bool folded = true;
+    CHECK(tkv_backend_cuda_folded_act(be, TKV_TYPE_Q4_0, dh, n, dim, dq, &folded) == TKV_OK, "%s", tkv_last_error());
+    settle(be);
+    dev_free(dx), dev_free(dh), dev_free(dy), dev_free(dq);
+    be->ops->weight_free(be, wq);
+    be->ops->weight_free(be, wh);
+    be->ops->weight_free(be, wn);
+    weight_free(&tw), weight_free(&th), weight_free(&tn);
+    free(x);
+    return folded;
+}
+
+/* (b), (c): a decode-like model; weight types per matrix */
+struct qf_model {
+    uint32_t E, Q, KV, F, V;
+    struct test_weight tw[11]; /* q k v o gate up down output norm; half: a matrix of E / 2 columns; f16: E x E */
+    struct tkv_bweight *w[3][11];
+};
+enum { QF_WQ, QF_WK, QF_WV, QF_WO, QF_WG, QF_WU, QF_WD, QF_OUT, QF_NORM, QF_HALF, QF_F16, QF_NW };
+
+struct qf_state {
+    float *x, *h, *h2, *q, *k, *v, *g, *logits; /* device */
+};
+
+static void qf_model_make(struct qf_model *m, const uint32_t *types, struct tkv_backend *const *be, int nbe)
+{
+    weight_make(&m->tw[QF_WQ], types[QF_WQ], m->E, m->Q, 2);
+    weight_make(&m->tw[QF_WK], types[QF_WK], m->E, m->KV, 2);
+    weight_make(&m->tw[QF_WV], types[QF_WV], m->E, m->KV, 2);
+    weight_make(&m->tw[QF_WO], types[QF_WO], m->Q, m->E, 2);
+    weight_make(&m->tw[QF_WG], types[QF_WG], m->E, m->F, 2);
+    weight_make(&m->tw[QF_WU], types[QF_WU], m->E, m->F, 2);
+    weight_make(&m->tw[QF_WD], types[QF_WD], m->F, m->E, 2);
+    weight_make(&m->tw[QF_OUT], types[QF_OUT], m->E, m->V, 2);
+    weight_make(&m->tw[QF_NORM], TKV_TYPE_F32, m->E, 1, 1);
+    weight_make(&m->tw[QF_HALF], types[QF_WQ], m->E / 2, 96, 2);
+    weight_make(&m->tw[QF_F16], TKV_TYPE_F16, m->Q, m->E, 2);
+    for (int b = 0; b < nbe; b++)
+        for (int i = 0; i < QF_NW; i++) {
+            m->w[b][i] = NULL;
+            CHECK(be[b]->ops->weight_init(be[b], &m->tw[i].t, &m->w[b][i]) == TKV_OK, "%s", tkv_last_error());
+        }
+}
+
+static void qf_model_free(struct qf_model *m, struct tkv_backend *const *be, int nbe)
+{
+    for (int b = 0; b < nbe; b++)
+        for (int i = 0; i < QF_NW; i++)
+            be[b]->ops->weight_free(be[b], m->w[b][i]);
+    for (int i = 0; i < QF_NW; i++)
+        weight_free(&m->tw[i]);
+}
+
+static void qf_state_make(struct qf_state *st, const struct qf_model *m, uint32_t n, const float *x0, const float *q0)
+{
+    st->x = dev_from(x0, (size_t)n * m->E * sizeof(float));
+    st->q = dev_from(q0, (size_t)n * m->Q * sizeof(float));
+    st->h = dev_poisoned((size_t)n * m->E), st->h2 = dev_poisoned((size_t)n * m->E);
+    st->k = dev_poisoned((size_t)n * m->KV), st->v = dev_poisoned((size_t)n * m->KV);
+    st->g = dev_poisoned((size_t)n * m->F), st->logits = dev_poisoned((size_t)n * m->V);
+}
+
+static void qf_state_free(struct qf_state *st)
+{
+    dev_free(st->x), dev_free(st->h), dev_free(st->h2), dev_free(st->q), dev_free(st->k), dev_free(st->v);
+    dev_free(st->g), dev_free(st->logits);
+}
+
+/* Every buffer of st[b] bit-identical to st[ref]'s (both backends settled). */
+static bool qf_state_equal(const struct qf_state *a, const struct qf_state *b, const struct qf_model *m, uint32_t n)
+{
+    const size_t f = sizeof(float);
+    return dev_equal(a->x, b->x, n * m->E * f) && dev_equal(a->h, b->h, n * m->E * f) &&
+           dev_equal(a->h2, b->h2, n * m->E * f) && dev_equal(a->q, b->q, n * m->Q * f) &&
+           dev_equal(a->k, b->k, n * m->KV * f) && dev_equal(a->v, b->v, n * m->KV * f) &&
+           dev_equal(a->g, b->g, n * m->F * f) && dev_equal(a->logits, b->logits, n * m->V * f);
+}
+
+/* The engine's fused decode sequence without attention (q stands in for its
+ * output): rmsnorm, then per layer matmul_group(q, k, v) on h, wo writing
+ * h, add_rmsnorm into h (aliasing its x, as layer_forward calls it),
+ * matmul_swiglu on h, down writing h, add_rmsnorm into h; then the output
+ * matmul on h. Per call: 1 + 2 L norms whose output a matmul reads next. */
+static void qf_chain(struct tkv_backend *be, const struct qf_model *m, struct tkv_bweight *const *w,
+                     struct qf_state *st, uint32_t n, uint32_t layers)
+{
+    const struct tkv_backend_ops *ops = be->ops;
+    const uint32_t E = m->E;
+    CHECK(ops->rmsnorm(be, st->x, w[QF_NORM], st->h, n, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+    for (uint32_t l = 0; l < layers; l++) {
+        const struct tkv_bweight *qkv[3] = {w[QF_WQ], w[QF_WK], w[QF_WV]};
+        float *outs[3] = {st->q, st->k, st->v};
+        CHECK(ops->matmul_group(be, qkv, 3, st->h, outs, n) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->matmul(be, w[QF_WO], st->q, st->h, n) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->add_rmsnorm(be, st->x, st->h, w[QF_NORM], st->h, n, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->matmul_swiglu(be, w[QF_WG], w[QF_WU], st->h, st->g, n) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->matmul(be, w[QF_WD], st->g, st->h, n) == TKV_OK, "%s", tkv_last_error());
+        CHECK(ops->add_rmsnorm(be, st->x, st->h, w[QF_NORM], st->h, n, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+    }
+    CHECK(ops->matmul(be, w[QF_OUT], st->h, st->logits, n) == TKV_OK, "%s", tkv_last_error());
+}
+
+/* (c) sequences in which the norm's planes must not be used (q stands in
+ * for a second activation of E columns: the models have Q = E). Each
+ * would give other results if the matmul read them. */
+enum { QF_STALE_UPLOAD, QF_STALE_ADD, QF_STALE_MATMUL_OVER, QF_STALE_F16_OVER, QF_STALE_OTHER_PTR,
+       QF_STALE_OTHER_N, QF_STALE_OTHER_WIDTH, QF_STALE_N };
+static const char *const qf_stale_name[QF_STALE_N] = {
+    "norm, upload into h, matmul_group", "add_rmsnorm, add into h, matmul_swiglu",
+    "norm, wo matmul writing h, matmul_swiglu", "norm, f16 matmul writing h, matmul_group",
+    "norm into h, norm into h2, matmul_group on h", "norm of n rows, matmul_group of n - 1",
+    "norm, matmul of E/2 columns on h"};
+
+static void qf_stale(struct tkv_backend *be, const struct qf_model *m, struct tkv_bweight *const *w,
+                     struct qf_state *st, uint32_t n, int which, const float *fresh)
+{
+    const struct tkv_backend_ops *ops = be->ops;
+    const uint32_t E = m->E;
+    const struct tkv_bweight *qkv[3] = {w[QF_WQ], w[QF_WK], w[QF_WV]};
+    float *outs[3] = {st->q, st->k, st->v};
+    tkv_status s1, s2, s3;
+    switch (which) {
+    case QF_STALE_UPLOAD:
+        s1 = ops->rmsnorm(be, st->x, w[QF_NORM], st->h, n, E, 1e-5f);
+        s2 = ops->upload(be, st->h, fresh, (size_t)n * E * sizeof(float));
+        s3 = ops->matmul_group(be, qkv, 3, st->h, outs, n);
+        break;
+    case QF_STALE_ADD:
+        s1 = ops->add_rmsnorm(be, st->x, st->q, w[QF_NORM], st->h, n, E, 1e-5f);
+        s2 = ops->add(be, st->h, st->x, (size_t)n * E);
+        s3 = ops->matmul_swiglu(be, w[QF_WG], w[QF_WU], st->h, st->g, n);
+        break;
+    case QF_STALE_MATMUL_OVER:
+        s1 = ops->rmsnorm(be, st->x, w[QF_NORM], st->h, n, E, 1e-5f);
+        s2 = ops->matmul(be, w[QF_WO], st->q, st->h, n);
+        s3 = ops->matmul_swiglu(be, w[QF_WG], w[QF_WU], st->h, st->g, n);
+        break;
+    case QF_STALE_F16_OVER: /* quantizes nothing: only the overlap with h ends the planes */
+        s1 = ops->rmsnorm(be, st->x, w[QF_NORM], st->h, n, E, 1e-5f);
+        s2 = ops->matmul(be, w[QF_F16], st->q, st->h, n);
+        s3 = ops->matmul_group(be, qkv, 3, st->h, outs, n);
+        break;
+    case QF_STALE_OTHER_PTR: /* h keeps the norm's output; the planes are h2's */
+        s1 = ops->rmsnorm(be, st->x, w[QF_NORM], st->h, n, E, 1e-5f);
+        s2 = ops->rmsnorm(be, st->q, w[QF_NORM], st->h2, n, E, 1e-5f);
+        s3 = ops->matmul_group(be, qkv, 3, st->h, outs, n);
+        break;
+    case QF_STALE_OTHER_N: /* the planes of n rows, read as n - 1 */
+        s1 = ops->rmsnorm(be, st->x, w[QF_NORM], st->h, n, E, 1e-5f);
+        s2 = TKV_OK;
+        s3 = ops->matmul_group(be, qkv, 3, st->h, outs, n - 1);
+        break;
+    default: /* QF_STALE_OTHER_WIDTH: h read as rows of E / 2 */
+        s1 = ops->rmsnorm(be, st->x, w[QF_NORM], st->h, n, E, 1e-5f);
+        s2 = TKV_OK;
+        s3 = ops->matmul(be, w[QF_HALF], st->h, st->g, n);
+        break;
+    }
+    CHECK(s1 == TKV_OK && s2 == TKV_OK && s3 == TKV_OK, "qfold stale '%s': %s", qf_stale_name[which],
+          tkv_last_error());
+}
+
+/* (b) and (c) for one model: be[0] = gpu_q folds (plain vtable), be[1]
+ * folds (profiled), be[2] does not (TKV_CUDA_QFOLD=0, profiled): the
+ * reference. The profiled ones are made per model, so that their rows
+ * (kept across profile_reset) stay below the profile's row limit. */
+static void qfold_model_case(const char *label, uint32_t E, uint32_t Q, uint32_t KV, uint32_t F, uint32_t V,
+                             const uint32_t *types)
+{
+    struct qf_model m = {.E = E, .Q = Q, .KV = KV, .F = F, .V = V};
+    REQUIRE_VOID(Q == E); /* qf_stale normalizes q as rows of E */
+    struct tkv_backend *be[3] = {gpu_q, qf_backend(true), qf_backend(false)};
+    if (!be[1] || !be[2]) {
+        for (int b = 1; b < 3; b++)
+            if (be[b])
+                be[b]->ops->free(be[b]);
+        return;
+    }
+    qf_model_make(&m, types, be, 3);
+    const uint32_t layers = 2, ns[] = {1, 2, 3, 5, 8};
+    float *x0 = malloc((size_t)8 * E * sizeof *x0), *q0 = malloc((size_t)8 * Q * sizeof *q0);
+    float *fresh = malloc((size_t)8 * E * sizeof *fresh);
+    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+        const uint32_t n = ns[ni];
+        fill(x0, (size_t)n * E, -1, 1);
+        fill(q0, (size_t)n * Q, -1, 1);
+        struct qf_state st[3];
+        for (int b = 0; b < 3; b++)
+            qf_state_make(&st[b], &m, n, x0, q0);
+        settle(gpu);
+        be[1]->ops->profile_reset(be[1]), be[2]->ops->profile_reset(be[2]);
+        for (int b = 0; b < 3; b++)
+            qf_chain(be[b], &m, m.w[b], &st[b], n, layers);
+        for (int b = 0; b < 3; b++)
+            settle(be[b]);
+        const bool same0 = qf_state_equal(&st[0], &st[2], &m, n), same1 = qf_state_equal(&st[1], &st[2], &m, n);
+        const uint64_t norms = qf_calls(be[1], "+q8"), folded = qf_calls(be[1], "q8-folded");
+        const uint64_t norms_off = qf_calls(be[2], "+q8"), folded_off = qf_calls(be[2], "q8-folded");
+        fprintf(stderr, "  qfold chain %s n=%u, %u layers: fold vs TKV_CUDA_QFOLD=0 %s (plain), %s (profiled); "
+                        "profile: %llu norms +q8, %llu matmuls q8-folded (off: %llu, %llu)\n", label, n, layers,
+                same0 ? "bit-identical" : "DIFFER", same1 ? "bit-identical" : "DIFFER", (unsigned long long)norms,
+                (unsigned long long)folded, (unsigned long long)norms_off, (unsigned long long)folded_off);
+        CHECK(same0 && same1, "qfold chain %s n=%u: the folding backend's results differ", label, n);
+        CHECK(norms == 1 + 2 * layers && folded == 1 + 2 * layers && norms_off == 0 && folded_off == 0,
+              "qfold chain %s n=%u: profile counts %llu / %llu norms +q8, %llu / %llu matmuls q8-folded (want %u, "
+              "0)", label, n, (unsigned long long)norms, (unsigned long long)norms_off,
+              (unsigned long long)folded, (unsigned long long)folded_off, 1 + 2 * layers);
+        /* (c), at n = 3 */
+        for (int which = 0; n == 3 && which < QF_STALE_N; which++) {
+            fill(fresh, (size_t)n * E, -1, 1);
+            settle(gpu);
+            be[1]->ops->profile_reset(be[1]);
+            for (int b = 0; b < 3; b++)
+                qf_stale(be[b], &m, m.w[b], &st[b], n, which, fresh);
+            for (int b = 0; b < 3; b++)
+                settle(be[b]);
+            const bool s0 = qf_state_equal(&st[0], &st[2], &m, n), s1 = qf_state_equal(&st[1], &st[2], &m, n);
+            const uint64_t f = qf_calls(be[1], "q8-folded");
+            fprintf(stderr, "  qfold stale %s '%s': %s, %llu matmuls q8-folded\n", label, qf_stale_name[which],
+                    s0 && s1 ? "bit-identical to TKV_CUDA_QFOLD=0" : "DIFFERS from TKV_CUDA_QFOLD=0",
+                    (unsigned long long)f);
+            CHECK(s0 && s1 && f == 0, "qfold stale %s '%s': stale planes used", label, qf_stale_name[which]);
+        }
+        for (int b = 0; b < 3; b++)
+            qf_state_free(&st[b]);
+    }
+    qf_model_free(&m, be, 3);
+    be[1]->ops->free(be[1]);
+    be[2]->ops->free(be[2]);
+    free(x0), free(q0), free(fresh);
+}
+
+static void test_qfold(void)
+{
+    fprintf(stderr, "quantization folded into the norms:\n");
+    /* (a) the planes, byte for byte: Llama-3-8B's width (block orders 8 and
+     * 4), SmolLM2's (576: not whole groups, order 1), n = 1..8 */
+    for (uint32_t n = 1; n <= 8; n++)
+        qfold_blocks_case(4096, n, n % 2 == 0);
+    qfold_blocks_case(576, 3, false);
+    qfold_blocks_case(576, 8, true);
+    qfold_blocks_case(2048, 5, true);
+    /* and none where nothing will read them, or after another op */
+    const bool f_plain = qf_folded_after(gpu_q, 2048, 2, QF_NOTHING);
+    const bool f_keep = qf_folded_after(gpu_q, 2048, 2, QF_MATMUL_ELSEWHERE);
+    const bool f_add = qf_folded_after(gpu_q, 2048, 2, QF_ADD), f_sync = qf_folded_after(gpu_q, 2048, 2, QF_SYNC);
+    const bool f_over = qf_folded_after(gpu_q, 2048, 2, QF_MATMUL_OVER);
+    struct tkv_backend *off = qf_backend(false);
+    const bool f_n9 = qf_folded_after(gpu_q, 2048, 9, QF_NOTHING);
+    const bool f_off = off && qf_folded_after(off, 2048, 2, QF_NOTHING);
+    if (off)
+        off->ops->free(off);
+    fprintf(stderr, "  qfold planes valid: after the norm %d, after a matmul elsewhere %d; after an add %d, a "
+                    "synchronize %d, a matmul over its output %d; n = 9 %d; TKV_CUDA_QFOLD=0 %d\n", f_plain, f_keep,
+            f_add, f_sync, f_over, f_n9, f_off);
+    CHECK(f_plain && f_keep && !f_add && !f_sync && !f_over && !f_n9 && !f_off, "qfold: planes valid when they must "
+          "not be, or not when they must");
+    /* (b), (c): the fast kernels (E 2048, F 5632), the reference kernel
+     * (576 columns: block order 1), and a layer of mixed types (q/k/v and
+     * gate/up run their sequences, reading two block orders of one norm) */
+    for (int t = 0; t < 3; t++) {
+        const uint32_t ty = qf_types[t], types[8] = {ty, ty, ty, ty, ty, ty, ty, ty};
+        qfold_model_case(tkv_type_name(ty), 2048, 2048, 512, 5632, 1000, types);
+        qfold_model_case(tkv_type_name(ty), 576, 576, 192, 1536, 300, types);
+    }
+    const uint32_t mixed[8] = {TKV_TYPE_Q4_0, TKV_TYPE_Q4_1, TKV_TYPE_Q8_0, TKV_TYPE_Q4_0,
+                               TKV_TYPE_Q4_1, TKV_TYPE_Q4_0, TKV_TYPE_Q8_0, TKV_TYPE_Q4_1};
+    qfold_model_case("mixed", 2048, 2048, 512, 5632, 1000, mixed);
+    CHECK(tkv_backend_cuda_folded_act(cpu, TKV_TYPE_Q4_0, NULL, 1, 32, NULL, &(bool){false}) == TKV_ERR_INVALID_ARG,
+          "folded_act took the cpu backend");
+}
+
 /* ---- programmatic dependent launches (TKV_CUDA_PDL=1) ------------------------------------
  *
  * A decode step's op chain, queued back to back with no synchronization,
@@ -2233,6 +2657,7 @@ int main(void)
     SECTION("kv_write", test_kv_write_heads);
     SECTION("fused", test_fused);
     SECTION("quant", test_quant);
+    SECTION("qfold", test_qfold);
     SECTION("pdl", test_pdl);
     SECTION("profile", test_profile);
     SECTION("attention", test_attention);
