@@ -130,7 +130,7 @@ struct cuda_backend {
      * matmuls that may consume it (ALIVE_KEEP_Q8), which clear it when they
      * write over x or refill a region. */
     bool qfold;
-    struct { uint32_t n_in, orders; } q8_widths[16]; /* a model has 2-3; tests load many */
+    struct { uint32_t n_in, orders; } q8_widths[8];
     uint32_t n_q8_widths;
     struct {
         const float *x;            /* device [n][n_in] f32, as the norm wrote it */
