@@ -24,9 +24,7 @@
  * same op: the matmul row's time includes that kernel) against a device
  * copy of the quantized bytes and against the f16 GEMV of the same matrix
  * (a TKV_CUDA_GEMV_QUANT=0 backend), and the fused ops on Q4_0 weights.
- * Last, a norm and the quantized matmul that reads its output, with the
- * activation quantization folded into the norm (the default) and in its own
- * kernel (a TKV_CUDA_QFOLD=0 backend). Exits 77 without a GPU.
+ * Exits 77 without a GPU.
  */
 #include "runtime/backend.h"
 
@@ -470,147 +468,6 @@ static void bench_quant(struct tkv_backend *q, struct tkv_backend *f16, uint32_t
            tkv_type_name(type), tb.layer[0], tb.layer[2], tb.layer[2] / tb.layer[0], tb.layer[1]);
 }
 
-/* The quantization folded into the norms (docs/gpu.md "Quantized GEMV",
- * TKV_CUDA_QFOLD): a norm and the quantized matmul that reads its output,
- * back to back, on the default backend (the norm writes the 8-bit planes,
- * the matmul launches no quantization kernel) and on a TKV_CUDA_QFOLD=0
- * one; device busy, device span (launch gaps included) and host wall time
- * per pair, how many matmuls read folded planes (the profile's "q8-folded"
- * rows), and whether the outputs are the same bits. */
-struct fold_result {
-    double busy_us, span_us, host_us;
-    uint64_t folded; /* matmul calls that read the norm's planes */
-    float *y;        /* the last output [n, n_out of weight 0] */
-};
-
-/* which: 0 rmsnorm + matmul_group (q/k/v), 1 add_rmsnorm + matmul_swiglu
- * (gate/up), 2 rmsnorm + matmul (wq/wo); t[]: its weights, norm: [4096] f32 */
-static void time_fold(struct tkv_backend *be, int which, const struct tkv_gguf_tensor *const *t, uint32_t nw,
-                      const struct tkv_gguf_tensor *norm, uint32_t copies, const float *x, uint32_t n, int reps,
-                      struct fold_result *r)
-{
-    const uint32_t n_in = (uint32_t)t[0]->ne[0];
-    struct tkv_bweight *w[MAX_COPIES][3], *wn;
-    void *dx, *dr, *dh, *dy[3];
-    for (uint32_t c = 0; c < copies; c++)
-        for (uint32_t i = 0; i < nw; i++)
-            die_if(be->ops->weight_init(be, t[i], &w[c][i]), "weight_init");
-    die_if(be->ops->weight_init(be, norm, &wn), "weight_init");
-    const size_t bx = (size_t)n * n_in * sizeof(float), by0 = (size_t)n * (size_t)t[0]->ne[1] * sizeof(float);
-    die_if(be->ops->alloc(be, bx, &dx), "alloc");
-    die_if(be->ops->alloc(be, bx, &dr), "alloc");
-    die_if(be->ops->alloc(be, bx, &dh), "alloc");
-    for (uint32_t i = 0; i < nw; i++)
-        die_if(be->ops->alloc(be, (size_t)n * (size_t)t[i]->ne[1] * sizeof(float), &dy[i]), "alloc");
-    die_if(be->ops->upload(be, dx, x, bx), "upload");
-    die_if(be->ops->upload(be, dr, x, bx), "upload"); /* the residual branch's input: small values */
-    for (int i = -(int)copies - 2; i < reps; i++) { /* warm-up, then timed */
-        if (i == 0) {
-            die_if(be->ops->synchronize(be), "synchronize");
-            be->ops->profile_reset(be);
-            r->host_us = now();
-        }
-        struct tkv_bweight **wc = w[(uint32_t)(i + (int)copies + 2) % copies];
-        if (which == 1)
-            die_if(be->ops->add_rmsnorm(be, dx, dr, wn, dh, n, n_in, 1e-5f), "add_rmsnorm");
-        else
-            die_if(be->ops->rmsnorm(be, dx, wn, dh, n, n_in, 1e-5f), "rmsnorm");
-        if (which == 0)
-            die_if(be->ops->matmul_group(be, (const struct tkv_bweight *const *)wc, nw, dh, (float *const *)dy, n),
-                   "matmul_group");
-        else if (which == 1)
-            die_if(be->ops->matmul_swiglu(be, wc[0], wc[1], dh, dy[0], n), "matmul_swiglu");
-        else
-            die_if(be->ops->matmul(be, wc[0], dh, dy[0], n), "matmul");
-    }
-    die_if(be->ops->synchronize(be), "synchronize");
-    r->host_us = (now() - r->host_us) / reps * 1e6;
-    struct tkv_op_profile p;
-    die_if(be->ops->profile_read(be, &p), "profile_read");
-    r->folded = 0;
-    for (uint32_t i = 0; i < p.n_rows; i++)
-        if (strstr(p.rows[i].name, "q8-folded"))
-            r->folded += p.rows[i].calls;
-    double busy, span;
-    dev_busy_span(be, reps, &busy, &span);
-    r->busy_us = busy * 1e6, r->span_us = span * 1e6;
-    r->y = malloc(by0);
-    die_if(be->ops->download(be, r->y, dy[0], by0), "download");
-    for (uint32_t c = 0; c < copies; c++)
-        for (uint32_t i = 0; i < nw; i++)
-            be->ops->weight_free(be, w[c][i]);
-    be->ops->weight_free(be, wn);
-    be->ops->release(be, dx);
-    be->ops->release(be, dr);
-    be->ops->release(be, dh);
-    for (uint32_t i = 0; i < nw; i++)
-        be->ops->release(be, dy[i]);
-}
-
-static void bench_fold(struct tkv_backend *fold, struct tkv_backend *nofold, uint32_t type, uint32_t n, int reps,
-                       FILE *json, const char *commit)
-{
-    struct tkv_gguf_tensor q, k, v, g, u, o, norm;
-    make_weight(&q, type, 4096, 4096, "wq");
-    make_weight(&k, type, 1024, 4096, "wk");
-    make_weight(&v, type, 1024, 4096, "wv");
-    make_weight(&g, type, 14336, 4096, "gate");
-    make_weight(&u, type, 14336, 4096, "up");
-    make_weight(&o, type, 4096, 4096, "wo");
-    float *gn = malloc(4096 * sizeof *gn), *x = malloc((size_t)n * 4096 * sizeof *x);
-    for (uint32_t i = 0; i < 4096; i++)
-        gn[i] = (float)(0.5 + (rnd() >> 40) / 16777216.0);
-    for (size_t i = 0; i < (size_t)n * 4096; i++)
-        x[i] = (float)((rnd() >> 40) / 16777216.0 * 2.0 - 1.0) * 0.05f;
-    memset(&norm, 0, sizeof norm);
-    snprintf(norm.name, sizeof norm.name, "bench.norm");
-    norm.n_dims = 1;
-    norm.ne[0] = 4096;
-    norm.ne[1] = norm.ne[2] = norm.ne[3] = 1;
-    norm.type = TKV_TYPE_F32;
-    norm.n_elems = 4096;
-    norm.nbytes = 4096 * sizeof(float);
-    norm.data = gn;
-    const struct tkv_gguf_tensor *qkv[3] = {&q, &k, &v}, *gu[2] = {&g, &u}, *wo[1] = {&o};
-    static const struct {
-        const char *name;
-        uint32_t nw;
-    } cases[] = {{"rmsnorm + q/k/v group 6144x4096", 3}, {"add_rmsnorm + gate/up swiglu 2x14336x4096", 2},
-                 {"rmsnorm + matmul 4096x4096", 1}};
-    printf("\n%s weights: the activation quantization folded into the norm (default) vs its own kernel "
-           "(TKV_CUDA_QFOLD=0), n = %u; per norm + matmul pair\n\n", tkv_type_name(type), n);
-    printf("| pair | folded busy us | span us | host us | unfolded busy us | span us | host us | span saved us | "
-           "folded calls | outputs |\n");
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
-    for (int c = 0; c < 3; c++) {
-        const struct tkv_gguf_tensor *const *t = c == 0 ? qkv : c == 1 ? gu : wo;
-        size_t bytes = 0;
-        for (uint32_t i = 0; i < cases[c].nw; i++)
-            bytes += t[i]->nbytes;
-        uint32_t copies = (uint32_t)((ROTATE_BYTES + bytes - 1) / bytes);
-        copies = copies < 1 ? 1 : copies > MAX_COPIES ? MAX_COPIES : copies;
-        struct fold_result rf, ru;
-        time_fold(fold, c, t, cases[c].nw, &norm, copies, x, n, reps, &rf);
-        time_fold(nofold, c, t, cases[c].nw, &norm, copies, x, n, reps, &ru);
-        const bool same = !memcmp(rf.y, ru.y, (size_t)n * (size_t)t[0]->ne[1] * sizeof(float));
-        printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %llu of %d | %s |\n", cases[c].name,
-               rf.busy_us, rf.span_us, rf.host_us, ru.busy_us, ru.span_us, ru.host_us, ru.span_us - rf.span_us,
-               (unsigned long long)rf.folded, reps, same ? "bit-identical" : "DIFFER");
-        fflush(stdout);
-        if (json)
-            fprintf(json,
-                    "{\"bench\": \"gemv-qfold\", \"type\": \"%s\", \"pair\": \"%s\", \"n\": %u, \"reps\": %d, "
-                    "\"fold_busy_us\": %.3f, \"fold_span_us\": %.3f, \"fold_host_us\": %.3f, \"off_busy_us\": %.3f, "
-                    "\"off_span_us\": %.3f, \"off_host_us\": %.3f, \"folded_calls\": %llu, \"same\": %s, "
-                    "\"commit\": \"%s\"}\n",
-                    tkv_type_name(type), cases[c].name, n, reps, rf.busy_us, rf.span_us, rf.host_us, ru.busy_us,
-                    ru.span_us, ru.host_us, (unsigned long long)rf.folded, same ? "true" : "false", commit);
-        free(rf.y), free(ru.y);
-    }
-    free((void *)q.data), free((void *)k.data), free((void *)v.data), free((void *)g.data), free((void *)u.data);
-    free((void *)o.data), free(gn), free(x);
-}
-
 int main(int argc, char **argv)
 {
     int reps = 200;
@@ -654,12 +511,6 @@ int main(int argc, char **argv)
         bench_quant(fast, f16q, qtypes[i], n, reps, json, commit);
     bench_groups(fast, TKV_TYPE_Q4_0, n, reps, json, commit);
     f16q->ops->free(f16q);
-    setenv("TKV_CUDA_QFOLD", "0", 1);
-    struct tkv_backend *nofold = make_backend(NULL);
-    unsetenv("TKV_CUDA_QFOLD");
-    for (size_t i = 0; i < sizeof qtypes / sizeof qtypes[0]; i++)
-        bench_fold(fast, nofold, qtypes[i], n, reps, json, commit);
-    nofold->ops->free(nofold);
     printf("of copy = (weight bytes / GEMV time) / ((read + written bytes) / copy time); host us/call: wall time per "
            "call of back-to-back calls (launch-bound when above the device time)\n");
     /* the profiles were read and reset: nothing left to print at free */
