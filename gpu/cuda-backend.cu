@@ -17,10 +17,7 @@
  * matrices also keep their GGUF blocks, and for up to 8 tokens the
  * quantized GEMV multiplies those with activations quantized to 8 bits
  * (gemv-quant.cu; TKV_CUDA_GEMV_QUANT=0 when the backend is created: the
- * f16 path instead, =ref: the reference kernel). A norm whose output such
- * a matmul reads next writes those 8-bit activations itself, and the
- * matmul skips its quantization kernel ("folded quantization" below;
- * TKV_CUDA_QFOLD=0 when the backend is created: not).
+ * f16 path instead, =ref: the reference kernel).
  *
  * Validation mode: with TKV_CUDA_WEIGHTS=f32 in the environment when the
  * backend is created, matrices are kept as exact f32 dequantizations and
@@ -117,26 +114,8 @@ struct cuda_backend {
     uint32_t pos_n, pos_cap;
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
-    void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act):
-                                      Q8_REGIONS regions, one per block order (q8_planes) */
+    void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
-    /* The quantization folded into the norms (docs/gpu.md "Quantized GEMV";
-     * TKV_CUDA_QFOLD=0 when the backend is created: off). q8_widths: the
-     * input widths of the kept quantized matrices and the block orders
-     * their GEMVs read (bit q8_region(gb)), filled at weight_init; a norm of
-     * such a width (n <= 8 rows) writes those planes of its output too.
-     * q8f: which planes in q8_work hold the quantization of which x; set by
-     * a folding norm, cleared by every op's entry (ALIVE) except the
-     * matmuls that may consume it (ALIVE_KEEP_Q8), which clear it when they
-     * write over x or refill a region. */
-    bool qfold;
-    struct { uint32_t n_in, orders; } q8_widths[8];
-    uint32_t n_q8_widths;
-    struct {
-        const float *x;            /* device [n][n_in] f32, as the norm wrote it */
-        uint32_t n, n_in;
-        uint32_t valid;            /* bit r: region r holds x's planes in its block order */
-    } q8f;
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
 };
 
@@ -236,14 +215,8 @@ static tkv_status blas_fail(cublasStatus_t s, const char *op)
 static thread_local int tkv_cuda_current = -1;
 
 /* Every op starts here: after a sticky error the device is not touched
- * again; otherwise the backend's device becomes current on this thread.
- * ALIVE also forgets the folded quantized activations (cb->q8f): they are
- * valid only until the next op of any kind other than a matmul that may
- * consume them (matmul, matmul_group, matmul_swiglu start with
- * ALIVE_KEEP_Q8, and the entry points that do not start here clear it
- * themselves), so no op that could write x runs between the norm that
- * wrote them and their consumer. */
-#define ALIVE_KEEP_Q8(op)                                                                                       \
+ * again; otherwise the backend's device becomes current on this thread. */
+#define ALIVE(op)                                                                                               \
     do {                                                                                                        \
         if (cb->failed)                                                                                         \
             return tkv_err(TKV_ERR_DEVICE, "cuda: %s: the device failed earlier (%s); create a new backend", op, \
@@ -252,11 +225,6 @@ static thread_local int tkv_cuda_current = -1;
             CU(op, cudaSetDevice(cb->device));                                                                  \
             tkv_cuda_current = cb->device;                                                                      \
         }                                                                                                       \
-    } while (0)
-#define ALIVE(op)                \
-    do {                         \
-        cb->q8f.valid = 0;       \
-        ALIVE_KEEP_Q8(op);       \
     } while (0)
 
 /* ---- staging of host-side arguments ---------------------------------------- */
@@ -337,7 +305,6 @@ static tkv_status cuda_alloc(struct tkv_backend *b, size_t bytes, void **out)
 static void cuda_release(struct tkv_backend *b, void *p)
 {
     struct cuda_backend *cb = cuda_of(b);
-    cb->q8f.valid = 0; /* as ALIVE: p may be handed out again by alloc */
     if (!p)
         return;
     cudaError_t e = cudaFree(p);
@@ -400,7 +367,6 @@ static tkv_status cuda_download_blocks(struct tkv_backend *b, void *const *dst_h
 static const char *cuda_pci_bus_id(struct tkv_backend *b)
 {
     struct cuda_backend *cb = cuda_of(b);
-    cb->q8f.valid = 0; /* as ALIVE */
     return cb->pci_bus_id[0] ? cb->pci_bus_id : NULL;
 }
 
@@ -416,7 +382,6 @@ static tkv_status cuda_host_register(struct tkv_backend *b, void *p, size_t byte
 static void cuda_host_unregister(struct tkv_backend *b, void *p)
 {
     struct cuda_backend *cb = cuda_of(b);
-    cb->q8f.valid = 0; /* as ALIVE */
     if (!p)
         return;
     cudaError_t e = cudaHostUnregister(p);
@@ -611,125 +576,6 @@ static tkv_status cuda_sync(struct tkv_backend *b)
     return TKV_OK;
 }
 
-/* ---- the quantized activations' buffer and the folded quantization ----------------
- *
- * q8_work holds Q8_REGIONS regions of equal size, one per block order a
- * GEMV may read (1, 4 or 8 blocks per group: tkv_cuda_q8_order), so a norm
- * can leave x's planes in two orders at once (a layer whose q/k/v and
- * gate/up differ in type) and a GEMV that quantizes afresh clobbers only its
- * own order's. */
-#define Q8_REGIONS 3
-static_assert(Q8_REGIONS == TKV_CUDA_Q8_OUT_MAX, "a norm writes at most one plane set per region");
-
-/* The region of block order gb (tkv_cuda_q8_order gives 1, 4 or 8). */
-static uint32_t q8_region(uint32_t gb) { return gb == 8 ? 2u : gb == 4 ? 1u : 0u; }
-static const uint32_t q8_region_gb[Q8_REGIONS] = {1, 4, 8};
-
-/* Grows q8_work to regions of n rows of n_in; a growth loses every region
- * (work_reserve waits for the stream and reallocates). */
-static tkv_status q8_reserve(struct cuda_backend *cb, uint32_t n, uint32_t n_in, const char *op)
-{
-    const size_t region = tkv_align_up(tkv_cuda_q8_act_bytes(n, n_in), 256);
-    if (Q8_REGIONS * region <= cb->q8_work_cap)
-        return TKV_OK;
-    cb->q8f.valid = 0;
-    return work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, Q8_REGIONS * region, op);
-}
-
-/* The planes of n rows of n_in in block order gb: region q8_region(gb),
- * after q8_reserve(n, n_in). Region r starts at r * (cap / Q8_REGIONS)
- * rounded down to 256 bytes: fixed while the buffer is. */
-static struct tkv_cuda_q8_act q8_planes(struct cuda_backend *cb, uint32_t gb, uint32_t n, uint32_t n_in)
-{
-    const size_t stride = cb->q8_work_cap / Q8_REGIONS / 256 * 256;
-    return tkv_cuda_q8_act_at((uint8_t *)cb->q8_work + q8_region(gb) * stride, n, n_in, gb);
-}
-
-/* Records that a kept quantized matrix of n_in columns reads block order gb
- * (the table only grows: a width no longer used costs its norm a few
- * kilobytes of writes; a full table leaves further widths unfolded). */
-static void q8_width_add(struct cuda_backend *cb, uint32_t n_in, uint32_t gb)
-{
-    if (!cb->qfold)
-        return;
-    uint32_t i = 0;
-    while (i < cb->n_q8_widths && cb->q8_widths[i].n_in != n_in)
-        i++;
-    if (i == cb->n_q8_widths) {
-        if (i == sizeof cb->q8_widths / sizeof cb->q8_widths[0])
-            return;
-        cb->q8_widths[i].n_in = n_in;
-        cb->q8_widths[i].orders = 0;
-        cb->n_q8_widths++;
-    }
-    cb->q8_widths[i].orders |= 1u << q8_region(gb);
-}
-
-/* The block orders (bits of regions) a norm of n rows of dim writes along
- * with its output: those the kept quantized matrices of dim columns read,
- * when the output is a decode matmul's input (n <= 8) in whole blocks;
- * 0: none (no fold, TKV_CUDA_QFOLD=0 or no such matrix). */
-static uint32_t q8_fold_orders(const struct cuda_backend *cb, uint32_t n, uint32_t dim)
-{
-    if (!cb->qfold || n < 1 || n > TKV_CUDA_GEMV_MAX_N || dim % 32 != 0)
-        return 0;
-    for (uint32_t i = 0; i < cb->n_q8_widths; i++)
-        if (cb->q8_widths[i].n_in == dim)
-            return cb->q8_widths[i].orders;
-    return 0;
-}
-
-/* Before a norm of n rows of dim is queued: *orders = q8_fold_orders and
- * *q the plane sets its kernel writes, one per order (q->n = 0: none). */
-static tkv_status q8_fold_begin(struct cuda_backend *cb, uint32_t n, uint32_t dim, struct tkv_cuda_q8_out *q,
-                                uint32_t *orders, const char *op)
-{
-    memset(q, 0, sizeof *q);
-    *orders = q8_fold_orders(cb, n, dim);
-    if (!*orders)
-        return TKV_OK;
-    TKV_TRY(q8_reserve(cb, n, dim, op));
-    for (uint32_t r = 0; r < Q8_REGIONS; r++)
-        if (*orders >> r & 1)
-            q->a[q->n++] = q8_planes(cb, q8_region_gb[r], n, dim);
-    return TKV_OK;
-}
-
-/* After the norm (output out [n][dim]) is queued with the plane sets of
- * `orders`: they are out's until an op other than a consuming matmul. */
-static void q8_fold_done(struct cuda_backend *cb, const float *out, uint32_t n, uint32_t dim, uint32_t orders)
-{
-    cb->q8f.x = out;
-    cb->q8f.n = n;
-    cb->q8f.n_in = dim;
-    cb->q8f.valid = orders;
-}
-
-/* Whether block order gb's region holds the quantization of x [n][n_in]
- * that a norm wrote, with no op since but matmuls that left x alone. */
-static bool q8_hit(const struct cuda_backend *cb, uint32_t gb, const float *x, uint32_t n, uint32_t n_in)
-{
-    return (cb->q8f.valid >> q8_region(gb) & 1) && cb->q8f.x == x && cb->q8f.n == n && cb->q8f.n_in == n_in;
-}
-
-/* Whether [p, p + bytes) overlaps the x of valid folded planes. */
-static bool q8_overlaps(const struct cuda_backend *cb, const void *p, size_t bytes)
-{
-    if (!cb->q8f.valid || !bytes)
-        return false;
-    const uintptr_t a = (uintptr_t)p, x = (uintptr_t)cb->q8f.x;
-    const size_t x_bytes = (size_t)cb->q8f.n * cb->q8f.n_in * sizeof(float);
-    return a < x + x_bytes && x < a + bytes;
-}
-
-/* A matmul is about to write [p, p + bytes): the folded planes stay valid
- * only if that leaves their x alone. */
-static void q8_written(struct cuda_backend *cb, const void *p, size_t bytes)
-{
-    if (q8_overlaps(cb, p, bytes))
-        cb->q8f.valid = 0;
-}
-
 /* ---- weights ------------------------------------------------------------------- */
 
 static void cuda_weight_free(struct tkv_backend *b, struct tkv_bweight *w)
@@ -775,8 +621,6 @@ static tkv_status weight_load(struct cuda_backend *cb, const struct tkv_gguf_ten
         CU(op, tkv_cuda_dequant(t->type, *raw, n_elems, w->w16, w->is_vec ? w->v32 : w->w32, cb->stream));
     }
     CU(op, cudaStreamSynchronize(cb->stream));
-    if (keep)
-        q8_width_add(cb, w->n_in, tkv_cuda_q8_order(t->type, w->n_in));
     w->bytes = stored + kept;
     w->bytes_wq = kept;
     cb->weight_bytes += w->bytes;
@@ -864,23 +708,15 @@ static int qgemv_path(const struct cuda_backend *cb, const struct tkv_bweight *w
                                                                                                : QGEMV_REF;
 }
 
-/* The planes of x [n][n_in] in the block order of the GEMVs of `type`
- * (tkv_cuda_q8_order), in that order's region of the backend's buffer
- * (grown on demand, kept): the ones a norm folded in, when they are x's
- * (q8_hit), else quantized here. The quantization is queued after whatever
- * reads the region: those kernels end before it writes (stream order;
- * under PDL its griddepcontrol.wait). */
+/* x [n][n_in] -> the backend's quantized-activation buffer (grown on demand,
+ * kept), in the block order of the GEMVs of `type` (tkv_cuda_q8_order).
+ * Queued after whatever reads the buffer: those kernels end before this one
+ * writes it (stream order; under PDL its griddepcontrol.wait). */
 static tkv_status q8_prepare(struct cuda_backend *cb, uint32_t type, const float *x, uint32_t n, uint32_t n_in,
                              struct tkv_cuda_q8_act *a, const char *op)
 {
-    const uint32_t gb = tkv_cuda_q8_order(type, n_in);
-    if (q8_hit(cb, gb, x, n, n_in)) {
-        *a = q8_planes(cb, gb, n, n_in);
-        return TKV_OK;
-    }
-    TKV_TRY(q8_reserve(cb, n, n_in, op));
-    cb->q8f.valid &= ~(1u << q8_region(gb)); /* the region is refilled, with another x's planes */
-    *a = q8_planes(cb, gb, n, n_in);
+    TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, n_in), op));
+    *a = tkv_cuda_q8_act_at(cb->q8_work, n, n_in, tkv_cuda_q8_order(type, n_in));
     CU(op, tkv_cuda_q8_quantize(x, n, n_in, *a, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -922,12 +758,11 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
 {
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "matmul";
-    ALIVE_KEEP_Q8(op); /* it may read the planes a norm folded in */
+    ALIVE(op);
     if (w->is_vec)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
     if (n == 0)
         return TKV_OK;
-    q8_written(cb, y, (size_t)n * w->n_out * sizeof(float));
     const float one = 1.0f, zero = 0.0f;
     cublasStatus_t s;
     if (w->w32) { /* validation mode: plain f32 (the handle's default math mode has no TF32) */
@@ -975,7 +810,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
 {
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "matmul_group";
-    ALIVE_KEEP_Q8(op); /* it may read the planes a norm folded in */
+    ALIVE(op);
     if (nw == 0 || nw > TKV_CUDA_GEMV_GROUP_MAX)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_group: %u weights (1 to %d)", nw, TKV_CUDA_GEMV_GROUP_MAX);
     bool fast = true;
@@ -989,8 +824,6 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
     }
     if (n == 0)
         return TKV_OK;
-    for (uint32_t i = 0; i < nw; i++)
-        q8_written(cb, y[i], (size_t)n * w[i]->n_out * sizeof(float));
     /* quantized weights: one quantized-GEMV grid when all of them take its
      * fast kernel with one type, else each matmul on its own path */
     bool quant = false, qfast = rows <= UINT32_MAX;
@@ -1023,13 +856,12 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
 {
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "matmul_swiglu";
-    ALIVE_KEEP_Q8(op); /* it may read the planes a norm folded in */
+    ALIVE(op);
     if (wg->is_vec || wu->is_vec || wg->n_in != wu->n_in || wg->n_out != wu->n_out)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_swiglu: %s and %s are not matrices of one shape",
                        wg->t->name, wu->t->name);
     if (n == 0)
         return TKV_OK;
-    q8_written(cb, out, (size_t)n * wg->n_out * sizeof(float)); /* (fuse_work is the backend's own) */
     const int pg = qgemv_path(cb, wg, n), pu = qgemv_path(cb, wu, n);
     if (pg == QGEMV_FAST && pu == QGEMV_FAST && wg->t->type == wu->t->type) {
         struct tkv_cuda_q8_act a;
@@ -1055,25 +887,16 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     return TKV_OK;
 }
 
-/* The norms' output is the next matmul's input: where a kept quantized
- * matrix reads rows of that width (q8_fold_orders), the kernel also writes
- * the output's 8-bit planes, and the matmul that follows (same pointer, n
- * and width: q8_hit) skips its quantization kernel. */
 static tkv_status cuda_add_rmsnorm(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w,
                                    float *h, uint32_t n, uint32_t dim, float eps)
 {
     struct cuda_backend *cb = cuda_of(b);
-    const char *op = "add_rmsnorm";
-    ALIVE(op);
+    ALIVE("add_rmsnorm");
     if (!w->is_vec || w->n_in != dim)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: add_rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
-    if (dim == 0 || n == 0)
+    if (dim == 0)
         return TKV_OK;
-    struct tkv_cuda_q8_out qo;
-    uint32_t orders;
-    TKV_TRY(q8_fold_begin(cb, n, dim, &qo, &orders, op));
-    CU(op, tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, &qo, cb->pdl, cb->stream));
-    q8_fold_done(cb, h, n, dim, orders);
+    CU("add_rmsnorm", tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -1133,17 +956,12 @@ static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const stru
                                uint32_t n, uint32_t dim, float eps)
 {
     struct cuda_backend *cb = cuda_of(b);
-    const char *op = "rmsnorm";
-    ALIVE(op);
+    ALIVE("rmsnorm");
     if (!w->is_vec || w->n_in != dim)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
-    if (dim == 0 || n == 0)
+    if (dim == 0)
         return TKV_OK;
-    struct tkv_cuda_q8_out qo; /* as cuda_add_rmsnorm */
-    uint32_t orders;
-    TKV_TRY(q8_fold_begin(cb, n, dim, &qo, &orders, op));
-    CU(op, tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, &qo, cb->pdl, cb->stream));
-    q8_fold_done(cb, y, n, dim, orders);
+    CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -1688,7 +1506,6 @@ static tkv_status prof_read(struct tkv_backend *b, struct tkv_op_profile *out)
 static void prof_reset(struct tkv_backend *b)
 {
     struct cuda_backend *cb = cuda_of(b);
-    cb->q8f.valid = 0; /* as ALIVE */
     prof_fold(cb->prof);
     prof_zero(cb->prof);
 }
@@ -1737,17 +1554,10 @@ static void prof_free(struct cuda_backend *cb)
 }
 
 /* The wrappers: PROF(name, timed-row expression, call) makes the backend's
- * device current (ALIVE), then times `call` in the row. The matmuls' wrappers
- * use PROF_KEEP_Q8 (ALIVE_KEEP_Q8: the planes a norm folded in stay for
- * them to read). */
+ * device current (ALIVE), then times `call` in the row. */
 #define PROF(op_name, row_expr, call)             \
     struct cuda_backend *cb = cuda_of(b);         \
     ALIVE(op_name);                               \
-    prof_scope prof_scope_(cb, (row_expr));       \
-    return (call)
-#define PROF_KEEP_Q8(op_name, row_expr, call)     \
-    struct cuda_backend *cb = cuda_of(b);         \
-    ALIVE_KEEP_Q8(op_name);                       \
     prof_scope prof_scope_(cb, (row_expr));       \
     return (call)
 
@@ -1777,39 +1587,15 @@ static tkv_status pw_get_rows(struct tkv_backend *b, const struct tkv_bweight *w
 {
     PROF("get_rows", prof_row(cb->prof, "get_rows", true), cuda_get_rows(b, w, ids, n, out));
 }
-/* matmul rows by weight shape (n_out x n_in) and path; a quantized path
- * whose activations a norm quantized (folded: no quantization kernel in
- * this row, it is in the norm's "+q8" row) is a row of its own, named with
- * " q8-folded" (path + Q8_FOLDED_ROW in the row's key) */
+/* matmul rows by weight shape (n_out x n_in) and path */
 static const char *const matmul_path_name[] = {"gemv",      "gemv-ref",  "cublas",    "cublas-f32", "gemv-u8",
                                                 "gemv-q4_0", "gemv-q4_1", "gemv-q8_0", "gemv-q-ref"};
-#define Q8_FOLDED_ROW 16u
-/* "%s %ux%u <path>[ q8-folded]" for prof_row; seq: the fused op ran its sequence */
-static void matmul_row_fmt(char *fmt, size_t size, uint32_t path, bool seq, bool folded)
-{
-    snprintf(fmt, size, "%%s %%ux%%u %s%s", seq ? "seq" : matmul_path_name[path], folded ? " q8-folded" : "");
-}
 /* The quantized GEMV's row name for w: "gemv-q4_0" ... (fast), "gemv-q-ref" */
 static uint32_t qgemv_path_row(int qpath, const struct tkv_bweight *w)
 {
     if (qpath == QGEMV_REF)
         return 8u;
     return w->t->type == TKV_TYPE_Q4_0 ? 5u : w->t->type == TKV_TYPE_Q4_1 ? 6u : 7u;
-}
-/* Whether a matmul op on x [n][n_in] writing y[i] [n][w[i]->n_out] will
- * read planes a norm folded in for some quantized weight w[i] (qpath[i] !=
- * QGEMV_OFF): as cuda_matmul* decide it (q8_written on the outputs first,
- * then q8_prepare's q8_hit per weight type). */
-static bool q8_will_fold(const struct cuda_backend *cb, const struct tkv_bweight *const *w, const int *qpath,
-                         uint32_t nw, const float *x, uint32_t n, float *const *y, uint32_t ny)
-{
-    for (uint32_t i = 0; i < ny; i++)
-        if (q8_overlaps(cb, y[i], (size_t)n * w[i]->n_out * sizeof(float)))
-            return false;
-    for (uint32_t i = 0; i < nw; i++)
-        if (qpath[i] != QGEMV_OFF && q8_hit(cb, tkv_cuda_q8_order(w[i]->t->type, w[i]->n_in), x, n, w[i]->n_in))
-            return true;
-    return false;
 }
 static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
@@ -1820,12 +1606,9 @@ static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, 
                                                 tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
                                             ? (cb_->gemv == GEMV_REF ? 1u : gemv_u8_for(cb_->gemv, w) ? 4u : 0u)
                                             : 2u;
-    const bool folded = q8_will_fold(cb_, &w, &qpath, 1, x, n, &y, 1);
     char fmt[48];
-    matmul_row_fmt(fmt, sizeof fmt, path, false, folded);
-    PROF_KEEP_Q8("matmul", prof_row(cb->prof, "matmul", true, w->n_out, w->n_in, path + (folded ? Q8_FOLDED_ROW : 0),
-                                    fmt),
-                 cuda_matmul(b, w, x, y, n));
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
+    PROF("matmul", prof_row(cb->prof, "matmul", true, w->n_out, w->n_in, path, fmt), cuda_matmul(b, w, x, y, n));
 }
 /* the fused ops: a row per shape (total rows x n_in) and path ("gemv" when
  * one fused kernel runs, "seq" when the op runs the plain sequence) */
@@ -1836,25 +1619,19 @@ static tkv_status pw_matmul_group(struct tkv_backend *b, const struct tkv_bweigh
     uint32_t rows = 0;
     const bool ok = nw > 0 && nw <= TKV_CUDA_GEMV_GROUP_MAX;
     bool fast = ok, quant = false, qfast = ok;
-    int qpath[TKV_CUDA_GEMV_GROUP_MAX];
     for (uint32_t i = 0; ok && i < nw; i++) {
         rows += w[i]->n_out;
         fast = fast && fast_gemv(cb_, w[i], x, n);
-        const int p = qpath[i] = w[i]->is_vec ? QGEMV_OFF : qgemv_path(cb_, w[i], n);
+        const int p = w[i]->is_vec ? QGEMV_OFF : qgemv_path(cb_, w[i], n);
         quant = quant || p != QGEMV_OFF;
         qfast = qfast && p == QGEMV_FAST && w[i]->t->type == w[0]->t->type;
     }
-    /* path 0: the f16 group kernel, 1: the sequence, 5..7: the quantized
-     * one; folded: the quantized grid (or a matmul of the sequence) reads
-     * planes a norm wrote */
+    /* path 0: the f16 group kernel, 1: the sequence, 5..7: the quantized one */
     const uint32_t path = quant ? (qfast ? qgemv_path_row(QGEMV_FAST, w[0]) : 1u) : fast ? 0u : 1u;
-    const bool folded = ok && quant && n > 0 && q8_will_fold(cb_, w, qpath, nw, x, n, y, nw);
     char fmt[48];
-    matmul_row_fmt(fmt, sizeof fmt, path, path == 1, folded);
-    PROF_KEEP_Q8("matmul_group",
-                 prof_row(cb->prof, "matmul_group", true, rows, nw ? w[0]->n_in : 0,
-                          path + (folded ? Q8_FOLDED_ROW : 0), fmt),
-                 cuda_matmul_group(b, w, nw, x, y, n));
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
+    PROF("matmul_group", prof_row(cb->prof, "matmul_group", true, rows, nw ? w[0]->n_in : 0, path, fmt),
+         cuda_matmul_group(b, w, nw, x, y, n));
 }
 static tkv_status pw_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweight *wg, const struct tkv_bweight *wu,
                                    const float *x, float *out, uint32_t n)
@@ -1865,25 +1642,15 @@ static tkv_status pw_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweig
     const bool qfast = pg == QGEMV_FAST && pu == QGEMV_FAST && wg->t->type == wu->t->type;
     const bool fast = !quant && fast_gemv(cb_, wg, x, n) && fast_gemv(cb_, wu, x, n);
     const uint32_t path = quant ? (qfast ? qgemv_path_row(QGEMV_FAST, wg) : 1u) : fast ? 0u : 1u;
-    const struct tkv_bweight *gu[2] = {wg, wu};
-    const int qp[2] = {pg, pu};
-    const bool shape_ok = !wg->is_vec && !wu->is_vec && wg->n_in == wu->n_in && wg->n_out == wu->n_out;
-    const bool folded = shape_ok && quant && n > 0 && q8_will_fold(cb_, gu, qp, 2, x, n, &out, 1);
     char fmt[48];
-    matmul_row_fmt(fmt, sizeof fmt, path, path == 1, folded);
-    PROF_KEEP_Q8("matmul_swiglu",
-                 prof_row(cb->prof, "matmul_swiglu", true, 2 * wg->n_out, wg->n_in,
-                          path + (folded ? Q8_FOLDED_ROW : 0), fmt),
-                 cuda_matmul_swiglu(b, wg, wu, x, out, n));
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
+    PROF("matmul_swiglu", prof_row(cb->prof, "matmul_swiglu", true, 2 * wg->n_out, wg->n_in, path, fmt),
+         cuda_matmul_swiglu(b, wg, wu, x, out, n));
 }
-/* the norms: "+q8" rows for the calls that also quantize their output
- * (q8_fold_orders: the time of the folded quantization is in these rows) */
 static tkv_status pw_add_rmsnorm(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w, float *h,
                                  uint32_t n, uint32_t dim, float eps)
 {
-    const bool q8 = w->is_vec && w->n_in == dim && q8_fold_orders(cuda_of(b), n, dim);
-    PROF("add_rmsnorm", prof_row(cb->prof, q8 ? "add_rmsnorm +q8" : "add_rmsnorm", true),
-         cuda_add_rmsnorm(b, y, x, w, h, n, dim, eps));
+    PROF("add_rmsnorm", prof_row(cb->prof, "add_rmsnorm", true), cuda_add_rmsnorm(b, y, x, w, h, n, dim, eps));
 }
 static tkv_status pw_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv,
                              uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base, float freq_scale)
@@ -1894,8 +1661,7 @@ static tkv_status pw_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t
 static tkv_status pw_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y, uint32_t n,
                              uint32_t dim, float eps)
 {
-    const bool q8 = w->is_vec && w->n_in == dim && q8_fold_orders(cuda_of(b), n, dim);
-    PROF("rmsnorm", prof_row(cb->prof, q8 ? "rmsnorm +q8" : "rmsnorm", true), cuda_rmsnorm(b, x, w, y, n, dim, eps));
+    PROF("rmsnorm", prof_row(cb->prof, "rmsnorm", true), cuda_rmsnorm(b, x, w, y, n, dim, eps));
 }
 static tkv_status pw_rope(struct tkv_backend *b, float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim,
                           uint32_t rot_dim, const int32_t *pos, float base, float freq_scale)
@@ -2160,16 +1926,13 @@ static tkv_status cuda_init(struct cuda_backend *cb)
         CU(op, cudaMalloc(&sl->dev, STAGE_MIN_BYTES));
         sl->cap = STAGE_MIN_BYTES;
     }
-    TKV_LOG_I("cuda: device %d (%s): %s, %d SMs, %.1f GiB, compute capability %d.%d%s%s%s%s", cb->device,
+    TKV_LOG_I("cuda: device %d (%s): %s, %d SMs, %.1f GiB, compute capability %d.%d%s%s%s", cb->device,
               cb->pci_bus_id, prop.name, cb->n_sm, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
               cb->f32_weights ? " (f32 weights: validation mode)" : "",
               cb->pdl ? " (programmatic dependent launches)" : "",
               cb->f32_weights || cb->gemv_quant == QGEMV_OFF ? ""
-              : cb->gemv_quant == QGEMV_REF                  ? " (quantized decode GEMV: reference kernel"
-                                                             : " (quantized decode GEMV",
-              cb->f32_weights || cb->gemv_quant == QGEMV_OFF ? ""
-              : cb->qfold                                    ? ", its input quantization folded into the norms)"
-                                                             : ")");
+              : cb->gemv_quant == QGEMV_REF                  ? " (quantized decode GEMV: reference kernel)"
+                                                             : " (quantized decode GEMV)");
     return TKV_OK;
 }
 
@@ -2178,7 +1941,6 @@ extern "C" tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b
     if (!b || (b->ops != &cuda_ops && b->ops != &cuda_prof_ops))
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: prefill variant: not a CUDA backend");
     struct cuda_backend *cb = (struct cuda_backend *)b;
-    cb->q8f.valid = 0; /* as ALIVE */
     if (!tkv_cuda_attn_state_set_prefill_variant(cb->attn, variant))
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: prefill variant %d does not exist (0 .. %d)", variant,
                        TKV_ATTN_PREFILL_VARIANTS - 1);
@@ -2201,28 +1963,6 @@ extern "C" tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint3
     struct tkv_cuda_q8_act a;
     TKV_TRY(q8_prepare(cb, weight_type, x, n, n_in, &a, op));
     CU(op, tkv_cuda_q8_pack(a, n, n_in, weight_type == TKV_TYPE_Q4_1, dst, cb->stream));
-    return TKV_OK;
-}
-
-extern "C" tkv_status tkv_cuda_backend_folded_act(struct tkv_backend *b, uint32_t weight_type, const float *x,
-                                                   uint32_t n, uint32_t n_in, void *dst, bool *folded)
-{
-    *folded = false;
-    if (!b || (b->ops != &cuda_ops && b->ops != &cuda_prof_ops))
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: folded_act: not a CUDA backend");
-    struct cuda_backend *cb = cuda_of(b);
-    const char *op = "folded_act";
-    ALIVE_KEEP_Q8(op); /* looks at the planes, then forgets them as ALIVE would */
-    if (!tkv_cuda_qgemv_supported(weight_type) || n_in % 32 != 0) {
-        cb->q8f.valid = 0;
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: folded_act: weight type %s, %u columns (Q4_0, Q4_1 or Q8_0, "
-                       "whole blocks of 32)", tkv_type_name(weight_type), n_in);
-    }
-    const uint32_t gb = tkv_cuda_q8_order(weight_type, n_in);
-    *folded = n > 0 && q8_hit(cb, gb, x, n, n_in);
-    cb->q8f.valid = 0;
-    if (*folded)
-        CU(op, tkv_cuda_q8_pack(q8_planes(cb, gb, n, n_in), n, n_in, weight_type == TKV_TYPE_Q4_1, dst, cb->stream));
     return TKV_OK;
 }
 
@@ -2260,8 +2000,6 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
                                                       : QGEMV_FAST;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
-    const char *qfold = getenv("TKV_CUDA_QFOLD");
-    cb->qfold = !(qfold && !strcmp(qfold, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");
     tkv_status st = cuda_init(cb);
     if (st == TKV_OK && prof && !strcmp(prof, "1")) {

@@ -3,8 +3,7 @@
  * gemv-quant.cu: Q4_0 / Q4_1 / Q8_0 blocks) share, so that each piece of
  * arithmetic exists once:
  *   - the 8-bit activation planes the quantized GEMV reads (their format and
- *     the one warp-wide block quantizer that writes them: used by the
- *     quantization kernel and by the RMSNorm kernels that fold it in);
+ *     the warp-wide block quantizer that writes them);
  *   - the combine of a row's partial sums over its threads (tkv_row_reduce).
  * Only .cu files include it (device functions).
  */
@@ -35,15 +34,6 @@ struct tkv_cuda_q8_act {
     int8_t *q;
     struct tkv_cuda_q8_meta *meta;
     uint32_t gb; /* the block order above */
-};
-
-/* Up to TKV_CUDA_Q8_OUT_MAX plane sets of one x, each in its own block order:
- * what a norm kernel that folds the quantization writes besides its f32
- * output (n = 0: nothing). Travels as a kernel parameter. */
-#define TKV_CUDA_Q8_OUT_MAX 3
-struct tkv_cuda_q8_out {
-    struct tkv_cuda_q8_act a[TKV_CUDA_Q8_OUT_MAX];
-    uint32_t n;
 };
 
 /* Position of block kb of a row of nb blocks in the planes (block order gb). */
@@ -104,16 +94,6 @@ static __device__ __forceinline__ void tkv_q8_block_put(const struct tkv_q8_bloc
         m.sum = b.sum;
         a.meta[pos] = m;
     }
-}
-
-/* Warp-collective: element `lane` (v) of block kb of row `row` of an x with
- * nb blocks per row, quantized and stored into every plane set of o. */
-static __device__ __forceinline__ void tkv_q8_block_store(float v, uint32_t lane, size_t row, uint32_t kb,
-                                                          uint32_t nb, const struct tkv_cuda_q8_out &o)
-{
-    const struct tkv_q8_block b = tkv_q8_block_of(v);
-    for (uint32_t k = 0; k < o.n; k++)
-        tkv_q8_block_put(b, lane, o.a[k], row * nb + tkv_q8_pos(kb, nb, o.a[k].gb));
 }
 
 /* ---- a row's sums over its threads ------------------------------------------------------

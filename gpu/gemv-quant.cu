@@ -44,9 +44,8 @@ constexpr int QG_THREADS_MAX = 256;
 
 /* ---- activation quantization: one warp per 32-element block ------------------------ */
 
-/* One warp per block of the [n][nb] blocks of x; tkv_q8_block_of is the
- * arithmetic (shared with the norm kernels that fold the quantization, so
- * both write the same bytes). */
+/* One warp per block of the [n][nb] blocks of x; tkv_q8_block_of
+ * (gemv-common.cuh) is the arithmetic. */
 __global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_blocks, uint32_t nb,
                                    struct tkv_cuda_q8_act a)
 {

@@ -41,7 +41,7 @@ struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in, 
 /* x [n][n_in] f32 -> the planes, byte for byte what cpu/quant-ref.c's
  * q8_block_ref computes: amax, d = amax / 127, id = d ? 1 / d : 0,
  * q = roundf(x * id) (half away from zero), d and s rounded to f16
- * (tkv_q8_block_of, which the folding norm kernels call too). A
+ * (tkv_q8_block_of, gemv-common.cuh). A
  * programmatic dependent launch when pdl (common.cuh's contract). */
 cudaError_t tkv_cuda_q8_quantize(const float *x, uint32_t n, uint32_t n_in, struct tkv_cuda_q8_act a, bool pdl,
                                  cudaStream_t s);

@@ -26,19 +26,11 @@ __device__ double row_sum(double v, double *partial)
     return partial[0];
 }
 
-/* With QF the kernel also writes the 8-bit planes of its output row (the
- * quantization folded in: docs/gpu.md "Quantized GEMV"). Launched with
- * dim % 32 == 0 and blockDim.x % 32 == 0, so at every step of the output
- * loop each warp holds one whole 32-element block, lane j element j, or
- * none: the warp-wide quantizer runs with all its lanes. The value it
- * quantizes is the f32 the thread writes to y (one register for both). */
-template <bool QF>
-__global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps,
-                               const struct tkv_cuda_q8_out qo)
+__global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps)
 {
     __shared__ double partial[32];
     tkv_pdl_trigger();
-    tkv_pdl_wait(); /* also orders the plane writes after the GEMV that read them last */
+    tkv_pdl_wait();
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *yr = y + (size_t)blockIdx.x * dim;
     double ss = 0;
@@ -46,12 +38,8 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_
         ss += (double)xr[d] * xr[d];
     const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
     /* each thread reads x[d] before writing y[d]: y may alias x */
-    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
-        const float v = xr[d] * scale * w[d];
-        yr[d] = v;
-        if (QF)
-            tkv_q8_block_store(v, threadIdx.x % 32, blockIdx.x, d / 32, dim / 32, qo);
-    }
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
+        yr[d] = xr[d] * scale * w[d];
 }
 
 /* ---- RoPE: one thread per (token, head, rotated pair) -------------------------------- */
@@ -492,13 +480,11 @@ cudaError_t gemv_fused(const struct tkv_cuda_gemv_group *g, const __half *wg, co
  * threads own the same elements in both loops, so y[d] is read back by the
  * thread that wrote it and h may alias x (x[d] is read before h[d] is
  * written, by the same thread). */
-template <bool QF>
-__global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, float *h, uint32_t dim, float eps,
-                                   const struct tkv_cuda_q8_out qo)
+__global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, float *h, uint32_t dim, float eps)
 {
     __shared__ double partial[32];
     tkv_pdl_trigger();
-    tkv_pdl_wait(); /* also orders the plane writes after the GEMV that read them last */
+    tkv_pdl_wait();
     float *yr = y + (size_t)blockIdx.x * dim;
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *hr = h + (size_t)blockIdx.x * dim;
@@ -509,12 +495,8 @@ __global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, flo
         ss += (double)v * v;
     }
     const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
-    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
-        const float v = yr[d] * scale * w[d];
-        hr[d] = v;
-        if (QF) /* as rmsnorm_kernel */
-            tkv_q8_block_store(v, threadIdx.x % 32, blockIdx.x, d / 32, dim / 32, qo);
-    }
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
+        hr[d] = yr[d] * scale * w[d];
 }
 
 /* ---- RoPE of q and k in one launch ------------------------------------------------------
@@ -534,37 +516,6 @@ __global__ void rope_qk_kernel(float *q, float *k, uint32_t n, uint32_t n_head, 
 }
 
 constexpr unsigned TB = 256;
-
-/* Whether the norm kernels can fold the quantization into q's plane sets:
- * whole blocks (with a CTA of whole warps, every warp holds one block or
- * none at each step) and block orders that divide the row's blocks. */
-bool norm_q8_ok(const struct tkv_cuda_q8_out *q, uint32_t dim)
-{
-    if (dim % 32 != 0 || q->n > TKV_CUDA_Q8_OUT_MAX)
-        return false;
-    for (uint32_t k = 0; k < q->n; k++)
-        if (q->a[k].gb == 0 || (dim / 32) % q->a[k].gb != 0 || !q->a[k].q || !q->a[k].meta)
-            return false;
-    return true;
-}
-
-/* A norm kernel over n rows of dim, one CTA per row of up to 1024 threads
- * (whole warps): `folded` writing q's plane sets, or `plain` (q NULL or
- * empty); args are the kernel's own, q's sets its last parameter. */
-template <typename... KArgs, typename... Args>
-cudaError_t norm_launch(void (*plain)(KArgs...), void (*folded)(KArgs...), const struct tkv_cuda_q8_out *q,
-                        uint32_t n, uint32_t dim, bool pdl, cudaStream_t s, Args... args)
-{
-    if (n == 0)
-        return cudaSuccess;
-    const unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    if (q && q->n)
-        return norm_q8_ok(q, dim) ? tkv_cuda_launch(pdl, n, threads, 0, s, folded, args..., *q)
-                                  : cudaErrorInvalidValue;
-    struct tkv_cuda_q8_out none;
-    memset(&none, 0, sizeof none);
-    return tkv_cuda_launch(pdl, n, threads, 0, s, plain, args..., none);
-}
 
 } // namespace
 
@@ -588,9 +539,12 @@ cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float
 }
 
 cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
-                                 float eps, const struct tkv_cuda_q8_out *q, bool pdl, cudaStream_t s)
+                                 float eps, bool pdl, cudaStream_t s)
 {
-    return norm_launch(add_rmsnorm_kernel<false>, add_rmsnorm_kernel<true>, q, n, dim, pdl, s, y, x, w, h, dim, eps);
+    if (n == 0)
+        return cudaSuccess;
+    unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32; /* as tkv_cuda_rmsnorm */
+    return tkv_cuda_launch(pdl, n, threads, 0, s, add_rmsnorm_kernel, y, x, w, h, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
@@ -604,10 +558,13 @@ cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, ui
                            head_dim, rot_dim / 2, pos, theta_scale, freq_scale);
 }
 
-cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
-                             const struct tkv_cuda_q8_out *q, bool pdl, cudaStream_t s)
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,
+                             cudaStream_t s)
 {
-    return norm_launch(rmsnorm_kernel<false>, rmsnorm_kernel<true>, q, n, dim, pdl, s, x, w, y, dim, eps);
+    if (n == 0)
+        return cudaSuccess;
+    unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
+    return tkv_cuda_launch(pdl, n, threads, 0, s, rmsnorm_kernel, x, w, y, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim,

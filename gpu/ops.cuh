@@ -19,14 +19,9 @@
 #include "gemv-common.cuh"
 
 /* y[n, dim] = x / sqrt(mean(x^2) + eps) * w; sum of squares in double as on
- * the CPU. y may alias x. With q (q->n > 0 plane sets; NULL or n = 0: none)
- * the kernel also quantizes each row of y into every set of q, byte for
- * byte what tkv_cuda_q8_quantize(y, ...) would write (the same device
- * function on the same f32 values): the decode GEMV's input quantization
- * folded into the norm. Needs dim % 32 == 0 and block orders dividing
- * dim / 32 (else cudaErrorInvalidValue, nothing launched). */
-cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
-                             const struct tkv_cuda_q8_out *q, bool pdl, cudaStream_t s);
+ * the CPU. y may alias x. */
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,
+                             cudaStream_t s);
 
 /* In place on x[n, n_heads*head_dim], positions pos[n] (device). The angle of
  * pair i is pos * theta_scale^i * freq_scale with theta_scale^i built by i
@@ -121,10 +116,9 @@ cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float
                                  uint32_t n_out, uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s);
 
 /* y += x; h = rmsnorm(y) * w over n rows of dim: add + rmsnorm's arithmetic
- * in one pass (bit-identical). h may alias x, not y. q: h's 8-bit planes
- * as for tkv_cuda_rmsnorm. */
+ * in one pass (bit-identical). h may alias x, not y. */
 cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
-                                 float eps, const struct tkv_cuda_q8_out *q, bool pdl, cudaStream_t s);
+                                 float eps, bool pdl, cudaStream_t s);
 
 /* tkv_cuda_rope on q [n, n_head*hd] and k [n, n_head_kv*hd] in one launch,
  * positions pos[n] in device memory. */

@@ -31,11 +31,6 @@ tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b, int varia
 tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
                                          uint32_t n_in, void *dst);
 
-/* tkv_backend_cuda_folded_act (runtime/backend.h): the planes the last
- * norm folded in, as llama.cpp blocks, when the next matmul would read them. */
-tkv_status tkv_cuda_backend_folded_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
-                                       uint32_t n_in, void *dst, bool *folded);
-
 /* "vN: ..." describing variant N (static); NULL past the last one. */
 const char *tkv_cuda_prefill_variant_desc(int variant);
 

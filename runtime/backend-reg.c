@@ -41,18 +41,6 @@ tkv_status tkv_backend_cuda_quantize_act(struct tkv_backend *b, uint32_t weight_
 #endif
 }
 
-tkv_status tkv_backend_cuda_folded_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
-                                       uint32_t n_in, void *dst, bool *folded)
-{
-#ifdef TKV_USE_CUDA
-    return tkv_cuda_backend_folded_act(b, weight_type, x, n, n_in, dst, folded);
-#else
-    (void)b, (void)x, (void)n, (void)n_in, (void)dst;
-    *folded = false;
-    return tkv_err(TKV_ERR_UNSUPPORTED, "folded_act (type %u): this build has no CUDA backend", weight_type);
-#endif
-}
-
 const char *tkv_backend_cuda_prefill_variant_desc(int variant)
 {
 #ifdef TKV_USE_CUDA

@@ -368,19 +368,6 @@ tkv_status tkv_backend_cuda_set_prefill_variant(struct tkv_backend *b, int varia
 tkv_status tkv_backend_cuda_quantize_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
                                          uint32_t n_in, void *dst);
 
-/* Tests: the planes a norm of the CUDA backend b folded in (docs/gpu.md,
- * "Quantized GEMV"; TKV_CUDA_QFOLD). *folded says whether the next matmul
- * of a weight_type weight on x [n][n_in] would read planes that the op b
- * ran last (rmsnorm or add_rmsnorm, with x its output) wrote instead of
- * quantizing x itself; if so, they are queued for copying to dst (device
- * memory) as n rows of n_in / 32 tkv_act_type(weight_type) blocks, as
- * tkv_backend_cuda_quantize_act writes them. Like any op other than a
- * matmul, the call ends their validity. TKV_ERR_INVALID_ARG when b is not
- * a CUDA backend or the type is not Q4_0, Q4_1 or Q8_0, TKV_ERR_UNSUPPORTED
- * in a build without CUDA. */
-tkv_status tkv_backend_cuda_folded_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
-                                       uint32_t n_in, void *dst, bool *folded);
-
 /* "vN: <tile shape>" (static) for variant N; NULL past the last one or
  * without CUDA. */
 const char *tkv_backend_cuda_prefill_variant_desc(int variant);
