@@ -16,7 +16,9 @@
 #                  top-p, the policy's default), rabitq:p=0.9,safe=0
 #   l8-q4_0        the same with q4_0 weights
 #   l8-512k-f16    llama3-8b f16 at 512K: full, rabitq:p=0.9,safe=0
-#                  (GPU 8G + host 60G: the 64 GiB of KV fit without NVMe)
+#                  (GPU 8G + host 72G: the 64 GiB of KV fit without NVMe; the
+#                  host tier keeps clean copies of blocks also on the GPU, so
+#                  it must hold about the whole KV: 60G ran out, 2026-12-03)
 #   l8-512k-q4_0   the same with q4_0
 #   qwen-128k      qwen2.5-7b shape (28 layers, 4 KV heads) q4_0 at 128K:
 #                  full and rabitq:p=0.9,safe=0 (the 1M row's reference)
@@ -47,7 +49,7 @@ CTX_512K=${CTX_512K:-524288}
 CTX_128K=${CTX_128K:-131072}
 CTX_1M=${CTX_1M:-1048576}
 GPU_KV=${GPU_KV:-8G}
-HOST_KV_512K=${HOST_KV_512K:-60G}
+HOST_KV_512K=${HOST_KV_512K:-72G}
 HOST_KV_1M=${HOST_KV_1M:-40G}
 NVME_DIR=${NVME_DIR:-/tmp/tkv-recall-nvme}
 STEPS_SHORT=${STEPS_SHORT:-2,8,4}
