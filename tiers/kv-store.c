@@ -48,9 +48,16 @@ struct pool {
     int32_t *free_list;      /* [cap]                                 */
     uint32_t n_free;
     int32_t *owner;          /* [cap] block index, -1 if free         */
-    uint16_t *slot_layer;    /* [cap] the owner's layer, n_layer if free:
-                                eviction reads this, not the blocks   */
+    uint16_t *slot_layer;    /* [cap] the owner's layer, n_layer if free */
     uint32_t *layer_used;    /* [n_layer] slots held by each layer    */
+    /* Memory tiers: which slots each layer holds, in slot order, so that an
+     * eviction pass lists a layer's slots without reading anyone else's:
+     * bit (slot % 64) of lmap[layer * words + slot / 64] is set while a block
+     * of `layer` holds the slot, and bit (w % 64) of lsum[layer * sum_words +
+     * w / 64] while lmap word w of that layer is not zero. NULL on NVMe
+     * (never evicted). */
+    uint64_t *lmap, *lsum;
+    uint32_t words, sum_words;
     uint8_t **slab;          /* [cap / SLAB_SLOTS + 1] memory tiers    */
     struct tkv_host_mem *slab_host; /* host-memory slabs             */
     bool     host_memory;    /* slabs are host memory (else backend)  */
@@ -155,7 +162,6 @@ struct tkv_kvs {
     uint32_t *lists;         /* [2 * head*max_blocks] recall and new-block lists */
     uint32_t *order_tmp;     /* [layer*head*max_blocks] eviction ordering     */
     uint32_t *order_count;   /* [layer + 1]                                   */
-    uint8_t *take_layer;     /* [layer + 1] eviction: layers whose slots are candidates */
     struct vkey *vkeys;      /* [head*max_blocks] eviction: one layer's candidates by LRU */
     uint8_t *run_below;      /* [max_blocks] import_n: run block j goes below compute */
     struct io_op *ops;       /* [IO_BATCH] */
@@ -259,7 +265,7 @@ static int part_switch(struct tkv_kvs *s, int to)
 
 /* ---- slot pools ---------------------------------------------------------------- */
 
-static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uint32_t n_layer)
+static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uint32_t n_layer, bool layer_maps)
 {
     pl->present = true;
     pl->cap = cap;
@@ -270,7 +276,14 @@ static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uin
     pl->layer_used = calloc(n_layer, sizeof *pl->layer_used);
     pl->slab = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab);
     pl->slab_host = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab_host);
-    if (!pl->free_list || !pl->owner || !pl->slot_layer || !pl->layer_used || !pl->slab || !pl->slab_host)
+    if (layer_maps) { /* n_layer * cap bits: 1 MiB for 32 layers of 262K slots */
+        pl->words = (cap + 63) / 64;
+        pl->sum_words = (pl->words + 63) / 64;
+        pl->lmap = calloc((size_t)n_layer * pl->words, sizeof *pl->lmap);
+        pl->lsum = calloc((size_t)n_layer * pl->sum_words, sizeof *pl->lsum);
+    }
+    if (!pl->free_list || !pl->owner || !pl->slot_layer || !pl->layer_used || !pl->slab || !pl->slab_host ||
+        (layer_maps && (!pl->lmap || !pl->lsum)))
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for a slot table");
     for (uint32_t i = 0; i < cap; i++) {
         pl->owner[i] = -1;
@@ -327,8 +340,14 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
     if (t == TKV_TIER_COMPUTE)
         s->layer_gen[s->blk[owner].layer]++;
     pl->owner[slot] = (int32_t)owner;
-    pl->slot_layer[slot] = (uint16_t)s->blk[owner].layer;
-    pl->layer_used[s->blk[owner].layer]++;
+    const uint32_t layer = s->blk[owner].layer;
+    pl->slot_layer[slot] = (uint16_t)layer;
+    pl->layer_used[layer]++;
+    if (pl->lmap) {
+        const uint32_t w = (uint32_t)slot / 64;
+        pl->lmap[(size_t)layer * pl->words + w] |= 1ull << (slot % 64);
+        pl->lsum[(size_t)layer * pl->sum_words + w / 64] |= 1ull << (w % 64);
+    }
     pl->used += s->S;
     pl->peak = TKV_MAX(pl->peak, pl->used);
     return slot;
@@ -339,7 +358,15 @@ static void pool_give(struct tkv_kvs *s, int t, int32_t slot)
     struct pool *pl = &s->pool[t];
     if (t == TKV_TIER_COMPUTE)
         s->layer_gen[pl->slot_layer[slot]]++;
-    pl->layer_used[pl->slot_layer[slot]]--;
+    const uint32_t layer = pl->slot_layer[slot];
+    pl->layer_used[layer]--;
+    if (pl->lmap) {
+        const uint32_t w = (uint32_t)slot / 64;
+        uint64_t *word = &pl->lmap[(size_t)layer * pl->words + w];
+        *word &= ~(1ull << (slot % 64));
+        if (!*word)
+            pl->lsum[(size_t)layer * pl->sum_words + w / 64] &= ~(1ull << (w % 64));
+    }
     pl->slot_layer[slot] = (uint16_t)s->p.n_layer;
     pl->owner[slot] = -1;
     pl->free_list[pl->n_free++] = slot;
@@ -362,6 +389,8 @@ static void pool_free(struct tkv_kvs *s, int t)
     free(pl->owner);
     free(pl->slot_layer);
     free(pl->layer_used);
+    free(pl->lmap);
+    free(pl->lsum);
     free(pl->slab);
     free(pl->slab_host);
 }
@@ -743,45 +772,72 @@ static inline bool evictable(const struct tkv_kvs *s, int t, int32_t i, bool cle
            (!clean_only || (k->valid & ~BIT(t)));
 }
 
+/* Appends to cand the eviction candidates among the slots of memory tier t
+ * held by `layer`, in slot order (the tier's layer map: only that layer's
+ * slots are read); returns how many. */
+static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool clean_only, uint32_t *cand)
+{
+    const struct pool *pl = &s->pool[t];
+    const uint64_t *map = pl->lmap + (size_t)layer * pl->words, *sum = pl->lsum + (size_t)layer * pl->sum_words;
+    uint32_t n = 0;
+    for (uint32_t sw = 0; sw < pl->sum_words; sw++)
+        for (uint64_t x = sum[sw]; x; x &= x - 1) {
+            const uint32_t w = sw * 64 + (uint32_t)__builtin_ctzll(x);
+            for (uint64_t y = map[w]; y; y &= y - 1) {
+                const int32_t i = pl->owner[w * 64 + (uint32_t)__builtin_ctzll(y)];
+                if (evictable(s, t, i, clean_only))
+                    cand[n++] = (uint32_t)i;
+            }
+        }
+    STALL_COUNT(s, evict_scanned, pl->layer_used[layer]);
+    return n;
+}
+
 /* Collects in s->cand[t] (returns their count) the eviction candidates of
- * memory tier t that the first k places of the victim order can come from,
- * in slot order, as a scan of every slot would list them: all candidates of
- * the layers farthest from the current one, as many layers as hold k of
- * them. The victim order puts a farther layer's blocks first, so ordering
- * these gives the full order's first k places. n_extra more blocks of
- * extra_layer (< n_layer; else none) count as candidates (the caller appends
- * them when *extra_in). With every layer taken this is the full scan. Per
- * layer the tier counts its slots (pool.layer_used) and each slot's layer
- * (pool.slot_layer), so only the chosen layers' blocks are read. */
+ * memory tier t that the first k places of the victim order can come from:
+ * all candidates of the layers farthest from the current one, as many
+ * layers as hold k of them. The victim order puts a farther layer's blocks
+ * first, so ordering these gives the full order's first k places. n_extra
+ * more blocks of extra_layer (< n_layer; else none) count as candidates (the
+ * caller appends them when *extra_in). Per layer the tier counts its slots
+ * (pool.layer_used) and maps them (pool.lmap), so only the chosen layers'
+ * slots are read.
+ *
+ * Order: each layer's candidates come in slot order, layer after layer. The
+ * victim order is a stable counting sort by next-use distance (one bucket
+ * per layer), then by LRU with ties in list order, so only the order inside
+ * a layer matters: it is the one a scan of every slot gives (evict_ref:
+ * that scan, every layer taken, kept as the test's reference). */
 static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, uint64_t k, uint32_t extra_layer,
                                    uint32_t n_extra, bool *extra_in)
 {
     const struct pool *pl = &s->pool[t];
     const uint32_t L = s->p.n_layer;
-    uint8_t *take = s->take_layer;
-    memset(take, 0, L + 1); /* take[L]: free slots, never */
-    uint32_t *cand = s->cand[t], n_cand = 0, d = 0;
-    if (s->p.evict_ref)
-        k = UINT64_MAX; /* every layer */
-    uint64_t bound = 0, target = k;
-    for (;;) {
-        while (d < L && bound < target) { /* farthest first: distance L-1-d */
-            const uint32_t layer = (s->cur_layer + L - 1 - d) % L;
-            take[layer] = 1;
-            bound += pl->layer_used[layer] + (layer == extra_layer ? n_extra : 0);
-            d++;
-        }
-        n_cand = 0;
+    uint32_t *cand = s->cand[t], n_cand = 0;
+    if (s->p.evict_ref) {
         for (uint32_t slot = 0; slot < pl->n; slot++)
-            if (take[pl->slot_layer[slot]] && evictable(s, t, pl->owner[slot], clean_only))
+            if (pl->owner[slot] >= 0 && evictable(s, t, pl->owner[slot], clean_only))
                 cand[n_cand++] = (uint32_t)pl->owner[slot];
         STALL_COUNT(s, evict_scanned, pl->n);
-        const uint64_t found = n_cand + (extra_layer < L && take[extra_layer] ? n_extra : 0);
+        *extra_in = extra_layer < L;
+        return n_cand;
+    }
+    bool extra = false;
+    uint64_t bound = 0, target = k;
+    for (uint32_t d = 0;;) {
+        while (d < L && bound < target) { /* farthest first: distance L-1-d */
+            const uint32_t layer = (s->cur_layer + L - 1 - d) % L;
+            bound += pl->layer_used[layer] + (layer == extra_layer ? n_extra : 0);
+            extra = extra || layer == extra_layer;
+            n_cand += layer_candidates(s, t, layer, clean_only, cand + n_cand);
+            d++;
+        }
+        const uint64_t found = n_cand + (extra ? n_extra : 0);
         if (found >= k || d == L)
             break;
         target = bound + (k - found); /* pinned or in-flight blocks filled the bound: take more layers */
     }
-    *extra_in = extra_layer < L && take[extra_layer];
+    *extra_in = extra;
     return n_cand;
 }
 
@@ -1346,7 +1402,6 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
     s->order_tmp = malloc(total * sizeof *s->order_tmp);
     s->order_count = malloc((p->n_layer + 1) * sizeof *s->order_count);
-    s->take_layer = calloc(p->n_layer + 1, 1);
     s->vkeys = malloc(layer_blocks * sizeof *s->vkeys);
     s->run_below = malloc(s->max_blocks);
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
@@ -1357,7 +1412,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->views_nb = calloc(p->n_layer, sizeof *s->views_nb);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->take_layer || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
         !s->views_nb || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
@@ -1378,7 +1433,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
                      (unsigned long long)(layer_blocks * s->S));
         goto fail;
     }
-    if ((st = pool_init(&s->pool[TKV_TIER_COMPUTE], (uint32_t)TKV_MIN(cap, total), p->compute_is_host, p->n_layer)) != TKV_OK)
+    if ((st = pool_init(&s->pool[TKV_TIER_COMPUTE], (uint32_t)TKV_MIN(cap, total), p->compute_is_host, p->n_layer, true)) != TKV_OK)
         goto fail;
     if (!p->compute_is_host && p->host_bytes) {
         uint64_t hcap = TKV_MIN(p->host_bytes / s->S, total);
@@ -1387,7 +1442,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
                          (unsigned long long)p->host_bytes, IO_BATCH);
             goto fail;
         }
-        if ((st = pool_init(&s->pool[TKV_TIER_HOST], (uint32_t)hcap, true, p->n_layer)) != TKV_OK ||
+        if ((st = pool_init(&s->pool[TKV_TIER_HOST], (uint32_t)hcap, true, p->n_layer, true)) != TKV_OK ||
             (st = pool_grow(s, TKV_TIER_HOST, (uint32_t)hcap)) != TKV_OK)
             goto fail;
     }
@@ -1398,7 +1453,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
             goto fail;
         }
         uint64_t ncap = p->nvme_bytes ? TKV_MIN(p->nvme_bytes / s->S, total) : total;
-        if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false, p->n_layer)) != TKV_OK)
+        if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false, p->n_layer, false)) != TKV_OK)
             goto fail;
         struct tkv_io_params iop = tkv_io_default_params();
         iop.queue_depth = 256; /* a whole layer's recall streams at this depth */
@@ -1498,7 +1553,6 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->lists);
     free(s->order_tmp);
     free(s->order_count);
-    free(s->take_layer);
     free(s->vkeys);
     free(s->run_below);
     free(s->inflight_reads);
