@@ -32,9 +32,15 @@ struct blk {
     uint8_t  valid;                /* BIT(tier): that copy is current         */
     uint8_t  pinned;               /* in use by the layer being processed     */
     uint8_t  inflight;             /* compute slot being filled by a prefetch */
-    uint8_t  hpinned;              /* read in place on the host tier by the layer
+    uint8_t  hpinned : 1;          /* read in place on the host tier by the layer
                                       being processed (begin_layer_split): its
                                       host copy must not move until end_layer */
+    uint8_t  hchecked : 1;         /* its host copy passed a CRC check since it was
+                                      written: host reads and CPU-checked recalls
+                                      take it as intact (kv-layout.md, "Integrity").
+                                      A host copy is only ever written into a slot
+                                      just taken, so pool_take and pool_give of a
+                                      host slot clear it; so does test_flip_bit */
     uint32_t crc;                  /* CRC-32C of the payload below compute   */
     uint32_t layer;                /* its layer (eviction order, no division) */
     uint64_t lru;
@@ -148,6 +154,10 @@ struct tkv_kvs {
     uint32_t *hlist;         /* [head*max_blocks] blocks read on the host tier this layer */
     const void **hdata;      /* [head*max_blocks] their payloads                  */
     uint8_t *hbad;           /* [head*max_blocks] their checksum verdicts         */
+    uint32_t *chk_idx, *chk_pos; /* [head*max_blocks] check_host_copies: the copies
+                                    not yet checked, and their places in the caller's list */
+    const void **chk_data;   /* [head*max_blocks] their payloads                  */
+    uint8_t *chk_bad;        /* [head*max_blocks] their verdicts                  */
     uint64_t host_reads;     /* blocks read in place on the host tier             */
     uint32_t cur_layer;
 
@@ -339,6 +349,8 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
     int32_t slot = pl->free_list[--pl->n_free];
     if (t == TKV_TIER_COMPUTE)
         s->layer_gen[s->blk[owner].layer]++;
+    if (t == TKV_TIER_HOST) /* a new host copy: not checked yet */
+        s->blk[owner].hchecked = 0;
     pl->owner[slot] = (int32_t)owner;
     const uint32_t layer = s->blk[owner].layer;
     pl->slot_layer[slot] = (uint16_t)layer;
@@ -358,6 +370,8 @@ static void pool_give(struct tkv_kvs *s, int t, int32_t slot)
     struct pool *pl = &s->pool[t];
     if (t == TKV_TIER_COMPUTE)
         s->layer_gen[pl->slot_layer[slot]]++;
+    if (t == TKV_TIER_HOST)
+        s->blk[pl->owner[slot]].hchecked = 0;
     const uint32_t layer = pl->slot_layer[slot];
     pl->layer_used[layer]--;
     if (pl->lmap) {
@@ -964,6 +978,32 @@ static void verify_batch(struct tkv_kvs *s, const uint32_t *idx, const void *con
     part_switch(s, prev);
 }
 
+/* Verdicts bad[0..n) on the host-tier copies data[j] of blocks idx[j]
+ * (n <= a layer's blocks). A copy that passed a check since it was written
+ * (hchecked) is taken as intact without being read: the check guards the
+ * copy at rest, once after it lands, not at every read. The others are
+ * checksummed (verify_batch) and marked checked when they pass. */
+static void check_host_copies(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n,
+                              uint8_t *bad)
+{
+    uint32_t m = 0;
+    for (uint32_t j = 0; j < n; j++) {
+        bad[j] = 0;
+        if (s->blk[idx[j]].hchecked)
+            continue;
+        s->chk_idx[m] = idx[j];
+        s->chk_data[m] = data[j];
+        s->chk_pos[m++] = j;
+    }
+    if (m == 0)
+        return;
+    verify_batch(s, s->chk_idx, s->chk_data, m, s->chk_bad);
+    for (uint32_t r = 0; r < m; r++) {
+        bad[s->chk_pos[r]] = s->chk_bad[r];
+        s->blk[s->chk_idx[r]].hchecked = !s->chk_bad[r];
+    }
+}
+
 /* The error for a block whose recalled copy failed its checksum. */
 static tkv_status corrupt_error(struct tkv_kvs *s, uint32_t i, int from)
 {
@@ -1200,8 +1240,8 @@ static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
         STALL_COUNT(s, upload_waits, 1);
         st = s->be->ops->upload_wait(s->be, ticket, true, NULL); /* the verdicts */
         part_switch(s, prev);
-    } else {
-        verify_batch(s, ub->idx, ub->src, n, ub->bad);
+    } else { /* the CPU checks the sources, the host copies: as a host read would */
+        check_host_copies(s, ub->idx, ub->src, n, ub->bad);
     }
     uint32_t good = 0;
     tkv_status bad = TKV_OK; /* the first corrupt block; the others stay usable */
@@ -1213,9 +1253,14 @@ static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
                 tkv_status e = corrupt_error(s, i, TKV_TIER_HOST);
                 bad = bad == TKV_OK ? e : bad;
             }
+            if (st == TKV_OK) /* the host copy may be what is corrupt: check it at its next read */
+                s->blk[i].hchecked = 0;
             drop_copy(s, i, TKV_TIER_COMPUTE);
             continue;
         }
+        /* intact on arrival, so read intact from the host copy: the device
+         * summed the bytes it read there */
+        s->blk[i].hchecked = (s->blk[i].valid & BIT(TKV_TIER_HOST)) != 0;
         s->blk[i].valid |= BIT(TKV_TIER_COMPUTE);
         good++;
     }
@@ -1327,7 +1372,9 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
                 st = up_send(s, ub, n_up);
         } else if (k->valid & BIT(TKV_TIER_HOST)) {
             const uint8_t *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
-            if ((st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
+            if (!k->hchecked && (st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
+                k->hchecked = 1; /* checks the host copy before the copy, as a host read would */
+            if (st == TKV_OK)
                 st = host_to_compute(s, src, cs);
             if (st != TKV_OK)
                 break;
@@ -1397,6 +1444,10 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->hlist = malloc(layer_blocks * sizeof *s->hlist);
     s->hdata = malloc(layer_blocks * sizeof *s->hdata);
     s->hbad = malloc(layer_blocks * sizeof *s->hbad);
+    s->chk_idx = malloc(layer_blocks * sizeof *s->chk_idx);
+    s->chk_pos = malloc(layer_blocks * sizeof *s->chk_pos);
+    s->chk_data = malloc(layer_blocks * sizeof *s->chk_data);
+    s->chk_bad = malloc(layer_blocks * sizeof *s->chk_bad);
     s->cand[0] = malloc(total * sizeof *s->cand[0]);
     s->cand[1] = malloc(total * sizeof *s->cand[1]);
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
@@ -1412,7 +1463,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->views_nb = calloc(p->n_layer, sizeof *s->views_nb);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
         !s->views_nb || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
@@ -1548,6 +1599,10 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->hlist);
     free(s->hdata);
     free(s->hbad);
+    free(s->chk_idx);
+    free(s->chk_pos);
+    free(s->chk_data);
+    free(s->chk_bad);
     free(s->cand[0]);
     free(s->cand[1]);
     free(s->lists);
@@ -1690,7 +1745,7 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
     /* the blocks read where they are are checked like any recall, before
      * anything is moved for the others */
     if (n_host > 0) {
-        verify_batch(s, s->hlist, s->hdata, n_host, s->hbad);
+        check_host_copies(s, s->hlist, s->hdata, n_host, s->hbad);
         for (uint32_t j = 0; j < n_host; j++)
             if (s->hbad[j]) {
                 st = corrupt_error(s, s->hlist[j], TKV_TIER_HOST);
@@ -2249,6 +2304,7 @@ tkv_status tkv_kvs_test_flip_bit(struct tkv_kvs *s, uint32_t layer, uint32_t hea
         if (s->async_up) /* a queued upload may still read it */
             TKV_TRY(s->be->ops->upload_wait(s->be, TKV_UPLOADS_ALL, true, NULL));
         slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST])[s->S / 3] ^= 0x10;
+        k->hchecked = 0; /* corruption at rest: the next read must check the copy */
         return TKV_OK;
     }
     prefetch_drain(s);
