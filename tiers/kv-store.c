@@ -151,6 +151,19 @@ struct tkv_kvs {
     uint64_t *views_gen;     /* [layer] layer_gen when refs[layer] was last made
                                 complete (every block present); VIEWS_STALE: not */
     uint32_t *views_nb;      /* [layer] blocks per head those complete views covered */
+    /* Selective reads (a selection or host reads; not walk_ref): each layer
+     * keeps the list of blocks its last one pinned, so that end_layer unpins
+     * and the next one clears the views of only those, not every block. The
+     * views of a layer read this way hold block pointers only at the listed
+     * entries; every other entry below sparse_nb is block_ref(b, NULL), with
+     * the right length for every block but maybe the last (full blocks stay
+     * full). host_refs likewise, its pointers at hlist[0, n_hlist). */
+    uint32_t *sel;           /* [layer][head*max_blocks] offsets head*max_blocks + b */
+    uint32_t *sel_n;         /* [layer] entries of sel                            */
+    uint32_t *sparse_nb;     /* [layer] blocks per head the views were cleared for;
+                                SPARSE_NONE: pointers anywhere (a whole-layer read) */
+    uint32_t host_nb;        /* the same for host_refs (0: never cleared)         */
+    uint32_t n_hlist;        /* host_refs entries holding pointers: hlist[0, n_hlist) */
     uint32_t *hlist;         /* [head*max_blocks] blocks read on the host tier this layer */
     const void **hdata;      /* [head*max_blocks] their payloads                  */
     uint8_t *hbad;           /* [head*max_blocks] their checksum verdicts         */
@@ -207,6 +220,7 @@ struct tkv_kvs {
 /* ---- small helpers ------------------------------------------------------------ */
 
 #define VIEWS_STALE UINT64_MAX
+#define SPARSE_NONE UINT32_MAX
 
 /* A block's LRU stamp and its compute pin, the per-block state combined with
  * its layer's (whole-layer reads set only the layer's). */
@@ -1442,6 +1456,9 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->refs = calloc(total, sizeof *s->refs); /* untouched pages of unused layers stay unmapped */
     s->host_refs = calloc(layer_blocks, sizeof *s->host_refs);
     s->hlist = malloc(layer_blocks * sizeof *s->hlist);
+    s->sel = malloc(total * sizeof *s->sel); /* untouched pages of unused layers stay unmapped */
+    s->sel_n = calloc(p->n_layer, sizeof *s->sel_n);
+    s->sparse_nb = malloc(p->n_layer * sizeof *s->sparse_nb);
     s->hdata = malloc(layer_blocks * sizeof *s->hdata);
     s->hbad = malloc(layer_blocks * sizeof *s->hbad);
     s->chk_idx = malloc(layer_blocks * sizeof *s->chk_idx);
@@ -1463,15 +1480,17 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->views_nb = calloc(p->n_layer, sizeof *s->views_nb);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->sel || !s->sel_n || !s->sparse_nb || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
         !s->views_nb || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
     }
     for (uint64_t i = 0; i < total; i++)
         s->blk[i] = (struct blk){.slot = {-1, -1, -1}, .layer = (uint32_t)(i / layer_blocks)};
-    for (uint32_t l = 0; l < p->n_layer; l++)
+    for (uint32_t l = 0; l < p->n_layer; l++) {
         s->views_gen[l] = VIEWS_STALE;
+        s->sparse_nb[l] = SPARSE_NONE;
+    }
 
     /* compute tier: must hold at least one layer's blocks for the whole context */
     uint64_t cap = p->compute_bytes ? p->compute_bytes / s->S : total;
@@ -1597,6 +1616,9 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->refs);
     free(s->host_refs);
     free(s->hlist);
+    free(s->sel);
+    free(s->sel_n);
+    free(s->sparse_nb);
     free(s->hdata);
     free(s->hbad);
     free(s->chk_idx);
@@ -1654,6 +1676,46 @@ void tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens)
 }
 
 
+/* Entries [from, nb) of each head of a view array (refs of a layer, or
+ * host_refs) without pointers; from is where the last clearing's last block
+ * was (its length may have changed), 0 if none. */
+static void views_clear_tail(const struct tkv_kvs *s, struct tkv_kv_block_ref *refs, uint32_t last_nb, uint32_t nb)
+{
+    const uint32_t m = TKV_MIN(last_nb, nb), from = m ? m - 1 : 0;
+    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+        for (uint32_t b = from; b < nb; b++)
+            refs[(size_t)h * s->max_blocks + b] = block_ref(s, b, NULL);
+}
+
+/* Before a selective read of `layer` (nb blocks per head): its views and
+ * host_refs hold no pointers, each entry block_ref(b, NULL). Only the
+ * entries the last selective read set, and the last blocks, are written;
+ * after a whole-layer read (pointers anywhere), every entry. */
+static void views_clear(struct tkv_kvs *s, uint32_t layer, uint32_t nb)
+{
+    const uint32_t MB = s->max_blocks, LB = s->p.n_head_kv * MB;
+    struct tkv_kv_block_ref *refs = s->refs + (size_t)layer * LB;
+    uint32_t last = 0; /* SPARSE_NONE: every entry below nb */
+    if (s->sparse_nb[layer] != SPARSE_NONE) {
+        const uint32_t *sel = s->sel + (size_t)layer * LB;
+        for (uint32_t j = 0; j < s->sel_n[layer]; j++)
+            if (sel[j] % MB < nb) /* (past nb: cleared when the tail reaches it) */
+                refs[sel[j]] = block_ref(s, sel[j] % MB, NULL);
+        last = s->sparse_nb[layer];
+    }
+    views_clear_tail(s, refs, last, nb);
+    s->sparse_nb[layer] = nb;
+    s->sel_n[layer] = 0;
+    for (uint32_t j = 0; j < s->n_hlist; j++) {
+        const uint32_t r = s->hlist[j] % LB;
+        if (r % MB < nb)
+            s->host_refs[r] = block_ref(s, r % MB, NULL);
+    }
+    views_clear_tail(s, s->host_refs, s->host_nb, nb);
+    s->host_nb = nb;
+    s->n_hlist = 0;
+}
+
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write)
 {
     return tkv_kvs_begin_layer_sel(s, layer, write_pos, n_write, NULL);
@@ -1702,6 +1764,16 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
      * or out of the compute tier takes or gives one). From b0 on a block may
      * have grown (the last one then), be new, or be anywhere. */
     const bool whole = !need && !split && !s->p.walk_ref;
+    /* a selective read (not walk_ref): pins, views and their clearing go by
+     * the layer's list of the blocks read */
+    const bool listed = !whole && !s->p.walk_ref;
+    const size_t base = (size_t)layer * H * s->max_blocks; /* blk_index(s, layer, 0, 0) */
+    uint32_t *sel = s->sel + base, n_sel = 0;
+    struct tkv_kv_block_ref *refs = s->refs + base;
+    if (listed)
+        views_clear(s, layer, nb);
+    else if (whole)
+        s->sparse_nb[layer] = SPARSE_NONE;
     uint32_t b0 = 0;
     if (whole) {
         if (s->views_gen[layer] == s->layer_gen[layer] && s->views_nb[layer] > 0)
@@ -1725,23 +1797,34 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
                 continue;
             uint32_t i = blk_index(s, layer, h, b);
             struct blk *k = &s->blk[i];
+            if (listed)
+                sel[n_sel++] = i - (uint32_t)base;
             if (!whole) {
                 k->lru = s->clock;
                 if (HOST_READ(h, b, k)) { /* pinned on the host tier before anything can spill into it */
                     k->hpinned = 1;
                     s->hlist[n_host] = i;
-                    s->hdata[n_host++] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                    s->hdata[n_host] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                    if (listed) /* its host slot stays (pinned there) */
+                        s->host_refs[i - base] = block_ref(s, b, (uint8_t *)s->hdata[n_host]);
+                    n_host++;
                     continue;
                 }
                 k->pinned = 1;
             }
             if (k->valid & BIT(TKV_TIER_COMPUTE)) {
                 s->st[TKV_TIER_COMPUTE].hits++;
+                if (listed) /* its compute slot stays (pinned); the missing ones' views come below */
+                    refs[i - base] = block_ref(s, b, slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]));
             } else {
                 s->st[TKV_TIER_COMPUTE].misses++;
                 s->lists[n_missing++] = i;
             }
         }
+    if (listed) { /* before anything can fail: views_clear's lists of what holds pointers */
+        s->sel_n[layer] = n_sel;
+        s->n_hlist = n_host;
+    }
     /* the blocks read where they are are checked like any recall, before
      * anything is moved for the others */
     if (n_host > 0) {
@@ -1787,9 +1870,15 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
                 s->blk[i].valid = BIT(TKV_TIER_COMPUTE); /* the NVMe slot is kept for the next spill */
             }
     /* the views of this layer from b0 on (blocks left out: no pointers),
-     * and those of the blocks read on the host tier */
-    struct tkv_kv_block_ref *refs = s->refs + (size_t)layer * H * s->max_blocks;
-    for (uint32_t h = 0; h < H; h++)
+     * and those of the blocks read on the host tier; after a selective read
+     * only those of the blocks that were missing (views_clear left the
+     * others without pointers; the loop above set those of the rest) */
+    for (uint32_t j = 0; listed && j < n_missing; j++) {
+        const uint32_t i = lists[j < n_recall ? j : n_missing + (j - n_recall)]; /* recalls, then new blocks */
+        refs[i - base] = block_ref(s, (i - (uint32_t)base) % s->max_blocks,
+                                   slot_ptr(s, TKV_TIER_COMPUTE, s->blk[i].slot[TKV_TIER_COMPUTE]));
+    }
+    for (uint32_t h = 0; h < H && !listed; h++)
         for (uint32_t b = b0; b < nb; b++) {
             const struct blk *k = &s->blk[blk_index(s, layer, h, b)];
             const bool on_host = NEEDED(h, b) && k->hpinned;
@@ -1822,6 +1911,16 @@ void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
 {
     if (s->layer_pin[layer]) { /* a whole-layer read: nothing was pinned block by block */
         s->layer_pin[layer] = 0;
+        return;
+    }
+    if (!s->p.walk_ref) { /* a selective read: the blocks it listed */
+        const size_t base = (size_t)layer * s->p.n_head_kv * s->max_blocks;
+        const uint32_t *sel = s->sel + base;
+        for (uint32_t j = 0; j < s->sel_n[layer]; j++) {
+            struct blk *k = &s->blk[base + sel[j]];
+            k->pinned = 0;
+            k->hpinned = 0;
+        }
         return;
     }
     const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);

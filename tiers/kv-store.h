@@ -132,7 +132,11 @@ void     tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens);
  * Cost: a whole-layer read pins and stamps the layer as one; when none of
  * the layer's compute slots changed hands since its last whole-layer read,
  * only the blocks from the last one read then are looked at (a decode step
- * of a resident context costs O(heads), not O(context)). */
+ * of a resident context costs O(heads), not O(context)). A selective read
+ * (tkv_kvs_begin_layer_sel, _split) touches the blocks it reads, those the
+ * layer's last selective read set in the views, and the last block of each
+ * head, besides one pass over need[]; its end_layer unpins only what it
+ * pinned. */
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write);
 /* The same for a selection: only blocks with need[head * blocks_per_head + b]
  * set (and those being written) are recalled and pinned; the others stay
