@@ -185,6 +185,8 @@ struct tkv_kvs {
     uint32_t *lists;         /* [2 * head*max_blocks] recall and new-block lists */
     uint32_t *order_tmp;     /* [layer*head*max_blocks] eviction ordering     */
     uint32_t *order_count;   /* [layer + 1]                                   */
+    uint32_t *grp_end;       /* [layer] collect_candidates: where each layer taken ends */
+    uint32_t n_grp;
     struct vkey *vkeys;      /* [head*max_blocks] eviction: one layer's candidates by LRU */
     uint8_t *run_below;      /* [max_blocks] import_n: run block j goes below compute */
     struct io_op *ops;       /* [IO_BATCH] */
@@ -741,14 +743,50 @@ static void vkey_select(struct vkey *a, uint32_t n, uint32_t r)
     }
 }
 
+/* Orders by LRU the one bucket of cand that straddles the first `want`
+ * places: buckets are [end[d-1], end[d]) (end[-1] = 0), farthest first.
+ * Only the bucket's first places up to `exact` are put in order (ties in
+ * LRU keep the order cand had, as a stable sort leaves them); its blocks
+ * past that are the right ones in no particular order. Nothing moves when
+ * all its blocks were last used together (a whole layer). */
+static void order_cut(struct tkv_kvs *s, uint32_t *cand, const uint32_t *end, uint32_t n_buckets, uint32_t want,
+                      uint32_t exact)
+{
+    uint32_t begin = 0;
+    for (uint32_t d = 0; d < n_buckets; begin = end[d], d++) {
+        if (end[d] <= want || end[d] == begin)
+            continue;
+        const uint32_t m = end[d] - begin;
+        /* one bucket is one layer: at most head*max_blocks blocks */
+        struct vkey *key = s->vkeys;
+        uint64_t lo = UINT64_MAX, hi = 0;
+        for (uint32_t j = 0; j < m; j++) {
+            key[j] = (struct vkey){.lru = blk_lru(s, cand[begin + j]), .pos = j, .blk = cand[begin + j]};
+            lo = TKV_MIN(lo, key[j].lru);
+            hi = TKV_MAX(hi, key[j].lru);
+        }
+        if (lo == hi)
+            break;
+        const uint32_t r = exact > begin ? TKV_MIN(m, exact - begin) : 0;
+        if (r < m && r > 0)
+            vkey_select(key, m, r);
+        qsort(key, r, sizeof *key, vkey_cmp);
+        for (uint32_t j = 0; j < m; j++)
+            cand[begin + j] = key[j].blk;
+        break;
+    }
+}
+
 /* Puts the victims first in cand[0..n): by next-use distance, farthest
  * first (a counting sort over the L distances, O(n)), and by LRU inside the
- * one distance bucket that straddles the first `want`; ties in LRU keep the
- * order cand had (a stable sort's). Only cand[0..exact) (exact >= want) is
- * in that order: the straddling bucket's blocks past it are the right ones
- * but in no particular order. Sorting all n with a comparator cost several
- * milliseconds per layer at 100K blocks, as much as the recall itself; the
- * bucket's first places are now selected (O(bucket)) and only they sorted. */
+ * one distance bucket that straddles the first `want` (order_cut): only
+ * cand[0..exact) (exact >= want) is in that order. Sorting all n with a
+ * comparator cost several milliseconds per layer at 100K blocks, as much as
+ * the recall itself; the bucket's first places are now selected (O(bucket))
+ * and only they sorted. A list already in bucket order (collect_candidates'
+ * scoped pass: a layer after another, farthest first) goes straight to
+ * order_cut with its layers' ends (evict_for): the stable counting sort
+ * would leave it as it is. */
 static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_t want, uint32_t exact)
 {
     const uint32_t L = s->p.n_layer;
@@ -763,32 +801,7 @@ static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_
     for (uint32_t j = 0; j < n; j++)
         tmp[count[L - 1 - next_use_distance(s, cand[j])]++] = cand[j];
     memcpy(cand, tmp, (size_t)n * sizeof *cand);
-    /* count[d] is now the end of bucket d; order the straddling bucket by LRU
-     * unless all its blocks were last used together (a whole layer) */
-    uint32_t begin = 0;
-    for (uint32_t d = 0; d < L; begin = count[d], d++) {
-        if (count[d] <= want || count[d] == begin)
-            continue;
-        const uint32_t m = count[d] - begin;
-        uint64_t lo = UINT64_MAX, hi = 0;
-        for (uint32_t j = begin; j < count[d]; j++) {
-            lo = TKV_MIN(lo, blk_lru(s, cand[j]));
-            hi = TKV_MAX(hi, blk_lru(s, cand[j]));
-        }
-        if (lo == hi)
-            break;
-        /* one bucket is one layer: at most head*max_blocks blocks */
-        struct vkey *key = s->vkeys;
-        for (uint32_t j = 0; j < m; j++)
-            key[j] = (struct vkey){.lru = blk_lru(s, cand[begin + j]), .pos = j, .blk = cand[begin + j]};
-        const uint32_t r = exact > begin ? TKV_MIN(m, exact - begin) : 0;
-        if (r < m && r > 0)
-            vkey_select(key, m, r);
-        qsort(key, r, sizeof *key, vkey_cmp);
-        for (uint32_t j = 0; j < m; j++)
-            cand[begin + j] = key[j].blk;
-        break;
-    }
+    order_cut(s, cand, count, L, want, exact); /* count[d] is now the end of bucket d */
 }
 
 /* Whether block i, holding a slot on memory tier t, may be evicted now. */
@@ -831,7 +844,8 @@ static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool 
  * (pool.layer_used) and maps them (pool.lmap), so only the chosen layers'
  * slots are read.
  *
- * Order: each layer's candidates come in slot order, layer after layer. The
+ * Order: each layer's candidates come in slot order, layer after layer
+ * (s->grp_end[d]: the end of the d-th layer taken, s->n_grp of them). The
  * victim order is a stable counting sort by next-use distance (one bucket
  * per layer), then by LRU with ties in list order, so only the order inside
  * a layer matters: it is the one a scan of every slot gives (evict_ref:
@@ -852,13 +866,14 @@ static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, ui
     }
     bool extra = false;
     uint64_t bound = 0, target = k;
-    for (uint32_t d = 0;;) {
+    uint32_t d = 0;
+    for (;;) {
         while (d < L && bound < target) { /* farthest first: distance L-1-d */
             const uint32_t layer = (s->cur_layer + L - 1 - d) % L;
             bound += pl->layer_used[layer] + (layer == extra_layer ? n_extra : 0);
             extra = extra || layer == extra_layer;
             n_cand += layer_candidates(s, t, layer, clean_only, cand + n_cand);
-            d++;
+            s->grp_end[d++] = n_cand;
         }
         const uint64_t found = n_cand + (extra ? n_extra : 0);
         if (found >= k || d == L)
@@ -866,6 +881,7 @@ static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, ui
         target = bound + (k - found); /* pinned or in-flight blocks filled the bound: take more layers */
     }
     *extra_in = extra;
+    s->n_grp = d;
     return n_cand;
 }
 
@@ -942,7 +958,10 @@ static tkv_status evict_for(struct tkv_kvs *s, int t, uint32_t need, bool clean_
                        "capacity",
                        tier_names[t], pl->cap, s->S);
     STALL_COUNT(s, evict_passes, 1);
-    order_victims(s, cand, n_cand, want, (uint32_t)TKV_MIN(exact, n_cand));
+    if (s->p.evict_ref)
+        order_victims(s, cand, n_cand, want, (uint32_t)TKV_MIN(exact, n_cand));
+    else /* already in bucket order, a layer per bucket */
+        order_cut(s, cand, s->grp_end, s->n_grp, want, (uint32_t)TKV_MIN(exact, n_cand));
     uint32_t freed = 0;
     for (uint32_t c = 0; c < n_cand && freed < want;) {
         /* a batch of victims. Clean ones (another current copy exists) are
@@ -1470,6 +1489,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
     s->order_tmp = malloc(total * sizeof *s->order_tmp);
     s->order_count = malloc((p->n_layer + 1) * sizeof *s->order_count);
+    s->grp_end = malloc(p->n_layer * sizeof *s->grp_end);
     s->vkeys = malloc(layer_blocks * sizeof *s->vkeys);
     s->run_below = malloc(s->max_blocks);
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
@@ -1480,7 +1500,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->views_nb = calloc(p->n_layer, sizeof *s->views_nb);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->sel || !s->sel_n || !s->sparse_nb || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->sel || !s->sel_n || !s->sparse_nb || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->grp_end || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
         !s->views_nb || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
@@ -1630,6 +1650,7 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->lists);
     free(s->order_tmp);
     free(s->order_count);
+    free(s->grp_end);
     free(s->vkeys);
     free(s->run_below);
     free(s->inflight_reads);
