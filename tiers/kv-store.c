@@ -1814,6 +1814,10 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
      !((k)->valid & BIT(TKV_TIER_COMPUTE)) && ((k)->valid & BIT(TKV_TIER_HOST)))
     for (uint32_t h = 0; h < H; h++)
         for (uint32_t b = b0; b < nb; b++) {
+            /* a selection's blocks are scattered (each record a cache miss):
+             * ask for the record of a block needed 16 places on */
+            if (need && b + 16 < nb && need[(size_t)h * s->max_blocks + b + 16])
+                __builtin_prefetch(&s->blk[blk_index(s, layer, h, b + 16)], 1);
             if (!NEEDED(h, b))
                 continue;
             uint32_t i = blk_index(s, layer, h, b);
