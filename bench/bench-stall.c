@@ -5,11 +5,13 @@
  *
  *   bench-stall [--ctx 131072] [--layers 32] [--heads 8] [--head-dim 16] [--block-tokens 64]
  *               [--compute-frac 0.5] [--read 0.10] [--fresh 0.25] [--host-read 0]
- *               [--steps 8] [--warmup 2] [--seed 1] [--evict-ref] [--walk-ref]
+ *               [--steps 8] [--warmup 2] [--seed 1] [--evict-ref] [--walk-ref] [--device-crc]
  *
  * The compute tier is a "device": the CPU backend behind a wrapper that
  * says its memory is not host memory and queues block uploads (copied at
- * once, checksums left to the store's CPU threads), so the store takes its
+ * once; checksums left to the store's CPU threads, or with --device-crc
+ * checked by the "device" as each copy lands, as the CUDA backend's kernel
+ * does: that time is then upload issue, not verify), so the store takes its
  * GPU path: a pinned host tier below (holding the whole context), recalls
  * as one upload batch per layer, dirty victims spilled to the host tier.
  * The defaults give llama3-8b's page table at 128K (32 layers x 8 KV heads
@@ -30,6 +32,7 @@
  * which otherwise look only at the blocks that can have changed).
  */
 #include "cpu/cpu.h"
+#include "tiers/crc32c.h"
 #include "tiers/kv-store.h"
 
 #include "bench.h"
@@ -44,6 +47,7 @@ struct dev {
     struct tkv_backend *cpu;
     struct tkv_backend_ops ops;
     uint64_t seq;
+    bool crc; /* --device-crc */
 };
 
 static struct tkv_backend *cpu_of(struct tkv_backend *b) { return ((struct dev *)b)->cpu; }
@@ -77,11 +81,13 @@ static tkv_status dev_sync(struct tkv_backend *b)
 static tkv_status dev_upload_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
                                     size_t bytes, const uint32_t *crc, uint8_t *bad, uint64_t *ticket)
 {
-    (void)bad;
-    if (crc)
+    if (crc && !((struct dev *)b)->crc)
         return tkv_err(TKV_ERR_UNSUPPORTED, "bench device: no checks on the device");
-    for (uint32_t j = 0; j < n; j++)
+    for (uint32_t j = 0; j < n; j++) {
         memcpy(dst[j], src[j], bytes);
+        if (crc) /* what landed */
+            bad[j] = tkv_crc32c(0, dst[j], bytes) != crc[j];
+    }
     if (ticket)
         *ticket = n ? ++((struct dev *)b)->seq : 0;
     return TKV_OK;
@@ -122,11 +128,12 @@ int main(int argc, char **argv)
 {
     uint32_t ctx = 131072, L = 32, H = 8, hd = 16, B = 64, steps = 8, warmup = 2;
     double compute_frac = 0.5, read = 0.10, fresh = 0.25, host_read = 0;
-    bool evict_ref = false, walk_ref = false;
+    bool evict_ref = false, walk_ref = false, device_crc = false;
     for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--evict-ref")) evict_ref = true, i--;
         else if (!strcmp(a, "--walk-ref")) walk_ref = true, i--;
+        else if (!strcmp(a, "--device-crc")) device_crc = true, i--;
         else if (!strcmp(a, "--ctx")) ctx = (uint32_t)atoi(v);
         else if (!strcmp(a, "--layers")) L = (uint32_t)atoi(v);
         else if (!strcmp(a, "--heads")) H = (uint32_t)atoi(v);
@@ -144,7 +151,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    struct dev d = {0};
+    struct dev d = {.crc = device_crc};
     if (tkv_cpu_backend_create(1, &d.cpu) != TKV_OK)
         return die("cpu backend");
     d.ops = (struct tkv_backend_ops){.name = "bench-device", .alloc = dev_alloc, .release = dev_release,
@@ -220,10 +227,11 @@ int main(int argc, char **argv)
     const double k = steps;
 #define D(f) ((x->f - y->f) / k)
     printf("bench-stall: ctx %u, %u layers x %u KV heads x %u blocks of %u B (%u tokens), compute tier %.0f%% "
-           "(%llu slots), host tier below; read %.2f (fresh %.2f), host reads %.2f; eviction %s; fill %.2f s; %u "
-           "warm-up, %u steps\n\n",
+           "(%llu slots), host tier below; read %.2f (fresh %.2f), host reads %.2f; eviction %s; uploads checked %s; "
+           "fill %.2f s; %u warm-up, %u steps\n\n",
            ctx, L, H, nb, S, B, compute_frac * 100, (unsigned long long)(compute_frac * total), read, fresh, host_read,
-           evict_ref ? "reference (full scan)" : "scoped", fill_s, warmup, steps);
+           evict_ref ? "reference (full scan)" : "scoped", device_crc ? "by the device" : "on the CPU", fill_s, warmup,
+           steps);
     if (whole)
         printf("steps: whole-layer reads (no selection)%s\n\n", walk_ref ? ", every block walked (--walk-ref)" : "");
     printf("| step ms | stall ms | settle | evict | verify | upload issue | upload wait | nvme | other | recalls | "

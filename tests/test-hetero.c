@@ -12,8 +12,9 @@
  *      host tier + NVMe under pressure: exactly the allowed host-tier
  *      blocks are left on the host, the host view and the compute view are
  *      byte-exact against a mirror (also after the recalls and spills of the
- *      same begin, so nothing moved a pinned host block), and a flipped bit
- *      in a host block is TKV_ERR_CORRUPT naming it, on both paths;
+ *      same begin, so nothing moved a pinned host block), a host copy
+ *      checked once is not summed again at its next read, and a bit flipped
+ *      after that check is TKV_ERR_CORRUPT naming the block, on both paths;
  *   3. engine: the tiny model on the opaque backend (tests/opaque-backend.h:
  *      device memory the host cannot read) with a compute tier smaller than
  *      the context and a host tier: rabitq at p = 1.0 with --hetero cpu,
@@ -276,6 +277,23 @@ static void test_store(void)
     memset(ok, 0, sizeof ok);
     need[hf * MBK + bf] = ok[hf * MBK + bf] = 1;
     struct tkv_kvs_stats ks0, ks1;
+    /* read in place twice first: the copy is checked once after it landed
+     * (at the first read, unless a round did), so the second read sums
+     * nothing -- and the bit flipped below, after that check, must still be
+     * caught by both paths */
+    for (int r = 0; r < 2; r++) {
+        uint32_t n_host = 0;
+        tkv_kvs_get_stats(s, &ks0);
+        st = tkv_kvs_begin_layer_split(s, lf, 0, 0, need, ok, &n_host);
+        tkv_kvs_get_stats(s, &ks1);
+        CHECK(st == TKV_OK && n_host == 1, "read %d before the flip: %s, %u host blocks", r, tkv_status_str(st),
+              n_host);
+        if (st == TKV_OK)
+            tkv_kvs_end_layer(s, lf);
+        CHECK(r == 0 || ks1.stall.verify_bytes == ks0.stall.verify_bytes,
+              "a host copy checked before was summed again (%llu bytes)",
+              (unsigned long long)(ks1.stall.verify_bytes - ks0.stall.verify_bytes));
+    }
     tkv_kvs_get_stats(s, &ks0);
     REQUIRE_VOID(tkv_kvs_test_flip_bit(s, lf, hf, bf, TKV_TIER_HOST) == TKV_OK);
     char want[96];

@@ -8,7 +8,8 @@
  * host tier + NVMe, using the CPU backend's memory as the device; the
  * synchronous I/O engine). Then fault injection through the I/O hook: a
  * failing write, ENOSPC, short transfers, a flipped bit in a spilled block;
- * each gives the expected error and loses no data. Bulk imports
+ * each gives the expected error and loses no data; a host copy is summed
+ * once after it lands, and a bit flipped after that is still caught. Bulk imports
  * (tkv_kvs_import_n, the synthetic fill's path) past the compute tier's
  * capacity: the blocks the compute tier keeps against a one-at-a-time
  * reference of the eviction order, every block's bytes from whichever tier
@@ -185,6 +186,7 @@ static struct deferred {
     uint32_t n;
     uint64_t queued, fences, seq, downloads; /* downloads: download_blocks calls */
     bool fail_uploads; /* upload_blocks fails (a device error) */
+    bool no_checks;    /* upload_blocks refuses checksums (TKV_ERR_UNSUPPORTED): the store checks on the CPU */
 } dfr;
 
 /* Lands the queued copies of uploads 1 .. upto, in order. */
@@ -231,6 +233,8 @@ static tkv_status dfr_upload_blocks(struct tkv_backend *b, void *const *dst, con
     (void)b;
     if (dfr.fail_uploads)
         return tkv_err(TKV_ERR_DEVICE, "deferred: injected upload failure");
+    if (crc && dfr.no_checks)
+        return tkv_err(TKV_ERR_UNSUPPORTED, "deferred: no checks on this device");
     if (ticket)
         *ticket = n ? dfr.seq + 1 : 0;
     if (n == 0)
@@ -676,11 +680,13 @@ static void test_faults(void)
     tkv_kvs_free(s);
 
     /* 5. the host tier below a device compute tier is checked the same way,
-     * on a recall and on a prefetch (synchronous and asynchronous uploads) */
-    struct tkv_backend *const backends[2] = {be, deferred_backend(be)};
-    for (int bi = 0; bi < 2; bi++) {
+     * on a recall and on a prefetch (synchronous uploads; asynchronous ones
+     * checked by the device, and by the CPU) */
+    struct tkv_backend *const backends[3] = {be, deferred_backend(be), deferred_backend(be)};
+    for (int bi = 0; bi < 3; bi++) {
         struct tkv_backend *saved = be;
         be = backends[bi];
+        dfr.no_checks = bi == 2;
         for (int via_prefetch = 0; via_prefetch < 2; via_prefetch++) {
             s = make_store(false, 34, 40, true);
             REQUIRE_VOID(s);
@@ -727,6 +733,7 @@ static void test_faults(void)
             tkv_kvs_free(s);
         }
         be = saved;
+        dfr.no_checks = false;
     }
 
     /* 6. without a lower tier, a full compute tier is a clear error */
@@ -745,6 +752,99 @@ static void test_faults(void)
                                .compute_is_host = true, .compute_bytes = 4096 * 8};
     struct tkv_kvs *bad = NULL;
     CHECK(tkv_kvs_init(&p, be, &bad) == TKV_ERR_INVALID_ARG && !bad, "tiny compute tier must be refused");
+}
+
+/* A host copy is checked once after it lands (kv-layout.md, "Integrity"):
+ * recalled twice, the second recall sums nothing on the CPU; a bit flipped
+ * after that check is still caught at the next read; a host copy written
+ * anew (the block changed, then spilled) is checked again. On the three
+ * recall paths below a device: synchronous uploads (CPU backend), uploads
+ * the device checks, uploads the CPU checks. */
+static void test_host_checked_once(void)
+{
+    struct tkv_backend *const cpu_be = be;
+    for (int bi = 0; bi < 3; bi++) {
+        be = bi == 0 ? cpu_be : deferred_backend(cpu_be);
+        dfr.no_checks = bi == 2;
+        const bool cpu_sums = bi != 1; /* the device sums on path 1 */
+        const char *name = bi == 0 ? "sync" : bi == 1 ? "device-checked" : "cpu-checked";
+        struct tkv_kvs *s = make_store(false, 34, 40, true);
+        if (!s)
+            break;
+        fill_until_spilling(s);
+        uint32_t l = 0, h = 0, b = NB;
+        for (uint32_t ll = 0; ll < L && b == NB; ll++)
+            for (uint32_t bb = 0; bb < NB && b == NB; bb++)
+                if (tkv_kvs_block_tier(s, ll, 1, bb) == TKV_TIER_HOST)
+                    l = ll, h = 1, b = bb;
+        CHECK(b < NB, "%s: no block on the host tier", name);
+        if (b == NB) {
+            tkv_kvs_free(s);
+            continue;
+        }
+        const uint32_t MB = tkv_kvs_max_blocks(s), S = tkv_kvs_block_bytes(s);
+        static uint8_t need[H * CTX];
+        memset(need, 0, sizeof need);
+        need[h * MB + b] = 1;
+        /* one selective read of the block (a recall), then back to the host tier;
+         * returns the CPU bytes the read summed, or UINT64_MAX on an error */
+        uint64_t summed[4];
+        tkv_status st = TKV_OK;
+        for (int r = 0; r < 4 && st == TKV_OK; r++) {
+            if (r == 2) /* corruption at rest after the check */
+                CHECK(tkv_kvs_test_flip_bit(s, l, h, b, TKV_TIER_HOST) == TKV_OK, "flip: %s", tkv_last_error());
+            if (r == 3) { /* repaired, then the block changes: a new host copy */
+                CHECK(tkv_kvs_test_flip_bit(s, l, h, b, TKV_TIER_HOST) == TKV_OK, "flip: %s", tkv_last_error());
+                st = tkv_kvs_begin_layer_sel(s, l, b * B, 1, need);
+                CHECK(st == TKV_OK, "%s: write begin: %s", name, tkv_last_error());
+                if (st != TKV_OK)
+                    break;
+                uint16_t *k, *v;
+                tkv_kvs_locate(s, l, h, b * B, &k, &v);
+                for (uint32_t d = 0; d < HD; d++)
+                    mirror[l][h][b * B][0][d] = (uint16_t)test_rand_u64(&rng);
+                be->ops->upload(be, k, mirror[l][h][b * B][0], HD * 2);
+                tkv_kvs_end_layer(s, l);
+                CHECK(tkv_kvs_demote(s, l, h, b) == TKV_OK, "%s: demote: %s", name, tkv_last_error());
+            }
+            CHECK(tkv_kvs_block_tier(s, l, h, b) == TKV_TIER_HOST, "%s read %d: the block is not on the host tier",
+                  name, r);
+            struct tkv_kvs_stats k0, k1;
+            tkv_kvs_get_stats(s, &k0);
+            st = tkv_kvs_begin_layer_sel(s, l, 0, 0, need);
+            tkv_kvs_get_stats(s, &k1);
+            summed[r] = k1.stall.verify_bytes - k0.stall.verify_bytes;
+            if (r == 2) {
+                char want[96];
+                snprintf(want, sizeof want, "(layer %u, head %u, block %u)", l, h, b);
+                CHECK(st == TKV_ERR_CORRUPT && strstr(tkv_last_error(), want),
+                      "%s: a bit flipped after the check gave %s: %s", name, tkv_status_str(st), tkv_last_error());
+                CHECK(tkv_kvs_block_tier(s, l, h, b) == TKV_TIER_HOST, "%s: the corrupt block moved", name);
+                st = TKV_OK;
+                continue;
+            }
+            CHECK(st == TKV_OK, "%s read %d: %s", name, r, tkv_last_error());
+            if (st != TKV_OK)
+                break;
+            const struct tkv_kv_block_ref *ref = &tkv_kvs_view(s, l, h).blocks[b];
+            uint16_t kk[B][HD];
+            be->ops->download(be, kk, ref->k, (size_t)ref->n * HD * 2);
+            CHECK(!memcmp(kk[0], mirror[l][h][b * B][0], HD * 2), "%s read %d: the block differs", name, r);
+            tkv_kvs_end_layer(s, l);
+            CHECK(tkv_kvs_demote(s, l, h, b) == TKV_OK, "%s: demote: %s", name, tkv_last_error());
+        }
+        if (st == TKV_OK) {
+            CHECK(summed[1] == 0, "%s: a host copy checked before was summed again (%llu bytes)", name,
+                  (unsigned long long)summed[1]);
+            CHECK(summed[2] == (cpu_sums ? S : 0), "%s: the flipped copy: %llu bytes summed", name,
+                  (unsigned long long)summed[2]);
+            CHECK(summed[3] == (cpu_sums ? S : 0), "%s: the new host copy: %llu bytes summed", name,
+                  (unsigned long long)summed[3]);
+        }
+        tkv_kvs_free(s);
+    }
+    dfr.no_checks = false;
+    be = cpu_be;
 }
 
 /* The backend's block uploads on their own: n scattered blocks from
@@ -815,13 +915,15 @@ static void test_gpu_upload_blocks(struct tkv_backend *g)
 
 /* Decode-like traffic (appends, whole-layer reads, selections of a layer's
  * blocks, split reads on the host tier, prefetches, demotions, bulk imports)
- * on two stores in lockstep: one with the fast paths (eviction scanning the
- * farthest layers only, the cut bucket's first places selected; whole-layer
- * reads pinned and stamped as one, walking only the blocks that can have
- * changed), one with the reference passes (evict_ref, walk_ref). After every
- * operation each block must sit on the same tier in both and the tier
- * counters must agree: the same victims, in the same order. A layer's views
- * must be byte-identical across the two. With more layers than the mirror
+ * on two stores in lockstep: one with the fast paths (eviction listing the
+ * farthest layers' slots only, the cut bucket's first places selected;
+ * whole-layer reads pinned and stamped as one, walking only the blocks that
+ * can have changed; selective reads pinning, unpinning and clearing the
+ * views of only the blocks they read), one with the reference passes
+ * (evict_ref, walk_ref). After every operation each block must sit on the
+ * same tier in both and the tier counters must agree: the same victims, in
+ * the same order. A layer's views must be byte-identical across the two, and
+ * every entry's position and length equal, with pointers or without. With more layers than the mirror
  * test, so that a pass really takes only a few. */
 enum { EL = 12, EH = 2, EB = 16, EHD = 64, ECTX = 512, ENB = ECTX / EB, ES = 4 * EB * EHD };
 
@@ -857,6 +959,11 @@ static bool views_same(struct tkv_kvs *a, struct tkv_kvs *r, uint32_t l, bool ho
         struct tkv_kv_head_view vr = host ? tkv_kvs_host_view(r, l, h) : tkv_kvs_view(r, l, h);
         for (uint32_t b = 0; b < va.n_blocks; b++) {
             const struct tkv_kv_block_ref *x = &va.blocks[b], *y = &vr.blocks[b];
+            if (x->pos0 != y->pos0 || x->n != y->n || x->pos0 != (int32_t)(b * EB)) { /* with pointers or not */
+                CHECK(false, "%s op %d: layer %u head %u block %u: pos0 %d n %u, reference pos0 %d n %u", name, op,
+                      l, h, b, x->pos0, x->n, y->pos0, y->n);
+                return false;
+            }
             if (!x->k != !y->k) {
                 CHECK(false, "%s op %d: layer %u head %u block %u present in one view only", name, op, l, h, b);
                 return false;
@@ -955,7 +1062,7 @@ static void test_evict_scoped(bool compute_is_host, const char *name)
                 CHECK(e == TKV_OK, "%s op %d: begin_layer_split: %s", name, op, tkv_last_error());
             }
             if (test_failures_ == fail0)
-                if (views_same(st[0], st[1], l, false, name, op) && split)
+                if (views_same(st[0], st[1], l, false, name, op)) /* (without a split: no host pointers) */
                     views_same(st[0], st[1], l, true, name, op);
             tkv_kvs_end_layer(st[0], l);
             tkv_kvs_end_layer(st[1], l);
@@ -1112,6 +1219,7 @@ int main(void)
     }
     unsetenv("TKV_IO_FORCE_SYNC");
     test_faults();
+    test_host_checked_once();
     test_import_n(true, 40, 0, "import_n host+nvme");
     test_import_n(false, 40, 40, "import_n device+host+nvme");
     be = deferred_backend(cpu_be);

@@ -32,9 +32,15 @@ struct blk {
     uint8_t  valid;                /* BIT(tier): that copy is current         */
     uint8_t  pinned;               /* in use by the layer being processed     */
     uint8_t  inflight;             /* compute slot being filled by a prefetch */
-    uint8_t  hpinned;              /* read in place on the host tier by the layer
+    uint8_t  hpinned : 1;          /* read in place on the host tier by the layer
                                       being processed (begin_layer_split): its
                                       host copy must not move until end_layer */
+    uint8_t  hchecked : 1;         /* its host copy passed a CRC check since it was
+                                      written: host reads and CPU-checked recalls
+                                      take it as intact (kv-layout.md, "Integrity").
+                                      A host copy is only ever written into a slot
+                                      just taken, so pool_take and pool_give of a
+                                      host slot clear it; so does test_flip_bit */
     uint32_t crc;                  /* CRC-32C of the payload below compute   */
     uint32_t layer;                /* its layer (eviction order, no division) */
     uint64_t lru;
@@ -48,9 +54,16 @@ struct pool {
     int32_t *free_list;      /* [cap]                                 */
     uint32_t n_free;
     int32_t *owner;          /* [cap] block index, -1 if free         */
-    uint16_t *slot_layer;    /* [cap] the owner's layer, n_layer if free:
-                                eviction reads this, not the blocks   */
+    uint16_t *slot_layer;    /* [cap] the owner's layer, n_layer if free */
     uint32_t *layer_used;    /* [n_layer] slots held by each layer    */
+    /* Memory tiers: which slots each layer holds, in slot order, so that an
+     * eviction pass lists a layer's slots without reading anyone else's:
+     * bit (slot % 64) of lmap[layer * words + slot / 64] is set while a block
+     * of `layer` holds the slot, and bit (w % 64) of lsum[layer * sum_words +
+     * w / 64] while lmap word w of that layer is not zero. NULL on NVMe
+     * (never evicted). */
+    uint64_t *lmap, *lsum;
+    uint32_t words, sum_words;
     uint8_t **slab;          /* [cap / SLAB_SLOTS + 1] memory tiers    */
     struct tkv_host_mem *slab_host; /* host-memory slabs             */
     bool     host_memory;    /* slabs are host memory (else backend)  */
@@ -138,9 +151,26 @@ struct tkv_kvs {
     uint64_t *views_gen;     /* [layer] layer_gen when refs[layer] was last made
                                 complete (every block present); VIEWS_STALE: not */
     uint32_t *views_nb;      /* [layer] blocks per head those complete views covered */
+    /* Selective reads (a selection or host reads; not walk_ref): each layer
+     * keeps the list of blocks its last one pinned, so that end_layer unpins
+     * and the next one clears the views of only those, not every block. The
+     * views of a layer read this way hold block pointers only at the listed
+     * entries; every other entry below sparse_nb is block_ref(b, NULL), with
+     * the right length for every block but maybe the last (full blocks stay
+     * full). host_refs likewise, its pointers at hlist[0, n_hlist). */
+    uint32_t *sel;           /* [layer][head*max_blocks] offsets head*max_blocks + b */
+    uint32_t *sel_n;         /* [layer] entries of sel                            */
+    uint32_t *sparse_nb;     /* [layer] blocks per head the views were cleared for;
+                                SPARSE_NONE: pointers anywhere (a whole-layer read) */
+    uint32_t host_nb;        /* the same for host_refs (0: never cleared)         */
+    uint32_t n_hlist;        /* host_refs entries holding pointers: hlist[0, n_hlist) */
     uint32_t *hlist;         /* [head*max_blocks] blocks read on the host tier this layer */
     const void **hdata;      /* [head*max_blocks] their payloads                  */
     uint8_t *hbad;           /* [head*max_blocks] their checksum verdicts         */
+    uint32_t *chk_idx, *chk_pos; /* [head*max_blocks] check_host_copies: the copies
+                                    not yet checked, and their places in the caller's list */
+    const void **chk_data;   /* [head*max_blocks] their payloads                  */
+    uint8_t *chk_bad;        /* [head*max_blocks] their verdicts                  */
     uint64_t host_reads;     /* blocks read in place on the host tier             */
     uint32_t cur_layer;
 
@@ -155,7 +185,8 @@ struct tkv_kvs {
     uint32_t *lists;         /* [2 * head*max_blocks] recall and new-block lists */
     uint32_t *order_tmp;     /* [layer*head*max_blocks] eviction ordering     */
     uint32_t *order_count;   /* [layer + 1]                                   */
-    uint8_t *take_layer;     /* [layer + 1] eviction: layers whose slots are candidates */
+    uint32_t *grp_end;       /* [layer] collect_candidates: where each layer taken ends */
+    uint32_t n_grp;
     struct vkey *vkeys;      /* [head*max_blocks] eviction: one layer's candidates by LRU */
     uint8_t *run_below;      /* [max_blocks] import_n: run block j goes below compute */
     struct io_op *ops;       /* [IO_BATCH] */
@@ -191,6 +222,7 @@ struct tkv_kvs {
 /* ---- small helpers ------------------------------------------------------------ */
 
 #define VIEWS_STALE UINT64_MAX
+#define SPARSE_NONE UINT32_MAX
 
 /* A block's LRU stamp and its compute pin, the per-block state combined with
  * its layer's (whole-layer reads set only the layer's). */
@@ -259,7 +291,7 @@ static int part_switch(struct tkv_kvs *s, int to)
 
 /* ---- slot pools ---------------------------------------------------------------- */
 
-static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uint32_t n_layer)
+static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uint32_t n_layer, bool layer_maps)
 {
     pl->present = true;
     pl->cap = cap;
@@ -270,7 +302,14 @@ static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uin
     pl->layer_used = calloc(n_layer, sizeof *pl->layer_used);
     pl->slab = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab);
     pl->slab_host = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab_host);
-    if (!pl->free_list || !pl->owner || !pl->slot_layer || !pl->layer_used || !pl->slab || !pl->slab_host)
+    if (layer_maps) { /* n_layer * cap bits: 1 MiB for 32 layers of 262K slots */
+        pl->words = (cap + 63) / 64;
+        pl->sum_words = (pl->words + 63) / 64;
+        pl->lmap = calloc((size_t)n_layer * pl->words, sizeof *pl->lmap);
+        pl->lsum = calloc((size_t)n_layer * pl->sum_words, sizeof *pl->lsum);
+    }
+    if (!pl->free_list || !pl->owner || !pl->slot_layer || !pl->layer_used || !pl->slab || !pl->slab_host ||
+        (layer_maps && (!pl->lmap || !pl->lsum)))
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for a slot table");
     for (uint32_t i = 0; i < cap; i++) {
         pl->owner[i] = -1;
@@ -326,9 +365,17 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
     int32_t slot = pl->free_list[--pl->n_free];
     if (t == TKV_TIER_COMPUTE)
         s->layer_gen[s->blk[owner].layer]++;
+    if (t == TKV_TIER_HOST) /* a new host copy: not checked yet */
+        s->blk[owner].hchecked = 0;
     pl->owner[slot] = (int32_t)owner;
-    pl->slot_layer[slot] = (uint16_t)s->blk[owner].layer;
-    pl->layer_used[s->blk[owner].layer]++;
+    const uint32_t layer = s->blk[owner].layer;
+    pl->slot_layer[slot] = (uint16_t)layer;
+    pl->layer_used[layer]++;
+    if (pl->lmap) {
+        const uint32_t w = (uint32_t)slot / 64;
+        pl->lmap[(size_t)layer * pl->words + w] |= 1ull << (slot % 64);
+        pl->lsum[(size_t)layer * pl->sum_words + w / 64] |= 1ull << (w % 64);
+    }
     pl->used += s->S;
     pl->peak = TKV_MAX(pl->peak, pl->used);
     return slot;
@@ -339,7 +386,17 @@ static void pool_give(struct tkv_kvs *s, int t, int32_t slot)
     struct pool *pl = &s->pool[t];
     if (t == TKV_TIER_COMPUTE)
         s->layer_gen[pl->slot_layer[slot]]++;
-    pl->layer_used[pl->slot_layer[slot]]--;
+    if (t == TKV_TIER_HOST)
+        s->blk[pl->owner[slot]].hchecked = 0;
+    const uint32_t layer = pl->slot_layer[slot];
+    pl->layer_used[layer]--;
+    if (pl->lmap) {
+        const uint32_t w = (uint32_t)slot / 64;
+        uint64_t *word = &pl->lmap[(size_t)layer * pl->words + w];
+        *word &= ~(1ull << (slot % 64));
+        if (!*word)
+            pl->lsum[(size_t)layer * pl->sum_words + w / 64] &= ~(1ull << (w % 64));
+    }
     pl->slot_layer[slot] = (uint16_t)s->p.n_layer;
     pl->owner[slot] = -1;
     pl->free_list[pl->n_free++] = slot;
@@ -362,6 +419,8 @@ static void pool_free(struct tkv_kvs *s, int t)
     free(pl->owner);
     free(pl->slot_layer);
     free(pl->layer_used);
+    free(pl->lmap);
+    free(pl->lsum);
     free(pl->slab);
     free(pl->slab_host);
 }
@@ -684,14 +743,50 @@ static void vkey_select(struct vkey *a, uint32_t n, uint32_t r)
     }
 }
 
+/* Orders by LRU the one bucket of cand that straddles the first `want`
+ * places: buckets are [end[d-1], end[d]) (end[-1] = 0), farthest first.
+ * Only the bucket's first places up to `exact` are put in order (ties in
+ * LRU keep the order cand had, as a stable sort leaves them); its blocks
+ * past that are the right ones in no particular order. Nothing moves when
+ * all its blocks were last used together (a whole layer). */
+static void order_cut(struct tkv_kvs *s, uint32_t *cand, const uint32_t *end, uint32_t n_buckets, uint32_t want,
+                      uint32_t exact)
+{
+    uint32_t begin = 0;
+    for (uint32_t d = 0; d < n_buckets; begin = end[d], d++) {
+        if (end[d] <= want || end[d] == begin)
+            continue;
+        const uint32_t m = end[d] - begin;
+        /* one bucket is one layer: at most head*max_blocks blocks */
+        struct vkey *key = s->vkeys;
+        uint64_t lo = UINT64_MAX, hi = 0;
+        for (uint32_t j = 0; j < m; j++) {
+            key[j] = (struct vkey){.lru = blk_lru(s, cand[begin + j]), .pos = j, .blk = cand[begin + j]};
+            lo = TKV_MIN(lo, key[j].lru);
+            hi = TKV_MAX(hi, key[j].lru);
+        }
+        if (lo == hi)
+            break;
+        const uint32_t r = exact > begin ? TKV_MIN(m, exact - begin) : 0;
+        if (r < m && r > 0)
+            vkey_select(key, m, r);
+        qsort(key, r, sizeof *key, vkey_cmp);
+        for (uint32_t j = 0; j < m; j++)
+            cand[begin + j] = key[j].blk;
+        break;
+    }
+}
+
 /* Puts the victims first in cand[0..n): by next-use distance, farthest
  * first (a counting sort over the L distances, O(n)), and by LRU inside the
- * one distance bucket that straddles the first `want`; ties in LRU keep the
- * order cand had (a stable sort's). Only cand[0..exact) (exact >= want) is
- * in that order: the straddling bucket's blocks past it are the right ones
- * but in no particular order. Sorting all n with a comparator cost several
- * milliseconds per layer at 100K blocks, as much as the recall itself; the
- * bucket's first places are now selected (O(bucket)) and only they sorted. */
+ * one distance bucket that straddles the first `want` (order_cut): only
+ * cand[0..exact) (exact >= want) is in that order. Sorting all n with a
+ * comparator cost several milliseconds per layer at 100K blocks, as much as
+ * the recall itself; the bucket's first places are now selected (O(bucket))
+ * and only they sorted. A list already in bucket order (collect_candidates'
+ * scoped pass: a layer after another, farthest first) goes straight to
+ * order_cut with its layers' ends (evict_for): the stable counting sort
+ * would leave it as it is. */
 static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_t want, uint32_t exact)
 {
     const uint32_t L = s->p.n_layer;
@@ -706,32 +801,7 @@ static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_
     for (uint32_t j = 0; j < n; j++)
         tmp[count[L - 1 - next_use_distance(s, cand[j])]++] = cand[j];
     memcpy(cand, tmp, (size_t)n * sizeof *cand);
-    /* count[d] is now the end of bucket d; order the straddling bucket by LRU
-     * unless all its blocks were last used together (a whole layer) */
-    uint32_t begin = 0;
-    for (uint32_t d = 0; d < L; begin = count[d], d++) {
-        if (count[d] <= want || count[d] == begin)
-            continue;
-        const uint32_t m = count[d] - begin;
-        uint64_t lo = UINT64_MAX, hi = 0;
-        for (uint32_t j = begin; j < count[d]; j++) {
-            lo = TKV_MIN(lo, blk_lru(s, cand[j]));
-            hi = TKV_MAX(hi, blk_lru(s, cand[j]));
-        }
-        if (lo == hi)
-            break;
-        /* one bucket is one layer: at most head*max_blocks blocks */
-        struct vkey *key = s->vkeys;
-        for (uint32_t j = 0; j < m; j++)
-            key[j] = (struct vkey){.lru = blk_lru(s, cand[begin + j]), .pos = j, .blk = cand[begin + j]};
-        const uint32_t r = exact > begin ? TKV_MIN(m, exact - begin) : 0;
-        if (r < m && r > 0)
-            vkey_select(key, m, r);
-        qsort(key, r, sizeof *key, vkey_cmp);
-        for (uint32_t j = 0; j < m; j++)
-            cand[begin + j] = key[j].blk;
-        break;
-    }
+    order_cut(s, cand, count, L, want, exact); /* count[d] is now the end of bucket d */
 }
 
 /* Whether block i, holding a slot on memory tier t, may be evicted now. */
@@ -743,45 +813,75 @@ static inline bool evictable(const struct tkv_kvs *s, int t, int32_t i, bool cle
            (!clean_only || (k->valid & ~BIT(t)));
 }
 
+/* Appends to cand the eviction candidates among the slots of memory tier t
+ * held by `layer`, in slot order (the tier's layer map: only that layer's
+ * slots are read); returns how many. */
+static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool clean_only, uint32_t *cand)
+{
+    const struct pool *pl = &s->pool[t];
+    const uint64_t *map = pl->lmap + (size_t)layer * pl->words, *sum = pl->lsum + (size_t)layer * pl->sum_words;
+    uint32_t n = 0;
+    for (uint32_t sw = 0; sw < pl->sum_words; sw++)
+        for (uint64_t x = sum[sw]; x; x &= x - 1) {
+            const uint32_t w = sw * 64 + (uint32_t)__builtin_ctzll(x);
+            for (uint64_t y = map[w]; y; y &= y - 1) {
+                const int32_t i = pl->owner[w * 64 + (uint32_t)__builtin_ctzll(y)];
+                if (evictable(s, t, i, clean_only))
+                    cand[n++] = (uint32_t)i;
+            }
+        }
+    STALL_COUNT(s, evict_scanned, pl->layer_used[layer]);
+    return n;
+}
+
 /* Collects in s->cand[t] (returns their count) the eviction candidates of
- * memory tier t that the first k places of the victim order can come from,
- * in slot order, as a scan of every slot would list them: all candidates of
- * the layers farthest from the current one, as many layers as hold k of
- * them. The victim order puts a farther layer's blocks first, so ordering
- * these gives the full order's first k places. n_extra more blocks of
- * extra_layer (< n_layer; else none) count as candidates (the caller appends
- * them when *extra_in). With every layer taken this is the full scan. Per
- * layer the tier counts its slots (pool.layer_used) and each slot's layer
- * (pool.slot_layer), so only the chosen layers' blocks are read. */
+ * memory tier t that the first k places of the victim order can come from:
+ * all candidates of the layers farthest from the current one, as many
+ * layers as hold k of them. The victim order puts a farther layer's blocks
+ * first, so ordering these gives the full order's first k places. n_extra
+ * more blocks of extra_layer (< n_layer; else none) count as candidates (the
+ * caller appends them when *extra_in). Per layer the tier counts its slots
+ * (pool.layer_used) and maps them (pool.lmap), so only the chosen layers'
+ * slots are read.
+ *
+ * Order: each layer's candidates come in slot order, layer after layer
+ * (s->grp_end[d]: the end of the d-th layer taken, s->n_grp of them). The
+ * victim order is a stable counting sort by next-use distance (one bucket
+ * per layer), then by LRU with ties in list order, so only the order inside
+ * a layer matters: it is the one a scan of every slot gives (evict_ref:
+ * that scan, every layer taken, kept as the test's reference). */
 static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, uint64_t k, uint32_t extra_layer,
                                    uint32_t n_extra, bool *extra_in)
 {
     const struct pool *pl = &s->pool[t];
     const uint32_t L = s->p.n_layer;
-    uint8_t *take = s->take_layer;
-    memset(take, 0, L + 1); /* take[L]: free slots, never */
-    uint32_t *cand = s->cand[t], n_cand = 0, d = 0;
-    if (s->p.evict_ref)
-        k = UINT64_MAX; /* every layer */
+    uint32_t *cand = s->cand[t], n_cand = 0;
+    if (s->p.evict_ref) {
+        for (uint32_t slot = 0; slot < pl->n; slot++)
+            if (pl->owner[slot] >= 0 && evictable(s, t, pl->owner[slot], clean_only))
+                cand[n_cand++] = (uint32_t)pl->owner[slot];
+        STALL_COUNT(s, evict_scanned, pl->n);
+        *extra_in = extra_layer < L;
+        return n_cand;
+    }
+    bool extra = false;
     uint64_t bound = 0, target = k;
+    uint32_t d = 0;
     for (;;) {
         while (d < L && bound < target) { /* farthest first: distance L-1-d */
             const uint32_t layer = (s->cur_layer + L - 1 - d) % L;
-            take[layer] = 1;
             bound += pl->layer_used[layer] + (layer == extra_layer ? n_extra : 0);
-            d++;
+            extra = extra || layer == extra_layer;
+            n_cand += layer_candidates(s, t, layer, clean_only, cand + n_cand);
+            s->grp_end[d++] = n_cand;
         }
-        n_cand = 0;
-        for (uint32_t slot = 0; slot < pl->n; slot++)
-            if (take[pl->slot_layer[slot]] && evictable(s, t, pl->owner[slot], clean_only))
-                cand[n_cand++] = (uint32_t)pl->owner[slot];
-        STALL_COUNT(s, evict_scanned, pl->n);
-        const uint64_t found = n_cand + (extra_layer < L && take[extra_layer] ? n_extra : 0);
+        const uint64_t found = n_cand + (extra ? n_extra : 0);
         if (found >= k || d == L)
             break;
         target = bound + (k - found); /* pinned or in-flight blocks filled the bound: take more layers */
     }
-    *extra_in = extra_layer < L && take[extra_layer];
+    *extra_in = extra;
+    s->n_grp = d;
     return n_cand;
 }
 
@@ -858,7 +958,10 @@ static tkv_status evict_for(struct tkv_kvs *s, int t, uint32_t need, bool clean_
                        "capacity",
                        tier_names[t], pl->cap, s->S);
     STALL_COUNT(s, evict_passes, 1);
-    order_victims(s, cand, n_cand, want, (uint32_t)TKV_MIN(exact, n_cand));
+    if (s->p.evict_ref)
+        order_victims(s, cand, n_cand, want, (uint32_t)TKV_MIN(exact, n_cand));
+    else /* already in bucket order, a layer per bucket */
+        order_cut(s, cand, s->grp_end, s->n_grp, want, (uint32_t)TKV_MIN(exact, n_cand));
     uint32_t freed = 0;
     for (uint32_t c = 0; c < n_cand && freed < want;) {
         /* a batch of victims. Clean ones (another current copy exists) are
@@ -906,6 +1009,32 @@ static void verify_batch(struct tkv_kvs *s, const uint32_t *idx, const void *con
     STALL_COUNT(s, verify_bytes, (uint64_t)n * s->S);
     crc_run(s, idx, data, n, bad);
     part_switch(s, prev);
+}
+
+/* Verdicts bad[0..n) on the host-tier copies data[j] of blocks idx[j]
+ * (n <= a layer's blocks). A copy that passed a check since it was written
+ * (hchecked) is taken as intact without being read: the check guards the
+ * copy at rest, once after it lands, not at every read. The others are
+ * checksummed (verify_batch) and marked checked when they pass. */
+static void check_host_copies(struct tkv_kvs *s, const uint32_t *idx, const void *const *data, uint32_t n,
+                              uint8_t *bad)
+{
+    uint32_t m = 0;
+    for (uint32_t j = 0; j < n; j++) {
+        bad[j] = 0;
+        if (s->blk[idx[j]].hchecked)
+            continue;
+        s->chk_idx[m] = idx[j];
+        s->chk_data[m] = data[j];
+        s->chk_pos[m++] = j;
+    }
+    if (m == 0)
+        return;
+    verify_batch(s, s->chk_idx, s->chk_data, m, s->chk_bad);
+    for (uint32_t r = 0; r < m; r++) {
+        bad[s->chk_pos[r]] = s->chk_bad[r];
+        s->blk[s->chk_idx[r]].hchecked = !s->chk_bad[r];
+    }
 }
 
 /* The error for a block whose recalled copy failed its checksum. */
@@ -1144,8 +1273,8 @@ static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
         STALL_COUNT(s, upload_waits, 1);
         st = s->be->ops->upload_wait(s->be, ticket, true, NULL); /* the verdicts */
         part_switch(s, prev);
-    } else {
-        verify_batch(s, ub->idx, ub->src, n, ub->bad);
+    } else { /* the CPU checks the sources, the host copies: as a host read would */
+        check_host_copies(s, ub->idx, ub->src, n, ub->bad);
     }
     uint32_t good = 0;
     tkv_status bad = TKV_OK; /* the first corrupt block; the others stay usable */
@@ -1157,9 +1286,14 @@ static tkv_status up_finish(struct tkv_kvs *s, struct up_batch *ub, bool report)
                 tkv_status e = corrupt_error(s, i, TKV_TIER_HOST);
                 bad = bad == TKV_OK ? e : bad;
             }
+            if (st == TKV_OK) /* the host copy may be what is corrupt: check it at its next read */
+                s->blk[i].hchecked = 0;
             drop_copy(s, i, TKV_TIER_COMPUTE);
             continue;
         }
+        /* intact on arrival, so read intact from the host copy: the device
+         * summed the bytes it read there */
+        s->blk[i].hchecked = (s->blk[i].valid & BIT(TKV_TIER_HOST)) != 0;
         s->blk[i].valid |= BIT(TKV_TIER_COMPUTE);
         good++;
     }
@@ -1271,7 +1405,9 @@ static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
                 st = up_send(s, ub, n_up);
         } else if (k->valid & BIT(TKV_TIER_HOST)) {
             const uint8_t *src = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
-            if ((st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
+            if (!k->hchecked && (st = verify(s, i, src, TKV_TIER_HOST)) == TKV_OK)
+                k->hchecked = 1; /* checks the host copy before the copy, as a host read would */
+            if (st == TKV_OK)
                 st = host_to_compute(s, src, cs);
             if (st != TKV_OK)
                 break;
@@ -1339,14 +1475,21 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->refs = calloc(total, sizeof *s->refs); /* untouched pages of unused layers stay unmapped */
     s->host_refs = calloc(layer_blocks, sizeof *s->host_refs);
     s->hlist = malloc(layer_blocks * sizeof *s->hlist);
+    s->sel = malloc(total * sizeof *s->sel); /* untouched pages of unused layers stay unmapped */
+    s->sel_n = calloc(p->n_layer, sizeof *s->sel_n);
+    s->sparse_nb = malloc(p->n_layer * sizeof *s->sparse_nb);
     s->hdata = malloc(layer_blocks * sizeof *s->hdata);
     s->hbad = malloc(layer_blocks * sizeof *s->hbad);
+    s->chk_idx = malloc(layer_blocks * sizeof *s->chk_idx);
+    s->chk_pos = malloc(layer_blocks * sizeof *s->chk_pos);
+    s->chk_data = malloc(layer_blocks * sizeof *s->chk_data);
+    s->chk_bad = malloc(layer_blocks * sizeof *s->chk_bad);
     s->cand[0] = malloc(total * sizeof *s->cand[0]);
     s->cand[1] = malloc(total * sizeof *s->cand[1]);
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
     s->order_tmp = malloc(total * sizeof *s->order_tmp);
     s->order_count = malloc((p->n_layer + 1) * sizeof *s->order_count);
-    s->take_layer = calloc(p->n_layer + 1, 1);
+    s->grp_end = malloc(p->n_layer * sizeof *s->grp_end);
     s->vkeys = malloc(layer_blocks * sizeof *s->vkeys);
     s->run_below = malloc(s->max_blocks);
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
@@ -1357,15 +1500,17 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->views_nb = calloc(p->n_layer, sizeof *s->views_nb);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->hdata || !s->hbad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->take_layer || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->sel || !s->sel_n || !s->sparse_nb || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->grp_end || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
         !s->views_nb || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
     }
     for (uint64_t i = 0; i < total; i++)
         s->blk[i] = (struct blk){.slot = {-1, -1, -1}, .layer = (uint32_t)(i / layer_blocks)};
-    for (uint32_t l = 0; l < p->n_layer; l++)
+    for (uint32_t l = 0; l < p->n_layer; l++) {
         s->views_gen[l] = VIEWS_STALE;
+        s->sparse_nb[l] = SPARSE_NONE;
+    }
 
     /* compute tier: must hold at least one layer's blocks for the whole context */
     uint64_t cap = p->compute_bytes ? p->compute_bytes / s->S : total;
@@ -1378,7 +1523,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
                      (unsigned long long)(layer_blocks * s->S));
         goto fail;
     }
-    if ((st = pool_init(&s->pool[TKV_TIER_COMPUTE], (uint32_t)TKV_MIN(cap, total), p->compute_is_host, p->n_layer)) != TKV_OK)
+    if ((st = pool_init(&s->pool[TKV_TIER_COMPUTE], (uint32_t)TKV_MIN(cap, total), p->compute_is_host, p->n_layer, true)) != TKV_OK)
         goto fail;
     if (!p->compute_is_host && p->host_bytes) {
         uint64_t hcap = TKV_MIN(p->host_bytes / s->S, total);
@@ -1387,7 +1532,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
                          (unsigned long long)p->host_bytes, IO_BATCH);
             goto fail;
         }
-        if ((st = pool_init(&s->pool[TKV_TIER_HOST], (uint32_t)hcap, true, p->n_layer)) != TKV_OK ||
+        if ((st = pool_init(&s->pool[TKV_TIER_HOST], (uint32_t)hcap, true, p->n_layer, true)) != TKV_OK ||
             (st = pool_grow(s, TKV_TIER_HOST, (uint32_t)hcap)) != TKV_OK)
             goto fail;
     }
@@ -1398,7 +1543,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
             goto fail;
         }
         uint64_t ncap = p->nvme_bytes ? TKV_MIN(p->nvme_bytes / s->S, total) : total;
-        if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false, p->n_layer)) != TKV_OK)
+        if ((st = pool_init(&s->pool[TKV_TIER_NVME], (uint32_t)ncap, false, p->n_layer, false)) != TKV_OK)
             goto fail;
         struct tkv_io_params iop = tkv_io_default_params();
         iop.queue_depth = 256; /* a whole layer's recall streams at this depth */
@@ -1491,14 +1636,21 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->refs);
     free(s->host_refs);
     free(s->hlist);
+    free(s->sel);
+    free(s->sel_n);
+    free(s->sparse_nb);
     free(s->hdata);
     free(s->hbad);
+    free(s->chk_idx);
+    free(s->chk_pos);
+    free(s->chk_data);
+    free(s->chk_bad);
     free(s->cand[0]);
     free(s->cand[1]);
     free(s->lists);
     free(s->order_tmp);
     free(s->order_count);
-    free(s->take_layer);
+    free(s->grp_end);
     free(s->vkeys);
     free(s->run_below);
     free(s->inflight_reads);
@@ -1544,6 +1696,46 @@ void tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens)
     s->length = n_tokens;
 }
 
+
+/* Entries [from, nb) of each head of a view array (refs of a layer, or
+ * host_refs) without pointers; from is where the last clearing's last block
+ * was (its length may have changed), 0 if none. */
+static void views_clear_tail(const struct tkv_kvs *s, struct tkv_kv_block_ref *refs, uint32_t last_nb, uint32_t nb)
+{
+    const uint32_t m = TKV_MIN(last_nb, nb), from = m ? m - 1 : 0;
+    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+        for (uint32_t b = from; b < nb; b++)
+            refs[(size_t)h * s->max_blocks + b] = block_ref(s, b, NULL);
+}
+
+/* Before a selective read of `layer` (nb blocks per head): its views and
+ * host_refs hold no pointers, each entry block_ref(b, NULL). Only the
+ * entries the last selective read set, and the last blocks, are written;
+ * after a whole-layer read (pointers anywhere), every entry. */
+static void views_clear(struct tkv_kvs *s, uint32_t layer, uint32_t nb)
+{
+    const uint32_t MB = s->max_blocks, LB = s->p.n_head_kv * MB;
+    struct tkv_kv_block_ref *refs = s->refs + (size_t)layer * LB;
+    uint32_t last = 0; /* SPARSE_NONE: every entry below nb */
+    if (s->sparse_nb[layer] != SPARSE_NONE) {
+        const uint32_t *sel = s->sel + (size_t)layer * LB;
+        for (uint32_t j = 0; j < s->sel_n[layer]; j++)
+            if (sel[j] % MB < nb) /* (past nb: cleared when the tail reaches it) */
+                refs[sel[j]] = block_ref(s, sel[j] % MB, NULL);
+        last = s->sparse_nb[layer];
+    }
+    views_clear_tail(s, refs, last, nb);
+    s->sparse_nb[layer] = nb;
+    s->sel_n[layer] = 0;
+    for (uint32_t j = 0; j < s->n_hlist; j++) {
+        const uint32_t r = s->hlist[j] % LB;
+        if (r % MB < nb)
+            s->host_refs[r] = block_ref(s, r % MB, NULL);
+    }
+    views_clear_tail(s, s->host_refs, s->host_nb, nb);
+    s->host_nb = nb;
+    s->n_hlist = 0;
+}
 
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write)
 {
@@ -1593,6 +1785,16 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
      * or out of the compute tier takes or gives one). From b0 on a block may
      * have grown (the last one then), be new, or be anywhere. */
     const bool whole = !need && !split && !s->p.walk_ref;
+    /* a selective read (not walk_ref): pins, views and their clearing go by
+     * the layer's list of the blocks read */
+    const bool listed = !whole && !s->p.walk_ref;
+    const size_t base = (size_t)layer * H * s->max_blocks; /* blk_index(s, layer, 0, 0) */
+    uint32_t *sel = s->sel + base, n_sel = 0;
+    struct tkv_kv_block_ref *refs = s->refs + base;
+    if (listed)
+        views_clear(s, layer, nb);
+    else if (whole)
+        s->sparse_nb[layer] = SPARSE_NONE;
     uint32_t b0 = 0;
     if (whole) {
         if (s->views_gen[layer] == s->layer_gen[layer] && s->views_nb[layer] > 0)
@@ -1612,31 +1814,46 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
      !((k)->valid & BIT(TKV_TIER_COMPUTE)) && ((k)->valid & BIT(TKV_TIER_HOST)))
     for (uint32_t h = 0; h < H; h++)
         for (uint32_t b = b0; b < nb; b++) {
+            /* a selection's blocks are scattered (each record a cache miss):
+             * ask for the record of a block needed 16 places on */
+            if (need && b + 16 < nb && need[(size_t)h * s->max_blocks + b + 16])
+                __builtin_prefetch(&s->blk[blk_index(s, layer, h, b + 16)], 1);
             if (!NEEDED(h, b))
                 continue;
             uint32_t i = blk_index(s, layer, h, b);
             struct blk *k = &s->blk[i];
+            if (listed)
+                sel[n_sel++] = i - (uint32_t)base;
             if (!whole) {
                 k->lru = s->clock;
                 if (HOST_READ(h, b, k)) { /* pinned on the host tier before anything can spill into it */
                     k->hpinned = 1;
                     s->hlist[n_host] = i;
-                    s->hdata[n_host++] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                    s->hdata[n_host] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                    if (listed) /* its host slot stays (pinned there) */
+                        s->host_refs[i - base] = block_ref(s, b, (uint8_t *)s->hdata[n_host]);
+                    n_host++;
                     continue;
                 }
                 k->pinned = 1;
             }
             if (k->valid & BIT(TKV_TIER_COMPUTE)) {
                 s->st[TKV_TIER_COMPUTE].hits++;
+                if (listed) /* its compute slot stays (pinned); the missing ones' views come below */
+                    refs[i - base] = block_ref(s, b, slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]));
             } else {
                 s->st[TKV_TIER_COMPUTE].misses++;
                 s->lists[n_missing++] = i;
             }
         }
+    if (listed) { /* before anything can fail: views_clear's lists of what holds pointers */
+        s->sel_n[layer] = n_sel;
+        s->n_hlist = n_host;
+    }
     /* the blocks read where they are are checked like any recall, before
      * anything is moved for the others */
     if (n_host > 0) {
-        verify_batch(s, s->hlist, s->hdata, n_host, s->hbad);
+        check_host_copies(s, s->hlist, s->hdata, n_host, s->hbad);
         for (uint32_t j = 0; j < n_host; j++)
             if (s->hbad[j]) {
                 st = corrupt_error(s, s->hlist[j], TKV_TIER_HOST);
@@ -1678,9 +1895,15 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
                 s->blk[i].valid = BIT(TKV_TIER_COMPUTE); /* the NVMe slot is kept for the next spill */
             }
     /* the views of this layer from b0 on (blocks left out: no pointers),
-     * and those of the blocks read on the host tier */
-    struct tkv_kv_block_ref *refs = s->refs + (size_t)layer * H * s->max_blocks;
-    for (uint32_t h = 0; h < H; h++)
+     * and those of the blocks read on the host tier; after a selective read
+     * only those of the blocks that were missing (views_clear left the
+     * others without pointers; the loop above set those of the rest) */
+    for (uint32_t j = 0; listed && j < n_missing; j++) {
+        const uint32_t i = lists[j < n_recall ? j : n_missing + (j - n_recall)]; /* recalls, then new blocks */
+        refs[i - base] = block_ref(s, (i - (uint32_t)base) % s->max_blocks,
+                                   slot_ptr(s, TKV_TIER_COMPUTE, s->blk[i].slot[TKV_TIER_COMPUTE]));
+    }
+    for (uint32_t h = 0; h < H && !listed; h++)
         for (uint32_t b = b0; b < nb; b++) {
             const struct blk *k = &s->blk[blk_index(s, layer, h, b)];
             const bool on_host = NEEDED(h, b) && k->hpinned;
@@ -1713,6 +1936,16 @@ void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
 {
     if (s->layer_pin[layer]) { /* a whole-layer read: nothing was pinned block by block */
         s->layer_pin[layer] = 0;
+        return;
+    }
+    if (!s->p.walk_ref) { /* a selective read: the blocks it listed */
+        const size_t base = (size_t)layer * s->p.n_head_kv * s->max_blocks;
+        const uint32_t *sel = s->sel + base;
+        for (uint32_t j = 0; j < s->sel_n[layer]; j++) {
+            struct blk *k = &s->blk[base + sel[j]];
+            k->pinned = 0;
+            k->hpinned = 0;
+        }
         return;
     }
     const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);
@@ -2195,6 +2428,7 @@ tkv_status tkv_kvs_test_flip_bit(struct tkv_kvs *s, uint32_t layer, uint32_t hea
         if (s->async_up) /* a queued upload may still read it */
             TKV_TRY(s->be->ops->upload_wait(s->be, TKV_UPLOADS_ALL, true, NULL));
         slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST])[s->S / 3] ^= 0x10;
+        k->hchecked = 0; /* corruption at rest: the next read must check the copy */
         return TKV_OK;
     }
     prefetch_drain(s);

@@ -18,10 +18,13 @@
  * When the compute tier is full, the least recently used unpinned blocks move
  * down (to host, else nvme). Full blocks never change again, so a block
  * recalled from below keeps its lower copy and can be dropped for free next
- * time. Every copy below the compute tier carries a CRC-32C, verified on
- * recall: a mismatch is TKV_ERR_CORRUPT naming the block, and the data is
- * never used. On a failed spill the block stays where it was (nothing lost)
- * and the error is returned.
+ * time. Every copy below the compute tier carries a CRC-32C, verified before
+ * its data is used: a mismatch is TKV_ERR_CORRUPT naming the block, and the
+ * data is never used. NVMe reads and copies a device checks as they land are
+ * verified every time; a host-tier copy read or recalled through a CPU
+ * check is summed once after it was written, not at every read (kv-layout.md,
+ * "Integrity and failures"). On a failed spill the block stays where it was
+ * (nothing lost) and the error is returned.
  *
  * Capacities are fixed at init; memory is allocated at init or in
  * tkv_kvs_reserve (prefill), never per token.
@@ -72,9 +75,10 @@ struct tkv_tier_stats {
 struct tkv_kvs_stall {
     double settle_s;       /* this layer's prefetches drained, waited for and settled  */
     double evict_s;        /* make_room: slot scans, victim ordering, drops, spills down */
-    double verify_s;       /* CRC-32C on the CPU: blocks read on the host tier (split),
-                              uploads the device cannot check, NVMe reads; and the
-                              checksums of dirty blocks spilled to the host tier      */
+    double verify_s;       /* CRC-32C on the CPU: host-tier copies not yet checked that
+                              are read in place (split) or uploaded by a device that
+                              cannot check them, NVMe reads; and the checksums of
+                              dirty blocks spilled to the host tier                   */
     double upload_issue_s; /* host -> compute copies queued (upload_blocks), or done one
                               by one (upload, memcpy on a host compute tier)          */
     double upload_wait_s;  /* upload_wait (the copies and the device's checks), fences  */
@@ -99,7 +103,8 @@ struct tkv_kvs_stats {
     uint64_t prefetched_blocks;   /* recalls started ahead of need             */
     uint64_t corrupt_blocks;      /* checksum mismatches detected              */
     uint64_t host_read_blocks;    /* blocks read in place on the host tier
-                                     (begin_layer_split), each verified       */
+                                     (begin_layer_split), each host copy
+                                     verified once after it was written       */
     uint64_t bulk_blocks;         /* blocks stored by tkv_kvs_import_n's one-pass
                                      path (not one import each)               */
     const char *io_engine;        /* "io_uring", "sync" or NULL without NVMe   */
@@ -127,7 +132,11 @@ void     tkv_kvs_set_length(struct tkv_kvs *s, uint32_t n_tokens);
  * Cost: a whole-layer read pins and stamps the layer as one; when none of
  * the layer's compute slots changed hands since its last whole-layer read,
  * only the blocks from the last one read then are looked at (a decode step
- * of a resident context costs O(heads), not O(context)). */
+ * of a resident context costs O(heads), not O(context)). A selective read
+ * (tkv_kvs_begin_layer_sel, _split) touches the blocks it reads, those the
+ * layer's last selective read set in the views, and the last block of each
+ * head, besides one pass over need[]; its end_layer unpins only what it
+ * pinned. */
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write);
 /* The same for a selection: only blocks with need[head * blocks_per_head + b]
  * set (and those being written) are recalled and pinned; the others stay
@@ -139,8 +148,9 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
  * needed block with host_ok[head * blocks_per_head + b] set whose current
  * copy is in the pinned host tier and not in the compute tier stays where it
  * is, to be read there by the CPU. Such a block
- *   - is verified against its checksum first, like any recall: a mismatch is
- *     TKV_ERR_CORRUPT naming the block, and the layer is not begun;
+ *   - is verified against its checksum first unless its host copy passed a
+ *     check since it was written (a read in place or a recall): a mismatch
+ *     is TKV_ERR_CORRUPT naming the block, and the layer is not begun;
  *   - is pinned on the host tier until end_layer (no spill evicts or moves
  *     it), not in the compute tier;
  *   - appears in tkv_kvs_host_view; its tkv_kvs_view entry has k = v = NULL.
