@@ -1046,6 +1046,15 @@ static void test_evict_scoped(bool compute_is_host, const char *name)
                       tkv_last_error());
             if (test_failures_ == fail0)
                 views_same(st[0], st[1], l, false, name, op);
+            for (uint32_t h = 0; h < EH; h++) { /* nothing read on the host tier */
+                const struct tkv_kv_head_view hv = tkv_kvs_host_view(st[0], l, h);
+                for (uint32_t b = 0; b < hv.n_blocks; b++)
+                    if (hv.blocks[b].k) {
+                        CHECK(false, "%s op %d: whole-layer read, host view of (%u, %u, %u) holds a pointer", name,
+                              op, l, h, b);
+                        break;
+                    }
+            }
             tkv_kvs_end_layer(st[0], l);
             tkv_kvs_end_layer(st[1], l);
         } else if (r < 75 && nb > 0) { /* a selection (and some blocks read on the host tier) */

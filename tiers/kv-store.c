@@ -1708,6 +1708,21 @@ static void views_clear_tail(const struct tkv_kvs *s, struct tkv_kv_block_ref *r
             refs[(size_t)h * s->max_blocks + b] = block_ref(s, b, NULL);
 }
 
+/* host_refs without pointers (nb blocks per head): only the entries the
+ * last read on the host tier set, and the last blocks, are written. */
+static void host_views_clear(struct tkv_kvs *s, uint32_t nb)
+{
+    const uint32_t MB = s->max_blocks, LB = s->p.n_head_kv * MB;
+    for (uint32_t j = 0; j < s->n_hlist; j++) {
+        const uint32_t r = s->hlist[j] % LB;
+        if (r % MB < nb)
+            s->host_refs[r] = block_ref(s, r % MB, NULL);
+    }
+    views_clear_tail(s, s->host_refs, s->host_nb, nb);
+    s->host_nb = nb;
+    s->n_hlist = 0;
+}
+
 /* Before a selective read of `layer` (nb blocks per head): its views and
  * host_refs hold no pointers, each entry block_ref(b, NULL). Only the
  * entries the last selective read set, and the last blocks, are written;
@@ -1727,14 +1742,7 @@ static void views_clear(struct tkv_kvs *s, uint32_t layer, uint32_t nb)
     views_clear_tail(s, refs, last, nb);
     s->sparse_nb[layer] = nb;
     s->sel_n[layer] = 0;
-    for (uint32_t j = 0; j < s->n_hlist; j++) {
-        const uint32_t r = s->hlist[j] % LB;
-        if (r % MB < nb)
-            s->host_refs[r] = block_ref(s, r % MB, NULL);
-    }
-    views_clear_tail(s, s->host_refs, s->host_nb, nb);
-    s->host_nb = nb;
-    s->n_hlist = 0;
+    host_views_clear(s, nb);
 }
 
 tkv_status tkv_kvs_begin_layer(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write)
@@ -1791,10 +1799,12 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
     const size_t base = (size_t)layer * H * s->max_blocks; /* blk_index(s, layer, 0, 0) */
     uint32_t *sel = s->sel + base, n_sel = 0;
     struct tkv_kv_block_ref *refs = s->refs + base;
-    if (listed)
+    if (listed) {
         views_clear(s, layer, nb);
-    else if (whole)
+    } else if (whole) {
         s->sparse_nb[layer] = SPARSE_NONE;
+        host_views_clear(s, nb); /* nothing is read on the host tier */
+    }
     uint32_t b0 = 0;
     if (whole) {
         if (s->views_gen[layer] == s->layer_gen[layer] && s->views_nb[layer] > 0)
