@@ -704,6 +704,38 @@ static int vkey_cmp(const void *a, const void *b)
     return vkey_less(x, y) ? -1 : vkey_less(y, x);
 }
 
+static void vkey_sift(struct vkey *a, uint32_t i, uint32_t n)
+{
+    for (;;) {
+        uint32_t c = 2 * i + 1;
+        if (c >= n)
+            return;
+        if (c + 1 < n && vkey_less(&a[c], &a[c + 1]))
+            c++;
+        if (!vkey_less(&a[i], &a[c]))
+            return;
+        const struct vkey x = a[i];
+        a[i] = a[c], a[c] = x;
+        i = c;
+    }
+}
+
+/* Sorts a[0..n) by vkey_less in place (heapsort). glibc's qsort may malloc
+ * a buffer, and eviction runs at every decode step; the keys are distinct
+ * (pos), so any correct sort gives qsort's order (evict_ref keeps qsort: the
+ * lockstep test compares the two). */
+static void vkey_sort(struct vkey *a, uint32_t n)
+{
+    for (uint32_t i = n / 2; i-- > 0;)
+        vkey_sift(a, i, n);
+    for (uint32_t end = n; end > 1;) {
+        end--;
+        const struct vkey x = a[0];
+        a[0] = a[end], a[end] = x;
+        vkey_sift(a, 0, end);
+    }
+}
+
 /* Rearranges a[0..n) so that a[0..r) hold its r least keys (in no
  * particular order); 0 < r < n. Quickselect (Hoare partition, median of
  * three); the keys are distinct (pos). */
@@ -770,7 +802,10 @@ static void order_cut(struct tkv_kvs *s, uint32_t *cand, const uint32_t *end, ui
         const uint32_t r = exact > begin ? TKV_MIN(m, exact - begin) : 0;
         if (r < m && r > 0)
             vkey_select(key, m, r);
-        qsort(key, r, sizeof *key, vkey_cmp);
+        if (s->p.evict_ref)
+            qsort(key, r, sizeof *key, vkey_cmp);
+        else
+            vkey_sort(key, r);
         for (uint32_t j = 0; j < m; j++)
             cand[begin + j] = key[j].blk;
         break;
