@@ -303,7 +303,8 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
 }
 
 /* One row of the stall split table (per step, over the steps the stall
- * column comes from), appended to *buf; and its JSON object. */
+ * column comes from), appended to *buf (the row's JSON fields are written
+ * with the main table's, in main). */
 static void stall_row(char **buf, size_t *len, uint32_t ctx, const char *policy, const struct row *r)
 {
     const struct tkv_kvs_stall *t = &r->stall;

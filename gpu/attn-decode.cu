@@ -66,17 +66,6 @@ template <int HD_, int DR_, int U_, int NS_> struct dec_cfg {
  * per-chunk work (butterfly, softmax update, cursor) counts. */
 template <int HD, int DR> using cfg0 = dec_cfg<HD, DR, DR <= 4 ? 8 : 4, 3>;
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    /* src-size 0: nothing is read, the 16 bytes are zero-filled */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 __device__ __forceinline__ void h8_to_f32(const uint4 r, float f[8])
 {
     const unsigned w[4] = {r.x, r.y, r.z, r.w};
@@ -250,11 +239,11 @@ __device__ __forceinline__ chunk_meta issue_chunk(const chunk_src &c, uint4 *kst
             const int kk = u * C::NG + sub;
             const bool ok = dim_ok && kk < c.nvalid;
             const size_t off = ok ? (size_t)kk * hd + (size_t)dl * 8 : 0;
-            cp_async16(kst + u * 32 + lane, c.k + off, ok);
-            cp_async16(vst + u * 32 + lane, c.v + off, ok);
+            tkv_cp_async16(kst + u * 32 + lane, c.k + off, ok);
+            tkv_cp_async16(vst + u * 32 + lane, c.v + off, ok);
         }
     }
-    cp_async_commit();
+    tkv_cp_async_commit();
     return m;
 }
 
@@ -387,7 +376,7 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
         meta[NS - 1] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (sn * 2) * U * 32,
                                       wpipe + (sn * 2 + 1) * U * 32, lane, sub, dl, hd);
         cur.template advance<C::CH>(NW);
-        cp_async_wait<NS - 1>(); /* this thread's copies of chunk `it` have landed */
+        tkv_cp_async_wait<NS - 1>(); /* this thread's copies of chunk `it` have landed */
         const chunk_meta mc = meta[0];
 #pragma unroll
         for (int st = 0; st < NS - 1; st++)
@@ -470,7 +459,7 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
             }
         }
     }
-    cp_async_wait_all();
+    tkv_cp_async_wait_all();
 
     /* ---- combine the CTA's lane groups */
 #pragma unroll

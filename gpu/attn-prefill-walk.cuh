@@ -66,13 +66,6 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 }
 
-/* src-size 0 when !valid: nothing is read, the 16 bytes are zero-filled */
-__device__ __forceinline__ void cp_async16z(void *smem, const void *gmem, bool valid)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
 
 /* ---- the packed walk (PACK): tile t of a split = keys [x, x + 64) of the
  * concatenation of the head's refs, whatever their sizes ---------------------- */
@@ -190,8 +183,8 @@ __device__ __forceinline__ int fill_packed(const tkv_cuda_attn_params &p, pk_cur
         const int u = lane + 32 * it, rr = u / PER_ROW, col = u % PER_ROW, row = warp * 16 + rr;
         const bool ok = row < nk;
         const uint16_t *ks = rp[rr], *vs = rp[16 + rr];
-        cp_async16z(Ks + row * KSTR + col * 8, ok ? ks + col * 8 : ks, ok);
-        cp_async16z(Vs + row * KSTR + col * 8, ok ? vs + col * 8 : vs, ok);
+        tkv_cp_async16(Ks + row * KSTR + col * 8, ok ? ks + col * 8 : ks, ok);
+        tkv_cp_async16(Vs + row * KSTR + col * 8, ok ? vs + col * 8 : vs, ok);
     }
 
     /* the ref holding key x + 64: refs i .. i+cnt-1 end inside, so ref

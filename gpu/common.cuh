@@ -121,4 +121,22 @@ static __device__ __forceinline__ double tkv_warp_sum_d(double v)
     return v;
 }
 
+/* ---- asynchronous copies global -> shared (cp.async, sm_80 and later) ----- */
+
+/* 16 bytes, .cg (not through L1); !valid: nothing is read and the 16 bytes
+ * are zero-filled (src-size 0) */
+static __device__ __forceinline__ void tkv_cp_async16(void *smem, const void *gmem, bool valid)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+static __device__ __forceinline__ void tkv_cp_async_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+/* until at most N of this thread's committed groups are still in flight */
+template <int N> static __device__ __forceinline__ void tkv_cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+static __device__ __forceinline__ void tkv_cp_async_wait_all(void) { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 #endif /* TKV_GPU_COMMON_CUH */

@@ -805,6 +805,31 @@ static bool fast_gemv(const struct cuda_backend *cb, const struct tkv_bweight *w
     return (cb->gemv == GEMV_FAST || cb->gemv == GEMV_AUTO) && w->w16 && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n);
 }
 
+/* How a grouped op (matmul_group over w[0..nw), matmul_swiglu over {gate,
+ * up}) runs: one quantized-GEMV grid when every weight takes the quantized
+ * fast kernel with one type; one f16 grid when none is quantized and every
+ * one takes the fast f16 GEMV; else the sequence of matmuls. The op and its
+ * profile row both ask here. */
+enum { GROUP_QUANT, GROUP_F16, GROUP_SEQ };
+static int group_path(const struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw, const float *x,
+                      uint32_t n)
+{
+    if (nw == 0 || nw > TKV_CUDA_GEMV_GROUP_MAX)
+        return GROUP_SEQ;
+    bool quant = false, qfast = true, fast = true;
+    uint64_t rows = 0;
+    for (uint32_t i = 0; i < nw; i++) {
+        const int p = qgemv_path(cb, w[i], n); /* QGEMV_OFF for vectors: no blocks kept */
+        quant = quant || p != QGEMV_OFF;
+        qfast = qfast && p == QGEMV_FAST && w[i]->t->type == w[0]->t->type;
+        fast = fast && fast_gemv(cb, w[i], x, n);
+        rows += w[i]->n_out;
+    }
+    if (rows > UINT32_MAX) /* a grid's row count */
+        return GROUP_SEQ;
+    return quant ? (qfast ? GROUP_QUANT : GROUP_SEQ) : fast ? GROUP_F16 : GROUP_SEQ;
+}
+
 static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
                                     const float *x, float *const *y, uint32_t n)
 {
@@ -813,26 +838,14 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
     ALIVE(op);
     if (nw == 0 || nw > TKV_CUDA_GEMV_GROUP_MAX)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_group: %u weights (1 to %d)", nw, TKV_CUDA_GEMV_GROUP_MAX);
-    bool fast = true;
-    uint64_t rows = 0;
-    for (uint32_t i = 0; i < nw; i++) {
+    for (uint32_t i = 0; i < nw; i++)
         if (w[i]->is_vec || w[i]->n_in != w[0]->n_in)
             return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_group: %s is not a matrix of %u columns", w[i]->t->name,
                            w[0]->n_in);
-        fast = fast && fast_gemv(cb, w[i], x, n);
-        rows += w[i]->n_out;
-    }
     if (n == 0)
         return TKV_OK;
-    /* quantized weights: one quantized-GEMV grid when all of them take its
-     * fast kernel with one type, else each matmul on its own path */
-    bool quant = false, qfast = rows <= UINT32_MAX;
-    for (uint32_t i = 0; i < nw; i++) {
-        const int p = qgemv_path(cb, w[i], n);
-        quant = quant || p != QGEMV_OFF;
-        qfast = qfast && p == QGEMV_FAST && w[i]->t->type == w[0]->t->type;
-    }
-    if (quant && qfast) {
+    const int path = group_path(cb, w, nw, x, n);
+    if (path == GROUP_QUANT) {
         struct tkv_cuda_q8_act a;
         TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
         struct tkv_cuda_qgemv g;
@@ -840,7 +853,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
         CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
-    if (!fast || quant || rows > UINT32_MAX) {
+    if (path == GROUP_SEQ) {
         for (uint32_t i = 0; i < nw; i++)
             TKV_TRY(cuda_matmul(b, w[i], x, y[i], n));
         return TKV_OK;
@@ -862,8 +875,9 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
                        wg->t->name, wu->t->name);
     if (n == 0)
         return TKV_OK;
-    const int pg = qgemv_path(cb, wg, n), pu = qgemv_path(cb, wu, n);
-    if (pg == QGEMV_FAST && pu == QGEMV_FAST && wg->t->type == wu->t->type) {
+    const struct tkv_bweight *const gu[2] = {wg, wu};
+    const int path = group_path(cb, gu, 2, x, n);
+    if (path == GROUP_QUANT) {
         struct tkv_cuda_q8_act a;
         TKV_TRY(q8_prepare(cb, wg->t->type, x, n, wg->n_in, &a, op));
         struct tkv_cuda_qgemv g;
@@ -873,7 +887,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
         CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
-    if (pg == QGEMV_OFF && pu == QGEMV_OFF && fast_gemv(cb, wg, x, n) && fast_gemv(cb, wu, x, n)) {
+    if (path == GROUP_F16) {
         CU(op, tkv_cuda_gemv_swiglu(wg->w16, wu->w16, x, out, wg->n_in, wg->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
                                     cb->stream));
         return TKV_OK;
@@ -1597,10 +1611,17 @@ static uint32_t qgemv_path_row(int qpath, const struct tkv_bweight *w)
         return 8u;
     return w->t->type == TKV_TYPE_Q4_0 ? 5u : w->t->type == TKV_TYPE_Q4_1 ? 6u : 7u;
 }
+/* A grouped op's row: 0 the f16 group kernel, 1 the sequence, 5..7 the quantized one */
+static uint32_t group_path_row(const struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw,
+                               const float *x, uint32_t n)
+{
+    const int p = group_path(cb, w, nw, x, n);
+    return p == GROUP_QUANT ? qgemv_path_row(QGEMV_FAST, w[0]) : p == GROUP_F16 ? 0u : 1u;
+}
 static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
     struct cuda_backend *cb_ = cuda_of(b);
-    const int qpath = w->is_vec ? QGEMV_OFF : qgemv_path(cb_, w, n);
+    const int qpath = qgemv_path(cb_, w, n); /* QGEMV_OFF for vectors */
     const uint32_t path = w->w32 ? 3u : qpath != QGEMV_OFF ? qgemv_path_row(qpath, w)
                                     : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
                                                 tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
@@ -1615,19 +1636,10 @@ static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, 
 static tkv_status pw_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
                                   const float *x, float *const *y, uint32_t n)
 {
-    struct cuda_backend *cb_ = cuda_of(b);
     uint32_t rows = 0;
-    const bool ok = nw > 0 && nw <= TKV_CUDA_GEMV_GROUP_MAX;
-    bool fast = ok, quant = false, qfast = ok;
-    for (uint32_t i = 0; ok && i < nw; i++) {
+    for (uint32_t i = 0; nw <= TKV_CUDA_GEMV_GROUP_MAX && i < nw; i++)
         rows += w[i]->n_out;
-        fast = fast && fast_gemv(cb_, w[i], x, n);
-        const int p = w[i]->is_vec ? QGEMV_OFF : qgemv_path(cb_, w[i], n);
-        quant = quant || p != QGEMV_OFF;
-        qfast = qfast && p == QGEMV_FAST && w[i]->t->type == w[0]->t->type;
-    }
-    /* path 0: the f16 group kernel, 1: the sequence, 5..7: the quantized one */
-    const uint32_t path = quant ? (qfast ? qgemv_path_row(QGEMV_FAST, w[0]) : 1u) : fast ? 0u : 1u;
+    const uint32_t path = group_path_row(cuda_of(b), w, nw, x, n);
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
     PROF("matmul_group", prof_row(cb->prof, "matmul_group", true, rows, nw ? w[0]->n_in : 0, path, fmt),
@@ -1636,12 +1648,8 @@ static tkv_status pw_matmul_group(struct tkv_backend *b, const struct tkv_bweigh
 static tkv_status pw_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweight *wg, const struct tkv_bweight *wu,
                                    const float *x, float *out, uint32_t n)
 {
-    struct cuda_backend *cb_ = cuda_of(b);
-    const int pg = wg->is_vec ? QGEMV_OFF : qgemv_path(cb_, wg, n), pu = wu->is_vec ? QGEMV_OFF : qgemv_path(cb_, wu, n);
-    const bool quant = pg != QGEMV_OFF || pu != QGEMV_OFF;
-    const bool qfast = pg == QGEMV_FAST && pu == QGEMV_FAST && wg->t->type == wu->t->type;
-    const bool fast = !quant && fast_gemv(cb_, wg, x, n) && fast_gemv(cb_, wu, x, n);
-    const uint32_t path = quant ? (qfast ? qgemv_path_row(QGEMV_FAST, wg) : 1u) : fast ? 0u : 1u;
+    const struct tkv_bweight *const gu[2] = {wg, wu};
+    const uint32_t path = group_path_row(cuda_of(b), gu, 2, x, n);
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
     PROF("matmul_swiglu", prof_row(cb->prof, "matmul_swiglu", true, 2 * wg->n_out, wg->n_in, path, fmt),

@@ -81,18 +81,6 @@ __global__ void q8_pack_kernel(const int8_t *__restrict__ q, const struct tkv_cu
 
 /* ---- the fast kernel ------------------------------------------------------------------ */
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ uint32_t u4_word(const uint4 &v, int k)
 {
     return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
@@ -250,10 +238,10 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
             for (int i = 0; i < CH; i++) {
                 const uint32_t c = i * 32 + lane;
                 const uint8_t *p = (const uint8_t *)__shfl_sync(0xffffffffu, (unsigned long long)src, c / CH);
-                cp_async16(dst + c, p ? p + (c % CH) * 16 : (const void *)g.w[0], p != NULL);
+                tkv_cp_async16(dst + c, p ? p + (c % CH) * 16 : (const void *)g.w[0], p != NULL);
             }
         }
-        cp_async_commit();
+        tkv_cp_async_commit();
     };
 
     tkv_pdl_trigger();
@@ -268,12 +256,12 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
         if (k0 + L < gpr) {
             if (nstage == 2) {
                 issue(k0 + L, st ^ 1);
-                cp_async_wait<1>();
+                tkv_cp_async_wait<1>();
             } else {
-                cp_async_wait<0>();
+                tkv_cp_async_wait<0>();
             }
         } else {
-            cp_async_wait<0>();
+            tkv_cp_async_wait<0>();
         }
         __syncwarp(); /* every lane's copies of this stage have landed */
         const uint32_t j = k0 + t;
@@ -435,10 +423,13 @@ __global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struc
 
 bool tkv_cuda_qgemv_supported(uint32_t type) { return qt_of(type) >= 0; }
 
+/* The quant bytes of n rows of n_in, rounded up so that the scales after
+ * them are 16-byte aligned. */
+static size_t q8_codes_bytes(uint32_t n, uint32_t n_in) { return ((size_t)n * n_in + 15) / 16 * 16; }
+
 size_t tkv_cuda_q8_act_bytes(uint32_t n, uint32_t n_in)
 {
-    const size_t q = ((size_t)n * n_in + 15) / 16 * 16;
-    return q + (size_t)n * (n_in / 32) * sizeof(struct tkv_cuda_q8_meta);
+    return q8_codes_bytes(n, n_in) + (size_t)n * (n_in / 32) * sizeof(struct tkv_cuda_q8_meta);
 }
 
 uint32_t tkv_cuda_q8_order(uint32_t type, uint32_t n_in)
@@ -452,29 +443,37 @@ struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in, 
     struct tkv_cuda_q8_act a;
     a.gb = gb;
     a.q = (int8_t *)buf;
-    a.meta = (struct tkv_cuda_q8_meta *)((uint8_t *)buf + ((size_t)n * n_in + 15) / 16 * 16);
+    a.meta = (struct tkv_cuda_q8_meta *)((uint8_t *)buf + q8_codes_bytes(n, n_in));
     return a;
+}
+
+/* The checks of a call over n rows of n_in in a's layout: cudaSuccess with
+ * *blocks = 0 (nothing to do) or the row's blocks *nb and their total;
+ * invalid when a's group order does not divide a row's blocks. */
+static cudaError_t q8_blocks(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in, uint32_t *nb, uint32_t *blocks)
+{
+    *nb = n_in / 32;
+    *blocks = n * *nb;
+    return *blocks == 0 || (a.gb != 0 && *nb % a.gb == 0) ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 cudaError_t tkv_cuda_q8_quantize(const float *x, uint32_t n, uint32_t n_in, struct tkv_cuda_q8_act a, bool pdl,
                                  cudaStream_t s)
 {
-    const uint32_t nb = n_in / 32, blocks = n * nb;
+    uint32_t nb, blocks;
+    TKV_CUDA_TRY(q8_blocks(a, n, n_in, &nb, &blocks));
     if (blocks == 0)
         return cudaSuccess;
-    if (a.gb == 0 || nb % a.gb != 0)
-        return cudaErrorInvalidValue;
     return tkv_cuda_launch(pdl, tkv_cuda_blocks(blocks, 8), 256, 0, s, q8_quantize_kernel, x, blocks, nb, a);
 }
 
 cudaError_t tkv_cuda_q8_pack(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in, bool q8_1, void *dst,
                              cudaStream_t s)
 {
-    const uint32_t nb = n_in / 32, blocks = n * nb;
+    uint32_t nb, blocks;
+    TKV_CUDA_TRY(q8_blocks(a, n, n_in, &nb, &blocks));
     if (blocks == 0)
         return cudaSuccess;
-    if (a.gb == 0 || nb % a.gb != 0)
-        return cudaErrorInvalidValue;
     q8_pack_kernel<<<tkv_cuda_blocks(blocks, 256), 256, 0, s>>>(a.q, a.meta, blocks, nb, a.gb, q8_1, (uint8_t *)dst);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;

@@ -662,13 +662,13 @@ bool tkv_cuda_gemv_ok(const __half *w, const float *x, uint32_t n_in, uint32_t n
  * of loads for each, for measuring the rule below (bench-gemv). */
 static uint32_t gemv_split_forced(void)
 {
-    static int forced = -1; /* benign race: every thread computes the same value */
-    if (forced < 0) {
+    /* a function-local static: initialized once, thread-safe (C++11) */
+    static const uint32_t forced = [] {
         const char *e = getenv("TKV_CUDA_GEMV_SPLIT");
         const int v = e ? atoi(e) : 0;
-        forced = v == 1 || v == 2 || v == 4 || v == 8 ? v : 0;
-    }
-    return (uint32_t)forced;
+        return v == 1 || v == 2 || v == 4 || v == 8 ? (uint32_t)v : 0u;
+    }();
+    return forced;
 }
 
 uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm)

@@ -9,7 +9,6 @@
 #include <math.h>
 #include <stdlib.h>
 
-
 struct tkv_synth_params tkv_synth_default_params(void)
 {
     return (struct tkv_synth_params){.n_real = 512, .hot_spread = 0, .cold_spread = 0, .hot_every = 0,

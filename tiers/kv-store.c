@@ -920,6 +920,15 @@ static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, ui
     return n_cand;
 }
 
+/* The error for memory tier t when its evictable blocks cannot make the
+ * room asked for (the rest are pinned or in flight). */
+static tkv_status tier_too_small(const struct tkv_kvs *s, int t)
+{
+    return tkv_err(TKV_ERR_NOMEM,
+                   "kv-store: the %s tier (%u blocks of %u bytes) cannot hold the blocks in use; raise its capacity",
+                   tier_names[t], s->pool[t].cap, s->S);
+}
+
 /* The error for dirty blocks of memory tier t with nowhere to go. */
 static tkv_status no_lower_tier(const struct tkv_kvs *s, int t)
 {
@@ -988,10 +997,7 @@ static tkv_status evict_for(struct tkv_kvs *s, int t, uint32_t need, bool clean_
     if (clean_only)
         want = TKV_MIN(want, n_cand);
     else if (n_cand < want)
-        return tkv_err(TKV_ERR_NOMEM,
-                       "kv-store: the %s tier (%u blocks of %u bytes) cannot hold the blocks in use; raise its "
-                       "capacity",
-                       tier_names[t], pl->cap, s->S);
+        return tier_too_small(s, t);
     STALL_COUNT(s, evict_passes, 1);
     if (s->p.evict_ref)
         order_victims(s, cand, n_cand, want, (uint32_t)TKV_MIN(exact, n_cand));
@@ -2387,10 +2393,7 @@ tkv_status tkv_kvs_import_n(struct tkv_kvs *s, uint32_t layer, uint32_t head, ui
         for (uint32_t j = 0; run_in && j + 1 < n; j++)
             cand[n_cand++] = base + j;
         if (n_cand < over)
-            return tkv_err(TKV_ERR_NOMEM,
-                           "kv-store: the %s tier (%u blocks of %u bytes) cannot hold the blocks in use; raise its "
-                           "capacity",
-                           tier_names[TKV_TIER_COMPUTE], pc->cap, s->S);
+            return tier_too_small(s, TKV_TIER_COMPUTE);
         order_victims(s, cand, n_cand, over, over);
         uint32_t n_old = 0; /* victims already in the tier: evicted now */
         for (uint32_t c = 0; c < over; c++) {
