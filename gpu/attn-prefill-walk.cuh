@@ -5,9 +5,10 @@
  * one 64-key shared-memory stage: the packed walk (fill_packed: tile t of a
  * split = keys [64t, 64t + 64) of the concatenation of the head's refs) and
  * the per-ref walk (fill_tile). Both are run by NT = 128 threads, 4 warps
- * each filling 16 rows of the stage: the whole CTA of either kernel (v0,
- * v1). Stage layout: [BN][HD + 8] f16 rows for K and for V, kpos [BN]
- * positions (INT_MAX past the keys).
+ * each filling 16 rows of the stage: the whole CTA of v0 and v1, the first
+ * warpgroup of v2. Stage layout: K and V each in the kernel's layout
+ * (pad_layout or sw128_layout, below), kpos [BN] positions (INT_MAX past
+ * the keys).
  */
 #ifndef TKV_GPU_ATTN_PREFILL_WALK_CUH
 #define TKV_GPU_ATTN_PREFILL_WALK_CUH
@@ -18,6 +19,23 @@ namespace tkv_pf {
 
 constexpr int NT = 128; /* threads that fill a stage (4 warps) */
 constexpr int BN = 64;  /* keys per tile                        */
+
+/* Where 16-byte unit `col` (HD / 8 per row) of a stage's row `row` lies,
+ * in f16 elements from the stage's start. pad_layout: rows of HD + 8 halves
+ * (the ldmatrix kernels v0, v1: the 8 extra halves spread the rows over the
+ * banks). sw128_layout: the layout Hopper's wgmma reads through a 128-byte
+ * swizzled descriptor (v2, attn-prefill-wg.cu): the row's halves 64c ..
+ * 64c + 63 in region c (BN rows of 128 bytes each), unit u of that range at
+ * position u ^ (row % 8) of its row; regions 1024-byte aligned. */
+template <int HD> struct pad_layout {
+    static __device__ __forceinline__ int at(int row, int col) { return row * (HD + 8) + col * 8; }
+};
+template <int HD> struct sw128_layout {
+    static __device__ __forceinline__ int at(int row, int col)
+    {
+        return (col >> 3) * BN * 64 + row * 64 + (((col & 7) ^ (row & 7)) << 3);
+    }
+};
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -128,11 +146,11 @@ __device__ __forceinline__ void pk_start(const tkv_cuda_attn_params &p, uint32_t
  * each, so row j's ref is i + popc(M & bits 0..j) and it starts at the
  * highest of those bits (or at kofs[i]). Rows past the keys are zero-filled
  * (0 * V must stay 0) with position INT_MAX (never visible). */
-template <int HD>
+template <int HD, class L = pad_layout<HD>>
 __device__ __forceinline__ int fill_packed(const tkv_cuda_attn_params &p, pk_cursor &c, int32_t pos_max,
                                           __half *Ks, __half *Vs, int *kpos, const uint16_t **rp)
 {
-    constexpr int KSTR = HD + 8, PER_ROW = HD / 8, UNITS = 16 * PER_ROW / 32;
+    constexpr int PER_ROW = HD / 8, UNITS = 16 * PER_ROW / 32;
     constexpr unsigned FULL = 0xffffffffu;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (c.x >= c.x_end)
@@ -183,8 +201,8 @@ __device__ __forceinline__ int fill_packed(const tkv_cuda_attn_params &p, pk_cur
         const int u = lane + 32 * it, rr = u / PER_ROW, col = u % PER_ROW, row = warp * 16 + rr;
         const bool ok = row < nk;
         const uint16_t *ks = rp[rr], *vs = rp[16 + rr];
-        tkv_cp_async16(Ks + row * KSTR + col * 8, ok ? ks + col * 8 : ks, ok);
-        tkv_cp_async16(Vs + row * KSTR + col * 8, ok ? vs + col * 8 : vs, ok);
+        tkv_cp_async16(Ks + L::at(row, col), ok ? ks + col * 8 : ks, ok);
+        tkv_cp_async16(Vs + L::at(row, col), ok ? vs + col * 8 : vs, ok);
     }
 
     /* the ref holding key x + 64: refs i .. i+cnt-1 end inside, so ref
@@ -213,11 +231,11 @@ struct kv_cursor {
 /* Gathers up to BN keys at the cursor into one stage (cp.async, every thread
  * walking the same cursor), zeroes the rows after them, and advances the
  * cursor; returns the number of keys. */
-template <int HD>
+template <int HD, class L = pad_layout<HD>>
 __device__ int fill_tile(const tkv_cuda_attn_params &p, kv_cursor &c, int32_t pos_max, __half *Ks, __half *Vs,
                          int *kpos)
 {
-    constexpr int KSTR = HD + 8, PER_ROW = HD / 8;
+    constexpr int PER_ROW = HD / 8;
     const int tid = threadIdx.x;
     int nk = 0;
     while (nk < BN && c.b < c.b_end) {
@@ -231,8 +249,8 @@ __device__ int fill_tile(const tkv_cuda_attn_params &p, kv_cursor &c, int32_t po
             const uint4 *ks = (const uint4 *)(e.k + (size_t)c.off * HD), *vs = (const uint4 *)(e.v + (size_t)c.off * HD);
             for (int u = tid; u < take * PER_ROW; u += NT) {
                 const int row = u / PER_ROW, col = u % PER_ROW;
-                cp_async16(Ks + (nk + row) * KSTR + col * 8, ks + u);
-                cp_async16(Vs + (nk + row) * KSTR + col * 8, vs + u);
+                cp_async16(Ks + L::at(nk + row, col), ks + u);
+                cp_async16(Vs + L::at(nk + row, col), vs + u);
             }
             for (int j = tid; j < take; j += NT)
                 kpos[nk + j] = e.pos0 + (int32_t)(c.off + j);
@@ -247,8 +265,8 @@ __device__ int fill_tile(const tkv_cuda_attn_params &p, kv_cursor &c, int32_t po
     /* rows past the keys: zero (0 * V must stay 0), never visible */
     for (int u = tid; u < (BN - nk) * PER_ROW; u += NT) {
         const int row = nk + u / PER_ROW, col = u % PER_ROW;
-        *(uint4 *)(Ks + row * KSTR + col * 8) = make_uint4(0, 0, 0, 0);
-        *(uint4 *)(Vs + row * KSTR + col * 8) = make_uint4(0, 0, 0, 0);
+        *(uint4 *)(Ks + L::at(row, col)) = make_uint4(0, 0, 0, 0);
+        *(uint4 *)(Vs + L::at(row, col)) = make_uint4(0, 0, 0, 0);
     }
     for (int j = nk + tid; j < BN; j += NT)
         kpos[j] = INT_MAX;

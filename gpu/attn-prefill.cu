@@ -312,6 +312,7 @@ cudaError_t tkv_cuda_attn_prefill_init(void)
     TKV_CUDA_TRY((init_pf<64, true>(&g_pf_ctas[0][1])));
     TKV_CUDA_TRY((init_pf<128, false>(&g_pf_ctas[1][0])));
     TKV_CUDA_TRY((init_pf<128, true>(&g_pf_ctas[1][1])));
+    TKV_CUDA_TRY(tkv_cuda_attn_prefill_wg_init());
     return tkv_cuda_attn_prefill_var_init();
 }
 
@@ -324,11 +325,18 @@ bool tkv_cuda_attn_prefill_packed(const tkv_cuda_attn_params *p) { return p->pre
 
 int tkv_cuda_attn_prefill_variant(const tkv_cuda_attn_params *p)
 {
-    /* unset: the fastest measured on the H200 (docs/benchmarks.md) -- v1
-     * (4 warps x 32 rows, one barrier per tile, P packed after the
-     * exponential) for f16, v0 for split precision (v1 is slower there) */
-    const int v = p->prefill_variant >= 0 ? p->prefill_variant : p->prefill_mode == TKV_ATTN_PREFILL_F16 ? 1 : 0;
-    return v == 1 && p->scale_log2 > 0.0f ? 1 : 0;
+    /* unset: the fastest measured on the H200 (docs/benchmarks.md) -- v2
+     * (wgmma) where the device runs it, in both precisions; elsewhere v1 (4
+     * warps x 32 rows, one barrier per tile, P packed after the
+     * exponential) for f16 and v0 for split precision (v1 is slower there) */
+    int v = p->prefill_variant;
+    if (v < 0)
+        v = tkv_cuda_attn_prefill_wg_ok() ? 2 : p->prefill_mode == TKV_ATTN_PREFILL_F16 ? 1 : 0;
+    if (v == 0 || !(p->scale_log2 > 0.0f))
+        return 0;
+    if (v == 2 && !tkv_cuda_attn_prefill_wg_ok()) /* v1 serves it, in split precision too */
+        return 1;
+    return v;
 }
 
 uint32_t tkv_cuda_attn_prefill_rows(const tkv_cuda_attn_params *p)
@@ -338,14 +346,20 @@ uint32_t tkv_cuda_attn_prefill_rows(const tkv_cuda_attn_params *p)
 
 int tkv_cuda_attn_prefill_ctas_per_sm(const tkv_cuda_attn_params *p)
 {
-    if (tkv_cuda_attn_prefill_variant(p))
+    const int v = tkv_cuda_attn_prefill_variant(p);
+    if (v == 2)
+        return tkv_cuda_attn_prefill_wg_ctas_per_sm(p->head_dim, p->prefill_mode);
+    if (v == 1)
         return tkv_cuda_attn_prefill_var_ctas_per_sm(p->head_dim, p->prefill_mode);
     return g_pf_ctas[p->head_dim == 64 ? 0 : 1][p->prefill_mode == TKV_ATTN_PREFILL_SPLIT ? 1 : 0];
 }
 
 cudaError_t tkv_cuda_attn_prefill(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    if (tkv_cuda_attn_prefill_variant(p))
+    const int v = tkv_cuda_attn_prefill_variant(p);
+    if (v == 2)
+        return tkv_cuda_attn_prefill_wg(p, s);
+    if (v == 1)
         return tkv_cuda_attn_prefill_var(p, s);
     const bool split = p->prefill_mode == TKV_ATTN_PREFILL_SPLIT;
     if (p->head_dim == 64)
@@ -359,6 +373,8 @@ const char *tkv_cuda_attn_prefill_variant_desc(int variant)
         "v0: 64 rows (4 warps x 16), Q in registers, 2 stages (attn-prefill.cu)",
         "v1: 128 rows (4 warps x 32), Q from smem, 2 stages, one barrier per tile, P to f16 at the exponential, "
         "O rescaled only when a max moves (was v5; attn-prefill-var.cu)",
+        "v2: v1's schedule on wgmma (2 warpgroups x 64 rows, Q/K/V by swizzled descriptors; compute capability 9.0, "
+        "else v1; attn-prefill-wg.cu)",
     };
     return variant >= 0 && variant < TKV_ATTN_PREFILL_VARIANTS ? desc[variant] : NULL;
 }

@@ -29,8 +29,11 @@
  * kernel described here (attn-prefill.cu), the default in split precision;
  * v1 (attn-prefill-var.cu), the default in f16, has 128 query rows per CTA
  * (4 warps of 32) and another schedule (one barrier per tile, lazy
- * rescale), with the same walks, precisions and outputs. A call with
- * scale <= 0 runs v0 whatever the variant (v1 takes the row max before
+ * rescale), with the same walks, precisions and outputs; v2
+ * (attn-prefill-wg.cu) is v1's schedule on Hopper's warpgroup MMA (two
+ * warpgroups of 64 rows, K/V in the 128-byte swizzled layout), on devices
+ * of compute capability 9.0 only (v1 elsewhere). A call with scale <= 0
+ * runs v0 whatever the variant (v1 and v2 take the row max before
  * scaling).
  *
  * Precision: TKV_ATTN_PREFILL_SPLIT writes Q and P each as the sum of two f16
@@ -73,5 +76,14 @@ cudaError_t tkv_cuda_attn_prefill(const struct tkv_cuda_attn_params *p, cudaStre
 cudaError_t tkv_cuda_attn_prefill_var_init(void);
 cudaError_t tkv_cuda_attn_prefill_var(const struct tkv_cuda_attn_params *p, cudaStream_t s);
 int tkv_cuda_attn_prefill_var_ctas_per_sm(uint32_t head_dim, int mode);
+
+/* attn-prefill-wg.cu: v2, wgmma (sm_90a; the dispatch runs it for variant 2
+ * where tkv_cuda_attn_prefill_wg_ok, v1 elsewhere). init records whether the
+ * current device is of compute capability 9.0 and, if so, sets up the
+ * kernels. */
+cudaError_t tkv_cuda_attn_prefill_wg_init(void);
+bool tkv_cuda_attn_prefill_wg_ok(void);
+cudaError_t tkv_cuda_attn_prefill_wg(const struct tkv_cuda_attn_params *p, cudaStream_t s);
+int tkv_cuda_attn_prefill_wg_ctas_per_sm(uint32_t head_dim, int mode);
 
 #endif

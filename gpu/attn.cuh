@@ -128,7 +128,7 @@ enum tkv_cuda_attn_prefill_mode {
 
 /* Variants of the tensor-core prefill kernel (tile shapes, attn-prefill.cuh):
  * v0 and v1 (the default: attn-prefill.cuh, tkv_cuda_attn_prefill_variant). */
-#define TKV_ATTN_PREFILL_VARIANTS 2
+#define TKV_ATTN_PREFILL_VARIANTS 3
 
 /* head_dim the kernels handle. */
 bool tkv_cuda_attn_supported(uint32_t head_dim);

@@ -697,17 +697,15 @@ static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "tabl
                                                        "per-ref", "runs",  "pdl"};
 static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4};
 
-/* The tensor-core prefill kernel's variants past v0 (v1: 128-row tiles; set
- * by tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
+/* The tensor-core prefill kernel's variants (v1: 128-row tiles, v2: wgmma;
+ * set by tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
  * of their own: split precision on packed tiles, f16 (mma16) on packed
  * tiles, split precision walking the refs one by one; each against the
- * double reference (1e-4; f16 2e-3) and against v0 in the same setting
- * (`gpu`, gpu_attn_alt[3] mma16, gpu_attn_alt[4] per-ref). */
+ * double reference (1e-4; f16 2e-3) and against v0 run on the same backend. */
 #define N_PF_VAR_BE 3
 static struct tkv_backend *gpu_pf_var[N_PF_VAR_BE];
 static const char *const pf_var_names[N_PF_VAR_BE] = {"split", "mma16", "per-ref"};
 static const double pf_var_tol[N_PF_VAR_BE] = {1e-4, 2e-3, 1e-4};
-static const int pf_var_v0[N_PF_VAR_BE] = {-1, 3, 4}; /* v0 in the same setting: gpu, gpu_attn_alt[i] */
 static int n_pf_variants;                              /* v0 .. n_pf_variants - 1 */
 
 enum view_kind { VIEW_ALL, VIEW_SPARSE, VIEW_WINDOW, VIEW_SLICES };
@@ -862,13 +860,11 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
             if (!gpu_pf_var[b])
                 continue;
             /* v0 in this setting */
-            if (pf_var_v0[b] < 0)
-                memcpy(o_0, o_gpu, qn * sizeof *o_0), memcpy(l_0, l_gpu, ln * sizeof *l_0);
-            else if (gpu_attn_alt[pf_var_v0[b]])
-                attn_on(gpu_attn_alt[pf_var_v0[b]], &a, o_0, l_0);
-            else
-                continue;
-            double wr = 0, w0 = 0;
+            CHECK(tkv_backend_cuda_set_prefill_variant(gpu_pf_var[b], 0) == TKV_OK, "%s", tkv_last_error());
+            attn_on(gpu_pf_var[b], &a, o_0, l_0);
+            double wr = fmax(max_err(o_0, o_ref, qn), max_err(l_0, l_ref, ln)), w0 = 0;
+            CHECK(wr <= pf_var_tol[b], "attention (prefill v0, %s) H=%u Hkv=%u hd=%u %s: err %.3g vs ref",
+                  pf_var_names[b], H, Hkv, hd, label, wr);
             for (int v = 1; v < n_pf_variants; v++) {
                 CHECK(tkv_backend_cuda_set_prefill_variant(gpu_pf_var[b], v) == TKV_OK, "%s", tkv_last_error());
                 attn_on(gpu_pf_var[b], &a, o_x, l_x);
@@ -881,7 +877,7 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
                       v, pf_var_names[b], H, Hkv, hd, label, fo, fl);
             }
             CHECK(tkv_backend_cuda_set_prefill_variant(gpu_pf_var[b], 0) == TKV_OK, "%s", tkv_last_error());
-            fprintf(stderr, ", v%s%d %s vs ref %.1e vs v0 %.1e", n_pf_variants > 2 ? "1-v" : "", n_pf_variants - 1,
+            fprintf(stderr, ", v0-v%d %s vs ref %.1e vs v0 %.1e", n_pf_variants - 1,
                     pf_var_names[b], wr, w0);
         }
         free(o_0), free(l_0);

@@ -1,0 +1,559 @@
+/*
+ * attn-prefill-wg.cu -- variant v2 of the tensor-core prefill kernel
+ * (attn-prefill.cuh): Hopper's warpgroup MMA (wgmma.mma_async) instead of
+ * mma.sync. Built for sm_90a only (its own library, tkv_gpu_sm90a in
+ * CMakeLists.txt: wgmma is an arch-specific instruction) and run only on a
+ * device of compute capability 9.0; elsewhere variant 2 serves as v1
+ * (tkv_cuda_attn_prefill_variant). Everything else is v1's: f16 or split
+ * precision, the packed or per-ref walk (attn-prefill-walk.cuh, into the
+ * swizzled layout), causal by positions, lse, split-K partials, head_dim 64
+ * and 128, row tiles heaviest first.
+ *
+ * Shape: two warpgroups (8 warps, 256 threads), each owning 64 consecutive
+ * query rows (a CTA's row tile is BM = 128 rows, as v1). Per 64-key tile a
+ * warpgroup computes S = Q K^T by HD / 16 wgmma m64n64k16 with Q and K both
+ * read from shared memory by descriptor, the online softmax in registers
+ * (the accumulator's layout per warp is mma.sync's m16n8 C fragment, so the
+ * code is v1's with one m-tile), then O += P V by 4 wgmma m64n{HD}k16 with
+ * P from registers (the C fragment repacked to f16 is the A fragment) and V
+ * from shared memory read N-major (transposed by the descriptor: V is
+ * stored as K is, key by key). With SPLIT the low parts (Ql, Pl) are
+ * multiplied too, as in v0 and v1.
+ *
+ * Shared memory, every region 1024-byte aligned (the 128-byte swizzle's
+ * period): Qh (and Ql) [HD / 64][BM rows][128 bytes]; per stage K and V
+ * [HD / 64][BN rows][128 bytes] (sw128_layout: unit u of a row's 128 bytes
+ * at u ^ (row % 8)); then the walk's row pointers, kpos, qpos and nks.
+ * Descriptors (PTX ISA, "Matrix Descriptor Format"): K-major operands (Q,
+ * K) with the stride between 8-row groups SBO = 1024 and the k-step's 32
+ * bytes added to the start address inside the 128-byte row; V N-major with
+ * SBO = 1024 between 8-key groups and LBO = BN * 128 between the 64-column
+ * halves of head_dim 128.
+ *
+ * Schedule: warpgroup 0's warps fill the stages (the walks are written for
+ * 4 warps); one CTA barrier per tile as v1 (it publishes tile t and proves
+ * both warpgroups finished tile t - 1, whose stage the fill of t + 1 then
+ * takes); after the cp.async copies land, each filling thread makes them
+ * visible to the wgmma's async proxy (fence.proxy.async) before the
+ * barrier; both wgmma groups of a tile are waited for before the next
+ * barrier (the stage's next fill overwrites what they read).
+ */
+#include "attn-prefill.cuh"
+#include "attn-prefill-walk.cuh"
+
+#include <cuda_pipeline.h>
+#include <stdlib.h>
+
+namespace {
+
+using namespace tkv_pf;
+
+constexpr int NWG = 2;         /* warpgroups */
+constexpr int NTW = 128 * NWG; /* threads */
+constexpr int BM = 64 * NWG;   /* query rows per CTA */
+static_assert(BM == TKV_ATTN_PREFILL_VAR_ROWS, "the rows the plan counts");
+
+/* PREF: tiles whose copies are in flight while one is computed; ST stages:
+ * those, the tile computed, and the tile whose P V runs beside it */
+template <int HD, bool SPLIT, int PREF> struct wg_cfg {
+    static constexpr int ST = PREF + 2;
+    static constexpr int REG = HD / 64;                     /* 64-column regions of a row */
+    static constexpr size_t Q_BYTES = (size_t)REG * BM * 128;
+    static constexpr size_t KV_BYTES = (size_t)REG * BN * 128; /* K or V of one stage */
+    static constexpr size_t TAIL = (size_t)NT * sizeof(void *) + (size_t)ST * BN * 4 + (size_t)BM * 4 + (size_t)ST * 4;
+    /* + 1024: the dynamic window is aligned up to the swizzle's period */
+    static constexpr size_t SMEM = 1024 + Q_BYTES * (SPLIT ? 2 : 1) + 2 * ST * KV_BYTES + TAIL;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) /* the device code: sm_90a's pass only */
+
+constexpr float LN2w = 0.693147180559945309f;
+
+__device__ __forceinline__ float ex2w(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* A shared-memory matrix descriptor, 128-byte swizzle (addresses and
+ * offsets in bytes, 16-byte units in the descriptor). */
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo)
+{
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)((lbo & 0x3FFFFu) >> 4) << 16 |
+           (uint64_t)((sbo & 0x3FFFFu) >> 4) << 32 | 1ull << 62;
+}
+
+__device__ __forceinline__ void wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* x through a register move the compiler cannot see into: the P registers
+ * of the next P V get their own registers, not the ones the P V in flight
+ * reads (else ptxas serializes the wgmma, C7513) */
+__device__ __forceinline__ uint32_t opaque(uint32_t x)
+{
+    uint32_t y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+/* this thread's generic-proxy shared-memory writes (st.shared, landed
+ * cp.async copies), made visible to the async proxy that wgmma reads through */
+__device__ __forceinline__ void fence_proxy_async(void)
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* d (+)= A B, m64n64k16: A (64 x 16, K-major) and B (16 x 64, K-major)
+ * from shared memory by descriptor; acc 0: d = A B */
+__device__ __forceinline__ void wgmma_ss_n64(float d[32], uint64_t da, uint64_t db, int acc)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(da), "l"(db), "r"(acc));
+}
+
+/* d += A B, m64n64k16: A (64 x 16) from registers (per warp, the mma.sync
+ * m16n8k16 A fragment), B (16 x 64, N-major) from shared memory by descriptor */
+__device__ __forceinline__ void wgmma_rs_n64(float d[32], const uint32_t a[4], uint64_t db)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+/* d += A B, m64n128k16: A (64 x 16) from registers (per warp, the mma.sync
+ * m16n8k16 A fragment), B (16 x 128, N-major) from shared memory by descriptor */
+__device__ __forceinline__ void wgmma_rs_n128(float d[64], const uint32_t a[4], uint64_t db)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+#endif
+
+/* O += P V over one 16-key step, N = HD */
+template <int HD> __device__ __forceinline__ void wg_pv(float (&o)[HD / 2], const uint32_t a[4], uint64_t db)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (HD == 128)
+        wgmma_rs_n128(o, a, db);
+    else
+        wgmma_rs_n64(o, a, db);
+#endif
+}
+
+/* Issues O += P V for one 64-key tile as one wgmma group (not waited for):
+ * P's A fragments from ph (and pq, the low parts, when SPLIT): ph[nt] holds
+ * n-tile nt's rows g and g + 8, so 16-key step kq's A is ph[2kq][0],
+ * ph[2kq][1], ph[2kq+1][0], ph[2kq+1][1]; V from the stage at shared address
+ * v (keys 16 kq .. 16 kq + 15 start 2048 kq bytes in; N-major, the two
+ * 64-column halves of head_dim 128 BN * 128 bytes apart). */
+template <int HD, bool SPLIT>
+__device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&ph)[BN / 8][2],
+                                         const uint32_t (&pq)[SPLIT ? BN / 8 : 1][2], uint32_t v)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+    for (int kq = 0; kq < BN / 16; kq++) {
+        const uint64_t db = desc_sw128(v + kq * 2048, BN * 128, 1024);
+        const uint32_t a[4] = {ph[2 * kq][0], ph[2 * kq][1], ph[2 * kq + 1][0], ph[2 * kq + 1][1]};
+        wg_pv<HD>(o, a, db);
+        if (SPLIT) {
+            const uint32_t al[4] = {pq[SPLIT ? 2 * kq : 0][0], pq[SPLIT ? 2 * kq : 0][1],
+                                    pq[SPLIT ? 2 * kq + 1 : 0][0], pq[SPLIT ? 2 * kq + 1 : 0][1]};
+            wg_pv<HD>(o, al, db);
+        }
+    }
+    wg_commit();
+#endif
+}
+
+template <int HD, bool SPLIT, bool PACK, int PREF>
+__global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = wg_cfg<HD, SPLIT, PREF>;
+    constexpr int ST = C::ST;
+    constexpr int DT = HD / 8, KK = HD / 16, NNT = BN / 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const uint32_t raw = smem_u32(smem_raw);
+    unsigned char *smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+    __half *Qh = (__half *)smem;
+    __half *Ql = (__half *)(smem + C::Q_BYTES); /* only when SPLIT */
+    __half *Ks_st = (__half *)(smem + C::Q_BYTES * (SPLIT ? 2 : 1));
+    __half *Vs_st = (__half *)((unsigned char *)Ks_st + ST * C::KV_BYTES);
+    const uint16_t **rp_all = (const uint16_t **)((unsigned char *)Vs_st + ST * C::KV_BYTES); /* [4][32] */
+    int *kpos_st = (int *)(rp_all + NT), *qpos = kpos_st + ST * BN, *nks = qpos + BM;
+    constexpr int KV_H = (int)(C::KV_BYTES / 2); /* a stage's K (or V), in halves */
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int wg = tid >> 7, wwarp = warp & 3; /* warpgroup; warp within it */
+    const uint32_t G = p.n_head / p.n_head_kv, ld = p.n_head * HD;
+    const uint32_t n_tiles = gridDim.x / p.n_head_kv;
+    const uint32_t tile = n_tiles - 1 - blockIdx.x / p.n_head_kv, gk = blockIdx.x % p.n_head_kv;
+    const uint32_t split = blockIdx.y;
+    const uint32_t r0 = tile * BM;
+    const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
+
+    /* the tile's queries: f32 -> f16 (hi, lo) in the swizzled layout (BM rows) */
+    for (int i = tid; i < BM * HD / 2; i += NTW) {
+        const int r = i / (HD / 2), d = 2 * (i % (HD / 2));
+        float x0 = 0.0f, x1 = 0.0f;
+        if (r < R) {
+            const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G;
+            const float *src = p.q + (size_t)tok * ld + (size_t)h * HD + d;
+            x0 = src[0];
+            x1 = src[1];
+        }
+        uint32_t hi, lo;
+        split_h2(x0, x1, hi, lo);
+        const int u = d >> 3, at = (u >> 3) * BM * 64 + r * 64 + (((u & 7) ^ (r & 7)) << 3) + (d & 7);
+        *(uint32_t *)(Qh + at) = hi;
+        if (SPLIT)
+            *(uint32_t *)(Ql + at) = lo;
+    }
+    for (int r = tid; r < BM; r += NTW)
+        qpos[r] = r < R ? p.q_pos[(r0 + r) / G] : INT_MIN;
+    const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
+
+    const bool filler = tid < NT;
+    const uint16_t **rp = rp_all + 32 * wwarp;
+    pk_cursor pc = {};
+    kv_cursor cur = {};
+    if (filler) {
+        if (PACK) {
+            pk_start(p, gk, split, pc);
+        } else {
+            const uint32_t hb = p.head_off[gk], nbh = p.head_off[gk + 1] - hb;
+            cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
+            cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+            cur.off = 0;
+        }
+    }
+#pragma unroll
+    for (int st = 0; st < PREF; st++) {
+        if (filler) {
+            const int nk = PACK ? fill_packed<HD, sw128_layout<HD>>(p, pc, pos_max, Ks_st + st * KV_H,
+                                                                    Vs_st + st * KV_H, kpos_st + st * BN, rp)
+                                : fill_tile<HD, sw128_layout<HD>>(p, cur, pos_max, Ks_st + st * KV_H,
+                                                                  Vs_st + st * KV_H, kpos_st + st * BN);
+            if (tid == 0)
+                nks[st] = nk;
+        }
+        __pipeline_commit();
+    }
+    fence_proxy_async(); /* the Q stores */
+    __syncthreads();     /* Q and qpos in shared memory */
+
+    /* this warp's rows: wr0 + g and wr0 + g + 8 (the warpgroup's rows wg0 .. wg0 + 63) */
+    const int wg0 = wg * 64, wr0 = wg0 + wwarp * 16;
+    const int32_t qp0 = qpos[wr0 + g], qp1 = qpos[wr0 + g + 8];
+    const int32_t q_lo = qpos[wr0];                                                  /* the warp's lowest */
+    const int32_t q_hi = wg0 < R ? qpos[min(wg0 + 64, R) - 1] : INT_MIN; /* the warpgroup's highest */
+
+    float o[HD / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; i++)
+        o[i] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    const float sc = p.scale_log2;
+    const uint32_t qh_a = smem_u32(Qh) + wg0 * 128, ql_a = smem_u32(Ql) + wg0 * 128;
+
+    /* P of the last tile, whose P V is issued in the next iteration beside
+     * that tile's S = Q K^T, and where that tile's V is. Before the first
+     * tile: P = 0 against stage 0's V (0 * V adds nothing; an empty walk
+     * zeroes that V below). The wgmma groups are issued and waited for on
+     * every iteration, in one straight line: under a branch, ptxas
+     * serializes them (C7520). */
+    uint32_t ph[NNT][2], pq[SPLIT ? NNT : 1][2];
+#pragma unroll
+    for (int nt = 0; nt < NNT; nt++) {
+        ph[nt][0] = ph[nt][1] = 0;
+        pq[SPLIT ? nt : 0][0] = pq[SPLIT ? nt : 0][1] = 0;
+    }
+    uint32_t pv_v = smem_u32(Vs_st);
+    if (nks[0] == 0) /* (uniform) nothing to attend: no stage was written */
+        for (int i = tid; i < KV_H / 8; i += NTW)
+            ((uint4 *)Vs_st)[i] = make_uint4(0, 0, 0, 0);
+
+    int stage = 0, fstage = PREF;
+    for (;;) {
+        __pipeline_wait_prior(PREF - 1); /* tile t landed */
+        fence_proxy_async();             /* this thread's landed copies (and zero rows), for wgmma */
+        /* publishes tile t; proves every warp finished iteration t - 1,
+         * which waited for the P V of tile t - 2: its stage is free */
+        __syncthreads();
+        if (nks[stage] == 0) /* (uniform) the walk is done */
+            break;
+        const uint32_t ks_a = smem_u32(Ks_st + stage * KV_H), vs_a = smem_u32(Vs_st + stage * KV_H);
+        const int *kpos = kpos_st + stage * BN;
+
+        /* ---- issue S = Q K^T (unscaled; k-step kk is 32 bytes into region
+         * kk / 4), then the previous tile's O += P V: the tensor cores run
+         * P V while this tile's exponentials are taken. A tile no row of the
+         * warpgroup sees (causal: at most the last one or two of the CTA's
+         * walk) is computed and masked whole. */
+        float s[NNT * 4];
+#pragma unroll
+        for (int i = 0; i < NNT * 4; i++)
+            s[i] = 0.0f;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KK; kk++) {
+            const uint32_t ko = (kk >> 2) * (uint32_t)(BN * 128) + (kk & 3) * 32;
+            const uint32_t qo = (kk >> 2) * (uint32_t)(BM * 128) + (kk & 3) * 32;
+            const uint64_t db = desc_sw128(ks_a + ko, 16, 1024);
+            wgmma_ss_n64(s, desc_sw128(qh_a + qo, 16, 1024), db, kk > 0);
+            if (SPLIT)
+                wgmma_ss_n64(s, desc_sw128(ql_a + qo, 16, 1024), db, 1);
+        }
+        wg_commit();
+        issue_pv<HD, SPLIT>(o, ph, pq, pv_v);
+        /* tile t + PREF into the stage of tile t + PREF - ST (= t - 2, whose
+         * P V every warp waited for before the barrier), while the MMAs run */
+        if (filler) {
+            const int nk = PACK ? fill_packed<HD, sw128_layout<HD>>(p, pc, pos_max, Ks_st + fstage * KV_H,
+                                                                    Vs_st + fstage * KV_H, kpos_st + fstage * BN, rp)
+                                : fill_tile<HD, sw128_layout<HD>>(p, cur, pos_max, Ks_st + fstage * KV_H,
+                                                                  Vs_st + fstage * KV_H, kpos_st + fstage * BN);
+            if (tid == 0)
+                nks[fstage] = nk;
+        }
+        __pipeline_commit();
+        wg_wait<1>(); /* S landed; P V may still run */
+        {
+            const bool masked = !(kpos[BN - 1] <= q_lo); /* (warp-uniform) INT_MAX past the keys: masked */
+
+            /* ---- mask (diagonal tiles), online softmax in log2 units, P as
+             * f16 (hi, lo when SPLIT); s[4 nt + e]: rows g (e < 2) and g + 8,
+             * keys 8 nt + 2 t + (e & 1) */
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < NNT; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    if (masked) {
+                        const int kp = kpos[nt * 8 + 2 * t + e];
+                        if (kp > qp0)
+                            s[4 * nt + e] = -INFINITY;
+                        if (kp > qp1)
+                            s[4 * nt + 2 + e] = -INFINITY;
+                    }
+                    mx0 = fmaxf(mx0, s[4 * nt + e]);
+                    mx1 = fmaxf(mx1, s[4 * nt + 2 + e]);
+                }
+#pragma unroll
+            for (int off = 1; off <= 2; off <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+            }
+            const float mn0 = fmaxf(m0, mx0 * sc), mn1 = fmaxf(m1, mx1 * sc);
+            const float mu0 = mn0 == -INFINITY ? 0.0f : mn0, mu1 = mn1 == -INFINITY ? 0.0f : mn1;
+            const float c0 = ex2w(m0 - mu0), c1 = ex2w(m1 - mu1); /* 0 when m was -inf */
+            m0 = mn0;
+            m1 = mn1;
+            uint32_t nh[NNT][2], nq[SPLIT ? NNT : 1][2];
+            float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < NNT; nt++) {
+                float *x = s + 4 * nt;
+                x[0] = ex2w(fmaf(x[0], sc, -mu0)); /* -inf (masked) -> 0 */
+                x[1] = ex2w(fmaf(x[1], sc, -mu0));
+                x[2] = ex2w(fmaf(x[2], sc, -mu1));
+                x[3] = ex2w(fmaf(x[3], sc, -mu1));
+                sum0 += x[0] + x[1];
+                sum1 += x[2] + x[3];
+                if (SPLIT) {
+                    split_h2(x[0], x[1], nh[nt][0], nq[SPLIT ? nt : 0][0]);
+                    split_h2(x[2], x[3], nh[nt][1], nq[SPLIT ? nt : 0][1]);
+                } else {
+                    nh[nt][0] = pack_h2(x[0], x[1]);
+                    nh[nt][1] = pack_h2(x[2], x[3]);
+                }
+            }
+            l0 = l0 * c0 + sum0; /* this thread's share; the row's 4 threads add up at the end */
+            l1 = l1 * c1 + sum1;
+            wg_wait<0>(); /* the previous tile's P V is in O */
+            /* the factors are exactly 1 once the row maxima settle: skip */
+            if (__any_sync(0xffffffffu, c0 != 1.0f || c1 != 1.0f)) {
+#pragma unroll
+                for (int dt = 0; dt < DT; dt++) {
+                    o[4 * dt] *= c0;
+                    o[4 * dt + 1] *= c0;
+                    o[4 * dt + 2] *= c1;
+                    o[4 * dt + 3] *= c1;
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NNT; nt++) {
+                ph[nt][0] = opaque(nh[nt][0]);
+                ph[nt][1] = opaque(nh[nt][1]);
+                if (SPLIT) {
+                    pq[SPLIT ? nt : 0][0] = opaque(nq[SPLIT ? nt : 0][0]);
+                    pq[SPLIT ? nt : 0][1] = opaque(nq[SPLIT ? nt : 0][1]);
+                }
+            }
+            pv_v = vs_a;
+        }
+        stage = stage + 1 == ST ? 0 : stage + 1;
+        fstage = fstage + 1 == ST ? 0 : fstage + 1;
+    }
+    /* the last tile's P V (its stage was not refilled: the walk is done) */
+    wg_fence();
+    issue_pv<HD, SPLIT>(o, ph, pq, pv_v);
+    wg_wait<0>();
+
+    /* ---- results: o[4 dt + e] holds row g (e < 2) or g + 8, column 8 dt + 2 t + (e & 1) */
+    const uint32_t n_rows = p.n_q * p.n_head;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        float L = half ? l1 : l0;
+        L += __shfl_xor_sync(0xffffffffu, L, 1);
+        L += __shfl_xor_sync(0xffffffffu, L, 2);
+        const int r = wr0 + g + 8 * half;
+        if (r >= R)
+            continue;
+        const float M = half ? m1 : m0;
+        const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G, row = tok * p.n_head + h;
+        if (p.n_split == 1) {
+            const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+            float *out = p.out + (size_t)row * HD;
+#pragma unroll
+            for (int dt = 0; dt < DT; dt++) {
+                out[dt * 8 + 2 * t] = o[4 * dt + 2 * half] * inv;
+                out[dt * 8 + 2 * t + 1] = o[4 * dt + 2 * half + 1] * inv;
+            }
+            if (p.lse && t == 0)
+                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2w : -INFINITY;
+        } else {
+            float *po = p.part + ((size_t)split * n_rows + row) * (HD + 2);
+#pragma unroll
+            for (int dt = 0; dt < DT; dt++) {
+                po[dt * 8 + 2 * t] = o[4 * dt + 2 * half];
+                po[dt * 8 + 2 * t + 1] = o[4 * dt + 2 * half + 1];
+            }
+            if (t == 0) {
+                po[HD] = M;
+                po[HD + 1] = L;
+            }
+        }
+    }
+#endif
+}
+
+/* TKV_CUDA_ATTN_WG_PREF=1 or 2 (default 2): tiles in flight ahead, read once */
+int wg_pref(void)
+{
+    static const int pref = [] {
+        const char *e = getenv("TKV_CUDA_ATTN_WG_PREF");
+        return e && e[0] == '1' && !e[1] ? 1 : 2;
+    }();
+    return pref;
+}
+
+template <int HD, bool SPLIT, int PREF> cudaError_t wg_launch_pref(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    using C = wg_cfg<HD, SPLIT, PREF>;
+    const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv), tiles = (rows + BM - 1) / BM;
+    const dim3 grid(tiles * p->n_head_kv, p->n_split);
+    if (tkv_cuda_attn_prefill_packed(p))
+        wg_kernel<HD, SPLIT, true, PREF><<<grid, NTW, C::SMEM, s>>>(*p);
+    else
+        wg_kernel<HD, SPLIT, false, PREF><<<grid, NTW, C::SMEM, s>>>(*p);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+template <int HD, bool SPLIT> cudaError_t wg_launch(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    return wg_pref() == 1 ? wg_launch_pref<HD, SPLIT, 1>(p, s) : wg_launch_pref<HD, SPLIT, 2>(p, s);
+}
+
+/* Every instance of one (HD, SPLIT): the shared-memory limit, and CTAs per
+ * SM (the smallest) */
+template <int HD, bool SPLIT> cudaError_t wg_init(int *ctas)
+{
+    int c[4];
+    auto one = [](auto kernel, size_t smem, int *n) {
+        TKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, NTW, smem);
+    };
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false, 1>, wg_cfg<HD, SPLIT, 1>::SMEM, &c[0]));
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true, 1>, wg_cfg<HD, SPLIT, 1>::SMEM, &c[1]));
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false, 2>, wg_cfg<HD, SPLIT, 2>::SMEM, &c[2]));
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true, 2>, wg_cfg<HD, SPLIT, 2>::SMEM, &c[3]));
+    *ctas = c[0];
+    for (int i = 1; i < 4; i++)
+        *ctas = c[i] < *ctas ? c[i] : *ctas;
+    if (*ctas < 1)
+        *ctas = 1;
+    return cudaSuccess;
+}
+
+int g_wg_ctas[2][2]; /* CTAs per SM: [head_dim 64, 128][f16, split] (set by init) */
+bool g_wg_ok;        /* the device runs sm_90a code (set by init) */
+
+} // namespace
+
+cudaError_t tkv_cuda_attn_prefill_wg_init(void)
+{
+    int dev, major, minor;
+    TKV_CUDA_TRY(cudaGetDevice(&dev));
+    TKV_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    TKV_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    g_wg_ok = major == 9 && minor == 0;
+    if (!g_wg_ok)
+        return cudaSuccess;
+    TKV_CUDA_TRY((wg_init<64, false>(&g_wg_ctas[0][0])));
+    TKV_CUDA_TRY((wg_init<64, true>(&g_wg_ctas[0][1])));
+    TKV_CUDA_TRY((wg_init<128, false>(&g_wg_ctas[1][0])));
+    TKV_CUDA_TRY((wg_init<128, true>(&g_wg_ctas[1][1])));
+    return cudaSuccess;
+}
+
+bool tkv_cuda_attn_prefill_wg_ok(void) { return g_wg_ok; }
+
+cudaError_t tkv_cuda_attn_prefill_wg(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    const bool split = p->prefill_mode == TKV_ATTN_PREFILL_SPLIT;
+    if (p->head_dim == 64)
+        return split ? wg_launch<64, true>(p, s) : wg_launch<64, false>(p, s);
+    return split ? wg_launch<128, true>(p, s) : wg_launch<128, false>(p, s);
+}
+
+int tkv_cuda_attn_prefill_wg_ctas_per_sm(uint32_t head_dim, int mode)
+{
+    const int c = g_wg_ctas[head_dim == 64 ? 0 : 1][mode == TKV_ATTN_PREFILL_SPLIT ? 1 : 0];
+    return c > 0 ? c : 1;
+}
