@@ -33,11 +33,15 @@ struct tkv_cuda_rq_index {
     uint16_t *pc;                 /* [cap]                                                   */
 };
 
-/* A prepared query (tkv_rabitq_query_prepare on the host), by value. */
+/* A prepared query (tkv_rabitq_query_prepare on the host, or
+ * tkv_cuda_rq_prepare here): the layout of backend.h's struct
+ * tkv_rabitq_dev_query, field for field (cuda-backend.cu checks it). */
 struct tkv_cuda_rq_query {
     uint64_t plane[4][TKV_CUDA_RQ_MAX_WORDS];
-    float delta, vl, add, bound_u, bound_w;
+    float delta, vl;
     int32_t sum_q;
+    float add, norm, bound_u, bound_w, eps0;
+    uint32_t words, dim_pad;
 };
 
 /* One key's estimate and error bound, as tkv_rabitq_estimate computes them
@@ -83,6 +87,26 @@ struct tkv_cuda_rq_span {
 cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_span *spans,
                                uint32_t n_spans, uint32_t n_rows, size_t row_stride, uint32_t at, uint32_t *bad,
                                cudaStream_t s);
+
+/* One query to prepare (device memory, a table of n): query head `head`
+ * of the call's q, for index ix (its rotation and centroids; cqck = c_q . c_k). */
+struct tkv_cuda_rq_prep {
+    struct tkv_cuda_rq_index ix;
+    double cqck;
+    uint32_t head;
+    uint32_t pad_;
+};
+
+/* out[i] = query head items[i].head (f32 row q + head * head_stride)
+ * prepared as tkv_rabitq_query_prepare prepares it, bit for bit (one warp
+ * per query: the encoder's rotation, the double sums in the host's order,
+ * the 4-bit levels with the host's roundings); a query the host refuses (not
+ * finite, or its rotation overflowing) is written poisoned (backend.h:
+ * struct tkv_rabitq_dev_query) and lowers *bad (device, set to UINT32_MAX
+ * by the caller first; NULL: not reported) to its i. eps0 > 0 (the caller maps 0 to the
+ * default). Queued on s. */
+cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
+                                float eps0, struct tkv_cuda_rq_query *out, uint32_t *bad, cudaStream_t s);
 
 /* est[i] (and bound[i] unless bound is NULL), device memory, for keys
  * first .. first+n-1. */

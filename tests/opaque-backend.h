@@ -206,6 +206,7 @@ static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq
         ix[h] = untag_rabitq(a->heads[h].ix);
         hd[h] = a->heads[h];
         hd[h].ix = &ix[h];
+        hd[h].q_dev = U(a->heads[h].q_dev);
     }
     struct tkv_rabitq_select_args c = *a;
     c.heads = hd;
@@ -214,12 +215,35 @@ static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq
     return tkv_rabitq_host_select(&c);
 }
 
+/* rabitq_prepare through the host reference: the queries stay in the
+ * opaque memory, so the policies' device-prepared path runs here too. */
+static uint64_t opaque_prepare_calls;
+static tkv_status o_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a)
+{
+    (void)b;
+    enum { MAXI = 512 };
+    struct tkv_rabitq_dev ix[MAXI];
+    struct tkv_rabitq_prepare_item it[MAXI];
+    if (a->n > MAXI)
+        return tkv_err(TKV_ERR_UNSUPPORTED, "opaque: rabitq_prepare of %u queries", a->n);
+    for (uint32_t i = 0; i < a->n; i++) {
+        ix[i] = untag_rabitq(a->items[i].ix);
+        it[i] = (struct tkv_rabitq_prepare_item){&ix[i], a->items[i].head};
+    }
+    struct tkv_rabitq_prepare_args c = *a;
+    c.q = U(a->q), c.items = it, c.out = U(a->out), c.bad = U(a->bad);
+    opaque_rabitq_calls++;
+    opaque_prepare_calls++;
+    return tkv_rabitq_host_prepare(&c);
+}
+
 static const struct tkv_backend_ops opaque_ops = {
     .name = "opaque", .free = o_free, .alloc = o_alloc, .release = o_release, .upload = o_upload,
     .download = o_download, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
     .get_rows = o_get_rows, .matmul = o_matmul, .rmsnorm = o_rmsnorm, .rope = o_rope, .swiglu = o_swiglu,
     .add = o_add, .kv_write = o_kv_write, .attention = o_attention, .attn_stats = o_attn_stats,
-    .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate, .rabitq_select = o_rabitq_select};
+    .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate, .rabitq_select = o_rabitq_select,
+    .rabitq_prepare = o_rabitq_prepare};
 
 static tkv_status opaque_create(const char *device, uint32_t n_threads, struct tkv_backend **out)
 {
