@@ -1195,31 +1195,11 @@ static struct tkv_cuda_rq_index rq_index(const struct tkv_rabitq_dev *ix)
                                       ix->code, ix->a, ix->e, ix->t, ix->pc};
 }
 
-/* The kernels' query is backend.h's struct tkv_rabitq_dev_query (the
- * first fields of the host's struct tkv_rabitq_query), field for field. */
-#define RQ_SAME_FIELD(f)                                                                                   \
-    static_assert(offsetof(struct tkv_cuda_rq_query, f) == offsetof(struct tkv_rabitq_dev_query, f) &&     \
-                      sizeof(((struct tkv_cuda_rq_query *)0)->f) == sizeof(((struct tkv_rabitq_dev_query *)0)->f), \
-                  "the device query's " #f)
-RQ_SAME_FIELD(plane);
-RQ_SAME_FIELD(delta);
-RQ_SAME_FIELD(vl);
-RQ_SAME_FIELD(sum_q);
-RQ_SAME_FIELD(add);
-RQ_SAME_FIELD(norm);
-RQ_SAME_FIELD(bound_u);
-RQ_SAME_FIELD(bound_w);
-RQ_SAME_FIELD(eps0);
-RQ_SAME_FIELD(words);
-RQ_SAME_FIELD(dim_pad);
-#undef RQ_SAME_FIELD
-static_assert(sizeof(struct tkv_cuda_rq_query) == sizeof(struct tkv_rabitq_dev_query), "the device query's size");
-
 /* A prepared query (runtime/rabitq/rabitq.h) as the kernels take it. */
-static struct tkv_cuda_rq_query rq_query(const struct tkv_rabitq_query *q)
+static struct tkv_rabitq_dev_query rq_query(const struct tkv_rabitq_query *q)
 {
-    struct tkv_cuda_rq_query c;
-    tkv_rabitq_query_to_dev(q, (struct tkv_rabitq_dev_query *)&c);
+    struct tkv_rabitq_dev_query c;
+    tkv_rabitq_query_to_dev(q, &c);
     return c;
 }
 
@@ -1253,7 +1233,7 @@ static tkv_status cuda_rabitq_prepare(struct tkv_backend *b, const struct tkv_ra
         tab[i] = (struct tkv_cuda_rq_prep){rq_index(a->items[i].ix), a->items[i].ix->cqck, a->items[i].head, 0};
     TKV_TRY(stage_send(cb, sl, bytes, op));
     CU(op, tkv_cuda_rq_prepare(a->q, a->head_stride, (const struct tkv_cuda_rq_prep *)sl->dev, a->n,
-                               a->eps0 == 0 ? TKV_RABITQ_EPS0 : a->eps0, (struct tkv_cuda_rq_query *)a->out, a->bad,
+                               a->eps0 == 0 ? TKV_RABITQ_EPS0 : a->eps0, a->out, a->bad,
                                cb->stream));
     return TKV_OK;
 }
@@ -1311,7 +1291,7 @@ static tkv_status cuda_rabitq_estimate(struct tkv_backend *b, const struct tkv_r
     ALIVE(op);
     if (ix->words == 0 || ix->words > TKV_CUDA_RQ_MAX_WORDS || q->words != ix->words)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_estimate: %u code words, query %u", ix->words, q->words);
-    const struct tkv_cuda_rq_query cq = rq_query(q);
+    const struct tkv_rabitq_dev_query cq = rq_query(q);
     const struct tkv_cuda_rq_index d = rq_index(ix);
     CU(op, tkv_cuda_rq_estimate(&d, &cq, first, n, est, bound, cb->stream));
     return TKV_OK;
@@ -1360,7 +1340,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     const uint32_t H = a->n_heads, G = a->G, P = H * G;
     /* device: heads | queries | state | scratch [3][P][n_max] | list [P][n_max] | mass [P] | n_chosen [P] | bitmap */
     const size_t b_heads = tkv_align_up(H * sizeof(struct tkv_cuda_rqs_head), 256);
-    const size_t b_q = tkv_align_up((size_t)P * sizeof(struct tkv_cuda_rq_query), 256);
+    const size_t b_q = tkv_align_up((size_t)P * sizeof(struct tkv_rabitq_dev_query), 256);
     const size_t b_state = tkv_align_up(tkv_cuda_rqs_state_bytes(P), 256);
     const size_t b_scratch = tkv_align_up((size_t)3 * P * n_max * sizeof(float), 256);
     const size_t b_list = tkv_align_up((size_t)P * n_max * sizeof(uint32_t), 256);
@@ -1381,7 +1361,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     }
     uint8_t *hm = (uint8_t *)cb->rqs_host, *dm = (uint8_t *)cb->rqs_dev;
     struct tkv_cuda_rqs_head *hh = (struct tkv_cuda_rqs_head *)hm;
-    struct tkv_cuda_rq_query *hq = (struct tkv_cuda_rq_query *)(hm + b_heads);
+    struct tkv_rabitq_dev_query *hq = (struct tkv_rabitq_dev_query *)(hm + b_heads);
     for (uint32_t h = 0; h < H; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
         memset(&hh[h], 0, sizeof hh[h]);
@@ -1391,10 +1371,10 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         for (uint32_t r = 0; r < hd->n_forced; r++)
             hh[h].fb[r] = hd->forced[r].begin, hh[h].fe[r] = hd->forced[r].end;
         if (!hd->q) { /* prepared on the device, earlier in the stream */
-            hh[h].q = (const struct tkv_cuda_rq_query *)hd->q_dev;
+            hh[h].q = hd->q_dev;
             continue;
         }
-        hh[h].q = (const struct tkv_cuda_rq_query *)(dm + b_heads) + (size_t)h * G;
+        hh[h].q = (const struct tkv_rabitq_dev_query *)(dm + b_heads) + (size_t)h * G;
         for (uint32_t j = 0; j < G; j++)
             hq[h * G + j] = rq_query(&hd->q[j]);
     }

@@ -157,10 +157,10 @@ static __device__ __forceinline__ struct rqs_ptrs pair_ptrs(const struct tkv_cud
 __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
                              struct tkv_cuda_rqs_work w)
 {
-    __shared__ struct tkv_cuda_rq_query q[TKV_CUDA_RQS_MAX_G];
+    __shared__ struct tkv_rabitq_dev_query q[TKV_CUDA_RQS_MAX_G];
     const uint32_t h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     const struct tkv_cuda_rqs_head &hd = heads[h];
-    for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_cuda_rq_query) / 4; x += blockDim.x)
+    for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
         ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
     __syncthreads();
     const bool valid = i < hd.n, forced = valid && is_forced(hd, i);
@@ -179,7 +179,7 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
         struct rqs_state *st = (struct rqs_state *)w.state + pair;
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
         if (valid) {
-            const struct tkv_cuda_rq_query &qq = q[j];
+            const struct tkv_rabitq_dev_query &qq = q[j];
             const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est(cw, ix.words, qq, xb, a, t));
             const float d = pp.safe ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a, e, qq)) : 0.0f;
             const float sd = __fadd_rn(s, d);

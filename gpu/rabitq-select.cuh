@@ -25,7 +25,7 @@
 /* One KV head of the call (device memory, [n_heads]). */
 struct tkv_cuda_rqs_head {
     struct tkv_cuda_rq_index ix;
-    const struct tkv_cuda_rq_query *q;          /* [G] the head's queries (device memory) */
+    const struct tkv_rabitq_dev_query *q;       /* [G] the head's queries (device memory) */
     uint32_t n, n_forced;                       /* keys 0 .. n-1; forced ranges        */
     uint32_t fb[TKV_CUDA_RQS_MAX_FORCED], fe[TKV_CUDA_RQS_MAX_FORCED]; /* [fb, fe)     */
 };

@@ -137,7 +137,7 @@ static __device__ __forceinline__ void rq_pick(float &v, uint32_t &i, float w, u
  * floor((u - lo) / delta + 0.5) with the same IEEE operations, the planes
  * by ballots, the scalars in double. */
 __global__ void rq_prepare_kernel(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
-                                  float eps0, struct tkv_cuda_rq_query *out, uint32_t *bad)
+                                  float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad)
 {
     __shared__ float ys[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM], qs[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM];
     const unsigned wp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -181,7 +181,7 @@ __global__ void rq_prepare_kernel(const float *q, size_t head_stride, const stru
     }
     const float delta = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
     fin = __all_sync(RQ_FULL, fin && isfinite(delta));
-    struct tkv_cuda_rq_query *o = &out[it];
+    struct tkv_rabitq_dev_query *o = &out[it];
     if (!fin) { /* refused: poisoned (backend.h), as tkv_rabitq_query_poison writes it */
         const float qnan = __uint_as_float(0x7fc00000u);
         for (uint32_t x = lane; x < 4 * TKV_CUDA_RQ_MAX_WORDS; x += 32)
@@ -232,7 +232,7 @@ __global__ void rq_prepare_kernel(const float *q, size_t head_stride, const stru
 }
 
 /* One thread per key: rq_estimate_one (runtime/rabitq/rabitq-impl.h). */
-__global__ void rq_estimate_kernel(struct tkv_cuda_rq_index ix, struct tkv_cuda_rq_query q, uint32_t first,
+__global__ void rq_estimate_kernel(struct tkv_cuda_rq_index ix, struct tkv_rabitq_dev_query q, uint32_t first,
                                    uint32_t n, float *est, float *bound)
 {
     const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -265,7 +265,7 @@ cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct 
 }
 
 cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
-                                float eps0, struct tkv_cuda_rq_query *out, uint32_t *bad, cudaStream_t s)
+                                float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, cudaStream_t s)
 {
     if (n == 0)
         return cudaSuccess;
@@ -276,7 +276,7 @@ cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct
     return cudaSuccess;
 }
 
-cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_query *q,
+cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_rabitq_dev_query *q,
                                  uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s)
 {
     if (n == 0)

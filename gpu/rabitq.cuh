@@ -33,23 +33,16 @@ struct tkv_cuda_rq_index {
     uint16_t *pc;                 /* [cap]                                                   */
 };
 
-/* A prepared query (tkv_rabitq_query_prepare on the host, or
- * tkv_cuda_rq_prepare here): the layout of backend.h's struct
- * tkv_rabitq_dev_query, field for field (cuda-backend.cu checks it). */
-struct tkv_cuda_rq_query {
-    uint64_t plane[4][TKV_CUDA_RQ_MAX_WORDS];
-    float delta, vl;
-    int32_t sum_q;
-    float add, norm, bound_u, bound_w, eps0;
-    uint32_t words, dim_pad;
-};
+/* A prepared query is backend.h's struct tkv_rabitq_dev_query (the host's
+ * tkv_rabitq_query_prepare, or tkv_cuda_rq_prepare here), by value. */
+static_assert(TKV_RABITQ_DEV_QUERY_WORDS == TKV_CUDA_RQ_MAX_WORDS, "query planes as wide as the codes can be");
 
 /* One key's estimate and error bound, as tkv_rabitq_estimate computes them
  * (the same products and roundings: bit for bit): cw the key's code words,
  * xb = 2 popcount(code) - dim_pad, a and t its scalars (e for the bound).
  * rq_estimate_kernel and the selection's estimate kernel both use these. */
-__device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t words, const struct tkv_cuda_rq_query &q,
-                                                 int32_t xb, float a, float t)
+__device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t words,
+                                                 const struct tkv_rabitq_dev_query &q, int32_t xb, float a, float t)
 {
     uint32_t ip = 0;
 #pragma unroll
@@ -64,7 +57,7 @@ __device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t wo
     return fmaf(a, x, __fadd_rn(t, q.add));
 }
 
-__device__ __forceinline__ float tkv_cuda_rq_bound(float a, float e, const struct tkv_cuda_rq_query &q)
+__device__ __forceinline__ float tkv_cuda_rq_bound(float a, float e, const struct tkv_rabitq_dev_query &q)
 {
     return __fsqrt_rn(fmaf(__fmul_rn(e, e), q.bound_u, __fmul_rn(__fmul_rn(a, a), q.bound_w)));
 }
@@ -106,11 +99,11 @@ struct tkv_cuda_rq_prep {
  * by the caller first; NULL: not reported) to its i. eps0 > 0 (the caller maps 0 to the
  * default). Queued on s. */
 cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
-                                float eps0, struct tkv_cuda_rq_query *out, uint32_t *bad, cudaStream_t s);
+                                float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, cudaStream_t s);
 
 /* est[i] (and bound[i] unless bound is NULL), device memory, for keys
  * first .. first+n-1. */
-cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_query *q,
+cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_rabitq_dev_query *q,
                                  uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s);
 
 #endif /* TKV_GPU_RABITQ_CUH */

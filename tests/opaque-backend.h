@@ -215,26 +215,29 @@ static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq
     return tkv_rabitq_host_select(&c);
 }
 
-/* rabitq_prepare through the host reference: the queries stay in the
- * opaque memory, so the policies' device-prepared path runs here too. */
+/* rabitq_prepare through the host reference, an item at a time (its twin
+ * untagged): the queries stay in the opaque memory, so the policies'
+ * device-prepared path runs here too. */
 static uint64_t opaque_prepare_calls;
 static tkv_status o_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a)
 {
     (void)b;
-    enum { MAXI = 512 };
-    struct tkv_rabitq_dev ix[MAXI];
-    struct tkv_rabitq_prepare_item it[MAXI];
-    if (a->n > MAXI)
-        return tkv_err(TKV_ERR_UNSUPPORTED, "opaque: rabitq_prepare of %u queries", a->n);
-    for (uint32_t i = 0; i < a->n; i++) {
-        ix[i] = untag_rabitq(a->items[i].ix);
-        it[i] = (struct tkv_rabitq_prepare_item){&ix[i], a->items[i].head};
-    }
-    struct tkv_rabitq_prepare_args c = *a;
-    c.q = U(a->q), c.items = it, c.out = U(a->out), c.bad = U(a->bad);
+    uint32_t *bad = U(a->bad);
+    if (bad)
+        *bad = UINT32_MAX;
     opaque_rabitq_calls++;
     opaque_prepare_calls++;
-    return tkv_rabitq_host_prepare(&c);
+    for (uint32_t i = 0; i < a->n; i++) {
+        const struct tkv_rabitq_dev ix = untag_rabitq(a->items[i].ix);
+        const struct tkv_rabitq_prepare_item it = {&ix, a->items[i].head};
+        uint32_t one_bad;
+        const struct tkv_rabitq_prepare_args c = {.q = U(a->q), .head_stride = a->head_stride, .items = &it, .n = 1,
+                                                  .eps0 = a->eps0, .out = U(a->out) + i, .bad = &one_bad};
+        TKV_TRY(tkv_rabitq_host_prepare(&c));
+        if (bad && one_bad != UINT32_MAX && *bad == UINT32_MAX)
+            *bad = i;
+    }
+    return TKV_OK;
 }
 
 static const struct tkv_backend_ops opaque_ops = {

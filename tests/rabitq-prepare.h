@@ -98,7 +98,8 @@ static void check_prepare(struct tkv_backend *be, uint32_t D, enum tkv_rabitq_is
             ck[i] = (float)((int)(test_rand_u64(rng) % 257) - 128) / 64.0f;
             cq[j * D + i] = (float)((int)(test_rand_u64(rng) % 257) - 128) / 64.0f;
         }
-        REQUIRE_VOID(tkv_rabitq_init(D, test_rand_u64(rng), &ix[j]) == TKV_OK && tkv_rabitq_set_isa(ix[j], isa) == TKV_OK &&
+        REQUIRE_VOID(tkv_rabitq_init(D, test_rand_u64(rng), &ix[j]) == TKV_OK &&
+                     tkv_rabitq_set_isa(ix[j], isa) == TKV_OK &&
                      tkv_rabitq_set_centroids(ix[j], ck, cq + (size_t)j * D) == TKV_OK);
         REQUIRE_VOID(tkv_rabitq_dev_create(be, ix[j], j == 0 ? N : 1, &dx[j]) == TKV_OK);
     }
