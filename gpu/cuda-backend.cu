@@ -1196,13 +1196,46 @@ static struct tkv_cuda_rq_index rq_index(const struct tkv_rabitq_dev *ix)
 }
 
 /* A prepared query (runtime/rabitq/rabitq.h) as the kernels take it. */
-static struct tkv_cuda_rq_query rq_query(const struct tkv_rabitq_query *q)
+static struct tkv_rabitq_dev_query rq_query(const struct tkv_rabitq_query *q)
 {
-    struct tkv_cuda_rq_query c;
-    memcpy(c.plane, q->plane, sizeof c.plane);
-    c.delta = q->delta, c.vl = q->vl, c.add = q->add, c.bound_u = q->bound_u, c.bound_w = q->bound_w;
-    c.sum_q = q->sum_q;
+    struct tkv_rabitq_dev_query c;
+    tkv_rabitq_query_to_dev(q, &c);
     return c;
+}
+
+/* A layer's queries prepared on the compute stream from the device q (the
+ * item table goes up through a staging slot); nothing waits. */
+static tkv_status cuda_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "rabitq_prepare";
+    ALIVE(op);
+    if (!a || (a->n && (!a->q || !a->items || !a->out)))
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_prepare: NULL argument");
+    if (!(a->eps0 >= 0) || !isfinite(a->eps0))
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_prepare: eps0 %g must be >= 0", (double)a->eps0);
+    for (uint32_t i = 0; i < a->n; i++) {
+        const struct tkv_rabitq_dev *ix = a->items[i].ix;
+        if (!ix || ix->dim == 0 || ix->dim > ix->dim_pad || ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM ||
+            ix->words * 64 != ix->dim_pad)
+            return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_prepare: item %u: no index or dim %u, dim_pad %u", i,
+                           ix ? ix->dim : 0, ix ? ix->dim_pad : 0);
+    }
+    if (a->bad)
+        CU(op, cudaMemsetAsync(a->bad, 0xff, sizeof *a->bad, cb->stream));
+    if (a->n == 0)
+        return TKV_OK;
+    struct stage_slot *sl;
+    const size_t bytes = (size_t)a->n * sizeof(struct tkv_cuda_rq_prep);
+    TKV_TRY(stage_take(cb, bytes, &sl, op));
+    struct tkv_cuda_rq_prep *tab = (struct tkv_cuda_rq_prep *)sl->host;
+    for (uint32_t i = 0; i < a->n; i++)
+        tab[i] = (struct tkv_cuda_rq_prep){rq_index(a->items[i].ix), a->items[i].ix->cqck, a->items[i].head, 0};
+    TKV_TRY(stage_send(cb, sl, bytes, op));
+    CU(op, tkv_cuda_rq_prepare(a->q, a->head_stride, (const struct tkv_cuda_rq_prep *)sl->dev, a->n,
+                               a->eps0 == 0 ? TKV_RABITQ_EPS0 : a->eps0, a->out, a->bad,
+                               cb->stream));
+    return TKV_OK;
 }
 
 /* Encodes every span's rows in one grid on the compute stream (the span
@@ -1258,7 +1291,7 @@ static tkv_status cuda_rabitq_estimate(struct tkv_backend *b, const struct tkv_r
     ALIVE(op);
     if (ix->words == 0 || ix->words > TKV_CUDA_RQ_MAX_WORDS || q->words != ix->words)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_estimate: %u code words, query %u", ix->words, q->words);
-    const struct tkv_cuda_rq_query cq = rq_query(q);
+    const struct tkv_rabitq_dev_query cq = rq_query(q);
     const struct tkv_cuda_rq_index d = rq_index(ix);
     CU(op, tkv_cuda_rq_estimate(&d, &cq, first, n, est, bound, cb->stream));
     return TKV_OK;
@@ -1285,7 +1318,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     uint32_t n_max = 0;
     for (uint32_t h = 0; h < a->n_heads; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
-        if (!hd->ix || !hd->q || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
+        if (!hd->ix || (!hd->q && !hd->q_dev) || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
             hd->n_forced > TKV_RABITQ_SELECT_MAX_FORCED || hd->ix->words == 0 ||
             hd->ix->words > TKV_CUDA_RQ_MAX_WORDS)
             return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: head %u: %u keys (1..%u), %u forced ranges", h,
@@ -1296,7 +1329,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
                 return tkv_err(TKV_ERR_INVALID_ARG,
                                "cuda: rabitq_select: head %u: forced range %u [%u, %u) not ascending within [0, %u)", h,
                                r, hd->forced[r].begin, hd->forced[r].end, hd->n);
-        for (uint32_t j = 0; j < a->G; j++)
+        for (uint32_t j = 0; j < a->G && hd->q; j++) /* (q_dev: rabitq_prepare wrote the twin's words) */
             if (hd->q[j].words != hd->ix->words)
                 return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: head %u query %u: %u words, index %u", h, j,
                                hd->q[j].words, hd->ix->words);
@@ -1307,7 +1340,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     const uint32_t H = a->n_heads, G = a->G, P = H * G;
     /* device: heads | queries | state | scratch [3][P][n_max] | list [P][n_max] | mass [P] | n_chosen [P] | bitmap */
     const size_t b_heads = tkv_align_up(H * sizeof(struct tkv_cuda_rqs_head), 256);
-    const size_t b_q = tkv_align_up((size_t)P * sizeof(struct tkv_cuda_rq_query), 256);
+    const size_t b_q = tkv_align_up((size_t)P * sizeof(struct tkv_rabitq_dev_query), 256);
     const size_t b_state = tkv_align_up(tkv_cuda_rqs_state_bytes(P), 256);
     const size_t b_scratch = tkv_align_up((size_t)3 * P * n_max * sizeof(float), 256);
     const size_t b_list = tkv_align_up((size_t)P * n_max * sizeof(uint32_t), 256);
@@ -1328,7 +1361,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     }
     uint8_t *hm = (uint8_t *)cb->rqs_host, *dm = (uint8_t *)cb->rqs_dev;
     struct tkv_cuda_rqs_head *hh = (struct tkv_cuda_rqs_head *)hm;
-    struct tkv_cuda_rq_query *hq = (struct tkv_cuda_rq_query *)(hm + b_heads);
+    struct tkv_rabitq_dev_query *hq = (struct tkv_rabitq_dev_query *)(hm + b_heads);
     for (uint32_t h = 0; h < H; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
         memset(&hh[h], 0, sizeof hh[h]);
@@ -1337,11 +1370,18 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         hh[h].n_forced = hd->n_forced;
         for (uint32_t r = 0; r < hd->n_forced; r++)
             hh[h].fb[r] = hd->forced[r].begin, hh[h].fe[r] = hd->forced[r].end;
-        for (uint32_t j = 0; j < G; j++) {
-            hq[h * G + j] = rq_query(&hd->q[j]);
+        if (!hd->q) { /* prepared on the device, earlier in the stream */
+            hh[h].q = hd->q_dev;
+            continue;
         }
+        hh[h].q = (const struct tkv_rabitq_dev_query *)(dm + b_heads) + (size_t)h * G;
+        for (uint32_t j = 0; j < G; j++)
+            hq[h * G + j] = rq_query(&hd->q[j]);
     }
-    CU(op, cudaMemcpyAsync(dm, hm, up, cudaMemcpyHostToDevice, cb->stream));
+    bool host_q = false;
+    for (uint32_t h = 0; h < H; h++)
+        host_q |= a->heads[h].q != NULL;
+    CU(op, cudaMemcpyAsync(dm, hm, host_q ? up : b_heads, cudaMemcpyHostToDevice, cb->stream));
     uint8_t *out = dm + up + b_state + b_scratch + b_list;
     const struct tkv_cuda_rqs_work w = {dm + up,
                                         (float *)(dm + up + b_state), (uint32_t *)(dm + up + b_state + b_scratch),
@@ -1349,8 +1389,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
                                         (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
                                            a->safe ? 1 : 0};
-    CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)dm, (const struct tkv_cuda_rq_query *)(dm + b_heads),
-                            &w, cb->stream));
+    CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)dm, &w, cb->stream));
     CU(op, cudaMemcpyAsync(hm + up, out, b_out, cudaMemcpyDeviceToHost, cb->stream));
     CU(op, cudaStreamSynchronize(cb->stream));
     const uint8_t *ho = hm + up;
@@ -1733,6 +1772,10 @@ static tkv_status pw_rabitq_select(struct tkv_backend *b, const struct tkv_rabit
 {
     PROF("rabitq_select", prof_row(cb->prof, "rabitq_select", true), cuda_rabitq_select(b, a));
 }
+static tkv_status pw_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a)
+{
+    PROF("rabitq_prepare", prof_row(cb->prof, "rabitq_prepare", true), cuda_rabitq_prepare(b, a));
+}
 static tkv_status pw_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
                                      const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
                                      float *bound)
@@ -1839,6 +1882,7 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.rabitq_encode = cuda_rabitq_encode;
     o.rabitq_estimate = cuda_rabitq_estimate;
     o.rabitq_select = cuda_rabitq_select;
+    o.rabitq_prepare = cuda_rabitq_prepare;
     return o;
 }
 static const struct tkv_backend_ops cuda_ops = cuda_make_ops();
@@ -1872,6 +1916,7 @@ static struct tkv_backend_ops cuda_make_prof_ops(void)
     o.rabitq_encode = pw_rabitq_encode;
     o.rabitq_estimate = pw_rabitq_estimate;
     o.rabitq_select = pw_rabitq_select;
+    o.rabitq_prepare = pw_rabitq_prepare;
     o.profile_read = prof_read;
     o.profile_reset = prof_reset;
     return o;

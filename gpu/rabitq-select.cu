@@ -155,13 +155,13 @@ static __device__ __forceinline__ struct rqs_ptrs pair_ptrs(const struct tkv_cud
 
 /* 1: grid (keys / 256, n_heads) */
 __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
-                             const struct tkv_cuda_rq_query *qs, struct tkv_cuda_rqs_work w)
+                             struct tkv_cuda_rqs_work w)
 {
-    __shared__ struct tkv_cuda_rq_query q[TKV_CUDA_RQS_MAX_G];
+    __shared__ struct tkv_rabitq_dev_query q[TKV_CUDA_RQS_MAX_G];
     const uint32_t h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     const struct tkv_cuda_rqs_head &hd = heads[h];
-    for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_cuda_rq_query) / 4; x += blockDim.x)
-        ((uint32_t *)q)[x] = ((const uint32_t *)(qs + (size_t)h * pp.G))[x];
+    for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
+        ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
     __syncthreads();
     const bool valid = i < hd.n, forced = valid && is_forced(hd, i);
     const struct tkv_cuda_rq_index &ix = hd.ix;
@@ -179,7 +179,7 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
         struct rqs_state *st = (struct rqs_state *)w.state + pair;
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
         if (valid) {
-            const struct tkv_cuda_rq_query &qq = q[j];
+            const struct tkv_rabitq_dev_query &qq = q[j];
             const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est(cw, ix.words, qq, xb, a, t));
             const float d = pp.safe ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a, e, qq)) : 0.0f;
             const float sd = __fadd_rn(s, d);
@@ -576,7 +576,7 @@ __global__ void rqs_whole(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_r
 }
 
 cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_head *heads,
-                             const struct tkv_cuda_rq_query *q, const struct tkv_cuda_rqs_work *w, cudaStream_t s)
+                             const struct tkv_cuda_rqs_work *w, cudaStream_t s)
 {
     if (pp->n_heads == 0 || pp->G == 0 || pp->G > TKV_CUDA_RQS_MAX_G || pp->n_max == 0 ||
         pp->words * 32ull < pp->n_max)
@@ -584,7 +584,7 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
     const uint32_t P = pp->n_heads * pp->G, chunks = tkv_cuda_blocks(pp->n_max, CHUNK);
     const size_t hist_smem = NB * (2 * sizeof(u64) + sizeof(uint32_t));
     TKV_CUDA_TRY(cudaMemsetAsync(w->state, 0, tkv_cuda_rqs_state_bytes(P), s));
-    rqs_estimate<<<dim3(tkv_cuda_blocks(pp->n_max, 256), pp->n_heads), 256, 0, s>>>(*pp, heads, q, *w);
+    rqs_estimate<<<dim3(tkv_cuda_blocks(pp->n_max, 256), pp->n_heads), 256, 0, s>>>(*pp, heads, *w);
     TKV_CUDA_LAUNCHED();
     TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_smem));
     rqs_hist<<<dim3(chunks, P), 512, hist_smem, s>>>(*pp, heads, *w);

@@ -25,6 +25,7 @@
 /* One KV head of the call (device memory, [n_heads]). */
 struct tkv_cuda_rqs_head {
     struct tkv_cuda_rq_index ix;
+    const struct tkv_rabitq_dev_query *q;       /* [G] the head's queries (device memory) */
     uint32_t n, n_forced;                       /* keys 0 .. n-1; forced ranges        */
     uint32_t fb[TKV_CUDA_RQS_MAX_FORCED], fe[TKV_CUDA_RQS_MAX_FORCED]; /* [fb, fe)     */
 };
@@ -48,9 +49,10 @@ struct tkv_cuda_rqs_work {
 /* Bytes of the per-pair state (P pairs). */
 size_t tkv_cuda_rqs_state_bytes(uint32_t P);
 
-/* Queues the selection: heads [n_heads] and q [n_heads * G] in device
- * memory (query j of head h at q[h * G + j]). */
+/* Queues the selection: heads [n_heads] in device memory (query j of head
+ * h at heads[h].q[j], device memory: uploaded with the heads, or prepared
+ * there by tkv_cuda_rq_prepare earlier in the stream). */
 cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_head *heads,
-                             const struct tkv_cuda_rq_query *q, const struct tkv_cuda_rqs_work *w, cudaStream_t s);
+                             const struct tkv_cuda_rqs_work *w, cudaStream_t s);
 
 #endif /* TKV_GPU_RABITQ_SELECT_CUH */

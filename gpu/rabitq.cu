@@ -18,6 +18,34 @@ static __device__ __forceinline__ float rq_fold16(float v)
     return v;
 }
 
+/* y[dim_pad] (the warp's, in shared memory) <- P y: three rounds of signs
+ * and Walsh-Hadamard butterflies (stage h = 1, 2, 4, ... as the host's
+ * rotate), then the scale; every lane calls it, after the warp's writes to
+ * y are ordered before it (a __syncwarp or a shuffle). The key encoder and
+ * the query preparation both rotate here. */
+static __device__ void rq_rotate_warp(float *y, const struct tkv_cuda_rq_index &ix, unsigned lane)
+{
+    const uint32_t D = ix.dim_pad;
+    for (int round = 0; round < 3; round++) {
+        const float *sg = ix.sign + (size_t)round * D;
+        for (uint32_t i = lane; i < D; i += 32)
+            y[i] = __fmul_rn(y[i], sg[i]);
+        __syncwarp();
+        for (uint32_t h = 1; h < D; h <<= 1) { /* stage h: pairs (j, j+h), j in the low half of each 2h run */
+            for (uint32_t b = lane; b < D / 2; b += 32) {
+                const uint32_t j = (b / h) * 2 * h + b % h;
+                const float a = y[j], c = y[j + h];
+                y[j] = __fadd_rn(a, c);
+                y[j + h] = __fsub_rn(a, c);
+            }
+            __syncwarp();
+        }
+    }
+    for (uint32_t i = lane; i < D; i += 32)
+        y[i] = __fmul_rn(y[i], ix.rot_scale);
+    __syncwarp();
+}
+
 /* One warp per key: f16 row -> r = k - c_k -> y = P r (three rounds of signs
  * and Walsh-Hadamard butterflies, then the scale) -> code bits y > 0, and the
  * sums |r|^2, |y|_1, c_q . k, finished into a, e, t in double. Row r of the
@@ -55,24 +83,7 @@ __global__ void rq_encode_kernel(struct tkv_cuda_rq_index ix, const struct tkv_c
         }
     rr = rq_fold16(rr);
     t = rq_fold16(t);
-    for (int round = 0; round < 3; round++) {
-        const float *sg = ix.sign + (size_t)round * D;
-        for (uint32_t i = lane; i < D; i += 32)
-            y[i] = __fmul_rn(y[i], sg[i]);
-        __syncwarp();
-        for (uint32_t h = 1; h < D; h <<= 1) { /* stage h: pairs (j, j+h), j in the low half of each 2h run */
-            for (uint32_t b = lane; b < D / 2; b += 32) {
-                const uint32_t j = (b / h) * 2 * h + b % h;
-                const float a = y[j], c = y[j + h];
-                y[j] = __fadd_rn(a, c);
-                y[j + h] = __fsub_rn(a, c);
-            }
-            __syncwarp();
-        }
-    }
-    for (uint32_t i = lane; i < D; i += 32)
-        y[i] = __fmul_rn(y[i], ix.rot_scale);
-    __syncwarp();
+    rq_rotate_warp(y, ix, lane);
     uint32_t pc = 0;
     uint64_t *code = ix.code + (size_t)(at + r) * ix.words;
     for (uint32_t w = 0; w < ix.words; w++) {
@@ -109,8 +120,119 @@ __global__ void rq_encode_kernel(struct tkv_cuda_rq_index ix, const struct tkv_c
     ix.pc[at + r] = (uint16_t)pc;
 }
 
+/* the first of (v, i) and (w, j): the smaller value (or larger, with max),
+ * of equal ones (+0 and -0 too) the lower index: where the host's
+ * sequential "u[i] < lo ? u[i] : lo" ends */
+static __device__ __forceinline__ void rq_pick(float &v, uint32_t &i, float w, uint32_t j, bool max)
+{
+    if ((max ? w > v : w < v) || (w == v && j < i))
+        v = w, i = j;
+}
+
+/* One warp per query (tkv_rabitq_query_prepare, runtime/rabitq/rabitq.c):
+ * u = q - c_q zero-padded, |u|^2 and q . c_k summed in double in the
+ * host's order (lanes 0 and 1, one sum each; every product of two floats
+ * is exact in double, so the host's contraction cannot change it), u
+ * rotated, lo / hi with the host's choice among equal values, the levels
+ * floor((u - lo) / delta + 0.5) with the same IEEE operations, the planes
+ * by ballots, the scalars in double. */
+__global__ void rq_prepare_kernel(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
+                                  float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad)
+{
+    __shared__ float ys[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM], qs[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM];
+    const unsigned wp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t it = blockIdx.x * RQ_WARPS + wp;
+    if (it >= n) /* the whole warp leaves */
+        return;
+    const struct tkv_cuda_rq_index &ix = items[it].ix;
+    const uint32_t D = ix.dim_pad, dim = ix.dim;
+    const float *row = q + (size_t)items[it].head * head_stride;
+    float *y = ys[wp], *qv = qs[wp];
+    bool fin = true;
+    for (uint32_t i = lane; i < D; i += 32) {
+        const float x = i < dim ? row[i] : 0.0f;
+        fin &= isfinite(x);
+        qv[i] = x;
+        y[i] = i < dim ? __fsub_rn(x, ix.cq[i]) : 0.0f;
+    }
+    __syncwarp();
+    /* lane 0: nn = sum over i < D of u_i^2; lane 1: qck = sum over i < dim
+     * of q_i c_k,i; ascending, one rounding per add as the host's loop */
+    double acc = 0.0;
+    if (lane < 2) {
+        const float *x = lane == 0 ? y : qv, *w = lane == 0 ? y : ix.ck;
+        const uint32_t m = lane == 0 ? D : dim;
+        for (uint32_t i = 0; i < m; i++)
+            acc = __dadd_rn(acc, __dmul_rn((double)x[i], (double)w[i]));
+    }
+    const double nn = __shfl_sync(RQ_FULL, acc, 0), qck = __shfl_sync(RQ_FULL, acc, 1);
+    rq_rotate_warp(y, ix, lane); /* (the shuffles ordered the sums' reads before its writes) */
+    float lo = y[lane], hi = lo;  /* D >= 64: every lane has an element */
+    uint32_t ilo = lane, ihi = lane;
+    for (uint32_t i = lane; i < D; i += 32) {
+        fin &= isfinite(y[i]);
+        rq_pick(lo, ilo, y[i], i, false);
+        rq_pick(hi, ihi, y[i], i, true);
+    }
+#pragma unroll
+    for (int s = 16; s >= 1; s >>= 1) {
+        rq_pick(lo, ilo, __shfl_xor_sync(RQ_FULL, lo, s), __shfl_xor_sync(RQ_FULL, ilo, s), false);
+        rq_pick(hi, ihi, __shfl_xor_sync(RQ_FULL, hi, s), __shfl_xor_sync(RQ_FULL, ihi, s), true);
+    }
+    const float delta = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
+    fin = __all_sync(RQ_FULL, fin && isfinite(delta));
+    struct tkv_rabitq_dev_query *o = &out[it];
+    if (!fin) { /* refused: poisoned (backend.h), as tkv_rabitq_query_poison writes it */
+        const float qnan = __uint_as_float(0x7fc00000u);
+        for (uint32_t x = lane; x < 4 * TKV_CUDA_RQ_MAX_WORDS; x += 32)
+            o->plane[x / TKV_CUDA_RQ_MAX_WORDS][x % TKV_CUDA_RQ_MAX_WORDS] = 0;
+        if (lane == 0) {
+            o->delta = o->vl = o->add = o->norm = o->bound_u = o->bound_w = qnan;
+            o->sum_q = 0;
+            o->eps0 = eps0;
+            o->words = ix.words;
+            o->dim_pad = D;
+            if (bad)
+                atomicMin(bad, it);
+        }
+        return;
+    }
+    int32_t sum = 0;
+    for (uint32_t w = 0; w < TKV_CUDA_RQ_MAX_WORDS; w++) {
+        uint64_t pl[4] = {0, 0, 0, 0};
+        if (w < ix.words)
+            for (uint32_t half = 0; half < 2; half++) {
+                const float u = y[64 * w + 32 * half + lane];
+                int v = delta > 0 ? (int)floorf(__fadd_rn(__fdiv_rn(__fsub_rn(u, lo), delta), 0.5f)) : 0;
+                v = v < 0 ? 0 : v > 15 ? 15 : v;
+                sum += v;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    pl[j] |= (uint64_t)__ballot_sync(RQ_FULL, (v >> j) & 1) << (32 * half);
+            }
+        if (lane == 0)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                o->plane[j][w] = pl[j];
+    }
+    sum = __reduce_add_sync(RQ_FULL, sum); /* integers: any order */
+    if (lane != 0)
+        return;
+    const double e2 = __dmul_rn((double)eps0, (double)eps0);
+    o->delta = delta;
+    o->vl = lo;
+    o->sum_q = sum;
+    o->add = (float)__dsub_rn(qck, items[it].cqck);
+    o->norm = (float)__dsqrt_rn(nn);
+    o->bound_u = (float)__ddiv_rn(__dmul_rn(e2, nn), (double)(D - 1));
+    o->bound_w = (float)__ddiv_rn(__dmul_rn(__dmul_rn(__dmul_rn(e2, (double)delta), (double)delta), (double)D), 12.0);
+    o->eps0 = eps0;
+    o->words = ix.words;
+    o->dim_pad = D;
+}
+
 /* One thread per key: rq_estimate_one (runtime/rabitq/rabitq-impl.h). */
-__global__ void rq_estimate_kernel(struct tkv_cuda_rq_index ix, struct tkv_cuda_rq_query q, uint32_t first,
+__global__ void rq_estimate_kernel(struct tkv_cuda_rq_index ix, struct tkv_rabitq_dev_query q, uint32_t first,
                                    uint32_t n, float *est, float *bound)
 {
     const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -142,7 +264,19 @@ cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct 
     return cudaSuccess;
 }
 
-cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_query *q,
+cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
+                                float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, cudaStream_t s)
+{
+    if (n == 0)
+        return cudaSuccess;
+    if (!(eps0 > 0))
+        return cudaErrorInvalidValue;
+    rq_prepare_kernel<<<tkv_cuda_blocks(n, RQ_WARPS), RQ_WARPS * 32, 0, s>>>(q, head_stride, items, n, eps0, out, bad);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_rabitq_dev_query *q,
                                  uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s)
 {
     if (n == 0)

@@ -33,19 +33,16 @@ struct tkv_cuda_rq_index {
     uint16_t *pc;                 /* [cap]                                                   */
 };
 
-/* A prepared query (tkv_rabitq_query_prepare on the host), by value. */
-struct tkv_cuda_rq_query {
-    uint64_t plane[4][TKV_CUDA_RQ_MAX_WORDS];
-    float delta, vl, add, bound_u, bound_w;
-    int32_t sum_q;
-};
+/* A prepared query is backend.h's struct tkv_rabitq_dev_query (the host's
+ * tkv_rabitq_query_prepare, or tkv_cuda_rq_prepare here), by value. */
+static_assert(TKV_RABITQ_DEV_QUERY_WORDS == TKV_CUDA_RQ_MAX_WORDS, "query planes as wide as the codes can be");
 
 /* One key's estimate and error bound, as tkv_rabitq_estimate computes them
  * (the same products and roundings: bit for bit): cw the key's code words,
  * xb = 2 popcount(code) - dim_pad, a and t its scalars (e for the bound).
  * rq_estimate_kernel and the selection's estimate kernel both use these. */
-__device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t words, const struct tkv_cuda_rq_query &q,
-                                                 int32_t xb, float a, float t)
+__device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t words,
+                                                 const struct tkv_rabitq_dev_query &q, int32_t xb, float a, float t)
 {
     uint32_t ip = 0;
 #pragma unroll
@@ -60,7 +57,7 @@ __device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t wo
     return fmaf(a, x, __fadd_rn(t, q.add));
 }
 
-__device__ __forceinline__ float tkv_cuda_rq_bound(float a, float e, const struct tkv_cuda_rq_query &q)
+__device__ __forceinline__ float tkv_cuda_rq_bound(float a, float e, const struct tkv_rabitq_dev_query &q)
 {
     return __fsqrt_rn(fmaf(__fmul_rn(e, e), q.bound_u, __fmul_rn(__fmul_rn(a, a), q.bound_w)));
 }
@@ -84,9 +81,29 @@ cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct 
                                uint32_t n_spans, uint32_t n_rows, size_t row_stride, uint32_t at, uint32_t *bad,
                                cudaStream_t s);
 
+/* One query to prepare (device memory, a table of n): query head `head`
+ * of the call's q, for index ix (its rotation and centroids; cqck = c_q . c_k). */
+struct tkv_cuda_rq_prep {
+    struct tkv_cuda_rq_index ix;
+    double cqck;
+    uint32_t head;
+    uint32_t pad_;
+};
+
+/* out[i] = query head items[i].head (f32 row q + head * head_stride)
+ * prepared as tkv_rabitq_query_prepare prepares it, bit for bit (one warp
+ * per query: the encoder's rotation, the double sums in the host's order,
+ * the 4-bit levels with the host's roundings); a query the host refuses (not
+ * finite, or its rotation overflowing) is written poisoned (backend.h:
+ * struct tkv_rabitq_dev_query) and lowers *bad (device, set to UINT32_MAX
+ * by the caller first; NULL: not reported) to its i. eps0 > 0 (the caller maps 0 to the
+ * default). Queued on s. */
+cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
+                                float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, cudaStream_t s);
+
 /* est[i] (and bound[i] unless bound is NULL), device memory, for keys
  * first .. first+n-1. */
-cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_cuda_rq_query *q,
+cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_rabitq_dev_query *q,
                                  uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s);
 
 #endif /* TKV_GPU_RABITQ_CUH */

@@ -110,9 +110,51 @@ struct tkv_rabitq_dev {
     float    rot_scale;
     const float *sign;            /* [3, dim_pad]                                */
     const float *ck, *cq;         /* [dim_pad] centroids                         */
+    double   cqck;                /* c_q . c_k (host value; rabitq_prepare's add) */
     uint64_t *code;               /* [cap, words]                                */
     float    *a, *e, *t;          /* [cap]                                       */
     uint16_t *pc;                 /* [cap]                                       */
+};
+
+/* A prepared query in backend memory: what rabitq_prepare writes and
+ * rabitq_select reads. Its fields, in this order and with these bytes, are
+ * the first ones of struct tkv_rabitq_query (runtime/rabitq/rabitq.h; the
+ * host's ix and gen follow there), and rabitq_prepare writes the bytes
+ * tkv_rabitq_query_prepare writes (planes past `words` zero). A query that
+ * tkv_rabitq_query_prepare refuses (q not finite, or its rotation
+ * overflowing) is written poisoned instead: planes and sum_q 0, delta, vl,
+ * add, norm, bound_u and bound_w the quiet NaN 0x7fc00000 (every estimate
+ * with it is NaN, so rabitq_select reads its head whole), eps0, words and
+ * dim_pad as for any query. */
+#define TKV_RABITQ_DEV_QUERY_WORDS 8 /* = TKV_RABITQ_MAX_WORDS */
+struct tkv_rabitq_dev_query {
+    uint64_t plane[4][TKV_RABITQ_DEV_QUERY_WORDS];
+    float    delta, vl;
+    int32_t  sum_q;
+    float    add, norm, bound_u, bound_w, eps0;
+    uint32_t words, dim_pad;
+};
+
+/* One layer's queries prepared on the backend (rabitq_prepare), straight
+ * from the step's q in backend memory: item i is query head items[i].head,
+ * f32 row q + head * head_stride (ix->dim values), prepared for index twin
+ * items[i].ix as tkv_rabitq_query_prepare(host index, row, eps0) prepares it
+ * (bit-identical), written to out[i]. */
+struct tkv_rabitq_prepare_item {
+    const struct tkv_rabitq_dev *ix; /* the twin (its rotation, centroids, cqck) */
+    uint32_t head;                   /* query head: the row of q                  */
+};
+struct tkv_rabitq_prepare_args {
+    const float *q;                             /* backend memory                        */
+    size_t   head_stride;                       /* floats from one head's row to the next */
+    const struct tkv_rabitq_prepare_item *items; /* host [n]                              */
+    uint32_t n;
+    float    eps0;                              /* >= 0, 0: TKV_RABITQ_EPS0              */
+    struct tkv_rabitq_dev_query *out;           /* backend memory [n]                    */
+    /* backend memory, or NULL: set to the first i whose query was refused
+     * (poisoned), else UINT32_MAX; valid once the queued work has run (the
+     * caller reads it at its next wait, e.g. with rabitq_select's results) */
+    uint32_t *bad;
 };
 
 /* n consecutive keys' f16 rows in backend memory, row r at k + r * row_stride
@@ -136,7 +178,11 @@ struct tkv_rabitq_span {
 #define TKV_RABITQ_SELECT_MAX_N      (1u << 23) /* keys per head (fixed-point sums stay < 2^64) */
 struct tkv_rabitq_select_head {
     const struct tkv_rabitq_dev   *ix; /* the head's twin (arrays in backend memory) */
-    const struct tkv_rabitq_query *q;  /* host [G]: the group's prepared queries      */
+    const struct tkv_rabitq_query *q;  /* host [G]: the group's prepared queries, or
+                                          NULL with q_dev                             */
+    const struct tkv_rabitq_dev_query *q_dev; /* backend [G]: the queries prepared on the
+                                          backend for this twin (rabitq_prepare), read
+                                          in stream order; used when q is NULL        */
     uint32_t n;                        /* keys 0 .. n-1, position = key index, >= 1   */
     uint32_t n_forced;                 /* <= TKV_RABITQ_SELECT_MAX_FORCED              */
     struct tkv_rabitq_select_range { uint32_t begin, end; } forced[TKV_RABITQ_SELECT_MAX_FORCED];
@@ -321,6 +367,12 @@ struct tkv_backend_ops {
     /* optional (NULL on the CPU backend, whose policies select on the
      * host): the selection above for one layer in one call, one wait. */
     tkv_status (*rabitq_select)(struct tkv_backend *b, const struct tkv_rabitq_select_args *a);
+    /* optional (NULL on the CPU backend, whose policies prepare on the
+     * host): one layer's queries prepared from backend memory (struct
+     * tkv_rabitq_prepare_args), queued, no wait; a refused query is
+     * poisoned and reported through a->bad, not by the status (which
+     * covers the arguments and the device only). */
+    tkv_status (*rabitq_prepare)(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a);
     /* Op profile: non-NULL only while the backend profiles its ops (CUDA:
      * TKV_CUDA_PROFILE=1 when it is created; docs/gpu.md). profile_read
      * waits for the queued work and fills *out with the totals since the

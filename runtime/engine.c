@@ -389,13 +389,23 @@ static void account_read(tkv_session *s, const struct tkv_kv_block_ref *refs, ui
     s->read_count++;
 }
 
+/* Whether layer_forward copies a decode step's query to s->q_step for the
+ * policy: on a device backend, for a policy that reads it on the host. */
+static bool query_to_host(const tkv_session *s)
+{
+    const struct tkv_policy_ops *po = s->policy->ops;
+    return s->in_decode && !s->be_host && po->decode_reads_query &&
+           (!po->decode_query_host || po->decode_query_host(s->policy->state));
+}
+
 /* The policy's view of `layer` for the n queries in s->q (kv: NULL or the
  * layer's head views). A decode step's query is in host memory for a policy
- * that reads it (layer_forward copied it to s->q_step on a device backend). */
+ * that reads it there (layer_forward copied it to s->q_step on a device
+ * backend). */
 static struct tkv_policy_view policy_view(const tkv_session *s, uint32_t layer, uint32_t n,
                                           const struct tkv_kv_head_view *kv)
 {
-    const bool copied = s->in_decode && !s->be_host && s->policy->ops->decode_reads_query;
+    const bool copied = query_to_host(s);
     return (struct tkv_policy_view){.layer = layer, .n_past = s->n_past + n, .n_prompt = s->n_prompt,
                                     .step = s->step, .prefill_end = s->prefill_end, .q = copied ? s->q_step : s->q,
                                     .q_host = copied || s->be_host, .q_pos = s->pos, .n_q = n, .kv = kv,
@@ -611,7 +621,7 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
         TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
         TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
     }
-    if (s->in_decode && !s->be_host && s->policy->ops->decode_reads_query) /* the policy reads the query */
+    if (query_to_host(s)) /* the policy reads the query on the host */
         TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
     int plan[256];
     const bool planned = Hkv <= 256 && plan_decode(s, l, plan);
@@ -664,7 +674,7 @@ static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a
     const struct tkv_backend_ops *ops = s->be->ops;
     struct tkv_backend *be = s->be;
     const uint32_t H = a->n_head, hd = a->head_dim;
-    if (!s->policy->ops->decode_reads_query) /* else layer_forward brought it down already */
+    if (!query_to_host(s)) /* else layer_forward brought it down already */
         TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
     struct tkv_attn_args dev = *a;
     dev.lse = s->lse_dev;

@@ -56,7 +56,9 @@ struct tkv_session {
     bool have_logits;
     int32_t *pos;    /* host [chunk]                                      */
     float *q_step;   /* host [H*hd]: a decode step's query, for policies that
-                        read it (decode_reads_query) on a device backend   */
+                        read it on the host (decode_reads_query and
+                        decode_query_host) on a device backend, and for the
+                        CPU half of a split attention                      */
     struct tkv_kv_head_view *views;   /* host [Hkv]                       */
     struct tkv_kv_block_ref *sel_refs;/* host [Hkv][max_refs] policy-selected block slices */
     uint32_t max_blocks;              /* blocks per head of the whole context */

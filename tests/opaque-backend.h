@@ -206,6 +206,7 @@ static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq
         ix[h] = untag_rabitq(a->heads[h].ix);
         hd[h] = a->heads[h];
         hd[h].ix = &ix[h];
+        hd[h].q_dev = U(a->heads[h].q_dev);
     }
     struct tkv_rabitq_select_args c = *a;
     c.heads = hd;
@@ -214,12 +215,38 @@ static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq
     return tkv_rabitq_host_select(&c);
 }
 
+/* rabitq_prepare through the host reference, an item at a time (its twin
+ * untagged): the queries stay in the opaque memory, so the policies'
+ * device-prepared path runs here too. */
+static uint64_t opaque_prepare_calls;
+static tkv_status o_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a)
+{
+    (void)b;
+    uint32_t *bad = U(a->bad);
+    if (bad)
+        *bad = UINT32_MAX;
+    opaque_rabitq_calls++;
+    opaque_prepare_calls++;
+    for (uint32_t i = 0; i < a->n; i++) {
+        const struct tkv_rabitq_dev ix = untag_rabitq(a->items[i].ix);
+        const struct tkv_rabitq_prepare_item it = {&ix, a->items[i].head};
+        uint32_t one_bad;
+        const struct tkv_rabitq_prepare_args c = {.q = U(a->q), .head_stride = a->head_stride, .items = &it, .n = 1,
+                                                  .eps0 = a->eps0, .out = U(a->out) + i, .bad = &one_bad};
+        TKV_TRY(tkv_rabitq_host_prepare(&c));
+        if (bad && one_bad != UINT32_MAX && *bad == UINT32_MAX)
+            *bad = i;
+    }
+    return TKV_OK;
+}
+
 static const struct tkv_backend_ops opaque_ops = {
     .name = "opaque", .free = o_free, .alloc = o_alloc, .release = o_release, .upload = o_upload,
     .download = o_download, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
     .get_rows = o_get_rows, .matmul = o_matmul, .rmsnorm = o_rmsnorm, .rope = o_rope, .swiglu = o_swiglu,
     .add = o_add, .kv_write = o_kv_write, .attention = o_attention, .attn_stats = o_attn_stats,
-    .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate, .rabitq_select = o_rabitq_select};
+    .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate, .rabitq_select = o_rabitq_select,
+    .rabitq_prepare = o_rabitq_prepare};
 
 static tkv_status opaque_create(const char *device, uint32_t n_threads, struct tkv_backend **out)
 {

@@ -11,6 +11,16 @@
  * non-finite keys in its middle names the first (key, span, row) and keeps
  * nothing (tests/rabitq-spans.h).
  *
+ * rabitq_prepare (a layer's queries prepared on the device from device q)
+ * writes tkv_rabitq_query_prepare's bytes for every query, D = 64, 96, 128,
+ * 256 and 512, three rounds of fresh inputs each, against the scalar and
+ * the best SIMD host kernels: gaussian queries of many scales, q = c_q,
+ * tied and one-hot q - c_q; a NaN, an inf and an overflowing query come
+ * back poisoned and reported; rabitq_select fed by the device's queries
+ * selects exactly (bitmap, n_chosen, mass) what it selects from the
+ * host's, and reads a group with a refused query whole
+ * (tests/rabitq-prepare.h).
+ *
  * rabitq_select (one layer's top-p on the device, docs/rabitq.md "Device
  * top-p"), on random, peaked, flat (every estimate equal) and tied (4
  * distinct keys) indexes of 1 .. 200K keys, plain and safe, 0-4 forced
@@ -27,6 +37,7 @@
  * a CUDA device.
  */
 #include "test.h"
+#include "rabitq-prepare.h"
 #include "rabitq-spans.h"
 
 #include "runtime/backend.h"
@@ -404,6 +415,16 @@ int main(void)
         if (best != TKV_RABITQ_ISA_SCALAR)
             check_spans(be, dims[i], best, &rng);
     }
+    REQUIRE(be->ops->rabitq_prepare, "the CUDA backend has no rabitq_prepare");
+    const uint32_t prep_dims[] = {64, 96, 128, 256, 512};
+    for (size_t i = 0; i < sizeof prep_dims / sizeof *prep_dims; i++)
+        for (int round = 0; round < 3; round++) { /* fresh indexes, centroids and queries each round */
+            check_prepare(be, prep_dims[i], TKV_RABITQ_ISA_SCALAR, &rng);
+            if (tkv_rabitq_isa_supported(TKV_RABITQ_ISA_AVX512))
+                check_prepare(be, prep_dims[i], TKV_RABITQ_ISA_AVX512, &rng);
+            else if (tkv_rabitq_isa_supported(TKV_RABITQ_ISA_AVX2))
+                check_prepare(be, prep_dims[i], TKV_RABITQ_ISA_AVX2, &rng);
+        }
     test_select();
     be->ops->free(be);
     return test_done();

@@ -201,7 +201,8 @@ static bool drive(const struct pspec *ps, enum route r, struct tkv_backend *be, 
     for (uint32_t i = 0; i < NDEC && po->decode_select; i++) {
         const uint32_t n = PROMPT + i + 1;
         for (uint32_t l = 0; l < PL; l++) {
-            const bool q_host = !dev || po->decode_reads_query;
+            const bool q_host = !dev || (po->decode_reads_query && (!po->decode_query_host ||
+                                                                    po->decode_query_host(p->state)));
             struct tkv_policy_view v = {.layer = l, .n_past = n, .n_prompt = PROMPT, .step = i,
                                         .prefill_end = PROMPT,
                                         .q = (q_host ? in->q : in->q_dev) + ((size_t)l * PN + n - 1) * PQD,
@@ -279,7 +280,7 @@ static void test_routes(void)
         {"streaming:budget=200", R_NONE},
     };
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
-        struct log lg[4] = {{0}};
+        struct log lg[5] = {{0}};
         const uint64_t calls0 = opaque_stats_calls + opaque_rabitq_calls;
         struct tkv_policy *p = NULL;
         const struct tkv_policy_env env = {.n_layer = PL, .n_head = PH, .n_head_kv = PHKV, .head_dim = PHD,
@@ -287,13 +288,26 @@ static void test_routes(void)
         REQUIRE_VOID(tkv_policy_create(specs[i].spec, &env, &p) == TKV_OK);
         const bool reads_keys = p->ops->reads_keys; /* the engine refuses those on the opaque backend */
         tkv_policy_free(p);
-        const uint64_t sel0 = opaque_select_calls, enc0 = opaque_encode_calls, spans0 = opaque_encode_spans;
+        const uint64_t sel0 = opaque_select_calls, enc0 = opaque_encode_calls, spans0 = opaque_encode_spans,
+                       prep0 = opaque_prepare_calls;
+        const bool rq = strstr(specs[i].spec, "rabitq") != NULL;
+        /* the RaBitQ policies: a NaN in query head 1 (KV head 0, the Rigid
+         * one) of layer 1 at decode step NAN_STEP, refused by the host's and
+         * the device's preparation alike: that KV head reads everything */
+        enum { NAN_STEP = 5 };
+        const size_t nan_at = ((size_t)1 * PN + PROMPT + NAN_STEP) * PQD + 1 * PHD + 7;
+        const float q_saved = in.q[nan_at];
+        if (rq) {
+            in.q[nan_at] = NAN;
+            REQUIRE_VOID(opq->ops->upload(opq, in.q_dev + nan_at, &in.q[nan_at], sizeof(float)) == TKV_OK);
+        }
         for (int r = HOST; r <= (reads_keys ? CPU_OP : OPAQUE); r++)
             drive(&specs[i], (enum route)r, r == CPU_OP ? cpu : opq, &in, &lg[r]);
-        const bool rq = strstr(specs[i].spec, "rabitq") != NULL;
         if (rq) { /* the RaBitQ policies: the opaque route above selected through rabitq_select (one call
                      per layer); again with per-head estimates downloaded and top-p on the host */
             CHECK(opaque_select_calls > sel0, "%s: rabitq_select was not used", specs[i].spec);
+            /* ... with the queries prepared by rabitq_prepare from the opaque q */
+            CHECK(opaque_prepare_calls > prep0, "%s: rabitq_prepare was not used", specs[i].spec);
             /* the prompt's keys go to a twin in one encode call over its blocks, not one call per block */
             CHECK(opaque_encode_spans - spans0 > opaque_encode_calls - enc0,
                   "%s: %llu rabitq_encode calls carried %llu spans: one call per block", specs[i].spec,
@@ -303,13 +317,36 @@ static void test_routes(void)
             drive(&specs[i], OPAQUE, opq, &in, &lg[3]);
             unsetenv("TKV_RABITQ_DEVICE_TOPP");
             CHECK(opaque_select_calls == sel1, "%s: TKV_RABITQ_DEVICE_TOPP=0 still used rabitq_select", specs[i].spec);
+            /* and with rabitq_select fed by the host's prepared queries */
+            setenv("TKV_RABITQ_DEVICE_QPREP", "0", 1);
+            const uint64_t prep1 = opaque_prepare_calls, sel2 = opaque_select_calls;
+            drive(&specs[i], OPAQUE, opq, &in, &lg[4]);
+            unsetenv("TKV_RABITQ_DEVICE_QPREP");
+            CHECK(opaque_prepare_calls == prep1 && opaque_select_calls > sel2,
+                  "%s: TKV_RABITQ_DEVICE_QPREP=0 still used rabitq_prepare, or not rabitq_select", specs[i].spec);
         }
-        for (int r = CPU_OP; r <= 3; r++) {
+        if (rq) { /* the NaN step's record of (layer 1, KV head 0): "everything" */
+            in.q[nan_at] = q_saved;
+            REQUIRE_VOID(opq->ops->upload(opq, in.q_dev + nan_at, &in.q[nan_at], sizeof(float)) == TKV_OK);
+            uint32_t seen = 0;
+            int m_nan = 0;
+            for (size_t j = 0; j + 1 < lg[HOST].n;) {
+                const int m = (int)lg[HOST].v[j + 1];
+                if (lg[HOST].v[j] == (2u << 24 | 1u << 16 | 0u) && seen++ == NAN_STEP)
+                    m_nan = m;
+                j += 2 + (m > 0 ? 2 * (size_t)m : 0);
+            }
+            CHECK(m_nan == -1, "%s: a NaN query: layer 1 head 0 selected %d ranges, not everything", specs[i].spec,
+                  m_nan);
+        }
+        static const char *const extra_name[] = {"opaque backend without rabitq_select",
+                                                 "opaque backend with host-prepared queries"};
+        for (int r = CPU_OP; r <= 4; r++) {
             if (!lg[r].n)
                 continue;
             CHECK(lg[r].n == lg[HOST].n && !memcmp(lg[r].v, lg[HOST].v, lg[r].n * sizeof *lg[r].v),
                   "%s: the selections through the %s differ from the host's (%zu vs %zu words)", specs[i].spec,
-                  r == 3 ? "opaque backend without rabitq_select" : route_name[r], lg[r].n, lg[HOST].n);
+                  r >= 3 ? extra_name[r - 3] : route_name[r], lg[r].n, lg[HOST].n);
         }
         /* the selections restrict something (a test of equal "everything" proves little) */
         uint32_t restricted = 0;
@@ -322,7 +359,7 @@ static void test_routes(void)
                 specs[i].spec, lg[HOST].n, restricted,
                 (unsigned long long)(opaque_stats_calls + opaque_rabitq_calls - calls0));
         CHECK(restricted > 0, "%s: nothing was restricted", specs[i].spec);
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < 5; r++)
             free(lg[r].v);
     }
     opq->ops->release(opq, in.k_dev);

@@ -11,7 +11,11 @@
  * rule; bad input refused with a status. The batched encode of the device
  * twin (dev_append_spans: many spans in one rabitq_encode call) on the CPU
  * backend equals per-span appends and the host index byte for byte, and
- * names the first non-finite key of a call (tests/rabitq-spans.h).
+ * names the first non-finite key of a call (tests/rabitq-spans.h). The
+ * rabitq_prepare op's host reference (tkv_rabitq_host_prepare) writes
+ * tkv_rabitq_query_prepare's bytes for every query of a layer, poisons and
+ * reports the refused ones, and rabitq_select's reference selects alike
+ * from them and from host-prepared queries (tests/rabitq-prepare.h).
  */
 #include "test.h"
 
@@ -19,6 +23,7 @@
 #include "runtime/session.h"
 #include "runtime/tkv-impl.h"
 
+#include "rabitq-prepare.h"
 #include "rabitq-spans.h"
 
 #include <stdlib.h>
@@ -830,11 +835,14 @@ static void test_spans_cpu(void)
 {
     struct tkv_backend *be = NULL;
     REQUIRE_VOID(tkv_backend_create("cpu", 1, &be) == TKV_OK);
-    const uint32_t dims[] = {64, 96, 128, 256};
+    const uint32_t dims[] = {64, 96, 128, 256, 512};
     for (size_t i = 0; i < sizeof dims / sizeof *dims; i++)
         for (int isa = 0; isa < TKV_RABITQ_ISA_COUNT; isa++)
-            if (tkv_rabitq_isa_supported((enum tkv_rabitq_isa)isa))
-                check_spans(be, dims[i], (enum tkv_rabitq_isa)isa, &rng);
+            if (tkv_rabitq_isa_supported((enum tkv_rabitq_isa)isa)) {
+                if (dims[i] <= 256)
+                    check_spans(be, dims[i], (enum tkv_rabitq_isa)isa, &rng);
+                check_prepare(be, dims[i], (enum tkv_rabitq_isa)isa, &rng); /* the CPU backend: the op's reference */
+            }
     be->ops->free(be);
 }
 

@@ -78,6 +78,13 @@ struct tkv_policy_ops {
     /* decode_select reads the step's query itself (v->q): the engine hands
      * it over in host memory (q_host) on every backend */
     bool decode_reads_query;
+    /* Optional, with decode_reads_query: false when decode_select reads the
+     * step's query in backend memory instead (v->q left there, q_host
+     * false: it hands it to backend ops such as rabitq_prepare), so the
+     * engine does not bring it to the host, a wait per layer. NULL: true.
+     * Asked per layer of a decode step; the answer must not change within
+     * a step. */
+    bool (*decode_query_host)(void *state);
     /* the hooks read the keys (v->kv's blocks) themselves, so they need them
      * in host memory: the engine refuses the policy on a device backend */
     bool reads_keys;

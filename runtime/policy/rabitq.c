@@ -34,9 +34,12 @@
  * host: the index's codes live beside them as a device twin
  * (tkv_rabitq_dev_*: the backend's rabitq ops encode and estimate, bit for
  * bit as the CPU kernels), the prompt-key mean is taken over downloaded
- * blocks once after the prefill, and each step downloads the estimates for
- * the host's top-p. The host index then holds only the rotation and the
- * centroids, and prepares the queries.
+ * blocks once after the prefill, and each layer of a step is selected on
+ * the device in one call (rabitq_select; without it, per head the estimates
+ * come down for the host's top-p). The host index then holds only the
+ * rotation and the centroids; it prepares the queries, unless the backend
+ * prepares them itself from the step's q in its memory (rabitq_prepare,
+ * bit for bit the host's): then q never comes to the host.
  *
  * Parameters: p (0.9, in (0, 1]), safe (1), eps (3, the bound's width eps0,
  * > 0), sink (64), recent (64), batch (64), dense (2: layers below it are
@@ -84,6 +87,13 @@ struct rabitq {
     uint32_t c_layer, c_n_past, c_step;    /* what the cache holds                          */
     const float *c_q;
     bool c_valid;
+    uint32_t *n_chosen;                    /* [n_head_kv * G] rabitq_select's per query head */
+    /* with dev_sel, the queries prepared on the device too (the backend's
+     * rabitq_prepare; off with TKV_RABITQ_DEVICE_QPREP=0): from the step's q
+     * in backend memory, which then stays there (rq_query_host) */
+    bool dev_prep;
+    struct tkv_rabitq_dev_query *qd;       /* backend [n_head_kv * G] the layer's queries   */
+    struct tkv_rabitq_prepare_item *items; /* [n_head_kv * G]                               */
 };
 
 static const char *const rq_keys[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", NULL};
@@ -101,10 +111,12 @@ static void rq_destroy(void *state)
     if (r->be) {
         r->be->ops->release(r->be, r->est_dev);
         r->be->ops->release(r->be, r->bound_dev);
+        if (r->qd)
+            r->be->ops->release(r->be, r->qd);
     }
     free(r->ix), free(r->dx), free(r->kbuf), free(r->spans), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
         free(r->mark);
-    free(r->qs), free(r->sh), free(r->bitmap), free(r->slot), free(r->sel_n);
+    free(r->qs), free(r->sh), free(r->bitmap), free(r->slot), free(r->sel_n), free(r->n_chosen), free(r->items);
     free(r);
 }
 
@@ -254,8 +266,17 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
         r->bitmap = malloc((size_t)H * r->words * sizeof *r->bitmap);
         r->slot = malloc(H * sizeof *r->slot);
         r->sel_n = malloc(H * sizeof *r->sel_n);
-        if (!r->qs || !r->sh || !r->bitmap || !r->slot || !r->sel_n)
+        r->n_chosen = malloc((size_t)H * G * sizeof *r->n_chosen);
+        if (!r->qs || !r->sh || !r->bitmap || !r->slot || !r->sel_n || !r->n_chosen)
             return tkv_err(TKV_ERR_NOMEM, "rabitq: out of memory");
+        const char *env_prep = getenv("TKV_RABITQ_DEVICE_QPREP");
+        if (be->ops->rabitq_prepare && !(env_prep && !strcmp(env_prep, "0"))) {
+            r->items = malloc((size_t)H * G * sizeof *r->items);
+            if (!r->items)
+                return tkv_err(TKV_ERR_NOMEM, "rabitq: out of memory");
+            TKV_TRY(be->ops->alloc(be, (size_t)H * G * sizeof *r->qd, (void **)&r->qd));
+            r->dev_prep = true;
+        }
     }
     TKV_TRY(be->ops->alloc(be, n * sizeof(float), (void **)&r->est_dev));
     return be->ops->alloc(be, n * sizeof(float), (void **)&r->bound_dev);
@@ -397,14 +418,20 @@ static bool catch_up(struct rabitq *r, const struct tkv_policy_view *v, uint32_t
     return true;
 }
 
+/* Whether v->q is in host memory (be NULL: everything is). */
+static bool q_in_host(const struct tkv_policy_view *v) { return v->q_host || !v->be; }
+
 /* The layer's selection on the device, one call for every KV head that
- * selects (rabitq_select): the queries prepared here, the union of each
- * head's G query heads comes back as a bitmap. Fills r->slot / sel_n. */
+ * selects (rabitq_select): the queries prepared on the device from v->q
+ * (rabitq_prepare, queued: no wait) where it is in backend memory, else
+ * here; the union of each head's G query heads comes back as a bitmap.
+ * Fills r->slot / sel_n. */
 static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
 {
     const uint32_t H = r->env.n_head_kv, hd = r->env.head_dim, G = r->env.n_head / H;
     const size_t QD = (size_t)r->env.n_head * hd;
     const float *q = v->q + (size_t)(v->n_q - 1) * QD; /* this step's query */
+    const bool prep = r->dev_prep && !q_in_host(v);
     uint32_t ns = 0;
     for (uint32_t g = 0; g < H; g++) {
         const size_t i = (size_t)v->layer * H + g;
@@ -417,14 +444,21 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
             continue;
         bool ok = true;
         for (uint32_t hh = 0; hh < G && ok; hh++)
-            ok = tkv_rabitq_query_prepare(r->ix[i], q + (size_t)(g * G + hh) * hd, r->eps, &r->qs[(size_t)ns * G + hh]) ==
-                 TKV_OK;
+            if (prep) /* (a refused query comes back poisoned: n_chosen = UINT32_MAX below) */
+                r->items[(size_t)ns * G + hh] = (struct tkv_rabitq_prepare_item){tkv_rabitq_dev_arrays(r->dx[i]),
+                                                                                 g * G + hh};
+            else
+                ok = tkv_rabitq_query_prepare(r->ix[i], q + (size_t)(g * G + hh) * hd, r->eps,
+                                              &r->qs[(size_t)ns * G + hh]) == TKV_OK;
         if (!ok)
             continue; /* a non-finite query: read everything */
         struct tkv_rabitq_select_head *s = &r->sh[ns];
         memset(s, 0, sizeof *s);
         s->ix = tkv_rabitq_dev_arrays(r->dx[i]);
-        s->q = &r->qs[(size_t)ns * G];
+        if (prep)
+            s->q_dev = r->qd + (size_t)ns * G;
+        else
+            s->q = &r->qs[(size_t)ns * G];
         s->n = n;
         s->n_forced = nf;
         for (uint32_t f = 0; f < nf; f++)
@@ -435,13 +469,24 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
     }
     if (ns == 0)
         return;
+    const struct tkv_rabitq_prepare_args pa = {.q = q, .head_stride = hd, .items = r->items, .n = ns * G,
+                                               .eps0 = r->eps, .out = r->qd};
     const struct tkv_rabitq_select_args a = {
         .heads = r->sh, .n_heads = ns, .G = G, .p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
         .safe = r->safe != 0, .whole = r->whole ? (r->env.block_tokens ? r->env.block_tokens : 64) : 0,
-        .bitmap = r->bitmap, .words = r->words};
-    if (r->be->ops->rabitq_select(r->be, &a) != TKV_OK)
+        .bitmap = r->bitmap, .words = r->words, .n_chosen = r->n_chosen};
+    if ((prep && r->be->ops->rabitq_prepare(r->be, &pa) != TKV_OK) || r->be->ops->rabitq_select(r->be, &a) != TKV_OK) {
         for (uint32_t g = 0; g < H; g++)
             r->slot[g] = -1; /* read everything this step */
+        return;
+    }
+    /* a query head whose estimates are not finite (its query refused on the
+     * device, or overflowing scalars): the head reads everything, as on the
+     * host path */
+    for (uint32_t g = 0; g < H; g++)
+        for (uint32_t hh = 0; r->slot[g] >= 0 && hh < G; hh++)
+            if (r->n_chosen[(size_t)r->slot[g] * G + hh] == UINT32_MAX)
+                r->slot[g] = -1;
 }
 
 /* rq_decode with the selection on the device: the layer's call at its first
@@ -490,8 +535,8 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
     if (!r->ready[i])
         return -1;
     struct tkv_rabitq *ix = r->ix[i];
-    if (!catch_up(r, v, head, i))
-        return -1;
+    if (!q_in_host(v) || !catch_up(r, v, head, i))
+        return -1; /* (the query left in backend memory is only for the device path) */
     struct tkv_range forced[2];
     uint32_t n, n_forced;
     if (!head_plan(r, v, i, &n, forced, &n_forced))
@@ -540,18 +585,24 @@ static size_t rq_memory(void *state)
     const struct rabitq *r = state;
     size_t bytes = sizeof *r + r->work_bytes + (size_t)r->env.n_ctx * (2 * sizeof(float) + sizeof(uint32_t) + 1);
     if (r->dev_sel)
-        bytes += (size_t)r->env.n_head * sizeof *r->qs +
+        bytes += (size_t)r->env.n_head * (sizeof *r->qs + sizeof *r->n_chosen) +
                  r->env.n_head_kv * (sizeof *r->sh + r->words * sizeof *r->bitmap + sizeof *r->slot + sizeof *r->sel_n);
+    if (r->dev_prep) /* (qd is backend memory, counted as the twins' arrays are) */
+        bytes += (size_t)r->env.n_head * (sizeof *r->items + sizeof *r->qd);
     for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++)
         bytes += tkv_rabitq_bytes(r->ix[i]) + tkv_rabitq_dev_bytes(r->dx[i]) + sizeof r->ix[i] + sizeof r->dx[i] +
                  2 * sizeof(bool);
     return bytes;
 }
 
+/* The step's query stays in backend memory when the queries are prepared there. */
+static bool rq_query_host(void *state) { return !((const struct rabitq *)state)->dev_prep; }
+
 const struct tkv_policy_ops tkv_policy_rabitq = {
     .name = "rabitq",
     .help = "RaBitQ top-p at decode: p=0.9, safe=1, eps=3, sink=64, recent=64, batch=64, dense=2, whole=0",
     .decode_reads_query = true,
+    .decode_query_host = rq_query_host,
     .needs_rabitq_ops = true, /* the index is built and grown where the keys are */
     .create = rq_create,
     .destroy = rq_destroy,
@@ -647,6 +698,8 @@ static bool er_needs_keys(void *state, const struct tkv_policy_view *v)
     return rq_needs_keys(((struct entropy_rabitq *)state)->rq, v);
 }
 
+static bool er_query_host(void *state) { return rq_query_host(((struct entropy_rabitq *)state)->rq); }
+
 static void er_reset(void *state)
 {
     struct entropy_rabitq *c = state;
@@ -669,6 +722,7 @@ const struct tkv_policy_ops tkv_policy_entropy_rabitq = {
             "entropy's prefill parameters)",
     .changes_prefill = true,
     .decode_reads_query = true,
+    .decode_query_host = er_query_host,
     .needs_rabitq_ops = true,
     .create = er_create,
     .destroy = er_destroy,

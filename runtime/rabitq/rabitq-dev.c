@@ -6,6 +6,8 @@
 
 #include <stdlib.h>
 
+_Static_assert(TKV_RABITQ_DEV_QUERY_WORDS == TKV_RABITQ_MAX_WORDS, "device query planes as wide as the host's");
+
 struct tkv_rabitq_dev_index {
     struct tkv_backend *be;
     const struct tkv_rabitq *host; /* prepares the queries; its rotation and centroids */
@@ -51,7 +53,8 @@ tkv_status tkv_rabitq_dev_create(struct tkv_backend *be, const struct tkv_rabitq
     d->gen = ix->gen;
     d->cap = cap;
     d->d = (struct tkv_rabitq_dev){.dim = ix->dim, .dim_pad = ix->dim_pad, .words = ix->words,
-                                   .rot_scale = ix->rot_scale, .sign = (const float *)(m + off[0]),
+                                   .rot_scale = ix->rot_scale, .cqck = ix->cqck,
+                                   .sign = (const float *)(m + off[0]),
                                    .ck = (const float *)(m + off[1]), .cq = (const float *)(m + off[2]),
                                    .code = (uint64_t *)(m + off[3]), .a = (float *)(m + off[4]),
                                    .e = (float *)(m + off[5]), .t = (float *)(m + off[6]),
@@ -138,7 +141,7 @@ tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a)
     uint32_t n_max = 0;
     for (uint32_t h = 0; h < a->n_heads; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
-        if (!hd->ix || !hd->q || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
+        if (!hd->ix || (!hd->q && !hd->q_dev) || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
             hd->n_forced > TKV_RABITQ_SELECT_MAX_FORCED)
             return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: head %u: %u keys, %u forced ranges", h, hd->n,
                            hd->n_forced);
@@ -166,7 +169,10 @@ tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a)
                                                   .pos0 = 0, .forced = forced, .n_forced = hd->n_forced};
         for (uint32_t j = 0; j < a->G && st == TKV_OK; j++) {
             struct tkv_rabitq_topp_result res;
-            st = tkv_rabitq_host_estimate(hd->ix, &hd->q[j], 0, hd->n, est, a->safe ? bound : NULL);
+            struct tkv_rabitq_query qd;
+            if (!hd->q) /* prepared by rabitq_prepare: the fields estimate reads */
+                tkv_rabitq_query_from_dev(&hd->q_dev[j], NULL, &qd);
+            st = tkv_rabitq_host_estimate(hd->ix, hd->q ? &hd->q[j] : &qd, 0, hd->n, est, a->safe ? bound : NULL);
             if (st != TKV_OK)
                 break;
             tkv_status ts = tkv_rabitq_select_topp(est, a->safe ? bound : NULL, hd->n, &tp, work, wb, pos, hd->n, &res);

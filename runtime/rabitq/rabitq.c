@@ -361,7 +361,8 @@ void tkv_rabitq_get_arrays(const struct tkv_rabitq *ix, struct tkv_rabitq_arrays
         return;
     *out = (struct tkv_rabitq_arrays){.code = ix->code, .a = ix->a, .e = ix->e, .t = ix->t, .pc = ix->pc,
                                       .n = ix->n, .words = ix->words, .dim = ix->dim, .dim_pad = ix->dim_pad,
-                                      .sign = ix->sign, .ck = ix->ck, .cq = ix->cq, .rot_scale = ix->rot_scale};
+                                      .sign = ix->sign, .ck = ix->ck, .cq = ix->cq, .rot_scale = ix->rot_scale,
+                                      .cqck = ix->cqck};
 }
 
 /* An index struct over a device twin's arrays in host memory, with this
@@ -374,7 +375,7 @@ static tkv_status host_view(const struct tkv_rabitq_dev *d, uint32_t n_keys, str
     TKV_TRY(default_isa(&isa));
     *ix = (struct tkv_rabitq){.dim = d->dim, .dim_pad = d->dim_pad, .words = d->words, .isa = isa,
                               .kern = kernels_of(isa), .rot_scale = d->rot_scale, .sign = (float *)d->sign,
-                              .ck = (float *)d->ck, .cq = (float *)d->cq, .centred = true, .n = n_keys,
+                              .ck = (float *)d->ck, .cq = (float *)d->cq, .cqck = d->cqck, .centred = true, .n = n_keys,
                               .cap = n_keys, .code = d->code, .a = d->a, .e = d->e, .t = d->t, .pc = d->pc};
     return TKV_OK;
 }
@@ -419,6 +420,75 @@ tkv_status tkv_rabitq_host_estimate(const struct tkv_rabitq_dev *d, const struct
         return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: estimate: query of %u words for keys of %u", q->words, ix.words);
     if (n)
         ix.kern->estimate(&ix, q, first, n, est, bound);
+    return TKV_OK;
+}
+
+/* struct tkv_rabitq_dev_query is the first fields of struct tkv_rabitq_query */
+#define RQ_SAME_FIELD(f)                                                                                  \
+    _Static_assert(offsetof(struct tkv_rabitq_query, f) == offsetof(struct tkv_rabitq_dev_query, f) &&    \
+                       sizeof(((struct tkv_rabitq_query *)0)->f) == sizeof(((struct tkv_rabitq_dev_query *)0)->f), \
+                   "rabitq: the device query's " #f " is the host query's")
+RQ_SAME_FIELD(plane);
+RQ_SAME_FIELD(delta);
+RQ_SAME_FIELD(vl);
+RQ_SAME_FIELD(sum_q);
+RQ_SAME_FIELD(add);
+RQ_SAME_FIELD(norm);
+RQ_SAME_FIELD(bound_u);
+RQ_SAME_FIELD(bound_w);
+RQ_SAME_FIELD(eps0);
+RQ_SAME_FIELD(words);
+RQ_SAME_FIELD(dim_pad);
+#undef RQ_SAME_FIELD
+_Static_assert(sizeof(struct tkv_rabitq_dev_query) == offsetof(struct tkv_rabitq_query, dim_pad) + sizeof(uint32_t),
+               "rabitq: the device query is a prefix of the host query");
+
+void tkv_rabitq_query_to_dev(const struct tkv_rabitq_query *q, struct tkv_rabitq_dev_query *out)
+{
+    memcpy(out, q, sizeof *out);
+}
+
+void tkv_rabitq_query_from_dev(const struct tkv_rabitq_dev_query *q, const struct tkv_rabitq *ix,
+                               struct tkv_rabitq_query *out)
+{
+    memset(out, 0, sizeof *out);
+    memcpy(out, q, sizeof *q);
+    out->ix = ix;
+    out->gen = ix ? ix->gen : 0;
+}
+
+void tkv_rabitq_query_poison(uint32_t dim_pad, float eps0, struct tkv_rabitq_dev_query *out)
+{
+    const uint32_t qnan = 0x7fc00000u; /* the bits the GPU writes too */
+    float nan;
+    memcpy(&nan, &qnan, sizeof nan);
+    memset(out, 0, sizeof *out);
+    out->delta = out->vl = out->add = out->norm = out->bound_u = out->bound_w = nan;
+    out->eps0 = eps0 == 0 ? TKV_RABITQ_EPS0 : eps0;
+    out->words = dim_pad / 64;
+    out->dim_pad = dim_pad;
+}
+
+tkv_status tkv_rabitq_host_prepare(const struct tkv_rabitq_prepare_args *a)
+{
+    if (!a || (a->n && (!a->q || !a->items || !a->out)))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_prepare: NULL argument");
+    if (!(a->eps0 >= 0) || !isfinite(a->eps0))
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_prepare: eps0 %g must be >= 0", (double)a->eps0);
+    if (a->bad)
+        *a->bad = UINT32_MAX;
+    for (uint32_t i = 0; i < a->n; i++) {
+        struct tkv_rabitq ix;
+        TKV_TRY(host_view(a->items[i].ix, 0, &ix));
+        struct tkv_rabitq_query qq;
+        if (tkv_rabitq_query_prepare(&ix, a->q + (size_t)a->items[i].head * a->head_stride, a->eps0, &qq) == TKV_OK) {
+            tkv_rabitq_query_to_dev(&qq, &a->out[i]);
+        } else {
+            tkv_rabitq_query_poison(ix.dim_pad, a->eps0, &a->out[i]);
+            if (a->bad && *a->bad == UINT32_MAX)
+                *a->bad = i;
+        }
+    }
     return TKV_OK;
 }
 
@@ -500,13 +570,20 @@ tkv_status tkv_rabitq_query_prepare(const struct tkv_rabitq *ix, const float *q,
             qck += (double)q[i] * ix->ck[i];
     }
     ix->kern->rotate(ix, u);
+    /* explicit compares, not fminf / fmaxf: of equal values (+0 and -0) the
+     * first is kept, whatever the libm does with signed zeros, and the GPU's
+     * rabitq_prepare (gpu/rabitq.cu) keeps the same one */
     float lo = u[0], hi = u[0];
+    bool finite = isfinite(u[0]);
     for (uint32_t i = 1; i < D; i++) {
-        lo = fminf(lo, u[i]);
-        hi = fmaxf(hi, u[i]);
+        lo = u[i] < lo ? u[i] : lo;
+        hi = u[i] > hi ? u[i] : hi;
+        finite &= isfinite(u[i]);
     }
-    memset(out, 0, sizeof *out);
     const float delta = (hi - lo) / 15.0f;
+    if (!finite || !isfinite(delta)) /* |q - c_q| near FLT_MAX: the rotation or hi - lo overflowed */
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: query_prepare: the rotation of q - c_q overflows");
+    memset(out, 0, sizeof *out);
     int32_t sum = 0;
     for (uint32_t i = 0; i < D; i++) {
         int v = delta > 0 ? (int)floorf((u[i] - lo) / delta + 0.5f) : 0;

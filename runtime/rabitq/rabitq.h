@@ -110,6 +110,7 @@ struct tkv_rabitq_arrays {
     const float    *sign;      /* [3, dim_pad] the rotation's +-1 rounds */
     const float    *ck, *cq;   /* [dim_pad] centroids, zero past dim     */
     float           rot_scale; /* dim_pad^-3/2                            */
+    double          cqck;      /* c_q . c_k, the query's add subtracts it  */
 };
 void tkv_rabitq_get_arrays(const struct tkv_rabitq *ix, struct tkv_rabitq_arrays *out);
 
@@ -180,6 +181,22 @@ tkv_status tkv_rabitq_encode_error(const struct tkv_rabitq_span *spans, uint32_t
 tkv_status tkv_rabitq_host_estimate(const struct tkv_rabitq_dev *d, const struct tkv_rabitq_query *q, uint32_t first,
                                     uint32_t n, float *est, float *bound);
 
+/* The reference of the backend op rabitq_prepare (backend.h), on arrays and
+ * queries in host memory: per item tkv_rabitq_query_prepare with the twin's
+ * rotation and centroids, its first fields copied to out[i]; a refused
+ * query poisoned and *bad set as the op does. TKV_ERR_INVALID_ARG for bad
+ * arguments (eps0, a NULL pointer, a twin's dim_pad); never for a query. */
+tkv_status tkv_rabitq_host_prepare(const struct tkv_rabitq_prepare_args *a);
+
+/* A prepared query's fields as backend memory holds them (the first fields
+ * of struct tkv_rabitq_query, byte for byte), and back: to_dev copies them,
+ * from_dev also sets ix and gen (what tkv_rabitq_estimate checks) from ix. */
+void tkv_rabitq_query_to_dev(const struct tkv_rabitq_query *q, struct tkv_rabitq_dev_query *out);
+void tkv_rabitq_query_from_dev(const struct tkv_rabitq_dev_query *q, const struct tkv_rabitq *ix,
+                               struct tkv_rabitq_query *out);
+/* The poisoned query rabitq_prepare writes for a refused one (backend.h). */
+void tkv_rabitq_query_poison(uint32_t dim_pad, float eps0, struct tkv_rabitq_dev_query *out);
+
 /* The reference of the backend op rabitq_select (backend.h), on arrays in
  * host memory: per head and query head tkv_rabitq_host_estimate then
  * tkv_rabitq_select_topp, the sets ORed into the bitmap, widened to whole
@@ -206,7 +223,9 @@ struct tkv_rabitq_query {
 };
 
 /* Prepares q[head_dim] (f32, post-RoPE) with error-bound width eps0 (0 =
- * TKV_RABITQ_EPS0). TKV_ERR_INVALID_ARG for a non-finite q or eps0 < 0. */
+ * TKV_RABITQ_EPS0). TKV_ERR_INVALID_ARG for a non-finite q, a q whose
+ * centred rotation overflows (|q - c_q| near FLT_MAX), or eps0 < 0; *out is
+ * then untouched. */
 tkv_status tkv_rabitq_query_prepare(const struct tkv_rabitq *ix, const float *q, float eps0,
                                     struct tkv_rabitq_query *out);
 
