@@ -53,10 +53,10 @@ constexpr int NTW = 128 * NWG; /* threads */
 constexpr int BM = 64 * NWG;   /* query rows per CTA */
 static_assert(BM == TKV_ATTN_PREFILL_VAR_ROWS, "the rows the plan counts");
 
-/* PREF: tiles whose copies are in flight while one is computed; ST stages:
- * those, the tile computed, and the tile whose P V runs beside it */
-template <int HD, bool SPLIT, int PREF> struct wg_cfg {
-    static constexpr int ST = PREF + 2;
+constexpr int PREF = 2; /* tiles whose copies are in flight while one is computed */
+constexpr int ST = PREF + 2; /* K/V stages: those, the tile computed, the tile whose P V runs beside it */
+
+template <int HD, bool SPLIT> struct wg_cfg {
     static constexpr int REG = HD / 64;                     /* 64-column regions of a row */
     static constexpr size_t Q_BYTES = (size_t)REG * BM * 128;
     static constexpr size_t KV_BYTES = (size_t)REG * BN * 128; /* K or V of one stage */
@@ -199,12 +199,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&ph
 #endif
 }
 
-template <int HD, bool SPLIT, bool PACK, int PREF>
+template <int HD, bool SPLIT, bool PACK, bool EARLY>
 __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = wg_cfg<HD, SPLIT, PREF>;
-    constexpr int ST = C::ST;
+    using C = wg_cfg<HD, SPLIT>;
     constexpr int DT = HD / 8, KK = HD / 16, NNT = BN / 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32_t raw = smem_u32(smem_raw);
@@ -273,6 +272,13 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
         }
         __pipeline_commit();
     }
+    /* EARLY (packed walk): the next tile's rows are resolved an iteration
+     * before their copies are issued, so the loads of their table entries
+     * (dependent on the cursor's window, an L2 round trip each) are in flight
+     * during the softmax instead of stalling the filling warps at the fill */
+    pk_tile nxt = {};
+    if (EARLY && PACK && filler)
+        pk_prepare<HD>(p, pc, nxt);
     fence_proxy_async(); /* the Q stores */
     __syncthreads();     /* Q and qpos in shared memory */
 
@@ -343,15 +349,18 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
         /* tile t + PREF into the stage of tile t + PREF - ST (= t - 2, whose
          * P V every warp waited for before the barrier), while the MMAs run */
         if (filler) {
-            const int nk = PACK ? fill_packed<HD, sw128_layout<HD>>(p, pc, pos_max, Ks_st + fstage * KV_H,
-                                                                    Vs_st + fstage * KV_H, kpos_st + fstage * BN, rp)
-                                : fill_tile<HD, sw128_layout<HD>>(p, cur, pos_max, Ks_st + fstage * KV_H,
-                                                                  Vs_st + fstage * KV_H, kpos_st + fstage * BN);
+            __half *Kf = Ks_st + fstage * KV_H, *Vf = Vs_st + fstage * KV_H;
+            int *kf = kpos_st + fstage * BN;
+            const int nk = !PACK  ? fill_tile<HD, sw128_layout<HD>>(p, cur, pos_max, Kf, Vf, kf)
+                           : EARLY ? pk_issue<HD, sw128_layout<HD>>(p, nxt, pc, pos_max, Kf, Vf, kf, rp)
+                                   : fill_packed<HD, sw128_layout<HD>>(p, pc, pos_max, Kf, Vf, kf, rp);
             if (tid == 0)
                 nks[fstage] = nk;
         }
         __pipeline_commit();
         wg_wait<1>(); /* S landed; P V may still run */
+        if (EARLY && PACK && filler) /* the cursor's window came in while S ran */
+            pk_prepare<HD>(p, pc, nxt);
         {
             const bool masked = !(kpos[BN - 1] <= q_lo); /* (warp-uniform) INT_MAX past the keys: masked */
 
@@ -472,47 +481,49 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
 #endif
 }
 
-/* TKV_CUDA_ATTN_WG_PREF=1 or 2 (default 2): tiles in flight ahead, read once */
-int wg_pref(void)
+/* TKV_CUDA_ATTN_WG_EARLY=0: the packed walk's rows resolved at the fill
+ * (as v0, v1) instead of an iteration ahead; read once */
+bool wg_early(void)
 {
-    static const int pref = [] {
-        const char *e = getenv("TKV_CUDA_ATTN_WG_PREF");
-        return e && e[0] == '1' && !e[1] ? 1 : 2;
+    static const bool early = [] {
+        const char *e = getenv("TKV_CUDA_ATTN_WG_EARLY");
+        return !(e && e[0] == '0' && !e[1]);
     }();
-    return pref;
+    return early;
 }
 
-template <int HD, bool SPLIT, int PREF> cudaError_t wg_launch_pref(const tkv_cuda_attn_params *p, cudaStream_t s)
+template <int HD, bool SPLIT, bool EARLY> cudaError_t wg_launch_as(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    using C = wg_cfg<HD, SPLIT, PREF>;
+    using C = wg_cfg<HD, SPLIT>;
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv), tiles = (rows + BM - 1) / BM;
     const dim3 grid(tiles * p->n_head_kv, p->n_split);
     if (tkv_cuda_attn_prefill_packed(p))
-        wg_kernel<HD, SPLIT, true, PREF><<<grid, NTW, C::SMEM, s>>>(*p);
+        wg_kernel<HD, SPLIT, true, EARLY><<<grid, NTW, C::SMEM, s>>>(*p);
     else
-        wg_kernel<HD, SPLIT, false, PREF><<<grid, NTW, C::SMEM, s>>>(*p);
+        wg_kernel<HD, SPLIT, false, EARLY><<<grid, NTW, C::SMEM, s>>>(*p);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
 
 template <int HD, bool SPLIT> cudaError_t wg_launch(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    return wg_pref() == 1 ? wg_launch_pref<HD, SPLIT, 1>(p, s) : wg_launch_pref<HD, SPLIT, 2>(p, s);
+    return wg_early() ? wg_launch_as<HD, SPLIT, true>(p, s) : wg_launch_as<HD, SPLIT, false>(p, s);
 }
 
 /* Every instance of one (HD, SPLIT): the shared-memory limit, and CTAs per
  * SM (the smallest) */
 template <int HD, bool SPLIT> cudaError_t wg_init(int *ctas)
 {
+    using C = wg_cfg<HD, SPLIT>;
     int c[4];
-    auto one = [](auto kernel, size_t smem, int *n) {
-        TKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, NTW, smem);
+    auto one = [](auto kernel, int *n) {
+        TKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, NTW, C::SMEM);
     };
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false, 1>, wg_cfg<HD, SPLIT, 1>::SMEM, &c[0]));
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true, 1>, wg_cfg<HD, SPLIT, 1>::SMEM, &c[1]));
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false, 2>, wg_cfg<HD, SPLIT, 2>::SMEM, &c[2]));
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true, 2>, wg_cfg<HD, SPLIT, 2>::SMEM, &c[3]));
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false, false>, &c[0]));
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true, false>, &c[1]));
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false, true>, &c[2]));
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true, true>, &c[3]));
     *ctas = c[0];
     for (int i = 1; i < 4; i++)
         *ctas = c[i] < *ctas ? c[i] : *ctas;
