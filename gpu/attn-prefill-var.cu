@@ -54,8 +54,6 @@ namespace {
 
 using namespace tkv_pf;
 
-constexpr float LN2v = 0.693147180559945309f;
-
 constexpr int MT = 2;           /* m16 tiles per warp */
 constexpr int BM = 16 * 4 * MT; /* query rows per CTA (TKV_ATTN_PREFILL_VAR_ROWS) */
 constexpr int ST = 2;           /* K/V stages */
@@ -99,7 +97,7 @@ __global__ void __launch_bounds__(NT, 2) pv_kernel(const tkv_cuda_attn_params p)
     int *kpos_st = (int *)(rp_all + NT), *qpos = kpos_st + ST * BN, *nks = qpos + BM;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const uint32_t G = p.n_head / p.n_head_kv, ld = p.n_head * HD;
+    const uint32_t G = p.n_head / p.n_head_kv;
     /* heaviest row tiles first: blockIdx.x = (n_tiles - 1 - tile) * n_head_kv + KV head */
     const uint32_t n_tiles = gridDim.x / p.n_head_kv;
     const uint32_t tile = n_tiles - 1 - blockIdx.x / p.n_head_kv, gk = blockIdx.x % p.n_head_kv;
@@ -108,23 +106,7 @@ __global__ void __launch_bounds__(NT, 2) pv_kernel(const tkv_cuda_attn_params p)
     const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
 
     /* the tile's queries: f32 -> f16 (hi, lo) */
-    for (int i = tid; i < BM * HD / 2; i += NT) {
-        const int r = i / (HD / 2), d = 2 * (i % (HD / 2));
-        float x0 = 0.0f, x1 = 0.0f;
-        if (r < R) {
-            const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G;
-            const float *src = p.q + (size_t)tok * ld + (size_t)h * HD + d;
-            x0 = src[0];
-            x1 = src[1];
-        }
-        uint32_t hi, lo;
-        split_h2(x0, x1, hi, lo);
-        *(uint32_t *)(Qh + r * KSTR + d) = hi;
-        if (SPLIT)
-            *(uint32_t *)(Ql + r * KSTR + d) = lo;
-    }
-    for (int r = tid; r < BM; r += NT)
-        qpos[r] = r < R ? p.q_pos[(r0 + r) / G] : INT_MIN;
+    load_queries<HD, BM, NT, SPLIT, q_pad<HD>>(p, gk, r0, R, Qh, Ql, qpos);
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 
     /* this split's keys, the first tile. The CTA is the walks' 4 warps, so
@@ -137,14 +119,10 @@ __global__ void __launch_bounds__(NT, 2) pv_kernel(const tkv_cuda_attn_params p)
     pk_cursor pc = {};
     kv_cursor cur = {};
     if (filler) {
-        if (PACK) {
+        if (PACK)
             pk_start(p, gk, split, pc);
-        } else {
-            const uint32_t hb = p.head_off[gk], nbh = p.head_off[gk + 1] - hb;
-            cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
-            cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
-            cur.off = 0;
-        }
+        else
+            kv_start(p, gk, split, cur);
     }
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
@@ -366,7 +344,6 @@ __global__ void __launch_bounds__(NT, 2) pv_kernel(const tkv_cuda_attn_params p)
     }
 
     /* ---- results */
-    const uint32_t n_rows = p.n_q * p.n_head;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
@@ -375,32 +352,9 @@ __global__ void __launch_bounds__(NT, 2) pv_kernel(const tkv_cuda_attn_params p)
             L += __shfl_xor_sync(0xffffffffu, L, 1);
             L += __shfl_xor_sync(0xffffffffu, L, 2);
             const int r = wr0 + mt * 16 + g + 8 * half;
-            if (r >= R)
-                continue;
-            const float M = m[mt][half];
-            const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G, row = tok * p.n_head + h;
-            if (p.n_split == 1) {
-                const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-                float *out = p.out + (size_t)row * HD;
-#pragma unroll
-                for (int dt = 0; dt < DT; dt++) {
-                    out[dt * 8 + 2 * t] = o[mt][dt][2 * half] * inv;
-                    out[dt * 8 + 2 * t + 1] = o[mt][dt][2 * half + 1] * inv;
-                }
-                if (p.lse && t == 0)
-                    p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2v : -INFINITY;
-            } else {
-                float *po = p.part + ((size_t)split * n_rows + row) * (HD + 2);
-#pragma unroll
-                for (int dt = 0; dt < DT; dt++) {
-                    po[dt * 8 + 2 * t] = o[mt][dt][2 * half];
-                    po[dt * 8 + 2 * t + 1] = o[mt][dt][2 * half + 1];
-                }
-                if (t == 0) {
-                    po[HD] = M;
-                    po[HD + 1] = L;
-                }
-            }
+            if (r < R)
+                store_row<HD>(p, gk, split, r0 + r, m[mt][half], L,
+                              [&](int dt, int e) { return o[mt][dt][2 * half + e]; });
         }
     }
 }
@@ -436,30 +390,22 @@ template <int HD, bool SPLIT> cudaError_t pv_init(int *ctas)
     return cudaSuccess;
 }
 
-/* CTAs per SM: [head_dim 64, 128][f16, split] (set by init) */
-int g_pv_ctas[2][2];
+tkv_pf_ctas g_pv_ctas; /* set by init */
 
 } // namespace
 
 cudaError_t tkv_cuda_attn_prefill_var_init(void)
 {
-    TKV_CUDA_TRY((pv_init<64, false>(&g_pv_ctas[0][0])));
-    TKV_CUDA_TRY((pv_init<64, true>(&g_pv_ctas[0][1])));
-    TKV_CUDA_TRY((pv_init<128, false>(&g_pv_ctas[1][0])));
-    TKV_CUDA_TRY((pv_init<128, true>(&g_pv_ctas[1][1])));
-    return cudaSuccess;
+    return tkv_pf_each([](auto hd, auto split) {
+        return pv_init<decltype(hd)::value, decltype(split)::value>(&g_pv_ctas.at(hd, split));
+    });
 }
 
 cudaError_t tkv_cuda_attn_prefill_var(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    const bool split = p->prefill_mode == TKV_ATTN_PREFILL_SPLIT;
-    if (p->head_dim == 64)
-        return split ? pv_launch<64, true>(p, s) : pv_launch<64, false>(p, s);
-    return split ? pv_launch<128, true>(p, s) : pv_launch<128, false>(p, s);
+    return tkv_pf_one(p->head_dim, p->prefill_mode == TKV_ATTN_PREFILL_SPLIT, [&](auto hd, auto split) {
+        return pv_launch<decltype(hd)::value, decltype(split)::value>(p, s);
+    });
 }
 
-int tkv_cuda_attn_prefill_var_ctas_per_sm(uint32_t head_dim, int mode)
-{
-    const int c = g_pv_ctas[head_dim == 64 ? 0 : 1][mode == TKV_ATTN_PREFILL_SPLIT ? 1 : 0];
-    return c > 0 ? c : 1;
-}
+int tkv_cuda_attn_prefill_var_ctas_per_sm(uint32_t head_dim, int mode) { return g_pv_ctas.get(head_dim, mode); }

@@ -30,6 +30,10 @@ constexpr int BN = 64;  /* keys per tile                        */
 template <int HD> struct pad_layout {
     static __device__ __forceinline__ int at(int row, int col) { return row * (HD + 8) + col * 8; }
 };
+/* The Q tile of v0 and v1: rows of HD + 8 halves, by element column d */
+template <int HD> struct q_pad {
+    static __device__ __forceinline__ int at(int r, int d) { return r * (HD + 8) + d; }
+};
 template <int HD> struct sw128_layout {
     static __device__ __forceinline__ int at(int row, int col)
     {
@@ -84,6 +88,76 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
 }
 
+
+/* ---- the CTA's query rows and results, the same in every variant ---------- */
+
+constexpr float LN2 = 0.693147180559945309f;
+
+/* Rows r0 .. r0 + R - 1 of KV head gk's query rows (n_q tokens x G heads,
+ * token-major) into shared memory as f16 hi (Qh) and lo (Ql, SPLIT only),
+ * rows R .. BM - 1 zero, by NTHR threads; QL::at(r, d): the element offset
+ * of row r's columns d, d + 1 (d even). Their positions into qpos (INT_MIN
+ * past R). */
+template <int HD, int BM, int NTHR, bool SPLIT, class QL>
+__device__ __forceinline__ void load_queries(const tkv_cuda_attn_params &p, uint32_t gk, uint32_t r0, int R,
+                                             __half *Qh, __half *Ql, int *qpos)
+{
+    const int tid = threadIdx.x;
+    const uint32_t G = p.n_head / p.n_head_kv, ld = p.n_head * HD;
+    for (int i = tid; i < BM * HD / 2; i += NTHR) {
+        const int r = i / (HD / 2), d = 2 * (i % (HD / 2));
+        float x0 = 0.0f, x1 = 0.0f;
+        if (r < R) {
+            const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G;
+            const float *src = p.q + (size_t)tok * ld + (size_t)h * HD + d;
+            x0 = src[0];
+            x1 = src[1];
+        }
+        uint32_t hi, lo;
+        split_h2(x0, x1, hi, lo);
+        *(uint32_t *)(Qh + QL::at(r, d)) = hi;
+        if (SPLIT)
+            *(uint32_t *)(Ql + QL::at(r, d)) = lo;
+    }
+    for (int r = tid; r < BM; r += NTHR)
+        qpos[r] = r < R ? p.q_pos[(r0 + r) / G] : INT_MIN;
+}
+
+/* One query row's result from the 4 threads that hold it (t = lane & 3):
+ * this thread's columns 8 dt + 2 t + e (e = 0, 1) of the unnormalized O are
+ * o(dt, e); M is the row's max (log2 units), L its sum. One split: out
+ * (and lse); else the split's partial row (O, M, L). rr: the row among KV
+ * head gk's query rows. */
+template <int HD, class O>
+__device__ __forceinline__ void store_row(const tkv_cuda_attn_params &p, uint32_t gk, uint32_t split, uint32_t rr,
+                                          float M, float L, O o)
+{
+    const int t = threadIdx.x & 3;
+    const uint32_t G = p.n_head / p.n_head_kv, n_rows = p.n_q * p.n_head;
+    const uint32_t tok = rr / G, h = gk * G + rr % G, row = tok * p.n_head + h;
+    if (p.n_split == 1) {
+        const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+        float *out = p.out + (size_t)row * HD;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+            out[dt * 8 + 2 * t] = o(dt, 0) * inv;
+            out[dt * 8 + 2 * t + 1] = o(dt, 1) * inv;
+        }
+        if (p.lse && t == 0)
+            p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2 : -INFINITY;
+    } else {
+        float *po = p.part + ((size_t)split * n_rows + row) * (HD + 2);
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+            po[dt * 8 + 2 * t] = o(dt, 0);
+            po[dt * 8 + 2 * t + 1] = o(dt, 1);
+        }
+        if (t == 0) {
+            po[HD] = M;
+            po[HD + 1] = L;
+        }
+    }
+}
 
 /* ---- the packed walk (PACK): tile t of a split = keys [x, x + 64) of the
  * concatenation of the head's refs, whatever their sizes ---------------------- */
@@ -273,6 +347,16 @@ __device__ __forceinline__ int fill_packed(const tkv_cuda_attn_params &p, pk_cur
 struct kv_cursor {
     uint32_t b, b_end, off;
 };
+
+/* The split's share of KV head g's refs: [nbh * split / n_split, nbh *
+ * (split + 1) / n_split) of its nbh. */
+__device__ __forceinline__ void kv_start(const tkv_cuda_attn_params &p, uint32_t g, uint32_t split, kv_cursor &c)
+{
+    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
+    c.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
+    c.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+    c.off = 0;
+}
 
 /* Gathers up to BN keys at the cursor into one stage (cp.async, every thread
  * walking the same cursor), zeroes the rows after them, and advances the

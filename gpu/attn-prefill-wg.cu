@@ -67,7 +67,14 @@ template <int HD, bool SPLIT> struct wg_cfg {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) /* the device code: sm_90a's pass only */
 
-constexpr float LN2w = 0.693147180559945309f;
+/* the Q tile's layout: BM rows of the 128-byte swizzle (sw128_layout's, BM rows per region) */
+struct q_sw128 {
+    static __device__ __forceinline__ int at(int r, int d)
+    {
+        const int u = d >> 3;
+        return (u >> 3) * BM * 64 + r * 64 + (((u & 7) ^ (r & 7)) << 3) + (d & 7);
+    }
+};
 
 __device__ __forceinline__ float ex2w(float x)
 {
@@ -218,7 +225,7 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int wg = tid >> 7, wwarp = warp & 3; /* warpgroup; warp within it */
-    const uint32_t G = p.n_head / p.n_head_kv, ld = p.n_head * HD;
+    const uint32_t G = p.n_head / p.n_head_kv;
     const uint32_t n_tiles = gridDim.x / p.n_head_kv;
     const uint32_t tile = n_tiles - 1 - blockIdx.x / p.n_head_kv, gk = blockIdx.x % p.n_head_kv;
     const uint32_t split = blockIdx.y;
@@ -226,24 +233,7 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
     const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
 
     /* the tile's queries: f32 -> f16 (hi, lo) in the swizzled layout (BM rows) */
-    for (int i = tid; i < BM * HD / 2; i += NTW) {
-        const int r = i / (HD / 2), d = 2 * (i % (HD / 2));
-        float x0 = 0.0f, x1 = 0.0f;
-        if (r < R) {
-            const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G;
-            const float *src = p.q + (size_t)tok * ld + (size_t)h * HD + d;
-            x0 = src[0];
-            x1 = src[1];
-        }
-        uint32_t hi, lo;
-        split_h2(x0, x1, hi, lo);
-        const int u = d >> 3, at = (u >> 3) * BM * 64 + r * 64 + (((u & 7) ^ (r & 7)) << 3) + (d & 7);
-        *(uint32_t *)(Qh + at) = hi;
-        if (SPLIT)
-            *(uint32_t *)(Ql + at) = lo;
-    }
-    for (int r = tid; r < BM; r += NTW)
-        qpos[r] = r < R ? p.q_pos[(r0 + r) / G] : INT_MIN;
+    load_queries<HD, BM, NTW, SPLIT, q_sw128>(p, gk, r0, R, Qh, Ql, qpos);
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 
     const bool filler = tid < NT;
@@ -251,14 +241,10 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
     pk_cursor pc = {};
     kv_cursor cur = {};
     if (filler) {
-        if (PACK) {
+        if (PACK)
             pk_start(p, gk, split, pc);
-        } else {
-            const uint32_t hb = p.head_off[gk], nbh = p.head_off[gk + 1] - hb;
-            cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
-            cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
-            cur.off = 0;
-        }
+        else
+            kv_start(p, gk, split, cur);
     }
 #pragma unroll
     for (int st = 0; st < PREF; st++) {
@@ -444,39 +430,15 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
     wg_wait<0>();
 
     /* ---- results: o[4 dt + e] holds row g (e < 2) or g + 8, column 8 dt + 2 t + (e & 1) */
-    const uint32_t n_rows = p.n_q * p.n_head;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         float L = half ? l1 : l0;
         L += __shfl_xor_sync(0xffffffffu, L, 1);
         L += __shfl_xor_sync(0xffffffffu, L, 2);
         const int r = wr0 + g + 8 * half;
-        if (r >= R)
-            continue;
-        const float M = half ? m1 : m0;
-        const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G, row = tok * p.n_head + h;
-        if (p.n_split == 1) {
-            const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-            float *out = p.out + (size_t)row * HD;
-#pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                out[dt * 8 + 2 * t] = o[4 * dt + 2 * half] * inv;
-                out[dt * 8 + 2 * t + 1] = o[4 * dt + 2 * half + 1] * inv;
-            }
-            if (p.lse && t == 0)
-                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2w : -INFINITY;
-        } else {
-            float *po = p.part + ((size_t)split * n_rows + row) * (HD + 2);
-#pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                po[dt * 8 + 2 * t] = o[4 * dt + 2 * half];
-                po[dt * 8 + 2 * t + 1] = o[4 * dt + 2 * half + 1];
-            }
-            if (t == 0) {
-                po[HD] = M;
-                po[HD + 1] = L;
-            }
-        }
+        if (r < R)
+            store_row<HD>(p, gk, split, r0 + r, half ? m1 : m0, L,
+                          [&](int dt, int e) { return o[4 * dt + 2 * half + e]; });
     }
 #endif
 }
@@ -532,7 +494,7 @@ template <int HD, bool SPLIT> cudaError_t wg_init(int *ctas)
     return cudaSuccess;
 }
 
-int g_wg_ctas[2][2]; /* CTAs per SM: [head_dim 64, 128][f16, split] (set by init) */
+tkv_pf_ctas g_wg_ctas; /* set by init */
 bool g_wg_ok;        /* the device runs sm_90a code (set by init) */
 
 } // namespace
@@ -546,25 +508,18 @@ cudaError_t tkv_cuda_attn_prefill_wg_init(void)
     g_wg_ok = major == 9 && minor == 0;
     if (!g_wg_ok)
         return cudaSuccess;
-    TKV_CUDA_TRY((wg_init<64, false>(&g_wg_ctas[0][0])));
-    TKV_CUDA_TRY((wg_init<64, true>(&g_wg_ctas[0][1])));
-    TKV_CUDA_TRY((wg_init<128, false>(&g_wg_ctas[1][0])));
-    TKV_CUDA_TRY((wg_init<128, true>(&g_wg_ctas[1][1])));
-    return cudaSuccess;
+    return tkv_pf_each([](auto hd, auto split) {
+        return wg_init<decltype(hd)::value, decltype(split)::value>(&g_wg_ctas.at(hd, split));
+    });
 }
 
 bool tkv_cuda_attn_prefill_wg_ok(void) { return g_wg_ok; }
 
 cudaError_t tkv_cuda_attn_prefill_wg(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    const bool split = p->prefill_mode == TKV_ATTN_PREFILL_SPLIT;
-    if (p->head_dim == 64)
-        return split ? wg_launch<64, true>(p, s) : wg_launch<64, false>(p, s);
-    return split ? wg_launch<128, true>(p, s) : wg_launch<128, false>(p, s);
+    return tkv_pf_one(p->head_dim, p->prefill_mode == TKV_ATTN_PREFILL_SPLIT, [&](auto hd, auto split) {
+        return wg_launch<decltype(hd)::value, decltype(split)::value>(p, s);
+    });
 }
 
-int tkv_cuda_attn_prefill_wg_ctas_per_sm(uint32_t head_dim, int mode)
-{
-    const int c = g_wg_ctas[head_dim == 64 ? 0 : 1][mode == TKV_ATTN_PREFILL_SPLIT ? 1 : 0];
-    return c > 0 ? c : 1;
-}
+int tkv_cuda_attn_prefill_wg_ctas_per_sm(uint32_t head_dim, int mode) { return g_wg_ctas.get(head_dim, mode); }

@@ -32,7 +32,6 @@ namespace {
 using namespace tkv_pf;
 
 constexpr int BM = 64;
-constexpr float LN2f = 0.693147180559945309f;
 
 template <int HD, bool SPLIT> struct pf_cfg {
     static constexpr int KSTR = HD + 8; /* halves per smem row */
@@ -57,28 +56,12 @@ __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const uint32_t gk = blockIdx.y, split = blockIdx.z;
-    const uint32_t G = p.n_head / p.n_head_kv, ld = p.n_head * HD;
+    const uint32_t G = p.n_head / p.n_head_kv;
     const uint32_t r0 = blockIdx.x * BM;
     const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
 
     /* the tile's queries: f32 -> f16 (hi, lo) */
-    for (int i = tid; i < BM * HD / 2; i += NT) {
-        const int r = i / (HD / 2), d = 2 * (i % (HD / 2));
-        float x0 = 0.0f, x1 = 0.0f;
-        if (r < R) {
-            const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G;
-            const float *src = p.q + (size_t)tok * ld + (size_t)h * HD + d;
-            x0 = src[0];
-            x1 = src[1];
-        }
-        uint32_t hi, lo;
-        split_h2(x0, x1, hi, lo);
-        *(uint32_t *)(Qh + r * KSTR + d) = hi;
-        if (SPLIT)
-            *(uint32_t *)(Ql + r * KSTR + d) = lo;
-    }
-    for (int r = tid; r < BM; r += NT)
-        qpos[r] = r < R ? p.q_pos[(r0 + r) / G] : INT_MIN;
+    load_queries<HD, BM, NT, SPLIT, q_pad<HD>>(p, gk, r0, R, Qh, Ql, qpos);
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 
     /* this split's keys: packed tiles, or its share of the refs */
@@ -90,10 +73,7 @@ __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn
         pk_start(p, gk, split, pc);
         nk = fill_packed<HD>(p, pc, pos_max, Ks_st, Vs_st, kpos_st, rp);
     } else {
-        const uint32_t hb = p.head_off[gk], nbh = p.head_off[gk + 1] - hb;
-        cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
-        cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
-        cur.off = 0;
+        kv_start(p, gk, split, cur);
         nk = fill_tile<HD>(p, cur, pos_max, Ks_st, Vs_st, kpos_st);
     }
     int stage = 0;
@@ -237,36 +217,12 @@ __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn
         l0 += __shfl_xor_sync(0xffffffffu, l0, off);
         l1 += __shfl_xor_sync(0xffffffffu, l1, off);
     }
-    const uint32_t n_rows = p.n_q * p.n_head;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int r = half ? row1 : row0;
-        if (r >= R)
-            continue;
-        const float L = half ? l1 : l0, M = half ? m1 : m0;
-        const uint32_t rr = r0 + r, tok = rr / G, h = gk * G + rr % G, row = tok * p.n_head + h;
-        if (p.n_split == 1) {
-            const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-            float *out = p.out + (size_t)row * HD;
-#pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                out[dt * 8 + 2 * t] = o[dt][2 * half] * inv;
-                out[dt * 8 + 2 * t + 1] = o[dt][2 * half + 1] * inv;
-            }
-            if (p.lse && t == 0)
-                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2f : -INFINITY;
-        } else {
-            float *po = p.part + ((size_t)split * n_rows + row) * (HD + 2);
-#pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                po[dt * 8 + 2 * t] = o[dt][2 * half];
-                po[dt * 8 + 2 * t + 1] = o[dt][2 * half + 1];
-            }
-            if (t == 0) {
-                po[HD] = M;
-                po[HD + 1] = L;
-            }
-        }
+        if (r < R)
+            store_row<HD>(p, gk, split, r0 + r, half ? m1 : m0, half ? l1 : l0,
+                          [&](int dt, int e) { return o[dt][2 * half + e]; });
     }
 }
 
@@ -302,16 +258,15 @@ template <int HD, bool SPLIT> cudaError_t init_pf(int *ctas)
 }
 
 /* CTAs per SM: [head_dim 64, 128][f16, split] */
-int g_pf_ctas[2][2] = {{1, 1}, {1, 1}};
+tkv_pf_ctas g_pf_ctas; /* set by init */
 
 } // namespace
 
 cudaError_t tkv_cuda_attn_prefill_init(void)
 {
-    TKV_CUDA_TRY((init_pf<64, false>(&g_pf_ctas[0][0])));
-    TKV_CUDA_TRY((init_pf<64, true>(&g_pf_ctas[0][1])));
-    TKV_CUDA_TRY((init_pf<128, false>(&g_pf_ctas[1][0])));
-    TKV_CUDA_TRY((init_pf<128, true>(&g_pf_ctas[1][1])));
+    TKV_CUDA_TRY(tkv_pf_each([](auto hd, auto split) {
+        return init_pf<decltype(hd)::value, decltype(split)::value>(&g_pf_ctas.at(hd, split));
+    }));
     TKV_CUDA_TRY(tkv_cuda_attn_prefill_wg_init());
     return tkv_cuda_attn_prefill_var_init();
 }
@@ -351,7 +306,7 @@ int tkv_cuda_attn_prefill_ctas_per_sm(const tkv_cuda_attn_params *p)
         return tkv_cuda_attn_prefill_wg_ctas_per_sm(p->head_dim, p->prefill_mode);
     if (v == 1)
         return tkv_cuda_attn_prefill_var_ctas_per_sm(p->head_dim, p->prefill_mode);
-    return g_pf_ctas[p->head_dim == 64 ? 0 : 1][p->prefill_mode == TKV_ATTN_PREFILL_SPLIT ? 1 : 0];
+    return g_pf_ctas.get(p->head_dim, p->prefill_mode);
 }
 
 cudaError_t tkv_cuda_attn_prefill(const tkv_cuda_attn_params *p, cudaStream_t s)
@@ -361,10 +316,9 @@ cudaError_t tkv_cuda_attn_prefill(const tkv_cuda_attn_params *p, cudaStream_t s)
         return tkv_cuda_attn_prefill_wg(p, s);
     if (v == 1)
         return tkv_cuda_attn_prefill_var(p, s);
-    const bool split = p->prefill_mode == TKV_ATTN_PREFILL_SPLIT;
-    if (p->head_dim == 64)
-        return split ? launch_pf<64, true>(p, s) : launch_pf<64, false>(p, s);
-    return split ? launch_pf<128, true>(p, s) : launch_pf<128, false>(p, s);
+    return tkv_pf_one(p->head_dim, p->prefill_mode == TKV_ATTN_PREFILL_SPLIT, [&](auto hd, auto split) {
+        return launch_pf<decltype(hd)::value, decltype(split)::value>(p, s);
+    });
 }
 
 const char *tkv_cuda_attn_prefill_variant_desc(int variant)

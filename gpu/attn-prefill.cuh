@@ -46,9 +46,44 @@
 
 #include "attn.cuh"
 
+#include <type_traits>
+
 /* Rows of one CTA's tile of v0 and of v1. */
 #define TKV_ATTN_PREFILL_ROWS 64u
 #define TKV_ATTN_PREFILL_VAR_ROWS 128u
+
+/* Each variant compiles one kernel instance per (head_dim 64 or 128,
+ * precision f16 or split); these two run code for those four as template
+ * arguments: f(hd, split) gets std::integral_constant values, so
+ * decltype(hd)::value and decltype(split)::value are constants.
+ * tkv_pf_each calls f for every instance, stopping at the first error;
+ * tkv_pf_one for the call's. */
+template <class F> cudaError_t tkv_pf_one(uint32_t head_dim, bool split, F &&f)
+{
+    using H64 = std::integral_constant<int, 64>;
+    using H128 = std::integral_constant<int, 128>;
+    if (head_dim == 64)
+        return split ? f(H64{}, std::true_type{}) : f(H64{}, std::false_type{});
+    return split ? f(H128{}, std::true_type{}) : f(H128{}, std::false_type{});
+}
+template <class F> cudaError_t tkv_pf_each(F &&f)
+{
+    for (uint32_t hd : {64u, 128u})
+        for (bool split : {false, true})
+            TKV_CUDA_TRY(tkv_pf_one(hd, split, f));
+    return cudaSuccess;
+}
+
+/* CTAs per SM of one variant's instances, by (head_dim, precision) */
+struct tkv_pf_ctas {
+    int c[2][2];
+    int &at(uint32_t head_dim, bool split) { return c[head_dim == 64 ? 0 : 1][split ? 1 : 0]; }
+    int get(uint32_t head_dim, int mode)
+    {
+        const int n = at(head_dim, mode == TKV_ATTN_PREFILL_SPLIT);
+        return n > 0 ? n : 1;
+    }
+};
 
 /* Raises the shared-memory limits of both variants' instances (once per
  * device); records their CTAs per SM. */
