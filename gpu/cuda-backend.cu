@@ -1242,21 +1242,7 @@ static tkv_status cuda_kv_table(struct tkv_backend *b, const struct tkv_kv_table
     TKV_TRY(stage_take(cb, bytes, &sl, op));
     memcpy(sl->host, a->sel_n, bytes);
     TKV_TRY(stage_send(cb, sl, bytes, op));
-    struct tkv_cuda_kvt_params p;
-    p.bitmap = a->bitmap;
-    p.sel_n = (const uint32_t *)sl->dev;
-    p.ptab = a->ptab;
-    p.refs = a->refs;
-    p.miss = a->miss;
-    p.counts = a->counts;
-    p.words = a->words;
-    p.ptab_stride = a->ptab_stride;
-    p.n_heads = a->n_heads;
-    p.block_tokens = a->block_tokens;
-    p.head_dim = a->head_dim;
-    p.n_past = a->n_past;
-    p.cap = a->cap;
-    CU(op, tkv_cuda_kv_table(&p, cb->stream));
+    CU(op, tkv_cuda_kv_table(a, (const uint32_t *)sl->dev, cb->stream));
     return TKV_OK;
 }
 

@@ -54,7 +54,7 @@ __device__ static uint32_t read_bits(const uint32_t *row, uint32_t words, uint32
 /* Walks the slices of block [lo, hi) of one head: emit(start, end) for each
  * maximal run of read positions, in order, 32 positions at a time. */
 template <typename Emit>
-__device__ static void walk_block(const struct tkv_cuda_kvt_params &p, const uint32_t *row, uint32_t sel_n,
+__device__ static void walk_block(const struct tkv_kv_table_args &p, const uint32_t *row, uint32_t sel_n,
                                   uint32_t lo, uint32_t hi, Emit emit)
 {
     bool open = false;
@@ -89,12 +89,12 @@ __device__ static void walk_block(const struct tkv_cuda_kvt_params &p, const uin
         emit(start, hi);
 }
 
-__global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_cuda_kvt_params p)
+__global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_table_args p, const uint32_t *sel_n_dev)
 {
     typedef cub::BlockScan<unsigned long long, KVT_THREADS> Scan;
     __shared__ typename Scan::TempStorage scan_tmp;
     const uint32_t h = blockIdx.x, B = p.block_tokens;
-    const uint32_t sel_n = p.sel_n[h];
+    const uint32_t sel_n = sel_n_dev[h];
     const uint32_t *row = p.bitmap ? p.bitmap + (size_t)h * p.words : NULL;
     const uint64_t *pt = p.ptab + (size_t)h * p.ptab_stride;
     struct tkv_kv_block_ref *refs = p.refs ? p.refs + (size_t)h * p.cap : NULL;
@@ -140,11 +140,11 @@ __global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_cuda_k
     }
 }
 
-cudaError_t tkv_cuda_kv_table(const struct tkv_cuda_kvt_params *p, cudaStream_t s)
+cudaError_t tkv_cuda_kv_table(const struct tkv_kv_table_args *a, const uint32_t *sel_n, cudaStream_t s)
 {
-    if (p->n_heads == 0)
+    if (a->n_heads == 0)
         return cudaSuccess;
-    kv_table_kernel<<<p->n_heads, KVT_THREADS, 0, s>>>(*p);
+    kv_table_kernel<<<a->n_heads, KVT_THREADS, 0, s>>>(*a, sel_n);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }

@@ -15,21 +15,11 @@
 cudaError_t tkv_cuda_table_write(uint64_t *table, const uint32_t *idx, const uint64_t *val, uint32_t n,
                                  cudaStream_t s);
 
-/* backend.h's struct tkv_kv_table_args with every pointer in device memory
- * (sel_n too). */
-struct tkv_cuda_kvt_params {
-    const uint32_t *bitmap;        /* [n_heads][words]                    */
-    const uint32_t *sel_n;         /* [n_heads]                           */
-    const uint64_t *ptab;          /* [n_heads][ptab_stride]              */
-    struct tkv_kv_block_ref *refs; /* [n_heads][cap]                      */
-    struct tkv_kv_block_ref *miss; /* [n_heads][cap]                      */
-    uint32_t *counts;              /* [n_heads][2]                        */
-    uint32_t words, ptab_stride, n_heads, block_tokens, head_dim, n_past, cap;
-};
-
-/* One CTA per KV head walks the head's blocks a CTA-width at a time: each
- * thread counts its block's slices word by word, a block-wide scan places
- * them, and the thread writes them; the slices keep position order. */
-cudaError_t tkv_cuda_kv_table(const struct tkv_cuda_kvt_params *p, cudaStream_t s);
+/* backend.h's kv_table: every pointer of a in device memory but a->sel_n,
+ * whose copy in device memory is sel_n [a->n_heads]. One CTA per KV head
+ * walks the head's blocks a CTA-width at a time: each thread counts its
+ * block's slices word by word, a block-wide scan places them, and the
+ * thread writes them; the slices keep position order. */
+cudaError_t tkv_cuda_kv_table(const struct tkv_kv_table_args *a, const uint32_t *sel_n, cudaStream_t s);
 
 #endif /* TKV_GPU_KV_TABLE_CUH */
