@@ -178,6 +178,14 @@ int main(void)
 
     store_traffic(cpu, true, "cpu");
     store_traffic(opq, false, "opaque");
+    /* a backend without table_write: the store uploads entry by entry */
+    static struct tkv_backend_ops no_tw;
+    no_tw = *opq->ops;
+    no_tw.table_write = NULL;
+    const struct tkv_backend_ops *had = opq->ops;
+    opq->ops = &no_tw;
+    store_traffic(opq, false, "opaque, no table_write");
+    opq->ops = had;
 
     struct tkv_backend *gpu = NULL; /* where there is one: the store's table in device memory */
     if (tkv_backend_cuda_devices() > 0 && tkv_backend_create("cuda", 0, &gpu) == TKV_OK) {
