@@ -372,6 +372,25 @@ static tkv_status cpu_rabitq_estimate(struct tkv_backend *b, const struct tkv_ra
     return tkv_rabitq_host_estimate(ix, q, first, n, est, bound);
 }
 
+/* The page-table stores and the decode table: host memory, so the stores
+ * are plain and the table is the reference itself. */
+static tkv_status cpu_table_write(struct tkv_backend *b, uint64_t *table, const uint32_t *idx, const uint64_t *val,
+                                  uint32_t n)
+{
+    (void)b;
+    if (n && (!table || !idx || !val))
+        return tkv_err(TKV_ERR_INVALID_ARG, "cpu: table_write: NULL argument");
+    for (uint32_t i = 0; i < n; i++)
+        table[idx[i]] = val[i];
+    return TKV_OK;
+}
+
+static tkv_status cpu_kv_table(struct tkv_backend *b, const struct tkv_kv_table_args *a)
+{
+    (void)b;
+    return tkv_kv_table_ref(a);
+}
+
 static tkv_status cpu_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
 {
     return tkv_cpu_attn_stats(cpu_of(b), a);
@@ -416,6 +435,8 @@ static const struct tkv_backend_ops cpu_ops = {
     .attn_stats = cpu_attn_stats,
     .rabitq_encode = cpu_rabitq_encode,
     .rabitq_estimate = cpu_rabitq_estimate,
+    .table_write = cpu_table_write,
+    .kv_table = cpu_kv_table,
 };
 
 const char *tkv_blas_coretype_advice(void)

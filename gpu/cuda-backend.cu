@@ -29,6 +29,7 @@
 #include "copy.cuh"
 #include "dequant.cuh"
 #include "gemv-quant.cuh"
+#include "kv-table.cuh"
 #include "ops.cuh"
 #include "rabitq.cuh"
 #include "rabitq-select.cuh"
@@ -1203,6 +1204,48 @@ static struct tkv_rabitq_dev_query rq_query(const struct tkv_rabitq_query *q)
     return c;
 }
 
+/* The page-table stores: values and indexes go up through a staging slot
+ * (so the caller may reuse its arrays at once), one scatter kernel. */
+static tkv_status cuda_table_write(struct tkv_backend *b, uint64_t *table, const uint32_t *idx, const uint64_t *val,
+                                   uint32_t n)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "table_write";
+    ALIVE(op);
+    if (n && (!table || !idx || !val))
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: table_write: NULL argument");
+    if (n == 0)
+        return TKV_OK;
+    struct stage_slot *sl;
+    const size_t bytes = (size_t)n * (sizeof *val + sizeof *idx);
+    TKV_TRY(stage_take(cb, bytes, &sl, op));
+    memcpy(sl->host, val, (size_t)n * sizeof *val); /* the 8-byte values first: aligned */
+    memcpy((uint8_t *)sl->host + (size_t)n * sizeof *val, idx, (size_t)n * sizeof *idx);
+    TKV_TRY(stage_send(cb, sl, bytes, op));
+    CU(op, tkv_cuda_table_write(table, (const uint32_t *)((uint8_t *)sl->dev + (size_t)n * sizeof *val),
+                                (const uint64_t *)sl->dev, n, cb->stream));
+    return TKV_OK;
+}
+
+/* The decode attention table: the heads' sel_n go up through a staging slot,
+ * one CTA per head; nothing waits. */
+static tkv_status cuda_kv_table(struct tkv_backend *b, const struct tkv_kv_table_args *a)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "kv_table";
+    ALIVE(op);
+    TKV_TRY(tkv_kv_table_check(a));
+    if (a->n_heads == 0)
+        return TKV_OK;
+    struct stage_slot *sl;
+    const size_t bytes = (size_t)a->n_heads * sizeof *a->sel_n;
+    TKV_TRY(stage_take(cb, bytes, &sl, op));
+    memcpy(sl->host, a->sel_n, bytes);
+    TKV_TRY(stage_send(cb, sl, bytes, op));
+    CU(op, tkv_cuda_kv_table(a, (const uint32_t *)sl->dev, cb->stream));
+    return TKV_OK;
+}
+
 /* A layer's queries prepared on the compute stream from the device q (the
  * item table goes up through a staging slot); nothing waits. */
 static tkv_status cuda_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a)
@@ -1772,6 +1815,15 @@ static tkv_status pw_rabitq_select(struct tkv_backend *b, const struct tkv_rabit
 {
     PROF("rabitq_select", prof_row(cb->prof, "rabitq_select", true), cuda_rabitq_select(b, a));
 }
+static tkv_status pw_table_write(struct tkv_backend *b, uint64_t *table, const uint32_t *idx, const uint64_t *val,
+                                 uint32_t n)
+{
+    PROF("table_write", prof_row(cb->prof, "table_write", true), cuda_table_write(b, table, idx, val, n));
+}
+static tkv_status pw_kv_table(struct tkv_backend *b, const struct tkv_kv_table_args *a)
+{
+    PROF("kv_table", prof_row(cb->prof, "kv_table", true), cuda_kv_table(b, a));
+}
 static tkv_status pw_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a)
 {
     PROF("rabitq_prepare", prof_row(cb->prof, "rabitq_prepare", true), cuda_rabitq_prepare(b, a));
@@ -1883,6 +1935,8 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.rabitq_estimate = cuda_rabitq_estimate;
     o.rabitq_select = cuda_rabitq_select;
     o.rabitq_prepare = cuda_rabitq_prepare;
+    o.table_write = cuda_table_write;
+    o.kv_table = cuda_kv_table;
     return o;
 }
 static const struct tkv_backend_ops cuda_ops = cuda_make_ops();
@@ -1917,6 +1971,8 @@ static struct tkv_backend_ops cuda_make_prof_ops(void)
     o.rabitq_estimate = pw_rabitq_estimate;
     o.rabitq_select = pw_rabitq_select;
     o.rabitq_prepare = pw_rabitq_prepare;
+    o.table_write = pw_table_write;
+    o.kv_table = pw_kv_table;
     o.profile_read = prof_read;
     o.profile_reset = prof_reset;
     return o;

@@ -206,6 +206,55 @@ struct tkv_rabitq_select_args {
     double   *mass;
 };
 
+/* One layer's decode attention table built on the backend from a selection
+ * and the KV store's device page table (kv_table; docs/rabitq.md, "Decode
+ * without a host round trip per layer"), so that the host need not read the
+ * bitmaps. Per KV head h of n_heads, with B = block_tokens:
+ *   - the positions read are those p < sel_n[h] whose bit is set in row h of
+ *     the bitmap (bit p % 32 of bitmap[h * words + p / 32], rabitq_select's
+ *     layout) and every p in [sel_n[h], n_past): the tail of keys not
+ *     indexed yet, this step's own included (sel_n[h] = 0: the head reads
+ *     everything);
+ *   - they are cut as the engine cuts ranges into block references: each
+ *     maximal run of read positions inside one block b (positions
+ *     [b*B, b*B + B)) is one slice {pos0 = its first position, n = its
+ *     length};
+ *   - a slice of a block whose page-table entry e = ptab[h * ptab_stride + b]
+ *     is not 0 (the block is resident: e is the address of its K, its V
+ *     follows B*head_dim f16 later, as in a compute slot) goes to
+ *     refs[h * cap ..] with k = e + (pos0 - b*B) * head_dim f16 and v
+ *     likewise; a slice of a block whose entry is 0 goes to miss[h * cap ..]
+ *     with k = v = NULL (the host recalls those blocks, or reads them where
+ *     they are). Both lists in position order.
+ *   - counts[2h] and counts[2h + 1] receive the number of slices of refs and
+ *     of miss, the whole number even past cap: slices past cap are not
+ *     written, and a count > cap tells the caller the table overflowed.
+ * The refs' layout is struct tkv_kv_block_ref's, as the attention op takes
+ * it. Queued like the other ops; the caller downloads counts (and the short
+ * miss lists) when it needs them. */
+struct tkv_kv_table_args {
+    const uint32_t *bitmap;        /* backend [n_heads][words], or NULL when every sel_n is 0 */
+    uint32_t words;                /* >= (max sel_n + 31) / 32                        */
+    const uint32_t *sel_n;         /* host [n_heads]: <= n_past, <= 32 * words         */
+    const uint64_t *ptab;          /* backend: head h's row at ptab + h * ptab_stride,
+                                      entries for blocks [0, (n_past + B - 1) / B)     */
+    uint32_t ptab_stride;          /* entries per head row                            */
+    uint32_t n_heads, block_tokens, head_dim, n_past;
+    struct tkv_kv_block_ref *refs; /* backend [n_heads][cap]                          */
+    struct tkv_kv_block_ref *miss; /* backend [n_heads][cap]                          */
+    uint32_t cap;
+    uint32_t *counts;              /* backend [n_heads][2]                            */
+};
+
+/* Checks a's shape and pointers (TKV_ERR_INVALID_ARG naming the field and
+ * the head); every backend's kv_table calls it first. */
+tkv_status tkv_kv_table_check(const struct tkv_kv_table_args *a);
+/* The reference kv_table on host memory (every pointer of a is a host
+ * pointer; the page-table entries are only copied and offset, never read
+ * through): the CPU backend's op, and what the tests compare the device's
+ * with. Position by position, as the contract above reads. */
+tkv_status tkv_kv_table_ref(const struct tkv_kv_table_args *a);
+
 /* What a profiling backend measured per op (profile_read). An op's device
  * time is the time between two events queued around its work on the
  * backend's compute stream; ops that queue nothing there (or wait only)
@@ -373,6 +422,18 @@ struct tkv_backend_ops {
      * poisoned and reported through a->bad, not by the status (which
      * covers the arguments and the device only). */
     tkv_status (*rabitq_prepare)(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a);
+    /* optional: n 64-bit stores into backend memory, table[idx[i]] = val[i]
+     * (idx and val host arrays [n], the idx distinct), queued after the work
+     * queued so far; idx and val may be reused once it returns. The KV
+     * store's device page table takes its changes this way, a small batch
+     * per layer (tkv_kvs_page_table_sync). NULL: the store uploads each
+     * value with upload. */
+    tkv_status (*table_write)(struct tkv_backend *b, uint64_t *table, const uint32_t *idx, const uint64_t *val,
+                              uint32_t n);
+    /* optional: one layer's decode attention table (struct
+     * tkv_kv_table_args), queued, no wait. NULL: the policy builds the
+     * table on the host from the downloaded bitmaps. */
+    tkv_status (*kv_table)(struct tkv_backend *b, const struct tkv_kv_table_args *a);
     /* Op profile: non-NULL only while the backend profiles its ops (CUDA:
      * TKV_CUDA_PROFILE=1 when it is created; docs/gpu.md). profile_read
      * waits for the queued work and fills *out with the totals since the

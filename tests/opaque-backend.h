@@ -240,13 +240,35 @@ static tkv_status o_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabit
     return TKV_OK;
 }
 
+/* The page-table stores and the decode table through the CPU reference,
+ * the table and argument arrays untagged; the entries (tagged compute-slot
+ * addresses) are only copied and offset, so the refs come out tagged. */
+static tkv_status o_table_write(struct tkv_backend *b, uint64_t *table, const uint32_t *idx, const uint64_t *val,
+                                uint32_t n)
+{
+    struct tkv_backend *cpu = op_of(b)->cpu;
+    return cpu->ops->table_write(cpu, U(table), idx, val, n);
+}
+
+static uint64_t opaque_kv_table_calls;
+static tkv_status o_kv_table(struct tkv_backend *b, const struct tkv_kv_table_args *a)
+{
+    (void)b;
+    opaque_kv_table_calls++;
+    if (!a)
+        return tkv_kv_table_ref(a);
+    struct tkv_kv_table_args c = *a;
+    c.bitmap = U(a->bitmap), c.ptab = U(a->ptab), c.refs = U(a->refs), c.miss = U(a->miss), c.counts = U(a->counts);
+    return tkv_kv_table_ref(&c);
+}
+
 static const struct tkv_backend_ops opaque_ops = {
     .name = "opaque", .free = o_free, .alloc = o_alloc, .release = o_release, .upload = o_upload,
     .download = o_download, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
     .get_rows = o_get_rows, .matmul = o_matmul, .rmsnorm = o_rmsnorm, .rope = o_rope, .swiglu = o_swiglu,
     .add = o_add, .kv_write = o_kv_write, .attention = o_attention, .attn_stats = o_attn_stats,
     .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate, .rabitq_select = o_rabitq_select,
-    .rabitq_prepare = o_rabitq_prepare};
+    .rabitq_prepare = o_rabitq_prepare, .table_write = o_table_write, .kv_table = o_kv_table};
 
 static tkv_status opaque_create(const char *device, uint32_t n_threads, struct tkv_backend **out)
 {

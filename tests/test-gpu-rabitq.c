@@ -33,12 +33,16 @@
  * candidates; the symmetric difference with tkv_rabitq_select_topp is
  * counted, reported and at most 4 + 1e-5 n keys. A call with G query heads
  * gives the OR of its G single calls bit for bit (G = 1..8), `whole` the
- * widening to blocks, and a second call the same bits. Skips (77) without
- * a CUDA device.
+ * widening to blocks, and a second call the same bits. kv_table and
+ * table_write (the decode table from a bitmap and the KV store's device
+ * page table) equal kv-table-cases.h's oracle entry for entry on random
+ * block sizes, residencies and selections, overflowing tables included.
+ * Skips (77) without a CUDA device.
  */
 #include "test.h"
 #include "rabitq-prepare.h"
 #include "rabitq-spans.h"
+#include "kv-table-cases.h"
 
 #include "runtime/backend.h"
 #include "runtime/rabitq/rabitq.h"
@@ -426,6 +430,10 @@ int main(void)
                 check_prepare(be, prep_dims[i], TKV_RABITQ_ISA_AVX2, &rng);
         }
     test_select();
+    /* the decode attention table from a selection and a page table, and the
+     * page table's stores, against the oracle (kv-table-cases.h) */
+    REQUIRE(be->ops->kv_table && be->ops->table_write, "the CUDA backend has no kv_table or table_write");
+    kvt_all(be, &rng, 400);
     be->ops->free(be);
     return test_done();
 }

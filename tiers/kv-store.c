@@ -173,6 +173,20 @@ struct tkv_kvs {
     uint8_t *chk_bad;        /* [head*max_blocks] their verdicts                  */
     uint64_t host_reads;     /* blocks read in place on the host tier             */
     uint32_t cur_layer;
+    /* The device page table (params.page_table; docs/kv-layout.md, "Device
+     * page table"): pt_dev in backend memory, laid out as blk, entry i the
+     * address of block i's compute slot while its compute copy is current,
+     * else 0; pt_host what pt_dev holds. A compute slot taken or given
+     * queues its block on its layer's pending list (pt_touch, from pool_take
+     * and pool_give); tkv_kvs_page_table_sync writes the entries that
+     * changed. NULL when off. */
+    uint64_t *pt_dev, *pt_host;   /* [layer][head][max_blocks]                    */
+    uint32_t *pt_pend;            /* [layer][head*max_blocks] offsets in the layer */
+    uint32_t *pt_pend_n;          /* [layer]                                       */
+    uint8_t  *pt_queued;          /* [layer][head][max_blocks] on its pending list */
+    uint32_t *pt_idx;             /* [head*max_blocks] one sync's writes ...       */
+    uint64_t *pt_val;             /* ... and their values                         */
+    uint64_t pt_writes;           /* entries written since init                    */
 
     struct tkv_io *io;
     struct tkv_io_file *file;
@@ -357,14 +371,28 @@ static tkv_status pool_grow(struct tkv_kvs *s, int t, uint32_t want)
     return TKV_OK;
 }
 
+/* Queues block i for the next page-table sync of its layer (its compute
+ * slot changed hands). */
+static void pt_touch(struct tkv_kvs *s, uint32_t i)
+{
+    if (!s->pt_dev || s->pt_queued[i])
+        return;
+    const uint64_t layer_blocks = (uint64_t)s->p.n_head_kv * s->max_blocks;
+    const uint32_t layer = s->blk[i].layer;
+    s->pt_queued[i] = 1;
+    s->pt_pend[layer * layer_blocks + s->pt_pend_n[layer]++] = (uint32_t)(i - layer * layer_blocks);
+}
+
 static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
 {
     struct pool *pl = &s->pool[t];
     if (pl->n_free == 0)
         return -1;
     int32_t slot = pl->free_list[--pl->n_free];
-    if (t == TKV_TIER_COMPUTE)
+    if (t == TKV_TIER_COMPUTE) {
         s->layer_gen[s->blk[owner].layer]++;
+        pt_touch(s, owner);
+    }
     if (t == TKV_TIER_HOST) /* a new host copy: not checked yet */
         s->blk[owner].hchecked = 0;
     pl->owner[slot] = (int32_t)owner;
@@ -384,8 +412,10 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
 static void pool_give(struct tkv_kvs *s, int t, int32_t slot)
 {
     struct pool *pl = &s->pool[t];
-    if (t == TKV_TIER_COMPUTE)
+    if (t == TKV_TIER_COMPUTE) {
         s->layer_gen[pl->slot_layer[slot]]++;
+        pt_touch(s, (uint32_t)pl->owner[slot]);
+    }
     if (t == TKV_TIER_HOST)
         s->blk[pl->owner[slot]].hchecked = 0;
     const uint32_t layer = pl->slot_layer[slot];
@@ -1633,6 +1663,28 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         }
         s->staging_async = s->staging && (s->staging_registered || !bo->host_register);
     }
+    if (p->page_table) { /* all zero: nothing is resident yet */
+        s->pt_host = calloc(total, sizeof *s->pt_host);
+        s->pt_pend = malloc(total * sizeof *s->pt_pend);
+        s->pt_pend_n = calloc(p->n_layer, sizeof *s->pt_pend_n);
+        s->pt_queued = calloc(total, 1);
+        s->pt_idx = malloc(layer_blocks * sizeof *s->pt_idx);
+        s->pt_val = malloc(layer_blocks * sizeof *s->pt_val);
+        if (!s->pt_host || !s->pt_pend || !s->pt_pend_n || !s->pt_queued || !s->pt_idx || !s->pt_val) {
+            st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the device page table");
+            goto fail;
+        }
+        void *dev = NULL;
+        if ((st = bo->alloc(backend, total * sizeof *s->pt_host, &dev)) != TKV_OK) {
+            tkv_err_wrap(st, "kv-store: the device page table (%llu bytes)",
+                         (unsigned long long)(total * sizeof *s->pt_host));
+            goto fail;
+        }
+        s->pt_dev = dev;
+        if ((st = bo->upload(backend, s->pt_dev, s->pt_host, total * sizeof *s->pt_host)) != TKV_OK ||
+            (st = bo->synchronize(backend)) != TKV_OK) /* pt_host may change once we return */
+            goto fail;
+    }
     const char *compute_name = p->compute_is_host ? "host" : "gpu";
     s->st[TKV_TIER_COMPUTE].name = compute_name;
     s->st[TKV_TIER_COMPUTE].capacity_bytes = (uint64_t)s->pool[TKV_TIER_COMPUTE].cap * s->S;
@@ -1702,6 +1754,14 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->views_nb);
     free(s->ops);
     free(s->results);
+    if (s->pt_dev)
+        s->be->ops->release(s->be, s->pt_dev);
+    free(s->pt_host);
+    free(s->pt_pend);
+    free(s->pt_pend_n);
+    free(s->pt_queued);
+    free(s->pt_idx);
+    free(s->pt_val);
     free(s);
 }
 
@@ -2137,6 +2197,85 @@ void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
     const struct tkv_kv_block_ref *r = &s->refs[((size_t)layer * s->p.n_head_kv + head) * s->max_blocks + pos / B];
     *k = r->k + (size_t)(pos % B) * s->p.head_dim;
     *v = r->v + (size_t)(pos % B) * s->p.head_dim;
+}
+
+/* ---- the device page table ---------------------------------------------------- */
+
+/* What block i's page-table entry must say now: the address of its compute
+ * slot while its compute copy is current, else 0; *settled false while it
+ * has a slot whose copy is still arriving (a prefetch or a recall in
+ * flight), whose entry is 0 until a later sync finds it current. */
+static uint64_t pt_entry(const struct tkv_kvs *s, uint32_t i, bool *settled)
+{
+    const struct blk *k = &s->blk[i];
+    const int32_t cs = k->slot[TKV_TIER_COMPUTE];
+    *settled = cs < 0 || (!k->inflight && (k->valid & BIT(TKV_TIER_COMPUTE)));
+    if (cs < 0 || !*settled)
+        return 0;
+    return (uint64_t)(uintptr_t)slot_ptr(s, TKV_TIER_COMPUTE, cs);
+}
+
+const uint64_t *tkv_kvs_page_table(const struct tkv_kvs *s, uint32_t layer)
+{
+    if (!s->pt_dev || layer >= s->p.n_layer)
+        return NULL;
+    return s->pt_dev + (size_t)layer * s->p.n_head_kv * s->max_blocks;
+}
+
+tkv_status tkv_kvs_page_table_sync(struct tkv_kvs *s, uint32_t layer, uint32_t *n_written)
+{
+    if (n_written)
+        *n_written = 0;
+    if (!s->pt_dev)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: page_table_sync: the store keeps no device page table");
+    if (layer >= s->p.n_layer)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: page_table_sync: layer %u of %u", layer, s->p.n_layer);
+    const uint64_t layer_blocks = (uint64_t)s->p.n_head_kv * s->max_blocks, base = layer * layer_blocks;
+    uint32_t *pend = s->pt_pend + base;
+    uint32_t n = 0, keep = 0;
+    for (uint32_t j = 0; j < s->pt_pend_n[layer]; j++) {
+        const uint32_t i = (uint32_t)(base + pend[j]);
+        bool settled;
+        const uint64_t e = pt_entry(s, i, &settled);
+        if (settled)
+            s->pt_queued[i] = 0;
+        else
+            pend[keep++] = pend[j];
+        if (e != s->pt_host[i]) {
+            s->pt_idx[n] = i;
+            s->pt_val[n++] = e;
+        }
+    }
+    s->pt_pend_n[layer] = keep;
+    if (n == 0)
+        return TKV_OK;
+    const struct tkv_backend_ops *bo = s->be->ops;
+    tkv_status st = TKV_OK;
+    if (bo->table_write)
+        st = bo->table_write(s->be, s->pt_dev, s->pt_idx, s->pt_val, n);
+    else /* (pt_val's entries are not rewritten before this sync's uploads have read them: each is its own) */
+        for (uint32_t j = 0; j < n && st == TKV_OK; j++)
+            st = bo->upload(s->be, s->pt_dev + s->pt_idx[j], &s->pt_val[j], sizeof *s->pt_val);
+    if (st != TKV_OK) { /* requeue everything this sync took off: the next one writes it again */
+        for (uint32_t j = 0; j < n; j++)
+            if (!s->pt_queued[s->pt_idx[j]]) {
+                s->pt_queued[s->pt_idx[j]] = 1;
+                pend[s->pt_pend_n[layer]++] = (uint32_t)(s->pt_idx[j] - base);
+            }
+        return tkv_err_wrap(st, "kv-store: writing %u entries of layer %u's device page table", n, layer);
+    }
+    for (uint32_t j = 0; j < n; j++)
+        s->pt_host[s->pt_idx[j]] = s->pt_val[j];
+    s->pt_writes += n;
+    if (n_written)
+        *n_written = n;
+    return TKV_OK;
+}
+
+uint64_t tkv_kvs_test_compute_addr(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b)
+{
+    const int32_t cs = s->blk[blk_index(s, layer, head, b)].slot[TKV_TIER_COMPUTE];
+    return cs < 0 ? 0 : (uint64_t)(uintptr_t)slot_ptr(s, TKV_TIER_COMPUTE, cs);
 }
 
 uint32_t tkv_kvs_block_bytes(const struct tkv_kvs *s) { return s->S; }

@@ -51,6 +51,8 @@ struct tkv_kvs_params {
     bool     evict_ref;       /* test hook: every eviction scans every slot and orders the
                                  whole bucket it cuts (the full pass the scoped one
                                  replaced; it must pick the same victims in the same order) */
+    bool     page_table;      /* keep the device page table (tkv_kvs_page_table): 8 bytes of
+                                 backend memory and ~14 of host memory per block */
     bool     walk_ref;        /* test hook: begin_layer and end_layer walk every block of the
                                  layer, pinning and stamping each (the pass the whole-layer
                                  shortcut replaced; the views and every eviction must come
@@ -193,6 +195,28 @@ struct tkv_kv_head_view tkv_kvs_host_view(const struct tkv_kvs *s, uint32_t laye
 
 /* K and V row pointers of position pos (inside begin/end). */
 void tkv_kvs_locate(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t pos, uint16_t **k, uint16_t **v);
+
+/* The device page table of `layer` (params.page_table; NULL without it):
+ * backend memory, [n_head_kv][tkv_kvs_max_blocks()] 64-bit entries, entry
+ * (head, b) the address of block b's K in the compute tier (its V follows
+ * block_tokens * head_dim f16 later) while that copy is resident and
+ * current, else 0 -- as of the layer's last tkv_kvs_page_table_sync, in
+ * stream order: the backend's ops queued after the sync read what it wrote
+ * (backend.h's kv_table takes it as ptab). A block whose copy is still
+ * arriving (a prefetch in flight) reads 0 until a sync after it landed.
+ * Valid until tkv_kvs_free. */
+const uint64_t *tkv_kvs_page_table(const struct tkv_kvs *s, uint32_t layer);
+/* Brings layer's device page table up to date: the entries of the blocks
+ * whose compute slot was taken or given since the last sync (and those still
+ * arriving then) are recomputed, and those that changed are written with the
+ * backend's table_write (one queued batch; upload per entry where it has
+ * none). O(blocks that moved), not O(context). *n_written (may be NULL):
+ * entries written. Any time, inside or outside begin/end. */
+tkv_status tkv_kvs_page_table_sync(struct tkv_kvs *s, uint32_t layer, uint32_t *n_written);
+/* Test hook: the address of the compute slot block b of (layer, head) holds,
+ * whatever its state, or 0 without one. After a sync its page-table entry
+ * must be this where tkv_kvs_block_tier says TKV_TIER_COMPUTE, else 0. */
+uint64_t tkv_kvs_test_compute_addr(const struct tkv_kvs *s, uint32_t layer, uint32_t head, uint32_t b);
 
 uint32_t tkv_kvs_block_bytes(const struct tkv_kvs *s);
 /* Threads that verify a batch of blocks read from below (1: the caller's). */

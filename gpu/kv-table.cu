@@ -1,0 +1,150 @@
+/*
+ * kv-table.cu -- the page-table stores and the decode attention table
+ * (kv-table.cuh; contract in backend.h).
+ */
+#include "kv-table.cuh"
+
+#include <cub/block/block_scan.cuh>
+
+#define KVT_THREADS 256
+
+__global__ void table_write_kernel(uint64_t *table, const uint32_t *idx, const uint64_t *val, uint32_t n)
+{
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n)
+        table[idx[i]] = val[i];
+}
+
+cudaError_t tkv_cuda_table_write(uint64_t *table, const uint32_t *idx, const uint64_t *val, uint32_t n,
+                                 cudaStream_t s)
+{
+    if (n == 0)
+        return cudaSuccess;
+    table_write_kernel<<<tkv_cuda_blocks(n, 256), 256, 0, s>>>(table, idx, val, n);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+/* The positions [p, p + 32) head h reads, bit j for position p + j: the
+ * bitmap's bits below sel_n, every position of the tail [sel_n, n_past),
+ * nothing at or past n_past. */
+__device__ static uint32_t read_bits(const uint32_t *row, uint32_t words, uint32_t sel_n, uint32_t n_past,
+                                     uint32_t p)
+{
+    uint32_t x = 0;
+    if (p < sel_n) {
+        const uint32_t w = p / 32, sh = p % 32;
+        x = row[w] >> sh;
+        if (sh && w + 1 < words)
+            x |= row[w + 1] << (32 - sh);
+        if (sel_n - p < 32)
+            x &= (1u << (sel_n - p)) - 1;
+    }
+    const uint32_t t0 = max(p, sel_n);
+    const uint32_t t1 = n_past - p < 32 ? n_past : p + 32;
+    if (t0 < t1) { /* bits [t0 - p, t1 - p) */
+        const uint32_t lo = t0 - p, len = t1 - t0;
+        x |= (len >= 32 ? ~0u : ((1u << len) - 1)) << lo;
+    }
+    if (n_past - p < 32)
+        x &= (1u << (n_past - p)) - 1;
+    return x;
+}
+
+/* Walks the slices of block [lo, hi) of one head: emit(start, end) for each
+ * maximal run of read positions, in order, 32 positions at a time. */
+template <typename Emit>
+__device__ static void walk_block(const struct tkv_kv_table_args &p, const uint32_t *row, uint32_t sel_n,
+                                  uint32_t lo, uint32_t hi, Emit emit)
+{
+    bool open = false;
+    uint32_t start = 0;
+    for (uint32_t c = lo; c < hi; c += 32) {
+        const uint32_t len = hi - c < 32 ? hi - c : 32;
+        const uint32_t valid = len == 32 ? ~0u : (1u << len) - 1;
+        const uint32_t x = read_bits(row, p.words, sel_n, p.n_past, c) & valid;
+        uint32_t j = 0;
+        while (j < len) {
+            const uint32_t from = ~0u << j; /* j < 32 */
+            if (open) {
+                const uint32_t z = ~x & valid & from;
+                if (!z)
+                    break; /* the run goes on into the next word */
+                const uint32_t e = (uint32_t)__ffs(z) - 1;
+                emit(start, c + e);
+                open = false;
+                j = e;
+            } else {
+                const uint32_t o = x & from;
+                if (!o)
+                    break;
+                const uint32_t b = (uint32_t)__ffs(o) - 1;
+                start = c + b;
+                open = true;
+                j = b;
+            }
+        }
+    }
+    if (open)
+        emit(start, hi);
+}
+
+__global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_table_args p, const uint32_t *sel_n_dev)
+{
+    typedef cub::BlockScan<unsigned long long, KVT_THREADS> Scan;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    const uint32_t h = blockIdx.x, B = p.block_tokens;
+    const uint32_t sel_n = sel_n_dev[h];
+    const uint32_t *row = p.bitmap ? p.bitmap + (size_t)h * p.words : NULL;
+    const uint64_t *pt = p.ptab + (size_t)h * p.ptab_stride;
+    struct tkv_kv_block_ref *refs = p.refs ? p.refs + (size_t)h * p.cap : NULL;
+    struct tkv_kv_block_ref *miss = p.miss ? p.miss + (size_t)h * p.cap : NULL;
+    const uint32_t nb = (uint32_t)(((uint64_t)p.n_past + B - 1) / B);
+    uint32_t base_r = 0, base_m = 0; /* slices placed by the earlier rounds */
+    for (uint32_t b0 = 0; b0 < nb; b0 += KVT_THREADS) {
+        const uint32_t b = b0 + threadIdx.x;
+        const uint32_t lo = b * B, hi = b < nb ? min(lo + B, p.n_past) : lo;
+        const uint64_t e = b < nb ? pt[b] : 0;
+        uint32_t cnt = 0;
+        if (b < nb)
+            walk_block(p, row, sel_n, lo, hi, [&](uint32_t, uint32_t) { cnt++; });
+        /* resident slices counted in the high word, missing ones in the low */
+        unsigned long long off, total;
+        Scan(scan_tmp).ExclusiveSum(e ? (unsigned long long)cnt << 32 : (unsigned long long)cnt, off, total);
+        uint32_t at = e ? base_r + (uint32_t)(off >> 32) : base_m + (uint32_t)off;
+        if (cnt)
+            walk_block(p, row, sel_n, lo, hi, [&](uint32_t s0, uint32_t s1) {
+                if (at < p.cap) {
+                    struct tkv_kv_block_ref r;
+                    r.pos0 = (int32_t)s0;
+                    r.n = s1 - s0;
+                    if (e) {
+                        const uint64_t k = e + (uint64_t)(s0 - lo) * p.head_dim * sizeof(uint16_t);
+                        r.k = (uint16_t *)(uintptr_t)k;
+                        r.v = (uint16_t *)(uintptr_t)(k + (uint64_t)B * p.head_dim * sizeof(uint16_t));
+                        refs[at] = r;
+                    } else {
+                        r.k = r.v = NULL;
+                        miss[at] = r;
+                    }
+                }
+                at++;
+            });
+        base_r += (uint32_t)(total >> 32);
+        base_m += (uint32_t)total;
+        __syncthreads(); /* scan_tmp is reused by the next round */
+    }
+    if (threadIdx.x == 0) {
+        p.counts[2 * h] = base_r;
+        p.counts[2 * h + 1] = base_m;
+    }
+}
+
+cudaError_t tkv_cuda_kv_table(const struct tkv_kv_table_args *a, const uint32_t *sel_n, cudaStream_t s)
+{
+    if (a->n_heads == 0)
+        return cudaSuccess;
+    kv_table_kernel<<<a->n_heads, KVT_THREADS, 0, s>>>(*a, sel_n);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
