@@ -204,44 +204,35 @@ __device__ __forceinline__ void pk_start(const tkv_cuda_attn_params &p, uint32_t
     c.w = __ldg(p.kofs + c.i + lane);
 }
 
-/* One tile of the packed walk resolved by pk_prepare and not yet copied by
- * pk_issue: the rows' sources, and what the cursor's advance needs.
- * pk_prepare issues the loads of the rows' table entries and pk_issue
- * consumes them, so a kernel may run other work in between while they are
- * in flight (v2). fill_packed is the two back to back (v0, v1). */
-struct pk_tile {
-    const uint16_t *src; /* this lane's row: K (lanes 0-15) or V (16-31); a
-                            16-byte-aligned placeholder past the keys */
-    int32_t kp;          /* lanes 0-15: the row's position (INT_MAX past the keys) */
-    int32_t pos_first;   /* the tile's first key's position */
-    int nk;              /* keys in the tile (0: the split is done) */
-    uint64_t M;          /* bit d: a ref ends at x + d */
-    uint32_t x, i, wa, wb; /* the cursor's key and ref; kofs windows at i + lane, i + 32 + lane */
-};
-
-/* Resolves the 64 rows of the tile at the cursor into t (t.nk = 0 when
- * the split is done); the cursor moves in pk_issue.
+/* Resolves the 64 rows of the tile at the cursor and issues their cp.async
+ * copies into one stage; advances the cursor; returns the tile's keys (0:
+ * the split is done, or its next key is past pos_max: keys are in position
+ * order, so nothing later is visible).
  *
  * Warp w owns rows 16w .. 16w+15: each of its lanes finds the ref and the
- * K (lanes 0-15) or V (lanes 16-31) address of row 16w + lane % 16.
- * Finding the rows: key x + j lies in ref i + (the number of refs i, i+1,
- * ... ending at or before x + j). The refs ending inside the tile are among
- * i .. i+62 (each holds at least one row), whose ends kofs[i+1 .. i+63] are
- * the cursor's window (one load per lane, and a second only when refs
- * i .. i+30 all end inside); bit (end - x) of M marks each, so row j's ref
- * is i + popc(M & bits 0..j) and it starts at the highest of those bits (or
- * at kofs[i]). */
-template <int HD> __device__ __forceinline__ void pk_prepare(const tkv_cuda_attn_params &p, const pk_cursor &c, pk_tile &t)
+ * K (lanes 0-15) or V (lanes 16-31) address of row 16w + lane % 16 into
+ * rp (this warp's 32 slots), then the warp issues the 16-byte copies of its
+ * rows; no CTA barrier. Finding the rows: key x + j lies in ref i + (the
+ * number of refs i, i+1, ... ending at or before x + j). The refs ending
+ * inside the tile are among i .. i+62 (each holds at least one row), whose
+ * ends kofs[i+1 .. i+63] are the cursor's window (one load per lane, and a
+ * second only when refs i .. i+30 all end inside); bit (end - x) of M marks
+ * each, so row j's ref is i + popc(M & bits 0..j) and it starts at the
+ * highest of those bits (or at kofs[i]). Rows past the keys are zero-filled
+ * (0 * V must stay 0) with position INT_MAX (never visible). */
+template <int HD, class L = pad_layout<HD>>
+__device__ __forceinline__ int fill_packed(const tkv_cuda_attn_params &p, pk_cursor &c, int32_t pos_max,
+                                          __half *Ks, __half *Vs, int *kpos, const uint16_t **rp)
 {
+    constexpr int PER_ROW = HD / 8, UNITS = 16 * PER_ROW / 32;
     constexpr unsigned FULL = 0xffffffffu;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    t.nk = 0;
     if (c.x >= c.x_end)
-        return;
+        return 0;
     const uint32_t x = c.x, i = c.i, wa = c.w;
     const uint32_t s0 = __shfl_sync(FULL, wa, 0); /* ref i's first key (<= x) */
-    const int32_t pos_i = __ldg(&p.blocks[i].pos0); /* checked by pk_issue, after the rows' loads are issued */
-    t.nk = (int)min(c.x_end - x, (uint32_t)BN);
+    const int32_t pos_i = __ldg(&p.blocks[i].pos0); /* checked below, after the rows' loads are issued */
+    const int nk = (int)min(c.x_end - x, (uint32_t)BN);
 
     /* M: bit d set when one of refs i .. i+62 ends at x + d (1 <= d <= 63) */
     uint64_t bits = 0;
@@ -261,7 +252,7 @@ template <int HD> __device__ __forceinline__ void pk_prepare(const tkv_cuda_attn
     const int j = warp * 16 + (lane & 15);
     const uint16_t *src = (const uint16_t *)p.q_pos; /* 16-byte aligned; nothing is read from it */
     int32_t kp = INT_MAX;
-    if (j < t.nk) {
+    if (j < nk) {
         const uint64_t mm = M & ((2ull << j) - 1); /* bits 0 .. j (j = 63: all) */
         const uint32_t st = mm ? x + 63u - (uint32_t)__clzll((long long)mm) : s0;
         const uint32_t off = x + (uint32_t)j - st;
@@ -271,43 +262,18 @@ template <int HD> __device__ __forceinline__ void pk_prepare(const tkv_cuda_attn
         src = base + (size_t)off * HD;
         kp = __ldg(&e->pos0) + (int32_t)off;
     }
-    t.src = src;
-    t.kp = kp;
-    t.pos_first = pos_i + (int32_t)(x - s0);
-    t.M = M;
-    t.x = x;
-    t.i = i;
-    t.wa = wa;
-    t.wb = wb;
-}
-
-/* Issues the cp.async copies of a prepared tile into one stage (rp: this
- * warp's 32 slots; no CTA barrier) and moves the cursor past it; returns
- * its keys, or 0 when the split is done or the tile's first key is past
- * pos_max (keys are in position order: nothing later is visible; the
- * cursor stops). Rows past the keys are zero-filled (0 * V must stay 0)
- * with position INT_MAX (never visible). */
-template <int HD, class L = pad_layout<HD>>
-__device__ __forceinline__ int pk_issue(const tkv_cuda_attn_params &p, const pk_tile &t, pk_cursor &c,
-                                        int32_t pos_max, __half *Ks, __half *Vs, int *kpos, const uint16_t **rp)
-{
-    constexpr int PER_ROW = HD / 8, UNITS = 16 * PER_ROW / 32;
-    constexpr unsigned FULL = 0xffffffffu;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (t.nk == 0)
-        return 0;
-    if (t.pos_first > pos_max) { /* (uniform) the tile's first key is not visible */
+    if (pos_i + (int32_t)(x - s0) > pos_max) { /* (uniform) the tile's first key is not visible */
         c.x = c.x_end;
         return 0;
     }
     if (lane < 16)
-        kpos[warp * 16 + lane] = t.kp;
-    rp[lane] = t.src;
+        kpos[j] = kp;
+    rp[lane] = src;
     __syncwarp();
 #pragma unroll
     for (int it = 0; it < UNITS; it++) {
         const int u = lane + 32 * it, rr = u / PER_ROW, col = u % PER_ROW, row = warp * 16 + rr;
-        const bool ok = row < t.nk;
+        const bool ok = row < nk;
         const uint16_t *ks = rp[rr], *vs = rp[16 + rr];
         tkv_cp_async16(Ks + L::at(row, col), ok ? ks + col * 8 : ks, ok);
         tkv_cp_async16(Vs + L::at(row, col), ok ? vs + col * 8 : vs, ok);
@@ -315,31 +281,19 @@ __device__ __forceinline__ int pk_issue(const tkv_cuda_attn_params &p, const pk_
 
     /* the ref holding key x + 64: refs i .. i+cnt-1 end inside, so ref
      * i+cnt holds key x + 63; the next one when it ends at x + 64 */
-    const int cnt = __popcll(t.M);
+    const int cnt = __popcll(M);
     uint32_t e_next; /* kofs[i + cnt + 1] */
     if (cnt + 1 < 32)
-        e_next = __shfl_sync(FULL, t.wa, cnt + 1);
+        e_next = __shfl_sync(FULL, wa, cnt + 1);
     else if (cnt + 1 < 64) /* cnt >= 31: ref i+30 ended inside, wb was loaded */
-        e_next = __shfl_sync(FULL, t.wb, cnt + 1 - 32);
+        e_next = __shfl_sync(FULL, wb, cnt + 1 - 32);
     else /* 63 one-row refs */
-        e_next = __ldg(p.kofs + t.i + 64);
-    c.i = t.i + (uint32_t)cnt + (e_next == t.x + BN ? 1u : 0u);
-    c.x = t.x + BN;
+        e_next = __ldg(p.kofs + i + 64);
+    c.i = i + (uint32_t)cnt + (e_next == x + BN ? 1u : 0u);
+    c.x = x + BN;
     if (c.x < c.x_end)
         c.w = __ldg(p.kofs + c.i + lane);
-    return t.nk;
-}
-
-/* Resolves the 64 rows of the tile at the cursor and issues their copies
- * into one stage; advances the cursor; returns the tile's keys (0: the
- * split is done, or its next key is past pos_max). */
-template <int HD, class L = pad_layout<HD>>
-__device__ __forceinline__ int fill_packed(const tkv_cuda_attn_params &p, pk_cursor &c, int32_t pos_max,
-                                          __half *Ks, __half *Vs, int *kpos, const uint16_t **rp)
-{
-    pk_tile t;
-    pk_prepare<HD>(p, c, t);
-    return pk_issue<HD, L>(p, t, c, pos_max, Ks, Vs, kpos, rp);
+    return nk;
 }
 
 /* ---- the per-ref walk (!PACK) ------------------------------------------------ */

@@ -30,19 +30,22 @@
  * SBO = 1024 between 8-key groups and LBO = BN * 128 between the 64-column
  * halves of head_dim 128.
  *
- * Schedule: warpgroup 0's warps fill the stages (the walks are written for
- * 4 warps); one CTA barrier per tile as v1 (it publishes tile t and proves
- * both warpgroups finished tile t - 1, whose stage the fill of t + 1 then
- * takes); after the cp.async copies land, each filling thread makes them
- * visible to the wgmma's async proxy (fence.proxy.async) before the
- * barrier; both wgmma groups of a tile are waited for before the next
- * barrier (the stage's next fill overwrites what they read).
+ * Schedule: one CTA barrier per tile as v1: it publishes tile t (each
+ * filling thread first makes its landed cp.async copies visible to the
+ * wgmma's async proxy, fence.proxy.async) and proves that both warpgroups
+ * finished iteration t - 1. Iteration t issues S_t, then the previous
+ * tile's O += P V (so the tensor cores run it while this tile's
+ * exponentials are taken), then warpgroup 0's warps (the walks are written
+ * for 4 warps) issue the copies of tile t + PREF; it waits for S_t, takes
+ * the softmax, waits for the P V, rescales O. ST = PREF + 2 stages: the
+ * tiles in flight, the tile computed, the tile whose P V runs beside it;
+ * the fill of iteration t takes the stage of tile t - 2, whose P V every
+ * warp waited for before the barrier.
  */
 #include "attn-prefill.cuh"
 #include "attn-prefill-walk.cuh"
 
 #include <cuda_pipeline.h>
-#include <stdlib.h>
 
 namespace {
 
@@ -206,7 +209,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&ph
 #endif
 }
 
-template <int HD, bool SPLIT, bool PACK, bool EARLY>
+template <int HD, bool SPLIT, bool PACK>
 __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -258,13 +261,6 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
         }
         __pipeline_commit();
     }
-    /* EARLY (packed walk): the next tile's rows are resolved an iteration
-     * before their copies are issued, so the loads of their table entries
-     * (dependent on the cursor's window, an L2 round trip each) are in flight
-     * during the softmax instead of stalling the filling warps at the fill */
-    pk_tile nxt = {};
-    if (EARLY && PACK && filler)
-        pk_prepare<HD>(p, pc, nxt);
     fence_proxy_async(); /* the Q stores */
     __syncthreads();     /* Q and qpos in shared memory */
 
@@ -337,16 +333,13 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
         if (filler) {
             __half *Kf = Ks_st + fstage * KV_H, *Vf = Vs_st + fstage * KV_H;
             int *kf = kpos_st + fstage * BN;
-            const int nk = !PACK  ? fill_tile<HD, sw128_layout<HD>>(p, cur, pos_max, Kf, Vf, kf)
-                           : EARLY ? pk_issue<HD, sw128_layout<HD>>(p, nxt, pc, pos_max, Kf, Vf, kf, rp)
-                                   : fill_packed<HD, sw128_layout<HD>>(p, pc, pos_max, Kf, Vf, kf, rp);
+            const int nk = PACK ? fill_packed<HD, sw128_layout<HD>>(p, pc, pos_max, Kf, Vf, kf, rp)
+                                : fill_tile<HD, sw128_layout<HD>>(p, cur, pos_max, Kf, Vf, kf);
             if (tid == 0)
                 nks[fstage] = nk;
         }
         __pipeline_commit();
         wg_wait<1>(); /* S landed; P V may still run */
-        if (EARLY && PACK && filler) /* the cursor's window came in while S ran */
-            pk_prepare<HD>(p, pc, nxt);
         {
             const bool masked = !(kpos[BN - 1] <= q_lo); /* (warp-uniform) INT_MAX past the keys: masked */
 
@@ -443,52 +436,32 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
 #endif
 }
 
-/* TKV_CUDA_ATTN_WG_EARLY=0: the packed walk's rows resolved at the fill
- * (as v0, v1) instead of an iteration ahead; read once */
-bool wg_early(void)
-{
-    static const bool early = [] {
-        const char *e = getenv("TKV_CUDA_ATTN_WG_EARLY");
-        return !(e && e[0] == '0' && !e[1]);
-    }();
-    return early;
-}
-
-template <int HD, bool SPLIT, bool EARLY> cudaError_t wg_launch_as(const tkv_cuda_attn_params *p, cudaStream_t s)
+template <int HD, bool SPLIT> cudaError_t wg_launch(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
     using C = wg_cfg<HD, SPLIT>;
     const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv), tiles = (rows + BM - 1) / BM;
     const dim3 grid(tiles * p->n_head_kv, p->n_split);
     if (tkv_cuda_attn_prefill_packed(p))
-        wg_kernel<HD, SPLIT, true, EARLY><<<grid, NTW, C::SMEM, s>>>(*p);
+        wg_kernel<HD, SPLIT, true><<<grid, NTW, C::SMEM, s>>>(*p);
     else
-        wg_kernel<HD, SPLIT, false, EARLY><<<grid, NTW, C::SMEM, s>>>(*p);
+        wg_kernel<HD, SPLIT, false><<<grid, NTW, C::SMEM, s>>>(*p);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
 
-template <int HD, bool SPLIT> cudaError_t wg_launch(const tkv_cuda_attn_params *p, cudaStream_t s)
-{
-    return wg_early() ? wg_launch_as<HD, SPLIT, true>(p, s) : wg_launch_as<HD, SPLIT, false>(p, s);
-}
-
-/* Every instance of one (HD, SPLIT): the shared-memory limit, and CTAs per
- * SM (the smallest) */
+/* Both walks' instances of one (HD, SPLIT): the shared-memory limit, and
+ * CTAs per SM (the smaller) */
 template <int HD, bool SPLIT> cudaError_t wg_init(int *ctas)
 {
     using C = wg_cfg<HD, SPLIT>;
-    int c[4];
+    int c[2];
     auto one = [](auto kernel, int *n) {
         TKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
         return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, NTW, C::SMEM);
     };
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false, false>, &c[0]));
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true, false>, &c[1]));
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false, true>, &c[2]));
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true, true>, &c[3]));
-    *ctas = c[0];
-    for (int i = 1; i < 4; i++)
-        *ctas = c[i] < *ctas ? c[i] : *ctas;
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false>, &c[0]));
+    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true>, &c[1]));
+    *ctas = c[0] < c[1] ? c[0] : c[1];
     if (*ctas < 1)
         *ctas = 1;
     return cudaSuccess;
