@@ -361,33 +361,12 @@ __global__ void __launch_bounds__(NT, 2) pv_kernel(const tkv_cuda_attn_params p)
 
 template <int HD, bool SPLIT> cudaError_t pv_launch(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    using C = pv_cfg<HD, SPLIT>;
-    const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv), tiles = (rows + BM - 1) / BM;
-    const dim3 grid(tiles * p->n_head_kv, p->n_split);
-    if (tkv_cuda_attn_prefill_packed(p))
-        pv_kernel<HD, SPLIT, true><<<grid, NT, C::SMEM, s>>>(*p);
-    else
-        pv_kernel<HD, SPLIT, false><<<grid, NT, C::SMEM, s>>>(*p);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+    return tkv_pf_launch(p, s, BM, NT, pv_cfg<HD, SPLIT>::SMEM, pv_kernel<HD, SPLIT, true>, pv_kernel<HD, SPLIT, false>);
 }
 
-/* Both walks of one instance: the shared-memory limit, and CTAs per SM (the
- * smaller of the two). */
 template <int HD, bool SPLIT> cudaError_t pv_init(int *ctas)
 {
-    using C = pv_cfg<HD, SPLIT>;
-    int c[2];
-    TKV_CUDA_TRY(cudaFuncSetAttribute(pv_kernel<HD, SPLIT, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)C::SMEM));
-    TKV_CUDA_TRY(cudaFuncSetAttribute(pv_kernel<HD, SPLIT, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)C::SMEM));
-    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c[0], pv_kernel<HD, SPLIT, false>, NT, C::SMEM));
-    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c[1], pv_kernel<HD, SPLIT, true>, NT, C::SMEM));
-    *ctas = c[0] < c[1] ? c[0] : c[1];
-    if (*ctas < 1)
-        *ctas = 1;
-    return cudaSuccess;
+    return tkv_pf_setup(ctas, NT, pv_cfg<HD, SPLIT>::SMEM, pv_kernel<HD, SPLIT, true>, pv_kernel<HD, SPLIT, false>);
 }
 
 tkv_pf_ctas g_pv_ctas; /* set by init */

@@ -438,33 +438,12 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
 
 template <int HD, bool SPLIT> cudaError_t wg_launch(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    using C = wg_cfg<HD, SPLIT>;
-    const uint32_t rows = p->n_q * (p->n_head / p->n_head_kv), tiles = (rows + BM - 1) / BM;
-    const dim3 grid(tiles * p->n_head_kv, p->n_split);
-    if (tkv_cuda_attn_prefill_packed(p))
-        wg_kernel<HD, SPLIT, true><<<grid, NTW, C::SMEM, s>>>(*p);
-    else
-        wg_kernel<HD, SPLIT, false><<<grid, NTW, C::SMEM, s>>>(*p);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+    return tkv_pf_launch(p, s, BM, NTW, wg_cfg<HD, SPLIT>::SMEM, wg_kernel<HD, SPLIT, true>, wg_kernel<HD, SPLIT, false>);
 }
 
-/* Both walks' instances of one (HD, SPLIT): the shared-memory limit, and
- * CTAs per SM (the smaller) */
 template <int HD, bool SPLIT> cudaError_t wg_init(int *ctas)
 {
-    using C = wg_cfg<HD, SPLIT>;
-    int c[2];
-    auto one = [](auto kernel, int *n) {
-        TKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, NTW, C::SMEM);
-    };
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, false>, &c[0]));
-    TKV_CUDA_TRY(one(wg_kernel<HD, SPLIT, true>, &c[1]));
-    *ctas = c[0] < c[1] ? c[0] : c[1];
-    if (*ctas < 1)
-        *ctas = 1;
-    return cudaSuccess;
+    return tkv_pf_setup(ctas, NTW, wg_cfg<HD, SPLIT>::SMEM, wg_kernel<HD, SPLIT, true>, wg_kernel<HD, SPLIT, false>);
 }
 
 tkv_pf_ctas g_wg_ctas; /* set by init */

@@ -121,4 +121,36 @@ bool tkv_cuda_attn_prefill_wg_ok(void);
 cudaError_t tkv_cuda_attn_prefill_wg(const struct tkv_cuda_attn_params *p, cudaStream_t s);
 int tkv_cuda_attn_prefill_wg_ctas_per_sm(uint32_t head_dim, int mode);
 
+/* One instance's two kernels, walking packed tiles (packed) or the refs
+ * one by one (per_ref), of variants whose grid is (row tiles of `rows`
+ * rows x KV heads, heaviest tile first; splits): v1, v2. */
+typedef void (*tkv_pf_kernel)(const struct tkv_cuda_attn_params);
+
+/* Launches the one p's walk takes. */
+static inline cudaError_t tkv_pf_launch(const struct tkv_cuda_attn_params *p, cudaStream_t s, uint32_t rows,
+                                        int threads, size_t smem, tkv_pf_kernel packed, tkv_pf_kernel per_ref)
+{
+    const uint32_t n = p->n_q * (p->n_head / p->n_head_kv), tiles = (n + rows - 1) / rows;
+    const dim3 grid(tiles * p->n_head_kv, p->n_split);
+    (tkv_cuda_attn_prefill_packed(p) ? packed : per_ref)<<<grid, threads, smem, s>>>(*p);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
+/* Raises both kernels' shared-memory limit to smem; *ctas = the CTAs per
+ * SM of the smaller (at least 1). */
+static inline cudaError_t tkv_pf_setup(int *ctas, int threads, size_t smem, tkv_pf_kernel packed,
+                                       tkv_pf_kernel per_ref)
+{
+    int c[2];
+    TKV_CUDA_TRY(cudaFuncSetAttribute(packed, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    TKV_CUDA_TRY(cudaFuncSetAttribute(per_ref, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c[0], packed, threads, smem));
+    TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c[1], per_ref, threads, smem));
+    *ctas = c[0] < c[1] ? c[0] : c[1];
+    if (*ctas < 1)
+        *ctas = 1;
+    return cudaSuccess;
+}
+
 #endif
