@@ -205,9 +205,9 @@ static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq
     if (a->n_heads > MAXH)
         return tkv_err(TKV_ERR_UNSUPPORTED, "opaque: rabitq_select of %u heads", a->n_heads);
     for (uint32_t h = 0; h < a->n_heads; h++) {
-        ix[h] = untag_rabitq(a->heads[h].ix);
         hd[h] = a->heads[h];
-        hd[h].ix = &ix[h];
+        if (a->heads[h].ix) /* (a NULL one goes on: the reference refuses it) */
+            ix[h] = untag_rabitq(a->heads[h].ix), hd[h].ix = &ix[h];
         hd[h].q_dev = U(a->heads[h].q_dev);
     }
     struct tkv_rabitq_select_args c = *a;
