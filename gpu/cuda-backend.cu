@@ -1348,9 +1348,10 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "rabitq_select";
     ALIVE(op);
-    if (!a || !a->heads || !a->bitmap || a->n_heads == 0 || a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u heads, G = %u (1..%d), or NULL outputs",
-                       a ? a->n_heads : 0, a ? a->G : 0, TKV_RABITQ_SELECT_MAX_G);
+    TKV_TRY(tkv_rabitq_select_check_out(a, "cuda: rabitq_select"));
+    if (a->n_heads == 0 || a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u heads, G = %u (1..%d)", a->n_heads, a->G,
+                       TKV_RABITQ_SELECT_MAX_G);
     if (!(a->p > 0 && a->p <= 1) || !(a->scale > 0) || !isfinite(a->scale) || isnan(a->extra_lse) ||
         a->extra_lse == INFINITY)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: p %g, scale %g, extra_lse %g", (double)a->p,
@@ -1381,13 +1382,15 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     if ((uint64_t)a->words * 32 < n_max)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u bitmap words for %u keys", a->words, n_max);
     const uint32_t H = a->n_heads, G = a->G, P = H * G;
-    /* device: heads | queries | state | scratch [3][P][n_max] | list [P][n_max] | mass [P] | n_chosen [P] | bitmap */
+    /* device: heads | queries | state | scratch [3][P][n_max] | list [P][n_max] | mass [P] | n_chosen [P] | bitmap
+     * (the bitmap there only when it comes down; with bitmap_dev the kernels write the caller's rows) */
     const size_t b_heads = tkv_align_up(H * sizeof(struct tkv_cuda_rqs_head), 256);
     const size_t b_q = tkv_align_up((size_t)P * sizeof(struct tkv_rabitq_dev_query), 256);
     const size_t b_state = tkv_align_up(tkv_cuda_rqs_state_bytes(P), 256);
     const size_t b_scratch = tkv_align_up((size_t)3 * P * n_max * sizeof(float), 256);
     const size_t b_list = tkv_align_up((size_t)P * n_max * sizeof(uint32_t), 256);
-    const size_t b_out = (size_t)P * (sizeof(double) + sizeof(uint32_t)) + (size_t)H * a->words * sizeof(uint32_t);
+    const size_t b_out = (size_t)P * (sizeof(double) + sizeof(uint32_t)) +
+                         (a->bitmap_dev ? 0 : (size_t)H * a->words * sizeof(uint32_t));
     const size_t dev_bytes = b_heads + b_q + b_state + b_scratch + b_list + b_out, up = b_heads + b_q;
     if (dev_bytes > cb->rqs_dev_cap) {
         CU(op, cudaStreamSynchronize(cb->stream));
@@ -1411,6 +1414,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         hh[h].ix = rq_index(hd->ix);
         hh[h].n = hd->n;
         hh[h].n_forced = hd->n_forced;
+        hh[h].row = a->bitmap_dev ? hd->row : h;
         for (uint32_t r = 0; r < hd->n_forced; r++)
             hh[h].fb[r] = hd->forced[r].begin, hh[h].fe[r] = hd->forced[r].end;
         if (!hd->q) { /* prepared on the device, earlier in the stream */
@@ -1429,7 +1433,8 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     const struct tkv_cuda_rqs_work w = {dm + up,
                                         (float *)(dm + up + b_state), (uint32_t *)(dm + up + b_state + b_scratch),
                                         (double *)out, (uint32_t *)(out + (size_t)P * sizeof(double)),
-                                        (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
+                                        a->bitmap_dev ? a->bitmap_dev
+                                                      : (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
                                            a->safe ? 1 : 0};
     CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)dm, &w, cb->stream));
@@ -1440,7 +1445,9 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         memcpy(a->mass, ho, (size_t)P * sizeof(double));
     if (a->n_chosen)
         memcpy(a->n_chosen, ho + (size_t)P * sizeof(double), (size_t)P * sizeof(uint32_t));
-    memcpy(a->bitmap, ho + (size_t)P * (sizeof(double) + sizeof(uint32_t)), (size_t)H * a->words * sizeof(uint32_t));
+    if (a->bitmap)
+        memcpy(a->bitmap, ho + (size_t)P * (sizeof(double) + sizeof(uint32_t)),
+               (size_t)H * a->words * sizeof(uint32_t));
     return TKV_OK;
 }
 

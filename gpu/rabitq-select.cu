@@ -544,7 +544,7 @@ __global__ void rqs_output(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_
     }
     const unsigned bits = __ballot_sync(0xffffffffu, kept);
     if (threadIdx.x % 32 == 0)
-        w.bitmap[(size_t)h * pp.words + i / 32] = bits;
+        w.bitmap[(size_t)hd.row * pp.words + i / 32] = bits;
 }
 
 /* 7: grid (blocks / 256, n_heads): a block of `whole` positions with a kept
@@ -558,7 +558,7 @@ __global__ void rqs_whole(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_r
     if ((uint64_t)b * W >= n)
         return;
     const uint32_t b0 = b * W, b1 = min(b0 + W, n);
-    uint32_t *row = w.bitmap + (size_t)h * pp.words;
+    uint32_t *row = w.bitmap + (size_t)heads[h].row * pp.words;
     bool any = false;
     for (uint32_t x = b0; x < b1 && !any;) {
         const uint32_t wd = x / 32, lo = x % 32, hi = min(b1 - wd * 32, 32u);

@@ -27,6 +27,7 @@ struct tkv_cuda_rqs_head {
     struct tkv_cuda_rq_index ix;
     const struct tkv_rabitq_dev_query *q;       /* [G] the head's queries (device memory) */
     uint32_t n, n_forced;                       /* keys 0 .. n-1; forced ranges        */
+    uint32_t row;                               /* the head's row of the bitmap         */
     uint32_t fb[TKV_CUDA_RQS_MAX_FORCED], fe[TKV_CUDA_RQS_MAX_FORCED]; /* [fb, fe)     */
 };
 

@@ -185,6 +185,9 @@ struct tkv_rabitq_select_head {
                                           in stream order; used when q is NULL        */
     uint32_t n;                        /* keys 0 .. n-1, position = key index, >= 1   */
     uint32_t n_forced;                 /* <= TKV_RABITQ_SELECT_MAX_FORCED              */
+    uint32_t row;                      /* with bitmap_dev: the row of bitmap_dev this
+                                          head's bits go to (the heads' rows distinct,
+                                          < n_rows); ignored with bitmap             */
     struct tkv_rabitq_select_range { uint32_t begin, end; } forced[TKV_RABITQ_SELECT_MAX_FORCED];
                                        /* ascending, disjoint, within [0, n)           */
 };
@@ -202,9 +205,21 @@ struct tkv_rabitq_select_args {
      * then every key). n_chosen and mass may be NULL. */
     uint32_t *bitmap;
     uint32_t  words;                            /* >= (max n + 31) / 32                 */
+    /* or, exactly one of the two non-NULL: the bitmaps left in BACKEND
+     * memory, [n_rows][words], head h's in row heads[h].row (rows no head
+     * names are not written), in stream order -- nothing of them comes down
+     * (a kv_table queued later reads them; docs/rabitq.md, "Device page
+     * table and decode table"). n_chosen and mass still come down. */
+    uint32_t *bitmap_dev;
+    uint32_t  n_rows;
     uint32_t *n_chosen;
     double   *mass;
 };
+
+/* Checks the outputs of a (bitmap or bitmap_dev, bitmap_dev's rows:
+ * TKV_ERR_INVALID_ARG naming the field and the head, `who` first in the
+ * message); every backend's rabitq_select calls it. */
+tkv_status tkv_rabitq_select_check_out(const struct tkv_rabitq_select_args *a, const char *who);
 
 /* One layer's decode attention table built on the backend from a selection
  * and the KV store's device page table (kv_table; docs/rabitq.md, "Decode

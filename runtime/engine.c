@@ -75,6 +75,10 @@ void tkv_session_free(tkv_session *s)
         for (size_t i = 0; i < sizeof acts / sizeof acts[0]; i++)
             if (acts[i])
                 be->ops->release(be, acts[i]);
+        void *dt[] = {s->dt_refs, s->dt_miss, s->dt_counts};
+        for (size_t i = 0; i < sizeof dt / sizeof dt[0]; i++)
+            if (dt[i])
+                be->ops->release(be, dt[i]);
         tkv_kvs_free(s->kv);
         be->ops->free(be);
     }
@@ -83,6 +87,9 @@ void tkv_session_free(tkv_session *s)
         s->be_cpu->ops->release(s->be_cpu, s->lse_cpu);
         s->be_cpu->ops->free(s->be_cpu);
     }
+    free(s->dt_hrefs);
+    free(s->dt_hcounts);
+    free(s->dt_sel_n);
     free(s->host_ok);
     free(s->hviews);
     free(s->hrefs);
@@ -154,6 +161,12 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
      * read once here, not per forward call */
     const char *fuse_env = getenv("TKV_FUSE");
     s->fuse = !(fuse_env && !strcmp(fuse_env, "0"));
+    /* TKV_RABITQ_DEVICE_TABLE=1: the device decode table (session.h), on a
+     * backend with kv_table; off by default */
+    const char *table_env = getenv("TKV_RABITQ_DEVICE_TABLE");
+    if (table_env && strcmp(table_env, "0") && strcmp(table_env, "1"))
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: TKV_RABITQ_DEVICE_TABLE='%s' is not 0 or 1", table_env);
+    s->dev_table = table_env && !strcmp(table_env, "1") && s->be->ops->kv_table;
 
     TKV_TRY(weight(s, m->tok_embd, &s->tok_embd));
     TKV_TRY(weight(s, m->output_norm, &s->output_norm));
@@ -214,7 +227,8 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
                                 .compute_bytes = on_host ? p->host_kv_mem : p->gpu_kv_mem,
                                 .host_bytes = on_host ? 0 : p->host_kv_mem, .nvme_dir = p->nvme_dir,
                                 .nvme_bytes = p->nvme_kv_max,
-                                .pci_bus_id = s->be->ops->pci_bus_id ? s->be->ops->pci_bus_id(s->be) : NULL};
+                                .pci_bus_id = s->be->ops->pci_bus_id ? s->be->ops->pci_bus_id(s->be) : NULL,
+                                .page_table = s->dev_table};
     TKV_TRY(tkv_kvs_init(&kp, s->be, &s->kv));
 
 
@@ -235,6 +249,17 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->tokens || !s->obs_q || !s->q_step ||
         !s->plan_ranges || !s->need)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    if (s->dev_table) {
+        const size_t refs = (size_t)hp->n_head_kv * s->max_refs * sizeof(struct tkv_kv_block_ref);
+        TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_refs));
+        TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_miss));
+        TKV_TRY(s->be->ops->alloc(s->be, (size_t)hp->n_head_kv * 2 * sizeof(uint32_t), (void **)&s->dt_counts));
+        s->dt_hrefs = malloc(s->max_refs * sizeof *s->dt_hrefs);
+        s->dt_hcounts = malloc((size_t)hp->n_head_kv * 2 * sizeof *s->dt_hcounts);
+        s->dt_sel_n = malloc(hp->n_head_kv * sizeof *s->dt_sel_n);
+        if (!s->dt_hrefs || !s->dt_hcounts || !s->dt_sel_n)
+            return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    }
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
         TKV_TRY(alloc_act(s, QD, &s->att_full));
         TKV_TRY(alloc_act(s, hp->n_head, &s->lse_full));
@@ -701,6 +726,80 @@ static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a
     return st;
 }
 
+/* Whether slices a[n] (downloaded from the device table) are b[n]; with
+ * addr, their K and V addresses too. Names the first difference. */
+static tkv_status same_slices(const struct tkv_kv_block_ref *a, const struct tkv_kv_block_ref *b, uint32_t n,
+                              bool addr, uint32_t l, uint32_t h, const char *what)
+{
+    for (uint32_t j = 0; j < n; j++)
+        if (a[j].pos0 != b[j].pos0 || a[j].n != b[j].n || (addr && (a[j].k != b[j].k || a[j].v != b[j].v)))
+            return tkv_err(TKV_ERR_INTERNAL,
+                           "device table: layer %u head %u: %s slice %u is [%d, +%u) on the device, [%d, +%u) on "
+                           "the host%s",
+                           l, h, what, j, a[j].pos0, a[j].n, b[j].pos0, b[j].n,
+                           addr && a[j].pos0 == b[j].pos0 && a[j].n == b[j].n ? " (other addresses)" : "");
+    return TKV_OK;
+}
+
+/* With s->dev_table, after select_views of a planned decode layer: the
+ * layer's page table synced, kv_table over the policy's bitmaps in backend
+ * memory (decode_bitmap; heads planned whole read everything), the counts
+ * and the miss lists downloaded. The attention does not take the table yet
+ * (docs/rabitq.md, "Device page table and decode table"), so it is checked:
+ * per KV head the resident slices must be the device's views (s->views,
+ * addresses included; the refs come down for that only) and the missing
+ * ones the host tier's (s->hviews, or none). A layer whose selection the
+ * policy did not leave on the device is skipped unless every head reads
+ * whole. TKV_ERR_INTERNAL naming the layer, head and slice on a difference. */
+static tkv_status device_table_check(tkv_session *s, uint32_t l, const int *plan)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    struct tkv_backend *be = s->be;
+    const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs;
+    const struct tkv_policy_ops *po = s->policy->ops;
+    const struct tkv_policy_view v = policy_view(s, l, 1, NULL);
+    const uint32_t *bitmap = NULL;
+    uint32_t words = 0;
+    if (!po->decode_bitmap || !po->decode_bitmap(s->policy->state, &v, &bitmap, &words, s->dt_sel_n)) {
+        for (uint32_t h = 0; h < Hkv; h++)
+            if (plan[h] >= 0)
+                return TKV_OK; /* ranges only: nothing to build the table from */
+        bitmap = NULL, words = 0;
+    }
+    bool any = false;
+    for (uint32_t h = 0; h < Hkv; h++) {
+        if (plan[h] < 0)
+            s->dt_sel_n[h] = 0;
+        any |= s->dt_sel_n[h] > 0;
+    }
+    TKV_TRY(tkv_kvs_page_table_sync(s->kv, l, NULL));
+    const struct tkv_kv_table_args a = {.bitmap = any ? bitmap : NULL, .words = words, .sel_n = s->dt_sel_n,
+                                        .ptab = tkv_kvs_page_table(s->kv, l), .ptab_stride = tkv_kvs_max_blocks(s->kv),
+                                        .n_heads = Hkv, .block_tokens = s->kv_block, .head_dim = s->hp.head_dim,
+                                        .n_past = v.n_past, .refs = s->dt_refs, .miss = s->dt_miss, .cap = cap,
+                                        .counts = s->dt_counts};
+    tkv_status st = ops->kv_table(be, &a);
+    if (st != TKV_OK)
+        return tkv_err_wrap(st, "device table: layer %u", l);
+    TKV_TRY(ops->download(be, s->dt_hcounts, s->dt_counts, (size_t)Hkv * 2 * sizeof *s->dt_hcounts));
+    for (uint32_t h = 0; h < Hkv; h++) {
+        const uint32_t nr = s->dt_hcounts[2 * h], nm = s->dt_hcounts[2 * h + 1];
+        const struct tkv_kv_head_view *dv = &s->views[h];
+        const uint32_t hm = s->hsplit ? s->hviews[h].n_blocks : 0;
+        if (nr != dv->n_blocks || nm != hm || nr > cap || nm > cap)
+            return tkv_err(TKV_ERR_INTERNAL,
+                           "device table: layer %u head %u: %u resident and %u missing slices on the device, %u and "
+                           "%u on the host (room for %u)",
+                           l, h, nr, nm, dv->n_blocks, hm, cap);
+        TKV_TRY(ops->download(be, s->dt_hrefs, s->dt_miss + (size_t)h * cap, nm * sizeof *s->dt_hrefs));
+        if (nm)
+            TKV_TRY(same_slices(s->dt_hrefs, s->hviews[h].blocks, nm, false, l, h, "missing"));
+        TKV_TRY(ops->download(be, s->dt_hrefs, s->dt_refs + (size_t)h * cap, nr * sizeof *s->dt_hrefs));
+        TKV_TRY(same_slices(s->dt_hrefs, dv->blocks, nr, true, l, h, "resident"));
+    }
+    return TKV_OK;
+}
+
 /* The attention of layer l for the chunk (its KV brought in): K/V rows into
  * the blocks, the policy's selection, attention into s->att. */
 static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const int *plan)
@@ -713,6 +812,8 @@ static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const 
     if (!decode)
         observe_queries(s, l, n);
     const bool restricted = select_views(s, l, n, plan);
+    if (s->dev_table && decode && plan)
+        TKV_TRY(device_table_check(s, l, plan));
     struct tkv_attn_args a = {.q = s->q, .q_pos = s->pos, .out = s->att, .lse = NULL, .n_q = n, .n_head = H,
                               .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views};
     if (restricted && decode && (s->flags & TKV_SESSION_MEASURE_MASS)) {

@@ -200,16 +200,19 @@ static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq
     enum { MAXH = 64 };
     struct tkv_rabitq_dev ix[MAXH];
     struct tkv_rabitq_select_head hd[MAXH];
+    if (!a || !a->heads)
+        return tkv_rabitq_host_select(a); /* (its refusal) */
     if (a->n_heads > MAXH)
         return tkv_err(TKV_ERR_UNSUPPORTED, "opaque: rabitq_select of %u heads", a->n_heads);
     for (uint32_t h = 0; h < a->n_heads; h++) {
-        ix[h] = untag_rabitq(a->heads[h].ix);
         hd[h] = a->heads[h];
-        hd[h].ix = &ix[h];
+        if (a->heads[h].ix) /* (a NULL one goes on: the reference refuses it) */
+            ix[h] = untag_rabitq(a->heads[h].ix), hd[h].ix = &ix[h];
         hd[h].q_dev = U(a->heads[h].q_dev);
     }
     struct tkv_rabitq_select_args c = *a;
     c.heads = hd;
+    c.bitmap_dev = U(a->bitmap_dev);
     opaque_rabitq_calls++;
     opaque_select_calls++;
     return tkv_rabitq_host_select(&c);
@@ -251,6 +254,7 @@ static tkv_status o_table_write(struct tkv_backend *b, uint64_t *table, const ui
 }
 
 static uint64_t opaque_kv_table_calls;
+static bool opaque_kv_table_skew; /* test hook: every kv_table's first resident slice one row short */
 static tkv_status o_kv_table(struct tkv_backend *b, const struct tkv_kv_table_args *a)
 {
     (void)b;
@@ -259,7 +263,13 @@ static tkv_status o_kv_table(struct tkv_backend *b, const struct tkv_kv_table_ar
         return tkv_kv_table_ref(a);
     struct tkv_kv_table_args c = *a;
     c.bitmap = U(a->bitmap), c.ptab = U(a->ptab), c.refs = U(a->refs), c.miss = U(a->miss), c.counts = U(a->counts);
-    return tkv_kv_table_ref(&c);
+    TKV_TRY(tkv_kv_table_ref(&c));
+    for (uint32_t h = 0; opaque_kv_table_skew && h < c.n_heads; h++)
+        if (c.counts[2 * h] > 0 && c.refs[(size_t)h * c.cap].n > 1) {
+            c.refs[(size_t)h * c.cap].n--;
+            break;
+        }
+    return TKV_OK;
 }
 
 static const struct tkv_backend_ops opaque_ops = {

@@ -22,7 +22,13 @@
  *      policies do restrict attention. The RaBitQ policies keep their index
  *      where the keys are: on the opaque backend as a device twin through
  *      its rabitq ops (runtime/rabitq/rabitq-dev.c), and both their route
- *      selections (1) and their engine runs (3) must equal the host's.
+ *      selections (1) and their engine runs (3) must equal the host's;
+ *   4. the device decode table (TKV_RABITQ_DEVICE_TABLE=1, test_device_table):
+ *      the RaBitQ policies on the opaque backend, flat and tiered, give the
+ *      same tokens, logits and reads with the knob on as off, the engine's
+ *      check of each layer's kv_table against the host path passes (and
+ *      fails on a skewed table), bad knob values and select outputs are
+ *      refused with messages.
  */
 #include "runtime/backend.h"
 #include "runtime/policy/policy.h"
@@ -373,8 +379,11 @@ static void test_routes(void)
 
 enum { NP = 96, NG = 24 };
 
-static tkv_status run_session(tkv_model *m, const char *device, const char *policy, const tkv_token *prompt,
-                              tkv_token *toks, float *logits, double *read)
+/* tiered: a compute tier of 40 blocks over a host tier, the host's selected
+ * blocks attended on the CPU (the split attention: the device table's miss
+ * lists are not empty) */
+static tkv_status run_tiered(tkv_model *m, const char *device, const char *policy, bool tiered,
+                             const tkv_token *prompt, tkv_token *toks, float *logits, double *read)
 {
     struct tkv_session_params sp = tkv_session_default_params();
     sp.n_threads = 2;
@@ -382,6 +391,11 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
     sp.kv_block = 8;
     sp.device = device;
     sp.policy = policy;
+    if (tiered) {
+        enum { BLK = 4 * 8 * HD }; /* bytes of one block of K and V */
+        sp.hetero = TKV_HETERO_CPU;
+        sp.gpu_kv_mem = 40 * BLK, sp.host_kv_mem = 128 * BLK;
+    }
     tkv_session *s = NULL;
     TKV_TRY(tkv_session_init(m, &sp, &s));
     tkv_status st = tkv_prefill(s, prompt, NP);
@@ -397,6 +411,90 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
     tkv_session_kv_read(s, read, NULL);
     tkv_session_free(s);
     return st;
+}
+
+static tkv_status run_session(tkv_model *m, const char *device, const char *policy, const tkv_token *prompt,
+                              tkv_token *toks, float *logits, double *read)
+{
+    return run_tiered(m, device, policy, false, prompt, toks, logits, read);
+}
+
+/* The device decode table (TKV_RABITQ_DEVICE_TABLE=1): on the opaque
+ * backend, flat and tiered, the RaBitQ policies decode with the knob on as
+ * with it off -- the same tokens, logits and reads -- while kv_table builds
+ * each layer's table from the bitmaps left in backend memory and the engine
+ * checks it against the host path's split (a skewed table fails the
+ * decode, naming the layer); a knob of another value and rabitq_select's
+ * bad outputs are refused with messages. */
+static void test_device_table(tkv_model *m, const tkv_token *prompt)
+{
+    static tkv_token t_off[NG], t_on[NG];
+    static float l_off[(NG + 1) * V], l_on[(NG + 1) * V];
+    double r_off, r_on;
+    static const char *const specs[] = {
+        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0",
+        "rabitq:p=0.7,safe=1,sink=4,recent=8,batch=8,dense=1,whole=1",
+        "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
+    };
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
+        for (int tiered = 0; tiered < 2; tiered++) {
+            unsetenv("TKV_RABITQ_DEVICE_TABLE");
+            const uint64_t kt0 = opaque_kv_table_calls;
+            tkv_status st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_off, l_off, &r_off);
+            CHECK(st == TKV_OK, "%s, knob off: %s", specs[i], tkv_last_error());
+            CHECK(opaque_kv_table_calls == kt0, "%s: kv_table called with the knob off", specs[i]);
+            setenv("TKV_RABITQ_DEVICE_TABLE", "1", 1);
+            st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_on, l_on, &r_on);
+            CHECK(st == TKV_OK, "%s%s, knob on: %s", specs[i], tiered ? " (tiered)" : "", tkv_last_error());
+            CHECK(opaque_kv_table_calls > kt0, "%s: the knob on built no device table", specs[i]);
+            CHECK(!memcmp(t_off, t_on, sizeof t_off), "%s: the knob on generated other tokens", specs[i]);
+            CHECK(!memcmp(l_off, l_on, sizeof l_off), "%s: the knob on changed the logits", specs[i]);
+            CHECK(r_off == r_on, "%s: decode read %g of the tokens with the knob off, %g on", specs[i], r_off, r_on);
+            fprintf(stderr, "  device table %-80s %s: %llu kv_table calls, checked\n", specs[i],
+                    tiered ? "tiered" : "flat", (unsigned long long)(opaque_kv_table_calls - kt0));
+            /* the check catches a table that differs from the host path's split */
+            opaque_kv_table_skew = true;
+            st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_on, l_on, &r_on);
+            opaque_kv_table_skew = false;
+            CHECK(st == TKV_ERR_INTERNAL && strstr(tkv_last_error(), "device table: layer"),
+                  "%s: a skewed device table was not refused (%d: %s)", specs[i], (int)st, tkv_last_error());
+            unsetenv("TKV_RABITQ_DEVICE_TABLE");
+        }
+    /* the knob is 0 or 1 */
+    setenv("TKV_RABITQ_DEVICE_TABLE", "yes", 1);
+    tkv_status st = run_session(m, "opaque", specs[0], prompt, t_on, l_on, &r_on);
+    unsetenv("TKV_RABITQ_DEVICE_TABLE");
+    CHECK(st == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "TKV_RABITQ_DEVICE_TABLE='yes'"),
+          "a knob of 'yes' was not refused (%d: %s)", (int)st, tkv_last_error());
+    /* rabitq_select's outputs: exactly one of bitmap and bitmap_dev, rows distinct and < n_rows */
+    struct tkv_backend *opq = NULL;
+    REQUIRE_VOID(opaque_create("opaque", 1, &opq) == TKV_OK);
+    uint32_t host_bits[4], *dev_bits = NULL;
+    REQUIRE_VOID(opq->ops->alloc(opq, sizeof host_bits, (void **)&dev_bits) == TKV_OK);
+    struct tkv_rabitq_select_head heads[2] = {{.n = 1, .row = 0}, {.n = 1, .row = 1}};
+    static const struct {
+        bool host, dev;
+        uint32_t row1, n_rows;
+        const char *msg;
+    } bad[] = {
+        {false, false, 1, 2, "bitmap and bitmap_dev both NULL"},
+        {true, true, 1, 2, "bitmap and bitmap_dev both set"},
+        {false, true, 0, 2, "heads 0 and 1 both write bitmap_dev row 0"},
+        {false, true, 2, 2, "head 1: bitmap_dev row 2 of 2"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        heads[1].row = bad[i].row1;
+        const struct tkv_rabitq_select_args a = {.heads = heads, .n_heads = 2, .G = 1, .p = 0.9f, .scale = 1,
+                                                 .bitmap = bad[i].host ? host_bits : NULL, .words = 1,
+                                                 .bitmap_dev = bad[i].dev ? dev_bits : NULL, .n_rows = bad[i].n_rows};
+        st = opq->ops->rabitq_select(opq, &a);
+        CHECK(st == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), bad[i].msg), "rabitq_select, %s: %d: %s",
+              bad[i].msg, (int)st, tkv_last_error());
+    }
+    st = opq->ops->rabitq_select(opq, NULL);
+    CHECK(st == TKV_ERR_INVALID_ARG, "rabitq_select(NULL): %d", (int)st);
+    opq->ops->release(opq, dev_bits);
+    opq->ops->free(opq);
 }
 
 static void test_engine(void)
@@ -445,6 +543,7 @@ static void test_engine(void)
         if (sparse)
             CHECK(changed || read_cpu < 1.0, "%s restricted nothing on the tiny model", specs[i]);
     }
+    test_device_table(m, prompt);
     tkv_backend_set_test_factory(NULL);
     tkv_model_free(m);
 }

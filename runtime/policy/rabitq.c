@@ -94,6 +94,11 @@ struct rabitq {
     bool dev_prep;
     struct tkv_rabitq_dev_query *qd;       /* backend [n_head_kv * G] the layer's queries   */
     struct tkv_rabitq_prepare_item *items; /* [n_head_kv * G]                               */
+    /* with dev_sel, the bitmaps left in backend memory (TKV_RABITQ_DEVICE_TABLE=1
+     * and a backend with kv_table): row g for KV head g, for the engine's
+     * decode table (decode_bitmap); the host path downloads them into
+     * bitmap (same rows) until the attention takes the device table */
+    uint32_t *bitmap_dev;                  /* backend [n_head_kv][words]                    */
 };
 
 static const char *const rq_keys[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", NULL};
@@ -113,6 +118,8 @@ static void rq_destroy(void *state)
         r->be->ops->release(r->be, r->bound_dev);
         if (r->qd)
             r->be->ops->release(r->be, r->qd);
+        if (r->bitmap_dev)
+            r->be->ops->release(r->be, r->bitmap_dev);
     }
     free(r->ix), free(r->dx), free(r->kbuf), free(r->spans), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
         free(r->mark);
@@ -277,6 +284,9 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
             TKV_TRY(be->ops->alloc(be, (size_t)H * G * sizeof *r->qd, (void **)&r->qd));
             r->dev_prep = true;
         }
+        const char *env_table = getenv("TKV_RABITQ_DEVICE_TABLE"); /* (the session refuses other values) */
+        if (be->ops->kv_table && env_table && !strcmp(env_table, "1"))
+            TKV_TRY(be->ops->alloc(be, (size_t)H * r->words * sizeof *r->bitmap_dev, (void **)&r->bitmap_dev));
     }
     TKV_TRY(be->ops->alloc(be, n * sizeof(float), (void **)&r->est_dev));
     return be->ops->alloc(be, n * sizeof(float), (void **)&r->bound_dev);
@@ -461,6 +471,7 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
             s->q = &r->qs[(size_t)ns * G];
         s->n = n;
         s->n_forced = nf;
+        s->row = g;
         for (uint32_t f = 0; f < nf; f++)
             s->forced[f].begin = forced[f].begin, s->forced[f].end = forced[f].end;
         r->slot[g] = (int32_t)ns;
@@ -474,8 +485,13 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
     const struct tkv_rabitq_select_args a = {
         .heads = r->sh, .n_heads = ns, .G = G, .p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
         .safe = r->safe != 0, .whole = r->whole ? (r->env.block_tokens ? r->env.block_tokens : 64) : 0,
-        .bitmap = r->bitmap, .words = r->words, .n_chosen = r->n_chosen};
-    if ((prep && r->be->ops->rabitq_prepare(r->be, &pa) != TKV_OK) || r->be->ops->rabitq_select(r->be, &a) != TKV_OK) {
+        .bitmap = r->bitmap_dev ? NULL : r->bitmap, .words = r->words, .bitmap_dev = r->bitmap_dev, .n_rows = H,
+        .n_chosen = r->n_chosen};
+    /* (bitmap_dev: the rows stay for the decode table; the host path still
+     * turns them into ranges, so they come down too, rows by KV head) */
+    if ((prep && r->be->ops->rabitq_prepare(r->be, &pa) != TKV_OK) || r->be->ops->rabitq_select(r->be, &a) != TKV_OK ||
+        (r->bitmap_dev && r->be->ops->download(r->be, r->bitmap, r->bitmap_dev,
+                                               (size_t)H * r->words * sizeof *r->bitmap) != TKV_OK)) {
         for (uint32_t g = 0; g < H; g++)
             r->slot[g] = -1; /* read everything this step */
         return;
@@ -502,7 +518,8 @@ static int dev_decode(struct rabitq *r, const struct tkv_policy_view *v, uint32_
     }
     if (r->slot[head] < 0)
         return -1;
-    const uint32_t n = r->sel_n[head], *row = r->bitmap + (size_t)r->slot[head] * r->words;
+    const uint32_t n = r->sel_n[head], row_i = r->bitmap_dev ? head : (uint32_t)r->slot[head];
+    const uint32_t *row = r->bitmap + (size_t)row_i * r->words;
     const uint32_t nw = (n + 31) / 32;
     uint32_t m = 0;
     for (uint32_t j = 0; j < n;) {
@@ -521,6 +538,20 @@ static int dev_decode(struct rabitq *r, const struct tkv_policy_view *v, uint32_
         out[m++] = (struct tkv_range){b, j};
     }
     return add_tail(out, m, cap, n, v->n_past);
+}
+
+/* decode_bitmap: the layer's rows in backend memory, when this step's
+ * selection of v->layer was made on the device with bitmap_dev. */
+static bool rq_bitmap(void *state, const struct tkv_policy_view *v, const uint32_t **bitmap, uint32_t *words,
+                      uint32_t *sel_n)
+{
+    const struct rabitq *r = state;
+    if (!r->bitmap_dev || !r->c_valid || r->c_layer != v->layer || r->c_n_past != v->n_past || r->c_step != v->step)
+        return false;
+    for (uint32_t g = 0; g < r->env.n_head_kv; g++)
+        sel_n[g] = r->slot[g] < 0 ? 0 : r->sel_n[g];
+    *bitmap = r->bitmap_dev, *words = r->words;
+    return true;
 }
 
 static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out, uint32_t cap)
@@ -609,6 +640,7 @@ const struct tkv_policy_ops tkv_policy_rabitq = {
     .after_prefill = rq_after_prefill,
     .decode_select = rq_decode,
     .decode_needs_keys = rq_needs_keys,
+    .decode_bitmap = rq_bitmap,
     .reset = rq_reset,
     .memory_bytes = rq_memory,
 };
@@ -698,6 +730,12 @@ static bool er_needs_keys(void *state, const struct tkv_policy_view *v)
     return rq_needs_keys(((struct entropy_rabitq *)state)->rq, v);
 }
 
+static bool er_bitmap(void *state, const struct tkv_policy_view *v, const uint32_t **bitmap, uint32_t *words,
+                      uint32_t *sel_n)
+{
+    return rq_bitmap(((struct entropy_rabitq *)state)->rq, v, bitmap, words, sel_n);
+}
+
 static bool er_query_host(void *state) { return rq_query_host(((struct entropy_rabitq *)state)->rq); }
 
 static void er_reset(void *state)
@@ -730,6 +768,7 @@ const struct tkv_policy_ops tkv_policy_entropy_rabitq = {
     .after_prefill = er_after_prefill,
     .decode_select = er_decode,
     .decode_needs_keys = er_needs_keys,
+    .decode_bitmap = er_bitmap,
     .reset = er_reset,
     .segment = er_segment,
     .prefill_dense = er_dense,

@@ -134,10 +134,32 @@ static void set_bits(uint32_t *row, uint32_t b0, uint32_t b1)
         row[x / 32] |= 1u << (x % 32);
 }
 
+tkv_status tkv_rabitq_select_check_out(const struct tkv_rabitq_select_args *a, const char *who)
+{
+    if (!a || !a->heads)
+        return tkv_err(TKV_ERR_INVALID_ARG, "%s: NULL arguments or heads", who);
+    if (!a->bitmap == !a->bitmap_dev)
+        return tkv_err(TKV_ERR_INVALID_ARG, "%s: bitmap and bitmap_dev both %s (exactly one is the output)", who,
+                       a->bitmap ? "set" : "NULL");
+    if (!a->bitmap_dev)
+        return TKV_OK;
+    for (uint32_t h = 0; h < a->n_heads; h++) {
+        if (a->heads[h].row >= a->n_rows)
+            return tkv_err(TKV_ERR_INVALID_ARG, "%s: head %u: bitmap_dev row %u of %u", who, h, a->heads[h].row,
+                           a->n_rows);
+        for (uint32_t j = 0; j < h; j++)
+            if (a->heads[j].row == a->heads[h].row)
+                return tkv_err(TKV_ERR_INVALID_ARG, "%s: heads %u and %u both write bitmap_dev row %u", who, j, h,
+                               a->heads[h].row);
+    }
+    return TKV_OK;
+}
+
 tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a)
 {
-    if (!a || !a->heads || !a->bitmap || a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
-        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: NULL argument or G = %u", a ? a->G : 0);
+    TKV_TRY(tkv_rabitq_select_check_out(a, "rabitq: host_select"));
+    if (a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: G = %u", a->G);
     uint32_t n_max = 0;
     for (uint32_t h = 0; h < a->n_heads; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
@@ -160,7 +182,7 @@ tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a)
     tkv_status st = est && bound && pos && work ? TKV_OK : tkv_err(TKV_ERR_NOMEM, "rabitq: host_select: out of memory");
     for (uint32_t h = 0; h < a->n_heads && st == TKV_OK; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
-        uint32_t *row = a->bitmap + (size_t)h * a->words;
+        uint32_t *row = a->bitmap ? a->bitmap + (size_t)h * a->words : a->bitmap_dev + (size_t)hd->row * a->words;
         memset(row, 0, (size_t)a->words * sizeof *row);
         struct tkv_range forced[TKV_RABITQ_SELECT_MAX_FORCED];
         for (uint32_t r = 0; r < hd->n_forced; r++)
