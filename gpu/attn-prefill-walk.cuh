@@ -312,6 +312,17 @@ __device__ __forceinline__ void kv_start(const tkv_cuda_attn_params &p, uint32_t
     c.off = 0;
 }
 
+/* The split's start in the walk the kernel takes (PACK: packed tiles) */
+template <bool PACK>
+__device__ __forceinline__ void walk_start(const tkv_cuda_attn_params &p, uint32_t g, uint32_t split, pk_cursor &pc,
+                                           kv_cursor &kc)
+{
+    if (PACK)
+        pk_start(p, g, split, pc);
+    else
+        kv_start(p, g, split, kc);
+}
+
 /* Gathers up to BN keys at the cursor into one stage (cp.async, every thread
  * walking the same cursor), zeroes the rows after them, and advances the
  * cursor; returns the number of keys. */

@@ -243,12 +243,8 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
     const uint16_t **rp = rp_all + 32 * wwarp;
     pk_cursor pc = {};
     kv_cursor cur = {};
-    if (filler) {
-        if (PACK)
-            pk_start(p, gk, split, pc);
-        else
-            kv_start(p, gk, split, cur);
-    }
+    if (filler)
+        walk_start<PACK>(p, gk, split, pc, cur);
 #pragma unroll
     for (int st = 0; st < PREF; st++) {
         if (filler) {

@@ -186,7 +186,6 @@ struct tkv_kvs {
     uint8_t  *pt_queued;          /* [layer][head][max_blocks] on its pending list */
     uint32_t *pt_idx;             /* [head*max_blocks] one sync's writes ...       */
     uint64_t *pt_val;             /* ... and their values                         */
-    uint64_t pt_writes;           /* entries written since init                    */
 
     struct tkv_io *io;
     struct tkv_io_file *file;
@@ -2266,7 +2265,6 @@ tkv_status tkv_kvs_page_table_sync(struct tkv_kvs *s, uint32_t layer, uint32_t *
     }
     for (uint32_t j = 0; j < n; j++)
         s->pt_host[s->pt_idx[j]] = s->pt_val[j];
-    s->pt_writes += n;
     if (n_written)
         *n_written = n;
     return TKV_OK;
