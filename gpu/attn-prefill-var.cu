@@ -105,8 +105,6 @@ __global__ void __launch_bounds__(NT, 2) pv_kernel(const tkv_cuda_attn_params p)
     const uint32_t r0 = tile * BM;
     const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
 
-    /* the tile's queries: f32 -> f16 (hi, lo) */
-    load_queries<HD, BM, NT, SPLIT, q_pad<HD>>(p, gk, r0, R, Qh, Ql, qpos);
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 
     /* this split's keys, the first tile. The CTA is the walks' 4 warps, so
@@ -130,6 +128,8 @@ __global__ void __launch_bounds__(NT, 2) pv_kernel(const tkv_cuda_attn_params p)
         }
         __pipeline_commit();
     }
+    /* the tile's queries (f32 -> f16 hi, lo) while the first tiles' copies fly */
+    load_queries<HD, BM, NT, SPLIT, q_pad<HD>>(p, gk, r0, R, Qh, Ql, qpos);
     __syncthreads(); /* Q and qpos in shared memory */
 
     /* this warp's rows: wr0 .. wr0 + 16 MT - 1; m-tile mt holds wr0 + 16 mt + g and + 8 */

@@ -235,8 +235,6 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
     const uint32_t r0 = tile * BM;
     const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
 
-    /* the tile's queries: f32 -> f16 (hi, lo) in the swizzled layout (BM rows) */
-    load_queries<HD, BM, NTW, SPLIT, q_sw128>(p, gk, r0, R, Qh, Ql, qpos);
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 
     const bool filler = tid < NT;
@@ -257,6 +255,9 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
         }
         __pipeline_commit();
     }
+    /* the tile's queries (f32 -> f16 hi, lo; the swizzled layout, BM rows)
+     * while the first tiles' copies fly */
+    load_queries<HD, BM, NTW, SPLIT, q_sw128>(p, gk, r0, R, Qh, Ql, qpos);
     fence_proxy_async(); /* the Q stores */
     __syncthreads();     /* Q and qpos in shared memory */
 

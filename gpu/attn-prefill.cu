@@ -60,8 +60,6 @@ __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn
     const uint32_t r0 = blockIdx.x * BM;
     const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
 
-    /* the tile's queries: f32 -> f16 (hi, lo) */
-    load_queries<HD, BM, NT, SPLIT, q_pad<HD>>(p, gk, r0, R, Qh, Ql, qpos);
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 
     /* this split's keys: packed tiles, or its share of the refs */
@@ -78,6 +76,8 @@ __global__ void __launch_bounds__(NT, 2) attn_prefill_kernel(const tkv_cuda_attn
     }
     int stage = 0;
     __pipeline_commit();
+    /* the tile's queries (f32 -> f16 hi, lo) while the first tile's copies fly */
+    load_queries<HD, BM, NT, SPLIT, q_pad<HD>>(p, gk, r0, R, Qh, Ql, qpos);
     __syncthreads(); /* Q in shared memory */
 
     /* Q fragments, kept in registers: a[kk] covers dims kk*16 .. +15 */
@@ -273,7 +273,8 @@ cudaError_t tkv_cuda_attn_prefill_init(void)
 
 bool tkv_cuda_attn_prefill_ok(const tkv_cuda_attn_params *p)
 {
-    return p->prefill_mode != TKV_ATTN_PREFILL_GENERAL && p->vec16 && (p->head_dim == 64 || p->head_dim == 128);
+    return p->prefill_mode != TKV_ATTN_PREFILL_GENERAL && p->vec16 && ((uintptr_t)p->q & 15u) == 0 &&
+           (p->head_dim == 64 || p->head_dim == 128);
 }
 
 bool tkv_cuda_attn_prefill_packed(const tkv_cuda_attn_params *p) { return p->prefill_pack && p->kofs != NULL; }

@@ -89,7 +89,7 @@ struct tkv_pf_ctas {
  * device); records their CTAs per SM. */
 cudaError_t tkv_cuda_attn_prefill_init(void);
 
-/* Whether the kernel takes this call (head_dim 64 or 128, 16-byte-aligned K/V). */
+/* Whether the kernel takes this call (head_dim 64 or 128, 16-byte-aligned K/V and q). */
 bool tkv_cuda_attn_prefill_ok(const struct tkv_cuda_attn_params *p);
 
 /* Whether the kernel walks packed tiles (p->prefill_pack and p->kofs): the
