@@ -6,7 +6,7 @@
  * split = keys [64t, 64t + 64) of the concatenation of the head's refs) and
  * the per-ref walk (fill_tile). Both are run by NT = 128 threads, 4 warps
  * each filling 16 rows of the stage: the whole CTA of v0 and v1, the first
- * warpgroup of v2. Stage layout: K and V each in the kernel's layout
+ * warpgroup of v2, the third (the producer; W0 = 8, its first warp) of v3. Stage layout: K and V each in the kernel's layout
  * (pad_layout or sw128_layout, below), kpos [BN] positions (INT_MAX past
  * the keys).
  */
@@ -244,13 +244,13 @@ __device__ __forceinline__ void pk_start(const tkv_cuda_attn_params &p, uint32_t
  * each, so row j's ref is i + popc(M & bits 0..j) and it starts at the
  * highest of those bits (or at kofs[i]). Rows past the keys are zero-filled
  * (0 * V must stay 0) with position INT_MAX (never visible). */
-template <int HD, class L = pad_layout<HD>>
+template <int HD, class L = pad_layout<HD>, int W0 = 0>
 __device__ __forceinline__ int fill_packed(const tkv_cuda_attn_params &p, pk_cursor &c, int32_t pos_max,
                                           __half *Ks, __half *Vs, int *kpos, const uint16_t **rp)
 {
     constexpr int PER_ROW = HD / 8, UNITS = 16 * PER_ROW / 32;
     constexpr unsigned FULL = 0xffffffffu;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = (int)(threadIdx.x >> 5) - W0;
     if (c.x >= c.x_end)
         return 0;
     const uint32_t x = c.x, i = c.i, wa = c.w;
@@ -350,12 +350,12 @@ __device__ __forceinline__ void walk_start(const tkv_cuda_attn_params &p, uint32
 /* Gathers up to BN keys at the cursor into one stage (cp.async, every thread
  * walking the same cursor), zeroes the rows after them, and advances the
  * cursor; returns the number of keys. */
-template <int HD, class L = pad_layout<HD>>
+template <int HD, class L = pad_layout<HD>, int W0 = 0>
 __device__ int fill_tile(const tkv_cuda_attn_params &p, kv_cursor &c, int32_t pos_max, __half *Ks, __half *Vs,
                          int *kpos)
 {
     constexpr int PER_ROW = HD / 8;
-    const int tid = threadIdx.x;
+    const int tid = (int)threadIdx.x - 32 * W0;
     int nk = 0;
     while (nk < BN && c.b < c.b_end) {
         const tkv_cuda_kv_entry e = p.blocks[c.b];

@@ -268,6 +268,7 @@ cudaError_t tkv_cuda_attn_prefill_init(void)
         return init_pf<decltype(hd)::value, decltype(split)::value>(&g_pf_ctas.at(hd, split));
     }));
     TKV_CUDA_TRY(tkv_cuda_attn_prefill_wg_init());
+    TKV_CUDA_TRY(tkv_cuda_attn_prefill_ws_init());
     return tkv_cuda_attn_prefill_var_init();
 }
 
@@ -281,16 +282,17 @@ bool tkv_cuda_attn_prefill_packed(const tkv_cuda_attn_params *p) { return p->pre
 
 int tkv_cuda_attn_prefill_variant(const tkv_cuda_attn_params *p)
 {
-    /* unset: the fastest measured on the H200 (docs/benchmarks.md) -- v2
-     * (wgmma) where the device runs it, in both precisions; elsewhere v1 (4
-     * warps x 32 rows, one barrier per tile, P packed after the
-     * exponential) for f16 and v0 for split precision (v1 is slower there) */
+    /* unset: the fastest measured on the H200 (docs/benchmarks.md) -- v3
+     * (wgmma, specialized warps) where the device runs it, in both
+     * precisions; elsewhere v1 (4 warps x 32 rows, one barrier per tile, P
+     * packed after the exponential) for f16 and v0 for split precision (v1
+     * is slower there) */
     int v = p->prefill_variant;
     if (v < 0)
-        v = tkv_cuda_attn_prefill_wg_ok() ? 2 : p->prefill_mode == TKV_ATTN_PREFILL_F16 ? 1 : 0;
+        v = tkv_cuda_attn_prefill_wg_ok() ? 3 : p->prefill_mode == TKV_ATTN_PREFILL_F16 ? 1 : 0;
     if (v == 0 || !(p->scale_log2 > 0.0f))
         return 0;
-    if (v == 2 && !tkv_cuda_attn_prefill_wg_ok()) /* v1 serves it, in split precision too */
+    if (v >= 2 && !tkv_cuda_attn_prefill_wg_ok()) /* v1 serves v2 and v3, in split precision too */
         return 1;
     return v;
 }
@@ -303,6 +305,8 @@ uint32_t tkv_cuda_attn_prefill_rows(const tkv_cuda_attn_params *p)
 int tkv_cuda_attn_prefill_ctas_per_sm(const tkv_cuda_attn_params *p)
 {
     const int v = tkv_cuda_attn_prefill_variant(p);
+    if (v == 3)
+        return tkv_cuda_attn_prefill_ws_ctas_per_sm(p->head_dim, p->prefill_mode);
     if (v == 2)
         return tkv_cuda_attn_prefill_wg_ctas_per_sm(p->head_dim, p->prefill_mode);
     if (v == 1)
@@ -313,6 +317,8 @@ int tkv_cuda_attn_prefill_ctas_per_sm(const tkv_cuda_attn_params *p)
 cudaError_t tkv_cuda_attn_prefill(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
     const int v = tkv_cuda_attn_prefill_variant(p);
+    if (v == 3)
+        return tkv_cuda_attn_prefill_ws(p, s);
     if (v == 2)
         return tkv_cuda_attn_prefill_wg(p, s);
     if (v == 1)
@@ -330,6 +336,8 @@ const char *tkv_cuda_attn_prefill_variant_desc(int variant)
         "O rescaled only when a max moves (was v5; attn-prefill-var.cu)",
         "v2: v1's schedule on wgmma (2 warpgroups x 64 rows, Q/K/V by swizzled descriptors; compute capability 9.0, "
         "else v1; attn-prefill-wg.cu)",
+        "v3: v2 with specialized warps (a producer warp, mbarriers per stage, the 2 warpgroups taking turns; "
+        "compute capability 9.0, else v1; attn-prefill-ws.cu)",
     };
     return variant >= 0 && variant < TKV_ATTN_PREFILL_VARIANTS ? desc[variant] : NULL;
 }

@@ -26,15 +26,17 @@
  * difference.
  *
  * Variants (p->prefill_variant; TKV_CUDA_ATTN_PREFILL_VARIANT): v0 is the
- * kernel described here (attn-prefill.cu), the default in split precision;
- * v1 (attn-prefill-var.cu), the default in f16, has 128 query rows per CTA
- * (4 warps of 32) and another schedule (one barrier per tile, lazy
- * rescale), with the same walks, precisions and outputs; v2
+ * kernel described here (attn-prefill.cu); v1 (attn-prefill-var.cu) has
+ * 128 query rows per CTA (4 warps of 32) and another schedule (one barrier
+ * per tile, lazy rescale), with the same walks, precisions and outputs; v2
  * (attn-prefill-wg.cu) is v1's schedule on Hopper's warpgroup MMA (two
- * warpgroups of 64 rows, K/V in the 128-byte swizzled layout), on devices
- * of compute capability 9.0 only (v1 elsewhere). A call with scale <= 0
- * runs v0 whatever the variant (v1 and v2 take the row max before
- * scaling).
+ * warpgroups of 64 rows, K/V in the 128-byte swizzled layout); v3
+ * (attn-prefill-ws.cu) is v2 with specialized warps (a producer
+ * warpgroup, mbarriers per stage, the two consumer warpgroups taking
+ * turns). v2 and v3 run on devices of compute capability 9.0 only (v1
+ * serves them elsewhere). Defaults: v3 on compute capability 9.0; else v1
+ * in f16, v0 in split precision. A call with scale <= 0 runs v0 whatever
+ * the variant (v1-v3 take the row max before scaling).
  *
  * Precision: TKV_ATTN_PREFILL_SPLIT writes Q and P each as the sum of two f16
  * numbers (hi + lo) and multiplies both parts (twice the matrix work), which
@@ -96,8 +98,9 @@ bool tkv_cuda_attn_prefill_ok(const struct tkv_cuda_attn_params *p);
  * split-K then cuts each head's keys at 64-key tile boundaries, else its refs. */
 bool tkv_cuda_attn_prefill_packed(const struct tkv_cuda_attn_params *p);
 
-/* The variant that serves p: p->prefill_variant (-1, the default: v1 for
- * f16, v0 for split precision), or 0 (v0) when p->scale <= 0. */
+/* The variant that serves p: p->prefill_variant (-1, the default: v3 on
+ * compute capability 9.0, else v1 for f16 and v0 for split precision), or 0
+ * (v0) when p->scale <= 0. */
 int tkv_cuda_attn_prefill_variant(const struct tkv_cuda_attn_params *p);
 
 /* Query rows of one CTA, and CTAs per SM, of the instance that serves p. */
@@ -121,9 +124,15 @@ bool tkv_cuda_attn_prefill_wg_ok(void);
 cudaError_t tkv_cuda_attn_prefill_wg(const struct tkv_cuda_attn_params *p, cudaStream_t s);
 int tkv_cuda_attn_prefill_wg_ctas_per_sm(uint32_t head_dim, int mode);
 
+/* attn-prefill-ws.cu: v3, v2 with the warps specialized (a producer warp,
+ * mbarriers per stage, ping-pong); runs where v2 runs (init after v2's). */
+cudaError_t tkv_cuda_attn_prefill_ws_init(void);
+cudaError_t tkv_cuda_attn_prefill_ws(const struct tkv_cuda_attn_params *p, cudaStream_t s);
+int tkv_cuda_attn_prefill_ws_ctas_per_sm(uint32_t head_dim, int mode);
+
 /* One instance's two kernels, walking packed tiles (packed) or the refs
  * one by one (per_ref), of variants whose grid is (row tiles of `rows`
- * rows x KV heads, heaviest tile first; splits): v1, v2. */
+ * rows x KV heads, heaviest tile first; splits): v1, v2, v3. */
 typedef void (*tkv_pf_kernel)(const struct tkv_cuda_attn_params);
 
 /* Launches the one p's walk takes. */

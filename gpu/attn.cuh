@@ -73,6 +73,8 @@ struct tkv_cuda_attn_params {
                                                finished splits (fused merge)    */
     int pdl;                                /* the decode kernel as a programmatic
                                                dependent launch (common.cuh)    */
+    int ws_pingpong;                        /* v3's consumer warpgroups take turns
+                                               (set by its launch)              */
 };
 
 /* Which kernels serve calls of at most 8 query rows per KV head. */
@@ -126,9 +128,9 @@ enum tkv_cuda_attn_prefill_mode {
     TKV_ATTN_PREFILL_F16 = 2,     /* tensor cores, Q and P in f16                  */
 };
 
-/* Variants of the tensor-core prefill kernel (tile shapes, attn-prefill.cuh):
- * v0 and v1 (the default: attn-prefill.cuh, tkv_cuda_attn_prefill_variant). */
-#define TKV_ATTN_PREFILL_VARIANTS 3
+/* Variants of the tensor-core prefill kernel (attn-prefill.cuh): v0 .. v3
+ * (the default by device and precision: tkv_cuda_attn_prefill_variant). */
+#define TKV_ATTN_PREFILL_VARIANTS 4
 
 /* head_dim the kernels handle. */
 bool tkv_cuda_attn_supported(uint32_t head_dim);

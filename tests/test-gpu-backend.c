@@ -697,7 +697,7 @@ static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "tabl
                                                        "per-ref", "runs",  "pdl"};
 static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4};
 
-/* The tensor-core prefill kernel's variants (v1: 128-row tiles, v2: wgmma;
+/* The tensor-core prefill kernel's variants (v1: 128-row tiles, v2: wgmma, v3: wgmma with specialized warps;
  * set by tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
  * of their own: split precision on packed tiles, f16 (mma16) on packed
  * tiles, split precision walking the refs one by one; each against the
@@ -1026,7 +1026,7 @@ static void test_attention(void)
     gpu_attn_alt[1] = gpu_with_attn_env("merge", "copy", "mma", "1");
     gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
     gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
-    /* f16 runs v1 by default; v0 here, the variants below are each checked */
+    /* f16 runs v3 (compute capability 9.0) or v1 by default; v0 here, the variants below are each checked */
     if (gpu_attn_alt[3])
         CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
