@@ -91,6 +91,26 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
 
 /* ---- the CTA's query rows and results, the same in every variant ---------- */
 
+/* Where a CTA of v1-v3 works (their grid: row tiles of BM rows x KV heads,
+ * heaviest row tile first -- blockIdx.x = (n_tiles - 1 - tile) * n_head_kv
+ * + KV head -- and the key splits): rows r0 .. r0 + R - 1 of KV head gk's
+ * query rows, split `split`; G query heads per KV head. */
+struct cta_rows {
+    uint32_t G, gk, split, r0;
+    int R;
+};
+template <int BM> __device__ __forceinline__ cta_rows cta_rows_of(const tkv_cuda_attn_params &p)
+{
+    cta_rows c;
+    c.G = p.n_head / p.n_head_kv;
+    const uint32_t n_tiles = gridDim.x / p.n_head_kv;
+    c.gk = blockIdx.x % p.n_head_kv;
+    c.split = blockIdx.y;
+    c.r0 = (n_tiles - 1 - blockIdx.x / p.n_head_kv) * BM;
+    c.R = (int)min((uint32_t)BM, p.n_q * c.G - c.r0);
+    return c;
+}
+
 constexpr float LN2 = 0.693147180559945309f;
 
 /* Rows r0 .. r0 + R - 1 of KV head gk's query rows (n_q tokens x G heads,

@@ -86,12 +86,9 @@ __global__ void __launch_bounds__(NTW, 1) wg_kernel(const tkv_cuda_attn_params p
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2;
     const int wg = tid >> 7, wwarp = warp & 3; /* warpgroup; warp within it */
-    const uint32_t G = p.n_head / p.n_head_kv;
-    const uint32_t n_tiles = gridDim.x / p.n_head_kv;
-    const uint32_t tile = n_tiles - 1 - blockIdx.x / p.n_head_kv, gk = blockIdx.x % p.n_head_kv;
-    const uint32_t split = blockIdx.y;
-    const uint32_t r0 = tile * BM;
-    const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
+    const cta_rows cr = cta_rows_of<BM>(p);
+    const uint32_t G = cr.G, gk = cr.gk, split = cr.split, r0 = cr.r0;
+    const int R = cr.R;
 
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 

@@ -83,12 +83,9 @@ __global__ void __launch_bounds__(NTH, 1) ws_kernel(const tkv_cuda_attn_params p
     int *kpos_st = (int *)(rp_all + NT), *qpos = kpos_st + ST * BN, *nks = qpos + BM;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const uint32_t G = p.n_head / p.n_head_kv;
-    const uint32_t n_tiles = gridDim.x / p.n_head_kv;
-    const uint32_t tile = n_tiles - 1 - blockIdx.x / p.n_head_kv, gk = blockIdx.x % p.n_head_kv;
-    const uint32_t split = blockIdx.y;
-    const uint32_t r0 = tile * BM;
-    const int R = (int)min((uint32_t)BM, p.n_q * G - r0);
+    const cta_rows cr = cta_rows_of<BM>(p);
+    const uint32_t G = cr.G, gk = cr.gk, split = cr.split, r0 = cr.r0;
+    const int R = cr.R;
 
     if (tid == 0)
         for (int st = 0; st < ST; st++) {
