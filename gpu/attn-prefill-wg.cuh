@@ -2,10 +2,11 @@
  * attn-prefill-wg.cuh -- the warpgroup-MMA (wgmma) pieces that the Hopper
  * prefill kernels share (internal to gpu/attn-prefill-wg.cu, v2, and
  * gpu/attn-prefill-ws.cu, v3; both built for sm_90a only): PTX wrappers for
- * wgmma, shared-memory descriptors, proxy fences and mbarriers, and the
- * steps of one 64-key tile for one warpgroup of 64 query rows -- issue S =
- * Q K^T, the online softmax of S into P, the rescale of O, issue O += P V.
- * Layouts and descriptors are described in attn-prefill-wg.cu.
+ * wgmma, shared-memory descriptors, proxy fences, mbarriers and named
+ * barriers, and the steps of one 64-key tile for one warpgroup of 64 query rows -- issue S =
+ * Q K^T, the online softmax of S into P, the rescale of O, issue O += P V,
+ * store the rows. Layouts and descriptors are described in
+ * attn-prefill-wg.cu.
  */
 #ifndef TKV_GPU_ATTN_PREFILL_WG_CUH
 #define TKV_GPU_ATTN_PREFILL_WG_CUH
@@ -20,7 +21,6 @@ using namespace tkv_pf;
 /* Everything below is device code of sm_90a's pass only (the kernels'
  * bodies are under the same condition). */
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
 
 /* the Q tile's layout: BM rows of the 128-byte swizzle (sw128_layout's, BM rows per region) */
 template <int BM> struct q_sw128 {

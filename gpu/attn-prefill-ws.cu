@@ -15,12 +15,13 @@
  *     tile t it first publishes tile t - PREF once its copies have landed
  *     (each thread makes its own visible to the async proxy,
  *     fence.proxy.async, and arrives on the stage's `full` mbarrier), then
- *     waits for stage t % ST to be empty and issues tile t's copies.
- *     Publishing only after the next fill (the first version) made the
- *     consumers wait for the fill's table loads every tile: 0.95x v2. A single producer warp (filling the 64
- *     rows 16 at a time) was measured at 0.6x v2 on the H200: its rounds'
- *     dependent table loads came one after the other, and its copies'
- *     instructions all on one SM sub-partition;
+ *     waits for stage t % ST to be empty and issues tile t's copies. Two
+ *     earlier versions were slower than v2 on the H200: one producer warp
+ *     filling the 64 rows 16 at a time (0.6x: its rounds' dependent table
+ *     loads came one after the other, and all its copy instructions ran
+ *     on one SM sub-partition), and this warpgroup publishing tile t - PREF
+ *     only after issuing tile t (0.95-1.02x: every tile then waited for a
+ *     free stage and for the next fill's table loads);
  *   - warps 0-3 and 4-7, the consumers (warpgroups of 64 query rows each),
  *     wait on `full`, issue S = Q K^T and the previous tile's O += P V,
  *     take the softmax while the P V runs, and once that P V has landed
@@ -41,6 +42,7 @@
 
 #include <cuda_pipeline.h>
 #include <stdlib.h>
+#include <string.h>
 
 namespace {
 
@@ -237,7 +239,7 @@ cudaError_t tkv_cuda_attn_prefill_ws_init(void)
     if (!tkv_cuda_attn_prefill_wg_ok()) /* (set by tkv_cuda_attn_prefill_wg_init, called first) */
         return cudaSuccess;
     const char *pp = getenv("TKV_CUDA_ATTN_WS_PINGPONG");
-    g_ws_pingpong = !(pp && pp[0] == '0');
+    g_ws_pingpong = !(pp && !strcmp(pp, "0"));
     return tkv_pf_each([](auto hd, auto split) {
         return ws_init<decltype(hd)::value, decltype(split)::value>(&g_ws_ctas.at(hd, split));
     });
