@@ -10,6 +10,17 @@
 #                                      --head: the last commit only (when
 #                                      others' uncommitted GPU files would
 #                                      not build)
+#   scripts/gpu-run.sh bins [TARGET..] here: build TARGETs (default: the GPU
+#                                      tests and benchmarks, tierkv) in
+#                                      build/release and pack them into
+#                                      .gpu-bin/bins.tar.xz (git-ignored):
+#                                      ~20 MB for ten binaries, which share
+#                                      their device code (xz -9e, one stream)
+#                                      -- no build on the device (2-3 minutes
+#                                      of its time per machine start saved);
+#                                      there: mkdir -p /tmp/b && tar -C /tmp/b
+#                                      -xJf .gpu-bin/bins.tar.xz, after
+#                                      `source .device/bootstrap.sh`
 #   scripts/gpu-run.sh model           here: split the model into .gpu-model/
 #   scripts/gpu-run.sh test [sanitize] there: build .gpu-snap, run ctest -R gpu, kv-store, hetero
 #                                      (and compute-sanitizer memcheck)
@@ -55,15 +66,34 @@ snap)
     [ -d tests/data ] && cp -r tests/data "$snap/tests/" || true
     echo "snapshot of $(git rev-parse --short HEAD) + GPU files in $snap ($(du -sh "$snap" | cut -f1))"
     ;;
+bins)
+    exclude .gpu-bin
+    shift
+    targets=${*:-test-gpu-backend test-gpu-rabitq test-kv-table test-kv-store test-hetero test-gpu-e2e bench-attn bench-recall bench-decode tierkv}
+    # shellcheck disable=SC2086
+    cmake --build build/release -j"$(nproc)" --target $targets > /dev/null
+    stage=$(mktemp -d)
+    for t in $targets; do
+        f=$(find build/release -maxdepth 2 -type f -name "$t" -perm -u+x | head -1)
+        [ -n "$f" ] || { echo "no binary $t in build/release" >&2; exit 1; }
+        cp "$f" "$stage/"
+    done
+    mkdir -p .gpu-bin
+    tar -C "$stage" -c . | xz -9e -T1 > .gpu-bin/bins.tar.xz
+    rm -rf "$stage"
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- gpu runtime tiers cpu io tests bench || echo +changes): $targets"
+    ls -l .gpu-bin/bins.tar.xz
+    ;;
 model)
     # the model (98 MB) is larger than one call may carry (64 MiB with the
-    # tree): a/ (40 MiB) rides with the first call, b/ (the rest) with the
+    # tree): a/ (37 MiB) rides with the first call (beside .device, 13 MB,
+    # and the packed binaries, ~11-20 MB), b/ (the rest, 57 MiB) with the
     # next, while the machine is still warm; on the device
     #   mkdir -p /tmp/m && cat .gpu-model/a/* > /tmp/m/part.a           (call 1)
     #   cat /tmp/m/part.a .gpu-model/b/* > /tmp/m/model.gguf             (call 2)
     exclude .gpu-model
     rm -rf .gpu-model && mkdir -p .gpu-model/a .gpu-model/b
-    split -b 40M models/SmolLM2-135M-Instruct.Q4_1.gguf .gpu-model/part.
+    split -b 37M models/SmolLM2-135M-Instruct.Q4_1.gguf .gpu-model/part.
     mv .gpu-model/part.aa .gpu-model/a/ && mv .gpu-model/part.a[b-z] .gpu-model/b/
     ls -l .gpu-model/*/
     ;;
@@ -138,7 +168,7 @@ bench)
     /tmp/tkv-build/bench/bench-attn "${@:2}"
     ;;
 *)
-    sed -n '2,17p' "$0"
+    sed -n '2,28p' "$0"
     exit 2
     ;;
 esac
