@@ -8,9 +8,12 @@
  * Per model shape (SmolLM2-135M 9/3/64 and Llama-3-8B 32/8/128 heads, KV
  * blocks of 64 tokens) and per count of selected host tokens per KV head,
  * one decode query over every KV head of a layer:
- *   cpu attn   the CPU backend's attention op (OpenBLAS tiles, split-K),
+ *   cpu attn   the CPU backend's attention op (split-K; rows of a KV head
+ *              <= 8: the fused AVX2 f16 kernels where the CPU has them),
  *              median of r calls; GFLOP/s as the cost model counts them
- *              (tokens x G x head_dim x 4) and the KV bytes it read per s
+ *              (tokens x G x head_dim x 4) and the KV bytes it read per s;
+ *              beside it the same op on the sgemm path (TKV_CPU_ATTN=blas:
+ *              f32 tiles, OpenBLAS) in the same run, and the ratio
  *   crc        CRC-32C of the blocks the CPU reads, on one thread (the
  *              store verifies host reads before use, on up to 8 threads
  *              below a GPU)
@@ -41,6 +44,20 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* The median time of reps calls of be's attention on a, after a warm-up
+ * call; t: reps doubles of work memory. */
+static double median_attention(struct tkv_backend *be, const struct tkv_attn_args *a, uint32_t reps, double *t)
+{
+    be->ops->attention(be, a);
+    for (uint32_t r = 0; r < reps; r++) {
+        const double t0 = now();
+        be->ops->attention(be, a);
+        t[r] = now() - t0;
+    }
+    qsort(t, reps, sizeof *t, cmp_d);
+    return t[reps / 2];
+}
+
 int main(int argc, char **argv)
 {
     uint32_t threads = 0, reps = 9;
@@ -62,8 +79,19 @@ int main(int argc, char **argv)
     }
     if (reps == 0)
         reps = 1;
-    struct tkv_backend *cpu = NULL;
+    struct tkv_backend *cpu = NULL, *blas = NULL;
     if (tkv_backend_create("cpu", threads, &cpu) != TKV_OK) {
+        fprintf(stderr, "bench-hetero: %s\n", tkv_last_error());
+        return 1;
+    }
+    const char *attn_env = getenv("TKV_CPU_ATTN");
+    setenv("TKV_CPU_ATTN", "blas", 1); /* a second backend on the sgemm path */
+    const tkv_status bst = tkv_backend_create("cpu", threads, &blas);
+    if (attn_env)
+        setenv("TKV_CPU_ATTN", attn_env, 1);
+    else
+        unsetenv("TKV_CPU_ATTN");
+    if (bst != TKV_OK) {
         fprintf(stderr, "bench-hetero: %s\n", tkv_last_error());
         return 1;
     }
@@ -72,8 +100,9 @@ int main(int argc, char **argv)
     char nth[16];
     snprintf(nth, sizeof nth, threads ? "%u" : "all", threads);
     printf("bench-hetero: commit %s, %s threads, link %.1f GB/s, median of %u\n\n", commit, nth, link_gbs, reps);
-    printf("| shape | selection | host tokens / KV head | cpu attn ms | GFLOP/s | KV GB/s read | crc ms (1 thread) | "
-           "recall ms | cost model picks |\n|---|---|---:|---:|---:|---:|---:|---:|---|\n");
+    printf("| shape | selection | host tokens / KV head | cpu attn ms | GFLOP/s | KV GB/s read | sgemm path ms | "
+           "GFLOP/s | speedup | crc ms (1 thread) | recall ms | cost model picks |\n"
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     static const struct shape shapes[] = {{"SmolLM2 9/3/64", 3, 3, 64, 64}, {"Llama-3-8B 32/8/128", 8, 4, 128, 64}};
     static const uint32_t counts[] = {512, 2048, 8192, 32768};
     const uint32_t n_counts = quick ? 1 : 4, max_tokens = quick ? 512 : 32768;
@@ -116,14 +145,17 @@ int main(int argc, char **argv)
                 const struct tkv_attn_args a = {.q = q, .q_pos = &pos, .out = out, .lse = lse, .n_q = 1, .n_head = H,
                                                 .n_head_kv = sh->hkv, .head_dim = sh->hd,
                                                 .scale = 1.0f / sqrtf((float)sh->hd), .kv = views};
-                cpu->ops->attention(cpu, &a); /* warm-up */
-                for (uint32_t r = 0; r < reps; r++) {
-                    const double t0 = now();
-                    cpu->ops->attention(cpu, &a);
-                    t[r] = now() - t0;
+                const double att = median_attention(cpu, &a, reps, t);
+                struct tkv_attn_args ab = a;
+                ab.out = out2, ab.lse = lse2;
+                const double att_blas = median_attention(blas, &ab, reps, t);
+                float dmax = 0; /* the two paths agree (rounding only) */
+                for (size_t i = 0; i < (size_t)H * sh->hd; i++)
+                    dmax = fmaxf(dmax, fabsf(out[i] - out2[i]));
+                if (!(dmax < 1e-3f)) {
+                    fprintf(stderr, "bench-hetero: the fused and sgemm paths differ by %g\n", dmax);
+                    return 1;
                 }
-                qsort(t, reps, sizeof *t, cmp_d);
-                const double att = t[reps / 2];
                 const double flop = (double)sh->hkv * T * sh->g * sh->hd * 4.0;
                 const double read_bytes = (double)sh->hkv * T * 4.0 * sh->hd; /* the selected K and V rows */
                 const double moved = (double)sh->hkv * nb * S;                 /* whole blocks */
@@ -138,10 +170,10 @@ int main(int argc, char **argv)
                 /* as the engine's auto mode: the checksums on one thread here */
                 const bool cpu_wins = tkv_hetero_prefer_cpu(nb, T, (uint32_t)S, sh->g, sh->hd, link_gbs * 1e9,
                                                             flop / att, moved / crc);
-                printf("| %s | %s | %u | %.3f | %.1f | %.1f | %.3f | %.3f | %s |\n", sh->name,
+                printf("| %s | %s | %u | %.3f | %.1f | %.1f | %.3f | %.1f | %.2fx | %.3f | %.3f | %s |\n", sh->name,
                        sparse ? "8 of 64 per block" : "whole blocks", T, att * 1e3, flop / att / 1e9,
-                       read_bytes / att / 1e9, crc * 1e3, recall * 1e3,
-                       cpu_wins ? "cpu" : "recall");
+                       read_bytes / att / 1e9, att_blas * 1e3, flop / att_blas / 1e9, att_blas / att, crc * 1e3,
+                       recall * 1e3, cpu_wins ? "cpu" : "recall");
             }
         /* the merge of two partials of one layer (n_head rows) */
         for (size_t i = 0; i < (size_t)H * sh->hd; i++)
@@ -152,10 +184,11 @@ int main(int argc, char **argv)
         const double m0 = now();
         for (uint32_t i = 0; i < n_merge; i++)
             tkv_attn_merge(out, lse, out2, lse2, H, sh->hd);
-        printf("| %s | merge of %u rows | | %.5f | | | | | |\n", sh->name, H, (now() - m0) / n_merge * 1e3);
+        printf("| %s | merge of %u rows | | %.5f | | | | | | | | |\n", sh->name, H, (now() - m0) / n_merge * 1e3);
         free(kv), free(q), free(out), free(out2), free(lse), free(lse2), free(refs), free(views), free(t);
     }
     printf("\n(the inputs' checksums fold to %08x)\n", crc_total); /* the sums are used: not optimised away */
     cpu->ops->free(cpu);
+    blas->ops->free(blas);
     return 0;
 }

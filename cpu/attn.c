@@ -12,6 +12,13 @@
  * so items split the keys (flash-decoding) and a merge step combines the
  * partial results exactly by their log-sum-exp.
  *
+ * Items of at most 8 rows (decode: one token x G heads) take the fused
+ * kernels where the CPU has AVX2, FMA and F16C (cb->attn_fused): scores and
+ * P . V straight from the f16 blocks, no f32 copy of the tile and no sgemm
+ * (whose per-call cost and conversion pass dominate at 4-8 rows, and whose
+ * kernels OpenBLAS may not pick for the CPU: its generic SSE3 ones ran at
+ * ~5 GFLOP/s per core on the H200's host).
+ *
  * Reference: one score at a time in double precision, for the tests.
  */
 #include "cpu.h"
@@ -20,8 +27,9 @@
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
-#if defined(__AVX2__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define TKV_X86 1
 #endif
 
 #define TILE_KEYS 256   /* keys per tile (a few KV blocks)                 */
@@ -128,6 +136,166 @@ static float exp_sub_sum(float *x, uint32_t n, float m)
     return sum;
 }
 
+/* ---- fused kernels for items of <= 8 rows (AVX2, FMA, F16C) --------------- */
+
+#define FUSED_ROWS 8 /* items of at most this many rows take the fused kernels */
+
+#if TKV_X86
+bool tkv_cpu_attn_fused_ok(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+#define TKV_FUSED __attribute__((target("avx2,fma,f16c")))
+
+/* lane i of the result: the sum of the 8 lanes of ai */
+TKV_FUSED static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                     __m256 a7)
+{
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+TKV_FUSED static inline __m256 load_h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* S[r * ld + c] = Q[r] . k_c over the nb blocks' keys (c counts them), for
+ * the 4 rows of Q (hd floats each; rows past the item's are zero): two keys
+ * per step, so that 8 accumulators hide the FMA latency (an odd block's last
+ * key is paired with itself). hd a multiple of 8. */
+TKV_FUSED static void scores_r4(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
+                                uint32_t ld)
+{
+    uint32_t c = 0;
+    for (uint32_t b = 0; b < nb; b++)
+        for (uint32_t j = 0; j < blk[b].n; j += 2) {
+            const uint16_t *k0 = blk[b].k + (size_t)j * hd, *k1 = j + 1 < blk[b].n ? k0 + hd : k0;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (uint32_t d = 0; d < hd; d += 8) {
+                const __m256 x0 = load_h8(k0 + d), x1 = load_h8(k1 + d);
+                const __m256 q0 = _mm256_loadu_ps(Q + d), q1 = _mm256_loadu_ps(Q + hd + d);
+                const __m256 q2 = _mm256_loadu_ps(Q + 2 * hd + d), q3 = _mm256_loadu_ps(Q + 3 * hd + d);
+                a0 = _mm256_fmadd_ps(q0, x0, a0);
+                a1 = _mm256_fmadd_ps(q1, x0, a1);
+                a2 = _mm256_fmadd_ps(q2, x0, a2);
+                a3 = _mm256_fmadd_ps(q3, x0, a3);
+                a4 = _mm256_fmadd_ps(q0, x1, a4);
+                a5 = _mm256_fmadd_ps(q1, x1, a5);
+                a6 = _mm256_fmadd_ps(q2, x1, a6);
+                a7 = _mm256_fmadd_ps(q3, x1, a7);
+            }
+            float t[8];
+            _mm256_storeu_ps(t, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+            for (uint32_t r = 0; r < 4; r++) {
+                S[r * ld + c] = t[r];
+                if (j + 1 < blk[b].n)
+                    S[r * ld + c + 1] = t[4 + r];
+            }
+            c += j + 1 < blk[b].n ? 2 : 1;
+        }
+}
+
+/* As scores_r4 for the 8 rows of Q, one key per step. */
+TKV_FUSED static void scores_r8(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
+                                uint32_t ld)
+{
+    uint32_t c = 0;
+    for (uint32_t b = 0; b < nb; b++)
+        for (uint32_t j = 0; j < blk[b].n; j++, c++) {
+            const uint16_t *k = blk[b].k + (size_t)j * hd;
+            __m256 a[8];
+            for (int r = 0; r < 8; r++)
+                a[r] = _mm256_setzero_ps();
+            for (uint32_t d = 0; d < hd; d += 8) {
+                const __m256 x = load_h8(k + d);
+                for (int r = 0; r < 8; r++)
+                    a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + (size_t)r * hd + d), x, a[r]);
+            }
+            float t[8];
+            _mm256_storeu_ps(t, hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+            for (uint32_t r = 0; r < 8; r++)
+                S[r * ld + c] = t[r];
+        }
+}
+
+/* O[r][d, d + W) += sum_c S[r * ld + c] v_c[d, d + W) over the nb blocks'
+ * keys, for RR rows (O: RR rows of hd floats), with those W dims of the
+ * RR rows in registers while every key of the tile passes. */
+TKV_FUSED static inline __attribute__((always_inline)) void pv_pass(float *O, uint32_t hd, const float *S, uint32_t ld,
+                                                                   const struct tkv_kv_block_ref *blk, uint32_t nb,
+                                                                   const uint32_t RR, const uint32_t d, const uint32_t W)
+{
+    __m256 o[16];
+    for (uint32_t r = 0; r < RR; r++)
+        for (uint32_t h = 0; h < W / 8; h++)
+            o[r * 2 + h] = _mm256_loadu_ps(O + (size_t)r * hd + d + 8 * h);
+    uint32_t c = 0;
+    for (uint32_t b = 0; b < nb; b++)
+        for (uint32_t j = 0; j < blk[b].n; j++, c++) {
+            const uint16_t *v = blk[b].v + (size_t)j * hd + d;
+            __m256 x[2];
+            for (uint32_t h = 0; h < W / 8; h++)
+                x[h] = load_h8(v + 8 * h);
+            for (uint32_t r = 0; r < RR; r++) {
+                const __m256 p = _mm256_broadcast_ss(S + r * ld + c);
+                for (uint32_t h = 0; h < W / 8; h++)
+                    o[r * 2 + h] = _mm256_fmadd_ps(p, x[h], o[r * 2 + h]);
+            }
+        }
+    for (uint32_t r = 0; r < RR; r++)
+        for (uint32_t h = 0; h < W / 8; h++)
+            _mm256_storeu_ps(O + (size_t)r * hd + d + 8 * h, o[r * 2 + h]);
+}
+
+/* O[r] += sum_c S[r * ld + c] v_c over the tile, RR = 4 or 8 rows: 16 dims
+ * per pass for 4 rows (8 accumulators), 8 for 8; the tile's V stays in
+ * L1/L2 across the passes. hd a multiple of 8. */
+TKV_FUSED static inline __attribute__((always_inline)) void pv_rows(float *O, uint32_t hd, const float *S, uint32_t ld,
+                                                                   const struct tkv_kv_block_ref *blk, uint32_t nb,
+                                                                   const uint32_t RR)
+{
+    uint32_t d = 0;
+    if (RR == 4)
+        for (; d + 16 <= hd; d += 16)
+            pv_pass(O, hd, S, ld, blk, nb, RR, d, 16);
+    for (; d < hd; d += 8)
+        pv_pass(O, hd, S, ld, blk, nb, RR, d, 8);
+}
+
+TKV_FUSED static void pv_r4(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
+                            uint32_t nb)
+{
+    pv_rows(O, hd, S, ld, blk, nb, 4);
+}
+
+TKV_FUSED static void pv_r8(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
+                            uint32_t nb)
+{
+    pv_rows(O, hd, S, ld, blk, nb, 8);
+}
+#else /* not x86: the sgemm path only (never calls the kernels below) */
+bool tkv_cpu_attn_fused_ok(void) { return false; }
+static void scores_r4(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
+                      uint32_t ld)
+{
+    (void)Q, (void)hd, (void)blk, (void)nb, (void)S, (void)ld;
+}
+static void scores_r8(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
+                      uint32_t ld)
+{
+    (void)Q, (void)hd, (void)blk, (void)nb, (void)S, (void)ld;
+}
+static void pv_r4(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk, uint32_t nb)
+{
+    (void)O, (void)hd, (void)S, (void)ld, (void)blk, (void)nb;
+}
+static void pv_r8(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk, uint32_t nb)
+{
+    (void)O, (void)hd, (void)S, (void)ld, (void)blk, (void)nb;
+}
+#endif
+
 /* ---- fast path ------------------------------------------------------------ */
 
 struct attn_job {
@@ -135,6 +303,7 @@ struct attn_job {
     const struct tkv_attn_args *a;
     uint32_t G, tok_per_item, n_tok_chunks, n_split;
     uint32_t n_items;
+    bool fused; /* items of <= FUSED_ROWS rows take the fused kernels */
     float *partials; /* n_split > 1: per item [R][hd + 2] (O, m, l) */
     size_t partial_stride;
     tkv_status status;
@@ -160,16 +329,20 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
     const struct tkv_kv_head_view *view = &a->kv[g];
     uint32_t b0, b1;
     split_blocks(view->n_blocks, s, job->n_split, &b0, &b1);
+    /* the fused kernels work on RR = 4 or 8 rows (those past R zero), Q
+     * pre-scaled; the sgemm path on R rows, K and V converted per tile */
+    const bool fused = job->fused && R <= FUSED_ROWS;
+    const uint32_t RR = !fused ? R : R <= 4 ? 4 : 8;
 
-    /* scratch: Q[R,hd] O[R,hd] m[R] l[R] S[R,TILE] K[TILE,hd] V[TILE,hd] kpos[TILE] */
-    size_t need = (size_t)R * hd * 2 + (size_t)R * 2 + (size_t)R * TILE_KEYS + (size_t)TILE_KEYS * hd * 2 + TILE_KEYS;
+    /* scratch: Q[RR,hd] O[RR,hd] m[RR] l[RR] S[RR,TILE] K[TILE,hd] V[TILE,hd] kpos[TILE] */
+    size_t need = (size_t)RR * hd * 2 + (size_t)RR * 2 + (size_t)RR * TILE_KEYS + (size_t)TILE_KEYS * hd * 2 + TILE_KEYS;
     float *Q = tkv_cpu_scratch(job->cb, ith, need);
     if (!Q) {
         job->status = TKV_ERR_NOMEM;
         return;
     }
-    float *O = Q + (size_t)R * hd, *M = O + (size_t)R * hd, *L = M + R, *S = L + R;
-    float *K = S + (size_t)R * TILE_KEYS, *V = K + (size_t)TILE_KEYS * hd;
+    float *O = Q + (size_t)RR * hd, *M = O + (size_t)RR * hd, *L = M + RR, *S = L + RR;
+    float *K = S + (size_t)RR * TILE_KEYS, *V = K + (size_t)TILE_KEYS * hd;
     int32_t *kpos = (int32_t *)(V + (size_t)TILE_KEYS * hd);
 
     /* row r = (t - t0) * G + hh holds query head g*G + hh of token t */
@@ -177,7 +350,12 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
         for (uint32_t hh = 0; hh < G; hh++)
             memcpy(Q + ((size_t)(t - t0) * G + hh) * hd, a->q + (size_t)t * ld + (size_t)(g * G + hh) * hd,
                    hd * sizeof(float));
-    memset(O, 0, (size_t)R * hd * sizeof(float));
+    if (fused) {
+        for (size_t i = 0; i < (size_t)R * hd; i++)
+            Q[i] *= a->scale;
+        memset(Q + (size_t)R * hd, 0, (size_t)(RR - R) * hd * sizeof(float));
+    }
+    memset(O, 0, (size_t)RR * hd * sizeof(float));
     for (uint32_t r = 0; r < R; r++) {
         M[r] = -INFINITY;
         L[r] = 0;
@@ -186,12 +364,16 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
 
     uint32_t b = b0;
     while (b < b1 && view->blocks[b].pos0 <= pos_max) {
-        /* gather whole blocks into one tile of at most TILE_KEYS keys */
+        /* gather whole blocks into one tile of at most TILE_KEYS keys
+         * (converted to f32 for sgemm; the fused kernels read them as they are) */
+        const uint32_t bt = b;
         uint32_t nk = 0;
         while (b < b1 && view->blocks[b].pos0 <= pos_max && nk + view->blocks[b].n <= TILE_KEYS) {
             const struct tkv_kv_block_ref *blk = &view->blocks[b];
-            tkv_fp16_to_fp32_row(blk->k, K + (size_t)nk * hd, (int64_t)blk->n * hd);
-            tkv_fp16_to_fp32_row(blk->v, V + (size_t)nk * hd, (int64_t)blk->n * hd);
+            if (!fused) {
+                tkv_fp16_to_fp32_row(blk->k, K + (size_t)nk * hd, (int64_t)blk->n * hd);
+                tkv_fp16_to_fp32_row(blk->v, V + (size_t)nk * hd, (int64_t)blk->n * hd);
+            }
             for (uint32_t j = 0; j < blk->n; j++)
                 kpos[nk + j] = blk->pos0 + (int32_t)j;
             nk += blk->n;
@@ -201,8 +383,13 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
             job->status = TKV_ERR_INTERNAL;
             return;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nk, (int)hd, a->scale, Q, (int)hd, K,
-                    (int)hd, 0.0f, S, (int)nk);
+        if (fused && RR == 4)
+            scores_r4(Q, hd, view->blocks + bt, b - bt, S, nk);
+        else if (fused)
+            scores_r8(Q, hd, view->blocks + bt, b - bt, S, nk);
+        else
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nk, (int)hd, a->scale, Q, (int)hd, K,
+                        (int)hd, 0.0f, S, (int)nk);
         const bool need_mask = kpos[nk - 1] > pos_min;
         for (uint32_t r = 0; r < R; r++) {
             float *srow = S + (size_t)r * nk;
@@ -226,8 +413,16 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
             if (corr != 1.0f)
                 cblas_sscal((int)hd, corr, O + (size_t)r * hd, 1);
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)R, (int)hd, (int)nk, 1.0f, S, (int)nk, V,
-                    (int)hd, 1.0f, O, (int)hd);
+        if (fused) {
+            memset(S + (size_t)R * nk, 0, (size_t)(RR - R) * nk * sizeof(float)); /* the padding rows' P */
+            if (RR == 4)
+                pv_r4(O, hd, S, nk, view->blocks + bt, b - bt);
+            else
+                pv_r8(O, hd, S, nk, view->blocks + bt, b - bt);
+        } else {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)R, (int)hd, (int)nk, 1.0f, S, (int)nk, V,
+                        (int)hd, 1.0f, O, (int)hd);
+        }
     }
 
     if (job->n_split == 1) { /* final: normalise into out / lse */
@@ -307,7 +502,8 @@ tkv_status tkv_cpu_attention(struct tkv_cpu_backend *cb, const struct tkv_attn_a
                                a->kv[g].blocks[b].n, TILE_KEYS);
     if (a->n_q == 0)
         return TKV_OK;
-    struct attn_job job = {.cb = cb, .a = a, .G = a->n_head / a->n_head_kv, .status = TKV_OK};
+    struct attn_job job = {.cb = cb, .a = a, .G = a->n_head / a->n_head_kv, .status = TKV_OK,
+                           .fused = cb->attn_fused && a->head_dim % 8 == 0};
     job.tok_per_item = TKV_MAX(1u, ROWS_TARGET / job.G);
     job.n_tok_chunks = (a->n_q + job.tok_per_item - 1) / job.tok_per_item;
     /* split the keys only when queries alone give too few items */

@@ -477,6 +477,17 @@ tkv_status tkv_cpu_backend_create(uint32_t n_threads, struct tkv_backend **out)
         cpu_free(&cb->base);
         return st;
     }
+    /* attention: the fused kernels where the CPU has them, unless told */
+    const char *attn = getenv("TKV_CPU_ATTN");
+    if (attn && strcmp(attn, "blas") && strcmp(attn, "fused")) {
+        cpu_free(&cb->base);
+        return tkv_err(TKV_ERR_INVALID_ARG, "cpu: TKV_CPU_ATTN=%s: expected blas or fused", attn);
+    }
+    if (attn && !strcmp(attn, "fused") && !tkv_cpu_attn_fused_ok()) {
+        cpu_free(&cb->base);
+        return tkv_err(TKV_ERR_UNSUPPORTED, "cpu: TKV_CPU_ATTN=fused: this CPU lacks AVX2, FMA or F16C");
+    }
+    cb->attn_fused = tkv_cpu_attn_fused_ok() && !(attn && !strcmp(attn, "blas"));
     /* our pool provides the parallelism; each sgemm runs on one thread */
     openblas_set_num_threads(1);
     static bool warned; /* once per process */

@@ -24,6 +24,9 @@ struct tkv_cpu_backend {
     size_t act_cap;
     float *partials;                 /* split-K attention partial results */
     size_t partials_cap;
+    bool attn_fused;                 /* attention of <= 8 rows per KV head by the
+                                        AVX2 f16 kernels (attn.c), else sgemm
+                                        tiles; TKV_CPU_ATTN=blas|fused */
 };
 
 tkv_status tkv_cpu_backend_create(uint32_t n_threads, struct tkv_backend **out);
@@ -32,8 +35,11 @@ tkv_status tkv_cpu_backend_create(uint32_t n_threads, struct tkv_backend **out);
 float *tkv_cpu_scratch(struct tkv_cpu_backend *cb, uint32_t ith, size_t n);
 
 /* Attention (backend.h contract): the fast path, and the naive reference
- * (single-threaded, one score at a time) that tests compare it with. */
+ * (single-threaded, one score at a time) that tests compare it with.
+ * tkv_cpu_attn_fused_ok: whether this CPU runs the fused kernels (AVX2,
+ * FMA, F16C). */
 tkv_status tkv_cpu_attention(struct tkv_cpu_backend *cb, const struct tkv_attn_args *a);
+bool tkv_cpu_attn_fused_ok(void);
 tkv_status tkv_cpu_attention_ref(const struct tkv_attn_args *a);
 
 /* The policies' attention statistics (backend.h attn_stats; attn-stats.c). */

@@ -269,15 +269,32 @@ int main(void)
     REQUIRE(tkv_backend_create("cpu", 2, &be) == TKV_OK, "%s", tkv_last_error());
     struct tkv_cpu_backend *cb = (struct tkv_cpu_backend *)be;
 
-    /* prefill-like (many queries) and decode-like (one query: split-K) */
-    test_attention_case(cb, 9, 3, 64, 64, 300, 300, false);  /* SmolLM2 shape, whole prompt */
-    test_attention_case(cb, 9, 3, 64, 64, 700, 128, false);  /* a later prefill chunk */
-    test_attention_case(cb, 9, 3, 64, 64, 1000, 1, false);   /* decode */
-    test_attention_case(cb, 8, 2, 128, 32, 513, 3, false);   /* GQA 4, hd 128 */
-    test_attention_case(cb, 4, 4, 16, 8, 77, 77, false);     /* MHA, small blocks */
-    test_attention_case(cb, 6, 2, 64, 16, 400, 1, true);     /* policy-selected blocks */
-    test_attention_case(cb, 6, 2, 64, 16, 400, 40, true);
-    test_attention_merge(cb);
+    /* prefill-like (many queries) and decode-like (one query: split-K);
+     * items of <= 8 rows on the fused kernels where this CPU has them, and
+     * every case again on the sgemm path */
+    const bool fused_ok = tkv_cpu_attn_fused_ok();
+    CHECK(cb->attn_fused == fused_ok, "fused kernels %s by default on a CPU %s them", cb->attn_fused ? "on" : "off",
+          fused_ok ? "with" : "without");
+    for (int fused = fused_ok; fused >= 0; fused--) {
+        cb->attn_fused = fused;
+        test_attention_case(cb, 9, 3, 64, 64, 300, 300, false);  /* SmolLM2 shape, whole prompt */
+        test_attention_case(cb, 9, 3, 64, 64, 700, 128, false);  /* a later prefill chunk */
+        test_attention_case(cb, 9, 3, 64, 64, 1000, 1, false);   /* decode: 3 rows */
+        test_attention_case(cb, 8, 2, 128, 32, 513, 3, false);   /* GQA 4, hd 128: 12 rows */
+        test_attention_case(cb, 4, 4, 16, 8, 77, 77, false);     /* MHA, small blocks */
+        test_attention_case(cb, 6, 2, 64, 16, 400, 1, true);     /* policy-selected blocks */
+        test_attention_case(cb, 6, 2, 64, 16, 400, 40, true);
+        test_attention_case(cb, 32, 8, 128, 64, 3000, 1, false); /* Llama-3-8B decode: 4 rows */
+        test_attention_case(cb, 32, 8, 128, 64, 3000, 1, true);
+        test_attention_case(cb, 16, 2, 128, 64, 777, 1, false);  /* 8 rows */
+        test_attention_case(cb, 8, 2, 128, 16, 500, 2, false);   /* 2 tokens x 4: the mask inside a tile */
+        test_attention_case(cb, 8, 8, 64, 7, 301, 1, false);     /* 1 row, blocks of 7 (odd keys) */
+        test_attention_case(cb, 6, 2, 40, 9, 333, 1, true);      /* hd 40: a pass of 8 dims after 16s */
+        test_attention_case(cb, 12, 2, 40, 5, 90, 1, false);     /* 6 rows, hd 40 */
+        test_attention_case(cb, 4, 1, 16, 64, 10, 2, false);     /* 8 rows, a single partial block */
+        test_attention_merge(cb);
+    }
+    cb->attn_fused = fused_ok;
 
     static const uint32_t types[] = {TKV_TYPE_F32, TKV_TYPE_F16, TKV_TYPE_BF16, TKV_TYPE_Q8_0, TKV_TYPE_Q4_0,
                                      TKV_TYPE_Q4_1};
