@@ -136,6 +136,27 @@ static float exp_sub_sum(float *x, uint32_t n, float m)
     return sum;
 }
 
+/* The largest of x[0, n) (NaNs skipped, -inf for none), in 8 independent
+ * lanes: one running max is a chain of dependent maxss, 4 cycles per key
+ * and row (a quarter of the fused decode's time, perf). */
+static float row_max(const float *x, uint32_t n)
+{
+    uint32_t j = 0;
+    float mx = -INFINITY;
+#if defined(__AVX__)
+    __m256 v = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8)
+        v = _mm256_max_ps(_mm256_loadu_ps(x + j), v); /* a NaN in x yields v */
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    mx = _mm_cvtss_f32(h);
+#endif
+    for (; j < n; j++)
+        mx = x[j] > mx ? x[j] : mx;
+    return mx;
+}
+
 /* ---- fused kernels for items of <= 8 rows (AVX2, FMA, F16C) --------------- */
 
 #define FUSED_ROWS 8 /* items of at most this many rows take the fused kernels */
@@ -399,9 +420,7 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
                     if (kpos[j] > qp)
                         srow[j] = -INFINITY;
             }
-            float mx = -INFINITY;
-            for (uint32_t j = 0; j < nk; j++)
-                mx = srow[j] > mx ? srow[j] : mx;
+            const float mx = row_max(srow, nk);
             if (mx == -INFINITY) { /* nothing visible to this row in this tile */
                 memset(srow, 0, nk * sizeof(float));
                 continue;
