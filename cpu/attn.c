@@ -181,62 +181,42 @@ TKV_FUSED static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
 
 TKV_FUSED static inline __m256 load_h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* S[r * ld + c] = Q[r] . k_c over the nb blocks' keys (c counts them), for
- * the 4 rows of Q (hd floats each; rows past the item's are zero): two keys
- * per step, so that 8 accumulators hide the FMA latency (an odd block's last
- * key is paired with itself). hd a multiple of 8. */
-TKV_FUSED static void scores_r4(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
-                                uint32_t ld)
+/* S[r * ld + c] = Q[r] . k_c for the RR rows of Q (hd floats each) and the
+ * nb blocks' keys (c counts them): two keys per step for up to 4 rows, one
+ * for more, so that up to 8 independent accumulators hide the FMA latency
+ * (an odd block's last key is paired with itself) and one horizontal-sum
+ * shuffle yields 8 scores. hd a multiple of 8. */
+TKV_FUSED static inline __attribute__((always_inline)) void scores_rows(const float *Q, uint32_t hd,
+                                                                       const struct tkv_kv_block_ref *blk,
+                                                                       uint32_t nb, float *S, uint32_t ld,
+                                                                       const uint32_t RR)
 {
+    const uint32_t KS = RR <= 4 ? 2 : 1; /* keys per step */
     uint32_t c = 0;
     for (uint32_t b = 0; b < nb; b++)
-        for (uint32_t j = 0; j < blk[b].n; j += 2) {
-            const uint16_t *k0 = blk[b].k + (size_t)j * hd, *k1 = j + 1 < blk[b].n ? k0 + hd : k0;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (uint32_t d = 0; d < hd; d += 8) {
-                const __m256 x0 = load_h8(k0 + d), x1 = load_h8(k1 + d);
-                const __m256 q0 = _mm256_loadu_ps(Q + d), q1 = _mm256_loadu_ps(Q + hd + d);
-                const __m256 q2 = _mm256_loadu_ps(Q + 2 * hd + d), q3 = _mm256_loadu_ps(Q + 3 * hd + d);
-                a0 = _mm256_fmadd_ps(q0, x0, a0);
-                a1 = _mm256_fmadd_ps(q1, x0, a1);
-                a2 = _mm256_fmadd_ps(q2, x0, a2);
-                a3 = _mm256_fmadd_ps(q3, x0, a3);
-                a4 = _mm256_fmadd_ps(q0, x1, a4);
-                a5 = _mm256_fmadd_ps(q1, x1, a5);
-                a6 = _mm256_fmadd_ps(q2, x1, a6);
-                a7 = _mm256_fmadd_ps(q3, x1, a7);
-            }
-            float t[8];
-            _mm256_storeu_ps(t, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
-            for (uint32_t r = 0; r < 4; r++) {
-                S[r * ld + c] = t[r];
-                if (j + 1 < blk[b].n)
-                    S[r * ld + c + 1] = t[4 + r];
-            }
-            c += j + 1 < blk[b].n ? 2 : 1;
-        }
-}
-
-/* As scores_r4 for the 8 rows of Q, one key per step. */
-TKV_FUSED static void scores_r8(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
-                                uint32_t ld)
-{
-    uint32_t c = 0;
-    for (uint32_t b = 0; b < nb; b++)
-        for (uint32_t j = 0; j < blk[b].n; j++, c++) {
-            const uint16_t *k = blk[b].k + (size_t)j * hd;
+        for (uint32_t j = 0; j < blk[b].n; j += KS) {
+            const bool pair = KS == 2 && j + 1 < blk[b].n;
+            const uint16_t *k0 = blk[b].k + (size_t)j * hd, *k1 = pair ? k0 + hd : k0;
             __m256 a[8];
-            for (int r = 0; r < 8; r++)
-                a[r] = _mm256_setzero_ps();
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_setzero_ps();
             for (uint32_t d = 0; d < hd; d += 8) {
-                const __m256 x = load_h8(k + d);
-                for (int r = 0; r < 8; r++)
-                    a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + (size_t)r * hd + d), x, a[r]);
+                const __m256 x0 = load_h8(k0 + d), x1 = KS == 2 ? load_h8(k1 + d) : x0;
+                for (uint32_t r = 0; r < RR; r++) {
+                    const __m256 q = _mm256_loadu_ps(Q + (size_t)r * hd + d);
+                    a[r] = _mm256_fmadd_ps(q, x0, a[r]);
+                    if (KS == 2)
+                        a[4 + r] = _mm256_fmadd_ps(q, x1, a[4 + r]);
+                }
             }
             float t[8];
             _mm256_storeu_ps(t, hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
-            for (uint32_t r = 0; r < 8; r++)
+            for (uint32_t r = 0; r < RR; r++) {
                 S[r * ld + c] = t[r];
+                if (pair)
+                    S[r * ld + c + 1] = t[4 + r];
+            }
+            c += pair ? 2 : 1;
         }
 }
 
@@ -269,52 +249,58 @@ TKV_FUSED static inline __attribute__((always_inline)) void pv_pass(float *O, ui
             _mm256_storeu_ps(O + (size_t)r * hd + d + 8 * h, o[r * 2 + h]);
 }
 
-/* O[r] += sum_c S[r * ld + c] v_c over the tile, RR = 4 or 8 rows: 16 dims
- * per pass for 4 rows (8 accumulators), 8 for 8; the tile's V stays in
- * L1/L2 across the passes. hd a multiple of 8. */
+/* O[r] += sum_c S[r * ld + c] v_c over the tile for RR rows: 16 dims per
+ * pass for up to 4 rows (up to 8 accumulators), 8 for more; the tile's V
+ * stays in L1/L2 across the passes. hd a multiple of 8. */
 TKV_FUSED static inline __attribute__((always_inline)) void pv_rows(float *O, uint32_t hd, const float *S, uint32_t ld,
                                                                    const struct tkv_kv_block_ref *blk, uint32_t nb,
                                                                    const uint32_t RR)
 {
     uint32_t d = 0;
-    if (RR == 4)
+    if (RR <= 4)
         for (; d + 16 <= hd; d += 16)
             pv_pass(O, hd, S, ld, blk, nb, RR, d, 16);
     for (; d < hd; d += 8)
         pv_pass(O, hd, S, ld, blk, nb, RR, d, 8);
 }
 
-TKV_FUSED static void pv_r4(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
-                            uint32_t nb)
-{
-    pv_rows(O, hd, S, ld, blk, nb, 4);
-}
+typedef void (*scores_fn)(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
+                          uint32_t ld);
+typedef void (*pv_fn)(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
+                      uint32_t nb);
 
-TKV_FUSED static void pv_r8(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
-                            uint32_t nb)
-{
-    pv_rows(O, hd, S, ld, blk, nb, 8);
-}
-#else /* not x86: the sgemm path only (never calls the kernels below) */
+/* one instance of each per row count, the rows' loops unrolled */
+#define FUSED_INSTANCES(R)                                                                                             \
+    TKV_FUSED static void scores_##R(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb,    \
+                                     float *S, uint32_t ld)                                                            \
+    {                                                                                                                  \
+        scores_rows(Q, hd, blk, nb, S, ld, R);                                                                         \
+    }                                                                                                                  \
+    TKV_FUSED static void pv_##R(float *O, uint32_t hd, const float *S, uint32_t ld,                                  \
+                                 const struct tkv_kv_block_ref *blk, uint32_t nb)                                      \
+    {                                                                                                                  \
+        pv_rows(O, hd, S, ld, blk, nb, R);                                                                             \
+    }
+FUSED_INSTANCES(1)
+FUSED_INSTANCES(2)
+FUSED_INSTANCES(3)
+FUSED_INSTANCES(4)
+FUSED_INSTANCES(5)
+FUSED_INSTANCES(6)
+FUSED_INSTANCES(7)
+FUSED_INSTANCES(8)
+static const scores_fn fused_scores[FUSED_ROWS + 1] = {NULL,     scores_1, scores_2, scores_3, scores_4,
+                                                      scores_5, scores_6, scores_7, scores_8};
+static const pv_fn fused_pv[FUSED_ROWS + 1] = {NULL, pv_1, pv_2, pv_3, pv_4, pv_5, pv_6, pv_7, pv_8};
+
+#else /* not x86: the sgemm path only (the tables are never read) */
 bool tkv_cpu_attn_fused_ok(void) { return false; }
-static void scores_r4(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
-                      uint32_t ld)
-{
-    (void)Q, (void)hd, (void)blk, (void)nb, (void)S, (void)ld;
-}
-static void scores_r8(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
-                      uint32_t ld)
-{
-    (void)Q, (void)hd, (void)blk, (void)nb, (void)S, (void)ld;
-}
-static void pv_r4(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk, uint32_t nb)
-{
-    (void)O, (void)hd, (void)S, (void)ld, (void)blk, (void)nb;
-}
-static void pv_r8(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk, uint32_t nb)
-{
-    (void)O, (void)hd, (void)S, (void)ld, (void)blk, (void)nb;
-}
+typedef void (*scores_fn)(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
+                          uint32_t ld);
+typedef void (*pv_fn)(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
+                      uint32_t nb);
+static const scores_fn fused_scores[FUSED_ROWS + 1];
+static const pv_fn fused_pv[FUSED_ROWS + 1];
 #endif
 
 /* ---- fast path ------------------------------------------------------------ */
@@ -350,20 +336,18 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
     const struct tkv_kv_head_view *view = &a->kv[g];
     uint32_t b0, b1;
     split_blocks(view->n_blocks, s, job->n_split, &b0, &b1);
-    /* the fused kernels work on RR = 4 or 8 rows (those past R zero), Q
-     * pre-scaled; the sgemm path on R rows, K and V converted per tile */
+    /* the fused kernels (Q pre-scaled) or sgemm (K and V converted per tile) */
     const bool fused = job->fused && R <= FUSED_ROWS;
-    const uint32_t RR = !fused ? R : R <= 4 ? 4 : 8;
 
-    /* scratch: Q[RR,hd] O[RR,hd] m[RR] l[RR] S[RR,TILE] K[TILE,hd] V[TILE,hd] kpos[TILE] */
-    size_t need = (size_t)RR * hd * 2 + (size_t)RR * 2 + (size_t)RR * TILE_KEYS + (size_t)TILE_KEYS * hd * 2 + TILE_KEYS;
+    /* scratch: Q[R,hd] O[R,hd] m[R] l[R] S[R,TILE] K[TILE,hd] V[TILE,hd] kpos[TILE] */
+    size_t need = (size_t)R * hd * 2 + (size_t)R * 2 + (size_t)R * TILE_KEYS + (size_t)TILE_KEYS * hd * 2 + TILE_KEYS;
     float *Q = tkv_cpu_scratch(job->cb, ith, need);
     if (!Q) {
         job->status = TKV_ERR_NOMEM;
         return;
     }
-    float *O = Q + (size_t)RR * hd, *M = O + (size_t)RR * hd, *L = M + RR, *S = L + RR;
-    float *K = S + (size_t)RR * TILE_KEYS, *V = K + (size_t)TILE_KEYS * hd;
+    float *O = Q + (size_t)R * hd, *M = O + (size_t)R * hd, *L = M + R, *S = L + R;
+    float *K = S + (size_t)R * TILE_KEYS, *V = K + (size_t)TILE_KEYS * hd;
     int32_t *kpos = (int32_t *)(V + (size_t)TILE_KEYS * hd);
 
     /* row r = (t - t0) * G + hh holds query head g*G + hh of token t */
@@ -371,12 +355,10 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
         for (uint32_t hh = 0; hh < G; hh++)
             memcpy(Q + ((size_t)(t - t0) * G + hh) * hd, a->q + (size_t)t * ld + (size_t)(g * G + hh) * hd,
                    hd * sizeof(float));
-    if (fused) {
+    if (fused)
         for (size_t i = 0; i < (size_t)R * hd; i++)
             Q[i] *= a->scale;
-        memset(Q + (size_t)R * hd, 0, (size_t)(RR - R) * hd * sizeof(float));
-    }
-    memset(O, 0, (size_t)RR * hd * sizeof(float));
+    memset(O, 0, (size_t)R * hd * sizeof(float));
     for (uint32_t r = 0; r < R; r++) {
         M[r] = -INFINITY;
         L[r] = 0;
@@ -404,10 +386,8 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
             job->status = TKV_ERR_INTERNAL;
             return;
         }
-        if (fused && RR == 4)
-            scores_r4(Q, hd, view->blocks + bt, b - bt, S, nk);
-        else if (fused)
-            scores_r8(Q, hd, view->blocks + bt, b - bt, S, nk);
+        if (fused)
+            fused_scores[R](Q, hd, view->blocks + bt, b - bt, S, nk);
         else
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nk, (int)hd, a->scale, Q, (int)hd, K,
                         (int)hd, 0.0f, S, (int)nk);
@@ -433,11 +413,7 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
                 cblas_sscal((int)hd, corr, O + (size_t)r * hd, 1);
         }
         if (fused) {
-            memset(S + (size_t)R * nk, 0, (size_t)(RR - R) * nk * sizeof(float)); /* the padding rows' P */
-            if (RR == 4)
-                pv_r4(O, hd, S, nk, view->blocks + bt, b - bt);
-            else
-                pv_r8(O, hd, S, nk, view->blocks + bt, b - bt);
+            fused_pv[R](O, hd, S, nk, view->blocks + bt, b - bt);
         } else {
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)R, (int)hd, (int)nk, 1.0f, S, (int)nk, V,
                         (int)hd, 1.0f, O, (int)hd);

@@ -292,6 +292,9 @@ int main(void)
         test_attention_case(cb, 6, 2, 40, 9, 333, 1, true);      /* hd 40: a pass of 8 dims after 16s */
         test_attention_case(cb, 12, 2, 40, 5, 90, 1, false);     /* 6 rows, hd 40 */
         test_attention_case(cb, 4, 1, 16, 64, 10, 2, false);     /* 8 rows, a single partial block */
+        test_attention_case(cb, 4, 4, 64, 16, 200, 2, false);    /* 2 rows (MHA, 2 tokens) */
+        test_attention_case(cb, 10, 2, 64, 64, 300, 1, true);    /* 5 rows */
+        test_attention_case(cb, 14, 2, 128, 32, 250, 1, false);  /* 7 rows */
         test_attention_merge(cb);
     }
     cb->attn_fused = fused_ok;
