@@ -21,9 +21,11 @@
 #include "hetero.h"
 #include "session.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 
 struct tkv_session_params tkv_session_default_params(void)
@@ -87,6 +89,9 @@ void tkv_session_free(tkv_session *s)
         s->be_cpu->ops->release(s->be_cpu, s->lse_cpu);
         s->be_cpu->ops->free(s->be_cpu);
     }
+    if (s->trace)
+        fclose(s->trace);
+    free(s->trace_buf);
     free(s->dt_hrefs);
     free(s->dt_hcounts);
     free(s->dt_sel_n);
@@ -167,6 +172,14 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     if (table_env && strcmp(table_env, "0") && strcmp(table_env, "1"))
         return tkv_err(TKV_ERR_INVALID_ARG, "session: TKV_RABITQ_DEVICE_TABLE='%s' is not 0 or 1", table_env);
     s->dev_table = table_env && !strcmp(table_env, "1") && s->be->ops->kv_table;
+    /* TKV_TRACE=FILE: a diagnostic, for comparing two runs layer by layer
+     * (scripts/trace-diff.py) */
+    const char *trace_env = getenv("TKV_TRACE");
+    if (trace_env && *trace_env) {
+        s->trace = fopen(trace_env, "wb");
+        if (!s->trace)
+            return tkv_err(TKV_ERR_IO, "session: TKV_TRACE=%s: %s", trace_env, strerror(errno));
+    }
 
     TKV_TRY(weight(s, m->tok_embd, &s->tok_embd));
     TKV_TRY(weight(s, m->output_norm, &s->output_norm));
@@ -845,6 +858,25 @@ static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const 
     return TKV_OK;
 }
 
+/* With TKV_TRACE: one record per layer and chunk -- uint32 layer, n_past,
+ * n, n_embd, then the residual stream x [n, n_embd] (f32) after the layer,
+ * in host byte order. Costs a download and a wait per layer. */
+static tkv_status trace_layer(tkv_session *s, uint32_t l, uint32_t n)
+{
+    const uint32_t E = s->hp.n_embd, head[4] = {l, s->n_past, n, E};
+    if ((size_t)n * E > s->trace_cap) {
+        float *b = realloc(s->trace_buf, (size_t)n * E * sizeof(float));
+        if (!b)
+            return tkv_err(TKV_ERR_NOMEM, "session: out of memory for the trace (%u x %u floats)", n, E);
+        s->trace_buf = b;
+        s->trace_cap = (size_t)n * E;
+    }
+    TKV_TRY(s->be->ops->download(s->be, s->trace_buf, s->x, (size_t)n * E * sizeof(float)));
+    if (fwrite(head, sizeof head, 1, s->trace) != 1 || fwrite(s->trace_buf, sizeof(float) * E, n, s->trace) != n)
+        return tkv_err(TKV_ERR_IO, "session: writing the trace: %s", strerror(errno));
+    return TKV_OK;
+}
+
 static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, bool want_logits)
 {
     const struct tkv_backend_ops *ops = s->be->ops;
@@ -865,6 +897,8 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
                                          : want_logits && n == 1 ? s->output_norm
                                                                  : NULL;
         TKV_TRY(layer_forward(s, l, n, fuse, next, &h_ready));
+        if (s->trace)
+            TKV_TRY(trace_layer(s, l, n));
     }
 
     if (want_logits) {

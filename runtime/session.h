@@ -10,6 +10,8 @@
 #include "engine.h"
 #include "policy/policy.h"
 
+#include <stdio.h>
+
 #define DEFAULT_KV_BLOCK 64
 #define OBS_QUERIES 32
 #define DEFAULT_PREFILL_CHUNK 512
@@ -76,6 +78,10 @@ struct tkv_session {
     float *obs_q;                    /* host [n_layer][OBS_QUERIES][n_head*head_dim] */
     int32_t obs_pos[OBS_QUERIES];
     bool fuse;                       /* use the backend's fused decode ops (TKV_FUSE) */
+    FILE *trace;                     /* TKV_TRACE=FILE: the residual stream after
+                                        every layer (engine.c, trace_layer) */
+    float *trace_buf;                /* host, trace_cap floats, for it        */
+    size_t trace_cap;
     uint32_t obs_n;
 
     /* policy selections turned into block lists */

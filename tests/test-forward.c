@@ -342,10 +342,71 @@ static void test_obs_window(void)
     ref_free(&rm);
 }
 
+/* TKV_TRACE: a record per layer and chunk (layer, n_past, n, n_embd, then
+ * the residual stream), the last one equal to the session's x; an
+ * unwritable path refused with TKV_ERR_IO naming it. */
+static void test_trace(void)
+{
+    char path[] = "/tmp/tkv-test-forward-XXXXXX", tpath[] = "/tmp/tkv-test-trace-XXXXXX";
+    int fd = mkstemp(path), tfd = mkstemp(tpath);
+    REQUIRE_VOID(fd >= 0 && tfd >= 0);
+    close(fd);
+    close(tfd);
+    struct ref_model rm;
+    write_model(path, TKV_TYPE_F32, &rm);
+    tkv_model *m;
+    tkv_status st = tkv_model_load(path, &m);
+    unlink(path);
+    REQUIRE_VOID(st == TKV_OK || (fprintf(stderr, "%s\n", tkv_last_error()), 0));
+    enum { N = 40, CHUNK = 16 };
+    tkv_token toks[N];
+    for (int i = 0; i < N; i++)
+        toks[i] = (tkv_token)(test_rand_u64(&rng) % V);
+    setenv("TKV_TRACE", tpath, 1);
+    tkv_session *s = prefilled(m, CHUNK, toks, N, 0); /* chunks of 16, 16, 8 */
+    tkv_session *bad = NULL;
+    setenv("TKV_TRACE", "/nonexistent-dir/trace", 1);
+    struct tkv_session_params sp = tkv_session_default_params();
+    sp.n_threads = 1;
+    CHECK(tkv_session_init(m, &sp, &bad) == TKV_ERR_IO && strstr(tkv_last_error(), "/nonexistent-dir/trace"),
+          "an unwritable trace: %s", tkv_last_error());
+    unsetenv("TKV_TRACE");
+    if (s) {
+        fflush(s->trace);
+        FILE *f = fopen(tpath, "rb");
+        CHECK(f != NULL, "trace file");
+        int records = 0;
+        uint32_t head[4];
+        float *x = malloc((size_t)CHUNK * E * sizeof *x);
+        bool last_ok = false;
+        while (f && x && fread(head, sizeof head, 1, f) == 1) {
+            const uint32_t want_past = (uint32_t)(records / L) * CHUNK, want_n = TKV_MIN(CHUNK, N - want_past);
+            CHECK(head[0] == (uint32_t)(records % L) && head[1] == want_past && head[2] == want_n && head[3] == E,
+                  "record %d: layer %u, n_past %u, n %u, n_embd %u", records, head[0], head[1], head[2], head[3]);
+            if (head[2] > CHUNK || fread(x, sizeof(float) * E, head[2], f) != head[2])
+                break;
+            records++;
+            /* the last record: the last chunk's rows of x after the last layer */
+            last_ok = memcmp(x, s->x, (size_t)head[2] * E * sizeof *x) == 0;
+        }
+        CHECK(records == 3 * L, "%d trace records, want %d", records, 3 * L);
+        CHECK(last_ok, "the last trace record is not the session's residual stream");
+        free(x);
+        if (f)
+            fclose(f);
+    }
+    unlink(tpath);
+    tkv_session_free(s);
+    tkv_session_free(bad);
+    tkv_model_free(m);
+    ref_free(&rm);
+}
+
 int main(void)
 {
     rng = test_seed();
     test_obs_window();
+    test_trace();
     /* tolerances are relative to the largest logit. F32/F16 weights: f32
      * activations everywhere; only float rounding (K/V shared, see the top) */
     run_case(TKV_TYPE_F32, true, 1e-4, 1e-4);
