@@ -218,21 +218,34 @@ static void reference(const struct ref_model *rm, tkv_session *s, bool shared_kv
           what, mm.n_bad, KV_TIE, mm.kind, mm.layer, mm.pos, mm.idx, mm.stored, mm.exact);
 }
 
+/* A tiny random model of weight type wtype, written to a temporary file
+ * and loaded (its reference weights in *rm); NULL after a failed check. */
+static tkv_model *load_test_model(uint32_t wtype, struct ref_model *rm)
+{
+    char path[] = "/tmp/tkv-test-forward-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    if (fd < 0)
+        return NULL;
+    close(fd);
+    write_model(path, wtype, rm);
+    tkv_model *m = NULL;
+    tkv_status st = tkv_model_load(path, &m);
+    unlink(path);
+    CHECK(st == TKV_OK, "%s", tkv_last_error());
+    return st == TKV_OK ? m : NULL;
+}
+
 /* shared_kv: the reference attends over the engine's checked K/V (see the top). */
 static void run_case(uint32_t wtype, bool shared_kv, double tol_prefill, double tol_decode)
 {
     const char *tn = tkv_type_name(wtype);
     char what[64];
-    char path[] = "/tmp/tkv-test-forward-XXXXXX";
-    int fd = mkstemp(path);
-    REQUIRE_VOID(fd >= 0);
-    close(fd);
     struct ref_model rm;
-    write_model(path, wtype, &rm);
-    tkv_model *m;
-    tkv_status st = tkv_model_load(path, &m);
-    unlink(path);
-    REQUIRE_VOID(st == TKV_OK || (fprintf(stderr, "%s\n", tkv_last_error()), 0));
+    tkv_model *m = load_test_model(wtype, &rm);
+    if (!m)
+        return;
+    tkv_status st;
 
     struct tkv_session_params sp = tkv_session_default_params();
     sp.n_threads = 2;
@@ -303,16 +316,10 @@ static tkv_session *prefilled(tkv_model *m, uint32_t chunk, const tkv_token *tok
 
 static void test_obs_window(void)
 {
-    char path[] = "/tmp/tkv-test-forward-XXXXXX";
-    int fd = mkstemp(path);
-    REQUIRE_VOID(fd >= 0);
-    close(fd);
     struct ref_model rm;
-    write_model(path, TKV_TYPE_F32, &rm);
-    tkv_model *m;
-    tkv_status st = tkv_model_load(path, &m);
-    unlink(path);
-    REQUIRE_VOID(st == TKV_OK || (fprintf(stderr, "%s\n", tkv_last_error()), 0));
+    tkv_model *m = load_test_model(TKV_TYPE_F32, &rm);
+    if (!m)
+        return;
     enum { N = 100 };
     tkv_token toks[N];
     for (int i = 0; i < N; i++)
@@ -347,17 +354,14 @@ static void test_obs_window(void)
  * unwritable path refused with TKV_ERR_IO naming it. */
 static void test_trace(void)
 {
-    char path[] = "/tmp/tkv-test-forward-XXXXXX", tpath[] = "/tmp/tkv-test-trace-XXXXXX";
-    int fd = mkstemp(path), tfd = mkstemp(tpath);
-    REQUIRE_VOID(fd >= 0 && tfd >= 0);
-    close(fd);
+    char tpath[] = "/tmp/tkv-test-trace-XXXXXX";
+    int tfd = mkstemp(tpath);
+    REQUIRE_VOID(tfd >= 0);
     close(tfd);
     struct ref_model rm;
-    write_model(path, TKV_TYPE_F32, &rm);
-    tkv_model *m;
-    tkv_status st = tkv_model_load(path, &m);
-    unlink(path);
-    REQUIRE_VOID(st == TKV_OK || (fprintf(stderr, "%s\n", tkv_last_error()), 0));
+    tkv_model *m = load_test_model(TKV_TYPE_F32, &rm);
+    if (!m)
+        return;
     enum { N = 40, CHUNK = 16 };
     tkv_token toks[N];
     for (int i = 0; i < N; i++)
