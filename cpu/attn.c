@@ -161,7 +161,7 @@ static float row_max(const float *x, uint32_t n)
 
 #define FUSED_ROWS 8 /* items of at most this many rows take the fused kernels */
 
-#if TKV_X86
+#if defined(TKV_X86)
 bool tkv_cpu_attn_fused_ok(void)
 {
     __builtin_cpu_init();
