@@ -206,7 +206,7 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
 
     struct tkv_policy_env env = {.n_layer = hp->n_layer, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv,
                                  .head_dim = hp->head_dim, .n_ctx = s->n_ctx, .block_tokens = s->kv_block,
-                                 .budget = s->kv_budget};
+                                 .budget = s->kv_budget, .device_table = s->dev_table};
     TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
     /* policies compute their statistics through the backend's attn_stats op
      * (policy.h); one that reads the keys itself needs them in host memory */
@@ -259,8 +259,10 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     s->need = malloc((size_t)hp->n_head_kv * tkv_kvs_max_blocks(s->kv));
     s->obs_q = malloc((size_t)hp->n_layer * OBS_QUERIES * QD * sizeof(float));
     s->q_step = malloc(QD * sizeof(float));
+    if (s->trace)
+        s->trace_buf = malloc(C * E * sizeof(float));
     if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->tokens || !s->obs_q || !s->q_step ||
-        !s->plan_ranges || !s->need)
+        !s->plan_ranges || !s->need || (s->trace && !s->trace_buf))
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
     if (s->dev_table) {
         const size_t refs = (size_t)hp->n_head_kv * s->max_refs * sizeof(struct tkv_kv_block_ref);
@@ -864,13 +866,6 @@ static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const 
 static tkv_status trace_layer(tkv_session *s, uint32_t l, uint32_t n)
 {
     const uint32_t E = s->hp.n_embd, head[4] = {l, s->n_past, n, E};
-    if ((size_t)n * E > s->trace_cap) {
-        float *b = realloc(s->trace_buf, (size_t)n * E * sizeof(float));
-        if (!b)
-            return tkv_err(TKV_ERR_NOMEM, "session: out of memory for the trace (%u x %u floats)", n, E);
-        s->trace_buf = b;
-        s->trace_cap = (size_t)n * E;
-    }
     TKV_TRY(s->be->ops->download(s->be, s->trace_buf, s->x, (size_t)n * E * sizeof(float)));
     if (fwrite(head, sizeof head, 1, s->trace) != 1 || fwrite(s->trace_buf, sizeof(float) * E, n, s->trace) != n)
         return tkv_err(TKV_ERR_IO, "session: writing the trace: %s", strerror(errno));

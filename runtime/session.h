@@ -80,8 +80,7 @@ struct tkv_session {
     bool fuse;                       /* use the backend's fused decode ops (TKV_FUSE) */
     FILE *trace;                     /* TKV_TRACE=FILE: the residual stream after
                                         every layer (engine.c, trace_layer) */
-    float *trace_buf;                /* host, trace_cap floats, for it        */
-    size_t trace_cap;
+    float *trace_buf;                /* host [chunk, E] for it                */
     uint32_t obs_n;
 
     /* policy selections turned into block lists */

@@ -38,6 +38,10 @@ struct tkv_policy_env {
     uint32_t n_layer, n_head, n_head_kv, head_dim;
     uint32_t n_ctx, block_tokens;
     uint32_t budget;          /* --kv-budget tokens per KV head; 0 = policy default */
+    bool device_table;        /* the session builds the device decode table
+                                 (TKV_RABITQ_DEVICE_TABLE=1, session.h): a
+                                 selecting policy leaves its bitmaps in backend
+                                 memory for it (decode_bitmap) */
 };
 
 #define TKV_POLICY_MAX_ARGS 16

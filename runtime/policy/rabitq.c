@@ -94,8 +94,8 @@ struct rabitq {
     bool dev_prep;
     struct tkv_rabitq_dev_query *qd;       /* backend [n_head_kv * G] the layer's queries   */
     struct tkv_rabitq_prepare_item *items; /* [n_head_kv * G]                               */
-    /* with dev_sel, the bitmaps left in backend memory (TKV_RABITQ_DEVICE_TABLE=1
-     * and a backend with kv_table): row g for KV head g, for the engine's
+    /* with dev_sel, the bitmaps left in backend memory (env.device_table and
+     * a backend with kv_table): row g for KV head g, for the engine's
      * decode table (decode_bitmap); the host path downloads them into
      * bitmap (same rows) until the attention takes the device table */
     uint32_t *bitmap_dev;                  /* backend [n_head_kv][words]                    */
@@ -284,8 +284,7 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
             TKV_TRY(be->ops->alloc(be, (size_t)H * G * sizeof *r->qd, (void **)&r->qd));
             r->dev_prep = true;
         }
-        const char *env_table = getenv("TKV_RABITQ_DEVICE_TABLE"); /* (the session refuses other values) */
-        if (be->ops->kv_table && env_table && !strcmp(env_table, "1"))
+        if (r->env.device_table && be->ops->kv_table)
             TKV_TRY(be->ops->alloc(be, (size_t)H * r->words * sizeof *r->bitmap_dev, (void **)&r->bitmap_dev));
     }
     TKV_TRY(be->ops->alloc(be, n * sizeof(float), (void **)&r->est_dev));
