@@ -161,6 +161,12 @@ static float row_max(const float *x, uint32_t n)
 
 #define FUSED_ROWS 8 /* items of at most this many rows take the fused kernels */
 
+/* the kernels of one row count: scores of a tile, then O += P V (below) */
+typedef void (*scores_fn)(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
+                          uint32_t ld);
+typedef void (*pv_fn)(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
+                      uint32_t nb);
+
 #if defined(TKV_X86)
 bool tkv_cpu_attn_fused_ok(void)
 {
@@ -264,11 +270,6 @@ TKV_FUSED static inline __attribute__((always_inline)) void pv_rows(float *O, ui
         pv_pass(O, hd, S, ld, blk, nb, RR, d, 8);
 }
 
-typedef void (*scores_fn)(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
-                          uint32_t ld);
-typedef void (*pv_fn)(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
-                      uint32_t nb);
-
 /* one instance of each per row count, the rows' loops unrolled */
 #define FUSED_INSTANCES(R)                                                                                             \
     TKV_FUSED static void scores_##R(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb,    \
@@ -295,10 +296,6 @@ static const pv_fn fused_pv[FUSED_ROWS + 1] = {NULL, pv_1, pv_2, pv_3, pv_4, pv_
 
 #else /* not x86: the sgemm path only (the tables are never read) */
 bool tkv_cpu_attn_fused_ok(void) { return false; }
-typedef void (*scores_fn)(const float *Q, uint32_t hd, const struct tkv_kv_block_ref *blk, uint32_t nb, float *S,
-                          uint32_t ld);
-typedef void (*pv_fn)(float *O, uint32_t hd, const float *S, uint32_t ld, const struct tkv_kv_block_ref *blk,
-                      uint32_t nb);
 static const scores_fn fused_scores[FUSED_ROWS + 1];
 static const pv_fn fused_pv[FUSED_ROWS + 1];
 #endif

@@ -6,9 +6,9 @@
  * split = keys [64t, 64t + 64) of the concatenation of the head's refs) and
  * the per-ref walk (fill_tile). Both are run by NT = 128 threads, 4 warps
  * each filling 16 rows of the stage: the whole CTA of v0 and v1, the first
- * warpgroup of v2, the third (the producer; W0 = 8, its first warp) of v3. Stage layout: K and V each in the kernel's layout
- * (pad_layout or sw128_layout, below), kpos [BN] positions (INT_MAX past
- * the keys).
+ * warpgroup of v2, the third of v3 (the producer; W0 = 8, its first warp).
+ * Stage layout: K and V each in the kernel's layout (pad_layout or
+ * sw128_layout, below), kpos [BN] positions (INT_MAX past the keys).
  */
 #ifndef TKV_GPU_ATTN_PREFILL_WALK_CUH
 #define TKV_GPU_ATTN_PREFILL_WALK_CUH

@@ -26,7 +26,8 @@
  *     wait on `full`, issue S = Q K^T and the previous tile's O += P V,
  *     take the softmax while the P V runs, and once that P V has landed
  *     arrive on the previous stage's `empty` mbarrier (a warp each);
- *   - with ping-pong (TKV_CUDA_ATTN_WS_PINGPONG, default 1) the two
+ *   - with ping-pong (p.ws_pingpong; TKV_CUDA_ATTN_WS_PINGPONG=0 turns it
+ *     off, read with the other attention switches in attn.cu) the two
  *     consumer warpgroups take turns to issue their MMAs (named barriers 2
  *     and 3), so that one's exponentials overlap the other's MMAs.
  *
@@ -41,8 +42,6 @@
 #include "attn-prefill-wg.cuh"
 
 #include <cuda_pipeline.h>
-#include <stdlib.h>
-#include <string.h>
 
 namespace {
 
@@ -215,13 +214,9 @@ __global__ void __launch_bounds__(NTH, 1) ws_kernel(const tkv_cuda_attn_params p
 #endif
 }
 
-bool g_ws_pingpong = true; /* TKV_CUDA_ATTN_WS_PINGPONG (set by init) */
-
 template <int HD, bool SPLIT> cudaError_t ws_launch(const tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    tkv_cuda_attn_params q = *p;
-    q.ws_pingpong = g_ws_pingpong;
-    return tkv_pf_launch(&q, s, BM, NTH, ws_cfg<HD, SPLIT>::SMEM, ws_kernel<HD, SPLIT, true>,
+    return tkv_pf_launch(p, s, BM, NTH, ws_cfg<HD, SPLIT>::SMEM, ws_kernel<HD, SPLIT, true>,
                          ws_kernel<HD, SPLIT, false>);
 }
 
@@ -238,8 +233,6 @@ cudaError_t tkv_cuda_attn_prefill_ws_init(void)
 {
     if (!tkv_cuda_attn_prefill_wg_ok()) /* (set by tkv_cuda_attn_prefill_wg_init, called first) */
         return cudaSuccess;
-    const char *pp = getenv("TKV_CUDA_ATTN_WS_PINGPONG");
-    g_ws_pingpong = !(pp && !strcmp(pp, "0"));
     return tkv_pf_each([](auto hd, auto split) {
         return ws_init<decltype(hd)::value, decltype(split)::value>(&g_ws_ctas.at(hd, split));
     });

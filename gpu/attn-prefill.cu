@@ -336,8 +336,8 @@ const char *tkv_cuda_attn_prefill_variant_desc(int variant)
         "O rescaled only when a max moves (was v5; attn-prefill-var.cu)",
         "v2: v1's schedule on wgmma (2 warpgroups x 64 rows, Q/K/V by swizzled descriptors; compute capability 9.0, "
         "else v1; attn-prefill-wg.cu)",
-        "v3: v2 with specialized warps (a producer warp, mbarriers per stage, the 2 warpgroups taking turns; "
-        "compute capability 9.0, else v1; attn-prefill-ws.cu)",
+        "v3: v2 with specialized warps (a producer warpgroup, mbarriers per stage, the 2 consumer warpgroups "
+        "taking turns; compute capability 9.0, else v1; attn-prefill-ws.cu)",
     };
     return variant >= 0 && variant < TKV_ATTN_PREFILL_VARIANTS ? desc[variant] : NULL;
 }

@@ -448,6 +448,8 @@ struct tkv_cuda_attn_state {
     struct tkv_cuda_attn_runs runs;/* the inline table being built          */
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
     bool pdl;                      /* decode kernel: programmatic dependent launch */
+    bool ws_pingpong;              /* prefill v3's warpgroups take turns; 0 with
+                                      TKV_CUDA_ATTN_WS_PINGPONG=0            */
     uint32_t decode_splits;        /* TKV_CUDA_ATTN_DECODE_SPLITS: the decode kernel's
                                       splits per KV head (at most the blocks); 0: the plan's */
 };
@@ -495,6 +497,8 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     const char *pack = getenv("TKV_CUDA_ATTN_PACK"), *var = getenv("TKV_CUDA_ATTN_PREFILL_VARIANT");
     st->table_on_main = tab && !strcmp(tab, "main");
     st->prefill_pack = !(pack && !strcmp(pack, "0"));
+    const char *pp = getenv("TKV_CUDA_ATTN_WS_PINGPONG");
+    st->ws_pingpong = !(pp && !strcmp(pp, "0"));
     st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
                                                     : TKV_ATTN_PREFILL_SPLIT;
@@ -798,6 +802,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.prefill_pack = st->prefill_pack;
     p.prefill_variant = st->prefill_variant;
     p.pdl = st->pdl;
+    p.ws_pingpong = st->ws_pingpong;
     size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_tiles, n_sm);
     if (st->decode_splits && use_decode(&p)) {
         uint32_t n = st->decode_splits < max_blocks ? st->decode_splits : max_blocks;

@@ -73,8 +73,8 @@ struct tkv_cuda_attn_params {
                                                finished splits (fused merge)    */
     int pdl;                                /* the decode kernel as a programmatic
                                                dependent launch (common.cuh)    */
-    int ws_pingpong;                        /* v3's consumer warpgroups take turns
-                                               (set by its launch)              */
+    int ws_pingpong;                        /* prefill v3's consumer warpgroups
+                                               take turns (attn-prefill-ws.cu)  */
 };
 
 /* Which kernels serve calls of at most 8 query rows per KV head. */
