@@ -551,7 +551,7 @@ template <class C> __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(c
     w.blocks = p.blocks;
     w.pos_max = pos_max;
     dec_cursor &cur = w.c;
-    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
+    const uint32_t hb = p.head_off[g], nbh = tkv_cuda_head_end(p, g) - hb;
     cur.e.k = cur.e.v = nullptr;
     cur.e.pos0 = 0;
     cur.e.n = 0;

@@ -350,7 +350,7 @@ struct kv_cursor {
  * (split + 1) / n_split) of its nbh. */
 __device__ __forceinline__ void kv_start(const tkv_cuda_attn_params &p, uint32_t g, uint32_t split, kv_cursor &c)
 {
-    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
+    const uint32_t hb = p.head_off[g], nbh = tkv_cuda_head_end(p, g) - hb;
     c.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
     c.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
     c.off = 0;

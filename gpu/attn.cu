@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(NT) attn_kernel(const tkv_cuda_attn_params p)
     const int32_t pos_max = p.q_pos[(r0 + R - 1) / G];
 
     /* this split's blocks */
-    const uint32_t hb = p.head_off[g], nbh = p.head_off[g + 1] - hb;
+    const uint32_t hb = p.head_off[g], nbh = tkv_cuda_head_end(p, g) - hb;
     kv_cursor cur;
     cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
     cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
@@ -672,6 +672,108 @@ static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struc
     return p;
 }
 
+/* A table buffer of at least `bytes` whose last kernels have finished
+ * (host and device side free). */
+static cudaError_t table_take(tkv_cuda_attn_state *st, size_t bytes, struct attn_table **out)
+{
+    struct attn_table *t = &st->tab[st->next++ % N_TABLES];
+    if (t->pending) {
+        TKV_CUDA_TRY(cudaEventSynchronize(t->used));
+        t->pending = false;
+    }
+    if (bytes > t->cap) {
+        const size_t cap = bytes > 2 * t->cap ? (bytes > (64u << 10) ? bytes : (64u << 10)) : 2 * t->cap;
+        if (t->host)
+            TKV_CUDA_TRY(cudaFreeHost(t->host));
+        if (t->dev)
+            TKV_CUDA_TRY(cudaFree(t->dev));
+        t->host = t->dev = NULL;
+        t->cap = 0;
+        TKV_CUDA_TRY(cudaMallocHost(&t->host, cap));
+        TKV_CUDA_TRY(cudaMalloc(&t->dev, cap));
+        t->cap = cap;
+    }
+    *out = t;
+    return cudaSuccess;
+}
+
+/* Copies the first `used` bytes of t on the copy stream (overlapping the
+ * compute queued before) and makes the compute stream s wait for them; the
+ * caller records t->used on s after the kernels that read it. */
+static cudaError_t table_send(tkv_cuda_attn_state *st, struct attn_table *t, size_t used, cudaStream_t s)
+{
+    cudaStream_t cs = st->table_on_main ? s : st->copy;
+    TKV_CUDA_TRY(cudaMemcpyAsync(t->dev, t->host, used, cudaMemcpyHostToDevice, cs));
+    TKV_CUDA_TRY(cudaEventRecord(t->used, cs)); /* until the kernels are queued */
+    t->pending = true;
+    if (cs != s) {
+        TKV_CUDA_TRY(cudaEventRecord(t->copied, cs));
+        TKV_CUDA_TRY(cudaStreamWaitEvent(s, t->copied, 0));
+    }
+    return cudaSuccess;
+}
+
+/* Sets up the split-K partials and the fused merge's counters for p (planned). */
+static cudaError_t splits_ready(tkv_cuda_attn_state *st, tkv_cuda_attn_params *p, size_t part, cudaStream_t s)
+{
+    if (part) {
+        TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));
+        p->part = st->part;
+    }
+    if (use_decode(p) && p->n_split > 1 && p->decode_mode != TKV_ATTN_DECODE_MERGE) { /* the fused merge */
+        size_t cap = st->counters_cap;
+        TKV_CUDA_TRY(grow((void **)&st->counters, &cap, p->n_head_kv, sizeof(uint32_t), true, s));
+        st->counters_cap = (uint32_t)cap;
+        p->counters = st->counters;
+    }
+    return cudaSuccess;
+}
+
+/* A decode call over device views (a->kv_dev): the entries stay where they
+ * are (one array in device memory, head g's from kv[g].blocks); only the
+ * query positions and each head's first and end entry travel, as
+ *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | head_end [n_head_kv] u32 */
+static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s)
+{
+    const uint32_t H = a->n_head_kv;
+    const struct tkv_kv_block_ref *base = NULL;
+    uint32_t max_blocks = 0;
+    for (uint32_t g = 0; g < H; g++) {
+        if (a->kv[g].n_blocks && (!base || a->kv[g].blocks < base))
+            base = a->kv[g].blocks;
+        max_blocks = a->kv[g].n_blocks > max_blocks ? a->kv[g].n_blocks : max_blocks;
+    }
+    const size_t off_h = ((size_t)a->n_q * sizeof(int32_t) + 7) & ~(size_t)7;
+    const size_t off_e = off_h + ((size_t)H + 1) * sizeof(uint32_t), used = off_e + (size_t)H * sizeof(uint32_t);
+    struct attn_table *t;
+    TKV_CUDA_TRY(table_take(st, used, &t));
+    uint8_t *h = (uint8_t *)t->host;
+    memcpy(h, a->q_pos, (size_t)a->n_q * sizeof(int32_t));
+    uint32_t *head_off = (uint32_t *)(h + off_h), *head_end = (uint32_t *)(h + off_e);
+    for (uint32_t g = 0; g < H; g++) {
+        const size_t o = a->kv[g].n_blocks ? (size_t)(a->kv[g].blocks - base) : 0;
+        if (o + a->kv[g].n_blocks > UINT32_MAX)
+            return cudaErrorInvalidValue; /* views farther apart than 2^32 entries */
+        head_off[g] = (uint32_t)o;
+        head_end[g] = (uint32_t)o + a->kv[g].n_blocks;
+    }
+    head_off[H] = H ? head_end[H - 1] : 0;
+    TKV_CUDA_TRY(table_send(st, t, used, s));
+
+    tkv_cuda_attn_params p = params_of(st, a);
+    p.q_pos = (const int32_t *)t->dev;
+    p.blocks = (const struct tkv_cuda_kv_entry *)base;
+    p.head_off = (const uint32_t *)((uint8_t *)t->dev + off_h);
+    p.head_end = (const uint32_t *)((uint8_t *)t->dev + off_e);
+    p.vec16 = a->head_dim % 8 == 0;
+    p.pdl = st->pdl;
+    const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);
+    TKV_CUDA_TRY(splits_ready(st, &p, part, s));
+    TKV_CUDA_TRY(tkv_cuda_attention(&p, s));
+    TKV_CUDA_TRY(cudaEventRecord(t->used, s));
+    return cudaSuccess;
+}
+
 /* Runs a decode call over inline runs; *done false when the view does not
  * fit them (nothing queued: the packed table serves the call). */
 static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s,
@@ -712,6 +814,8 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
 {
     if (a->n_q == 0)
         return cudaSuccess;
+    if (a->kv_dev)
+        return run_device_views(st, a, n_sm, s);
     if (st->decode_mode == TKV_ATTN_DECODE_RUNS || st->decode_mode == TKV_ATTN_DECODE_PDL) {
         bool done;
         TKV_CUDA_TRY(run_inline(st, a, n_sm, s, &done));
@@ -725,25 +829,8 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     const size_t off_e = off_h + ((((size_t)a->n_head_kv + 1) * sizeof(uint32_t) + 7) & ~(size_t)7);
     const size_t off_k = off_e + (size_t)total * sizeof(struct tkv_cuda_kv_entry);
     const size_t bytes = off_k + ((size_t)total + 1 + KOFS_PAD) * sizeof(uint32_t);
-
-    /* a table buffer whose last kernels have finished (host and device side free) */
-    struct attn_table *t = &st->tab[st->next++ % N_TABLES];
-    if (t->pending) {
-        TKV_CUDA_TRY(cudaEventSynchronize(t->used));
-        t->pending = false;
-    }
-    if (bytes > t->cap) {
-        const size_t cap = bytes > 2 * t->cap ? (bytes > (64u << 10) ? bytes : (64u << 10)) : 2 * t->cap;
-        if (t->host)
-            TKV_CUDA_TRY(cudaFreeHost(t->host));
-        if (t->dev)
-            TKV_CUDA_TRY(cudaFree(t->dev));
-        t->host = t->dev = NULL;
-        t->cap = 0;
-        TKV_CUDA_TRY(cudaMallocHost(&t->host, cap));
-        TKV_CUDA_TRY(cudaMalloc(&t->dev, cap));
-        t->cap = cap;
-    }
+    struct attn_table *t;
+    TKV_CUDA_TRY(table_take(st, bytes, &t));
 
     /* pack; refs of no rows are left out (the packed walk needs every ref to
      * hold a row; no kernel reads anything from them) */
@@ -781,16 +868,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         kofs[k + i] = UINT32_MAX;
     const size_t used = off_k + ((size_t)k + 1 + KOFS_PAD) * sizeof(uint32_t);
 
-    /* copy on the copy stream (overlapping the compute queued before), and
-     * make the compute stream wait for it */
-    cudaStream_t cs = st->table_on_main ? s : st->copy;
-    TKV_CUDA_TRY(cudaMemcpyAsync(t->dev, t->host, used, cudaMemcpyHostToDevice, cs));
-    TKV_CUDA_TRY(cudaEventRecord(t->used, cs)); /* until the kernels are queued */
-    t->pending = true;
-    if (cs != s) {
-        TKV_CUDA_TRY(cudaEventRecord(t->copied, cs));
-        TKV_CUDA_TRY(cudaStreamWaitEvent(s, t->copied, 0));
-    }
+    TKV_CUDA_TRY(table_send(st, t, used, s));
 
     tkv_cuda_attn_params p = params_of(st, a);
     p.q_pos = (const int32_t *)t->dev;
@@ -810,16 +888,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         p.n_split = n > 0 ? n : 1;
         part = p.n_split > 1 ? (size_t)p.n_split * p.n_q * p.n_head * (p.head_dim + 2) : 0;
     }
-    if (part) {
-        TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));
-        p.part = st->part;
-    }
-    if (use_decode(&p) && p.n_split > 1 && p.decode_mode != TKV_ATTN_DECODE_MERGE) { /* the fused merge */
-        size_t cap = st->counters_cap;
-        TKV_CUDA_TRY(grow((void **)&st->counters, &cap, a->n_head_kv, sizeof(uint32_t), true, s));
-        st->counters_cap = (uint32_t)cap;
-        p.counters = st->counters;
-    }
+    TKV_CUDA_TRY(splits_ready(st, &p, part, s));
     TKV_CUDA_TRY(tkv_cuda_attention(&p, s));
     TKV_CUDA_TRY(cudaEventRecord(t->used, s));
     return cudaSuccess;

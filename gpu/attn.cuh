@@ -54,6 +54,10 @@ struct tkv_cuda_attn_params {
     float *lse;                             /* [n_q, n_head] or NULL            */
     const struct tkv_cuda_kv_entry *blocks; /* [head_off[n_head_kv]]            */
     const uint32_t *head_off;               /* [n_head_kv + 1]                  */
+    const uint32_t *head_end;               /* [n_head_kv] or NULL: head g's
+                                               entries end at head_end[g], not
+                                               head_off[g + 1] (device views:
+                                               not back to back)                 */
     const uint32_t *kofs;                   /* [head_off[n_head_kv] + 65]: key
                                                offsets (below), or NULL          */
     float *part;                            /* [n_split][n_q*n_head][hd + 2]    */
@@ -76,6 +80,12 @@ struct tkv_cuda_attn_params {
     int ws_pingpong;                        /* prefill v3's consumer warpgroups
                                                take turns (attn-prefill-ws.cu)  */
 };
+
+/* The end of KV head g's entries in p.blocks. */
+__device__ __forceinline__ uint32_t tkv_cuda_head_end(const tkv_cuda_attn_params &p, uint32_t g)
+{
+    return p.head_end ? p.head_end[g] : p.head_off[g + 1];
+}
 
 /* Which kernels serve calls of at most 8 query rows per KV head. */
 enum tkv_cuda_attn_decode_mode {
@@ -185,6 +195,9 @@ const char *tkv_cuda_attn_prefill_variant_desc(int variant);
  * heads together pass 2^31: the prefill kernel then walks per ref),
  * copies it, plans the split and queues the kernels on s. The caller has
  * validated a (head counts, supported head_dim, fewer than 2^31 blocks).
+ * With a->kv_dev the entries are not packed: they stay in device memory,
+ * kv[g].blocks being head g's (head_off / head_end point into them), and
+ * the table holds q_pos and those offsets only.
  * TKV_CUDA_ATTN_PACK=0 when the state is created: the prefill kernel walks
  * the refs one by one instead of packed 64-key tiles (attn-prefill.cuh). */
 cudaError_t tkv_cuda_attn_run(struct tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm,

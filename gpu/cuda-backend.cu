@@ -87,9 +87,12 @@ struct cuda_backend {
     void *stats_work;              /* [stats_work_cap] attn_stats work memory */
     uint32_t *rq_bad;              /* rabitq_encode's first non-finite row      */
     void *rqs_dev, *rqs_host;      /* rabitq_select: device work, pinned staging */
+    cudaEvent_t rqs_staged;        /* after a call that did not wait: its staging copied */
+    bool rqs_pending;              /* rqs_staged recorded, maybe not passed    */
     size_t rqs_dev_cap, rqs_host_cap; /* bytes                                  */
     size_t stats_work_cap;         /* bytes                                   */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
+    bool f16_rounded;              /* =f16round: f32, holding the f16 values  */
     /* block uploads: a second stream, so recalls and prefetches overlap the
      * compute queued after them until upload_fence */
     cudaStream_t copy_stream;
@@ -619,7 +622,9 @@ static tkv_status weight_load(struct cuda_backend *cb, const struct tkv_gguf_ten
     } else {
         CU(op, cudaMalloc(raw, raw_bytes));
         CU(op, cudaMemcpyAsync(*raw, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
-        CU(op, tkv_cuda_dequant(t->type, *raw, n_elems, w->w16, w->is_vec ? w->v32 : w->w32, cb->stream));
+        CU(op, cb->f16_rounded && w->w32 ? tkv_cuda_dequant_f16_rounded(t->type, *raw, n_elems, w->w32, cb->stream)
+                                         : tkv_cuda_dequant(t->type, *raw, n_elems, w->w16,
+                                                            w->is_vec ? w->v32 : w->w32, cb->stream));
     }
     CU(op, cudaStreamSynchronize(cb->stream));
     w->bytes = stored + kept;
@@ -1399,6 +1404,10 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         CU(op, cudaMalloc(&cb->rqs_dev, dev_bytes));
         cb->rqs_dev_cap = dev_bytes;
     }
+    if (cb->rqs_pending) { /* the last call's staging copy (it did not wait) */
+        CU(op, cudaEventSynchronize(cb->rqs_staged));
+        cb->rqs_pending = false;
+    }
     if (up + b_out > cb->rqs_host_cap) {
         cudaFreeHost(cb->rqs_host); /* (the last call waited for its copies) */
         cb->rqs_host = NULL, cb->rqs_host_cap = 0;
@@ -1438,6 +1447,11 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
                                            a->safe ? 1 : 0};
     CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)dm, &w, cb->stream));
+    if (a->bitmap_dev && !a->n_chosen && !a->mass) { /* nothing comes down: no wait */
+        CU(op, cudaEventRecord(cb->rqs_staged, cb->stream));
+        cb->rqs_pending = true;
+        return TKV_OK;
+    }
     CU(op, cudaMemcpyAsync(hm + up, out, b_out, cudaMemcpyDeviceToHost, cb->stream));
     CU(op, cudaStreamSynchronize(cb->stream));
     const uint8_t *ho = hm + up;
@@ -1870,6 +1884,8 @@ static void cuda_free(struct tkv_backend *b)
         cudaEventDestroy(cb->ev_main);
     if (cb->ev_copy)
         cudaEventDestroy(cb->ev_copy);
+    if (cb->rqs_staged)
+        cudaEventDestroy(cb->rqs_staged);
     if (cb->copy_stream)
         cudaStreamDestroy(cb->copy_stream);
     cudaFree(cb->rq_bad);
@@ -2014,6 +2030,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     CU(op, cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking));
     CU(op, cudaEventCreateWithFlags(&cb->ev_main, cudaEventDisableTiming));
     CU(op, cudaEventCreateWithFlags(&cb->ev_copy, cudaEventDisableTiming));
+    CU(op, cudaEventCreateWithFlags(&cb->rqs_staged, cudaEventDisableTiming));
     for (int i = 0; i < N_GATHER; i++)
         CU(op, cudaEventCreateWithFlags(&cb->gather[i].ev, cudaEventDisableTiming));
     int host_ptr_ok = 0;
@@ -2044,7 +2061,9 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     }
     TKV_LOG_I("cuda: device %d (%s): %s, %d SMs, %.1f GiB, compute capability %d.%d%s%s%s", cb->device,
               cb->pci_bus_id, prop.name, cb->n_sm, prop.totalGlobalMem / 1073741824.0, prop.major, prop.minor,
-              cb->f32_weights ? " (f32 weights: validation mode)" : "",
+              cb->f16_rounded   ? " (f32 weights holding their f16 values: validation mode)"
+              : cb->f32_weights ? " (f32 weights: validation mode)"
+                                : "",
               cb->pdl ? " (programmatic dependent launches)" : "",
               cb->f32_weights || cb->gemv_quant == QGEMV_OFF ? ""
               : cb->gemv_quant == QGEMV_REF                  ? " (quantized decode GEMV: reference kernel)"
@@ -2103,7 +2122,8 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->base.ops = &cuda_ops;
     cb->device = device;
     const char *mode = getenv("TKV_CUDA_WEIGHTS");
-    cb->f32_weights = mode && !strcmp(mode, "f32");
+    cb->f16_rounded = mode && !strcmp(mode, "f16round");
+    cb->f32_weights = (mode && !strcmp(mode, "f32")) || cb->f16_rounded;
     const char *gemv = getenv("TKV_CUDA_GEMV");
     cb->gemv = gemv && !strcmp(gemv, "ref")      ? GEMV_REF
                : gemv && !strcmp(gemv, "cublas") ? GEMV_CUBLAS

@@ -14,6 +14,11 @@ __device__ __forceinline__ float ld_f16(const uint8_t *p)
 
 __device__ __forceinline__ void put(__half *y, size_t i, float v) { y[i] = __float2half_rn(v); }
 __device__ __forceinline__ void put(float *y, size_t i, float v) { y[i] = v; }
+/* an f32 output holding the f16 copy's values (tkv_cuda_dequant_f16_rounded) */
+struct f16_in_f32 {
+    float f;
+};
+__device__ __forceinline__ void put(f16_in_f32 *y, size_t i, float v) { y[i].f = __half2float(__float2half_rn(v)); }
 
 /* 6-bit scale and min of sub-block j of a Q4_K super-block (spec 2.2). */
 __device__ __forceinline__ void q4k_scale_min(int j, const uint8_t *s, int *sc, int *m)
@@ -175,4 +180,11 @@ cudaError_t tkv_cuda_dequant(uint32_t type, const void *src, size_t n_elems, __h
     if (dst16)
         return launch(type, (const uint8_t *)src, n_elems, dst16, stream);
     return launch(type, (const uint8_t *)src, n_elems, dst32, stream);
+}
+
+cudaError_t tkv_cuda_dequant_f16_rounded(uint32_t type, const void *src, size_t n_elems, float *dst, cudaStream_t stream)
+{
+    if (n_elems == 0)
+        return cudaSuccess;
+    return launch(type, (const uint8_t *)src, n_elems, (f16_in_f32 *)dst, stream);
 }

@@ -24,4 +24,9 @@ bool tkv_cuda_dequant_supported(uint32_t type);
 cudaError_t tkv_cuda_dequant(uint32_t type, const void *src, size_t n_elems, __half *dst16, float *dst32,
                              cudaStream_t stream);
 
+/* As tkv_cuda_dequant to f32, each value then rounded to f16 and back: the
+ * f16 copy's values in f32 (what f16 storage alone costs, measured with f32
+ * arithmetic: TKV_CUDA_WEIGHTS=f16round). */
+cudaError_t tkv_cuda_dequant_f16_rounded(uint32_t type, const void *src, size_t n_elems, float *dst, cudaStream_t stream);
+
 #endif

@@ -93,6 +93,9 @@ __global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_tab
 {
     typedef cub::BlockScan<unsigned long long, KVT_THREADS> Scan;
     __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ uint32_t positions, touched; /* read, over all rounds */
+    if (threadIdx.x == 0)
+        positions = touched = 0;
     const uint32_t h = blockIdx.x, B = p.block_tokens;
     const uint32_t sel_n = sel_n_dev[h];
     const uint32_t *row = p.bitmap ? p.bitmap + (size_t)h * p.words : NULL;
@@ -105,9 +108,13 @@ __global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_tab
         const uint32_t b = b0 + threadIdx.x;
         const uint32_t lo = b * B, hi = b < nb ? min(lo + B, p.n_past) : lo;
         const uint64_t e = b < nb ? pt[b] : 0;
-        uint32_t cnt = 0;
+        uint32_t cnt = 0, len = 0;
         if (b < nb)
-            walk_block(p, row, sel_n, lo, hi, [&](uint32_t, uint32_t) { cnt++; });
+            walk_block(p, row, sel_n, lo, hi, [&](uint32_t s0, uint32_t s1) { cnt++, len += s1 - s0; });
+        if (cnt) {
+            atomicAdd(&positions, len);
+            atomicAdd(&touched, 1u);
+        }
         /* resident slices counted in the high word, missing ones in the low */
         unsigned long long off, total;
         Scan(scan_tmp).ExclusiveSum(e ? (unsigned long long)cnt << 32 : (unsigned long long)cnt, off, total);
@@ -135,8 +142,10 @@ __global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_tab
         __syncthreads(); /* scan_tmp is reused by the next round */
     }
     if (threadIdx.x == 0) {
-        p.counts[2 * h] = base_r;
-        p.counts[2 * h + 1] = base_m;
+        p.counts[4 * h] = base_r;
+        p.counts[4 * h + 1] = base_m;
+        p.counts[4 * h + 2] = positions;
+        p.counts[4 * h + 3] = touched;
     }
 }
 

@@ -46,6 +46,11 @@ struct tkv_attn_args {
     uint32_t n_q, n_head, n_head_kv, head_dim;
     float    scale;            /* usually 1/sqrt(head_dim)                    */
     const struct tkv_kv_head_view *kv; /* host [n_head_kv]                   */
+    /* kv_dev: the views' block arrays (kv[g].blocks) are in BACKEND memory
+     * (the decode table kv_table wrote), their counts in kv[g].n_blocks, no
+     * entry of n = 0; every K/V row 16-byte aligned where head_dim % 8 == 0
+     * (the store's slots are). */
+    bool kv_dev;
 };
 
 /* Attention statistics the KV policies score keys with (runtime/policy/):
@@ -209,7 +214,9 @@ struct tkv_rabitq_select_args {
      * memory, [n_rows][words], head h's in row heads[h].row (rows no head
      * names are not written), in stream order -- nothing of them comes down
      * (a kv_table queued later reads them; docs/rabitq.md, "Device page
-     * table and decode table"). n_chosen and mass still come down. */
+     * table and decode table"). n_chosen and mass still come down where
+     * given; with both NULL nothing does and the op need not wait (a head
+     * with a non-finite estimate has every key in its row). */
     uint32_t *bitmap_dev;
     uint32_t  n_rows;
     uint32_t *n_chosen;
@@ -241,9 +248,11 @@ tkv_status tkv_rabitq_select_check_out(const struct tkv_rabitq_select_args *a, c
  *     likewise; a slice of a block whose entry is 0 goes to miss[h * cap ..]
  *     with k = v = NULL (the host recalls those blocks, or reads them where
  *     they are). Both lists in position order.
- *   - counts[2h] and counts[2h + 1] receive the number of slices of refs and
+ *   - counts[4h] and counts[4h + 1] receive the number of slices of refs and
  *     of miss, the whole number even past cap: slices past cap are not
- *     written, and a count > cap tells the caller the table overflowed.
+ *     written, and a count > cap tells the caller the table overflowed;
+ *     counts[4h + 2] the positions read and counts[4h + 3] the blocks with
+ *     at least one (resident or not: what the head's read touches).
  * The refs' layout is struct tkv_kv_block_ref's, as the attention op takes
  * it. Queued like the other ops; the caller downloads counts (and the short
  * miss lists) when it needs them. */
@@ -258,7 +267,7 @@ struct tkv_kv_table_args {
     struct tkv_kv_block_ref *refs; /* backend [n_heads][cap]                          */
     struct tkv_kv_block_ref *miss; /* backend [n_heads][cap]                          */
     uint32_t cap;
-    uint32_t *counts;              /* backend [n_heads][2]                            */
+    uint32_t *counts;              /* backend [n_heads][4]                            */
 };
 
 /* Checks a's shape and pointers (TKV_ERR_INVALID_ARG naming the field and

@@ -92,7 +92,6 @@ void tkv_session_free(tkv_session *s)
     if (s->trace)
         fclose(s->trace);
     free(s->trace_buf);
-    free(s->dt_hrefs);
     free(s->dt_hcounts);
     free(s->dt_sel_n);
     free(s->host_ok);
@@ -268,11 +267,10 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         const size_t refs = (size_t)hp->n_head_kv * s->max_refs * sizeof(struct tkv_kv_block_ref);
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_refs));
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_miss));
-        TKV_TRY(s->be->ops->alloc(s->be, (size_t)hp->n_head_kv * 2 * sizeof(uint32_t), (void **)&s->dt_counts));
-        s->dt_hrefs = malloc(s->max_refs * sizeof *s->dt_hrefs);
-        s->dt_hcounts = malloc((size_t)hp->n_head_kv * 2 * sizeof *s->dt_hcounts);
+        TKV_TRY(s->be->ops->alloc(s->be, (size_t)hp->n_head_kv * 4 * sizeof(uint32_t), (void **)&s->dt_counts));
+        s->dt_hcounts = malloc((size_t)hp->n_head_kv * 4 * sizeof *s->dt_hcounts);
         s->dt_sel_n = malloc(hp->n_head_kv * sizeof *s->dt_sel_n);
-        if (!s->dt_hrefs || !s->dt_hcounts || !s->dt_sel_n)
+        if (!s->dt_hcounts || !s->dt_sel_n)
             return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
     }
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
@@ -411,22 +409,30 @@ static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, const struct 
     return m;
 }
 
+/* Accounts one KV head's read at a decode step of `tokens` positions in
+ * `blocks` blocks of a context of n tokens; all_in: the store brought every
+ * block in. */
+static void account_counts(tkv_session *s, uint32_t tokens, uint32_t blocks, uint32_t n, bool all_in)
+{
+    const uint32_t nb = (n + s->kv_block - 1) / s->kv_block;
+    s->read_tokens += n ? (double)tokens / n : 1.0;
+    s->read_blocks += all_in || !nb ? 1.0 : (double)blocks / nb;
+    s->read_count++;
+}
+
 /* Accounts one KV head's read at a decode step: refs[nr] (ascending slices,
  * none across a block boundary) of a context of n tokens; all_in: the store
  * brought every block in. */
 static void account_read(tkv_session *s, const struct tkv_kv_block_ref *refs, uint32_t nr, uint32_t n, bool all_in)
 {
-    const uint32_t B = s->kv_block, nb = (n + B - 1) / B;
     uint32_t tokens = 0, blocks = 0, last = UINT32_MAX;
     for (uint32_t i = 0; i < nr; i++) {
-        const uint32_t b = (uint32_t)refs[i].pos0 / B;
+        const uint32_t b = (uint32_t)refs[i].pos0 / s->kv_block;
         tokens += refs[i].n;
         blocks += b != last;
         last = b;
     }
-    s->read_tokens += n ? (double)tokens / n : 1.0;
-    s->read_blocks += all_in || !nb ? 1.0 : (double)blocks / nb;
-    s->read_count++;
+    account_counts(s, tokens, blocks, n, all_in);
 }
 
 /* Whether layer_forward copies a decode step's query to s->q_step for the
@@ -627,6 +633,82 @@ static void observe_queries(tkv_session *s, uint32_t layer, uint32_t n)
 
 static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const int *plan);
 
+/* A decode layer from the device table (s->dev_table; docs/rabitq.md,
+ * "Decode from the device table"): the policy selects on the device
+ * (decode_bitmap: nothing comes down), the store brings in only the block
+ * this step writes, kv_table turns the selection and the store's page table
+ * into per-head lists of resident and missing slices, and one download of
+ * their counts tells whether every selected block is resident. Then the
+ * attention reads the resident lists where they are (kv_dev): no ranges,
+ * views or block table built on the host. *done false: not applicable, or
+ * some selected block is not resident -- the layer is ended untouched but
+ * for the step's K/V row, and the caller takes the host path (recall or
+ * CPU split) with the same selection (the policy keeps it for the step). */
+static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done)
+{
+    *done = false;
+    const struct tkv_policy_ops *po = s->policy->ops;
+    const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs;
+    if (!s->dev_table || !s->in_decode || !po->decode_bitmap || (s->flags & TKV_SESSION_MEASURE_MASS))
+        return TKV_OK;
+    const struct tkv_policy_view v = policy_view(s, l, n, NULL);
+    if (po->decode_needs_keys && po->decode_needs_keys(s->policy->state, &v))
+        return TKV_OK;
+    const uint32_t *bitmap = NULL;
+    uint32_t words = 0;
+    double t0 = phase_edge(s);
+    const bool on_dev = po->decode_bitmap(s->policy->state, &v, &bitmap, &words, s->dt_sel_n);
+    s->ph_select += phase_edge(s) - t0;
+    if (!on_dev)
+        return TKV_OK;
+    /* the store: only the block this step writes (the rest is what it is) */
+    const uint32_t MB = tkv_kvs_max_blocks(s->kv), written = s->n_past / s->kv_block;
+    bool any_sel = false;
+    for (uint32_t h = 0; h < Hkv; h++) {
+        memset(s->need + (size_t)h * MB, 0, MB);
+        s->need[(size_t)h * MB + written] = 1;
+        any_sel |= s->dt_sel_n[h] > 0;
+    }
+    uint32_t n_host = 0;
+    TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, s->need, NULL, &n_host));
+    tkv_status st = store_kv(s, l, n);
+    if (st == TKV_OK)
+        st = tkv_kvs_page_table_sync(s->kv, l, NULL);
+    const struct tkv_kv_table_args a = {.bitmap = any_sel ? bitmap : NULL, .words = words, .sel_n = s->dt_sel_n,
+                                        .ptab = tkv_kvs_page_table(s->kv, l), .ptab_stride = MB, .n_heads = Hkv,
+                                        .block_tokens = s->kv_block, .head_dim = s->hp.head_dim, .n_past = v.n_past,
+                                        .refs = s->dt_refs, .miss = s->dt_miss, .cap = cap, .counts = s->dt_counts};
+    t0 = phase_edge(s);
+    if (st == TKV_OK && (st = s->be->ops->kv_table(s->be, &a)) != TKV_OK)
+        st = tkv_err_wrap(st, "device table: layer %u", l);
+    if (st == TKV_OK)
+        st = s->be->ops->download(s->be, s->dt_hcounts, s->dt_counts, (size_t)Hkv * 4 * sizeof *s->dt_hcounts);
+    s->ph_select += phase_edge(s) - t0;
+    bool resident = st == TKV_OK;
+    for (uint32_t h = 0; h < Hkv && resident; h++)
+        resident = s->dt_hcounts[4 * h + 1] == 0 && s->dt_hcounts[4 * h] <= cap;
+    if (resident) {
+        for (uint32_t h = 0; h < Hkv; h++) {
+            const uint32_t *c = s->dt_hcounts + 4 * h;
+            s->views[h] = (struct tkv_kv_head_view){.blocks = s->dt_refs + (size_t)h * cap, .n_blocks = c[0]};
+            account_counts(s, c[2], c[3], v.n_past, false);
+        }
+        const struct tkv_attn_args att = {.q = s->q, .q_pos = s->pos, .out = s->att, .n_q = n,
+                                          .n_head = s->hp.n_head, .n_head_kv = Hkv, .head_dim = s->hp.head_dim,
+                                          .scale = 1.0f / sqrtf((float)s->hp.head_dim), .kv = s->views,
+                                          .kv_dev = true};
+        t0 = phase_edge(s);
+        st = s->be->ops->attention(s->be, &att);
+        s->ph_attn += phase_edge(s) - t0;
+        *done = st == TKV_OK;
+        s->dt_layers++;
+    } else if (st == TKV_OK) {
+        s->dt_fallbacks++;
+    }
+    tkv_kvs_end_layer(s->kv, l);
+    return st;
+}
+
 /* One transformer layer on the chunk in s->x: brings the layer's KV in (all
  * of it, or at decode what the policy selects), runs it, lets the KV go.
  * fuse: use the backend's fused ops where it has them (backend.h; the
@@ -663,19 +745,23 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
     }
     if (query_to_host(s)) /* the policy reads the query on the host */
         TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
-    int plan[256];
-    const bool planned = Hkv <= 256 && plan_decode(s, l, plan);
-    if (!planned) /* the next layer's recall overlaps this one's (and its settling) */
-        tkv_kvs_prefetch(s->kv, l + 1);
-    const bool split = planned && hetero_plan(s, l, plan);
-    uint32_t n_host = 0;
-    TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, planned ? s->need : NULL, split ? s->host_ok : NULL,
-                                      &n_host));
-    s->hsplit = n_host > 0;
-    tkv_status st = layer_attention(s, l, n, planned ? plan : NULL);
-    s->hsplit = false;
-    tkv_kvs_end_layer(s->kv, l);
-    TKV_TRY(st);
+    bool done;
+    TKV_TRY(table_layer(s, l, n, &done));
+    if (!done) {
+        int plan[256];
+        const bool planned = Hkv <= 256 && plan_decode(s, l, plan);
+        if (!planned) /* the next layer's recall overlaps this one's (and its settling) */
+            tkv_kvs_prefetch(s->kv, l + 1);
+        const bool split = planned && hetero_plan(s, l, plan);
+        uint32_t n_host = 0;
+        TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, planned ? s->need : NULL,
+                                          split ? s->host_ok : NULL, &n_host));
+        s->hsplit = n_host > 0;
+        tkv_status st = layer_attention(s, l, n, planned ? plan : NULL);
+        s->hsplit = false;
+        tkv_kvs_end_layer(s->kv, l);
+        TKV_TRY(st);
+    }
     TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
     /* feed-forward block */
     if (fuse && ops->add_rmsnorm) {
@@ -741,80 +827,6 @@ static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a
     return st;
 }
 
-/* Whether slices a[n] (downloaded from the device table) are b[n]; with
- * addr, their K and V addresses too. Names the first difference. */
-static tkv_status same_slices(const struct tkv_kv_block_ref *a, const struct tkv_kv_block_ref *b, uint32_t n,
-                              bool addr, uint32_t l, uint32_t h, const char *what)
-{
-    for (uint32_t j = 0; j < n; j++)
-        if (a[j].pos0 != b[j].pos0 || a[j].n != b[j].n || (addr && (a[j].k != b[j].k || a[j].v != b[j].v)))
-            return tkv_err(TKV_ERR_INTERNAL,
-                           "device table: layer %u head %u: %s slice %u is [%d, +%u) on the device, [%d, +%u) on "
-                           "the host%s",
-                           l, h, what, j, a[j].pos0, a[j].n, b[j].pos0, b[j].n,
-                           addr && a[j].pos0 == b[j].pos0 && a[j].n == b[j].n ? " (other addresses)" : "");
-    return TKV_OK;
-}
-
-/* With s->dev_table, after select_views of a planned decode layer: the
- * layer's page table synced, kv_table over the policy's bitmaps in backend
- * memory (decode_bitmap; heads planned whole read everything), the counts
- * and the miss lists downloaded. The attention does not take the table yet
- * (docs/rabitq.md, "Device page table and decode table"), so it is checked:
- * per KV head the resident slices must be the device's views (s->views,
- * addresses included; the refs come down for that only) and the missing
- * ones the host tier's (s->hviews, or none). A layer whose selection the
- * policy did not leave on the device is skipped unless every head reads
- * whole. TKV_ERR_INTERNAL naming the layer, head and slice on a difference. */
-static tkv_status device_table_check(tkv_session *s, uint32_t l, const int *plan)
-{
-    const struct tkv_backend_ops *ops = s->be->ops;
-    struct tkv_backend *be = s->be;
-    const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs;
-    const struct tkv_policy_ops *po = s->policy->ops;
-    const struct tkv_policy_view v = policy_view(s, l, 1, NULL);
-    const uint32_t *bitmap = NULL;
-    uint32_t words = 0;
-    if (!po->decode_bitmap || !po->decode_bitmap(s->policy->state, &v, &bitmap, &words, s->dt_sel_n)) {
-        for (uint32_t h = 0; h < Hkv; h++)
-            if (plan[h] >= 0)
-                return TKV_OK; /* ranges only: nothing to build the table from */
-        bitmap = NULL, words = 0;
-    }
-    bool any = false;
-    for (uint32_t h = 0; h < Hkv; h++) {
-        if (plan[h] < 0)
-            s->dt_sel_n[h] = 0;
-        any |= s->dt_sel_n[h] > 0;
-    }
-    TKV_TRY(tkv_kvs_page_table_sync(s->kv, l, NULL));
-    const struct tkv_kv_table_args a = {.bitmap = any ? bitmap : NULL, .words = words, .sel_n = s->dt_sel_n,
-                                        .ptab = tkv_kvs_page_table(s->kv, l), .ptab_stride = tkv_kvs_max_blocks(s->kv),
-                                        .n_heads = Hkv, .block_tokens = s->kv_block, .head_dim = s->hp.head_dim,
-                                        .n_past = v.n_past, .refs = s->dt_refs, .miss = s->dt_miss, .cap = cap,
-                                        .counts = s->dt_counts};
-    tkv_status st = ops->kv_table(be, &a);
-    if (st != TKV_OK)
-        return tkv_err_wrap(st, "device table: layer %u", l);
-    TKV_TRY(ops->download(be, s->dt_hcounts, s->dt_counts, (size_t)Hkv * 2 * sizeof *s->dt_hcounts));
-    for (uint32_t h = 0; h < Hkv; h++) {
-        const uint32_t nr = s->dt_hcounts[2 * h], nm = s->dt_hcounts[2 * h + 1];
-        const struct tkv_kv_head_view *dv = &s->views[h];
-        const uint32_t hm = s->hsplit ? s->hviews[h].n_blocks : 0;
-        if (nr != dv->n_blocks || nm != hm || nr > cap || nm > cap)
-            return tkv_err(TKV_ERR_INTERNAL,
-                           "device table: layer %u head %u: %u resident and %u missing slices on the device, %u and "
-                           "%u on the host (room for %u)",
-                           l, h, nr, nm, dv->n_blocks, hm, cap);
-        TKV_TRY(ops->download(be, s->dt_hrefs, s->dt_miss + (size_t)h * cap, nm * sizeof *s->dt_hrefs));
-        if (nm)
-            TKV_TRY(same_slices(s->dt_hrefs, s->hviews[h].blocks, nm, false, l, h, "missing"));
-        TKV_TRY(ops->download(be, s->dt_hrefs, s->dt_refs + (size_t)h * cap, nr * sizeof *s->dt_hrefs));
-        TKV_TRY(same_slices(s->dt_hrefs, dv->blocks, nr, true, l, h, "resident"));
-    }
-    return TKV_OK;
-}
-
 /* The attention of layer l for the chunk (its KV brought in): K/V rows into
  * the blocks, the policy's selection, attention into s->att. */
 static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const int *plan)
@@ -827,8 +839,6 @@ static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const 
     if (!decode)
         observe_queries(s, l, n);
     const bool restricted = select_views(s, l, n, plan);
-    if (s->dev_table && decode && plan)
-        TKV_TRY(device_table_check(s, l, plan));
     struct tkv_attn_args a = {.q = s->q, .q_pos = s->pos, .out = s->att, .lse = NULL, .n_q = n, .n_head = H,
                               .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views};
     if (restricted && decode && (s->flags & TKV_SESSION_MEASURE_MASS)) {
@@ -1089,6 +1099,10 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
         (unsigned long long)s->het_recall_blocks, (unsigned long long)ks.host_read_blocks,
         s->het_cpu_heads / steps, s->het_cpu_tokens / steps, s->het_recall_heads / steps,
         s->het_recall_blocks / steps);
+    /* decode layers attended from the device table, and those that fell
+     * back to the host path (a selected block was not resident) */
+    OUT(" \"device_table\": {\"active\": %s, \"layers\": %llu, \"fallbacks\": %llu},\n",
+        s->dev_table ? "true" : "false", (unsigned long long)s->dt_layers, (unsigned long long)s->dt_fallbacks);
     /* tiers by role: compute is "gpu" or "host" */
     static const char *const names[3] = {"gpu", "host", "nvme"};
     OUT(" \"tiers\": {");

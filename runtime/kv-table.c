@@ -44,8 +44,9 @@ tkv_status tkv_kv_table_ref(const struct tkv_kv_table_args *a)
     for (uint32_t h = 0; h < a->n_heads; h++) {
         struct tkv_kv_block_ref *refs = a->refs ? a->refs + (size_t)h * a->cap : NULL;
         struct tkv_kv_block_ref *miss = a->miss ? a->miss + (size_t)h * a->cap : NULL;
-        uint32_t nr = 0, nm = 0;
+        uint32_t nr = 0, nm = 0, np = 0, nt = 0;
         for (uint32_t b = 0; b < nb; b++) {
+            const uint32_t slices = nr + nm;
             const uint32_t lo = b * B, hi = TKV_MIN(lo + B, a->n_past);
             /* the entry is an address in backend memory: offset as an
              * integer, never read through */
@@ -59,6 +60,7 @@ tkv_status tkv_kv_table_ref(const struct tkv_kv_table_args *a)
                 while (p < hi && reads(a, h, p))
                     p++;
                 struct tkv_kv_block_ref r = {.pos0 = (int32_t)start, .n = p - start};
+                np += r.n;
                 if (e) {
                     const uint64_t k = e + (uint64_t)(start - lo) * hd * sizeof(uint16_t);
                     r.k = (uint16_t *)(uintptr_t)k;
@@ -72,9 +74,12 @@ tkv_status tkv_kv_table_ref(const struct tkv_kv_table_args *a)
                     nm++;
                 }
             }
+            nt += nr + nm > slices;
         }
-        a->counts[2 * h] = nr;
-        a->counts[2 * h + 1] = nm;
+        a->counts[4 * h] = nr;
+        a->counts[4 * h + 1] = nm;
+        a->counts[4 * h + 2] = np;
+        a->counts[4 * h + 3] = nt;
     }
     return TKV_OK;
 }

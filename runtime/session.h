@@ -115,16 +115,17 @@ struct tkv_session {
      * were attended on the CPU / recalled, their tokens and blocks */
     uint64_t het_cpu_heads, het_recall_heads, het_cpu_tokens, het_cpu_blocks, het_recall_blocks;
     /* the device decode table (TKV_RABITQ_DEVICE_TABLE=1 and a backend
-     * with kv_table; docs/rabitq.md): the store keeps its page table, and
-     * per planned decode layer kv_table builds the table from the policy's
-     * bitmaps in backend memory (decode_bitmap). The attention does not
-     * take it yet: the engine checks it against the host path's split
-     * (device_table_check) */
+     * with kv_table; docs/rabitq.md, "Decode from the device table"): the
+     * store keeps its page table, the policy leaves its selection in
+     * backend memory (decode_bitmap), kv_table builds each decode layer's
+     * block lists from the two, and where every selected block is resident
+     * the attention reads them there (table_layer) */
     bool dev_table;
     struct tkv_kv_block_ref *dt_refs, *dt_miss; /* backend [Hkv][max_refs] */
-    uint32_t *dt_counts;                        /* backend [Hkv][2]         */
-    struct tkv_kv_block_ref *dt_hrefs;          /* host [max_refs]: one head's list, downloaded */
-    uint32_t *dt_hcounts, *dt_sel_n;            /* host [Hkv][2], [Hkv]     */
+    uint32_t *dt_counts;                        /* backend [Hkv][4]         */
+    uint32_t *dt_hcounts, *dt_sel_n;            /* host [Hkv][4], [Hkv]     */
+    uint64_t dt_layers, dt_fallbacks;           /* decode layers attended from the table;
+                                                   those that had blocks to bring in first */
     /* decode phase timers, seconds summed over decode steps (wall clock; with
      * TKV_SESSION_PHASE_SYNC bounded by backend synchronizations): the
      * policy's selection (decode_select calls), the device's attention op

@@ -49,10 +49,13 @@ static bool kvt_oracle(const struct tkv_kv_table_args *a, struct tkv_kv_block_re
             else
                 rb[m] = n, re[m++] = a->n_past;
         }
-        uint32_t nr = 0, nm = 0;
+        uint32_t nr = 0, nm = 0, np = 0, nt = 0, last = UINT32_MAX;
         for (uint32_t i = 0; i < m; i++)
             for (uint32_t p = rb[i]; p < re[i];) {
                 const uint32_t b = p / B, end = re[i] < (b + 1) * B ? re[i] : (b + 1) * B;
+                np += end - p;
+                nt += b != last;
+                last = b;
                 const uint64_t e = a->ptab[(size_t)h * a->ptab_stride + b];
                 struct tkv_kv_block_ref r = {.pos0 = (int32_t)p, .n = end - p};
                 if (e) {
@@ -64,7 +67,7 @@ static bool kvt_oracle(const struct tkv_kv_table_args *a, struct tkv_kv_block_re
                 }
                 p = end;
             }
-        counts[2 * h] = nr, counts[2 * h + 1] = nm;
+        counts[4 * h] = nr, counts[4 * h + 1] = nm, counts[4 * h + 2] = np, counts[4 * h + 3] = nt;
     }
     free(rb), free(re);
     return true;
@@ -90,7 +93,7 @@ static void kvt_case(struct tkv_backend *be, uint64_t *rng, uint32_t B, uint32_t
     struct tkv_kv_block_ref *o_miss = calloc((size_t)H * per_head, sizeof *o_miss);
     struct tkv_kv_block_ref *d_refs = malloc(((size_t)H * cap + 1) * sizeof *d_refs);
     struct tkv_kv_block_ref *d_miss = malloc(((size_t)H * cap + 1) * sizeof *d_miss);
-    uint32_t *o_counts = malloc(2 * H * sizeof *o_counts), *d_counts = malloc(2 * H * sizeof *d_counts);
+    uint32_t *o_counts = malloc(4 * H * sizeof *o_counts), *d_counts = malloc(4 * H * sizeof *d_counts);
     REQUIRE_VOID(bitmap && sel_n && ptab && o_refs && o_miss && d_refs && d_miss && o_counts && d_counts);
     for (uint32_t h = 0; h < H; h++) {
         const uint64_t r = test_rand_u64(rng) % 6;
@@ -124,7 +127,7 @@ static void kvt_case(struct tkv_backend *be, uint64_t *rng, uint32_t B, uint32_t
 
     /* the same arguments in backend memory, the outputs poisoned first */
     const size_t bm_bytes = (size_t)H * words * sizeof *bitmap, pt_bytes = (size_t)H * stride * sizeof *ptab;
-    const size_t out_bytes = ((size_t)H * cap + 1) * sizeof *d_refs, cnt_bytes = 2 * H * sizeof *d_counts;
+    const size_t out_bytes = ((size_t)H * cap + 1) * sizeof *d_refs, cnt_bytes = 4 * H * sizeof *d_counts;
     void *b_bm = NULL, *b_pt = NULL, *b_refs = NULL, *b_miss = NULL, *b_cnt = NULL;
     REQUIRE_VOID(be->ops->alloc(be, bm_bytes, &b_bm) == TKV_OK && be->ops->alloc(be, pt_bytes, &b_pt) == TKV_OK &&
                  be->ops->alloc(be, out_bytes, &b_refs) == TKV_OK &&
@@ -146,13 +149,19 @@ static void kvt_case(struct tkv_backend *be, uint64_t *rng, uint32_t B, uint32_t
     memset(&poison, 0xa5, sizeof poison);
     int bad = 0;
     for (uint32_t h = 0; h < H && bad < 4 && st == TKV_OK; h++) {
+        for (int w = 2; w < 4; w++) { /* positions read, blocks touched */
+            CHECK(d_counts[4 * h + w] == o_counts[4 * h + w], "%s B %u n_past %u sel %d res %d head %u: %s %u, oracle %u",
+                  be->ops->name, B, n_past, sel_mode, res_mode, h, w == 2 ? "positions" : "blocks", d_counts[4 * h + w],
+                  o_counts[4 * h + w]);
+            bad += d_counts[4 * h + w] != o_counts[4 * h + w];
+        }
         for (int w = 0; w < 2; w++) {
             const struct tkv_kv_block_ref *got = (w ? d_miss : d_refs) + (size_t)h * cap;
             const struct tkv_kv_block_ref *want = (w ? o_miss : o_refs) + (size_t)h * per_head;
-            const uint32_t n = o_counts[2 * h + w];
-            CHECK(d_counts[2 * h + w] == n, "%s B %u n_past %u sel %d res %d head %u: %s count %u, oracle %u",
-                  be->ops->name, B, n_past, sel_mode, res_mode, h, w ? "miss" : "refs", d_counts[2 * h + w], n);
-            bad += d_counts[2 * h + w] != n;
+            const uint32_t n = o_counts[4 * h + w];
+            CHECK(d_counts[4 * h + w] == n, "%s B %u n_past %u sel %d res %d head %u: %s count %u, oracle %u",
+                  be->ops->name, B, n_past, sel_mode, res_mode, h, w ? "miss" : "refs", d_counts[4 * h + w], n);
+            bad += d_counts[4 * h + w] != n;
             for (uint32_t j = 0; j < cap && bad < 4; j++) {
                 const bool ok = j < n ? kvt_ref_eq(&got[j], &want[j]) : !memcmp(&got[j], &poison, sizeof poison);
                 CHECK(ok, "%s B %u n_past %u sel %d res %d head %u: %s[%u] {%p %p %d %u}, want %s {%p %p %d %u}",

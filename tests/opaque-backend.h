@@ -33,6 +33,7 @@ struct opaque {
 
 static uint64_t opaque_stats_calls;     /* attn_stats calls on every opaque backend */
 static uint64_t opaque_attention_calls; /* attention calls on every opaque backend */
+static uint64_t opaque_attention_dev_calls; /* of them, over device views (kv_dev) */
 
 static void *tag(void *p) { return p ? (void *)((uintptr_t)p + TAG) : NULL; }
 static void *untag(const void *p)
@@ -46,8 +47,9 @@ static void *untag(const void *p)
 
 static struct opaque *op_of(struct tkv_backend *b) { return (struct opaque *)b; }
 
-/* Untagged copies of n_head_kv head views. */
-static tkv_status untag_views(struct opaque *o, const struct tkv_kv_head_view *kv, uint32_t n,
+/* Untagged copies of n_head_kv head views; dev: their block arrays are in
+ * backend memory too (tkv_attn_args.kv_dev). */
+static tkv_status untag_views(struct opaque *o, const struct tkv_kv_head_view *kv, uint32_t n, bool dev,
                               const struct tkv_kv_head_view **out)
 {
     size_t total = 0;
@@ -66,8 +68,9 @@ static tkv_status untag_views(struct opaque *o, const struct tkv_kv_head_view *k
     size_t k = 0;
     for (uint32_t g = 0; g < n; g++) {
         o->views[g] = (struct tkv_kv_head_view){.blocks = o->refs + k, .n_blocks = kv[g].n_blocks};
+        const struct tkv_kv_block_ref *blocks = dev ? U(kv[g].blocks) : kv[g].blocks;
         for (uint32_t i = 0; i < kv[g].n_blocks; i++, k++) {
-            o->refs[k] = kv[g].blocks[i];
+            o->refs[k] = blocks[i];
             o->refs[k].k = U(o->refs[k].k);
             o->refs[k].v = U(o->refs[k].v);
         }
@@ -141,7 +144,9 @@ static tkv_status o_attention(struct tkv_backend *b, const struct tkv_attn_args 
     struct tkv_attn_args c = *a;
     c.q = U(a->q), c.out = U(a->out), c.lse = U(a->lse);
     opaque_attention_calls++;
-    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, &c.kv));
+    opaque_attention_dev_calls += a->kv_dev;
+    c.kv_dev = false;
+    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, a->kv_dev, &c.kv));
     return o->cpu->ops->attention(o->cpu, &c);
 }
 static tkv_status o_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
@@ -150,7 +155,7 @@ static tkv_status o_attn_stats(struct tkv_backend *b, const struct tkv_attn_stat
     struct tkv_attn_stats_args c = *a;
     if (!a->q_host)
         c.q = U(a->q);
-    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, &c.kv));
+    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, false, &c.kv));
     opaque_stats_calls++;
     return o->cpu->ops->attn_stats(o->cpu, &c);
 }
@@ -265,7 +270,7 @@ static tkv_status o_kv_table(struct tkv_backend *b, const struct tkv_kv_table_ar
     c.bitmap = U(a->bitmap), c.ptab = U(a->ptab), c.refs = U(a->refs), c.miss = U(a->miss), c.counts = U(a->counts);
     TKV_TRY(tkv_kv_table_ref(&c));
     for (uint32_t h = 0; opaque_kv_table_skew && h < c.n_heads; h++)
-        if (c.counts[2 * h] > 0 && c.refs[(size_t)h * c.cap].n > 1) {
+        if (c.counts[4 * h] > 0 && c.refs[(size_t)h * c.cap].n > 1) {
             c.refs[(size_t)h * c.cap].n--;
             break;
         }

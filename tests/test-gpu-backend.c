@@ -799,6 +799,62 @@ static void attn_on(struct tkv_backend *be, struct tkv_attn_args *a, float *o_ho
     dev_free(dout), dev_free(dlse);
 }
 
+/* The call a (f's device views) with its views' block arrays in device
+ * memory instead (kv_dev, as the engine's decode table gives them): one
+ * array, the heads in reverse order with a poisoned entry between them,
+ * refs of no rows left out (the contract). Where the fixture's rows are
+ * 16-byte aligned (kv_dev's contract): a decode call (at most 8 rows per KV
+ * head) must give the packed table's output bit for bit -- the same
+ * entries, the same plan -- and any call the reference's within 1e-4. */
+static void attn_device_views(const struct kv_fixture *f, const struct tkv_attn_args *a, const float *o_gpu,
+                              const float *l_gpu, const float *o_ref, const float *l_ref, const char *label)
+{
+    const uint32_t Hkv = f->Hkv;
+    size_t total = 0;
+    bool aligned = true;
+    for (uint32_t h = 0; h < Hkv; h++)
+        for (uint32_t i = 0; i < f->dviews[h].n_blocks; i++) {
+            const struct tkv_kv_block_ref *r = &f->dviews[h].blocks[i];
+            total += r->n > 0;
+            aligned &= (uintptr_t)r->k % 16 == 0 && (uintptr_t)r->v % 16 == 0;
+        }
+    if (!aligned || f->hd % 8)
+        return;
+    struct tkv_kv_block_ref *arr = malloc((total + Hkv) * sizeof *arr);
+    struct tkv_kv_head_view *views = malloc(Hkv * sizeof *views);
+    size_t at = 0, off[64];
+    REQUIRE_VOID(arr && views && Hkv <= 64);
+    for (uint32_t h = Hkv; h-- > 0;) {
+        off[h] = at;
+        for (uint32_t i = 0; i < f->dviews[h].n_blocks; i++)
+            if (f->dviews[h].blocks[i].n > 0)
+                arr[at++] = f->dviews[h].blocks[i];
+        memset(&arr[at++], 0xa5, sizeof *arr);
+    }
+    struct tkv_kv_block_ref *darr = dev_from(arr, at * sizeof *arr);
+    for (uint32_t h = 0; h < Hkv; h++) {
+        uint32_t n = 0;
+        for (uint32_t i = 0; i < f->dviews[h].n_blocks; i++)
+            n += f->dviews[h].blocks[i].n > 0;
+        views[h] = (struct tkv_kv_head_view){.blocks = darr + off[h], .n_blocks = n};
+    }
+    const size_t qn = (size_t)a->n_q * a->n_head * a->head_dim, ln = (size_t)a->n_q * a->n_head;
+    float *o = malloc(qn * sizeof *o), *l = malloc(ln * sizeof *l);
+    struct tkv_attn_args d = *a;
+    d.kv = views;
+    d.kv_dev = true;
+    attn_on(gpu, &d, o, l);
+    const bool decode = a->n_q * (a->n_head / Hkv) <= 8;
+    const double eo = max_err(o, o_ref, qn), el = max_err(l, l_ref, ln);
+    const double fo = max_err(o, o_gpu, qn), fl = max_err(l, l_gpu, ln);
+    fprintf(stderr, ", device views vs ref %.1e %.1e, vs packed %.1e %.1e", eo, el, fo, fl);
+    CHECK(eo <= 1e-4 && el <= 1e-4, "attention (device views) %s: out err %.3g lse err %.3g", label, eo, el);
+    CHECK(!decode || (fo == 0 && fl == 0), "attention (device views, decode) %s: %.3g / %.3g from the packed table",
+          label, fo, fl);
+    dev_free(darr);
+    free(arr), free(views), free(o), free(l);
+}
+
 /* Attention over fixture f with queries at positions pos[n_q] on every
  * backend, against the double reference and the CPU backend; label names
  * the case in the log. */
@@ -827,6 +883,8 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
     CHECK(eo <= 1e-4 && el <= 1e-4, "attention H=%u Hkv=%u hd=%u %s: out err %.3g lse err %.3g", H, Hkv, hd, label,
           eo, el);
     CHECK(eoc <= 1e-4 && elc <= 1e-4, "attention vs cpu backend: out %.3g lse %.3g", eoc, elc);
+
+    attn_device_views(f, &a, o_gpu, l_gpu, o_ref, l_ref, label);
 
     /* the general (reference) kernel and the other paths, on the same inputs */
     double worst_o = 0, worst_l = 0;

@@ -13,11 +13,18 @@
  *      token:
  *        cuda vs cuda-f32: ||d|| / ||ref|| < F32_REL, max |d| < F32_ABS
  *          (what f16 weight storage and f16 prefill activations cost;
- *          measured on the H200 <= 2e-3 relative, <= 0.04 absolute);
+ *          measured on the H200 <= 2e-3 relative, <= 0.04 absolute), or,
+ *          where f16 storage alone costs more, within F16W_FACTOR times
+ *          that cost: a fifth session, "cuda-f16round" (TKV_CUDA_WEIGHTS=
+ *          f16round: f32 weights holding the f16 copy's values, f32
+ *          arithmetic), measures it on each prompt (the poem: ~1% relative,
+ *          0.2 absolute, as the CPU backend shows with f16 and f32 copies
+ *          of the model, docs/gpu.md);
  *        cuda vs cpu:      < CPU_REL, < CPU_ABS (the CPU backend quantizes
  *          decode activations to 8 bits, like llama.cpp: measured up to
  *          0.10 relative, 1.2 absolute, the same against cuda-f32, so this
- *          bound is the CPU's rounding, not the GPU's);
+ *          bound is the CPU's rounding, not the GPU's), or, where the CPU's
+ *          own distance from cuda-f32 is larger, within CPU_NOISE times it;
  *      and the argmax must agree wherever the CPU margin is >= CPU_ABS.
  *      These sessions run the f16 decode GEMV (TKV_CUDA_GEMV_QUANT=0) for
  *      what they attribute; a fourth, teacher-forced, runs the default
@@ -76,6 +83,8 @@
 #define POL_JACCARD_F32 0.97
 #define POL_CLASS 0.98    /* share of (call, head) with the same Rigid class */
 #define Q_VS_CPU 1.5       /* cuda-q vs cuda-f32 within this times cpu vs cuda-f32 */
+#define F16W_FACTOR 1.5   /* cuda vs cuda-f32 within this times cuda-f16round vs cuda-f32 */
+#define CPU_NOISE 1.25    /* cuda vs cpu within this times cpu vs cuda-f32 */
 #define STATS_REL 1e-5    /* attn_stats gpu vs cpu reference on the same inputs (docs/gpu.md) */
 
 static double now(void)
@@ -201,7 +210,7 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
                      uint32_t kv_block, int n_gen)
 {
     const uint32_t V = tkv_model_n_vocab(m);
-    struct run cpu = {0}, gpu = {0}, g32 = {0}, gpu_tf = {0}, g32_tf = {0}, gq_tf = {0};
+    struct run cpu = {0}, gpu = {0}, g32 = {0}, gpu_tf = {0}, g32_tf = {0}, gq_tf = {0}, g16_tf = {0};
     fprintf(stderr, "%s: %zu prompt tokens, chunk %u, KV block %u, %d greedy tokens\n", name, n_prompt, chunk,
             kv_block, n_gen);
     tkv_status st = generate(m, "cpu", prompt, n_prompt, chunk, kv_block, n_gen, NULL, &cpu);
@@ -221,6 +230,12 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
             st = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, cpu.tok, &g32_tf);
         unsetenv("TKV_CUDA_WEIGHTS");
         CHECK(st == TKV_OK, "cuda f32: %s", tkv_last_error());
+    }
+    if (st == TKV_OK) { /* what f16 weight storage alone costs */
+        setenv("TKV_CUDA_WEIGHTS", "f16round", 1);
+        st = generate(m, "cuda", prompt, n_prompt, chunk, kv_block, n_gen, cpu.tok, &g16_tf);
+        unsetenv("TKV_CUDA_WEIGHTS");
+        CHECK(st == TKV_OK, "cuda f16round: %s", tkv_last_error());
     }
     if (st == TKV_OK) { /* the default decode path: the quantized GEMV */
         unsetenv("TKV_CUDA_GEMV_QUANT");
@@ -243,6 +258,7 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
     /* 2. teacher-forced logits */
     double w[3][2] = {{0}}; /* worst (rel, abs): cuda-cpu, cuda-f32, cpu-f32 */
     double wq[2] = {0}, wq32[2] = {0}; /* cuda-q vs cpu, cuda-q vs cuda-f32 */
+    double w16[2] = {0};               /* cuda-f16round vs cuda-f32 */
     int flips = 0, ties = 0;
     for (int i = 0; i <= n_gen; i++) {
         const float *lc = cpu.logits + (size_t)i * V, *lg = gpu_tf.logits + (size_t)i * V;
@@ -258,6 +274,8 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
         wq[0] = fmax(wq[0], dq[0]), wq[1] = fmax(wq[1], dq[1]);
         logit_diff(gq_tf.logits + (size_t)i * V, l32, V, &dq[0], &dq[1]);
         wq32[0] = fmax(wq32[0], dq[0]), wq32[1] = fmax(wq32[1], dq[1]);
+        logit_diff(g16_tf.logits + (size_t)i * V, l32, V, &dq[0], &dq[1]);
+        w16[0] = fmax(w16[0], dq[0]), w16[1] = fmax(w16[1], dq[1]);
         const float margin = top2_margin(lc, V);
         const bool same = tkv_argmax(lg, V) == tkv_argmax(lc, V);
         ties += margin < NEAR_TIE;
@@ -273,10 +291,17 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
             "  teacher-forced, %d steps, worst (rel, max abs): cuda-vs-cpu %.2e %.3f | cuda-vs-f32 %.2e %.3f | "
             "cpu-vs-f32 %.2e %.3f; cpu near ties %d\n",
             n_gen + 1, w[0][0], w[0][1], w[1][0], w[1][1], w[2][0], w[2][1], ties);
-    CHECK(w[1][0] < F32_REL && w[1][1] < F32_ABS, "%s: cuda vs cuda-f32 logits: rel %.3g, max %.3g", name, w[1][0],
-          w[1][1]);
-    CHECK(w[0][0] < CPU_REL && w[0][1] < CPU_ABS, "%s: cuda vs cpu logits: rel %.3g, max %.3g", name, w[0][0],
-          w[0][1]);
+    /* the bounds: fixed, or the unavoidable part's multiple where that is larger */
+    const double f32_rel = fmax(F32_REL, F16W_FACTOR * w16[0]), f32_abs = fmax(F32_ABS, F16W_FACTOR * w16[1]);
+    const double cpu_rel = fmax(CPU_REL, CPU_NOISE * w[2][0]), cpu_abs = fmax(CPU_ABS, CPU_NOISE * w[2][1]);
+    fprintf(stderr, "  teacher-forced: f16 weight storage alone (cuda-f16round vs cuda-f32) rel %.2e max %.3f; bounds "
+                    "cuda-vs-f32 %.2e %.3f, cuda-vs-cpu %.2e %.3f\n", w16[0], w16[1], f32_rel, f32_abs, cpu_rel, cpu_abs);
+    CHECK(w[1][0] < f32_rel && w[1][1] < f32_abs,
+          "%s: cuda vs cuda-f32 logits: rel %.3g, max %.3g (bounds %.3g, %.3g; f16 storage alone %.3g, %.3g)", name,
+          w[1][0], w[1][1], f32_rel, f32_abs, w16[0], w16[1]);
+    CHECK(w[0][0] < cpu_rel && w[0][1] < cpu_abs,
+          "%s: cuda vs cpu logits: rel %.3g, max %.3g (bounds %.3g, %.3g; cpu vs cuda-f32 %.3g, %.3g)", name, w[0][0],
+          w[0][1], cpu_rel, cpu_abs, w[2][0], w[2][1]);
     CHECK(flips == 0, "%s: %d argmax flips at steps with a CPU margin >= %.1f", name, flips, CPU_ABS);
     fprintf(stderr, "  teacher-forced, quantized decode GEMV: cuda-q-vs-f32 worst rel %.2e max %.3f (cpu-vs-f32 %.2e "
                     "%.3f) | cuda-q-vs-cpu rel %.2e max %.3f\n", wq32[0], wq32[1], w[2][0], w[2][1], wq[0], wq[1]);
@@ -285,7 +310,7 @@ static void run_case(tkv_model *m, const char *name, const tkv_token *prompt, si
           wq32[0], wq32[1], Q_VS_CPU, w[2][0], w[2][1]);
 out:
     free(cpu.logits), free(gpu.logits), free(g32.logits), free(gpu_tf.logits), free(g32_tf.logits);
-    free(gq_tf.logits);
+    free(gq_tf.logits), free(g16_tf.logits);
 }
 
 /* ---- policies on the GPU: the attn_stats calls, checked and recorded ------------------------ */

@@ -158,7 +158,7 @@ int main(void)
     /* refusals name the field */
     const uint32_t sel_n[2] = {10, 5};
     uint64_t pt[4] = {0};
-    uint32_t bm[2] = {0, 0}, counts[4]; /* [n_heads][words] */
+    uint32_t bm[2] = {0, 0}, counts[8]; /* bm: [n_heads][words]; counts: [n_heads][4] */
     struct tkv_kv_block_ref refs[8], miss[8];
     struct tkv_kv_table_args a = {.bitmap = bm, .words = 1, .sel_n = sel_n, .ptab = pt, .ptab_stride = 2,
                                   .n_heads = 2, .block_tokens = 8, .head_dim = 64, .n_past = 12, .refs = refs,

@@ -25,10 +25,12 @@
  *      selections (1) and their engine runs (3) must equal the host's;
  *   4. the device decode table (TKV_RABITQ_DEVICE_TABLE=1, test_device_table):
  *      the RaBitQ policies on the opaque backend, flat and tiered, give the
- *      same tokens, logits and reads with the knob on as off, the engine's
- *      check of each layer's kv_table against the host path passes (and
- *      fails on a skewed table), bad knob values and select outputs are
- *      refused with messages.
+ *      same tokens and reads with the knob on as off, and the same logits
+ *      (flat: bit for bit; tiered: within 1e-5, the split's rounding); flat, every
+ *      decode layer attends from the table kv_table built (a skewed table
+ *      changes the logits), tiered, layers with selected blocks off the
+ *      compute tier fall back to the host path; bad knob values and select
+ *      outputs are refused with messages.
  */
 #include "runtime/backend.h"
 #include "runtime/policy/policy.h"
@@ -421,11 +423,15 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
 
 /* The device decode table (TKV_RABITQ_DEVICE_TABLE=1): on the opaque
  * backend, flat and tiered, the RaBitQ policies decode with the knob on as
- * with it off -- the same tokens, logits and reads -- while kv_table builds
- * each layer's table from the bitmaps left in backend memory and the engine
- * checks it against the host path's split (a skewed table fails the
- * decode, naming the layer); a knob of another value and rabitq_select's
- * bad outputs are refused with messages. */
+ * with it off -- the same tokens and reads, the same logits (tiered: within
+ * 1e-5 of the largest, the CPU split's partials may be cut elsewhere) --
+ * while kv_table builds each layer's table from the bitmaps left in
+ * backend memory. Flat (every
+ * block resident), every such layer's attention reads that table where it
+ * is (kv_dev), so a table skewed by one row changes the logits; tiered (a
+ * compute tier of 40 blocks), the layers whose selection is not all
+ * resident take the host path (recall or the CPU split) instead. A knob of
+ * another value and rabitq_select's bad outputs are refused with messages. */
 static void test_device_table(tkv_model *m, const tkv_token *prompt)
 {
     static tkv_token t_off[NG], t_on[NG];
@@ -439,25 +445,43 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
         for (int tiered = 0; tiered < 2; tiered++) {
             unsetenv("TKV_RABITQ_DEVICE_TABLE");
-            const uint64_t kt0 = opaque_kv_table_calls;
+            const uint64_t kt0 = opaque_kv_table_calls, dv0 = opaque_attention_dev_calls;
             tkv_status st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_off, l_off, &r_off);
             CHECK(st == TKV_OK, "%s, knob off: %s", specs[i], tkv_last_error());
-            CHECK(opaque_kv_table_calls == kt0, "%s: kv_table called with the knob off", specs[i]);
+            CHECK(opaque_kv_table_calls == kt0 && opaque_attention_dev_calls == dv0,
+                  "%s: kv_table called, or the attention given device views, with the knob off", specs[i]);
             setenv("TKV_RABITQ_DEVICE_TABLE", "1", 1);
             st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_on, l_on, &r_on);
+            const uint64_t tables = opaque_kv_table_calls - kt0, from_table = opaque_attention_dev_calls - dv0;
             CHECK(st == TKV_OK, "%s%s, knob on: %s", specs[i], tiered ? " (tiered)" : "", tkv_last_error());
-            CHECK(opaque_kv_table_calls > kt0, "%s: the knob on built no device table", specs[i]);
+            CHECK(tables > 0, "%s: the knob on built no device table", specs[i]);
+            /* flat: every table read where it is; tiered: some layers brought blocks in first */
+            CHECK(tiered ? from_table < tables : from_table == tables,
+                  "%s%s: %llu of %llu decode layers attended from the device table", specs[i],
+                  tiered ? " (tiered)" : "", (unsigned long long)from_table, (unsigned long long)tables);
             CHECK(!memcmp(t_off, t_on, sizeof t_off), "%s: the knob on generated other tokens", specs[i]);
-            CHECK(!memcmp(l_off, l_on, sizeof l_off), "%s: the knob on changed the logits", specs[i]);
+            /* flat: bit for bit; tiered: the residency differs (a layer that falls back has
+             * brought in its written block first), so the split attention's partials and their
+             * rounding may too */
+            double dmax = 0, lmax = 0;
+            for (size_t j = 0; j < (NG + 1) * V; j++)
+                dmax = fmax(dmax, fabs((double)l_off[j] - l_on[j])), lmax = fmax(lmax, fabs((double)l_off[j]));
+            CHECK(tiered ? dmax <= 1e-5 * lmax : !memcmp(l_off, l_on, sizeof l_off),
+                  "%s%s: the knob on changed the logits by up to %g (largest %g)", specs[i], tiered ? " (tiered)" : "",
+                  dmax, lmax);
             CHECK(r_off == r_on, "%s: decode read %g of the tokens with the knob off, %g on", specs[i], r_off, r_on);
-            fprintf(stderr, "  device table %-80s %s: %llu kv_table calls, checked\n", specs[i],
-                    tiered ? "tiered" : "flat", (unsigned long long)(opaque_kv_table_calls - kt0));
-            /* the check catches a table that differs from the host path's split */
+            fprintf(stderr, "  device table %-80s %s: %llu kv_table calls, %llu layers attended from the table, logits "
+                            "within %.2g\n", specs[i], tiered ? "tiered" : "flat", (unsigned long long)tables,
+                    (unsigned long long)from_table, dmax);
+            if (tiered)
+                continue;
+            /* the attention really reads the table: one row short changes the logits */
             opaque_kv_table_skew = true;
             st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_on, l_on, &r_on);
             opaque_kv_table_skew = false;
-            CHECK(st == TKV_ERR_INTERNAL && strstr(tkv_last_error(), "device table: layer"),
-                  "%s: a skewed device table was not refused (%d: %s)", specs[i], (int)st, tkv_last_error());
+            CHECK(st == TKV_OK && memcmp(l_off, l_on, sizeof l_off) != 0,
+                  "%s: a device table skewed by one row left the logits as they were (%d: %s)", specs[i], (int)st,
+                  tkv_last_error());
             unsetenv("TKV_RABITQ_DEVICE_TABLE");
         }
     /* the knob is 0 or 1 */

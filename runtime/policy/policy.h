@@ -110,12 +110,14 @@ struct tkv_policy_ops {
      * store brings the layer in, and only the blocks it names are recalled
      * -- the rest stay paged out. */
     bool (*decode_needs_keys)(void *state, const struct tkv_policy_view *v);
-    /* Optional: where this step's decode_select of v->layer left its
-     * selection in backend memory (rabitq_select's bitmap_dev), as the
+    /* Optional: this step's selection of v->layer in backend memory
+     * (rabitq_select's bitmap_dev), made now if decode_select has not made
+     * it yet (decode_select then answers from the same selection), as the
      * backend's kv_table takes it: *bitmap [n_head_kv][*words], KV head h's
      * row h, and sel_n[h] (host [n_head_kv]) the positions that row covers,
-     * 0 for a head read whole. false: not there (the engine knows only the
-     * ranges). NULL: never. */
+     * 0 for a head read whole. Called before the store brings anything in,
+     * as decode_select is where decode_needs_keys is false. false: not
+     * there (the engine asks decode_select for ranges). NULL: never. */
     bool (*decode_bitmap)(void *state, const struct tkv_policy_view *v, const uint32_t **bitmap, uint32_t *words,
                           uint32_t *sel_n);
     /* Forget everything about the context (session reset). */

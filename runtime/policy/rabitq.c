@@ -87,6 +87,7 @@ struct rabitq {
     uint32_t c_layer, c_n_past, c_step;    /* what the cache holds                          */
     const float *c_q;
     bool c_valid;
+    bool c_rows_host;                      /* bitmap holds the cached selection's rows      */
     uint32_t *n_chosen;                    /* [n_head_kv * G] rabitq_select's per query head */
     /* with dev_sel, the queries prepared on the device too (the backend's
      * rabitq_prepare; off with TKV_RABITQ_DEVICE_QPREP=0): from the step's q
@@ -96,8 +97,10 @@ struct rabitq {
     struct tkv_rabitq_prepare_item *items; /* [n_head_kv * G]                               */
     /* with dev_sel, the bitmaps left in backend memory (env.device_table and
      * a backend with kv_table): row g for KV head g, for the engine's
-     * decode table (decode_bitmap); the host path downloads them into
-     * bitmap (same rows) until the attention takes the device table */
+     * decode table (decode_bitmap), selected without a wait (nothing comes
+     * down: a head with a non-finite estimate has every key in its row);
+     * the host path downloads them into bitmap (same rows) when it asks
+     * for ranges */
     uint32_t *bitmap_dev;                  /* backend [n_head_kv][words]                    */
 };
 
@@ -485,16 +488,14 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
         .heads = r->sh, .n_heads = ns, .G = G, .p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
         .safe = r->safe != 0, .whole = r->whole ? (r->env.block_tokens ? r->env.block_tokens : 64) : 0,
         .bitmap = r->bitmap_dev ? NULL : r->bitmap, .words = r->words, .bitmap_dev = r->bitmap_dev, .n_rows = H,
-        .n_chosen = r->n_chosen};
-    /* (bitmap_dev: the rows stay for the decode table; the host path still
-     * turns them into ranges, so they come down too, rows by KV head) */
-    if ((prep && r->be->ops->rabitq_prepare(r->be, &pa) != TKV_OK) || r->be->ops->rabitq_select(r->be, &a) != TKV_OK ||
-        (r->bitmap_dev && r->be->ops->download(r->be, r->bitmap, r->bitmap_dev,
-                                               (size_t)H * r->words * sizeof *r->bitmap) != TKV_OK)) {
+        .n_chosen = r->bitmap_dev ? NULL : r->n_chosen};
+    if ((prep && r->be->ops->rabitq_prepare(r->be, &pa) != TKV_OK) || r->be->ops->rabitq_select(r->be, &a) != TKV_OK) {
         for (uint32_t g = 0; g < H; g++)
             r->slot[g] = -1; /* read everything this step */
         return;
     }
+    if (r->bitmap_dev)
+        return; /* rows in backend memory; a non-finite head's row is every key */
     /* a query head whose estimates are not finite (its query refused on the
      * device, or overflowing scalars): the head reads everything, as on the
      * host path */
@@ -504,16 +505,29 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
                 r->slot[g] = -1;
 }
 
+/* This step's selection of v->layer on the device, made once (the cache). */
+static void ensure_selected(struct rabitq *r, const struct tkv_policy_view *v)
+{
+    if (r->c_valid && r->c_layer == v->layer && r->c_n_past == v->n_past && r->c_step == v->step && r->c_q == v->q)
+        return;
+    select_layer(r, v);
+    r->c_valid = true, r->c_layer = v->layer, r->c_n_past = v->n_past, r->c_step = v->step, r->c_q = v->q;
+    r->c_rows_host = !r->bitmap_dev;
+}
+
 /* rq_decode with the selection on the device: the layer's call at its first
  * head (or whenever the cache holds another step), the head's row of the
  * bitmap turned into ranges. */
 static int dev_decode(struct rabitq *r, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
                       uint32_t cap)
 {
-    if (head == 0 || !r->c_valid || r->c_layer != v->layer || r->c_n_past != v->n_past || r->c_step != v->step ||
-        r->c_q != v->q) {
-        select_layer(r, v);
-        r->c_valid = true, r->c_layer = v->layer, r->c_n_past = v->n_past, r->c_step = v->step, r->c_q = v->q;
+    ensure_selected(r, v);
+    if (!r->c_rows_host) { /* left in backend memory for the decode table: bring the rows down */
+        if (r->be->ops->download(r->be, r->bitmap, r->bitmap_dev,
+                                 (size_t)r->env.n_head_kv * r->words * sizeof *r->bitmap) != TKV_OK)
+            for (uint32_t g = 0; g < r->env.n_head_kv; g++)
+                r->slot[g] = -1; /* read everything this step */
+        r->c_rows_host = true;
     }
     if (r->slot[head] < 0)
         return -1;
@@ -539,14 +553,24 @@ static int dev_decode(struct rabitq *r, const struct tkv_policy_view *v, uint32_
     return add_tail(out, m, cap, n, v->n_past);
 }
 
-/* decode_bitmap: the layer's rows in backend memory, when this step's
- * selection of v->layer was made on the device with bitmap_dev. */
+/* decode_bitmap: the layer's rows in backend memory, this step's selection
+ * of v->layer made on the device with bitmap_dev if it was not yet. */
 static bool rq_bitmap(void *state, const struct tkv_policy_view *v, const uint32_t **bitmap, uint32_t *words,
                       uint32_t *sel_n)
 {
-    const struct rabitq *r = state;
-    if (!r->bitmap_dev || !r->c_valid || r->c_layer != v->layer || r->c_n_past != v->n_past || r->c_step != v->step)
+    struct rabitq *r = state;
+    const uint32_t H = r->env.n_head_kv;
+    if (v->n_q == 0)
         return false;
+    if (!r->dev_sel || !r->bitmap_dev) { /* no selection on the device: there only if no head selects */
+        for (uint32_t g = 0; g < H; g++)
+            if (r->ready[(size_t)v->layer * H + g])
+                return false; /* the host path selects with this head's index */
+        memset(sel_n, 0, H * sizeof *sel_n);
+        *bitmap = NULL, *words = 0;
+        return true;
+    }
+    ensure_selected(r, v); /* (a head without a device index does not select: read whole) */
     for (uint32_t g = 0; g < r->env.n_head_kv; g++)
         sel_n[g] = r->slot[g] < 0 ? 0 : r->sel_n[g];
     *bitmap = r->bitmap_dev, *words = r->words;
