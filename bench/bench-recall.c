@@ -170,6 +170,8 @@ struct row {
     double read_tok, read_blk;       /* shares read, timed steps              */
     double recall_b, host_out_b, nvme_out_b; /* bytes per timed step          */
     double cpu_heads;                /* per timed step                        */
+    double table_share;              /* decode layers attended from the device table, of those it
+                                        was built for; -1: none                  */
     double split_step_s, select_s, attn_s, cpu_attn_s, stall_s; /* per split step */
     struct tkv_kvs_stall stall;      /* the stall's parts and counts, summed over the split steps */
     double stall_steps;              /* the steps they are summed over          */
@@ -188,7 +190,8 @@ static void diff(const struct tkv_step_counters *a, const struct tkv_step_counte
         .read_tokens = a->read_tokens - b->read_tokens, .read_blocks = a->read_blocks - b->read_blocks,
         .read_count = a->read_count - b->read_count, .recall_bytes = a->recall_bytes - b->recall_bytes,
         .host_out_bytes = a->host_out_bytes - b->host_out_bytes, .nvme_out_bytes = a->nvme_out_bytes - b->nvme_out_bytes,
-        .cpu_heads = a->cpu_heads - b->cpu_heads};
+        .cpu_heads = a->cpu_heads - b->cpu_heads, .table_layers = a->table_layers - b->table_layers,
+        .table_fallbacks = a->table_fallbacks - b->table_fallbacks};
     const struct tkv_kvs_stall *x = &a->store, *y = &b->store;
     d->store = (struct tkv_kvs_stall){
         .settle_s = x->settle_s - y->settle_s, .evict_s = x->evict_s - y->evict_s,
@@ -286,6 +289,9 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     r->host_out_b = d.host_out_bytes / n;
     r->nvme_out_b = d.nvme_out_bytes / n;
     r->cpu_heads = d.cpu_heads / n;
+    r->table_share = d.table_layers + d.table_fallbacks
+                         ? (double)d.table_layers / (double)(d.table_layers + d.table_fallbacks)
+                         : -1;
     r->stall = d.store; /* the timed steps', unless split steps follow */
     r->stall_steps = n;
     if (o->split_steps) {
@@ -454,8 +460,8 @@ int main(int argc, char **argv)
         printf("link: pinned host -> GPU %.1f GB/s (64 MiB copies, best of 5)\n", link);
     printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | hot blk | split step ms | rest ms | "
            "attn ms | select ms | cpu attn ms | stall ms | recall MB/step | recall ms @link | PCIe GB/s | PCIe util "
-           "| = ref |\n");
-    printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+           "| from table | = ref |\n");
+    printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     fflush(stdout);
 
     int rc = 0;
@@ -507,11 +513,14 @@ int main(int argc, char **argv)
             }
             const double rest = r.split_step_s - r.select_s - r.attn_s - r.cpu_attn_s - r.stall_s;
             stall_row(&split_tab, &split_len, ctx, o.policies[p], &r);
+            char table[32] = "-";
+            if (r.table_share >= 0)
+                snprintf(table, sizeof table, "%.1f%%", 100.0 * r.table_share);
             printf("| %u | %s | %s | %.2f | %.3f | %s | %.4f | %.4f | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | "
-                   "%s | %.2f | %s | %s |\n",
+                   "%s | %.2f | %s | %s | %s |\n",
                    ctx, o.policies[p], row_tiers, 1.0 / r.step_s, r.step_s * 1e3, ratio, r.read_tok, r.read_blk,
                    r.hot_share, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3, r.select_s * 1e3, r.cpu_attn_s * 1e3,
-                   r.stall_s * 1e3, r.recall_b / 1e6, at_link, pcie, util, same);
+                   r.stall_s * 1e3, r.recall_b / 1e6, at_link, pcie, util, table, same);
             fflush(stdout);
             if (json) {
                 fprintf(json,
@@ -523,12 +532,13 @@ int main(int argc, char **argv)
                         "\"attn_ms\": %.4f, \"select_ms\": %.4f, \"cpu_attn_ms\": %.4f, \"stall_ms\": %.4f, "
                         "\"recall_bytes_per_step\": %.0f, \"host_out_bytes_per_step\": %.0f, "
                         "\"nvme_out_bytes_per_step\": %.0f, \"cpu_heads_per_step\": %.2f, \"link_gbs\": %.3f, "
-                        "\"pcie_gbs\": %.4f, \"same_tokens_as_ref\": \"%s\", \"commit\": \"%s\", ",
+                        "\"pcie_gbs\": %.4f, \"same_tokens_as_ref\": \"%s\", \"commit\": \"%s\", "
+                        "\"device_table_share\": %.4f, ",
                         base, wb.matrix_type, o.device, ctx, o.policies[p], row_tiers, synth, r.real, r.natural_sd, r.hot_share, r.fill_s,
                         r.warm_s, o.steps, r.step_s * 1e3, 1.0 / r.step_s, full_s > 0 ? full_s / r.step_s : 0.0,
                         r.read_tok, r.read_blk, o.split_steps, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3,
                         r.select_s * 1e3, r.cpu_attn_s * 1e3, r.stall_s * 1e3, r.recall_b, r.host_out_b,
-                        r.nvme_out_b, r.cpu_heads, link, pcie, same, commit);
+                        r.nvme_out_b, r.cpu_heads, link, pcie, same, commit, r.table_share);
                 const struct tkv_kvs_stall *t = &r.stall;
                 const double k = r.stall_steps > 0 ? r.stall_steps : 1;
                 fprintf(json,
