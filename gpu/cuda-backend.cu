@@ -1444,8 +1444,11 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
                                         (double *)out, (uint32_t *)(out + (size_t)P * sizeof(double)),
                                         a->bitmap_dev ? a->bitmap_dev
                                                       : (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
+    uint32_t code_words = hh[0].ix.words;
+    for (uint32_t h = 1; h < H; h++)
+        code_words = hh[h].ix.words == code_words ? code_words : 0;
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
-                                           a->safe ? 1 : 0};
+                                           a->safe ? 1 : 0, code_words};
     CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)dm, &w, cb->stream));
     if (a->bitmap_dev && !a->n_chosen && !a->mass) { /* nothing comes down: no wait */
         CU(op, cudaEventRecord(cb->rqs_staged, cb->stream));

@@ -33,7 +33,7 @@
  *                                      e^(extra_lse-M)),
  * with g <= gmax - b/64 in bin b; the forced keys' l and e^(extra_lse-M)
  * in units of Lref. Terms are then <= 2^39 units and 2^23 keys
- * (TKV_RABITQ_SELECT_MAX_N) sum below 2^63; a term over 2^40 units (the
+ * (TKV_RABITQ_SELECT_MAX_N) sum below 2^63; a term of 2^40 units or more (the
  * bounds broken) marks the pair bad: read whole. Across bins the sums are
  * doubles, added in a fixed order (the scan's tree) with directed rounding
  * (N down, C up; the rule's products too), so the rule the device checks
@@ -54,9 +54,15 @@
  */
 #include "rabitq-select.cuh"
 
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
 #define NB        TKV_CUDA_RQS_NBINS
 #define BPN       64.0f
-#define CHUNK     8192 /* keys per block of the hist and members kernels */
+#define CHUNK     8192 /* keys per block of the members kernel */
+#define HCHUNK    4096 /* keys per block of the hist kernel: its bins' sums of 20-bit halves of terms
+                          below 2^40 units stay below 2^32 */
+#define HALF      20
 #define FX_BITS   40 /* a bin's largest possible term is <= 2^(FX_BITS-1) units */
 #define E_MIN     (-149) /* bin exponents: floats are >= 2^-149; clamped, the units only coarsen */
 #define E_MAX     300
@@ -153,7 +159,9 @@ static __device__ __forceinline__ struct rqs_ptrs pair_ptrs(const struct tkv_cud
     return {w.scratch + off, w.scratch + P * pp.n_max + off, w.scratch + 2 * P * pp.n_max + off};
 }
 
-/* 1: grid (keys / 256, n_heads) */
+/* 1: grid (keys / 256, n_heads). W > 0: every head's codes are W words
+ * (pp.code_words), held in registers; 0: any width, through local memory. */
+template <int W>
 __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
                              struct tkv_cuda_rqs_work w)
 {
@@ -165,12 +173,14 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
     __syncthreads();
     const bool valid = i < hd.n, forced = valid && is_forced(hd, i);
     const struct tkv_cuda_rq_index &ix = hd.ix;
-    uint64_t cw[TKV_CUDA_RQ_MAX_WORDS];
+    const uint32_t words = W > 0 ? (uint32_t)W : ix.words;
+    uint64_t cw[W > 0 ? W : TKV_CUDA_RQ_MAX_WORDS];
     float a = 0, e = 0, t = 0;
     int32_t xb = 0;
     if (valid) {
-        for (uint32_t x = 0; x < ix.words; x++)
-            cw[x] = ix.code[(size_t)i * ix.words + x];
+#pragma unroll
+        for (uint32_t x = 0; x < words; x++)
+            cw[x] = ix.code[(size_t)i * words + x];
         a = ix.a[i], e = ix.e[i], t = ix.t[i];
         xb = 2 * (int32_t)ix.pc[i] - (int32_t)ix.dim_pad;
     }
@@ -180,7 +190,7 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
         if (valid) {
             const struct tkv_rabitq_dev_query &qq = q[j];
-            const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est(cw, ix.words, qq, xb, a, t));
+            const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est<W>(cw, words, qq, xb, a, t));
             const float d = pp.safe ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a, e, qq)) : 0.0f;
             const float sd = __fadd_rn(s, d);
             bad = isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || sd == INFINITY;
@@ -261,25 +271,29 @@ static __device__ __forceinline__ bool rule(double lp, float p, double N, double
     return __dmul_rd(lp, N) >= __dmul_ru((double)p, C);
 }
 
-/* 2: grid (n_max / CHUNK, P), dynamic shared memory NB * 20 bytes */
+/* 2: grid (n_max / HCHUNK, P), dynamic shared memory NB * 20 bytes. The
+ * block's bins hold each sum as two 32-bit sums of the terms' low and high
+ * HALF bits (shared-memory atomics on 64 bits are compare-and-swap loops on
+ * sm_90; these are native): HCHUNK terms below 2^(2 HALF) units keep both
+ * below 2^32, and a term at or past that marks the pair bad anyway. */
 __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
                          struct tkv_cuda_rqs_work w)
 {
-    extern __shared__ u64 sh[];
-    u64 *hl = sh, *hu = sh + NB;
-    uint32_t *hc = (uint32_t *)(sh + 2 * NB);
+    extern __shared__ uint32_t sh[];
+    uint32_t *hl_lo = sh, *hl_hi = sh + NB, *hu_lo = sh + 2 * NB, *hu_hi = sh + 3 * NB, *hc = sh + 4 * NB;
     const uint32_t pair = blockIdx.y, h = pair / pp.G;
     const struct tkv_cuda_rqs_head &hd = heads[h];
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
-    const uint32_t i0 = blockIdx.x * CHUNK;
+    const uint32_t i0 = blockIdx.x * HCHUNK;
     if (i0 >= hd.n)
         return;
-    for (uint32_t b = threadIdx.x; b < NB; b += blockDim.x)
-        hl[b] = hu[b] = 0, hc[b] = 0;
+    for (uint32_t b = threadIdx.x; b < 5 * NB; b += blockDim.x)
+        sh[b] = 0;
     __syncthreads();
     const struct rqs_units c = pair_units(pp, st);
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
-    const uint32_t i1 = min(i0 + CHUNK, hd.n);
+    const uint32_t i1 = min(i0 + HCHUNK, hd.n);
+    const u64 lo_mask = (1ull << HALF) - 1;
     u64 nf = 0;
     bool over = false;
     for (uint32_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
@@ -292,8 +306,12 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
             const uint32_t b = bin_of(g, c.gmax);
             int El, Eu;
             bin_exps(c, b, &El, &Eu);
-            atomicAdd(&hl[b], fx_down(l, El, &over));
-            atomicAdd(&hu[b], fx_up(u, Eu, &over));
+            const u64 tl = fx_down(l, El, &over), tu = fx_up(u, Eu, &over);
+            over |= ((tl | tu) >> (2 * HALF)) != 0;
+            atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
+            atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
+            atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
+            atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
             atomicAdd(&hc[b], 1u);
         }
     }
@@ -304,8 +322,8 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
     __syncthreads();
     for (uint32_t b = threadIdx.x; b < NB; b += blockDim.x)
         if (hc[b]) {
-            atomicAdd(&st->hl[b], hl[b]);
-            atomicAdd(&st->hu[b], hu[b]);
+            atomicAdd(&st->hl[b], ((u64)hl_hi[b] << HALF) + hl_lo[b]);
+            atomicAdd(&st->hu[b], ((u64)hu_hi[b] << HALF) + hu_lo[b]);
             atomicAdd(&st->hc[b], hc[b]);
         }
 }
@@ -413,11 +431,18 @@ __global__ void rqs_members(struct tkv_cuda_rqs_params pp, const struct tkv_cuda
  * exact. */
 __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work w)
 {
-    __shared__ u64 dl[256], du[256];
-    __shared__ uint32_t dc[256];
+    typedef cub::BlockScan<u64, REF_T> Scan;
+    typedef cub::BlockReduce<u64, REF_T> Reduce;
+    __shared__ union {
+        typename Scan::TempStorage scan;
+        typename Reduce::TempStorage reduce;
+    } tmp;
+    __shared__ u64 dl[256], du[256], sl[256]; /* sl[d]: the l of digits above d */
+    __shared__ uint32_t dc[256], sc[256];     /* sc[d]: the members of digits above d */
     __shared__ int dstar;
-    __shared__ u64 sni, sci, skey;
+    __shared__ u64 sni, sci, skey, kand, kor;
     __shared__ uint32_t scnt, shere;
+    static_assert(REF_T == 256, "one thread per digit");
     const uint32_t pair = blockIdx.x, t = threadIdx.x;
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
@@ -444,9 +469,26 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
     bool over = false; /* (the hist kernel's terms, which did not overflow) */
     if (t == 0)
         sni = 0, sci = 0, scnt = st->cnt, skey = 0;
+    /* the digits every member shares: a pass over them would take that
+     * digit whole and leave the sums as they are, so they are skipped */
+    u64 ka = ~0ull, ko = 0;
+    for (uint32_t x = t; x < m; x += REF_T) {
+        const uint32_t i = list[x];
+        const u64 K = key_of(pt.g[i], i);
+        ka &= K, ko |= K;
+    }
+    ka = Reduce(tmp.reduce).Reduce(ka, [](u64 x, u64 y) { return x & y; });
+    __syncthreads();
+    ko = Reduce(tmp.reduce).Reduce(ko, [](u64 x, u64 y) { return x | y; });
+    if (t == 0)
+        kand = ka, kor = ko;
+    __syncthreads();
     u64 prefix = 0, mask = 0;
+    int shift = 56;
+    for (; shift > 0 && !(((kand ^ kor) >> shift) & 255u); shift -= 8)
+        prefix |= kand & ((u64)255 << shift), mask |= (u64)255 << shift;
     bool found = false;
-    for (int shift = 56; shift >= 0 && !found; shift -= 8) {
+    for (; shift >= 0 && !found; shift -= 8) {
         dl[t] = du[t] = 0, dc[t] = 0;
         if (t == 0)
             dstar = -1;
@@ -465,12 +507,18 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
             atomicAdd(&dc[dg], 1u);
         }
         __syncthreads();
-        /* digit t: taken after the digits above it, before those below */
-        u64 Lb = 0, Ua = 0;
-        for (uint32_t k = t + 1; k < 256; k++)
-            Lb += dl[k];
-        for (uint32_t k = 0; k < t; k++)
-            Ua += du[k];
+        /* digit t: taken after the digits above it (their l, Lb), before
+         * those below (their u, Ua); integer sums: any order gives them */
+        u64 Ua, Lb, rev;
+        Scan(tmp.scan).ExclusiveSum(du[t], Ua);
+        __syncthreads();
+        Scan(tmp.scan).ExclusiveSum(dl[255 - t], rev); /* thread t: digits above 255 - t */
+        sl[255 - t] = rev;
+        __syncthreads();
+        Scan(tmp.scan).ExclusiveSum((u64)dc[255 - t], rev);
+        sc[255 - t] = (uint32_t)rev;
+        __syncthreads();
+        Lb = sl[t];
         if (dc[t] && rule(lp, pp.p, __dadd_rd(N0, fx_dbl_dn(sni + Lb + dl[t], El)),
                           __dadd_ru(C0, fx_dbl_up(sci + Ua, Eu))))
             atomicMax(&dstar, (int)t);
@@ -478,12 +526,8 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
         const int ds = dstar;
         if (ds < 0) /* cannot happen: the rule holds at the region's end */
             break;
-        if ((int)t == ds) {
-            uint32_t cb = 0;
-            for (uint32_t k = t + 1; k < 256; k++)
-                cb += dc[k];
-            sni += Lb, sci += Ua, scnt += cb, shere = dc[t];
-        }
+        if ((int)t == ds)
+            sni += Lb, sci += Ua, scnt += sc[t], shere = dc[t];
         __syncthreads();
         prefix |= (u64)ds << shift;
         mask |= (u64)255 << shift;
@@ -582,12 +626,19 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
         pp->words * 32ull < pp->n_max)
         return cudaErrorInvalidValue;
     const uint32_t P = pp->n_heads * pp->G, chunks = tkv_cuda_blocks(pp->n_max, CHUNK);
-    const size_t hist_smem = NB * (2 * sizeof(u64) + sizeof(uint32_t));
+    const size_t hist_smem = NB * 5 * sizeof(uint32_t);
     TKV_CUDA_TRY(cudaMemsetAsync(w->state, 0, tkv_cuda_rqs_state_bytes(P), s));
-    rqs_estimate<<<dim3(tkv_cuda_blocks(pp->n_max, 256), pp->n_heads), 256, 0, s>>>(*pp, heads, *w);
+    const dim3 eg(tkv_cuda_blocks(pp->n_max, 256), pp->n_heads);
+    switch (pp->code_words) { /* dim_pad / 64, dim_pad a power of two */
+    case 1: rqs_estimate<1><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
+    case 2: rqs_estimate<2><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
+    case 4: rqs_estimate<4><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
+    case 8: rqs_estimate<8><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
+    default: rqs_estimate<0><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
+    }
     TKV_CUDA_LAUNCHED();
     TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_smem));
-    rqs_hist<<<dim3(chunks, P), 512, hist_smem, s>>>(*pp, heads, *w);
+    rqs_hist<<<dim3(tkv_cuda_blocks(pp->n_max, HCHUNK), P), 512, hist_smem, s>>>(*pp, heads, *w);
     TKV_CUDA_LAUNCHED();
     rqs_scan<<<P, SCAN_T, 0, s>>>(*pp, *w);
     TKV_CUDA_LAUNCHED();

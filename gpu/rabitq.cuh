@@ -41,14 +41,17 @@ static_assert(TKV_RABITQ_DEV_QUERY_WORDS == TKV_CUDA_RQ_MAX_WORDS, "query planes
  * (the same products and roundings: bit for bit): cw the key's code words,
  * xb = 2 popcount(code) - dim_pad, a and t its scalars (e for the bound).
  * rq_estimate_kernel and the selection's estimate kernel both use these. */
+template <int W = 0> /* W > 0: words == W, known here (cw then fits in registers) */
 __device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t words,
                                                  const struct tkv_rabitq_dev_query &q, int32_t xb, float a, float t)
 {
+    const uint32_t nw = W > 0 ? (uint32_t)W : words;
     uint32_t ip = 0;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         uint32_t s = 0;
-        for (uint32_t w = 0; w < words; w++)
+#pragma unroll
+        for (uint32_t w = 0; w < nw; w++)
             s += (uint32_t)__popcll(cw[w] & q.plane[j][w]);
         ip += s << j;
     }
