@@ -159,13 +159,16 @@ static __device__ __forceinline__ struct rqs_ptrs pair_ptrs(const struct tkv_cud
     return {w.scratch + off, w.scratch + P * pp.n_max + off, w.scratch + 2 * P * pp.n_max + off};
 }
 
-/* 1: grid (keys / 256, n_heads). W > 0: every head's codes are W words
+#define RQS_EST_T 256
+
+/* 1: grid (keys / RQS_EST_T, n_heads). W > 0: every head's codes are W words
  * (pp.code_words), held in registers; 0: any width, through local memory. */
 template <int W>
 __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
                              struct tkv_cuda_rqs_work w)
 {
     __shared__ struct tkv_rabitq_dev_query q[TKV_CUDA_RQS_MAX_G];
+    __shared__ unsigned red[RQS_EST_T / 32][TKV_CUDA_RQS_MAX_G][4]; /* per warp and pair: go, uo, lo, bad */
     const uint32_t h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     const struct tkv_cuda_rqs_head &hd = heads[h];
     for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
@@ -186,7 +189,6 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
     }
     for (uint32_t j = 0; j < pp.G; j++) {
         const uint32_t pair = h * pp.G + j;
-        struct rqs_state *st = (struct rqs_state *)w.state + pair;
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
         if (valid) {
             const struct tkv_rabitq_dev_query &qq = q[j];
@@ -212,15 +214,21 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
         lo = __reduce_max_sync(0xffffffffu, lo);
         bad = __reduce_or_sync(0xffffffffu, bad);
         if (threadIdx.x % 32 == 0) {
-            if (go)
-                atomicMax(&st->gmax_o, go);
-            if (uo)
-                atomicMax(&st->umax_o, uo);
-            if (lo)
-                atomicMax(&st->lo_o, lo);
-            if (bad)
-                atomicOr(&st->bad, 1u);
+            unsigned *r = red[threadIdx.x / 32][j];
+            r[0] = go, r[1] = uo, r[2] = lo, r[3] = bad;
         }
+    }
+    /* the block's maxima, one atomic per (pair, value): the warps' would
+     * queue thousands deep on the same few words */
+    __syncthreads();
+    if (threadIdx.x < 4 * pp.G) {
+        const uint32_t j = threadIdx.x / 4, v = threadIdx.x % 4;
+        unsigned x = 0;
+        for (uint32_t k = 0; k < RQS_EST_T / 32; k++)
+            x = v == 3 ? x | red[k][j][v] : max(x, red[k][j][v]);
+        struct rqs_state *st = (struct rqs_state *)w.state + h * pp.G + j;
+        if (x)
+            atomicMax(v == 0 ? &st->gmax_o : v == 1 ? &st->umax_o : v == 2 ? &st->lo_o : &st->bad, x);
     }
 }
 
@@ -628,13 +636,13 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
     const uint32_t P = pp->n_heads * pp->G, chunks = tkv_cuda_blocks(pp->n_max, CHUNK);
     const size_t hist_smem = NB * 5 * sizeof(uint32_t);
     TKV_CUDA_TRY(cudaMemsetAsync(w->state, 0, tkv_cuda_rqs_state_bytes(P), s));
-    const dim3 eg(tkv_cuda_blocks(pp->n_max, 256), pp->n_heads);
+    const dim3 eg(tkv_cuda_blocks(pp->n_max, RQS_EST_T), pp->n_heads);
     switch (pp->code_words) { /* dim_pad / 64, dim_pad a power of two */
-    case 1: rqs_estimate<1><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
-    case 2: rqs_estimate<2><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
-    case 4: rqs_estimate<4><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
-    case 8: rqs_estimate<8><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
-    default: rqs_estimate<0><<<eg, 256, 0, s>>>(*pp, heads, *w); break;
+    case 1: rqs_estimate<1><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
+    case 2: rqs_estimate<2><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
+    case 4: rqs_estimate<4><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
+    case 8: rqs_estimate<8><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
+    default: rqs_estimate<0><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
     }
     TKV_CUDA_LAUNCHED();
     TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_smem));
