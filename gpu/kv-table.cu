@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_tab
     __shared__ uint32_t positions, touched; /* read, over all rounds */
     if (threadIdx.x == 0)
         positions = touched = 0;
+    __syncthreads(); /* before any thread adds to them */
     const uint32_t h = blockIdx.x, B = p.block_tokens;
     const uint32_t sel_n = sel_n_dev[h];
     const uint32_t *row = p.bitmap ? p.bitmap + (size_t)h * p.words : NULL;

@@ -515,9 +515,10 @@ static void ensure_selected(struct rabitq *r, const struct tkv_policy_view *v)
     r->c_rows_host = !r->bitmap_dev;
 }
 
-/* rq_decode with the selection on the device: the layer's call at its first
- * head (or whenever the cache holds another step), the head's row of the
- * bitmap turned into ranges. */
+/* rq_decode with the selection on the device: the layer's selection made
+ * once per step (ensure_selected; its rows brought down here when they were
+ * left in backend memory for the decode table), the head's row of the bitmap
+ * turned into ranges. */
 static int dev_decode(struct rabitq *r, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out,
                       uint32_t cap)
 {
