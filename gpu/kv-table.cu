@@ -6,7 +6,10 @@
 
 #include <cub/block/block_scan.cuh>
 
-#define KVT_THREADS 256
+/* a CTA per head walks its blocks KVT_THREADS at a time, a scan per round:
+ * 4 rounds for 128K keys in blocks of 64 (256 threads took 8: 33-43 us of a
+ * decode layer on the H200, session 15; 1024 spill at 64 registers) */
+#define KVT_THREADS 512
 
 __global__ void table_write_kernel(uint64_t *table, const uint32_t *idx, const uint64_t *val, uint32_t n)
 {
