@@ -93,6 +93,7 @@ void tkv_session_free(tkv_session *s)
         fclose(s->trace);
     free(s->trace_buf);
     free(s->dt_hcounts);
+    free(s->dt_hmiss);
     free(s->dt_sel_n);
     free(s->host_ok);
     free(s->hviews);
@@ -270,7 +271,8 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         TKV_TRY(s->be->ops->alloc(s->be, (size_t)hp->n_head_kv * 4 * sizeof(uint32_t), (void **)&s->dt_counts));
         s->dt_hcounts = malloc((size_t)hp->n_head_kv * 4 * sizeof *s->dt_hcounts);
         s->dt_sel_n = malloc(hp->n_head_kv * sizeof *s->dt_sel_n);
-        if (!s->dt_hcounts || !s->dt_sel_n)
+        s->dt_hmiss = malloc(s->max_refs * sizeof *s->dt_hmiss);
+        if (!s->dt_hcounts || !s->dt_sel_n || !s->dt_hmiss)
             return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
     }
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
@@ -633,30 +635,148 @@ static void observe_queries(tkv_session *s, uint32_t layer, uint32_t n)
 
 static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const int *plan);
 
+static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a);
+
+/* Layer l's decode table from the policy's selection (bitmap, words; NULL
+ * when no head selects) and the store's page table, its counts brought
+ * down into s->dt_hcounts. */
+static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const uint32_t *bitmap, uint32_t words)
+{
+    const uint32_t Hkv = s->hp.n_head_kv;
+    TKV_TRY(tkv_kvs_page_table_sync(s->kv, l, NULL));
+    const struct tkv_kv_table_args a = {.bitmap = bitmap, .words = words, .sel_n = s->dt_sel_n,
+                                        .ptab = tkv_kvs_page_table(s->kv, l), .ptab_stride = tkv_kvs_max_blocks(s->kv),
+                                        .n_heads = Hkv, .block_tokens = s->kv_block, .head_dim = s->hp.head_dim,
+                                        .n_past = n_past, .refs = s->dt_refs, .miss = s->dt_miss, .cap = s->max_refs,
+                                        .counts = s->dt_counts};
+    const double t0 = phase_edge(s);
+    tkv_status st = s->be->ops->kv_table(s->be, &a);
+    if (st != TKV_OK)
+        return tkv_err_wrap(st, "device table: layer %u", l);
+    st = s->be->ops->download(s->be, s->dt_hcounts, s->dt_counts, (size_t)Hkv * 4 * sizeof *s->dt_hcounts);
+    s->ph_select += phase_edge(s) - t0;
+    return st;
+}
+
+/* Head h's missing slices of the last table, into s->dt_hmiss. */
+static tkv_status table_misses(tkv_session *s, uint32_t h)
+{
+    const uint32_t nm = s->dt_hcounts[4 * h + 1];
+    return s->be->ops->download(s->be, s->dt_hmiss, s->dt_miss + (size_t)h * s->max_refs, nm * sizeof *s->dt_hmiss);
+}
+
+/* After a table with missing slices: per KV head the missing blocks are
+ * recalled or -- the heterogeneous split, decided as hetero_plan decides --
+ * left on the host tier for the CPU; the layer is begun again with them
+ * (s->need: the written block and every missing one; s->host_ok: the CPU's)
+ * and its table rebuilt. *ok: the rebuilt table misses only what the CPU
+ * reads where it is; s->hviews then holds those slices (host pointers) and
+ * s->hsplit says whether there are any. *ok false: a recall evicted a
+ * selected block, or a list did not fit -- the caller takes the host path.
+ * *begun false: the layer could not be begun again (the error returned). */
+static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n_past, const uint32_t *bitmap,
+                              uint32_t words, bool *ok, bool *begun)
+{
+    *ok = false, *begun = true;
+    const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs, MB = tkv_kvs_max_blocks(s->kv), B = s->kv_block;
+    const uint32_t written = s->n_past / B, G = s->hp.n_head / Hkv, hd = s->hp.head_dim;
+    const uint32_t bytes = tkv_kvs_block_bytes(s->kv);
+    bool cpu_head[256], any_cpu = false;
+    for (uint32_t h = 0; h < Hkv; h++) {
+        const uint32_t nm = s->dt_hcounts[4 * h + 1];
+        uint8_t *need = s->need + (size_t)h * MB, *host_ok = s->host_ok ? s->host_ok + (size_t)h * MB : NULL;
+        cpu_head[h] = false;
+        if (host_ok)
+            memset(host_ok, 0, MB);
+        if (!nm)
+            continue;
+        TKV_TRY(table_misses(s, h));
+        uint64_t blocks = 0, tokens = 0; /* on the host tier: what the CPU would read */
+        uint32_t last = UINT32_MAX;
+        for (uint32_t j = 0; j < nm; j++) {
+            const uint32_t b = (uint32_t)s->dt_hmiss[j].pos0 / B;
+            need[b] = 1;
+            if (b == written || tkv_kvs_block_tier(s->kv, l, h, b) != TKV_TIER_HOST)
+                continue;
+            tokens += s->dt_hmiss[j].n;
+            blocks += b != last;
+            last = b;
+        }
+        if (host_ok && blocks &&
+            (s->hetero == TKV_HETERO_CPU ||
+             tkv_hetero_prefer_cpu(blocks, tokens, bytes, G, hd, s->link_bps, s->cpu_flops, s->crc_bps))) {
+            for (uint32_t j = 0; j < nm; j++) {
+                const uint32_t b = (uint32_t)s->dt_hmiss[j].pos0 / B;
+                host_ok[b] = b != written && tkv_kvs_block_tier(s->kv, l, h, b) == TKV_TIER_HOST;
+            }
+            cpu_head[h] = any_cpu = true;
+            s->het_cpu_heads++, s->het_cpu_blocks += blocks, s->het_cpu_tokens += tokens;
+        } else if (blocks) {
+            s->het_recall_heads++, s->het_recall_blocks += blocks;
+        }
+    }
+    tkv_kvs_end_layer(s->kv, l);
+    uint32_t n_host = 0;
+    tkv_status st = tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, s->need, any_cpu ? s->host_ok : NULL, &n_host);
+    if (st != TKV_OK) {
+        *begun = false;
+        return st;
+    }
+    TKV_TRY(table_build(s, l, n_past, bitmap, words));
+    bool split = false;
+    for (uint32_t h = 0; h < Hkv; h++) {
+        const uint32_t nr = s->dt_hcounts[4 * h], nm = s->dt_hcounts[4 * h + 1];
+        if (nr > cap || nm > cap || (nm && !cpu_head[h]))
+            return TKV_OK; /* not *ok */
+        if (s->hviews)
+            s->hviews[h] = (struct tkv_kv_head_view){.blocks = s->hrefs + (size_t)h * cap, .n_blocks = nm};
+        if (!nm)
+            continue;
+        TKV_TRY(table_misses(s, h));
+        const struct tkv_kv_head_view hv = tkv_kvs_host_view(s->kv, l, h);
+        struct tkv_kv_block_ref *out = s->hrefs + (size_t)h * cap;
+        for (uint32_t j = 0; j < nm; j++) { /* the slice where the CPU reads it */
+            const uint32_t b = (uint32_t)s->dt_hmiss[j].pos0 / B;
+            const struct tkv_kv_block_ref *blk = b < hv.n_blocks ? &hv.blocks[b] : NULL;
+            if (!blk || !blk->k)
+                return TKV_OK; /* not *ok */
+            const size_t off = (size_t)(s->dt_hmiss[j].pos0 - blk->pos0) * hd;
+            out[j] = (struct tkv_kv_block_ref){.k = blk->k + off, .v = blk->v + off, .pos0 = s->dt_hmiss[j].pos0,
+                                               .n = s->dt_hmiss[j].n};
+        }
+        split = true;
+    }
+    s->hsplit = split;
+    *ok = true;
+    return TKV_OK;
+}
+
 /* A decode layer from the device table (s->dev_table; docs/rabitq.md,
  * "Decode from the device table"): the policy selects on the device
  * (decode_bitmap: nothing comes down), the store brings in only the block
  * this step writes, kv_table turns the selection and the store's page table
  * into per-head lists of resident and missing slices, and one download of
- * their counts tells whether every selected block is resident. Then the
- * attention reads the resident lists where they are (kv_dev): no ranges,
- * views or block table built on the host. *done false: not applicable, or
- * some selected block is not resident -- the layer is ended untouched but
- * for the step's K/V row, and the caller takes the host path (recall or
- * CPU split) with the same selection (the policy keeps it for the step). */
+ * their counts tells whether every selected block is resident. Where one is
+ * not, table_bring recalls it or leaves it to the CPU and rebuilds the table.
+ * Then the attention reads the resident lists where they are (kv_dev), the
+ * CPU's part merged with it (hetero_attention): no ranges, views or block
+ * table built on the host. *done false: not applicable, or the missing
+ * blocks could not be settled that way -- the layer is ended untouched but
+ * for the step's K/V row, and the caller takes the host path with the same
+ * selection (the policy keeps it for the step). */
 static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done)
 {
     *done = false;
     const struct tkv_policy_ops *po = s->policy->ops;
     const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs;
-    if (!s->dev_table || !s->in_decode || !po->decode_bitmap || (s->flags & TKV_SESSION_MEASURE_MASS))
+    if (!s->dev_table || !s->in_decode || !po->decode_bitmap || (s->flags & TKV_SESSION_MEASURE_MASS) || Hkv > 256)
         return TKV_OK;
     const struct tkv_policy_view v = policy_view(s, l, n, NULL);
     if (po->decode_needs_keys && po->decode_needs_keys(s->policy->state, &v))
         return TKV_OK;
     const uint32_t *bitmap = NULL;
     uint32_t words = 0;
-    double t0 = phase_edge(s);
+    const double t0 = phase_edge(s);
     const bool on_dev = po->decode_bitmap(s->policy->state, &v, &bitmap, &words, s->dt_sel_n);
     s->ph_select += phase_edge(s) - t0;
     if (!on_dev)
@@ -669,25 +789,21 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
         s->need[(size_t)h * MB + written] = 1;
         any_sel |= s->dt_sel_n[h] > 0;
     }
+    if (!any_sel)
+        bitmap = NULL, words = 0;
     uint32_t n_host = 0;
     TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, s->need, NULL, &n_host));
     tkv_status st = store_kv(s, l, n);
     if (st == TKV_OK)
-        st = tkv_kvs_page_table_sync(s->kv, l, NULL);
-    const struct tkv_kv_table_args a = {.bitmap = any_sel ? bitmap : NULL, .words = words, .sel_n = s->dt_sel_n,
-                                        .ptab = tkv_kvs_page_table(s->kv, l), .ptab_stride = MB, .n_heads = Hkv,
-                                        .block_tokens = s->kv_block, .head_dim = s->hp.head_dim, .n_past = v.n_past,
-                                        .refs = s->dt_refs, .miss = s->dt_miss, .cap = cap, .counts = s->dt_counts};
-    t0 = phase_edge(s);
-    if (st == TKV_OK && (st = s->be->ops->kv_table(s->be, &a)) != TKV_OK)
-        st = tkv_err_wrap(st, "device table: layer %u", l);
-    if (st == TKV_OK)
-        st = s->be->ops->download(s->be, s->dt_hcounts, s->dt_counts, (size_t)Hkv * 4 * sizeof *s->dt_hcounts);
-    s->ph_select += phase_edge(s) - t0;
-    bool resident = st == TKV_OK;
-    for (uint32_t h = 0; h < Hkv && resident; h++)
-        resident = s->dt_hcounts[4 * h + 1] == 0 && s->dt_hcounts[4 * h] <= cap;
-    if (resident) {
+        st = table_build(s, l, v.n_past, bitmap, words);
+    bool ok = st == TKV_OK, missing = false, begun = true;
+    for (uint32_t h = 0; h < Hkv && ok; h++) {
+        ok = s->dt_hcounts[4 * h] <= cap && s->dt_hcounts[4 * h + 1] <= cap;
+        missing |= s->dt_hcounts[4 * h + 1] > 0;
+    }
+    if (ok && missing)
+        st = table_bring(s, l, n, v.n_past, bitmap, words, &ok, &begun);
+    if (st == TKV_OK && ok) {
         for (uint32_t h = 0; h < Hkv; h++) {
             const uint32_t *c = s->dt_hcounts + 4 * h;
             s->views[h] = (struct tkv_kv_head_view){.blocks = s->dt_refs + (size_t)h * cap, .n_blocks = c[0]};
@@ -697,15 +813,22 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
                                           .n_head = s->hp.n_head, .n_head_kv = Hkv, .head_dim = s->hp.head_dim,
                                           .scale = 1.0f / sqrtf((float)s->hp.head_dim), .kv = s->views,
                                           .kv_dev = true};
-        t0 = phase_edge(s);
-        st = s->be->ops->attention(s->be, &att);
-        s->ph_attn += phase_edge(s) - t0;
+        if (s->hsplit) {
+            st = hetero_attention(s, &att);
+        } else {
+            const double t1 = phase_edge(s);
+            st = s->be->ops->attention(s->be, &att);
+            s->ph_attn += phase_edge(s) - t1;
+        }
         *done = st == TKV_OK;
         s->dt_layers++;
+        s->dt_brought += missing;
     } else if (st == TKV_OK) {
         s->dt_fallbacks++;
     }
-    tkv_kvs_end_layer(s->kv, l);
+    s->hsplit = false;
+    if (begun)
+        tkv_kvs_end_layer(s->kv, l);
     return st;
 }
 
@@ -816,6 +939,7 @@ static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a
     cpu.out = s->att_cpu;
     cpu.lse = s->lse_cpu;
     cpu.kv = s->hviews;
+    cpu.kv_dev = false;
     TKV_TRY(s->be_cpu->ops->attention(s->be_cpu, &cpu));
     t0 = tkv_now_seconds();
     s->ph_cpu_attn += t0 - t1;
@@ -1101,8 +1225,9 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
         s->het_recall_blocks / steps);
     /* decode layers attended from the device table, and those that fell
      * back to the host path (a selected block was not resident) */
-    OUT(" \"device_table\": {\"active\": %s, \"layers\": %llu, \"fallbacks\": %llu},\n",
-        s->dev_table ? "true" : "false", (unsigned long long)s->dt_layers, (unsigned long long)s->dt_fallbacks);
+    OUT(" \"device_table\": {\"active\": %s, \"layers\": %llu, \"brought\": %llu, \"fallbacks\": %llu},\n",
+        s->dev_table ? "true" : "false", (unsigned long long)s->dt_layers, (unsigned long long)s->dt_brought,
+        (unsigned long long)s->dt_fallbacks);
     /* tiers by role: compute is "gpu" or "host" */
     static const char *const names[3] = {"gpu", "host", "nvme"};
     OUT(" \"tiers\": {");

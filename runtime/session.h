@@ -118,14 +118,17 @@ struct tkv_session {
      * with kv_table; docs/rabitq.md, "Decode from the device table"): the
      * store keeps its page table, the policy leaves its selection in
      * backend memory (decode_bitmap), kv_table builds each decode layer's
-     * block lists from the two, and where every selected block is resident
-     * the attention reads them there (table_layer) */
+     * block lists from the two, and the attention reads them there
+     * (table_layer), missing blocks recalled or attended on the CPU first */
     bool dev_table;
     struct tkv_kv_block_ref *dt_refs, *dt_miss; /* backend [Hkv][max_refs] */
     uint32_t *dt_counts;                        /* backend [Hkv][4]         */
     uint32_t *dt_hcounts, *dt_sel_n;            /* host [Hkv][4], [Hkv]     */
+    struct tkv_kv_block_ref *dt_hmiss;          /* host [max_refs]: one head's missing slices */
     uint64_t dt_layers, dt_fallbacks;           /* decode layers attended from the table;
-                                                   those that had blocks to bring in first */
+                                                   those that took the host path instead */
+    uint64_t dt_brought;                        /* of dt_layers: missing blocks recalled or
+                                                   attended on the CPU first (table_bring) */
     /* decode phase timers, seconds summed over decode steps (wall clock; with
      * TKV_SESSION_PHASE_SYNC bounded by backend synchronizations): the
      * policy's selection (decode_select calls), the device's attention op

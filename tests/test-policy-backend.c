@@ -26,11 +26,11 @@
  *   4. the device decode table (TKV_RABITQ_DEVICE_TABLE=1, test_device_table):
  *      the RaBitQ policies on the opaque backend, flat and tiered, give the
  *      same tokens and reads with the knob on as off, and the same logits
- *      (flat: bit for bit; tiered: within 1e-5, the split's rounding); flat, every
+ *      (flat: bit for bit; tiered: within 1e-5, the split's rounding); every
  *      decode layer attends from the table kv_table built (a skewed table
- *      changes the logits), tiered, layers with selected blocks off the
- *      compute tier fall back to the host path; bad knob values and select
- *      outputs are refused with messages.
+ *      changes the logits), tiered ones after the CPU split or a recall of
+ *      their missing blocks (both tried); bad knob values and select outputs
+ *      are refused with messages.
  */
 #include "runtime/backend.h"
 #include "runtime/policy/policy.h"
@@ -381,11 +381,18 @@ static void test_routes(void)
 
 enum { NP = 96, NG = 24 };
 
-/* tiered: a compute tier of 40 blocks over a host tier, the host's selected
- * blocks attended on the CPU (the split attention: the device table's miss
- * lists are not empty) */
-static tkv_status run_tiered(tkv_model *m, const char *device, const char *policy, bool tiered,
-                             const tkv_token *prompt, tkv_token *toks, float *logits, double *read)
+/* The session's device-table counters (its stats JSON, "device_table"). */
+struct dt_counts {
+    unsigned long long layers, brought, fallbacks;
+};
+
+/* tier: 0 flat; 1 a compute tier of 40 blocks over a host tier, the host's
+ * selected blocks attended on the CPU (the split attention: the device
+ * table's miss lists are not empty); 2 the same tiers, the host's blocks
+ * recalled. dt (may be NULL): the session's device-table counters. */
+static tkv_status run_tiered(tkv_model *m, const char *device, const char *policy, int tier,
+                             const tkv_token *prompt, tkv_token *toks, float *logits, double *read,
+                             struct dt_counts *dt)
 {
     struct tkv_session_params sp = tkv_session_default_params();
     sp.n_threads = 2;
@@ -393,9 +400,9 @@ static tkv_status run_tiered(tkv_model *m, const char *device, const char *polic
     sp.kv_block = 8;
     sp.device = device;
     sp.policy = policy;
-    if (tiered) {
+    if (tier) {
         enum { BLK = 4 * 8 * HD }; /* bytes of one block of K and V */
-        sp.hetero = TKV_HETERO_CPU;
+        sp.hetero = tier == 1 ? TKV_HETERO_CPU : TKV_HETERO_RECALL;
         sp.gpu_kv_mem = 40 * BLK, sp.host_kv_mem = 128 * BLK;
     }
     tkv_session *s = NULL;
@@ -411,6 +418,17 @@ static tkv_status run_tiered(tkv_model *m, const char *device, const char *polic
     if (st == TKV_OK)
         memcpy(logits + (size_t)NG * V, tkv_logits(s), V * sizeof(float));
     tkv_session_kv_read(s, read, NULL);
+    if (dt) {
+        static char js[1 << 16];
+        size_t len = 0;
+        const char *at = NULL;
+        *dt = (struct dt_counts){0};
+        if (tkv_session_stats_json(s, js, sizeof js, &len) == TKV_OK && (at = strstr(js, "\"device_table\"")))
+            CHECK(sscanf(at, "\"device_table\": {\"active\": %*[a-z], \"layers\": %llu, \"brought\": %llu, "
+                             "\"fallbacks\": %llu}",
+                         &dt->layers, &dt->brought, &dt->fallbacks) == 3,
+                  "stats JSON: no device_table counters in %.80s", at);
+    }
     tkv_session_free(s);
     return st;
 }
@@ -418,7 +436,7 @@ static tkv_status run_tiered(tkv_model *m, const char *device, const char *polic
 static tkv_status run_session(tkv_model *m, const char *device, const char *policy, const tkv_token *prompt,
                               tkv_token *toks, float *logits, double *read)
 {
-    return run_tiered(m, device, policy, false, prompt, toks, logits, read);
+    return run_tiered(m, device, policy, 0, prompt, toks, logits, read, NULL);
 }
 
 /* The device decode table (TKV_RABITQ_DEVICE_TABLE=1): on the opaque
@@ -429,9 +447,10 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
  * backend memory. Flat (every
  * block resident), every such layer's attention reads that table where it
  * is (kv_dev), so a table skewed by one row changes the logits; tiered (a
- * compute tier of 40 blocks), the layers whose selection is not all
- * resident take the host path (recall or the CPU split) instead. A knob of
- * another value and rabitq_select's bad outputs are refused with messages. */
+ * compute tier of 40 blocks), a layer whose selection is not all resident
+ * has its missing blocks left to the CPU (the split) or recalled, and a
+ * second table built, before the same attention. A knob of another value
+ * and rabitq_select's bad outputs are refused with messages. */
 static void test_device_table(tkv_model *m, const tkv_token *prompt)
 {
     static tkv_token t_off[NG], t_on[NG];
@@ -442,46 +461,50 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
         "rabitq:p=0.7,safe=1,sink=4,recent=8,batch=8,dense=1,whole=1",
         "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
     };
+    static const char *const tiers[] = {"flat", "tiered, CPU split", "tiered, recall"};
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
-        for (int tiered = 0; tiered < 2; tiered++) {
+        for (int tier = 0; tier < 3; tier++) {
             unsetenv("TKV_RABITQ_DEVICE_TABLE");
             const uint64_t kt0 = opaque_kv_table_calls, dv0 = opaque_attention_dev_calls;
-            tkv_status st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_off, l_off, &r_off);
+            struct dt_counts dt;
+            tkv_status st = run_tiered(m, "opaque", specs[i], tier, prompt, t_off, l_off, &r_off, &dt);
             CHECK(st == TKV_OK, "%s, knob off: %s", specs[i], tkv_last_error());
-            CHECK(opaque_kv_table_calls == kt0 && opaque_attention_dev_calls == dv0,
+            CHECK(opaque_kv_table_calls == kt0 && opaque_attention_dev_calls == dv0 && dt.layers == 0,
                   "%s: kv_table called, or the attention given device views, with the knob off", specs[i]);
             setenv("TKV_RABITQ_DEVICE_TABLE", "1", 1);
-            st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_on, l_on, &r_on);
+            st = run_tiered(m, "opaque", specs[i], tier, prompt, t_on, l_on, &r_on, &dt);
             const uint64_t tables = opaque_kv_table_calls - kt0, from_table = opaque_attention_dev_calls - dv0;
-            CHECK(st == TKV_OK, "%s%s, knob on: %s", specs[i], tiered ? " (tiered)" : "", tkv_last_error());
+            CHECK(st == TKV_OK, "%s (%s), knob on: %s", specs[i], tiers[tier], tkv_last_error());
             CHECK(tables > 0, "%s: the knob on built no device table", specs[i]);
-            /* flat: every table read where it is; tiered: some layers brought blocks in first */
-            CHECK(tiered ? from_table < tables : from_table == tables,
-                  "%s%s: %llu of %llu decode layers attended from the device table", specs[i],
-                  tiered ? " (tiered)" : "", (unsigned long long)from_table, (unsigned long long)tables);
-            CHECK(!memcmp(t_off, t_on, sizeof t_off), "%s: the knob on generated other tokens", specs[i]);
-            /* flat: bit for bit; tiered: the residency differs (a layer that falls back has
-             * brought in its written block first), so the split attention's partials and their
-             * rounding may too */
+            /* every decode layer attends from the table; flat, nothing is missing (one table each);
+             * tiered, missing blocks are recalled or left to the CPU first (a second table) */
+            CHECK(from_table == dt.layers && dt.fallbacks == 0 && tables == dt.layers + dt.brought &&
+                      (tier ? dt.brought > 0 : dt.brought == 0),
+                  "%s (%s): %llu kv_table calls, %llu attentions from the table; the session counted %llu layers, "
+                  "%llu with blocks brought, %llu fallbacks", specs[i], tiers[tier], (unsigned long long)tables,
+                  (unsigned long long)from_table, dt.layers, dt.brought, dt.fallbacks);
+            CHECK(!memcmp(t_off, t_on, sizeof t_off), "%s (%s): the knob on generated other tokens", specs[i],
+                  tiers[tier]);
+            /* flat: bit for bit; tiered: the residency differs (a layer with misses begins twice),
+             * so the split attention's partials and their rounding may too */
             double dmax = 0, lmax = 0;
             for (size_t j = 0; j < (NG + 1) * V; j++)
                 dmax = fmax(dmax, fabs((double)l_off[j] - l_on[j])), lmax = fmax(lmax, fabs((double)l_off[j]));
-            CHECK(tiered ? dmax <= 1e-5 * lmax : !memcmp(l_off, l_on, sizeof l_off),
-                  "%s%s: the knob on changed the logits by up to %g (largest %g)", specs[i], tiered ? " (tiered)" : "",
-                  dmax, lmax);
-            CHECK(r_off == r_on, "%s: decode read %g of the tokens with the knob off, %g on", specs[i], r_off, r_on);
-            fprintf(stderr, "  device table %-80s %s: %llu kv_table calls, %llu layers attended from the table, logits "
-                            "within %.2g\n", specs[i], tiered ? "tiered" : "flat", (unsigned long long)tables,
-                    (unsigned long long)from_table, dmax);
-            if (tiered)
-                continue;
-            /* the attention really reads the table: one row short changes the logits */
-            opaque_kv_table_skew = true;
-            st = run_tiered(m, "opaque", specs[i], tiered, prompt, t_on, l_on, &r_on);
-            opaque_kv_table_skew = false;
-            CHECK(st == TKV_OK && memcmp(l_off, l_on, sizeof l_off) != 0,
-                  "%s: a device table skewed by one row left the logits as they were (%d: %s)", specs[i], (int)st,
-                  tkv_last_error());
+            CHECK(tier ? dmax <= 1e-5 * lmax : !memcmp(l_off, l_on, sizeof l_off),
+                  "%s (%s): the knob on changed the logits by up to %g (largest %g)", specs[i], tiers[tier], dmax,
+                  lmax);
+            CHECK(r_off == r_on, "%s (%s): decode read %g of the tokens with the knob off, %g on", specs[i],
+                  tiers[tier], r_off, r_on);
+            fprintf(stderr, "  device table %-80s %s: %llu layers from the table, %llu with blocks brought first, "
+                            "logits within %.2g\n", specs[i], tiers[tier], dt.layers, dt.brought, dmax);
+            if (tier == 0) { /* the attention really reads the table: one row short changes the logits */
+                opaque_kv_table_skew = true;
+                st = run_tiered(m, "opaque", specs[i], tier, prompt, t_on, l_on, &r_on, NULL);
+                opaque_kv_table_skew = false;
+                CHECK(st == TKV_OK && memcmp(l_off, l_on, sizeof l_off) != 0,
+                      "%s: a device table skewed by one row left the logits as they were (%d: %s)", specs[i],
+                      (int)st, tkv_last_error());
+            }
             unsetenv("TKV_RABITQ_DEVICE_TABLE");
         }
     /* the knob is 0 or 1 */
