@@ -682,6 +682,7 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
     const uint32_t written = s->n_past / B, G = s->hp.n_head / Hkv, hd = s->hp.head_dim;
     const uint32_t bytes = tkv_kvs_block_bytes(s->kv);
     bool cpu_head[256], any_cpu = false;
+    uint64_t cpu_heads = 0, cpu_blocks = 0, cpu_tokens = 0, recall_heads = 0, recall_blocks = 0; /* if *ok */
     for (uint32_t h = 0; h < Hkv; h++) {
         const uint32_t nm = s->dt_hcounts[4 * h + 1];
         uint8_t *need = s->need + (size_t)h * MB, *host_ok = s->host_ok ? s->host_ok + (size_t)h * MB : NULL;
@@ -710,9 +711,9 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
                 host_ok[b] = b != written && tkv_kvs_block_tier(s->kv, l, h, b) == TKV_TIER_HOST;
             }
             cpu_head[h] = any_cpu = true;
-            s->het_cpu_heads++, s->het_cpu_blocks += blocks, s->het_cpu_tokens += tokens;
+            cpu_heads++, cpu_blocks += blocks, cpu_tokens += tokens;
         } else if (blocks) {
-            s->het_recall_heads++, s->het_recall_blocks += blocks;
+            recall_heads++, recall_blocks += blocks;
         }
     }
     tkv_kvs_end_layer(s->kv, l);
@@ -748,6 +749,8 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
     }
     s->hsplit = split;
     *ok = true;
+    s->het_cpu_heads += cpu_heads, s->het_cpu_blocks += cpu_blocks, s->het_cpu_tokens += cpu_tokens;
+    s->het_recall_heads += recall_heads, s->het_recall_blocks += recall_blocks;
     return TKV_OK;
 }
 
