@@ -172,6 +172,7 @@ struct row {
     double cpu_heads;                /* per timed step                        */
     double table_share;              /* decode layers attended from the device table, of those it
                                         was built for; -1: none                  */
+    double brought_share;            /* of those, the share with missing blocks settled first */
     double split_step_s, select_s, attn_s, cpu_attn_s, stall_s; /* per split step */
     struct tkv_kvs_stall stall;      /* the stall's parts and counts, summed over the split steps */
     double stall_steps;              /* the steps they are summed over          */
@@ -191,7 +192,8 @@ static void diff(const struct tkv_step_counters *a, const struct tkv_step_counte
         .read_count = a->read_count - b->read_count, .recall_bytes = a->recall_bytes - b->recall_bytes,
         .host_out_bytes = a->host_out_bytes - b->host_out_bytes, .nvme_out_bytes = a->nvme_out_bytes - b->nvme_out_bytes,
         .cpu_heads = a->cpu_heads - b->cpu_heads, .table_layers = a->table_layers - b->table_layers,
-        .table_fallbacks = a->table_fallbacks - b->table_fallbacks};
+        .table_fallbacks = a->table_fallbacks - b->table_fallbacks,
+        .table_brought = a->table_brought - b->table_brought};
     const struct tkv_kvs_stall *x = &a->store, *y = &b->store;
     d->store = (struct tkv_kvs_stall){
         .settle_s = x->settle_s - y->settle_s, .evict_s = x->evict_s - y->evict_s,
@@ -292,6 +294,7 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     r->table_share = d.table_layers + d.table_fallbacks
                          ? (double)d.table_layers / (double)(d.table_layers + d.table_fallbacks)
                          : -1;
+    r->brought_share = d.table_layers ? (double)d.table_brought / (double)d.table_layers : 0;
     r->stall = d.store; /* the timed steps', unless split steps follow */
     r->stall_steps = n;
     if (o->split_steps) {
@@ -460,7 +463,7 @@ int main(int argc, char **argv)
         printf("link: pinned host -> GPU %.1f GB/s (64 MiB copies, best of 5)\n", link);
     printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | hot blk | split step ms | rest ms | "
            "attn ms | select ms | cpu attn ms | stall ms | recall MB/step | recall ms @link | PCIe GB/s | PCIe util "
-           "| from table | = ref |\n");
+           "| from table (brought first) | = ref |\n");
     printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     fflush(stdout);
 
@@ -515,7 +518,8 @@ int main(int argc, char **argv)
             stall_row(&split_tab, &split_len, ctx, o.policies[p], &r);
             char table[32] = "-";
             if (r.table_share >= 0)
-                snprintf(table, sizeof table, "%.1f%%", 100.0 * r.table_share);
+                snprintf(table, sizeof table, "%.1f%% (%.0f%% brought)", 100.0 * r.table_share,
+                         100.0 * r.brought_share);
             printf("| %u | %s | %s | %.2f | %.3f | %s | %.4f | %.4f | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | "
                    "%s | %.2f | %s | %s | %s |\n",
                    ctx, o.policies[p], row_tiers, 1.0 / r.step_s, r.step_s * 1e3, ratio, r.read_tok, r.read_blk,
@@ -533,12 +537,12 @@ int main(int argc, char **argv)
                         "\"recall_bytes_per_step\": %.0f, \"host_out_bytes_per_step\": %.0f, "
                         "\"nvme_out_bytes_per_step\": %.0f, \"cpu_heads_per_step\": %.2f, \"link_gbs\": %.3f, "
                         "\"pcie_gbs\": %.4f, \"same_tokens_as_ref\": \"%s\", \"commit\": \"%s\", "
-                        "\"device_table_share\": %.4f, ",
+                        "\"device_table_share\": %.4f, \"device_table_brought_share\": %.4f, ",
                         base, wb.matrix_type, o.device, ctx, o.policies[p], row_tiers, synth, r.real, r.natural_sd, r.hot_share, r.fill_s,
                         r.warm_s, o.steps, r.step_s * 1e3, 1.0 / r.step_s, full_s > 0 ? full_s / r.step_s : 0.0,
                         r.read_tok, r.read_blk, o.split_steps, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3,
                         r.select_s * 1e3, r.cpu_attn_s * 1e3, r.stall_s * 1e3, r.recall_b, r.host_out_b,
-                        r.nvme_out_b, r.cpu_heads, link, pcie, same, commit, r.table_share);
+                        r.nvme_out_b, r.cpu_heads, link, pcie, same, commit, r.table_share, r.brought_share);
                 const struct tkv_kvs_stall *t = &r.stall;
                 const double k = r.stall_steps > 0 ? r.stall_steps : 1;
                 fprintf(json,

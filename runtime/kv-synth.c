@@ -224,7 +224,8 @@ void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *o
         .nvme_out_bytes = ks.tier[TKV_TIER_NVME].bytes_out, .cpu_heads = s->het_cpu_heads,
         .cpu_tokens = s->het_cpu_tokens, .recall_heads = s->het_recall_heads,
         .recall_blocks = s->het_recall_blocks, .host_read_blocks = ks.host_read_blocks,
-        .table_layers = s->dt_layers, .table_fallbacks = s->dt_fallbacks, .store = ks.stall};
+        .table_layers = s->dt_layers, .table_fallbacks = s->dt_fallbacks,
+        .table_brought = s->dt_brought, .store = ks.stall};
 }
 
 void tkv_session_set_phase_sync(tkv_session *s, bool on)

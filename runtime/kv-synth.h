@@ -107,6 +107,8 @@ struct tkv_step_counters {
     uint64_t cpu_heads, cpu_tokens, recall_heads, recall_blocks, host_read_blocks; /* hetero */
     uint64_t table_layers, table_fallbacks; /* decode layers attended from the device table;
                                                those that took the host path instead    */
+    uint64_t table_brought;                 /* of table_layers: missing blocks recalled or
+                                               attended on the CPU first                */
     struct tkv_kvs_stall store; /* store_s split into its parts, and the work behind them */
 };
 void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *out);
