@@ -552,6 +552,24 @@ static bool plan_decode(tkv_session *s, uint32_t layer, int *plan)
     return true;
 }
 
+/* Whether block b of (layer, head), needed at this decode step, would be
+ * read on the host tier by the CPU: its current copy is there, and it is
+ * not the block this step writes. */
+static bool host_readable(const tkv_session *s, uint32_t layer, uint32_t head, uint32_t b)
+{
+    return b != s->n_past / s->kv_block && tkv_kvs_block_tier(s->kv, layer, head, b) == TKV_TIER_HOST;
+}
+
+/* The heterogeneous choice for one KV head whose host-tier blocks (blocks,
+ * holding `tokens` selected tokens) are needed: true, the CPU attends them
+ * where they are -- always, never, or by the cost model, as s->hetero says. */
+static bool hetero_to_cpu(const tkv_session *s, uint64_t blocks, uint64_t tokens)
+{
+    return s->hetero == TKV_HETERO_CPU ||
+           tkv_hetero_prefer_cpu(blocks, tokens, tkv_kvs_block_bytes(s->kv), s->hp.n_head / s->hp.n_head_kv,
+                                 s->hp.head_dim, s->link_bps, s->cpu_flops, s->crc_bps);
+}
+
 /* Heterogeneous decode, after plan_decode: per KV head, the planned blocks
  * whose current copy is in the host tier (not the compute tier; never the
  * block this step writes) are either recalled or left there for the CPU
@@ -563,7 +581,6 @@ static bool hetero_plan(tkv_session *s, uint32_t layer, const int *plan)
     if (!s->be_cpu)
         return false;
     const uint32_t MB = tkv_kvs_max_blocks(s->kv), B = s->kv_block, ctx = s->n_past + 1, nb = (ctx + B - 1) / B;
-    const uint32_t written = s->n_past / B, G = s->hp.n_head / s->hp.n_head_kv, bytes = tkv_kvs_block_bytes(s->kv);
     bool any = false;
     for (uint32_t h = 0; h < s->hp.n_head_kv; h++) {
         const uint8_t *need = s->need + (size_t)h * MB;
@@ -574,7 +591,7 @@ static bool hetero_plan(tkv_session *s, uint32_t layer, const int *plan)
         uint32_t ri = 0; /* the first range that may reach block b (ranges ascend) */
         memset(ok, 0, nb);
         for (uint32_t b = 0; b < nb; b++) {
-            if (!need[b] || b == written || tkv_kvs_block_tier(s->kv, layer, h, b) != TKV_TIER_HOST)
+            if (!need[b] || !host_readable(s, layer, h, b))
                 continue;
             const uint32_t lo = b * B, hi = TKV_MIN(lo + B, ctx);
             uint32_t t = 0;
@@ -592,8 +609,7 @@ static bool hetero_plan(tkv_session *s, uint32_t layer, const int *plan)
         }
         if (blocks == 0)
             continue;
-        if (s->hetero == TKV_HETERO_CPU ||
-            tkv_hetero_prefer_cpu(blocks, tokens, bytes, G, s->hp.head_dim, s->link_bps, s->cpu_flops, s->crc_bps)) {
+        if (hetero_to_cpu(s, blocks, tokens)) {
             s->het_cpu_heads++;
             s->het_cpu_blocks += blocks;
             s->het_cpu_tokens += tokens;
@@ -679,8 +695,7 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
 {
     *ok = false, *begun = true;
     const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs, MB = tkv_kvs_max_blocks(s->kv), B = s->kv_block;
-    const uint32_t written = s->n_past / B, G = s->hp.n_head / Hkv, hd = s->hp.head_dim;
-    const uint32_t bytes = tkv_kvs_block_bytes(s->kv);
+    const uint32_t hd = s->hp.head_dim;
     bool cpu_head[256], any_cpu = false;
     uint64_t cpu_heads = 0, cpu_blocks = 0, cpu_tokens = 0, recall_heads = 0, recall_blocks = 0; /* if *ok */
     for (uint32_t h = 0; h < Hkv; h++) {
@@ -692,27 +707,24 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
         if (!nm)
             continue;
         TKV_TRY(table_misses(s, h));
-        uint64_t blocks = 0, tokens = 0; /* on the host tier: what the CPU would read */
+        uint64_t blocks = 0, tokens = 0; /* on the host tier: what the CPU would read (marked in host_ok) */
         uint32_t last = UINT32_MAX;
         for (uint32_t j = 0; j < nm; j++) {
             const uint32_t b = (uint32_t)s->dt_hmiss[j].pos0 / B;
             need[b] = 1;
-            if (b == written || tkv_kvs_block_tier(s->kv, l, h, b) != TKV_TIER_HOST)
+            if (!host_ok || !host_readable(s, l, h, b))
                 continue;
+            host_ok[b] = 1;
             tokens += s->dt_hmiss[j].n;
             blocks += b != last;
             last = b;
         }
-        if (host_ok && blocks &&
-            (s->hetero == TKV_HETERO_CPU ||
-             tkv_hetero_prefer_cpu(blocks, tokens, bytes, G, hd, s->link_bps, s->cpu_flops, s->crc_bps))) {
-            for (uint32_t j = 0; j < nm; j++) {
-                const uint32_t b = (uint32_t)s->dt_hmiss[j].pos0 / B;
-                host_ok[b] = b != written && tkv_kvs_block_tier(s->kv, l, h, b) == TKV_TIER_HOST;
-            }
+        if (blocks && hetero_to_cpu(s, blocks, tokens)) {
             cpu_head[h] = any_cpu = true;
             cpu_heads++, cpu_blocks += blocks, cpu_tokens += tokens;
-        } else if (blocks) {
+        } else if (blocks) { /* recalled: the marks go */
+            for (uint32_t j = 0; j < nm; j++)
+                host_ok[(uint32_t)s->dt_hmiss[j].pos0 / B] = 0;
             recall_heads++, recall_blocks += blocks;
         }
     }
@@ -786,14 +798,9 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
         return TKV_OK;
     /* the store: only the block this step writes (the rest is what it is) */
     const uint32_t MB = tkv_kvs_max_blocks(s->kv), written = s->n_past / s->kv_block;
-    bool any_sel = false;
-    for (uint32_t h = 0; h < Hkv; h++) {
-        memset(s->need + (size_t)h * MB, 0, MB);
+    memset(s->need, 0, (size_t)Hkv * MB);
+    for (uint32_t h = 0; h < Hkv; h++)
         s->need[(size_t)h * MB + written] = 1;
-        any_sel |= s->dt_sel_n[h] > 0;
-    }
-    if (!any_sel)
-        bitmap = NULL, words = 0;
     uint32_t n_host = 0;
     TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, s->need, NULL, &n_host));
     tkv_status st = store_kv(s, l, n);
@@ -1226,8 +1233,9 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
         (unsigned long long)s->het_recall_blocks, (unsigned long long)ks.host_read_blocks,
         s->het_cpu_heads / steps, s->het_cpu_tokens / steps, s->het_recall_heads / steps,
         s->het_recall_blocks / steps);
-    /* decode layers attended from the device table, and those that fell
-     * back to the host path (a selected block was not resident) */
+    /* decode layers attended from the device table, those of them whose
+     * missing blocks were recalled or left to the CPU first, and those that
+     * fell back to the host path (a recall evicted a selected block) */
     OUT(" \"device_table\": {\"active\": %s, \"layers\": %llu, \"brought\": %llu, \"fallbacks\": %llu},\n",
         s->dev_table ? "true" : "false", (unsigned long long)s->dt_layers, (unsigned long long)s->dt_brought,
         (unsigned long long)s->dt_fallbacks);

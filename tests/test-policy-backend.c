@@ -33,6 +33,7 @@
  *      are refused with messages.
  */
 #include "runtime/backend.h"
+#include "runtime/kv-synth.h"
 #include "runtime/policy/policy.h"
 #include "tierkv.h"
 #include "opaque-backend.h"
@@ -381,7 +382,7 @@ static void test_routes(void)
 
 enum { NP = 96, NG = 24 };
 
-/* The session's device-table counters (its stats JSON, "device_table"). */
+/* The session's device-table counters (tkv_session_step_counters). */
 struct dt_counts {
     unsigned long long layers, brought, fallbacks;
 };
@@ -419,15 +420,9 @@ static tkv_status run_tiered(tkv_model *m, const char *device, const char *polic
         memcpy(logits + (size_t)NG * V, tkv_logits(s), V * sizeof(float));
     tkv_session_kv_read(s, read, NULL);
     if (dt) {
-        static char js[1 << 16];
-        size_t len = 0;
-        const char *at = NULL;
-        *dt = (struct dt_counts){0};
-        if (tkv_session_stats_json(s, js, sizeof js, &len) == TKV_OK && (at = strstr(js, "\"device_table\"")))
-            CHECK(sscanf(at, "\"device_table\": {\"active\": %*[a-z], \"layers\": %llu, \"brought\": %llu, "
-                             "\"fallbacks\": %llu}",
-                         &dt->layers, &dt->brought, &dt->fallbacks) == 3,
-                  "stats JSON: no device_table counters in %.80s", at);
+        struct tkv_step_counters c;
+        tkv_session_step_counters(s, &c);
+        *dt = (struct dt_counts){c.table_layers, c.table_brought, c.table_fallbacks};
     }
     tkv_session_free(s);
     return st;
