@@ -9,7 +9,8 @@
  *               s, d, g to scratch; the largest g of the candidates (keys not
  *               forced) and the largest s + d of all keys per pair
  *   2 hist      the forced keys' l summed; the candidates' l, u and count in
- *               4096 bins of 1/64 nat below the largest g (the host's bins)
+ *               the host's bins of 1/TKV_RABITQ_TOPP_BPN nat below the largest g
+ *               (backend.h: 1024 of 1/16 nat)
  *   3 scan      one block per pair: prefix sums over the bins give the first
  *               bin where keeping it whole meets (1-p) N >= p C: the boundary
  *   4 members   the boundary bin's keys listed (order immaterial: sums are
@@ -46,7 +47,8 @@
  * heads: l ~ 4e-18 < 2^-40 rounds to 0), while every dropped background key
  * (u ~ e^-80) rounds UP to one unit: the rule could only be met by keeping
  * almost every key (H200: 108938 kept where the host keeps 184). Here a
- * u term's rounding is < 4 2^-40 / p of itself (u >= e^g in its bin: only
+ * u term's rounding is < 4 e^(1/BPN) 2^-40 / p of itself (u >= e^g, and g
+ * within 1/BPN nat of its bin's top, which set the units: only
  * the last bin, g < gmax - 64 nat, is coarser, its error < n 2^-38
  * e^(gmax-64-M) / p in all), and N's error is < n 2^-38 Lref, relative to
  * N < n 2^-38 max(1, (1-p)/p) wherever the rule holds (the Lref term is
@@ -58,11 +60,12 @@
 #include <cub/block/block_scan.cuh>
 
 #define NB        TKV_CUDA_RQS_NBINS
-#define BPN       64.0f
+#define BPN       ((float)TKV_RABITQ_TOPP_BPN)
 #define CHUNK     8192 /* keys per block of the members kernel */
 #define HCHUNK    4096 /* keys per block of the hist kernel: its bins' sums of 20-bit halves of terms
                           below 2^40 units stay below 2^32 */
 #define HALF      20
+#define HU        4    /* keys a thread of the hist and members kernels loads at once */
 #define FX_BITS   40 /* a bin's largest possible term is <= 2^(FX_BITS-1) units */
 #define E_MIN     (-149) /* bin exponents: floats are >= 2^-149; clamped, the units only coarsen */
 #define E_MAX     300
@@ -134,12 +137,28 @@ static __device__ __forceinline__ uint32_t bin_of(float g, float gmax)
     return (uint32_t)(int32_t)(d > 0 ? d : 0);
 }
 
-static __device__ __forceinline__ bool is_forced(const struct tkv_cuda_rqs_head &h, uint32_t i)
+/* A head's forced ranges in registers: read through the head's reference,
+ * each use would load them again after every global store the compiler
+ * cannot tell apart from them. */
+struct rqs_forced {
+    uint32_t n, fb[TKV_CUDA_RQS_MAX_FORCED], fe[TKV_CUDA_RQS_MAX_FORCED];
+};
+static __device__ __forceinline__ struct rqs_forced forced_of(const struct tkv_cuda_rqs_head &h)
 {
-    bool f = false;
-    for (uint32_t r = 0; r < h.n_forced; r++)
-        f |= i >= h.fb[r] && i < h.fe[r];
+    struct rqs_forced f;
+    f.n = h.n_forced;
+#pragma unroll
+    for (int r = 0; r < TKV_CUDA_RQS_MAX_FORCED; r++)
+        f.fb[r] = h.fb[r], f.fe[r] = h.fe[r];
     return f;
+}
+static __device__ __forceinline__ bool is_forced(const struct rqs_forced &f, uint32_t i)
+{
+    bool x = false;
+#pragma unroll
+    for (uint32_t r = 0; r < TKV_CUDA_RQS_MAX_FORCED; r++)
+        x |= r < f.n && i >= f.fb[r] && i < f.fe[r];
+    return x;
 }
 
 /* the host's key_lu, from the stored s and d */
@@ -174,7 +193,7 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
     for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
         ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
     __syncthreads();
-    const bool valid = i < hd.n, forced = valid && is_forced(hd, i);
+    const bool valid = i < hd.n, forced = valid && is_forced(forced_of(hd), i);
     const struct tkv_cuda_rq_index &ix = hd.ix;
     const uint32_t words = W > 0 ? (uint32_t)W : ix.words;
     uint64_t cw[W > 0 ? W : TKV_CUDA_RQ_MAX_WORDS];
@@ -211,7 +230,7 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
         }
         go = __reduce_max_sync(0xffffffffu, go);
         uo = __reduce_max_sync(0xffffffffu, uo);
-        lo = __reduce_max_sync(0xffffffffu, lo);
+        lo = pp.safe ? __reduce_max_sync(0xffffffffu, lo) : uo; /* plain: d = 0, s - d = s + d */
         bad = __reduce_or_sync(0xffffffffu, bad);
         if (threadIdx.x % 32 == 0) {
             unsigned *r = red[threadIdx.x / 32][j];
@@ -292,35 +311,58 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
     const uint32_t pair = blockIdx.y, h = pair / pp.G;
     const struct tkv_cuda_rqs_head &hd = heads[h];
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
+    __shared__ struct rqs_units cs;
+    __shared__ int2 bexp[NB]; /* bin_exps of every bin: El, Eu */
     const uint32_t i0 = blockIdx.x * HCHUNK;
     if (i0 >= hd.n)
         return;
+    if (threadIdx.x == 0) /* the units once per block (doubles, logarithms) */
+        cs = pair_units(pp, st);
     for (uint32_t b = threadIdx.x; b < 5 * NB; b += blockDim.x)
         sh[b] = 0;
     __syncthreads();
-    const struct rqs_units c = pair_units(pp, st);
+    const struct rqs_units c = cs;
+    for (uint32_t b = threadIdx.x; b < NB; b += blockDim.x) {
+        int El, Eu;
+        bin_exps(c, b, &El, &Eu);
+        bexp[b] = make_int2(El, Eu);
+    }
+    __syncthreads();
+    const struct rqs_forced fr = forced_of(hd);
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
     const uint32_t i1 = min(i0 + HCHUNK, hd.n);
     const u64 lo_mask = (1ull << HALF) - 1;
     u64 nf = 0;
     bool over = false;
-    for (uint32_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
-        const float g = pt.g[i], s = pp.safe ? pt.s[i] : g, d = pp.safe ? pt.d[i] : 0.0f;
-        float l, u;
-        key_lu(s, d, c.M, pp.safe, &l, &u);
-        if (is_forced(hd, i)) {
-            nf += fx_down(l, c.Ef, &over);
-        } else {
-            const uint32_t b = bin_of(g, c.gmax);
-            int El, Eu;
-            bin_exps(c, b, &El, &Eu);
-            const u64 tl = fx_down(l, El, &over), tu = fx_up(u, Eu, &over);
-            over |= ((tl | tu) >> (2 * HALF)) != 0;
-            atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
-            atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
-            atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
-            atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
-            atomicAdd(&hc[b], 1u);
+    for (uint32_t i = i0 + threadIdx.x; i < i1; i += HU * blockDim.x) {
+        float g[HU], s[HU], d[HU]; /* HU keys' loads in flight before any is used */
+#pragma unroll
+        for (int x = 0; x < HU; x++) {
+            const uint32_t k = i + x * blockDim.x;
+            g[x] = k < i1 ? pt.g[k] : 0.0f;
+            s[x] = pp.safe && k < i1 ? pt.s[k] : g[x];
+            d[x] = pp.safe && k < i1 ? pt.d[k] : 0.0f;
+        }
+#pragma unroll
+        for (int x = 0; x < HU; x++) {
+            const uint32_t k = i + x * blockDim.x;
+            if (k >= i1)
+                break;
+            float l, u;
+            key_lu(s[x], d[x], c.M, pp.safe, &l, &u);
+            if (is_forced(fr, k)) {
+                nf += fx_down(l, c.Ef, &over);
+            } else {
+                const uint32_t b = bin_of(g[x], c.gmax);
+                const int2 E = bexp[b];
+                const u64 tl = fx_down(l, E.x, &over), tu = fx_up(u, E.y, &over);
+                over |= ((tl | tu) >> (2 * HALF)) != 0;
+                atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
+                atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
+                atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
+                atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
+                atomicAdd(&hc[b], 1u);
+            }
         }
     }
     if (nf)
@@ -336,8 +378,9 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
         }
 }
 
-#define SCAN_T 1024
+#define SCAN_T (NB < 1024 ? NB : 1024)
 #define SCAN_B (NB / SCAN_T)
+static_assert((NB & (NB - 1)) == 0 && NB >= 32 && NB / BPN == 64.0f, "bins: a power of two, 64 nats in all");
 
 /* 3: one block of SCAN_T threads per pair; thread t owns bins SCAN_B t ..
  * Each bin's sums become doubles (l down, u up); N before a bin is nf plus
@@ -420,16 +463,61 @@ __global__ void rqs_members(struct tkv_cuda_rqs_params pp, const struct tkv_cuda
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
     if (!st->partial)
         return;
+    const struct rqs_forced fr = forced_of(hd);
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
     const uint32_t i1 = min((blockIdx.x + 1) * CHUNK, hd.n), bstar = st->bstar;
     const float gmax = st->gmax;
     uint32_t *list = w.list + (size_t)pair * pp.n_max;
-    for (uint32_t i = blockIdx.x * CHUNK + threadIdx.x; i < i1; i += blockDim.x)
-        if (bin_of(pt.g[i], gmax) == bstar && !is_forced(hd, i))
-            list[atomicAdd(&st->m, 1u)] = i;
+    const uint32_t lane = threadIdx.x % 32;
+    /* whole warps walk the chunk (the ballot), HU keys loaded at once; a
+     * warp's members take their places with one atomic */
+    for (uint32_t i0 = blockIdx.x * CHUNK; i0 < i1; i0 += HU * blockDim.x) {
+        float g[HU];
+#pragma unroll
+        for (int x = 0; x < HU; x++) {
+            const uint32_t i = i0 + x * blockDim.x + threadIdx.x;
+            g[x] = i < i1 ? pt.g[i] : 0.0f;
+        }
+#pragma unroll
+        for (int x = 0; x < HU; x++) {
+            const uint32_t i = i0 + x * blockDim.x + threadIdx.x;
+            const bool take = i < i1 && bin_of(g[x], gmax) == bstar && !is_forced(fr, i);
+            const unsigned bal = __ballot_sync(0xffffffffu, take);
+            if (!bal)
+                continue;
+            uint32_t base = 0;
+            if (lane == 0)
+                base = atomicAdd(&st->m, (uint32_t)__popc(bal));
+            base = __shfl_sync(0xffffffffu, base, 0);
+            if (take)
+                list[base + __popc(bal & ((1u << lane) - 1))] = i;
+        }
+    }
 }
 
 #define REF_T 256
+#define RCAP  2048 /* boundary-bin members the refine kernel keeps in shared memory */
+
+/* The warp's terms added into their digits' sums (dg 256: none), one atomic
+ * per (digit, sum) and warp: the members of a boundary bin share their
+ * leading digits, and 64-bit shared-memory atomics are compare-and-swap
+ * loops, which lanes on the same word would take one at a time. Integer
+ * sums: the grouping does not change them. All 32 lanes call it. */
+static __device__ __forceinline__ void digit_add(uint32_t dg, u64 tl, u64 tu, u64 *dl, u64 *du, uint32_t *dc)
+{
+    const unsigned peers = __match_any_sync(0xffffffffu, dg), lane = threadIdx.x % 32;
+    u64 sl = 0, su = 0;
+    for (int src = 0; src < 32; src++) {
+        const u64 vl = __shfl_sync(0xffffffffu, tl, src), vu = __shfl_sync(0xffffffffu, tu, src);
+        if ((peers >> src) & 1)
+            sl += vl, su += vu;
+    }
+    if (dg < 256 && lane == (unsigned)__ffs(peers) - 1) {
+        atomicAdd(&dl[dg], sl);
+        atomicAdd(&du[dg], su);
+        atomicAdd(&dc[dg], (uint32_t)__popc(peers));
+    }
+}
 
 /* 5: one block of REF_T threads per pair: the last key taken (kstar). The
  * boundary bin's taken l (ni) and dropped u (ci) stay integers in the bin's
@@ -477,13 +565,23 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
     bool over = false; /* (the hist kernel's terms, which did not overflow) */
     if (t == 0)
         sni = 0, sci = 0, scnt = st->cnt, skey = 0;
+    /* up to RCAP members' keys and terms kept in shared memory for the
+     * passes (each would gather them again and redo the exponentials) */
+    extern __shared__ u64 cache[]; /* [3][RCAP]: K, l's term, u's term */
+    const bool cached = m <= RCAP;
     /* the digits every member shares: a pass over them would take that
      * digit whole and leave the sums as they are, so they are skipped */
     u64 ka = ~0ull, ko = 0;
     for (uint32_t x = t; x < m; x += REF_T) {
         const uint32_t i = list[x];
-        const u64 K = key_of(pt.g[i], i);
+        const float g = pt.g[i];
+        const u64 K = key_of(g, i);
         ka &= K, ko |= K;
+        if (cached) {
+            float l, u;
+            key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
+            cache[x] = K, cache[RCAP + x] = fx_down(l, El, &over), cache[2 * RCAP + x] = fx_up(u, Eu, &over);
+        }
     }
     ka = Reduce(tmp.reduce).Reduce(ka, [](u64 x, u64 y) { return x & y; });
     __syncthreads();
@@ -501,18 +599,26 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
         if (t == 0)
             dstar = -1;
         __syncthreads();
-        for (uint32_t x = t; x < m; x += REF_T) {
-            const uint32_t i = list[x];
-            const float g = pt.g[i];
-            const u64 K = key_of(g, i);
-            if ((K & mask) != prefix)
-                continue;
-            float l, u;
-            key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
-            const uint32_t dg = (uint32_t)(K >> shift) & 255u;
-            atomicAdd(&dl[dg], fx_down(l, El, &over));
-            atomicAdd(&du[dg], fx_up(u, Eu, &over));
-            atomicAdd(&dc[dg], 1u);
+        for (uint32_t x0 = 0; x0 < m; x0 += REF_T) { /* whole warps: digit_add */
+            const uint32_t x = x0 + t;
+            uint32_t dg = 256; /* none */
+            u64 tl = 0, tu = 0;
+            if (x < m && cached) {
+                const u64 K = cache[x];
+                if ((K & mask) == prefix)
+                    dg = (uint32_t)(K >> shift) & 255u, tl = cache[RCAP + x], tu = cache[2 * RCAP + x];
+            } else if (x < m) {
+                const uint32_t i = list[x];
+                const float g = pt.g[i];
+                const u64 K = key_of(g, i);
+                if ((K & mask) == prefix) {
+                    float l, u;
+                    key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
+                    dg = (uint32_t)(K >> shift) & 255u;
+                    tl = fx_down(l, El, &over), tu = fx_up(u, Eu, &over);
+                }
+            }
+            digit_add(dg, tl, tu, dl, du, dc);
         }
         __syncthreads();
         /* digit t: taken after the digits above it (their l, Lb), before
@@ -541,8 +647,7 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
         mask |= (u64)255 << shift;
         if (shere == 1) { /* one member left: find it */
             for (uint32_t x = t; x < m; x += REF_T) {
-                const uint32_t i = list[x];
-                const u64 K = key_of(pt.g[i], i);
+                const u64 K = cached ? cache[x] : key_of(pt.g[list[x]], list[x]);
                 if ((K & mask) == prefix)
                     skey = K;
             }
@@ -575,28 +680,41 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
 __global__ void rqs_output(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
                            struct tkv_cuda_rqs_work w)
 {
+    /* the G pairs' boundaries, read once per block */
+    __shared__ struct {
+        u64 kstar;
+        float gmax;
+        uint32_t bstar, partial, bad;
+    } ps[TKV_CUDA_RQS_MAX_G];
     const uint32_t h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     const struct tkv_cuda_rqs_head &hd = heads[h];
+    if (threadIdx.x < pp.G) {
+        const struct rqs_state *st = (const struct rqs_state *)w.state + h * pp.G + threadIdx.x;
+        ps[threadIdx.x].kstar = st->kstar, ps[threadIdx.x].gmax = st->gmax, ps[threadIdx.x].bstar = st->bstar;
+        ps[threadIdx.x].partial = st->partial, ps[threadIdx.x].bad = st->bad;
+    }
+    __syncthreads();
     if (i - threadIdx.x % 32 >= pp.words * 32) /* whole warps leave */
         return;
+    const uint32_t n = hd.n, row = hd.row;
     bool kept = false;
-    if (i < hd.n) {
-        const bool forced = is_forced(hd, i);
-        for (uint32_t j = 0; j < pp.G; j++) {
-            const uint32_t pair = h * pp.G + j;
-            const struct rqs_state *st = (const struct rqs_state *)w.state + pair;
-            if (st->bad || forced) {
-                kept = true;
+    if (i < n) {
+        float g[TKV_CUDA_RQS_MAX_G]; /* the G pairs' loads in flight at once (estimate wrote every key's) */
+#pragma unroll
+        for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++)
+            g[j] = j < pp.G ? pair_ptrs(pp, w, h * pp.G + j).g[i] : 0.0f;
+        kept = is_forced(forced_of(hd), i);
+#pragma unroll
+        for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++) {
+            if (j >= pp.G)
                 break;
-            }
-            const float g = pair_ptrs(pp, w, pair).g[i];
-            const uint32_t b = bin_of(g, st->gmax);
-            kept |= b < st->bstar || (st->partial && b == st->bstar && key_of(g, i) >= st->kstar);
+            const uint32_t b = bin_of(g[j], ps[j].gmax);
+            kept |= ps[j].bad || b < ps[j].bstar || (ps[j].partial && b == ps[j].bstar && key_of(g[j], i) >= ps[j].kstar);
         }
     }
     const unsigned bits = __ballot_sync(0xffffffffu, kept);
     if (threadIdx.x % 32 == 0)
-        w.bitmap[(size_t)hd.row * pp.words + i / 32] = bits;
+        w.bitmap[(size_t)row * pp.words + i / 32] = bits;
 }
 
 /* 7: grid (blocks / 256, n_heads): a block of `whole` positions with a kept
@@ -652,7 +770,9 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
     TKV_CUDA_LAUNCHED();
     rqs_members<<<dim3(chunks, P), 512, 0, s>>>(*pp, heads, *w);
     TKV_CUDA_LAUNCHED();
-    rqs_refine<<<P, REF_T, 0, s>>>(*pp, *w);
+    const int ref_smem = 3 * RCAP * sizeof(u64);
+    TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_refine, cudaFuncAttributeMaxDynamicSharedMemorySize, ref_smem));
+    rqs_refine<<<P, REF_T, ref_smem, s>>>(*pp, *w);
     TKV_CUDA_LAUNCHED();
     rqs_output<<<dim3(tkv_cuda_blocks((size_t)pp->words * 32, 256), pp->n_heads), 256, 0, s>>>(*pp, heads, *w);
     TKV_CUDA_LAUNCHED();

@@ -20,7 +20,7 @@
 
 #define TKV_CUDA_RQS_MAX_G      8
 #define TKV_CUDA_RQS_MAX_FORCED 4
-#define TKV_CUDA_RQS_NBINS      4096 /* bins of 1/64 nat below the largest log-value, as the host's */
+#define TKV_CUDA_RQS_NBINS      TKV_RABITQ_TOPP_BINS /* the host's bins (backend.h) */
 
 /* One KV head of the call (device memory, [n_heads]). */
 struct tkv_cuda_rqs_head {

@@ -181,6 +181,16 @@ struct tkv_rabitq_span {
 #define TKV_RABITQ_SELECT_MAX_G      8
 #define TKV_RABITQ_SELECT_MAX_FORCED 4
 #define TKV_RABITQ_SELECT_MAX_N      (1u << 23) /* keys per head (fixed-point sums stay < 2^64) */
+/* The histogram both top-p implementations search (tkv_rabitq_select_topp and
+ * the device's): TKV_RABITQ_TOPP_BINS bins of 1/TKV_RABITQ_TOPP_BPN nat below
+ * the largest log-value, the last taking everything lower (64 nats cut apart
+ * in 1024). The bins only narrow the search: the kept set is the shortest
+ * prefix in log-value order that meets the rule, whatever the bins. Fewer,
+ * wider bins make the device's histogram cheaper (a block's bins sit in
+ * shared memory and are flushed with global atomics) and the boundary bin,
+ * which is refined key by key, larger. */
+#define TKV_RABITQ_TOPP_BINS 1024
+#define TKV_RABITQ_TOPP_BPN  16
 struct tkv_rabitq_select_head {
     const struct tkv_rabitq_dev   *ix; /* the head's twin (arrays in backend memory) */
     const struct tkv_rabitq_query *q;  /* host [G]: the group's prepared queries, or

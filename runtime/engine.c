@@ -166,12 +166,14 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
      * read once here, not per forward call */
     const char *fuse_env = getenv("TKV_FUSE");
     s->fuse = !(fuse_env && !strcmp(fuse_env, "0"));
-    /* TKV_RABITQ_DEVICE_TABLE=1: the device decode table (session.h), on a
-     * backend with kv_table; off by default */
+    /* the device decode table (session.h), on a backend with kv_table: by
+     * default where the backend's memory is not the host's (the table saves
+     * a host round trip per decode layer there; docs/rabitq.md measures it);
+     * TKV_RABITQ_DEVICE_TABLE=1 or 0 turns it on or off anywhere */
     const char *table_env = getenv("TKV_RABITQ_DEVICE_TABLE");
     if (table_env && strcmp(table_env, "0") && strcmp(table_env, "1"))
         return tkv_err(TKV_ERR_INVALID_ARG, "session: TKV_RABITQ_DEVICE_TABLE='%s' is not 0 or 1", table_env);
-    s->dev_table = table_env && !strcmp(table_env, "1") && s->be->ops->kv_table;
+    s->dev_table = (table_env ? !strcmp(table_env, "1") : !s->be_host) && s->be->ops->kv_table;
     /* TKV_TRACE=FILE: a diagnostic, for comparing two runs layer by layer
      * (scripts/trace-diff.py) */
     const char *trace_env = getenv("TKV_TRACE");

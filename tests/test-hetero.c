@@ -395,45 +395,57 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
         {"auto, a slow CPU", "opaque", TKV_HETERO_AUTO, 1e-9, 2},
         {"cpu on the CPU backend", "cpu", TKV_HETERO_CPU, 0, 0},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    /* each case on the host path (table 0) and from the device decode table
+     * (table 1: the default on the opaque backend, forced on the CPU's) */
+    for (size_t c = 0; c < 2 * (sizeof cases / sizeof cases[0]); c++) {
+        const size_t i = c / 2;
+        const int table = (int)(c % 2);
+        setenv("TKV_RABITQ_DEVICE_TABLE", table ? "1" : "0", 1);
+        char name[64];
+        snprintf(name, sizeof name, "%s, table %d", cases[i].name, table);
         memset(&r, 0, sizeof r);
         const uint64_t att0 = opaque_attention_calls;
         tkv_status st = run_session(m, cases[i].device, rq, cases[i].mode, cases[i].gflops, prompt, &r);
-        CHECK(st == TKV_OK, "%s: %s", cases[i].name, tkv_last_error());
+        CHECK(st == TKV_OK, "%s: %s", name, tkv_last_error());
         const float diff = max_abs(r.logits, full.logits, (NG + 1) * V);
         fprintf(stderr,
-                "  %-24s read %.3f of the tokens; KV heads on the CPU %llu (%llu tokens, %llu blocks read on the "
+                "  %-33s read %.3f of the tokens; KV heads on the CPU %llu (%llu tokens, %llu blocks read on the "
                 "host), recalled %llu; logits vs full: max |diff| %.3g\n",
-                cases[i].name, r.read, (unsigned long long)r.cpu_heads, (unsigned long long)r.cpu_tokens,
+                name, r.read, (unsigned long long)r.cpu_heads, (unsigned long long)r.cpu_tokens,
                 (unsigned long long)r.host_reads, (unsigned long long)r.recall_heads, (double)diff);
-        CHECK(!memcmp(r.toks, full.toks, sizeof r.toks), "%s: other tokens than full", cases[i].name);
-        CHECK(diff < 1e-4f, "%s: logits differ from full's by %g", cases[i].name, (double)diff);
-        CHECK(r.read > 0.999, "%s: p = 1.0 read only %.4f of the tokens", cases[i].name, r.read);
+        CHECK(!memcmp(r.toks, full.toks, sizeof r.toks), "%s: other tokens than full", name);
+        CHECK(diff < 1e-4f, "%s: logits differ from full's by %g", name, (double)diff);
+        CHECK(r.read > 0.999, "%s: p = 1.0 read only %.4f of the tokens", name, r.read);
         switch (cases[i].want) {
         case 0:
             CHECK(r.cpu_heads == 0 && r.host_reads == 0 && r.recall_heads == 0, "%s: something was split",
-                  cases[i].name);
+                  name);
             break;
         case 1:
             CHECK(r.cpu_heads > 0 && r.host_reads > 0 && r.cpu_tokens > 0 && r.recall_heads == 0,
-                  "%s: the CPU path did not run alone", cases[i].name);
+                  "%s: the CPU path did not run alone", name);
             break;
         case 2:
-            CHECK(r.cpu_heads == 0 && r.host_reads == 0 && r.recall_heads > 0, "%s: not recalled", cases[i].name);
+            CHECK(r.cpu_heads == 0 && r.host_reads == 0 && r.recall_heads > 0, "%s: not recalled", name);
             break;
         default:
-            CHECK(r.cpu_heads + r.recall_heads > 0, "%s: no host-tier block was selected", cases[i].name);
+            CHECK(r.cpu_heads + r.recall_heads > 0, "%s: no host-tier block was selected", name);
         }
         if (cases[i].want == 0 || cases[i].want == 2) /* the same attention calls as full: the same bits */
             CHECK(!memcmp(r.logits, full.logits, sizeof r.logits) || !strcmp(cases[i].device, "cpu"),
-                  "%s: logits are not full's bit for bit", cases[i].name);
+                  "%s: logits are not full's bit for bit", name);
         if (!strcmp(cases[i].device, "opaque"))
-            CHECK(opaque_attention_calls > att0, "%s: the device attended nothing", cases[i].name);
+            CHECK(opaque_attention_calls > att0, "%s: the device attended nothing", name);
     }
+    unsetenv("TKV_RABITQ_DEVICE_TABLE");
 }
 
-static void test_engine_corrupt(tkv_model *m, const tkv_token *prompt)
+/* A corrupt host-tier block that a step attends on the CPU: the step fails
+ * naming it, with nothing moved, on the host path (table 0) and from the
+ * device decode table (table 1, the default on the opaque backend). */
+static void test_engine_corrupt_one(tkv_model *m, const tkv_token *prompt, int table)
 {
+    setenv("TKV_RABITQ_DEVICE_TABLE", table ? "1" : "0", 1);
     struct tkv_session_params sp = tkv_session_default_params();
     sp.n_threads = 2, sp.n_ctx = CTX, sp.kv_block = KB, sp.device = "opaque";
     sp.policy = "rabitq:p=1.0,sink=4,recent=8,batch=64,dense=0"; /* no key-reading steps in between */
@@ -461,11 +473,21 @@ static void test_engine_corrupt(tkv_model *m, const tkv_token *prompt)
         snprintf(want, sizeof want, "(layer 0, head %u, block %u)", hf, bf);
         CHECK(st == TKV_ERR_CORRUPT && strstr(tkv_last_error(), want), "a corrupt host block gave %s: %s",
               tkv_status_str(st), tkv_last_error());
-        CHECK(s->het_cpu_heads > cpu0, "the step did not take the CPU path");
+        if (table) /* (the table path counts a layer's CPU heads once its split is made) */
+            CHECK(s->dt_layers > 0 && s->het_cpu_heads > 0, "the steps before did not decode from the device table");
+        else
+            CHECK(s->het_cpu_heads > cpu0, "the step did not take the CPU path");
         CHECK(!tkv_logits(s) && tkv_session_n_past(s) == n_past, "the failed step left logits or context behind");
         CHECK(tkv_kvs_block_tier(s->kv, 0, hf, bf) == TKV_TIER_HOST, "the corrupt block moved");
     }
     tkv_session_free(s);
+    unsetenv("TKV_RABITQ_DEVICE_TABLE");
+}
+
+static void test_engine_corrupt(tkv_model *m, const tkv_token *prompt)
+{
+    test_engine_corrupt_one(m, prompt, 0);
+    test_engine_corrupt_one(m, prompt, 1);
 }
 
 int main(void)

@@ -23,9 +23,10 @@
  *      where the keys are: on the opaque backend as a device twin through
  *      its rabitq ops (runtime/rabitq/rabitq-dev.c), and both their route
  *      selections (1) and their engine runs (3) must equal the host's;
- *   4. the device decode table (TKV_RABITQ_DEVICE_TABLE=1, test_device_table):
- *      the RaBitQ policies on the opaque backend, flat and tiered, give the
- *      same tokens and reads with the knob on as off, and the same logits
+ *   4. the device decode table (TKV_RABITQ_DEVICE_TABLE=1, test_device_table;
+ *      unset: on for the opaque backend, off for the CPU's): the RaBitQ
+ *      policies on the opaque backend, flat and tiered, give the same tokens
+ *      and reads with the knob on as off (=0), and the same logits
  *      (flat: bit for bit; tiered: within 1e-5, the split's rounding); every
  *      decode layer attends from the table kv_table built (a skewed table
  *      changes the logits), tiered ones after the CPU split or a recall of
@@ -298,7 +299,7 @@ static void test_routes(void)
         const bool reads_keys = p->ops->reads_keys; /* the engine refuses those on the opaque backend */
         tkv_policy_free(p);
         const uint64_t sel0 = opaque_select_calls, enc0 = opaque_encode_calls, spans0 = opaque_encode_spans,
-                       prep0 = opaque_prepare_calls;
+                       prep0 = opaque_prepare_calls, dl0 = opaque_download_batches;
         const bool rq = strstr(specs[i].spec, "rabitq") != NULL;
         /* the RaBitQ policies: a NaN in query head 1 (KV head 0, the Rigid
          * one) of layer 1 at decode step NAN_STEP, refused by the host's and
@@ -321,6 +322,9 @@ static void test_routes(void)
             CHECK(opaque_encode_spans - spans0 > opaque_encode_calls - enc0,
                   "%s: %llu rabitq_encode calls carried %llu spans: one call per block", specs[i].spec,
                   (unsigned long long)(opaque_encode_calls - enc0), (unsigned long long)(opaque_encode_spans - spans0));
+            /* and come down for the key centroids in batches (download_blocks), not a wait per block */
+            CHECK(opaque_download_batches > dl0, "%s: the centroids' keys came down one block at a time",
+                  specs[i].spec);
             setenv("TKV_RABITQ_DEVICE_TOPP", "0", 1);
             const uint64_t sel1 = opaque_select_calls;
             drive(&specs[i], OPAQUE, opq, &in, &lg[3]);
@@ -434,9 +438,9 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
     return run_tiered(m, device, policy, 0, prompt, toks, logits, read, NULL);
 }
 
-/* The device decode table (TKV_RABITQ_DEVICE_TABLE=1): on the opaque
- * backend, flat and tiered, the RaBitQ policies decode with the knob on as
- * with it off -- the same tokens and reads, the same logits (tiered: within
+/* The device decode table (TKV_RABITQ_DEVICE_TABLE=1, the default where the
+ * backend's memory is not the host's): on the opaque backend, flat and
+ * tiered, the RaBitQ policies decode with the knob on as with it off (=0) -- the same tokens and reads, the same logits (tiered: within
  * 1e-5 of the largest, the CPU split's partials may be cut elsewhere) --
  * while kv_table builds each layer's table from the bitmaps left in
  * backend memory. Flat (every
@@ -459,7 +463,7 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
     static const char *const tiers[] = {"flat", "tiered, CPU split", "tiered, recall"};
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
         for (int tier = 0; tier < 3; tier++) {
-            unsetenv("TKV_RABITQ_DEVICE_TABLE");
+            setenv("TKV_RABITQ_DEVICE_TABLE", "0", 1);
             const uint64_t kt0 = opaque_kv_table_calls, dv0 = opaque_attention_dev_calls;
             struct dt_counts dt;
             tkv_status st = run_tiered(m, "opaque", specs[i], tier, prompt, t_off, l_off, &r_off, &dt);
@@ -502,9 +506,18 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
             }
             unsetenv("TKV_RABITQ_DEVICE_TABLE");
         }
+    /* unset, the table is on where the backend's memory is not the host's
+     * (opaque) and off on the CPU backend */
+    struct dt_counts dt;
+    tkv_status st = run_tiered(m, "opaque", specs[0], 1, prompt, t_on, l_on, &r_on, &dt);
+    CHECK(st == TKV_OK && dt.layers > 0 && dt.fallbacks == 0, "opaque, knob unset: %llu layers from the table (%s)",
+          dt.layers, tkv_last_error());
+    st = run_tiered(m, "cpu", specs[0], 1, prompt, t_on, l_on, &r_on, &dt);
+    CHECK(st == TKV_OK && dt.layers == 0, "cpu, knob unset: %llu layers from the table (%s)", dt.layers,
+          tkv_last_error());
     /* the knob is 0 or 1 */
     setenv("TKV_RABITQ_DEVICE_TABLE", "yes", 1);
-    tkv_status st = run_session(m, "opaque", specs[0], prompt, t_on, l_on, &r_on);
+    st = run_session(m, "opaque", specs[0], prompt, t_on, l_on, &r_on);
     unsetenv("TKV_RABITQ_DEVICE_TABLE");
     CHECK(st == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "TKV_RABITQ_DEVICE_TABLE='yes'"),
           "a knob of 'yes' was not refused (%d: %s)", (int)st, tkv_last_error());

@@ -635,11 +635,12 @@ tkv_status tkv_rabitq_estimate(const struct tkv_rabitq *ix, const struct tkv_rab
  * sum v >= p U - ..., it would cancel catastrophically when d is large (l << u).
  *
  * No sort of all keys: a histogram of g (NBINS bins of 1/BPN nat below the
- * largest g, the last bin taking everything lower) finds the bin where the
- * rule is met; only that bin's members are sorted.
+ * largest g, the last bin taking everything lower: the device's bins too,
+ * backend.h) finds the bin where the rule is met; only that bin's members
+ * are sorted.
  */
-#define NBINS 4096
-#define BPN   64.0f
+#define NBINS TKV_RABITQ_TOPP_BINS
+#define BPN   ((float)TKV_RABITQ_TOPP_BPN)
 
 struct cand {
     double   c;  /* after sorting: sum of u over this member and the ones after it */
