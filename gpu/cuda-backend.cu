@@ -87,6 +87,7 @@ struct cuda_backend {
     void *stats_work;              /* [stats_work_cap] attn_stats work memory */
     uint32_t *rq_bad;              /* rabitq_encode's first non-finite row      */
     void *rqs_dev, *rqs_host;      /* rabitq_select: device work, pinned staging */
+    void *ks_dev;                  /* rabitq_key_sums: [dim] u64 units, [dim] u32 counts */
     cudaEvent_t rqs_staged;        /* after a call that did not wait: its staging copied */
     bool rqs_pending;              /* rqs_staged recorded, maybe not passed    */
     size_t rqs_dev_cap, rqs_host_cap; /* bytes                                  */
@@ -1345,6 +1346,54 @@ static tkv_status cuda_rabitq_estimate(struct tkv_backend *b, const struct tkv_r
     return TKV_OK;
 }
 
+/* A key centroid's sums where the keys are: the span table up through a
+ * staging slot, one grid, the sums down, one wait. */
+static tkv_status cuda_rabitq_key_sums(struct tkv_backend *b, const struct tkv_rabitq_span *spans, uint32_t n_spans,
+                                       size_t row_stride, uint32_t dim, int64_t *units, uint32_t *nonfinite)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "rabitq_key_sums";
+    ALIVE(op);
+    if (!units || !nonfinite || (n_spans && !spans) || dim == 0 || dim > TKV_CUDA_RQ_MAX_DIM || row_stride < dim)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_key_sums: NULL argument, dim %u or row stride %zu", dim,
+                       row_stride);
+    uint64_t rows = 0;
+    uint32_t m = 0, max_rows = 0; /* non-empty spans */
+    for (uint32_t x = 0; x < n_spans; x++) {
+        if (spans[x].n && !spans[x].k)
+            return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_key_sums: span %u: NULL rows", x);
+        rows += spans[x].n, m += spans[x].n > 0, max_rows = TKV_MAX(max_rows, spans[x].n);
+    }
+    if (rows > TKV_RABITQ_MEAN_MAX_ROWS)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_key_sums of %llu rows: more than %llu",
+                       (unsigned long long)rows, (unsigned long long)TKV_RABITQ_MEAN_MAX_ROWS);
+    if (rows == 0)
+        return TKV_OK;
+    if (!cb->ks_dev)
+        CU(op, cudaMalloc(&cb->ks_dev, TKV_CUDA_RQ_MAX_DIM * (sizeof(unsigned long long) + sizeof(uint32_t))));
+    unsigned long long *du = (unsigned long long *)cb->ks_dev;
+    uint32_t *dn = (uint32_t *)(du + TKV_CUDA_RQ_MAX_DIM);
+    struct stage_slot *sl;
+    const size_t bytes = (size_t)m * sizeof(struct tkv_cuda_rq_rows);
+    TKV_TRY(stage_take(cb, bytes, &sl, op));
+    struct tkv_cuda_rq_rows *tab = (struct tkv_cuda_rq_rows *)sl->host;
+    for (uint32_t x = 0, j = 0; x < n_spans; x++)
+        if (spans[x].n)
+            tab[j++] = (struct tkv_cuda_rq_rows){spans[x].k, spans[x].n, 0};
+    TKV_TRY(stage_send(cb, sl, bytes, op));
+    CU(op, cudaMemsetAsync(cb->ks_dev, 0, TKV_CUDA_RQ_MAX_DIM * (sizeof *du + sizeof *dn), cb->stream));
+    CU(op, tkv_cuda_rq_key_sums((const struct tkv_cuda_rq_rows *)sl->dev, m, max_rows, row_stride, dim, du, dn,
+                                cb->stream));
+    unsigned long long hu[TKV_CUDA_RQ_MAX_DIM];
+    uint32_t hn[TKV_CUDA_RQ_MAX_DIM];
+    CU(op, cudaMemcpyAsync(hu, du, dim * sizeof *du, cudaMemcpyDeviceToHost, cb->stream));
+    CU(op, cudaMemcpyAsync(hn, dn, dim * sizeof *dn, cudaMemcpyDeviceToHost, cb->stream));
+    CU(op, cudaStreamSynchronize(cb->stream));
+    for (uint32_t d = 0; d < dim; d++)
+        units[d] += (int64_t)hu[d], nonfinite[d] += hn[d];
+    return TKV_OK;
+}
+
 /* One layer's selection (gpu/rabitq-select.cuh): the heads' descriptors and
  * queries go up in one copy, the bitmaps and per-pair results come down in
  * one copy, one wait. */
@@ -1835,6 +1884,12 @@ static tkv_status pw_rabitq_encode(struct tkv_backend *b, const struct tkv_rabit
     PROF("rabitq_encode", prof_row(cb->prof, "rabitq_encode", true),
          cuda_rabitq_encode(b, ix, spans, n_spans, row_stride, at));
 }
+static tkv_status pw_rabitq_key_sums(struct tkv_backend *b, const struct tkv_rabitq_span *spans, uint32_t n_spans,
+                                     size_t row_stride, uint32_t dim, int64_t *units, uint32_t *nonfinite)
+{
+    PROF("rabitq_key_sums", prof_row(cb->prof, "rabitq_key_sums", true),
+         cuda_rabitq_key_sums(b, spans, n_spans, row_stride, dim, units, nonfinite));
+}
 static tkv_status pw_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq_select_args *a)
 {
     PROF("rabitq_select", prof_row(cb->prof, "rabitq_select", true), cuda_rabitq_select(b, a));
@@ -1893,6 +1948,7 @@ static void cuda_free(struct tkv_backend *b)
         cudaStreamDestroy(cb->copy_stream);
     cudaFree(cb->rq_bad);
     cudaFree(cb->rqs_dev);
+    cudaFree(cb->ks_dev);
     cudaFreeHost(cb->rqs_host);
     if (cb->blas)
         cublasDestroy(cb->blas);
@@ -1961,6 +2017,7 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.rabitq_estimate = cuda_rabitq_estimate;
     o.rabitq_select = cuda_rabitq_select;
     o.rabitq_prepare = cuda_rabitq_prepare;
+    o.rabitq_key_sums = cuda_rabitq_key_sums;
     o.table_write = cuda_table_write;
     o.kv_table = cuda_kv_table;
     return o;
@@ -1997,6 +2054,7 @@ static struct tkv_backend_ops cuda_make_prof_ops(void)
     o.rabitq_estimate = pw_rabitq_estimate;
     o.rabitq_select = pw_rabitq_select;
     o.rabitq_prepare = pw_rabitq_prepare;
+    o.rabitq_key_sums = pw_rabitq_key_sums;
     o.table_write = pw_table_write;
     o.kv_table = pw_kv_table;
     o.profile_read = prof_read;

@@ -276,6 +276,47 @@ cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct
     return cudaSuccess;
 }
 
+#define KS_ROWS 64 /* rows of a span one block of the key-sum kernel adds */
+
+/* grid (n_spans, ceil(max_rows / KS_ROWS)), one thread per element: rows
+ * y KS_ROWS .. of span x, then one atomic per element (and one per element
+ * that met a value not finite) */
+__global__ void rq_key_sums_kernel(const struct tkv_cuda_rq_rows *spans, size_t row_stride, uint32_t dim,
+                                   unsigned long long *units, uint32_t *nonfinite)
+{
+    const struct tkv_cuda_rq_rows sp = spans[blockIdx.x];
+    const uint32_t r0 = blockIdx.y * KS_ROWS, r1 = min(r0 + KS_ROWS, sp.n);
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
+        long long acc = 0;
+        uint32_t bad = 0;
+        for (uint32_t r = r0; r < r1; r++) {
+            const uint16_t h = sp.k[(size_t)r * row_stride + d];
+            if (TKV_RABITQ_F16_FINITE(h))
+                acc += TKV_RABITQ_F16_UNITS(h);
+            else
+                bad++;
+        }
+        if (acc)
+            atomicAdd(&units[d], (unsigned long long)acc);
+        if (bad)
+            atomicAdd(&nonfinite[d], bad);
+    }
+}
+
+cudaError_t tkv_cuda_rq_key_sums(const struct tkv_cuda_rq_rows *spans, uint32_t n_spans, uint32_t max_rows,
+                                 size_t row_stride, uint32_t dim, unsigned long long *units, uint32_t *nonfinite,
+                                 cudaStream_t s)
+{
+    if (n_spans == 0 || max_rows == 0)
+        return cudaSuccess;
+    const uint32_t gy = tkv_cuda_blocks(max_rows, KS_ROWS);
+    if (dim == 0 || dim > TKV_CUDA_RQ_MAX_DIM || gy > 65535)
+        return cudaErrorInvalidValue;
+    rq_key_sums_kernel<<<dim3(n_spans, gy), dim < 128 ? 128 : dim, 0, s>>>(spans, row_stride, dim, units, nonfinite);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
+}
+
 cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_rabitq_dev_query *q,
                                  uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s)
 {

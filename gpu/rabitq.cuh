@@ -106,6 +106,22 @@ cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct
 
 /* est[i] (and bound[i] unless bound is NULL), device memory, for keys
  * first .. first+n-1. */
+/* A key centroid's sums (backend.h's rabitq_key_sums): rows k .. of a
+ * span, n of them, row_stride f16 apart. */
+struct tkv_cuda_rq_rows {
+    const uint16_t *k;
+    uint32_t n;
+    uint32_t pad_;
+};
+
+/* units[d] += the finite f16 of element d < dim of every span's rows, in
+ * units of 2^-24 (TKV_RABITQ_F16_UNITS, exact in any order: two's
+ * complement in the unsigned adds), nonfinite[d] += the others (device
+ * arrays [dim]); max_rows: the longest span's rows. Queued on s. */
+cudaError_t tkv_cuda_rq_key_sums(const struct tkv_cuda_rq_rows *spans, uint32_t n_spans, uint32_t max_rows,
+                                 size_t row_stride, uint32_t dim, unsigned long long *units, uint32_t *nonfinite,
+                                 cudaStream_t s);
+
 cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_rabitq_dev_query *q,
                                  uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s);
 

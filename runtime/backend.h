@@ -189,6 +189,16 @@ struct tkv_rabitq_span {
  * wider bins make the device's histogram cheaper (a block's bins sit in
  * shared memory and are flushed with global atomics) and the boundary bin,
  * which is refined key by key, larger. */
+/* A finite f16 h is TKV_RABITQ_F16_UNITS(h) units of 2^-24 (an integer of
+ * magnitude below 2^40: the exponent field e > 0 gives (1024 + mantissa)
+ * << (e - 1), e = 0 the mantissa); so TKV_RABITQ_MEAN_MAX_ROWS of them sum
+ * exactly, in any order, in an int64_t. Not for infinities and NaNs
+ * (exponent field 31). Host and device code alike. */
+#define TKV_RABITQ_F16_UNITS(h)                                                                                    \
+    ((int64_t)(((h) >> 10 & 31) ? (int64_t)(1024 + ((h) & 1023)) << (((h) >> 10 & 31) - 1) : (int64_t)((h) & 1023)) * \
+     (((h) & 0x8000) ? -1 : 1))
+#define TKV_RABITQ_F16_FINITE(h)  (((h) & 0x7c00) != 0x7c00)
+#define TKV_RABITQ_MEAN_MAX_ROWS (1ull << 23)
 #define TKV_RABITQ_TOPP_BINS 1024
 #define TKV_RABITQ_TOPP_BPN  16
 struct tkv_rabitq_select_head {
@@ -450,6 +460,16 @@ struct tkv_backend_ops {
     /* optional (NULL on the CPU backend, whose policies select on the
      * host): the selection above for one layer in one call, one wait. */
     tkv_status (*rabitq_select)(struct tkv_backend *b, const struct tkv_rabitq_select_args *a);
+    /* optional (NULL: the policy downloads the rows and sums them on the
+     * host): a key centroid's sums from backend memory. For every element
+     * d < dim of the rows of spans[0 .. n_spans-1] (row r of span s at
+     * spans[s].k + r * row_stride, f16), the finite values summed exactly in
+     * units of 2^-24 (TKV_RABITQ_F16_UNITS: every finite f16 is an integer
+     * there) and added into units[d], the others counted into nonfinite[d]
+     * (host arrays [dim]); at most TKV_RABITQ_MEAN_MAX_ROWS rows. One call,
+     * one wait. */
+    tkv_status (*rabitq_key_sums)(struct tkv_backend *b, const struct tkv_rabitq_span *spans, uint32_t n_spans,
+                                  size_t row_stride, uint32_t dim, int64_t *units, uint32_t *nonfinite);
     /* optional (NULL on the CPU backend, whose policies prepare on the
      * host): one layer's queries prepared from backend memory (struct
      * tkv_rabitq_prepare_args), queued, no wait; a refused query is

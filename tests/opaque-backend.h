@@ -34,7 +34,6 @@ struct opaque {
 static uint64_t opaque_stats_calls;     /* attn_stats calls on every opaque backend */
 static uint64_t opaque_attention_calls; /* attention calls on every opaque backend */
 static uint64_t opaque_attention_dev_calls; /* of them, over device views (kv_dev) */
-static uint64_t opaque_download_batches; /* download_blocks calls */
 
 static void *tag(void *p) { return p ? (void *)((uintptr_t)p + TAG) : NULL; }
 static void *untag(const void *p)
@@ -100,16 +99,6 @@ static tkv_status o_upload(struct tkv_backend *b, void *dst, const void *src, si
 static tkv_status o_download(struct tkv_backend *b, void *dst, const void *src, size_t n)
 {
     return op_of(b)->cpu->ops->download(op_of(b)->cpu, dst, U(src), n);
-}
-/* one block at a time (the CPU backend has no batch op): the policies'
- * batched downloads go through here, with the translation */
-static tkv_status o_download_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
-                                    size_t bytes)
-{
-    for (uint32_t j = 0; j < n; j++)
-        TKV_TRY(o_download(b, dst[j], src[j], bytes));
-    opaque_download_batches++;
-    return TKV_OK;
 }
 static tkv_status o_sync(struct tkv_backend *b) { return op_of(b)->cpu->ops->synchronize(op_of(b)->cpu); }
 static tkv_status o_weight_init(struct tkv_backend *b, const struct tkv_gguf_tensor *t, struct tkv_bweight **out)
@@ -197,6 +186,26 @@ static tkv_status o_rabitq_encode(struct tkv_backend *b, const struct tkv_rabitq
     tkv_status st = op_of(b)->cpu->ops->rabitq_encode(op_of(b)->cpu, &c, u, n_spans, stride, at);
     free(u);
     return st;
+}
+/* the spans walked last to first: the sums are exact, so any order gives them */
+static uint64_t opaque_key_sums_calls;
+static tkv_status o_rabitq_key_sums(struct tkv_backend *b, const struct tkv_rabitq_span *spans, uint32_t n_spans,
+                                    size_t stride, uint32_t dim, int64_t *units, uint32_t *nonfinite)
+{
+    (void)b;
+    opaque_key_sums_calls++;
+    for (uint32_t s = n_spans; s-- > 0;) {
+        const uint16_t *k = U(spans[s].k);
+        for (uint32_t r = spans[s].n; r-- > 0;)
+            for (uint32_t d = 0; d < dim; d++) {
+                const uint16_t h = k[(size_t)r * stride + d];
+                if (TKV_RABITQ_F16_FINITE(h))
+                    units[d] += TKV_RABITQ_F16_UNITS(h);
+                else
+                    nonfinite[d]++;
+            }
+    }
+    return TKV_OK;
 }
 static tkv_status o_rabitq_estimate(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
                                     const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
@@ -290,11 +299,12 @@ static tkv_status o_kv_table(struct tkv_backend *b, const struct tkv_kv_table_ar
 
 static const struct tkv_backend_ops opaque_ops = {
     .name = "opaque", .free = o_free, .alloc = o_alloc, .release = o_release, .upload = o_upload,
-    .download = o_download, .download_blocks = o_download_blocks, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
+    .download = o_download, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
     .get_rows = o_get_rows, .matmul = o_matmul, .rmsnorm = o_rmsnorm, .rope = o_rope, .swiglu = o_swiglu,
     .add = o_add, .kv_write = o_kv_write, .attention = o_attention, .attn_stats = o_attn_stats,
     .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate, .rabitq_select = o_rabitq_select,
-    .rabitq_prepare = o_rabitq_prepare, .table_write = o_table_write, .kv_table = o_kv_table};
+    .rabitq_prepare = o_rabitq_prepare, .rabitq_key_sums = o_rabitq_key_sums, .table_write = o_table_write,
+    .kv_table = o_kv_table};
 
 static tkv_status opaque_create(const char *device, uint32_t n_threads, struct tkv_backend **out)
 {

@@ -37,9 +37,12 @@
  * table_write (the decode table from a bitmap and the KV store's device
  * page table) equal kv-table-cases.h's oracle entry for entry on random
  * block sizes, residencies and selections, overflowing tables included.
+ * rabitq_key_sums gives the exact sums of a key centroid (the long double
+ * reference of tests/rabitq-key-sums.h) and counts the values not finite.
  * Skips (77) without a CUDA device.
  */
 #include "test.h"
+#include "rabitq-key-sums.h"
 #include "rabitq-prepare.h"
 #include "rabitq-spans.h"
 #include "kv-table-cases.h"
@@ -396,6 +399,60 @@ static void test_select(void)
             (unsigned long long)sel_pairs, (unsigned long long)sel_keys, (unsigned long long)sel_symdiff);
 }
 
+/* rabitq_key_sums: per element the exact sums of the finite f16 of every
+ * span (units of 2^-24) and the count of the others, as the reference has
+ * them, added into what the arrays held; spans of 0 .. 200 rows (several
+ * blocks of the grid each) scattered in device memory, rows wider than dim;
+ * bad arguments refused. */
+static void test_key_sums(void)
+{
+    enum { NS = 40, MAXR = 200, STRIDE = 520 };
+    REQUIRE_VOID(be->ops->rabitq_key_sums);
+    const uint32_t dims[] = {64, 96, 128, 256, 512};
+    for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
+        const uint32_t dim = dims[di];
+        const size_t stride = dim == 512 ? 512 : STRIDE;
+        struct tkv_rabitq_span spans[NS];
+        void *dev[NS] = {0};
+        long double ref[TKV_RABITQ_MAX_DIM] = {0};
+        uint32_t bad_ref[TKV_RABITQ_MAX_DIM] = {0}, bad[TKV_RABITQ_MAX_DIM];
+        int64_t units[TKV_RABITQ_MAX_DIM];
+        uint16_t *rows = malloc((size_t)MAXR * stride * sizeof *rows);
+        REQUIRE_VOID(rows);
+        for (uint32_t x = 0; x < NS; x++) {
+            const uint32_t n = x % 7 == 3 ? 0 : (uint32_t)(test_rand_u64(&rng) % (MAXR + 1));
+            ks_rows(&rng, rows, n, stride, dim, di % 2 == 1);
+            ks_reference(rows, n, stride, dim, ref, bad_ref);
+            dev[x] = n ? to_device(rows, (size_t)n * stride * sizeof *rows) : NULL;
+            REQUIRE_VOID(!n || dev[x]);
+            spans[x] = (struct tkv_rabitq_span){dev[x], n};
+        }
+        for (uint32_t d = 0; d < dim; d++) /* the op adds into what the arrays hold */
+            units[d] = (int64_t)d - 7, bad[d] = d % 3;
+        tkv_status st = be->ops->rabitq_key_sums(be, spans, NS, stride, dim, units, bad);
+        CHECK(st == TKV_OK, "key_sums dim %u: %s", dim, tkv_last_error());
+        uint32_t wrong = 0, nbad = 0;
+        for (uint32_t d = 0; d < dim; d++) {
+            wrong += ldexpl((long double)(units[d] - ((int64_t)d - 7)), -24) != ref[d] || bad[d] - d % 3 != bad_ref[d];
+            nbad += bad_ref[d];
+        }
+        CHECK(wrong == 0, "key_sums dim %u: %u of %u elements differ from the exact sums", dim, wrong, dim);
+        fprintf(stderr, "  key sums dim %u: %u spans, %u values not finite, %u elements differ\n", dim, NS, nbad,
+                wrong);
+        for (uint32_t x = 0; x < NS; x++)
+            if (dev[x])
+                be->ops->release(be, dev[x]);
+        free(rows);
+    }
+    int64_t u[TKV_RABITQ_MAX_DIM];
+    uint32_t b[TKV_RABITQ_MAX_DIM];
+    const struct tkv_rabitq_span one = {(const uint16_t *)u, 1};
+    CHECK(be->ops->rabitq_key_sums(be, &one, 1, 64, 0, u, b) == TKV_ERR_INVALID_ARG &&
+              be->ops->rabitq_key_sums(be, &one, 1, 64, 513, u, b) == TKV_ERR_INVALID_ARG &&
+              be->ops->rabitq_key_sums(be, &one, 1, 32, 64, u, b) == TKV_ERR_INVALID_ARG,
+          "key_sums: dim 0, dim 513 or a row stride below dim was not refused");
+}
+
 int main(void)
 {
     rng = test_seed();
@@ -429,6 +486,7 @@ int main(void)
             else if (tkv_rabitq_isa_supported(TKV_RABITQ_ISA_AVX2))
                 check_prepare(be, prep_dims[i], TKV_RABITQ_ISA_AVX2, &rng);
         }
+    test_key_sums();
     test_select();
     /* the decode attention table from a selection and a page table, and the
      * page table's stores, against the oracle (kv-table-cases.h) */

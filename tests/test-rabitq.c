@@ -15,7 +15,9 @@
  * rabitq_prepare op's host reference (tkv_rabitq_host_prepare) writes
  * tkv_rabitq_query_prepare's bytes for every query of a layer, poisons and
  * reports the refused ones, and rabitq_select's reference selects alike
- * from them and from host-prepared queries (tests/rabitq-prepare.h).
+ * from them and from host-prepared queries (tests/rabitq-prepare.h). The
+ * key centroid's f16 sums are exact (the long double reference) and its
+ * mean independent of the rows' order (tests/rabitq-key-sums.h).
  */
 #include "test.h"
 
@@ -23,6 +25,7 @@
 #include "runtime/session.h"
 #include "runtime/tkv-impl.h"
 
+#include "rabitq-key-sums.h"
 #include "rabitq-prepare.h"
 #include "rabitq-spans.h"
 
@@ -846,6 +849,61 @@ static void test_spans_cpu(void)
     be->ops->free(be);
 }
 
+/* The key centroid's f16 sums are exact: units equal to the long double
+ * reference, the mean the same bits whatever the order and the split of the
+ * rows (forward, backward, in chunks, through mean_add_units), infinities
+ * and NaNs kept to their own elements; more rows than the cap refused. */
+static void test_mean_exact(void)
+{
+    enum { N = 700, STRIDE = 136 };
+    for (uint32_t dim = 64; dim <= 128; dim += 64)
+        for (int specials = 0; specials <= 1; specials++) {
+            static uint16_t rows[N * STRIDE];
+            ks_rows(&rng, rows, N, STRIDE, dim, specials);
+            long double ref[TKV_RABITQ_MAX_DIM] = {0};
+            uint32_t bad[TKV_RABITQ_MAX_DIM] = {0};
+            ks_reference(rows, N, STRIDE, dim, ref, bad);
+            struct tkv_rabitq_mean fwd, bwd, chunk;
+            tkv_rabitq_mean_init(&fwd, dim), tkv_rabitq_mean_init(&bwd, dim), tkv_rabitq_mean_init(&chunk, dim);
+            CHECK(tkv_rabitq_mean_add_f16(&fwd, rows, STRIDE, N) == TKV_OK, "mean_add_f16: %s", tkv_last_error());
+            for (uint32_t r = N; r-- > 0;)
+                tkv_rabitq_mean_add_f16(&bwd, rows + (size_t)r * STRIDE, STRIDE, 1);
+            for (uint32_t r = 0; r < N; r += 97)
+                tkv_rabitq_mean_add_f16(&chunk, rows + (size_t)r * STRIDE, STRIDE, N - r < 97 ? N - r : 97);
+            float mf[TKV_RABITQ_MAX_DIM], mb[TKV_RABITQ_MAX_DIM], mc[TKV_RABITQ_MAX_DIM];
+            tkv_rabitq_mean_get(&fwd, mf), tkv_rabitq_mean_get(&bwd, mb), tkv_rabitq_mean_get(&chunk, mc);
+            uint32_t order = 0; /* (NaNs may carry another payload) */
+            for (uint32_t d = 0; d < dim; d++)
+                order += !(isnan(mf[d]) ? isnan(mb[d]) && isnan(mc[d])
+                                        : !memcmp(&mf[d], &mb[d], 4) && !memcmp(&mf[d], &mc[d], 4));
+            CHECK(order == 0, "dim %u: %u elements' means depend on the rows' order", dim, order);
+            uint32_t wrong = 0, odd = 0;
+            for (uint32_t d = 0; d < dim; d++) {
+                wrong += ldexpl((long double)fwd.units[d], -24) != ref[d];
+                if (bad[d])
+                    odd += isfinite(mf[d]); /* an infinity or a NaN reached the element's mean */
+                else
+                    odd += !isfinite(mf[d]) || fabsl((long double)mf[d] - ref[d] / N) > 1e-6L * (fabsl(ref[d] / N) + 1e-3L);
+            }
+            CHECK(wrong == 0 && odd == 0, "dim %u%s: %u sums differ from the exact ones, %u means are off", dim,
+                  specials ? " (infinities, NaNs)" : "", wrong, odd);
+            if (!specials) { /* the same units from a backend's rabitq_key_sums */
+                struct tkv_rabitq_mean mu;
+                tkv_rabitq_mean_init(&mu, dim);
+                CHECK(tkv_rabitq_mean_add_units(&mu, fwd.units, N) == TKV_OK, "mean_add_units: %s", tkv_last_error());
+                float mm[TKV_RABITQ_MAX_DIM];
+                tkv_rabitq_mean_get(&mu, mm);
+                CHECK(!memcmp(mf, mm, dim * sizeof *mf), "dim %u: mean_add_units gave another mean", dim);
+            }
+        }
+    struct tkv_rabitq_mean m;
+    tkv_rabitq_mean_init(&m, 64);
+    static int64_t zero[TKV_RABITQ_MAX_DIM];
+    CHECK(tkv_rabitq_mean_add_units(&m, zero, TKV_RABITQ_MEAN_MAX_ROWS) == TKV_OK &&
+              tkv_rabitq_mean_add_units(&m, zero, 1) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "more than"),
+          "a mean past %llu rows was not refused: %s", (unsigned long long)TKV_RABITQ_MEAN_MAX_ROWS, tkv_last_error());
+}
+
 int main(void)
 {
     const uint64_t seed = test_seed();
@@ -861,6 +919,7 @@ int main(void)
     test_topp_random();
     test_real_keys();
     test_spans_cpu();
+    test_mean_exact();
     fprintf(stderr, "seed %llu (TKV_SEED to replay)\n", (unsigned long long)seed);
     return test_done();
 }

@@ -53,7 +53,6 @@
 #include <stdlib.h>
 
 #define SEED_BASE 0x7261626974714b56ull /* "rabitqKV": rotations are fixed per (layer, head) */
-#define MEAN_BATCH 64 /* KV blocks a key centroid downloads at once from backend memory */
 
 struct rabitq {
     struct tkv_policy_env env;
@@ -64,7 +63,7 @@ struct rabitq {
     struct tkv_backend *be;              /* NULL: host indexes only          */
     struct tkv_rabitq_dev_index **dx;    /* [layer][head] device twins       */
     float *est_dev, *bound_dev;          /* backend [n_ctx]                  */
-    uint16_t *kbuf;                      /* host [MEAN_BATCH][block_tokens][head_dim] */
+    uint16_t *kbuf;                      /* host [block_tokens, head_dim]    */
     struct tkv_rabitq_span *spans;       /* [n_spans]: one encode call's blocks */
     uint32_t n_spans;
     bool *use;              /* [layer][head]: selected by top-p (else read whole) */
@@ -261,7 +260,7 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
         return r->be == be ? TKV_OK : tkv_err(TKV_ERR_INTERNAL, "rabitq: views from two backends");
     const size_t n = r->env.n_ctx ? r->env.n_ctx : 1, B = r->env.block_tokens ? r->env.block_tokens : 64;
     r->be = be; /* from here on destroy releases what was allocated */
-    r->kbuf = malloc(MEAN_BATCH * B * r->env.head_dim * sizeof *r->kbuf);
+    r->kbuf = malloc(B * r->env.head_dim * sizeof *r->kbuf);
     r->n_spans = (uint32_t)((n + B - 1) / B + 1);
     r->spans = malloc(r->n_spans * sizeof *r->spans);
     if (!r->kbuf || !r->spans)
@@ -295,6 +294,53 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
     return be->ops->alloc(be, n * sizeof(float), (void **)&r->bound_dev);
 }
 
+/* The prompt's keys of KV head g (positions < n) into mk. Where the backend
+ * has rabitq_key_sums, the sums are made beside the keys (one call: exact
+ * integers, so the same mean as the host's); otherwise, or when a key is not
+ * finite, the keys come down block by block (a wait each), or are read where
+ * they are (KV on the host). */
+static tkv_status key_sums(struct rabitq *r, const struct tkv_policy_view *v, uint32_t g, uint32_t n, bool on_device,
+                           struct tkv_rabitq_mean *mk)
+{
+    const uint32_t hd = r->env.head_dim;
+    const struct tkv_kv_head_view *kv = &v->kv[g];
+    for (uint32_t b = 0; b < kv->n_blocks; b++)
+        if ((uint32_t)kv->blocks[b].pos0 < n && !kv->blocks[b].k)
+            return tkv_err(TKV_ERR_INTERNAL, "rabitq: block at position %d is not in memory", kv->blocks[b].pos0);
+    if (on_device && v->be->ops->rabitq_key_sums && kv->n_blocks <= r->n_spans) {
+        uint32_t m = 0;
+        uint64_t rows = 0;
+        for (uint32_t b = 0; b < kv->n_blocks; b++) {
+            const struct tkv_kv_block_ref *blk = &kv->blocks[b];
+            if ((uint32_t)blk->pos0 >= n)
+                continue;
+            const uint32_t nr = TKV_MIN(blk->n, n - (uint32_t)blk->pos0);
+            r->spans[m++] = (struct tkv_rabitq_span){blk->k, nr};
+            rows += nr;
+        }
+        int64_t units[TKV_RABITQ_MAX_DIM] = {0};
+        uint32_t bad[TKV_RABITQ_MAX_DIM] = {0}, any_bad = 0;
+        TKV_TRY(v->be->ops->rabitq_key_sums(v->be, r->spans, m, hd, hd, units, bad));
+        for (uint32_t d = 0; d < hd; d++)
+            any_bad |= bad[d];
+        if (!any_bad)
+            return tkv_rabitq_mean_add_units(mk, units, rows);
+    }
+    for (uint32_t b = 0; b < kv->n_blocks; b++) {
+        const struct tkv_kv_block_ref *blk = &kv->blocks[b];
+        if ((uint32_t)blk->pos0 >= n)
+            continue;
+        const uint32_t rows = TKV_MIN(blk->n, n - (uint32_t)blk->pos0);
+        const uint16_t *k = blk->k;
+        if (on_device) {
+            TKV_TRY(v->be->ops->download(v->be, r->kbuf, blk->k, (size_t)rows * hd * sizeof *r->kbuf));
+            k = r->kbuf;
+        }
+        TKV_TRY(tkv_rabitq_mean_add_f16(mk, k, hd, rows));
+    }
+    return TKV_OK;
+}
+
 /* Builds the index of (layer, g) from the prompt's keys and the window. */
 static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, uint32_t g)
 {
@@ -310,40 +356,8 @@ static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, 
     float ck[TKV_RABITQ_MAX_DIM], cq[TKV_RABITQ_MAX_DIM];
     TKV_TRY(tkv_rabitq_mean_init(&mk, hd));
     TKV_TRY(tkv_rabitq_mean_init(&mq, hd));
+    TKV_TRY(key_sums(r, v, g, n, on_device, &mk));
     const struct tkv_kv_head_view *kv = &v->kv[g];
-    const size_t B = r->env.block_tokens ? r->env.block_tokens : 64;
-    for (uint32_t b = 0; b < kv->n_blocks;) {
-        /* a batch: up to MEAN_BATCH blocks of one row count, in order */
-        const void *src[MEAN_BATCH];
-        void *dst[MEAN_BATCH];
-        uint32_t rows[MEAN_BATCH], nb = 0;
-        for (; b < kv->n_blocks && nb < MEAN_BATCH; b++) {
-            const struct tkv_kv_block_ref *blk = &kv->blocks[b];
-            if ((uint32_t)blk->pos0 >= n)
-                continue;
-            if (!blk->k)
-                return tkv_err(TKV_ERR_INTERNAL, "rabitq: block at position %d is not in memory", blk->pos0);
-            const uint32_t nr = TKV_MIN(blk->n, n - (uint32_t)blk->pos0);
-            if (nr > B)
-                return tkv_err(TKV_ERR_INTERNAL, "rabitq: block at position %d holds %u rows", blk->pos0, nr);
-            if (nb && nr != rows[0])
-                break; /* (b stays: it opens the next batch) */
-            src[nb] = blk->k, dst[nb] = r->kbuf + nb * B * hd, rows[nb++] = nr;
-        }
-        if (!nb)
-            break;
-        /* once per prompt, the mean needs the keys on the host: one wait
-         * per batch where the backend downloads several blocks at once */
-        const size_t bytes = (size_t)rows[0] * hd * sizeof *r->kbuf;
-        if (on_device && nb > 1 && v->be->ops->download_blocks)
-            TKV_TRY(v->be->ops->download_blocks(v->be, dst, src, nb, bytes));
-        else if (on_device)
-            for (uint32_t j = 0; j < nb; j++)
-                TKV_TRY(v->be->ops->download(v->be, dst[j], src[j], bytes));
-        for (uint32_t j = 0; j < nb; j++) /* block order: the sums are the same as one block at a time */
-            TKV_TRY(tkv_rabitq_mean_add_f16(&mk, on_device ? (const uint16_t *)dst[j] : (const uint16_t *)src[j], hd,
-                                            rows[j]));
-    }
     for (uint32_t hh = 0; hh < G; hh++) /* the group's query heads, every window query */
         TKV_TRY(tkv_rabitq_mean_add_f32(&mq, v->q + (size_t)(g * G + hh) * hd, QD, v->n_q));
     TKV_TRY(tkv_rabitq_mean_get(&mk, ck));

@@ -513,6 +513,15 @@ tkv_status tkv_rabitq_mean_init(struct tkv_rabitq_mean *m, uint32_t dim)
     m->dim = dim;
     m->n = 0;
     memset(m->sum, 0, sizeof m->sum);
+    memset(m->units, 0, sizeof m->units);
+    return TKV_OK;
+}
+
+static tkv_status mean_room(const struct tkv_rabitq_mean *m, uint64_t n)
+{
+    if (n > TKV_RABITQ_MEAN_MAX_ROWS - m->n)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean of %llu + %llu rows: more than %llu",
+                       (unsigned long long)m->n, (unsigned long long)n, (unsigned long long)TKV_RABITQ_MEAN_MAX_ROWS);
     return TKV_OK;
 }
 
@@ -520,9 +529,26 @@ tkv_status tkv_rabitq_mean_add_f16(struct tkv_rabitq_mean *m, const uint16_t *ro
 {
     if (!m || (!rows && n) || row_stride < m->dim)
         return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean_add: NULL or row stride %zu < dim", row_stride);
+    TKV_TRY(mean_room(m, n));
     for (uint32_t r = 0; r < n; r++)
-        for (uint32_t i = 0; i < m->dim; i++)
-            m->sum[i] += tkv_fp16_to_fp32(rows[r * row_stride + i]);
+        for (uint32_t i = 0; i < m->dim; i++) {
+            const uint16_t h = rows[r * row_stride + i];
+            if (TKV_RABITQ_F16_FINITE(h))
+                m->units[i] += TKV_RABITQ_F16_UNITS(h);
+            else
+                m->sum[i] += tkv_fp16_to_fp32(h);
+        }
+    m->n += n;
+    return TKV_OK;
+}
+
+tkv_status tkv_rabitq_mean_add_units(struct tkv_rabitq_mean *m, const int64_t *units, uint64_t n)
+{
+    if (!m || !units)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean_add_units: NULL argument");
+    TKV_TRY(mean_room(m, n));
+    for (uint32_t i = 0; i < m->dim; i++)
+        m->units[i] += units[i];
     m->n += n;
     return TKV_OK;
 }
@@ -531,6 +557,7 @@ tkv_status tkv_rabitq_mean_add_f32(struct tkv_rabitq_mean *m, const float *rows,
 {
     if (!m || (!rows && n) || row_stride < m->dim)
         return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean_add: NULL or row stride %zu < dim", row_stride);
+    TKV_TRY(mean_room(m, n));
     for (uint32_t r = 0; r < n; r++)
         for (uint32_t i = 0; i < m->dim; i++)
             m->sum[i] += rows[r * row_stride + i];
@@ -542,8 +569,8 @@ tkv_status tkv_rabitq_mean_get(const struct tkv_rabitq_mean *m, float *out)
 {
     if (!m || !out)
         return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: mean_get: NULL argument");
-    for (uint32_t i = 0; i < m->dim; i++)
-        out[i] = m->n ? (float)(m->sum[i] / (double)m->n) : 0.0f;
+    for (uint32_t i = 0; i < m->dim; i++) /* units: exact integers, rounded once into the double */
+        out[i] = m->n ? (float)((m->sum[i] + ldexp((double)m->units[i], -24)) / (double)m->n) : 0.0f;
     return TKV_OK;
 }
 

@@ -126,15 +126,24 @@ tkv_status          tkv_rabitq_set_isa(struct tkv_rabitq *ix, enum tkv_rabitq_is
 enum tkv_rabitq_isa tkv_rabitq_get_isa(const struct tkv_rabitq *ix);
 
 /* Running mean of rows, to make the centroids from prefill keys (f16, from
- * KV blocks) or queries (f32). Caller-owned, no allocation. */
+ * KV blocks) or queries (f32). Caller-owned, no allocation. f16 rows are
+ * summed exactly (finite values in units of 2^-24, backend.h's
+ * TKV_RABITQ_F16_UNITS; infinities and NaNs in the double sums), so their
+ * mean does not depend on the order the rows come in: a backend's
+ * rabitq_key_sums gives the same units (mean_add_units). f32 rows go into
+ * the double sums in the order given. At most TKV_RABITQ_MEAN_MAX_ROWS
+ * rows. */
 struct tkv_rabitq_mean {
     uint32_t dim;
     uint64_t n;
     double   sum[TKV_RABITQ_MAX_DIM];
+    int64_t  units[TKV_RABITQ_MAX_DIM];
 };
 tkv_status tkv_rabitq_mean_init(struct tkv_rabitq_mean *m, uint32_t dim);
 tkv_status tkv_rabitq_mean_add_f16(struct tkv_rabitq_mean *m, const uint16_t *rows, size_t row_stride, uint32_t n);
 tkv_status tkv_rabitq_mean_add_f32(struct tkv_rabitq_mean *m, const float *rows, size_t row_stride, uint32_t n);
+/* n f16 rows (all finite) whose sums rabitq_key_sums made: units[dim] */
+tkv_status tkv_rabitq_mean_add_units(struct tkv_rabitq_mean *m, const int64_t *units, uint64_t n);
 /* out[dim] = the mean (zeros when no row was added). */
 tkv_status tkv_rabitq_mean_get(const struct tkv_rabitq_mean *m, float *out);
 
