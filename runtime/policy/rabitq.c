@@ -319,11 +319,11 @@ static tkv_status key_sums(struct rabitq *r, const struct tkv_policy_view *v, ui
             rows += nr;
         }
         int64_t units[TKV_RABITQ_MAX_DIM] = {0};
-        uint32_t bad[TKV_RABITQ_MAX_DIM] = {0}, any_bad = 0;
-        TKV_TRY(v->be->ops->rabitq_key_sums(v->be, r->spans, m, hd, hd, units, bad));
+        uint32_t nonfinite[TKV_RABITQ_MAX_DIM] = {0}, any = 0;
+        TKV_TRY(v->be->ops->rabitq_key_sums(v->be, r->spans, m, hd, hd, units, nonfinite));
         for (uint32_t d = 0; d < hd; d++)
-            any_bad |= bad[d];
-        if (!any_bad)
+            any |= nonfinite[d];
+        if (!any)
             return tkv_rabitq_mean_add_units(mk, units, rows);
     }
     for (uint32_t b = 0; b < kv->n_blocks; b++) {
