@@ -81,6 +81,8 @@ void tkv_session_free(tkv_session *s)
         for (size_t i = 0; i < sizeof dt / sizeof dt[0]; i++)
             if (dt[i])
                 be->ops->release(be, dt[i]);
+        if (s->dt_hmiss_pinned)
+            be->ops->host_unregister(be, s->dt_hmiss);
         tkv_kvs_free(s->kv);
         be->ops->free(be);
     }
@@ -273,9 +275,13 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         TKV_TRY(s->be->ops->alloc(s->be, (size_t)hp->n_head_kv * 4 * sizeof(uint32_t), (void **)&s->dt_counts));
         s->dt_hcounts = malloc((size_t)hp->n_head_kv * 4 * sizeof *s->dt_hcounts);
         s->dt_sel_n = malloc(hp->n_head_kv * sizeof *s->dt_sel_n);
-        s->dt_hmiss = malloc(s->max_refs * sizeof *s->dt_hmiss);
+        const size_t hmiss = (size_t)hp->n_head_kv * s->max_refs * sizeof *s->dt_hmiss;
+        s->dt_hmiss = malloc(hmiss);
         if (!s->dt_hcounts || !s->dt_sel_n || !s->dt_hmiss)
             return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+        /* pinned where the backend can: the miss lists come down as one batch of true async copies */
+        s->dt_hmiss_pinned = s->be->ops->host_register && s->be->ops->host_unregister &&
+                             s->be->ops->host_register(s->be, s->dt_hmiss, hmiss) == TKV_OK;
     }
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
         TKV_TRY(alloc_act(s, QD, &s->att_full));
@@ -676,11 +682,32 @@ static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const
     return st;
 }
 
-/* Head h's missing slices of the last table, into s->dt_hmiss. */
-static tkv_status table_misses(tkv_session *s, uint32_t h)
+/* Every head's missing slices of the last table, head h's into row h of
+ * s->dt_hmiss ([Hkv][max_refs]; the counts checked against max_refs by the
+ * caller): one batch and one wait where the backend has download_blocks
+ * (each row copied up to the longest list), else a download per head. */
+static tkv_status table_misses(tkv_session *s)
 {
-    const uint32_t nm = s->dt_hcounts[4 * h + 1];
-    return s->be->ops->download(s->be, s->dt_hmiss, s->dt_miss + (size_t)h * s->max_refs, nm * sizeof *s->dt_hmiss);
+    const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs;
+    void *dst[256];
+    const void *src[256];
+    uint32_t n = 0, most = 0;
+    for (uint32_t h = 0; h < Hkv; h++) {
+        const uint32_t nm = s->dt_hcounts[4 * h + 1];
+        if (!nm)
+            continue;
+        dst[n] = s->dt_hmiss + (size_t)h * cap, src[n++] = s->dt_miss + (size_t)h * cap;
+        most = TKV_MAX(most, nm);
+    }
+    if (n > 1 && s->be->ops->download_blocks)
+        return s->be->ops->download_blocks(s->be, dst, src, n, most * sizeof *s->dt_hmiss);
+    for (uint32_t h = 0; h < Hkv; h++) {
+        const uint32_t nm = s->dt_hcounts[4 * h + 1];
+        if (nm)
+            TKV_TRY(s->be->ops->download(s->be, s->dt_hmiss + (size_t)h * cap, s->dt_miss + (size_t)h * cap,
+                                         nm * sizeof *s->dt_hmiss));
+    }
+    return TKV_OK;
 }
 
 /* After a table with missing slices: per KV head the missing blocks are
@@ -700,24 +727,25 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
     const uint32_t hd = s->hp.head_dim;
     bool cpu_head[256], any_cpu = false;
     uint64_t cpu_heads = 0, cpu_blocks = 0, cpu_tokens = 0, recall_heads = 0, recall_blocks = 0; /* if *ok */
+    TKV_TRY(table_misses(s));
     for (uint32_t h = 0; h < Hkv; h++) {
         const uint32_t nm = s->dt_hcounts[4 * h + 1];
+        const struct tkv_kv_block_ref *miss = s->dt_hmiss + (size_t)h * cap;
         uint8_t *need = s->need + (size_t)h * MB, *host_ok = s->host_ok ? s->host_ok + (size_t)h * MB : NULL;
         cpu_head[h] = false;
         if (host_ok)
             memset(host_ok, 0, MB);
         if (!nm)
             continue;
-        TKV_TRY(table_misses(s, h));
         uint64_t blocks = 0, tokens = 0; /* on the host tier: what the CPU would read (marked in host_ok) */
         uint32_t last = UINT32_MAX;
         for (uint32_t j = 0; j < nm; j++) {
-            const uint32_t b = (uint32_t)s->dt_hmiss[j].pos0 / B;
+            const uint32_t b = (uint32_t)miss[j].pos0 / B;
             need[b] = 1;
             if (!host_ok || !host_readable(s, l, h, b))
                 continue;
             host_ok[b] = 1;
-            tokens += s->dt_hmiss[j].n;
+            tokens += miss[j].n;
             blocks += b != last;
             last = b;
         }
@@ -726,7 +754,7 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
             cpu_heads++, cpu_blocks += blocks, cpu_tokens += tokens;
         } else if (blocks) { /* recalled: the marks go */
             for (uint32_t j = 0; j < nm; j++)
-                host_ok[(uint32_t)s->dt_hmiss[j].pos0 / B] = 0;
+                host_ok[(uint32_t)miss[j].pos0 / B] = 0;
             recall_heads++, recall_blocks += blocks;
         }
     }
@@ -738,26 +766,30 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
         return st;
     }
     TKV_TRY(table_build(s, l, n_past, bitmap, words));
-    bool split = false;
     for (uint32_t h = 0; h < Hkv; h++) {
         const uint32_t nr = s->dt_hcounts[4 * h], nm = s->dt_hcounts[4 * h + 1];
         if (nr > cap || nm > cap || (nm && !cpu_head[h]))
             return TKV_OK; /* not *ok */
+    }
+    TKV_TRY(table_misses(s));
+    bool split = false;
+    for (uint32_t h = 0; h < Hkv; h++) {
+        const uint32_t nm = s->dt_hcounts[4 * h + 1];
+        const struct tkv_kv_block_ref *miss = s->dt_hmiss + (size_t)h * cap;
         if (s->hviews)
             s->hviews[h] = (struct tkv_kv_head_view){.blocks = s->hrefs + (size_t)h * cap, .n_blocks = nm};
         if (!nm)
             continue;
-        TKV_TRY(table_misses(s, h));
         const struct tkv_kv_head_view hv = tkv_kvs_host_view(s->kv, l, h);
         struct tkv_kv_block_ref *out = s->hrefs + (size_t)h * cap;
         for (uint32_t j = 0; j < nm; j++) { /* the slice where the CPU reads it */
-            const uint32_t b = (uint32_t)s->dt_hmiss[j].pos0 / B;
+            const uint32_t b = (uint32_t)miss[j].pos0 / B;
             const struct tkv_kv_block_ref *blk = b < hv.n_blocks ? &hv.blocks[b] : NULL;
             if (!blk || !blk->k)
                 return TKV_OK; /* not *ok */
-            const size_t off = (size_t)(s->dt_hmiss[j].pos0 - blk->pos0) * hd;
-            out[j] = (struct tkv_kv_block_ref){.k = blk->k + off, .v = blk->v + off, .pos0 = s->dt_hmiss[j].pos0,
-                                               .n = s->dt_hmiss[j].n};
+            const size_t off = (size_t)(miss[j].pos0 - blk->pos0) * hd;
+            out[j] = (struct tkv_kv_block_ref){.k = blk->k + off, .v = blk->v + off, .pos0 = miss[j].pos0,
+                                               .n = miss[j].n};
         }
         split = true;
     }

@@ -100,6 +100,16 @@ static tkv_status o_download(struct tkv_backend *b, void *dst, const void *src, 
 {
     return op_of(b)->cpu->ops->download(op_of(b)->cpu, dst, U(src), n);
 }
+/* one block at a time (the CPU backend has no batch op), with the translation */
+static uint64_t opaque_download_batches; /* download_blocks calls */
+static tkv_status o_download_blocks(struct tkv_backend *b, void *const *dst, const void *const *src, uint32_t n,
+                                    size_t bytes)
+{
+    opaque_download_batches++;
+    for (uint32_t j = 0; j < n; j++)
+        TKV_TRY(o_download(b, dst[j], src[j], bytes));
+    return TKV_OK;
+}
 static tkv_status o_sync(struct tkv_backend *b) { return op_of(b)->cpu->ops->synchronize(op_of(b)->cpu); }
 static tkv_status o_weight_init(struct tkv_backend *b, const struct tkv_gguf_tensor *t, struct tkv_bweight **out)
 {
@@ -299,7 +309,8 @@ static tkv_status o_kv_table(struct tkv_backend *b, const struct tkv_kv_table_ar
 
 static const struct tkv_backend_ops opaque_ops = {
     .name = "opaque", .free = o_free, .alloc = o_alloc, .release = o_release, .upload = o_upload,
-    .download = o_download, .synchronize = o_sync, .weight_init = o_weight_init, .weight_free = o_weight_free,
+    .download = o_download, .download_blocks = o_download_blocks, .synchronize = o_sync,
+    .weight_init = o_weight_init, .weight_free = o_weight_free,
     .get_rows = o_get_rows, .matmul = o_matmul, .rmsnorm = o_rmsnorm, .rope = o_rope, .swiglu = o_swiglu,
     .add = o_add, .kv_write = o_kv_write, .attention = o_attention, .attn_stats = o_attn_stats,
     .rabitq_encode = o_rabitq_encode, .rabitq_estimate = o_rabitq_estimate, .rabitq_select = o_rabitq_select,
