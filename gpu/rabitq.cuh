@@ -104,8 +104,6 @@ struct tkv_cuda_rq_prep {
 cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
                                 float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, cudaStream_t s);
 
-/* est[i] (and bound[i] unless bound is NULL), device memory, for keys
- * first .. first+n-1. */
 /* A key centroid's sums (backend.h's rabitq_key_sums): rows k .. of a
  * span, n of them, row_stride f16 apart. */
 struct tkv_cuda_rq_rows {
@@ -122,6 +120,8 @@ cudaError_t tkv_cuda_rq_key_sums(const struct tkv_cuda_rq_rows *spans, uint32_t 
                                  size_t row_stride, uint32_t dim, unsigned long long *units, uint32_t *nonfinite,
                                  cudaStream_t s);
 
+/* est[i] (and bound[i] unless bound is NULL), device memory, for keys
+ * first .. first+n-1. */
 cudaError_t tkv_cuda_rq_estimate(const struct tkv_cuda_rq_index *ix, const struct tkv_rabitq_dev_query *q,
                                  uint32_t first, uint32_t n, float *est, float *bound, cudaStream_t s);
 

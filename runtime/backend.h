@@ -169,6 +169,17 @@ struct tkv_rabitq_span {
     uint32_t        n;
 };
 
+/* A finite f16 h is TKV_RABITQ_F16_UNITS(h) units of 2^-24 (an integer of
+ * magnitude below 2^40: the exponent field e > 0 gives (1024 + mantissa)
+ * << (e - 1), e = 0 the mantissa); so TKV_RABITQ_MEAN_MAX_ROWS of them sum
+ * exactly, in any order, in an int64_t. Not for infinities and NaNs
+ * (exponent field 31). Host and device code alike. */
+#define TKV_RABITQ_F16_UNITS(h)                                                                                    \
+    ((int64_t)(((h) >> 10 & 31) ? (int64_t)(1024 + ((h) & 1023)) << (((h) >> 10 & 31) - 1) : (int64_t)((h) & 1023)) * \
+     (((h) & 0x8000) ? -1 : 1))
+#define TKV_RABITQ_F16_FINITE(h)  (((h) & 0x7c00) != 0x7c00)
+#define TKV_RABITQ_MEAN_MAX_ROWS (1ull << 23)
+
 /* One layer's RaBitQ top-p selection on the backend (rabitq_select), for
  * the KV heads a policy selects. Per head h and each of its G query heads
  * j: every key 0 .. n-1 of the head's twin estimated as rabitq_estimate
@@ -189,16 +200,6 @@ struct tkv_rabitq_span {
  * wider bins make the device's histogram cheaper (a block's bins sit in
  * shared memory and are flushed with global atomics) and the boundary bin,
  * which is refined key by key, larger. */
-/* A finite f16 h is TKV_RABITQ_F16_UNITS(h) units of 2^-24 (an integer of
- * magnitude below 2^40: the exponent field e > 0 gives (1024 + mantissa)
- * << (e - 1), e = 0 the mantissa); so TKV_RABITQ_MEAN_MAX_ROWS of them sum
- * exactly, in any order, in an int64_t. Not for infinities and NaNs
- * (exponent field 31). Host and device code alike. */
-#define TKV_RABITQ_F16_UNITS(h)                                                                                    \
-    ((int64_t)(((h) >> 10 & 31) ? (int64_t)(1024 + ((h) & 1023)) << (((h) >> 10 & 31) - 1) : (int64_t)((h) & 1023)) * \
-     (((h) & 0x8000) ? -1 : 1))
-#define TKV_RABITQ_F16_FINITE(h)  (((h) & 0x7c00) != 0x7c00)
-#define TKV_RABITQ_MEAN_MAX_ROWS (1ull << 23)
 #define TKV_RABITQ_TOPP_BINS 1024
 #define TKV_RABITQ_TOPP_BPN  16
 struct tkv_rabitq_select_head {

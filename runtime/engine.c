@@ -691,22 +691,17 @@ static tkv_status table_misses(tkv_session *s)
     const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs;
     void *dst[256];
     const void *src[256];
-    uint32_t n = 0, most = 0;
+    uint32_t nm[256], n = 0, most = 0;
     for (uint32_t h = 0; h < Hkv; h++) {
-        const uint32_t nm = s->dt_hcounts[4 * h + 1];
-        if (!nm)
+        if (!(nm[n] = s->dt_hcounts[4 * h + 1]))
             continue;
+        most = TKV_MAX(most, nm[n]);
         dst[n] = s->dt_hmiss + (size_t)h * cap, src[n++] = s->dt_miss + (size_t)h * cap;
-        most = TKV_MAX(most, nm);
     }
     if (n > 1 && s->be->ops->download_blocks)
         return s->be->ops->download_blocks(s->be, dst, src, n, most * sizeof *s->dt_hmiss);
-    for (uint32_t h = 0; h < Hkv; h++) {
-        const uint32_t nm = s->dt_hcounts[4 * h + 1];
-        if (nm)
-            TKV_TRY(s->be->ops->download(s->be, s->dt_hmiss + (size_t)h * cap, s->dt_miss + (size_t)h * cap,
-                                         nm * sizeof *s->dt_hmiss));
-    }
+    for (uint32_t j = 0; j < n; j++)
+        TKV_TRY(s->be->ops->download(s->be, dst[j], src[j], nm[j] * sizeof *s->dt_hmiss));
     return TKV_OK;
 }
 

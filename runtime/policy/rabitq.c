@@ -294,50 +294,54 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
     return be->ops->alloc(be, n * sizeof(float), (void **)&r->bound_dev);
 }
 
+/* Rows k (rows of head_dim f16) into mk, brought to the host first when
+ * they are in backend memory (a wait each). */
+static tkv_status add_rows(struct rabitq *r, const struct tkv_policy_view *v, const uint16_t *k, uint32_t rows,
+                           bool on_device, struct tkv_rabitq_mean *mk)
+{
+    const uint32_t hd = r->env.head_dim;
+    if (on_device) {
+        TKV_TRY(v->be->ops->download(v->be, r->kbuf, k, (size_t)rows * hd * sizeof *r->kbuf));
+        k = r->kbuf;
+    }
+    return tkv_rabitq_mean_add_f16(mk, k, hd, rows);
+}
+
 /* The prompt's keys of KV head g (positions < n) into mk. Where the backend
- * has rabitq_key_sums, the sums are made beside the keys (one call: exact
- * integers, so the same mean as the host's); otherwise, or when a key is not
- * finite, the keys come down block by block (a wait each), or are read where
- * they are (KV on the host). */
+ * has rabitq_key_sums, the blocks are gathered as spans and summed beside
+ * the keys (one call: exact integers, so the same mean as the host's);
+ * otherwise, or when a key is not finite, they are added block by block. */
 static tkv_status key_sums(struct rabitq *r, const struct tkv_policy_view *v, uint32_t g, uint32_t n, bool on_device,
                            struct tkv_rabitq_mean *mk)
 {
     const uint32_t hd = r->env.head_dim;
     const struct tkv_kv_head_view *kv = &v->kv[g];
-    for (uint32_t b = 0; b < kv->n_blocks; b++)
-        if ((uint32_t)kv->blocks[b].pos0 < n && !kv->blocks[b].k)
-            return tkv_err(TKV_ERR_INTERNAL, "rabitq: block at position %d is not in memory", kv->blocks[b].pos0);
-    if (on_device && v->be->ops->rabitq_key_sums && kv->n_blocks <= r->n_spans) {
-        uint32_t m = 0;
-        uint64_t rows = 0;
-        for (uint32_t b = 0; b < kv->n_blocks; b++) {
-            const struct tkv_kv_block_ref *blk = &kv->blocks[b];
-            if ((uint32_t)blk->pos0 >= n)
-                continue;
-            const uint32_t nr = TKV_MIN(blk->n, n - (uint32_t)blk->pos0);
-            r->spans[m++] = (struct tkv_rabitq_span){blk->k, nr};
-            rows += nr;
-        }
-        int64_t units[TKV_RABITQ_MAX_DIM] = {0};
-        uint32_t nonfinite[TKV_RABITQ_MAX_DIM] = {0}, any = 0;
-        TKV_TRY(v->be->ops->rabitq_key_sums(v->be, r->spans, m, hd, hd, units, nonfinite));
-        for (uint32_t d = 0; d < hd; d++)
-            any |= nonfinite[d];
-        if (!any)
-            return tkv_rabitq_mean_add_units(mk, units, rows);
-    }
+    const bool dev_sums = on_device && v->be->ops->rabitq_key_sums && kv->n_blocks <= r->n_spans;
+    uint32_t m = 0;
+    uint64_t rows = 0;
     for (uint32_t b = 0; b < kv->n_blocks; b++) {
         const struct tkv_kv_block_ref *blk = &kv->blocks[b];
         if ((uint32_t)blk->pos0 >= n)
             continue;
-        const uint32_t rows = TKV_MIN(blk->n, n - (uint32_t)blk->pos0);
-        const uint16_t *k = blk->k;
-        if (on_device) {
-            TKV_TRY(v->be->ops->download(v->be, r->kbuf, blk->k, (size_t)rows * hd * sizeof *r->kbuf));
-            k = r->kbuf;
-        }
-        TKV_TRY(tkv_rabitq_mean_add_f16(mk, k, hd, rows));
+        if (!blk->k)
+            return tkv_err(TKV_ERR_INTERNAL, "rabitq: block at position %d is not in memory", blk->pos0);
+        const uint32_t nr = TKV_MIN(blk->n, n - (uint32_t)blk->pos0);
+        if (dev_sums)
+            r->spans[m++] = (struct tkv_rabitq_span){blk->k, nr}, rows += nr;
+        else
+            TKV_TRY(add_rows(r, v, blk->k, nr, on_device, mk));
     }
+    if (!dev_sums)
+        return TKV_OK;
+    int64_t units[TKV_RABITQ_MAX_DIM] = {0};
+    uint32_t nonfinite[TKV_RABITQ_MAX_DIM] = {0}, any = 0;
+    TKV_TRY(v->be->ops->rabitq_key_sums(v->be, r->spans, m, hd, hd, units, nonfinite));
+    for (uint32_t d = 0; d < hd; d++)
+        any |= nonfinite[d];
+    if (!any)
+        return tkv_rabitq_mean_add_units(mk, units, rows);
+    for (uint32_t j = 0; j < m; j++) /* a key not finite: the double sums take it, on the host */
+        TKV_TRY(add_rows(r, v, r->spans[j].k, r->spans[j].n, true, mk));
     return TKV_OK;
 }
 
