@@ -1266,7 +1266,7 @@ static tkv_status cuda_rabitq_prepare(struct tkv_backend *b, const struct tkv_ra
     for (uint32_t i = 0; i < a->n; i++) {
         const struct tkv_rabitq_dev *ix = a->items[i].ix;
         if (!ix || ix->dim == 0 || ix->dim > ix->dim_pad || ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM ||
-            ix->words * 64 != ix->dim_pad)
+            (ix->dim_pad & (ix->dim_pad - 1)) || ix->words * 64 != ix->dim_pad)
             return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_prepare: item %u: no index or dim %u, dim_pad %u", i,
                            ix ? ix->dim : 0, ix ? ix->dim_pad : 0);
     }
@@ -1296,8 +1296,10 @@ static tkv_status cuda_rabitq_encode(struct tkv_backend *b, const struct tkv_rab
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "rabitq_encode";
     ALIVE(op);
-    if (ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || ix->words * 64 != ix->dim_pad)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_encode: dim_pad %u", ix->dim_pad);
+    if (ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || (ix->dim_pad & (ix->dim_pad - 1)) ||
+        ix->words * 64 != ix->dim_pad)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_encode: dim_pad %u (a power of two, 64 .. %u)", ix->dim_pad,
+                       TKV_CUDA_RQ_MAX_DIM);
     uint64_t n = 0;
     uint32_t m = 0; /* non-empty spans */
     for (uint32_t s = 0; s < n_spans; s++) {
@@ -1497,7 +1499,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     for (uint32_t h = 1; h < H; h++)
         code_words = hh[h].ix.words == code_words ? code_words : 0;
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
-                                           a->safe ? 1 : 0, code_words};
+                                           a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words};
     CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)dm, &w, cb->stream));
     if (a->bitmap_dev && !a->n_chosen && !a->mass) { /* nothing comes down: no wait */
         CU(op, cudaEventRecord(cb->rqs_staged, cb->stream));

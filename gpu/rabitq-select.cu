@@ -13,6 +13,7 @@
  *               (backend.h: 1024 of 1/16 nat)
  *   3 scan      one block per pair: prefix sums over the bins give the first
  *               bin where keeping it whole meets (1-p) N >= p C: the boundary
+ *               (coarse: kept whole, and 4 and 5 do not run)
  *   4 members   the boundary bin's keys listed (order immaterial: sums are
  *               integers)
  *   5 refine    one block per pair: radix select over the members' 64-bit
@@ -22,9 +23,10 @@
  *               end", down to the last key taken
  *   6 output    kept = forced, or a bin before the boundary, or in it with a
  *               key >= the last one taken; ORed over the G pairs, a ballot per
- *               32 positions
- *   7 whole     (optional) every block of `whole` positions with a kept key
- *               kept whole
+ *               32 positions (and widened to groups of `whole` positions
+ *               there when whole divides 32)
+ *   7 whole     (whole > 1 not dividing 32) every block of `whole` positions
+ *               with a kept key kept whole
  * Sums: within a bin (and within the boundary bin's radix digits) 64-bit
  * fixed point, so they do not depend on the order the threads add them in;
  * N's terms rounded down and C's up. Each bin has its own units for l and
@@ -382,6 +384,16 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
 #define SCAN_B (NB / SCAN_T)
 static_assert((NB & (NB - 1)) == 0 && NB >= 32 && NB / BPN == 64.0f, "bins: a power of two, 64 nats in all");
 
+/* The outputs of a pair whose kept set is whole bins (no boundary bin cut:
+ * none, or coarse), or that is bad. */
+static __device__ void whole_bins_out(const struct rqs_state *st, const struct tkv_cuda_rqs_work &w, uint32_t pair)
+{
+    if (st->bad)
+        w.n_chosen[pair] = UINT32_MAX, w.mass[pair] = nan("");
+    else
+        w.n_chosen[pair] = st->cnt, w.mass[pair] = st->N + st->C > 0 ? st->N / (st->N + st->C) : 1.0;
+}
+
 /* 3: one block of SCAN_T threads per pair; thread t owns bins SCAN_B t ..
  * Each bin's sums become doubles (l down, u up); N before a bin is nf plus
  * an exclusive prefix, C after it a suffix, all added rounding down (N) or
@@ -429,12 +441,12 @@ __global__ void rqs_scan(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work
     for (int k = SCAN_B - 2; k >= 0; k--)
         Ca[k] = __dadd_ru(Ca[k + 1], bu[k + 1]);
     uint32_t cb = sc[t] - c, mine = UINT32_MAX;
-    double mN = 0, mC = 0;
+    double mN = 0, mC = 0, mL = 0;
     if (!none)
         for (int k = 0; k < SCAN_B; k++) {
             const uint32_t b = t * SCAN_B + k;
             if (st->hc[b] && rule(lp, pp.p, __dadd_rd(Nb, bl[k]), Ca[k])) {
-                mine = b, mN = Nb, mC = Ca[k];
+                mine = b, mN = Nb, mC = Ca[k], mL = bl[k];
                 atomicMin(&bmin, b);
                 break;
             }
@@ -443,15 +455,26 @@ __global__ void rqs_scan(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work
         }
     __syncthreads();
     if (none) {
-        if (t == 0)
+        if (t == 0) {
             st->bstar = 0, st->partial = 0, st->cnt = 0, st->N = nf, st->C = ctot, st->M = un.M, st->gmax = un.gmax;
+            if (pp.coarse)
+                whole_bins_out(st, w, blockIdx.x);
+        }
         return;
     }
     /* the owner: N and C at the start of the boundary bin (exactly the
-     * values its rule was checked with, which rqs_refine continues from).
+     * values its rule was checked with, which rqs_refine continues from);
+     * coarse: after it, the bin kept whole (its rule, checked above).
      * A bin always qualifies: after the last non-empty one, C = 0. */
-    if (mine == bmin)
-        st->bstar = bmin, st->partial = 1, st->cnt = cb, st->N = mN, st->C = mC, st->M = un.M, st->gmax = un.gmax;
+    if (mine == bmin) {
+        st->M = un.M, st->gmax = un.gmax;
+        if (pp.coarse) {
+            st->bstar = bmin + 1, st->partial = 0, st->cnt = cb + st->hc[bmin], st->N = __dadd_rd(mN, mL), st->C = mC;
+            whole_bins_out(st, w, blockIdx.x);
+        } else {
+            st->bstar = bmin, st->partial = 1, st->cnt = cb, st->N = mN, st->C = mC;
+        }
+    }
 }
 
 /* 4: grid (n_max / CHUNK, P) */
@@ -544,16 +567,9 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
     const uint32_t *list = w.list + (size_t)pair * pp.n_max;
     const double lp = 1 - (double)pp.p;
-    if (st->bad) {
+    if (st->bad || !st->partial) {
         if (t == 0)
-            w.n_chosen[pair] = UINT32_MAX, w.mass[pair] = nan("");
-        return;
-    }
-    if (!st->partial) {
-        if (t == 0) {
-            w.n_chosen[pair] = st->cnt;
-            w.mass[pair] = st->N + st->C > 0 ? st->N / (st->N + st->C) : 1.0;
-        }
+            whole_bins_out(st, w, pair);
         return;
     }
     const uint32_t m = st->m;
@@ -676,7 +692,22 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
     }
 }
 
-/* 6: grid (words * 32 / 256, n_heads): bit i of head h = any of its G pairs keeps i */
+/* Groups of W positions (W dividing 32) of one bitmap word: a group with a
+ * set bit set whole, nothing at or past n (the word holds positions
+ * [base, base + 32)). */
+static __device__ __forceinline__ unsigned widen_word(unsigned bits, uint32_t W, uint32_t base, uint32_t n)
+{
+    const unsigned ones = W == 32 ? 0xffffffffu : (1u << W) - 1;
+    unsigned out = 0;
+    for (uint32_t b = 0; b < 32; b += W)
+        if (bits >> b & ones)
+            out |= ones << b;
+    return base >= n ? 0u : n - base >= 32 ? out : out & ((1u << (n - base)) - 1);
+}
+
+/* 6: grid (words * 32 / 256, n_heads): bit i of head h = any of its G pairs
+ * keeps i; widened here to groups of pp.whole when whole divides 32 (else
+ * kernel 7 widens) */
 __global__ void rqs_output(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
                            struct tkv_cuda_rqs_work w)
 {
@@ -714,7 +745,8 @@ __global__ void rqs_output(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_
     }
     const unsigned bits = __ballot_sync(0xffffffffu, kept);
     if (threadIdx.x % 32 == 0)
-        w.bitmap[(size_t)row * pp.words + i / 32] = bits;
+        w.bitmap[(size_t)row * pp.words + i / 32] =
+            pp.whole > 1 && 32 % pp.whole == 0 ? widen_word(bits, pp.whole, i, n) : bits;
 }
 
 /* 7: grid (blocks / 256, n_heads): a block of `whole` positions with a kept
@@ -768,15 +800,17 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
     TKV_CUDA_LAUNCHED();
     rqs_scan<<<P, SCAN_T, 0, s>>>(*pp, *w);
     TKV_CUDA_LAUNCHED();
-    rqs_members<<<dim3(chunks, P), 512, 0, s>>>(*pp, heads, *w);
-    TKV_CUDA_LAUNCHED();
-    const int ref_smem = 3 * RCAP * sizeof(u64);
-    TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_refine, cudaFuncAttributeMaxDynamicSharedMemorySize, ref_smem));
-    rqs_refine<<<P, REF_T, ref_smem, s>>>(*pp, *w);
-    TKV_CUDA_LAUNCHED();
+    if (!pp->coarse) {
+        rqs_members<<<dim3(chunks, P), 512, 0, s>>>(*pp, heads, *w);
+        TKV_CUDA_LAUNCHED();
+        const int ref_smem = 3 * RCAP * sizeof(u64);
+        TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_refine, cudaFuncAttributeMaxDynamicSharedMemorySize, ref_smem));
+        rqs_refine<<<P, REF_T, ref_smem, s>>>(*pp, *w);
+        TKV_CUDA_LAUNCHED();
+    }
     rqs_output<<<dim3(tkv_cuda_blocks((size_t)pp->words * 32, 256), pp->n_heads), 256, 0, s>>>(*pp, heads, *w);
     TKV_CUDA_LAUNCHED();
-    if (pp->whole) {
+    if (pp->whole > 1 && 32 % pp->whole) { /* (groups that divide 32: done by rqs_output) */
         rqs_whole<<<dim3(tkv_cuda_blocks(tkv_cuda_blocks(pp->n_max, pp->whole), 256), pp->n_heads), 256, 0, s>>>(
             *pp, heads, *w);
         TKV_CUDA_LAUNCHED();

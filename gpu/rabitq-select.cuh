@@ -35,6 +35,8 @@ struct tkv_cuda_rqs_params {
     uint32_t n_heads, G, n_max, words, whole; /* n_max: the largest n; words: bitmap row */
     float p, scale, extra_lse;
     int safe;
+    int coarse;                               /* the boundary bin whole: kernels 4 and 5
+                                                 not run (tkv_rabitq_topp_params)     */
     uint32_t code_words;                      /* every head's ix.words (the estimate
                                                  kernel's template), 0: they differ  */
 };

@@ -18,32 +18,71 @@ static __device__ __forceinline__ float rq_fold16(float v)
     return v;
 }
 
+/* rq_rotate_warp for dim_pad = 32 E, in registers: lane l holds elements
+ * l E .. l E + E - 1, so the butterflies of stage h < E pair two of a lane's
+ * own and those of stage h >= E pair lane l with lane l ^ (h / E), the same
+ * slot of each (the lower element of a pair takes a + c, the upper a - c:
+ * the host's operations on the host's operands, in the host's stage order).
+ * Every sign is loaded before the first round (one memory latency, not one
+ * per round and element). */
+template <int E>
+static __device__ __forceinline__ void rq_rotate_regs(float *y, const struct tkv_cuda_rq_index &ix, unsigned lane)
+{
+    constexpr uint32_t D = 32 * E;
+    float sg[3][E], v[E];
+#pragma unroll
+    for (int r = 0; r < 3; r++)
+#pragma unroll
+        for (int k = 0; k < E; k++)
+            sg[r][k] = __ldg(ix.sign + r * D + lane * E + k);
+#pragma unroll
+    for (int k = 0; k < E; k++)
+        v[k] = y[lane * E + k];
+#pragma unroll
+    for (int r = 0; r < 3; r++) {
+#pragma unroll
+        for (int k = 0; k < E; k++)
+            v[k] = __fmul_rn(v[k], sg[r][k]);
+#pragma unroll
+        for (int h = 1; h < E; h <<= 1)
+#pragma unroll
+            for (int k = 0; k < E; k++)
+                if (!(k & h)) {
+                    const float a = v[k], c = v[k + h];
+                    v[k] = __fadd_rn(a, c);
+                    v[k + h] = __fsub_rn(a, c);
+                }
+#pragma unroll
+        for (int m = 1; m < 32; m <<= 1) { /* stage h = m E */
+            const bool upper = (lane & m) != 0;
+#pragma unroll
+            for (int k = 0; k < E; k++) {
+                const float o = __shfl_xor_sync(RQ_FULL, v[k], m);
+                v[k] = upper ? __fsub_rn(o, v[k]) : __fadd_rn(v[k], o);
+            }
+        }
+    }
+    __syncwarp(); /* every lane has read y */
+#pragma unroll
+    for (int k = 0; k < E; k++)
+        y[lane * E + k] = __fmul_rn(v[k], ix.rot_scale);
+    __syncwarp();
+}
+
 /* y[dim_pad] (the warp's, in shared memory) <- P y: three rounds of signs
  * and Walsh-Hadamard butterflies (stage h = 1, 2, 4, ... as the host's
  * rotate), then the scale; every lane calls it, after the warp's writes to
  * y are ordered before it (a __syncwarp or a shuffle). The key encoder and
- * the query preparation both rotate here. */
+ * the query preparation both rotate here; dim_pad is 64 .. 512 (a power of
+ * two, checked by their launchers). */
 static __device__ void rq_rotate_warp(float *y, const struct tkv_cuda_rq_index &ix, unsigned lane)
 {
-    const uint32_t D = ix.dim_pad;
-    for (int round = 0; round < 3; round++) {
-        const float *sg = ix.sign + (size_t)round * D;
-        for (uint32_t i = lane; i < D; i += 32)
-            y[i] = __fmul_rn(y[i], sg[i]);
-        __syncwarp();
-        for (uint32_t h = 1; h < D; h <<= 1) { /* stage h: pairs (j, j+h), j in the low half of each 2h run */
-            for (uint32_t b = lane; b < D / 2; b += 32) {
-                const uint32_t j = (b / h) * 2 * h + b % h;
-                const float a = y[j], c = y[j + h];
-                y[j] = __fadd_rn(a, c);
-                y[j + h] = __fsub_rn(a, c);
-            }
-            __syncwarp();
-        }
+    switch (ix.dim_pad) {
+    case 64: rq_rotate_regs<2>(y, ix, lane); break;
+    case 128: rq_rotate_regs<4>(y, ix, lane); break;
+    case 256: rq_rotate_regs<8>(y, ix, lane); break;
+    default: rq_rotate_regs<16>(y, ix, lane); break;
     }
-    for (uint32_t i = lane; i < D; i += 32)
-        y[i] = __fmul_rn(y[i], ix.rot_scale);
-    __syncwarp();
 }
 
 /* One warp per key: f16 row -> r = k - c_k -> y = P r (three rounds of signs
@@ -131,15 +170,18 @@ static __device__ __forceinline__ void rq_pick(float &v, uint32_t &i, float w, u
 
 /* One warp per query (tkv_rabitq_query_prepare, runtime/rabitq/rabitq.c):
  * u = q - c_q zero-padded, |u|^2 and q . c_k summed in double in the
- * host's order (lanes 0 and 1, one sum each; every product of two floats
- * is exact in double, so the host's contraction cannot change it), u
- * rotated, lo / hi with the host's choice among equal values, the levels
- * floor((u - lo) / delta + 0.5) with the same IEEE operations, the planes
- * by ballots, the scalars in double. */
+ * host's order (lanes 0 and 1, one sum each, over products the whole warp
+ * formed first; every product of two floats is exact in double, so the
+ * host's contraction cannot change it), u rotated, lo / hi with the host's
+ * choice among equal values, the levels floor((u - lo) / delta + 0.5) with
+ * the same IEEE operations, the planes by ballots, the scalars in double.
+ * (Each query is a chain of dependent steps on one warp, so what counts is
+ * the length of that chain: no memory round trip inside a loop.) */
 __global__ void rq_prepare_kernel(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
                                   float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad)
 {
-    __shared__ float ys[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM], qs[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM];
+    __shared__ float ys[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM];
+    __shared__ double prods[RQ_WARPS][2][TKV_CUDA_RQ_MAX_DIM]; /* u_i^2, q_i c_k,i */
     const unsigned wp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t it = blockIdx.x * RQ_WARPS + wp;
     if (it >= n) /* the whole warp leaves */
@@ -147,26 +189,28 @@ __global__ void rq_prepare_kernel(const float *q, size_t head_stride, const stru
     const struct tkv_cuda_rq_index &ix = items[it].ix;
     const uint32_t D = ix.dim_pad, dim = ix.dim;
     const float *row = q + (size_t)items[it].head * head_stride;
-    float *y = ys[wp], *qv = qs[wp];
+    float *y = ys[wp];
     bool fin = true;
     for (uint32_t i = lane; i < D; i += 32) {
         const float x = i < dim ? row[i] : 0.0f;
         fin &= isfinite(x);
-        qv[i] = x;
-        y[i] = i < dim ? __fsub_rn(x, ix.cq[i]) : 0.0f;
+        const float u = i < dim ? __fsub_rn(x, ix.cq[i]) : 0.0f;
+        y[i] = u;
+        prods[wp][0][i] = __dmul_rn((double)u, (double)u);
+        prods[wp][1][i] = __dmul_rn((double)x, (double)ix.ck[i]);
     }
     __syncwarp();
     /* lane 0: nn = sum over i < D of u_i^2; lane 1: qck = sum over i < dim
      * of q_i c_k,i; ascending, one rounding per add as the host's loop */
     double acc = 0.0;
     if (lane < 2) {
-        const float *x = lane == 0 ? y : qv, *w = lane == 0 ? y : ix.ck;
+        const double *pr = prods[wp][lane];
         const uint32_t m = lane == 0 ? D : dim;
         for (uint32_t i = 0; i < m; i++)
-            acc = __dadd_rn(acc, __dmul_rn((double)x[i], (double)w[i]));
+            acc = __dadd_rn(acc, pr[i]);
     }
     const double nn = __shfl_sync(RQ_FULL, acc, 0), qck = __shfl_sync(RQ_FULL, acc, 1);
-    rq_rotate_warp(y, ix, lane); /* (the shuffles ordered the sums' reads before its writes) */
+    rq_rotate_warp(y, ix, lane); /* (y's writes above ordered by the __syncwarp) */
     float lo = y[lane], hi = lo;  /* D >= 64: every lane has an element */
     uint32_t ilo = lane, ihi = lane;
     for (uint32_t i = lane; i < D; i += 32) {
@@ -198,23 +242,25 @@ __global__ void rq_prepare_kernel(const float *q, size_t head_stride, const stru
         return;
     }
     int32_t sum = 0;
-    for (uint32_t w = 0; w < TKV_CUDA_RQ_MAX_WORDS; w++) {
+    const uint32_t W = ix.words; /* the same for every lane */
+    for (uint32_t w = 0; w < W; w++) {
         uint64_t pl[4] = {0, 0, 0, 0};
-        if (w < ix.words)
-            for (uint32_t half = 0; half < 2; half++) {
-                const float u = y[64 * w + 32 * half + lane];
-                int v = delta > 0 ? (int)floorf(__fadd_rn(__fdiv_rn(__fsub_rn(u, lo), delta), 0.5f)) : 0;
-                v = v < 0 ? 0 : v > 15 ? 15 : v;
-                sum += v;
 #pragma unroll
-                for (int j = 0; j < 4; j++)
-                    pl[j] |= (uint64_t)__ballot_sync(RQ_FULL, (v >> j) & 1) << (32 * half);
-            }
-        if (lane == 0)
+        for (uint32_t half = 0; half < 2; half++) {
+            const float u = y[64 * w + 32 * half + lane];
+            int v = delta > 0 ? (int)floorf(__fadd_rn(__fdiv_rn(__fsub_rn(u, lo), delta), 0.5f)) : 0;
+            v = v < 0 ? 0 : v > 15 ? 15 : v;
+            sum += v;
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                o->plane[j][w] = pl[j];
+                pl[j] |= (uint64_t)__ballot_sync(RQ_FULL, (v >> j) & 1) << (32 * half);
+        }
+        if (lane < 4) /* lane j writes plane j */
+            o->plane[lane][w] = lane == 0 ? pl[0] : lane == 1 ? pl[1] : lane == 2 ? pl[2] : pl[3];
     }
+    for (uint32_t x = lane; x < 4 * TKV_CUDA_RQ_MAX_WORDS; x += 32) /* the planes past W are 0 */
+        if (x % TKV_CUDA_RQ_MAX_WORDS >= W)
+            o->plane[x / TKV_CUDA_RQ_MAX_WORDS][x % TKV_CUDA_RQ_MAX_WORDS] = 0;
     sum = __reduce_add_sync(RQ_FULL, sum); /* integers: any order */
     if (lane != 0)
         return;
@@ -256,7 +302,8 @@ cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct 
 {
     if (n_rows == 0)
         return cudaSuccess;
-    if (n_spans == 0 || ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || ix->words * 64 != ix->dim_pad)
+    if (n_spans == 0 || ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || (ix->dim_pad & (ix->dim_pad - 1)) ||
+        ix->words * 64 != ix->dim_pad)
         return cudaErrorInvalidValue;
     rq_encode_kernel<<<tkv_cuda_blocks(n_rows, RQ_WARPS), RQ_WARPS * 32, 0, s>>>(*ix, spans, n_spans, n_rows,
                                                                                  row_stride, at, bad);

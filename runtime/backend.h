@@ -184,8 +184,8 @@ struct tkv_rabitq_span {
  * the KV heads a policy selects. Per head h and each of its G query heads
  * j: every key 0 .. n-1 of the head's twin estimated as rabitq_estimate
  * does (bit-identical), top-p over them as tkv_rabitq_select_topp with
- * pos0 = 0, the head's forced ranges, p, scale, extra_lse, max_keep = 0 and
- * the bounds when safe; the G kept sets ORed, forced keys included, widened
+ * pos0 = 0, the head's forced ranges, p, scale, extra_lse, coarse,
+ * max_keep = 0 and the bounds when safe; the G kept sets ORed, forced keys included, widened
  * to whole blocks of `whole` positions when whole > 0 (blocks start at 0).
  * What the device guarantees, and where it may differ from the host's
  * select_topp (rounding at the boundary): docs/rabitq.md, "Device top-p". */
@@ -196,7 +196,8 @@ struct tkv_rabitq_span {
  * the device's): TKV_RABITQ_TOPP_BINS bins of 1/TKV_RABITQ_TOPP_BPN nat below
  * the largest log-value, the last taking everything lower (64 nats cut apart
  * in 1024). The bins only narrow the search: the kept set is the shortest
- * prefix in log-value order that meets the rule, whatever the bins. Fewer,
+ * prefix in log-value order that meets the rule, whatever the bins (but
+ * with coarse, which keeps the boundary bin whole). Fewer,
  * wider bins make the device's histogram cheaper (a block's bins sit in
  * shared memory and are flushed with global atomics) and the boundary bin,
  * which is refined key by key, larger. */
@@ -222,6 +223,8 @@ struct tkv_rabitq_select_args {
     uint32_t n_heads, G;                        /* G: 1 .. TKV_RABITQ_SELECT_MAX_G      */
     float    p, scale, extra_lse;               /* as tkv_rabitq_topp_params            */
     bool     safe;                              /* with the bounds: safe top-p          */
+    bool     coarse;                            /* the boundary bin whole, as
+                                                   tkv_rabitq_topp_params.coarse        */
     uint32_t whole;                             /* > 0: widen to blocks of this many    */
     /* outputs, HOST memory, written when the op returns (one download):
      * bitmap[h * words + w] bit b = position 32 w + b of head h kept (bits at

@@ -94,7 +94,6 @@ void tkv_session_free(tkv_session *s)
     if (s->trace)
         fclose(s->trace);
     free(s->trace_buf);
-    free(s->dt_hcounts);
     free(s->dt_hmiss);
     free(s->dt_sel_n);
     free(s->host_ok);
@@ -273,15 +272,19 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_refs));
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_miss));
         TKV_TRY(s->be->ops->alloc(s->be, (size_t)hp->n_head_kv * 4 * sizeof(uint32_t), (void **)&s->dt_counts));
-        s->dt_hcounts = malloc((size_t)hp->n_head_kv * 4 * sizeof *s->dt_hcounts);
         s->dt_sel_n = malloc(hp->n_head_kv * sizeof *s->dt_sel_n);
+        /* the miss lists, then the counts (one region: a page can be pinned once) */
         const size_t hmiss = (size_t)hp->n_head_kv * s->max_refs * sizeof *s->dt_hmiss;
-        s->dt_hmiss = malloc(hmiss);
-        if (!s->dt_hcounts || !s->dt_sel_n || !s->dt_hmiss)
+        const size_t hcounts = (size_t)hp->n_head_kv * 4 * sizeof *s->dt_hcounts;
+        s->dt_hmiss = malloc(hmiss + hcounts);
+        if (!s->dt_sel_n || !s->dt_hmiss)
             return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
-        /* pinned where the backend can: the miss lists come down as one batch of true async copies */
+        s->dt_hcounts = (uint32_t *)((char *)s->dt_hmiss + hmiss);
+        /* pinned where the backend can: the counts (every decode layer) and
+         * the miss lists (one batch) come down as true async copies, not
+         * through the driver's staging of pageable memory */
         s->dt_hmiss_pinned = s->be->ops->host_register && s->be->ops->host_unregister &&
-                             s->be->ops->host_register(s->be, s->dt_hmiss, hmiss) == TKV_OK;
+                             s->be->ops->host_register(s->be, s->dt_hmiss, hmiss + hcounts) == TKV_OK;
     }
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
         TKV_TRY(alloc_act(s, QD, &s->att_full));

@@ -123,9 +123,10 @@ struct tkv_session {
     bool dev_table;
     struct tkv_kv_block_ref *dt_refs, *dt_miss; /* backend [Hkv][max_refs] */
     uint32_t *dt_counts;                        /* backend [Hkv][4]         */
-    uint32_t *dt_hcounts, *dt_sel_n;            /* host [Hkv][4], [Hkv]     */
+    uint32_t *dt_sel_n;                         /* host [Hkv]               */
     struct tkv_kv_block_ref *dt_hmiss;          /* host [Hkv][max_refs]: the heads' missing slices */
-    bool dt_hmiss_pinned;                       /* dt_hmiss registered with the backend       */
+    uint32_t *dt_hcounts;                       /* host [Hkv][4], in dt_hmiss's allocation, after it */
+    bool dt_hmiss_pinned;                       /* that allocation registered with the backend  */
     uint64_t dt_layers, dt_fallbacks;           /* decode layers attended from the table;
                                                    those that took the host path instead */
     uint64_t dt_brought;                        /* of dt_layers: missing blocks recalled or

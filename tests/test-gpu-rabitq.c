@@ -33,7 +33,10 @@
  * candidates; the symmetric difference with tkv_rabitq_select_topp is
  * counted, reported and at most 4 + 1e-5 n keys. A call with G query heads
  * gives the OR of its G single calls bit for bit (G = 1..8), `whole` the
- * widening to blocks, and a second call the same bits. kv_table and
+ * widening to groups (64 positions in safe cases, 16 in plain ones), and a
+ * second call the same bits; `coarse` (the boundary bin whole) a superset
+ * of the exact set with n_chosen its count, a kept mass >= p, and at most
+ * 4 + 1e-5 n keys off the host's coarse set. kv_table and
  * table_write (the decode table from a bitmap and the KV store's device
  * page table) equal kv-table-cases.h's oracle entry for entry on random
  * block sizes, residencies and selections, overflowing tables included.
@@ -199,7 +202,7 @@ static void run_dim(uint32_t D, enum tkv_rabitq_isa isa)
 
 enum shape { RANDOM, PEAKED, FLAT, TIES };
 static const char *const shape_name[] = {"random", "peaked", "flat", "ties"};
-static uint64_t sel_symdiff, sel_pairs, sel_keys;
+static uint64_t sel_symdiff, sel_pairs, sel_keys, sel_coarse_extra;
 
 struct sel_case {
     uint32_t n, G;
@@ -219,11 +222,13 @@ static void run_select(const struct sel_case *c)
     float *est = malloc((size_t)n * sizeof *est), *bound = malloc((size_t)n * sizeof *bound);
     float q[TKV_RABITQ_SELECT_MAX_G][D], dir[D], base[4][D];
     uint32_t *bm1 = calloc((size_t)G * words, 4), *bmG = calloc(words, 4), *bmW = calloc(words, 4), *bm2 = calloc(words, 4);
+    uint32_t *bmC = calloc((size_t)G * words, 4); /* coarse, one query head per row */
     uint32_t *pos = malloc((size_t)n * sizeof *pos), nch[TKV_RABITQ_SELECT_MAX_G], nchG[TKV_RABITQ_SELECT_MAX_G];
-    double mass[TKV_RABITQ_SELECT_MAX_G], massG[TKV_RABITQ_SELECT_MAX_G];
+    uint32_t nchC[TKV_RABITQ_SELECT_MAX_G];
+    double mass[TKV_RABITQ_SELECT_MAX_G], massG[TKV_RABITQ_SELECT_MAX_G], massC[TKV_RABITQ_SELECT_MAX_G];
     const size_t wb = tkv_rabitq_topp_work_bytes(n);
     void *work = malloc(wb);
-    REQUIRE_VOID(k && est && bound && bm1 && bmG && bmW && bm2 && pos && work);
+    REQUIRE_VOID(k && est && bound && bm1 && bmG && bmW && bm2 && bmC && pos && work);
     for (uint32_t i = 0; i < D; i++) {
         dir[i] = gauss();
         for (int b = 0; b < 4; b++)
@@ -284,8 +289,12 @@ static void run_select(const struct sel_case *c)
                                               .words = words, .n_chosen = nchG, .mass = massG};
     CHECK(be->ops->rabitq_select(be, &aG) == TKV_OK, "select G=%u: %s", G, tkv_last_error());
     struct tkv_rabitq_select_args aW = aG;
-    aW.bitmap = bmW, aW.whole = 64;
+    const uint32_t WW = c->safe ? 64 : 16; /* a KV block, or the decode kernel's chunk of keys */
+    aW.bitmap = bmW, aW.whole = WW;
     CHECK(be->ops->rabitq_select(be, &aW) == TKV_OK, "select whole: %s", tkv_last_error());
+    struct tkv_rabitq_select_args aC = a;
+    aC.coarse = true, aC.bitmap = bmC, aC.n_chosen = nchC, aC.mass = massC;
+    CHECK(be->ops->rabitq_select(be, &aC) == TKV_OK, "select coarse: %s", tkv_last_error());
     struct tkv_rabitq_select_args a2 = aG;
     a2.bitmap = bm2;
     CHECK(be->ops->rabitq_select(be, &a2) == TKV_OK, "select again: %s", tkv_last_error());
@@ -357,6 +366,35 @@ static void run_select(const struct sel_case *c)
         sel_symdiff += diff, sel_pairs++, sel_keys += n;
         CHECK(diff <= 4 + n / 100000, "%s q%u: %u keys differ from the host's top-p (%u vs %u chosen)", what, j, diff,
               cnt, res.n_chosen);
+        /* coarse: a superset of the exact set, the host's coarse set but for
+         * as many keys, its count and a kept mass >= p */
+        const uint32_t *rowC = bmC + (size_t)j * words;
+        struct tkv_rabitq_topp_params tc = tp;
+        tc.coarse = true;
+        REQUIRE_VOID(tkv_rabitq_select_topp(est, c->safe ? bound : NULL, n, &tc, work, wb, pos, n, &res) == TKV_OK);
+        uint32_t lost = 0, cntC = 0, diffC = 0;
+        double NC = exp((double)c->extra_lse - M), CC = 0;
+        x = 0, r = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            const bool kc = rowC[i / 32] >> (i % 32) & 1, host = x < res.n_pos && pos[x] == i;
+            x += host;
+            diffC += host != kc;
+            lost += (row[i / 32] >> (i % 32) & 1) && !kc;
+            while (r < hG.n_forced && forced[r].end <= i)
+                r++;
+            cntC += kc && !(r < hG.n_forced && forced[r].begin <= i);
+            const double s = (double)(scale * est[i]), d = (double)(scale * bound[i]);
+            if (kc)
+                NC += exp(s - d - M);
+            else
+                CC += exp(s + d - M);
+        }
+        sel_coarse_extra += cntC - cnt;
+        CHECK(lost == 0, "%s q%u: coarse dropped %u keys of the exact set", what, j, lost);
+        CHECK(nchC[j] == cntC, "%s q%u: coarse n_chosen %u, %u kept candidates", what, j, nchC[j], cntC);
+        CHECK(NC / (NC + CC) >= p - 1e-6, "%s q%u: coarse kept mass %.9f < p", what, j, NC / (NC + CC));
+        CHECK(diffC <= 4 + n / 100000, "%s q%u: coarse: %u keys differ from the host's (%u vs %u chosen)", what, j,
+              diffC, cntC, res.n_chosen);
     }
     /* the union of the G calls, and its widening */
     uint32_t bad_or = 0, bad_whole = 0;
@@ -366,20 +404,20 @@ static void run_select(const struct sel_case *c)
             u |= bm1[(size_t)j * words + w];
         bad_or += u != bmG[w];
     }
-    for (uint32_t b0 = 0; b0 < n; b0 += 64) {
+    for (uint32_t b0 = 0; b0 < n; b0 += WW) {
         bool any = false;
-        for (uint32_t i = b0; i < TKV_MIN(b0 + 64, n); i++)
+        for (uint32_t i = b0; i < TKV_MIN(b0 + WW, n); i++)
             any |= bmG[i / 32] >> (i % 32) & 1;
-        for (uint32_t i = b0; i < TKV_MIN(b0 + 64, n); i++)
+        for (uint32_t i = b0; i < TKV_MIN(b0 + WW, n); i++)
             bad_whole += (bool)(bmW[i / 32] >> (i % 32) & 1) != any;
     }
     CHECK(bad_or == 0, "%s: the G-query call is not the OR of the single calls (%u words)", what, bad_or);
-    CHECK(bad_whole == 0, "%s: whole=64 widened %u positions wrongly", what, bad_whole);
+    CHECK(bad_whole == 0, "%s: whole=%u widened %u positions wrongly", what, WW, bad_whole);
     CHECK(n % 32 == 0 || !(bmW[words - 1] >> (n % 32)), "%s: bits past n", what);
     tkv_rabitq_dev_free(dx);
     be->ops->release(be, k_dev);
     tkv_rabitq_free(ix);
-    free(k), free(est), free(bound), free(bm1), free(bmG), free(bmW), free(bm2), free(pos), free(work);
+    free(k), free(est), free(bound), free(bm1), free(bmG), free(bmW), free(bm2), free(bmC), free(pos), free(work);
 }
 
 static void test_select(void)
@@ -395,8 +433,9 @@ static void test_select(void)
                                            .p = t % 4 == 3 ? 0.99f : t % 4 == 1 ? 1.0f : 0.9f};
                 run_select(&c);
             }
-    fprintf(stderr, "rabitq_select: %llu query heads, %llu keys: %llu differ from the host's top-p\n",
-            (unsigned long long)sel_pairs, (unsigned long long)sel_keys, (unsigned long long)sel_symdiff);
+    fprintf(stderr, "rabitq_select: %llu query heads, %llu keys: %llu differ from the host's top-p; coarse keeps "
+            "%llu keys more\n", (unsigned long long)sel_pairs, (unsigned long long)sel_keys,
+            (unsigned long long)sel_symdiff, (unsigned long long)sel_coarse_extra);
 }
 
 /* rabitq_key_sums: per element the exact sums of the finite f16 of every

@@ -284,8 +284,10 @@ static void test_routes(void)
         {"critiprefill:segment=128,block=16,budget=128,threshold=128", R_CRITI},
         {"snapkv:budget=200,window=16,kernel=5", R_SNAP},
         {"adakv:budget=200,window=16,pool=avg", R_ADA},
-        {"entropy+rabitq:segment=128,block=8,threshold=128,base=64,dense=1", R_NONE},
-        {"rabitq:p=0.8,sink=16,recent=32,batch=16,dense=1", R_NONE},
+        {"entropy+rabitq:segment=128,block=8,threshold=128,base=64,dense=1,whole=0,exact=1", R_NONE},
+        {"rabitq:p=0.8,sink=16,recent=32,batch=16,dense=1,whole=0,exact=1", R_NONE},
+        {"rabitq:p=0.8,sink=16,recent=32,batch=16,dense=1,whole=0,exact=0", R_NONE},
+        {"rabitq:p=0.8,safe=0,sink=16,recent=32,batch=16,dense=1,whole=16,exact=0", R_NONE},
         {"rabitq:p=0.9,safe=0,sink=8,recent=16,batch=8,dense=0,whole=1", R_NONE},
         {"streaming:budget=200", R_NONE},
     };
@@ -439,8 +441,11 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
 
 /* The device decode table (TKV_RABITQ_DEVICE_TABLE=1, the default where the
  * backend's memory is not the host's): on the opaque backend, flat and
- * tiered, the RaBitQ policies decode with the knob on as with it off (=0) -- the same tokens and reads, the same logits (tiered: within
- * 1e-5 of the largest, the CPU split's partials may be cut elsewhere) --
+ * tiered, the RaBitQ policies decode with the knob on as with it off (=0)
+ * -- the same tokens and reads, the same logits (tiered: within 1e-5 of
+ * the largest, the CPU split's partials may be cut elsewhere; with the CPU
+ * split a near tie of the top-p may flip: reads within 0.1%, logits within
+ * 1e-2 then) --
  * while kv_table builds each layer's table from the bitmaps left in
  * backend memory. Flat (every
  * block resident), every such layer's attention reads that table where it
@@ -455,7 +460,7 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
     static float l_off[(NG + 1) * V], l_on[(NG + 1) * V];
     double r_off, r_on;
     static const char *const specs[] = {
-        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0",
+        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1", /* single-key slices */
         "rabitq:p=0.7,safe=1,sink=4,recent=8,batch=8,dense=1,whole=1",
         "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
     };
@@ -483,16 +488,21 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
                   (unsigned long long)from_table, dt.layers, dt.brought, dt.fallbacks);
             CHECK(!memcmp(t_off, t_on, sizeof t_off), "%s (%s): the knob on generated other tokens", specs[i],
                   tiers[tier]);
-            /* flat: bit for bit; tiered: the residency differs (a layer with misses begins twice),
-             * so the split attention's partials and their rounding may too */
+            /* flat: bit for bit; tiered: the residency differs (a layer with
+             * misses begins twice), so the split attention's partials and their
+             * rounding may too: 1e-5 of the largest logit. With the CPU split a
+             * key at a near tie of a later top-p can then go either way (seen:
+             * one key in 5700 reads, the logits 3.5e-3 of the largest apart) */
             double dmax = 0, lmax = 0;
             for (size_t j = 0; j < (NG + 1) * V; j++)
                 dmax = fmax(dmax, fabs((double)l_off[j] - l_on[j])), lmax = fmax(lmax, fabs((double)l_off[j]));
-            CHECK(tier ? dmax <= 1e-5 * lmax : !memcmp(l_off, l_on, sizeof l_off),
+            const bool split = tier == 1, flip = split && r_off != r_on;
+            CHECK(tier ? dmax <= (flip ? 1e-2 : 1e-5) * lmax : !memcmp(l_off, l_on, sizeof l_off),
                   "%s (%s): the knob on changed the logits by up to %g (largest %g)", specs[i], tiers[tier], dmax,
                   lmax);
-            CHECK(r_off == r_on, "%s (%s): decode read %g of the tokens with the knob off, %g on", specs[i],
-                  tiers[tier], r_off, r_on);
+            CHECK(split ? fabs(r_off - r_on) <= 1e-3 * r_off : r_off == r_on,
+                  "%s (%s): decode read %g of the tokens with the knob off, %g on", specs[i], tiers[tier], r_off,
+                  r_on);
             fprintf(stderr, "  device table %-80s %s: %llu layers from the table, %llu with blocks brought first, "
                             "logits within %.2g\n", specs[i], tiers[tier], dt.layers, dt.brought, dmax);
             if (tier == 0) { /* the attention really reads the table: one row short changes the logits */
@@ -563,39 +573,47 @@ static void test_engine(void)
     static float l_cpu[(NG + 1) * V], l_opq[(NG + 1) * V], l_full[(NG + 1) * V];
     double read_cpu, read_opq;
     REQUIRE_VOID(run_session(m, "cpu", "full", prompt, t_cpu, l_full, &read_cpu) == TKV_OK);
-    static const char *const specs[] = {
-        "full",
-        "entropy:segment=16,block=8,threshold=16,base=16,gap=4,window=8,keep=40,resel=8",
-        "entropy:faithful=1,segment=16,block=8,threshold=16,base=16,gap=4,window=8,keep=40",
-        "critiprefill:segment=16,block=8,budget=16,threshold=16,fusion=0.25",
-        "snapkv:budget=40,window=8,kernel=5",
-        "adakv:budget=40,window=8",
-        "streaming:budget=40,sink=4",
-        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0",
-        "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
+    /* the RaBitQ policies without `whole` and `exact` read groups of 16 and
+     * keep the boundary bin whole where the backend selects (the opaque one
+     * does), single keys by the shortest prefix on the cpu: their cpu twins
+     * say whole=16,exact=0 */
+    static const char *const specs[][2] = {
+        {"full", NULL},
+        {"entropy:segment=16,block=8,threshold=16,base=16,gap=4,window=8,keep=40,resel=8", NULL},
+        {"entropy:faithful=1,segment=16,block=8,threshold=16,base=16,gap=4,window=8,keep=40", NULL},
+        {"critiprefill:segment=16,block=8,budget=16,threshold=16,fusion=0.25", NULL},
+        {"snapkv:budget=40,window=8,kernel=5", NULL},
+        {"adakv:budget=40,window=8", NULL},
+        {"streaming:budget=40,sink=4", NULL},
+        {"rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1", NULL},
+        {"rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0",
+         "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=16,exact=0"},
+        {"entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
+         "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0,whole=16,exact=0"},
     };
-    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+    for (size_t s = 0; s < sizeof specs / sizeof specs[0]; s++) {
+        const char *const spec = specs[s][0], *const cpu_spec = specs[s][1] ? specs[s][1] : spec;
         const uint64_t calls0 = opaque_stats_calls, rq0 = opaque_rabitq_calls;
-        tkv_status st = run_session(m, "cpu", specs[i], prompt, t_cpu, l_cpu, &read_cpu);
-        CHECK(st == TKV_OK, "cpu %s: %s", specs[i], tkv_last_error());
-        st = run_session(m, "opaque", specs[i], prompt, t_opq, l_opq, &read_opq);
-        CHECK(st == TKV_OK, "opaque %s: %s", specs[i], tkv_last_error());
-        const bool stats = strstr(specs[i], "entropy") || strstr(specs[i], "criti") || strstr(specs[i], "kv:");
-        CHECK(!stats || opaque_stats_calls > calls0, "%s: no attn_stats call on the opaque backend", specs[i]);
+        tkv_status st = run_session(m, "cpu", cpu_spec, prompt, t_cpu, l_cpu, &read_cpu);
+        CHECK(st == TKV_OK, "cpu %s: %s", cpu_spec, tkv_last_error());
+        st = run_session(m, "opaque", spec, prompt, t_opq, l_opq, &read_opq);
+        CHECK(st == TKV_OK, "opaque %s: %s", spec, tkv_last_error());
+        const bool stats = strstr(spec, "entropy") || strstr(spec, "criti") || strstr(spec, "kv:");
+        CHECK(!stats || opaque_stats_calls > calls0, "%s: no attn_stats call on the opaque backend", spec);
         /* (entropy+rabitq finds no Rigid head in the tiny model, so only
          * plain rabitq must have used the ops here; section 1 covers both) */
-        CHECK(strncmp(specs[i], "rabitq", 6) || opaque_rabitq_calls > rq0, "%s: no rabitq op on the opaque backend",
-              specs[i]);
-        CHECK(!memcmp(t_cpu, t_opq, sizeof t_cpu), "%s: the opaque backend generated other tokens", specs[i]);
-        CHECK(!memcmp(l_cpu, l_opq, sizeof l_cpu), "%s: logits differ between cpu and opaque", specs[i]);
-        CHECK(read_cpu == read_opq, "%s: decode read %g of the tokens on cpu, %g on opaque", specs[i], read_cpu,
+        CHECK(strncmp(spec, "rabitq", 6) || opaque_rabitq_calls > rq0, "%s: no rabitq op on the opaque backend",
+              spec);
+        CHECK(!memcmp(t_cpu, t_opq, sizeof t_cpu), "%s: the opaque backend generated other tokens", spec);
+        CHECK(!memcmp(l_cpu, l_opq, sizeof l_cpu), "%s: logits differ between cpu and opaque", spec);
+        CHECK(read_cpu == read_opq, "%s: decode read %g of the tokens on cpu, %g on opaque", spec, read_cpu,
               read_opq);
-        const bool sparse = strncmp(specs[i], "full", 4) != 0;
+        const bool sparse = strncmp(spec, "full", 4) != 0;
         const bool changed = memcmp(l_cpu, l_full, sizeof l_cpu) != 0;
-        fprintf(stderr, "  %-84s tokens read %.3f, logits %s full's\n", specs[i], read_cpu,
+        fprintf(stderr, "  %-84s tokens read %.3f, logits %s full's\n", spec, read_cpu,
                 changed ? "differ from" : "equal");
-        if (sparse)
-            CHECK(changed || read_cpu < 1.0, "%s restricted nothing on the tiny model", specs[i]);
+        if (sparse && !specs[s][1]) /* (16-position groups may cover this short context) */
+            CHECK(changed || read_cpu < 1.0, "%s restricted nothing on the tiny model", spec);
     }
     test_device_table(m, prompt);
     tkv_backend_set_test_factory(NULL);

@@ -260,14 +260,15 @@ static void test_lazy_tail(void)
     CHECK(p->ops->decode_select(p->state, &v, 0, r, S_CTX) == -1, "after a reset, no index: read everything");
     tkv_policy_free(p);
 
-    /* whole=1: the blocks whole=0 touches, each read whole; p=1: everything */
-    const char *specs[] = {"rabitq:dense=0,safe=0", "rabitq:dense=0,safe=0,whole=1", "rabitq:dense=0,p=1",
-                           "rabitq:dense=0,p=1,safe=0"};
+    /* whole=1: the blocks whole=0 touches, each read whole; whole=16: the
+     * aligned 16-position groups it touches; p=1: everything */
+    const char *specs[] = {"rabitq:dense=0,safe=0", "rabitq:dense=0,safe=0,whole=1", "rabitq:dense=0,safe=0,whole=16",
+                           "rabitq:dense=0,p=1", "rabitq:dense=0,p=1,safe=0"};
     float q[S_H * S_HD];
     int32_t qpos = (int32_t)n_prompt;
     decode_query(q);
-    static uint8_t touched[S_CTX / S_B];
-    for (int i = 0; i < 4; i++) {
+    static uint8_t touched[S_CTX / S_B], touched16[S_CTX / 16];
+    for (int i = 0; i < 5; i++) {
         p = make(specs[i]);
         REQUIRE_VOID(p);
         REQUIRE_VOID(prefill_done(p, n_prompt) == TKV_OK);
@@ -276,14 +277,18 @@ static void test_lazy_tail(void)
         REQUIRE_VOID(m > 0 && ascending(r, m, v.n_past));
         if (i == 0) {
             memset(touched, 0, sizeof touched);
+            memset(touched16, 0, sizeof touched16);
+            uint32_t n_read = 0;
             for (int j = 0; j < m; j++)
                 for (uint32_t x = r[j].begin; x < r[j].end; x++)
-                    touched[x / S_B] = 1;
-        } else if (i == 1) {
+                    touched[x / S_B] = touched16[x / 16] = 1, n_read++;
+            CHECK(n_read < v.n_past, "whole=0 must leave some keys out for the whole= cases to mean anything");
+        } else if (i == 1 || i == 2) {
             bool same = true;
             for (uint32_t x = 0; x < v.n_past; x++)
-                same &= contains(r, m, x) == (touched[x / S_B] != 0);
-            CHECK(same, "whole=1 must read exactly the blocks whole=0 touches, each whole");
+                same &= contains(r, m, x) == ((i == 1 ? touched[x / S_B] : touched16[x / 16]) != 0);
+            CHECK(same, "%s must read exactly the %s whole=0 touches, each whole", specs[i],
+                  i == 1 ? "blocks" : "16-position groups");
         } else {
             CHECK(m == 1 && r[0].begin == 0 && r[0].end == v.n_past, "%s: everything expected, got %d ranges",
                   specs[i], m);
@@ -356,7 +361,9 @@ static void test_specs(void)
                  {"rabitq:p=abc", "p=abc is not a number"},
                  {"rabitq:eps=0", "eps=0 must be > 0"},
                  {"rabitq:eps=-2", "eps=-2 must be > 0"},
-                 {"rabitq:safe=2", "safe and whole are 0 or 1"},
+                 {"rabitq:safe=2", "safe is 0 or 1"},
+                 {"rabitq:whole=70000", "whole=70000"},
+                 {"rabitq:exact=2", "exact is 0 or 1"},
                  {"rabitq:batch=0", "batch=0"},
                  {"rabitq:sink=-1", "sink=-1 is not a non-negative integer"},
                  {"rabitq:foo=1", "policy 'rabitq': unknown parameter 'foo'"},

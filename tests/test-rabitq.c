@@ -441,6 +441,8 @@ struct topp_stats {
     double plain_mass_sum, plain_mass_min, safe_mass_sum;
     double n_oracle, n_plain, n_safe;
     uint64_t min_set_ok;
+    uint64_t coarse_ok;      /* coarse selections that are a superset within one bin */
+    double n_coarse_extra;   /* keys coarse adds (sum over selections)              */
 };
 
 static void topp_stats_init(struct topp_stats *t)
@@ -456,7 +458,8 @@ static void topp_trial(struct topp_stats *st, const float *est, const float *bnd
 {
     const size_t wb = tkv_rabitq_topp_work_bytes(n_enc);
     void *work = malloc(wb);
-    uint32_t *pos = malloc(n * sizeof *pos);
+    uint32_t *pos = malloc(n * sizeof *pos), *pos_c = malloc(n * sizeof *pos_c);
+    uint8_t *in_exact = malloc(n);
     double *w = malloc(n * sizeof *w), *v = malloc(n * sizeof *v);
     struct kvu *kv = malloc(n * sizeof *kv);
     double lse_tail = -INFINITY, mx = -INFINITY;
@@ -516,6 +519,43 @@ static void topp_trial(struct topp_stats *st, const float *est, const float *bnd
             N += kv[cnt++].l;
         /* float-rounded keys near the cut may swap; allow one */
         st->min_set_ok += r[safe].n_chosen + 1 >= cnt && r[safe].n_chosen <= cnt + 1;
+
+        /* coarse: a superset whose extra keys lie within one bin (1/BPN nat
+         * of log-value) below the lowest key the exact selection chose, and
+         * a kept mass (as reported) no lower */
+        struct tkv_rabitq_topp_params tc = tp;
+        tc.coarse = true;
+        struct tkv_rabitq_topp_result rc;
+        REQUIRE_VOID(tkv_rabitq_select_topp(est, safe ? bnd : NULL, n_enc, &tc, work, wb, pos_c, n, &rc) == TKV_OK);
+        memset(in_exact, 0, n);
+        float gmin = INFINITY;
+        for (uint32_t j = 0; j < r[safe].n_pos; j++) {
+            const uint32_t i = pos[j];
+            in_exact[i] = 1;
+            if (i >= n_sink && i < n_enc) {
+                const float s = scale * est[i], d = safe ? scale * bnd[i] : 0.0f;
+                const float g = safe ? s + d + logf(p + (1 - p) * expf(-2 * d)) : s;
+                gmin = fminf(gmin, g);
+            }
+        }
+        uint32_t extra = 0, missing = 0, far = 0;
+        for (uint32_t j = 0; j < rc.n_pos; j++) {
+            const uint32_t i = pos_c[j];
+            if (in_exact[i])
+                continue;
+            extra++;
+            const float s = scale * est[i], d = safe ? scale * bnd[i] : 0.0f;
+            const float g = safe ? s + d + logf(p + (1 - p) * expf(-2 * d)) : s;
+            far += !(g >= gmin - 1.0f / TKV_RABITQ_TOPP_BPN - 1e-3f);
+        }
+        missing = r[safe].n_pos + extra - rc.n_pos; /* exact's positions coarse lacks */
+        const bool ok = missing == 0 && far == 0 && rc.n_chosen == r[safe].n_chosen + extra &&
+                        rc.mass >= r[safe].mass - 1e-12;
+        CHECK(ok, "topp coarse (%s): %u of the exact set missing, %u extra keys more than a bin below it, %u chosen "
+              "for %u + %u, mass %.6f for %.6f", safe ? "safe" : "plain", missing, far, rc.n_chosen, r[safe].n_chosen,
+              extra, rc.mass, r[safe].mass);
+        st->coarse_ok += ok;
+        st->n_coarse_extra += extra;
     }
     /* the oracle: fewest keys by exact weight reaching p, forced included */
     double fm = 0;
@@ -540,6 +580,8 @@ static void topp_trial(struct topp_stats *st, const float *est, const float *bnd
     st->n_safe += r[1].n_chosen;
     free(work);
     free(pos);
+    free(pos_c);
+    free(in_exact);
     free(w);
     free(v);
     free(kv);
@@ -550,11 +592,12 @@ static void topp_report(const struct topp_stats *t, const char *what, float p, f
     fprintf(stderr,
             "top-p %s, p=%.2f, %llu trials: safe (eps0 %.0f) keeps >= p of the exact mass in %.2f%% (mean %.4f); plain "
             "keeps >= p in %.1f%%, mean %.4f, min %.4f; keys chosen (mean): oracle %.1f, plain %.1f, safe %.1f; set "
-            "minimal for its rule in %llu of %llu\n",
+            "minimal for its rule in %llu of %llu; coarse: a superset within a bin in %llu, %.1f keys more (mean)\n",
             what, p, (unsigned long long)t->trials, eps0, 100.0 * t->safe_ok / t->trials, t->safe_mass_sum / t->trials,
             100.0 * t->plain_ok / t->trials, t->plain_mass_sum / t->trials, t->plain_mass_min, t->n_oracle / t->trials,
             t->n_plain / t->trials, t->n_safe / t->trials, (unsigned long long)t->min_set_ok,
-            (unsigned long long)(2 * t->trials));
+            (unsigned long long)(2 * t->trials), (unsigned long long)t->coarse_ok,
+            t->n_coarse_extra / (2.0 * t->trials));
     CHECK(!check || t->safe_ok >= 0.99 * t->trials, "%s: safe top-p kept >= p in only %llu of %llu trials", what,
           (unsigned long long)t->safe_ok, (unsigned long long)t->trials);
     CHECK(t->min_set_ok == 2 * t->trials, "%s: a selection was not the smallest for its rule", what);

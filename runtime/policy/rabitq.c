@@ -44,7 +44,12 @@
  * Parameters: p (0.9, in (0, 1]), safe (1), eps (3, the bound's width eps0,
  * > 0), sink (64), recent (64), batch (64), dense (2: layers below it are
  * read whole), whole (0; 1: widen each touched KV block to all its tokens --
- * the store brings whole blocks in anyway).
+ * the store brings whole blocks in anyway; N > 1: widen to the aligned
+ * groups of N positions; a superset of the top-p set either way; not given:
+ * RQ_DEVICE_GROUP where the backend selects, else 0), exact (1: the
+ * shortest prefix of the keys that meets p; 0: the top-p search's boundary
+ * bin kept whole, tkv_rabitq_topp_params.coarse; not given: 0 where the
+ * backend selects, else 1).
  */
 #include "policy.h"
 #include "../rabitq/rabitq.h"
@@ -54,10 +59,28 @@
 
 #define SEED_BASE 0x7261626974714b56ull /* "rabitqKV": rotations are fixed per (layer, head) */
 
+/* whole's default where the backend selects (and so attends) on the device:
+ * the CUDA decode kernel walks a slice 16 keys at a time (head_dim 128, up
+ * to 4 query heads per KV head), so a run of 1-15 selected keys costs a full
+ * 16-key step. Reading the aligned 16-position groups of the top-p set
+ * instead: 9% of the keys for 7% at 128K on the H200, and 1.13x the tokens
+ * per second (docs/rabitq.md, "Session 17"). */
+#define RQ_DEVICE_GROUP 16
+/* exact's default where the backend selects: 0. Cutting the boundary bin
+ * key by key costs the device two of its seven kernels (~38 us a layer at
+ * 128K keys on the H200), for the keys within 1/16 nat of the boundary
+ * (which the groups of 16 mostly cover anyway): 1.20x the tokens per second
+ * at 128K, the same share of the keys read (docs/rabitq.md, "Session 17"). */
+#define RQ_DEVICE_EXACT 0
+
 struct rabitq {
     struct tkv_policy_env env;
     float p, eps;
-    uint32_t safe, sink, recent, batch, dense, whole;
+    uint32_t safe, sink, recent, batch, dense;
+    uint32_t whole;         /* 0, or the positions of a group read whole */
+    uint32_t exact;         /* 1: the shortest prefix; 0: the boundary bin whole */
+    bool whole_auto;        /* whole not given: RQ_DEVICE_GROUP once the backend selects */
+    bool exact_auto;        /* exact not given: RQ_DEVICE_EXACT once the backend selects */
     struct tkv_rabitq **ix; /* [layer][head]: the index, NULL until first built */
     /* the KV in backend memory: the indexes' codes live there too */
     struct tkv_backend *be;              /* NULL: host indexes only          */
@@ -104,7 +127,7 @@ struct rabitq {
     uint32_t *bitmap_dev;                  /* backend [n_head_kv][words]                    */
 };
 
-static const char *const rq_keys[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", NULL};
+static const char *const rq_keys[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", "exact", NULL};
 
 static void rq_destroy(void *state)
 {
@@ -144,7 +167,7 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
 {
     *out = NULL;
     struct rabitq p = {.env = *env, .p = 0.9f, .eps = TKV_RABITQ_EPS0, .safe = 1, .sink = 64, .recent = 64,
-                       .batch = 64, .dense = 2, .whole = 0};
+                       .batch = 64, .dense = 2, .whole = UINT32_MAX, .exact = UINT32_MAX};
     TKV_TRY(tkv_policy_arg_f32(name, args, "p", &p.p));
     TKV_TRY(tkv_policy_arg_u32(name, args, "safe", &p.safe));
     TKV_TRY(tkv_policy_arg_f32(name, args, "eps", &p.eps));
@@ -153,14 +176,25 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     TKV_TRY(tkv_policy_arg_u32(name, args, "batch", &p.batch));
     TKV_TRY(tkv_policy_arg_u32(name, args, "dense", &p.dense));
     TKV_TRY(tkv_policy_arg_u32(name, args, "whole", &p.whole));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "exact", &p.exact));
     if (!(p.p > 0 && p.p <= 1))
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': p=%g must be in (0, 1]", name, (double)p.p);
     if (!(p.eps > 0))
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': eps=%g must be > 0 (the bound's width eps0)", name,
                        (double)p.eps);
-    if (p.safe > 1 || p.whole > 1)
-        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': safe and whole are 0 or 1 (safe=%u, whole=%u)", name, p.safe,
-                       p.whole);
+    if (p.safe > 1)
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': safe is 0 or 1 (safe=%u)", name, p.safe);
+    if (p.whole == UINT32_MAX) /* not given */
+        p.whole = 0, p.whole_auto = true;
+    if (p.exact == UINT32_MAX)
+        p.exact = 1, p.exact_auto = true;
+    if (p.exact > 1)
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': exact is 0 or 1 (exact=%u)", name, p.exact);
+    if (p.whole > 1u << 16)
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': whole=%u (0, 1: whole KV blocks, or a group of at most "
+                       "65536 positions)", name, p.whole);
+    if (p.whole == 1)
+        p.whole = env->block_tokens ? env->block_tokens : 64;
     if (p.batch == 0)
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': batch=0 (keys are encoded in batches of >= 1)", name);
     if (env->head_dim == 0 || env->head_dim > TKV_RABITQ_MAX_DIM || env->n_head_kv == 0 ||
@@ -289,6 +323,10 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
         }
         if (r->env.device_table && be->ops->kv_table)
             TKV_TRY(be->ops->alloc(be, (size_t)H * r->words * sizeof *r->bitmap_dev, (void **)&r->bitmap_dev));
+        if (r->whole_auto)
+            r->whole = RQ_DEVICE_GROUP;
+        if (r->exact_auto)
+            r->exact = RQ_DEVICE_EXACT;
     }
     TKV_TRY(be->ops->alloc(be, n * sizeof(float), (void **)&r->est_dev));
     return be->ops->alloc(be, n * sizeof(float), (void **)&r->bound_dev);
@@ -524,7 +562,7 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
                                                .eps0 = r->eps, .out = r->qd};
     const struct tkv_rabitq_select_args a = {
         .heads = r->sh, .n_heads = ns, .G = G, .p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
-        .safe = r->safe != 0, .whole = r->whole ? (r->env.block_tokens ? r->env.block_tokens : 64) : 0,
+        .safe = r->safe != 0, .coarse = !r->exact, .whole = r->whole,
         .bitmap = r->bitmap_dev ? NULL : r->bitmap, .words = r->words, .bitmap_dev = r->bitmap_dev, .n_rows = H,
         .n_chosen = r->bitmap_dev ? NULL : r->n_chosen};
     if ((prep && r->be->ops->rabitq_prepare(r->be, &pa) != TKV_OK) || r->be->ops->rabitq_select(r->be, &a) != TKV_OK) {
@@ -635,7 +673,8 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
     if (!head_plan(r, v, i, &n, forced, &n_forced))
         return -1;
     const struct tkv_rabitq_topp_params tp = {.p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
-                                              .pos0 = 0, .forced = forced, .n_forced = n_forced};
+                                              .pos0 = 0, .forced = forced, .n_forced = n_forced,
+                                              .coarse = !r->exact};
     memset(r->mark, 0, n);
     const float *q = v->q + (size_t)(v->n_q - 1) * QD; /* this step's query */
     for (uint32_t hh = 0; hh < G; hh++) {
@@ -649,8 +688,8 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
         for (uint32_t j = 0; j < res.n_pos; j++)
             r->mark[r->pos[j]] = 1;
     }
-    if (r->whole) { /* every token of a touched block */
-        const uint32_t B = r->env.block_tokens ? r->env.block_tokens : 64;
+    if (r->whole) { /* every token of a touched group */
+        const uint32_t B = r->whole;
         for (uint32_t b0 = 0; b0 < n; b0 += B) {
             const uint32_t b1 = TKV_MIN(b0 + B, n);
             if (memchr(r->mark + b0, 1, b1 - b0))
@@ -693,7 +732,8 @@ static bool rq_query_host(void *state) { return !((const struct rabitq *)state)-
 
 const struct tkv_policy_ops tkv_policy_rabitq = {
     .name = "rabitq",
-    .help = "RaBitQ top-p at decode: p=0.9, safe=1, eps=3, sink=64, recent=64, batch=64, dense=2, whole=0",
+    .help = "RaBitQ top-p at decode: p=0.9, safe=1, eps=3, sink=64, recent=64, batch=64, dense=2; whole=16 and "
+            "exact=0 where the backend selects, else whole=0 and exact=1",
     .decode_reads_query = true,
     .decode_query_host = rq_query_host,
     .needs_rabitq_ops = true, /* the index is built and grown where the keys are */
@@ -731,7 +771,7 @@ static void er_destroy(void *state)
 static tkv_status er_create(const struct tkv_policy_env *env, const struct tkv_policy_args *args, void **state)
 {
     const char *name = "entropy+rabitq";
-    static const char *const known[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole",
+    static const char *const known[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", "exact",
                                         "faithful", "segment", "block", "threshold", "layer_skip", "base",
                                         "rigid_after", "e_t", "delta", "alpha", NULL};
     for (uint32_t i = 0; i < args->n; i++)

@@ -188,7 +188,8 @@ tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a)
         for (uint32_t r = 0; r < hd->n_forced; r++)
             forced[r] = (struct tkv_range){hd->forced[r].begin, hd->forced[r].end};
         const struct tkv_rabitq_topp_params tp = {.p = a->p, .scale = a->scale, .extra_lse = a->extra_lse,
-                                                  .pos0 = 0, .forced = forced, .n_forced = hd->n_forced};
+                                                  .pos0 = 0, .forced = forced, .n_forced = hd->n_forced,
+                                                  .coarse = a->coarse};
         for (uint32_t j = 0; j < a->G && st == TKV_OK; j++) {
             struct tkv_rabitq_topp_result res;
             struct tkv_rabitq_query qd;

@@ -857,8 +857,17 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
             if (!w.hc[bstar])
                 continue;
             const double C_after = bstar + 1 < NBINS ? w.hu[bstar + 1] : 0.0;
-            if (lp * (N + w.hl[bstar]) >= p * C_after || w.hc[bstar] > keep_cap - cnt) {
-                partial = true; /* (the last non-empty bin always ends here: C_after = 0) */
+            const bool capped = w.hc[bstar] > keep_cap - cnt;
+            if (lp * (N + w.hl[bstar]) >= p * C_after || capped) {
+                /* (the last non-empty bin always ends here: C_after = 0) */
+                if (pp->coarse && !capped) { /* the boundary bin whole */
+                    N += w.hl[bstar];
+                    C = C_after;
+                    cnt += w.hc[bstar];
+                    bstar++;
+                } else {
+                    partial = true;
+                }
                 break;
             }
             N += w.hl[bstar];

@@ -262,6 +262,7 @@ struct tkv_rabitq_topp_params {
                                        sinks, the not-yet-encoded tail                    */
     uint32_t n_forced;
     uint32_t max_keep;  /* at most this many keys chosen besides the forced; 0 = no cap   */
+    bool     coarse;    /* keep the boundary bin whole (below)                            */
 };
 
 struct tkv_rabitq_topp_result {
@@ -282,8 +283,13 @@ size_t tkv_rabitq_topp_work_bytes(uint32_t n);
  *     Keys go in by decreasing (1-p) e^(s-d) + p e^(s+d), which minimises
  *     the count.
  * Ties are broken by position. With max_keep the target may be missed (see
- * res->mass). TKV_ERR_TOO_SMALL (res->n_pos = the count needed) when cap is
- * short; work: tkv_rabitq_topp_work_bytes(n) bytes, 8-byte aligned. */
+ * res->mass). coarse: the search's boundary bin (TKV_RABITQ_TOPP_BINS of
+ * 1/TKV_RABITQ_TOPP_BPN nat below the largest log-value, backend.h) is kept
+ * whole instead of up to its last key needed: a superset that also meets
+ * the target, larger by the candidates within one bin of the boundary, and
+ * on a GPU two kernels fewer (unless max_keep ends the search in that bin:
+ * then as without). TKV_ERR_TOO_SMALL (res->n_pos = the count needed) when
+ * cap is short; work: tkv_rabitq_topp_work_bytes(n) bytes, 8-byte aligned. */
 tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t n,
                                   const struct tkv_rabitq_topp_params *params, void *work, size_t work_bytes,
                                   uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res);
