@@ -2108,6 +2108,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     if ((s = cublasSetStream(cb->blas, cb->stream)) != CUBLAS_STATUS_SUCCESS)
         return blas_fail(s, op);
     CU(op, tkv_cuda_attn_init());
+    CU(op, tkv_cuda_rqs_init());
     const char *dec = getenv("TKV_CUDA_ATTN_DECODE");
     const int attn_mode = dec && !strcmp(dec, "0")       ? TKV_ATTN_DECODE_OFF
                           : dec && !strcmp(dec, "merge") ? TKV_ATTN_DECODE_MERGE

@@ -777,6 +777,17 @@ __global__ void rqs_whole(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_r
     }
 }
 
+/* dynamic shared memory: rqs_hist's bins (hl and hu as two 32-bit halves
+ * each, hc), rqs_refine's member cache (set once: tkv_cuda_rqs_init) */
+#define HIST_SMEM (NB * 5 * sizeof(uint32_t))
+#define REF_SMEM  (3 * RCAP * sizeof(u64))
+
+cudaError_t tkv_cuda_rqs_init(void)
+{
+    TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)HIST_SMEM));
+    return cudaFuncSetAttribute(rqs_refine, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)REF_SMEM);
+}
+
 cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_head *heads,
                              const struct tkv_cuda_rqs_work *w, cudaStream_t s)
 {
@@ -784,7 +795,6 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
         pp->words * 32ull < pp->n_max)
         return cudaErrorInvalidValue;
     const uint32_t P = pp->n_heads * pp->G, chunks = tkv_cuda_blocks(pp->n_max, CHUNK);
-    const size_t hist_smem = NB * 5 * sizeof(uint32_t);
     TKV_CUDA_TRY(cudaMemsetAsync(w->state, 0, tkv_cuda_rqs_state_bytes(P), s));
     const dim3 eg(tkv_cuda_blocks(pp->n_max, RQS_EST_T), pp->n_heads);
     switch (pp->code_words) { /* dim_pad / 64, dim_pad a power of two */
@@ -795,17 +805,14 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
     default: rqs_estimate<0><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
     }
     TKV_CUDA_LAUNCHED();
-    TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)hist_smem));
-    rqs_hist<<<dim3(tkv_cuda_blocks(pp->n_max, HCHUNK), P), 512, hist_smem, s>>>(*pp, heads, *w);
+    rqs_hist<<<dim3(tkv_cuda_blocks(pp->n_max, HCHUNK), P), 512, HIST_SMEM, s>>>(*pp, heads, *w);
     TKV_CUDA_LAUNCHED();
     rqs_scan<<<P, SCAN_T, 0, s>>>(*pp, *w);
     TKV_CUDA_LAUNCHED();
     if (!pp->coarse) {
         rqs_members<<<dim3(chunks, P), 512, 0, s>>>(*pp, heads, *w);
         TKV_CUDA_LAUNCHED();
-        const int ref_smem = 3 * RCAP * sizeof(u64);
-        TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_refine, cudaFuncAttributeMaxDynamicSharedMemorySize, ref_smem));
-        rqs_refine<<<P, REF_T, ref_smem, s>>>(*pp, *w);
+        rqs_refine<<<P, REF_T, REF_SMEM, s>>>(*pp, *w);
         TKV_CUDA_LAUNCHED();
     }
     rqs_output<<<dim3(tkv_cuda_blocks((size_t)pp->words * 32, 256), pp->n_heads), 256, 0, s>>>(*pp, heads, *w);

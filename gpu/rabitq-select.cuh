@@ -51,6 +51,10 @@ struct tkv_cuda_rqs_work {
     uint32_t *bitmap;   /* [n_heads][words] out                                     */
 };
 
+/* Once per process and device, before tkv_cuda_rqs_run: the kernels'
+ * shared-memory limits. */
+cudaError_t tkv_cuda_rqs_init(void);
+
 /* Bytes of the per-pair state (P pairs). */
 size_t tkv_cuda_rqs_state_bytes(uint32_t P);
 
