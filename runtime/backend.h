@@ -185,8 +185,9 @@ struct tkv_rabitq_span {
  * j: every key 0 .. n-1 of the head's twin estimated as rabitq_estimate
  * does (bit-identical), top-p over them as tkv_rabitq_select_topp with
  * pos0 = 0, the head's forced ranges, p, scale, extra_lse, coarse,
- * max_keep = 0 and the bounds when safe; the G kept sets ORed, forced keys included, widened
- * to whole blocks of `whole` positions when whole > 0 (blocks start at 0).
+ * max_keep = 0 and the bounds when safe; the G kept sets ORed, forced
+ * keys included, widened to whole blocks of `whole` positions when whole
+ * > 0 (blocks start at 0).
  * What the device guarantees, and where it may differ from the host's
  * select_topp (rounding at the boundary): docs/rabitq.md, "Device top-p". */
 #define TKV_RABITQ_SELECT_MAX_G      8
