@@ -197,7 +197,8 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
     s->n_prompt = n_tokens;
     s->prefill_end = n_tokens;
     s->step = 0;
-    return TKV_OK;
+    uint32_t written_back; /* as after a prefill (tkv_prefill) */
+    return tkv_kvs_write_back(s->kv, &written_back);
 }
 
 tkv_status tkv_session_fill_synthetic(tkv_session *s, const tkv_token *toks, uint32_t n_tokens, uint32_t n_real,

@@ -497,6 +497,53 @@ static void test_import_n(bool compute_is_host, uint32_t cap, uint32_t host_bloc
     tkv_kvs_free(s);
 }
 
+/* tkv_kvs_write_back: with room on the host tier every compute-tier block
+ * without a copy below gets one (the GPU copy stays), the data is intact,
+ * and reading every layer afterwards -- an eviction for most blocks --
+ * writes nothing down; with the host tier full, or the compute tier not,
+ * it copies nothing and evicts nothing. */
+static void test_write_back(void)
+{
+    static const struct { uint32_t compute, host; bool copies; const char *name; } cases[] = {
+        {40, 200, true, "write_back: room below"},
+        {40, 40, false, "write_back: host tier full"},
+        {200, 200, false, "write_back: compute tier with room"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const char *name = cases[c].name;
+        struct tkv_kvs *s = make_store(false, cases[c].compute, cases[c].host, true);
+        REQUIRE_VOID(s);
+        REQUIRE_VOID(tkv_kvs_reserve(s, CTX) == TKV_OK);
+        tkv_kvs_set_length(s, CTX);
+        length = CTX;
+        tkv_status st = import_runs(s, 0, 7);
+        CHECK(st == TKV_OK, "%s: import_n: %s", name, tkv_last_error());
+        struct tkv_kvs_stats a, b;
+        tkv_kvs_get_stats(s, &a);
+        uint32_t n_done = UINT32_MAX;
+        st = tkv_kvs_write_back(s, &n_done);
+        CHECK(st == TKV_OK, "%s: %s", name, tkv_last_error());
+        tkv_kvs_get_stats(s, &b);
+        const uint64_t host_in = b.tier[TKV_TIER_HOST].bytes_in - a.tier[TKV_TIER_HOST].bytes_in;
+        const uint32_t S = 4 * B * HD;
+        CHECK(cases[c].copies ? n_done == cases[c].compute && host_in == (uint64_t)n_done * S
+                              : n_done == 0 && host_in == 0,
+              "%s: %u blocks written back, %llu bytes into the host tier", name, n_done, (unsigned long long)host_in);
+        CHECK(b.stall.evicted_blocks == a.stall.evicted_blocks, "%s: the write-back evicted %llu blocks", name,
+              (unsigned long long)(b.stall.evicted_blocks - a.stall.evicted_blocks));
+        check_exports(s, 0, false, name);
+        check_all(s, name); /* every layer read: the compute tier turns over */
+        check_exports(s, 0, false, name);
+        tkv_kvs_get_stats(s, &a);
+        if (cases[c].copies)
+            CHECK(a.stall.spilled_blocks == b.stall.spilled_blocks && a.stall.evicted_blocks > b.stall.evicted_blocks,
+                  "%s: after the write-back %llu evictions wrote %llu blocks down", name,
+                  (unsigned long long)(a.stall.evicted_blocks - b.stall.evicted_blocks),
+                  (unsigned long long)(a.stall.spilled_blocks - b.stall.spilled_blocks));
+        tkv_kvs_free(s);
+    }
+}
+
 /* Failures inside tkv_kvs_import_n: each block holds its payload or
  * nothing, the error names what failed, and the import can be retried. */
 static void test_import_n_faults(void)
@@ -1231,6 +1278,7 @@ int main(void)
     test_host_checked_once();
     test_import_n(true, 40, 0, "import_n host+nvme");
     test_import_n(false, 40, 40, "import_n device+host+nvme");
+    test_write_back();
     be = deferred_backend(cpu_be);
     test_import_n(false, 40, 40, "import_n device (late uploads)+host+nvme");
     be = cpu_be;
