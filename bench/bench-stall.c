@@ -6,6 +6,7 @@
  *   bench-stall [--ctx 131072] [--layers 32] [--heads 8] [--head-dim 16] [--block-tokens 64]
  *               [--compute-frac 0.5] [--read 0.10] [--fresh 0.25] [--host-read 0]
  *               [--steps 8] [--warmup 2] [--seed 1] [--evict-ref] [--walk-ref] [--device-crc]
+ *               [--write-back]
  *
  * The compute tier is a "device": the CPU backend behind a wrapper that
  * says its memory is not host memory and queues block uploads (copied at
@@ -27,6 +28,9 @@
  * --host-read, that share of the needed host-tier blocks is read in place
  * (begin_layer_split, the heterogeneous path). --evict-ref: the store's
  * reference eviction (every slot scanned, the cut bucket sorted whole).
+ * --write-back: tkv_kvs_write_back after the fill, as the engine does after
+ * a prefill (the fill's blocks on the "device" get host copies, so that
+ * evicting them writes nothing down; compare with --warmup 0).
  * --walk-ref: the store's reference begin_layer (every block of the layer
  * walked, pinned and stamped; with --read 1 the steps are whole-layer reads,
  * which otherwise look only at the blocks that can have changed).
@@ -128,12 +132,13 @@ int main(int argc, char **argv)
 {
     uint32_t ctx = 131072, L = 32, H = 8, hd = 16, B = 64, steps = 8, warmup = 2;
     double compute_frac = 0.5, read = 0.10, fresh = 0.25, host_read = 0;
-    bool evict_ref = false, walk_ref = false, device_crc = false;
+    bool evict_ref = false, walk_ref = false, device_crc = false, write_back = false;
     for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--evict-ref")) evict_ref = true, i--;
         else if (!strcmp(a, "--walk-ref")) walk_ref = true, i--;
         else if (!strcmp(a, "--device-crc")) device_crc = true, i--;
+        else if (!strcmp(a, "--write-back")) write_back = true, i--;
         else if (!strcmp(a, "--ctx")) ctx = (uint32_t)atoi(v);
         else if (!strcmp(a, "--layers")) L = (uint32_t)atoi(v);
         else if (!strcmp(a, "--heads")) H = (uint32_t)atoi(v);
@@ -185,6 +190,11 @@ int main(int argc, char **argv)
             if (tkv_kvs_import_n(s, l, h, 0, nb, src) != TKV_OK)
                 return die("import");
     const double fill_s = now() - t0;
+    uint32_t n_back = 0;
+    t0 = now();
+    if (write_back && tkv_kvs_write_back(s, &n_back) != TKV_OK)
+        return die("write_back");
+    const double back_s = now() - t0;
     const uint32_t MBs = tkv_kvs_max_blocks(s);
     uint8_t *need = calloc((size_t)H * MBs, 1), *host_ok = calloc((size_t)H * MBs, 1);
     uint8_t *hot = calloc((size_t)L * H * MBs, 1);
@@ -228,10 +238,10 @@ int main(int argc, char **argv)
 #define D(f) ((x->f - y->f) / k)
     printf("bench-stall: ctx %u, %u layers x %u KV heads x %u blocks of %u B (%u tokens), compute tier %.0f%% "
            "(%llu slots), host tier below; read %.2f (fresh %.2f), host reads %.2f; eviction %s; uploads checked %s; "
-           "fill %.2f s; %u warm-up, %u steps\n\n",
+           "fill %.2f s; write-back %u blocks in %.2f s; %u warm-up, %u steps\n\n",
            ctx, L, H, nb, S, B, compute_frac * 100, (unsigned long long)(compute_frac * total), read, fresh, host_read,
-           evict_ref ? "reference (full scan)" : "scoped", device_crc ? "by the device" : "on the CPU", fill_s, warmup,
-           steps);
+           evict_ref ? "reference (full scan)" : "scoped", device_crc ? "by the device" : "on the CPU", fill_s, n_back,
+           back_s, warmup, steps);
     if (whole)
         printf("steps: whole-layer reads (no selection)%s\n\n", walk_ref ? ", every block walked (--walk-ref)" : "");
     printf("| step ms | stall ms | settle | evict | verify | upload issue | upload wait | nvme | other | recalls | "
