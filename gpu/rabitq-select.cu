@@ -548,6 +548,17 @@ static __device__ __forceinline__ void digit_add(uint32_t dg, u64 tl, u64 tu, u6
  * that is the same sum, the same bits, as the check that chose the region
  * (at the first pass the scan's own), so "the rule holds at its end" is
  * exact. */
+/* Member i's terms in the boundary bin's units: l rounded down (*tl), u up
+ * (*tu); *over set where one does not fit. */
+static __device__ __forceinline__ void member_terms(const struct tkv_cuda_rqs_params &pp, const struct rqs_ptrs &pt,
+                                                    uint32_t i, float M, int El, int Eu, bool *over, u64 *tl, u64 *tu)
+{
+    const float g = pt.g[i];
+    float l, u;
+    key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
+    *tl = fx_down(l, El, over), *tu = fx_up(u, Eu, over);
+}
+
 __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work w)
 {
     typedef cub::BlockScan<u64, REF_T> Scan;
@@ -590,13 +601,11 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
     u64 ka = ~0ull, ko = 0;
     for (uint32_t x = t; x < m; x += REF_T) {
         const uint32_t i = list[x];
-        const float g = pt.g[i];
-        const u64 K = key_of(g, i);
+        const u64 K = key_of(pt.g[i], i);
         ka &= K, ko |= K;
         if (cached) {
-            float l, u;
-            key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
-            cache[x] = K, cache[RCAP + x] = fx_down(l, El, &over), cache[2 * RCAP + x] = fx_up(u, Eu, &over);
+            cache[x] = K;
+            member_terms(pp, pt, i, M, El, Eu, &over, &cache[RCAP + x], &cache[2 * RCAP + x]);
         }
     }
     ka = Reduce(tmp.reduce).Reduce(ka, [](u64 x, u64 y) { return x & y; });
@@ -625,13 +634,10 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
                     dg = (uint32_t)(K >> shift) & 255u, tl = cache[RCAP + x], tu = cache[2 * RCAP + x];
             } else if (x < m) {
                 const uint32_t i = list[x];
-                const float g = pt.g[i];
-                const u64 K = key_of(g, i);
+                const u64 K = key_of(pt.g[i], i);
                 if ((K & mask) == prefix) {
-                    float l, u;
-                    key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
                     dg = (uint32_t)(K >> shift) & 255u;
-                    tl = fx_down(l, El, &over), tu = fx_up(u, Eu, &over);
+                    member_terms(pp, pt, i, M, El, Eu, &over, &tl, &tu);
                 }
             }
             digit_add(dg, tl, tu, dl, du, dc);
@@ -677,15 +683,12 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
     }
     if (t == 0 && !found) { /* cannot happen (the invariant): read the head whole */
         st->bad = 1;
-        w.n_chosen[pair] = UINT32_MAX, w.mass[pair] = nan("");
+        whole_bins_out(st, w, pair);
     }
     if (t == 0 && found) {
-        const uint32_t i = ~(uint32_t)skey;
-        const float g = pt.g[i];
-        float l, u;
-        key_lu(pp.safe ? pt.s[i] : g, pp.safe ? pt.d[i] : 0.0f, M, pp.safe, &l, &u);
-        const double N = __dadd_rd(N0, fx_dbl_dn(sni + fx_down(l, El, &over), El)),
-                     C = __dadd_ru(C0, fx_dbl_up(sci, Eu));
+        u64 tl, tu; /* (the last key's l joins N; its u is not in C) */
+        member_terms(pp, pt, ~(uint32_t)skey, M, El, Eu, &over, &tl, &tu);
+        const double N = __dadd_rd(N0, fx_dbl_dn(sni + tl, El)), C = __dadd_ru(C0, fx_dbl_up(sci, Eu));
         st->kstar = skey;
         w.n_chosen[pair] = scnt + 1;
         w.mass[pair] = N + C > 0 ? N / (N + C) : 1.0;

@@ -1143,9 +1143,8 @@ tkv_status tkv_prefill(tkv_session *s, const tkv_token *toks, size_t n)
     s->step = 0;
     if (st == TKV_OK && s->policy->ops->after_prefill)
         st = tkv_session_after_prefill(s, s);
-    uint32_t written_back;
     if (st == TKV_OK) /* the decode's evictions then drop the prompt's blocks for free */
-        st = tkv_kvs_write_back(s->kv, &written_back);
+        st = tkv_kvs_write_back(s->kv, NULL);
     s->prefill_tokens += done;
     s->prefill_seconds += tkv_now_seconds() - t0;
     return st;

@@ -197,8 +197,7 @@ tkv_status tkv_session_fill_synthetic_ex(tkv_session *s, const tkv_token *toks, 
     s->n_prompt = n_tokens;
     s->prefill_end = n_tokens;
     s->step = 0;
-    uint32_t written_back; /* as after a prefill (tkv_prefill) */
-    return tkv_kvs_write_back(s->kv, &written_back);
+    return tkv_kvs_write_back(s->kv, NULL); /* as after a prefill (tkv_prefill) */
 }
 
 tkv_status tkv_session_fill_synthetic(tkv_session *s, const tkv_token *toks, uint32_t n_tokens, uint32_t n_real,

@@ -2573,7 +2573,8 @@ tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
 
 tkv_status tkv_kvs_write_back(struct tkv_kvs *s, uint32_t *n_done)
 {
-    *n_done = 0;
+    if (n_done)
+        *n_done = 0;
     struct pool *cp = &s->pool[TKV_TIER_COMPUTE], *hp = &s->pool[TKV_TIER_HOST];
     const uint64_t total = (uint64_t)s->p.n_layer * s->p.n_head_kv * s->max_blocks;
     if (!hp->present || s->p.compute_is_host || cp->cap >= total || cp->n < cp->cap || cp->n_free > 0)
@@ -2594,7 +2595,8 @@ tkv_status tkv_kvs_write_back(struct tkv_kvs *s, uint32_t *n_done)
             if (hp->n_free < nb)
                 return TKV_OK; /* the host tier is full: nothing of it is evicted for this */
             TKV_TRY(spill_to_host(s, batch, nb));
-            *n_done += nb;
+            if (n_done)
+                *n_done += nb;
             nb = 0;
         }
     }

@@ -251,9 +251,10 @@ uint32_t tkv_kvs_import_run(const struct tkv_kvs *s, uint32_t n_blocks);
  * GPU: a prefill's KV, a synthetic fill's) to the host tier, as long as the
  * host tier has free room (it evicts nothing for this), keeping the GPU
  * copy; an eviction of such a block then drops it at no cost instead of
- * writing it down first. *n_done: the blocks copied. Nothing to do without
- * a host tier below a GPU compute tier, or while the compute tier has room
- * or can hold every block of the context (it evicts nothing then). */
+ * writing it down first. *n_done (unless NULL): the blocks copied. Nothing
+ * to do without a host tier below a GPU compute tier, or while the compute
+ * tier has room or can hold every block of the context (it evicts nothing
+ * then). */
 tkv_status tkv_kvs_write_back(struct tkv_kvs *s, uint32_t *n_done);
 
 /* Moves block b of (layer, head) to a lower tier now (a policy's page-out). */
