@@ -296,15 +296,9 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
         }
         tok = tkv_argmax(tkv_logits(s), info.n_vocab);
     }
-    if (be->ops->profile_read) { /* TKV_CUDA_PROFILE=1: the timed steps' ops, to stderr */
-        struct tkv_op_profile prof;
-        if (be->ops->profile_read(be, &prof) == TKV_OK) {
-            char label[128];
-            snprintf(label, sizeof label, "ctx %u, fill %s, %u timed decode steps", ctx, fill, steps);
-            tkv_op_profile_print(label, &prof, steps);
-        }
-        be->ops->profile_reset(be);
-    }
+    char label[128]; /* TKV_CUDA_PROFILE=1: the timed steps' ops, to stderr */
+    snprintf(label, sizeof label, "ctx %u, fill %s, %u timed decode steps", ctx, fill, steps);
+    bench_profile_print(be, label, steps);
     const float *lg = tkv_logits(s);
     r->finite = 1;
     for (uint32_t i = 0; i < info.n_vocab; i++)

@@ -60,6 +60,10 @@
  * stall column) with the store's per-step work: recalled blocks, eviction
  * passes, slots scanned, blocks evicted and spilled, upload calls and
  * waits, bytes checksummed on the CPU (docs/bench-decode.md).
+ *
+ * With TKV_CUDA_PROFILE=1 (CUDA), each row's timed steps' op profile goes to
+ * stderr (device time per op, events around each; the profiling itself
+ * costs ~10% of the step).
  */
 #include "runtime/backend.h"
 #include "runtime/kv-synth.h"
@@ -207,6 +211,14 @@ static void diff(const struct tkv_step_counters *a, const struct tkv_step_counte
         .verify_bytes = x->verify_bytes - y->verify_bytes};
 }
 
+/* TKV_CUDA_PROFILE=1: the op profile of a row's timed steps, to stderr. */
+static void timed_profile(tkv_session *s, uint32_t ctx, const char *policy, uint32_t steps)
+{
+    char label[160];
+    snprintf(label, sizeof label, "ctx %u, %s, %u timed decode steps", ctx, policy, steps);
+    bench_profile_print(tkv_session_backend(s), label, steps);
+}
+
 static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const char *policy, struct row *r)
 {
     struct tkv_model_info info;
@@ -262,10 +274,14 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     for (uint32_t i = 0; i < o->warmup + o->steps + o->split_steps && st == TKV_OK; i++) {
         if (i == o->warmup) {
             r->warm_s = now() - w0;
+            struct tkv_backend *be = tkv_session_backend(s);
+            if (be->ops->profile_reset) /* TKV_CUDA_PROFILE=1: the timed steps' ops, to stderr */
+                be->ops->profile_reset(be);
             tkv_session_step_counters(s, &c0);
         }
         if (i == o->warmup + o->steps) {
             tkv_session_step_counters(s, &c1);
+            timed_profile(s, ctx, policy, o->steps);
             tkv_session_set_phase_sync(s, true);
         }
         if ((st = tkv_decode(s, tok)) != TKV_OK)
@@ -279,8 +295,10 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
         return die("decode");
     }
     tkv_session_step_counters(s, &c2);
-    if (o->split_steps == 0)
+    if (o->split_steps == 0) {
         c1 = c2;
+        timed_profile(s, ctx, policy, o->steps);
+    }
     tkv_session_free(s);
     diff(&c1, &c0, &d);
     const double n = d.decode_steps ? (double)d.decode_steps : 1;

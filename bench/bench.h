@@ -42,4 +42,20 @@ static inline void build_commit(char *out, size_t cap)
     pclose(p);
 }
 
+/* The op profile of a backend that keeps one (TKV_CUDA_PROFILE=1 when it
+ * was created; runtime/backend.h): printed to stderr for the `steps` timed
+ * steps since the last reset, then reset. Nothing without a profile. Needs
+ * runtime/backend.h included before this header. */
+#ifdef TKV_BACKEND_H
+static inline void bench_profile_print(struct tkv_backend *be, const char *label, uint32_t steps)
+{
+    if (!be->ops->profile_read)
+        return;
+    struct tkv_op_profile prof;
+    if (be->ops->profile_read(be, &prof) == TKV_OK)
+        tkv_op_profile_print(label, &prof, steps);
+    be->ops->profile_reset(be);
+}
+#endif
+
 #endif

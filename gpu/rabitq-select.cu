@@ -300,13 +300,22 @@ static __device__ __forceinline__ bool rule(double lp, float p, double N, double
     return __dmul_rd(lp, N) >= __dmul_ru((double)p, C);
 }
 
-/* 2: grid (n_max / HCHUNK, P), dynamic shared memory NB * 20 bytes. The
- * block's bins hold each sum as two 32-bit sums of the terms' low and high
- * HALF bits (shared-memory atomics on 64 bits are compare-and-swap loops on
- * sm_90; these are native): HCHUNK terms below 2^(2 HALF) units keep both
- * below 2^32, and a term at or past that marks the pair bad anyway. */
-__global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
-                         struct tkv_cuda_rqs_work w)
+#define HIST_T   512
+#define HIST_SUB 4 /* HCHUNK-key sub-chunks one block of the hist kernel walks */
+#define HIST_BPT (NB / HIST_T) /* bins a thread of it folds */
+static_assert(NB % HIST_T == 0, "the hist kernel's threads fold whole bins");
+
+/* 2: grid (n_max / (HCHUNK HIST_SUB), P), HIST_T threads, dynamic shared
+ * memory NB * 20 bytes. The block's bins hold each sum as two 32-bit sums
+ * of the terms' low and high HALF bits (shared-memory atomics on 64 bits
+ * are compare-and-swap loops on sm_90; these are native): HCHUNK terms
+ * below 2^(2 HALF) units keep both below 2^32, and a term at or past that
+ * marks the pair bad anyway. After each sub-chunk of HCHUNK keys every
+ * thread folds its HIST_BPT bins into 64-bit sums in registers, which go to
+ * the pair's state at the end: the units and the global atomics are paid
+ * once per HIST_SUB sub-chunks. */
+__global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp,
+                                                   const struct tkv_cuda_rqs_head *heads, struct tkv_cuda_rqs_work w)
 {
     extern __shared__ uint32_t sh[];
     uint32_t *hl_lo = sh, *hl_hi = sh + NB, *hu_lo = sh + 2 * NB, *hu_hi = sh + 3 * NB, *hc = sh + 4 * NB;
@@ -315,7 +324,7 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
     __shared__ struct rqs_units cs;
     __shared__ int2 bexp[NB]; /* bin_exps of every bin: El, Eu */
-    const uint32_t i0 = blockIdx.x * HCHUNK;
+    const uint32_t i0 = blockIdx.x * HCHUNK * HIST_SUB;
     if (i0 >= hd.n)
         return;
     if (threadIdx.x == 0) /* the units once per block (doubles, logarithms) */
@@ -332,51 +341,68 @@ __global__ void rqs_hist(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rq
     __syncthreads();
     const struct rqs_forced fr = forced_of(hd);
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
-    const uint32_t i1 = min(i0 + HCHUNK, hd.n);
+    const uint32_t iend = min(i0 + HCHUNK * HIST_SUB, hd.n);
     const u64 lo_mask = (1ull << HALF) - 1;
-    u64 nf = 0;
+    u64 nf = 0, al[HIST_BPT], au[HIST_BPT]; /* the thread's bins threadIdx.x + k HIST_T */
+    uint32_t ac[HIST_BPT];
+#pragma unroll
+    for (int k = 0; k < HIST_BPT; k++)
+        al[k] = au[k] = 0, ac[k] = 0;
     bool over = false;
-    for (uint32_t i = i0 + threadIdx.x; i < i1; i += HU * blockDim.x) {
-        float g[HU], s[HU], d[HU]; /* HU keys' loads in flight before any is used */
+    for (uint32_t c0 = i0; c0 < iend; c0 += HCHUNK) {
+        const uint32_t i1 = min(c0 + HCHUNK, iend);
+        for (uint32_t i = c0 + threadIdx.x; i < i1; i += HU * blockDim.x) {
+            float g[HU], s[HU], d[HU]; /* HU keys' loads in flight before any is used */
 #pragma unroll
-        for (int x = 0; x < HU; x++) {
-            const uint32_t k = i + x * blockDim.x;
-            g[x] = k < i1 ? pt.g[k] : 0.0f;
-            s[x] = pp.safe && k < i1 ? pt.s[k] : g[x];
-            d[x] = pp.safe && k < i1 ? pt.d[k] : 0.0f;
-        }
+            for (int x = 0; x < HU; x++) {
+                const uint32_t k = i + x * blockDim.x;
+                g[x] = k < i1 ? pt.g[k] : 0.0f;
+                s[x] = pp.safe && k < i1 ? pt.s[k] : g[x];
+                d[x] = pp.safe && k < i1 ? pt.d[k] : 0.0f;
+            }
 #pragma unroll
-        for (int x = 0; x < HU; x++) {
-            const uint32_t k = i + x * blockDim.x;
-            if (k >= i1)
-                break;
-            float l, u;
-            key_lu(s[x], d[x], c.M, pp.safe, &l, &u);
-            if (is_forced(fr, k)) {
-                nf += fx_down(l, c.Ef, &over);
-            } else {
-                const uint32_t b = bin_of(g[x], c.gmax);
-                const int2 E = bexp[b];
-                const u64 tl = fx_down(l, E.x, &over), tu = fx_up(u, E.y, &over);
-                over |= ((tl | tu) >> (2 * HALF)) != 0;
-                atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
-                atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
-                atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
-                atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
-                atomicAdd(&hc[b], 1u);
+            for (int x = 0; x < HU; x++) {
+                const uint32_t k = i + x * blockDim.x;
+                if (k >= i1)
+                    break;
+                float l, u;
+                key_lu(s[x], d[x], c.M, pp.safe, &l, &u);
+                if (is_forced(fr, k)) {
+                    nf += fx_down(l, c.Ef, &over);
+                } else {
+                    const uint32_t b = bin_of(g[x], c.gmax);
+                    const int2 E = bexp[b];
+                    const u64 tl = fx_down(l, E.x, &over), tu = fx_up(u, E.y, &over);
+                    over |= ((tl | tu) >> (2 * HALF)) != 0;
+                    atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
+                    atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
+                    atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
+                    atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
+                    atomicAdd(&hc[b], 1u);
+                }
             }
         }
+        __syncthreads(); /* the sub-chunk's bins complete: fold mine, empty them */
+#pragma unroll
+        for (int k = 0; k < HIST_BPT; k++) {
+            const uint32_t b = threadIdx.x + k * HIST_T;
+            al[k] += ((u64)hl_hi[b] << HALF) + hl_lo[b], au[k] += ((u64)hu_hi[b] << HALF) + hu_lo[b];
+            ac[k] += hc[b];
+            hl_lo[b] = hl_hi[b] = hu_lo[b] = hu_hi[b] = hc[b] = 0;
+        }
+        __syncthreads();
     }
     if (nf)
         atomicAdd(&st->nf, nf);
     if (over) /* cannot happen (the bounds above): read the head whole */
         atomicOr(&st->bad, 1u);
-    __syncthreads();
-    for (uint32_t b = threadIdx.x; b < NB; b += blockDim.x)
-        if (hc[b]) {
-            atomicAdd(&st->hl[b], ((u64)hl_hi[b] << HALF) + hl_lo[b]);
-            atomicAdd(&st->hu[b], ((u64)hu_hi[b] << HALF) + hu_lo[b]);
-            atomicAdd(&st->hc[b], hc[b]);
+#pragma unroll
+    for (int k = 0; k < HIST_BPT; k++)
+        if (ac[k]) {
+            const uint32_t b = threadIdx.x + k * HIST_T;
+            atomicAdd(&st->hl[b], al[k]);
+            atomicAdd(&st->hu[b], au[k]);
+            atomicAdd(&st->hc[b], ac[k]);
         }
 }
 
@@ -708,11 +734,17 @@ static __device__ __forceinline__ unsigned widen_word(unsigned bits, uint32_t W,
     return base >= n ? 0u : n - base >= 32 ? out : out & ((1u << (n - base)) - 1);
 }
 
-/* 6: grid (words * 32 / 256, n_heads): bit i of head h = any of its G pairs
- * keeps i; widened here to groups of pp.whole when whole divides 32 (else
- * kernel 7 widens) */
-__global__ void rqs_output(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
-                           struct tkv_cuda_rqs_work w)
+#define RQS_OUT_T   256
+#define RQS_OUT_WPW 4 /* bitmap words a warp of the output kernel writes (the grid strides over them) */
+
+/* 6: grid (words / (RQS_OUT_T / 32 RQS_OUT_WPW), n_heads): bit i of head h
+ * = any of its G pairs keeps i; widened here to groups of pp.whole when
+ * whole divides 32 (else kernel 7 widens). Each warp walks words
+ * wd, wd + the grid's warps, ...: the pairs' boundaries, the forced ranges
+ * and the widening mask are set up once per thread, not once per word. */
+__global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_params pp,
+                                                        const struct tkv_cuda_rqs_head *heads,
+                                                        struct tkv_cuda_rqs_work w)
 {
     /* the G pairs' boundaries, read once per block */
     __shared__ struct {
@@ -720,36 +752,42 @@ __global__ void rqs_output(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_
         float gmax;
         uint32_t bstar, partial, bad;
     } ps[TKV_CUDA_RQS_MAX_G];
-    const uint32_t h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t h = blockIdx.y, G = pp.G, lane = threadIdx.x % 32;
     const struct tkv_cuda_rqs_head &hd = heads[h];
-    if (threadIdx.x < pp.G) {
-        const struct rqs_state *st = (const struct rqs_state *)w.state + h * pp.G + threadIdx.x;
+    if (threadIdx.x < G) {
+        const struct rqs_state *st = (const struct rqs_state *)w.state + h * G + threadIdx.x;
         ps[threadIdx.x].kstar = st->kstar, ps[threadIdx.x].gmax = st->gmax, ps[threadIdx.x].bstar = st->bstar;
         ps[threadIdx.x].partial = st->partial, ps[threadIdx.x].bad = st->bad;
     }
     __syncthreads();
-    if (i - threadIdx.x % 32 >= pp.words * 32) /* whole warps leave */
-        return;
-    const uint32_t n = hd.n, row = hd.row;
-    bool kept = false;
-    if (i < n) {
-        float g[TKV_CUDA_RQS_MAX_G]; /* the G pairs' loads in flight at once (estimate wrote every key's) */
+    const uint32_t n = hd.n, W = pp.whole;
+    const struct rqs_forced fr = forced_of(hd);
+    const float *const g0 = w.scratch + (size_t)h * G * pp.n_max; /* pair (h, j): g0 + j n_max */
+    uint32_t *const row = w.bitmap + (size_t)hd.row * pp.words;
+    const bool widen = W > 1 && 32 % W == 0;
+    const uint32_t warps = gridDim.x * (blockDim.x / 32);
+    for (uint32_t wd = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wd < pp.words; wd += warps) {
+        const uint32_t i = wd * 32 + lane;
+        bool kept = false;
+        if (i < n) {
+            float g[TKV_CUDA_RQS_MAX_G]; /* the G pairs' loads in flight at once (estimate wrote every key's) */
 #pragma unroll
-        for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++)
-            g[j] = j < pp.G ? pair_ptrs(pp, w, h * pp.G + j).g[i] : 0.0f;
-        kept = is_forced(forced_of(hd), i);
+            for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++)
+                g[j] = j < G ? g0[(size_t)j * pp.n_max + i] : 0.0f;
+            kept = is_forced(fr, i);
 #pragma unroll
-        for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++) {
-            if (j >= pp.G)
-                break;
-            const uint32_t b = bin_of(g[j], ps[j].gmax);
-            kept |= ps[j].bad || b < ps[j].bstar || (ps[j].partial && b == ps[j].bstar && key_of(g[j], i) >= ps[j].kstar);
+            for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++) {
+                if (j >= G)
+                    break;
+                const uint32_t b = bin_of(g[j], ps[j].gmax);
+                kept |= ps[j].bad || b < ps[j].bstar ||
+                        (ps[j].partial && b == ps[j].bstar && key_of(g[j], i) >= ps[j].kstar);
+            }
         }
+        const unsigned bits = __ballot_sync(0xffffffffu, kept);
+        if (lane == 0)
+            row[wd] = widen ? widen_word(bits, W, wd * 32, n) : bits;
     }
-    const unsigned bits = __ballot_sync(0xffffffffu, kept);
-    if (threadIdx.x % 32 == 0)
-        w.bitmap[(size_t)row * pp.words + i / 32] =
-            pp.whole > 1 && 32 % pp.whole == 0 ? widen_word(bits, pp.whole, i, n) : bits;
 }
 
 /* 7: grid (blocks / 256, n_heads): a block of `whole` positions with a kept
@@ -808,7 +846,7 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
     default: rqs_estimate<0><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
     }
     TKV_CUDA_LAUNCHED();
-    rqs_hist<<<dim3(tkv_cuda_blocks(pp->n_max, HCHUNK), P), 512, HIST_SMEM, s>>>(*pp, heads, *w);
+    rqs_hist<<<dim3(tkv_cuda_blocks(pp->n_max, HCHUNK * HIST_SUB), P), HIST_T, HIST_SMEM, s>>>(*pp, heads, *w);
     TKV_CUDA_LAUNCHED();
     rqs_scan<<<P, SCAN_T, 0, s>>>(*pp, *w);
     TKV_CUDA_LAUNCHED();
@@ -818,7 +856,8 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
         rqs_refine<<<P, REF_T, REF_SMEM, s>>>(*pp, *w);
         TKV_CUDA_LAUNCHED();
     }
-    rqs_output<<<dim3(tkv_cuda_blocks((size_t)pp->words * 32, 256), pp->n_heads), 256, 0, s>>>(*pp, heads, *w);
+    rqs_output<<<dim3(tkv_cuda_blocks(pp->words, RQS_OUT_T / 32 * RQS_OUT_WPW), pp->n_heads), RQS_OUT_T, 0, s>>>(
+        *pp, heads, *w);
     TKV_CUDA_LAUNCHED();
     if (pp->whole > 1 && 32 % pp->whole) { /* (groups that divide 32: done by rqs_output) */
         rqs_whole<<<dim3(tkv_cuda_blocks(tkv_cuda_blocks(pp->n_max, pp->whole), 256), pp->n_heads), 256, 0, s>>>(

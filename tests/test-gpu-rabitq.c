@@ -23,7 +23,7 @@
  *
  * rabitq_select (one layer's top-p on the device, docs/rabitq.md "Device
  * top-p"), on random, peaked, flat (every estimate equal) and tied (4
- * distinct keys) indexes of 1 .. 200K keys, plain and safe, 0-4 forced
+ * distinct keys) indexes of 1 .. 200K keys of dimension 64 .. 512, plain and safe, 0-4 forced
  * ranges, with and without extra_lse: per query head (calls with G = 1)
  * the forced keys are kept; every kept key's score is >= every dropped
  * key's (plain: exactly, ties by position; safe: within 1e-5 of the
@@ -205,7 +205,7 @@ static const char *const shape_name[] = {"random", "peaked", "flat", "ties"};
 static uint64_t sel_symdiff, sel_pairs, sel_keys, sel_coarse_extra;
 
 struct sel_case {
-    uint32_t n, G;
+    uint32_t n, G, dim;
     enum shape shape;
     bool safe;
     uint32_t n_forced;
@@ -216,11 +216,11 @@ static double log_value(double s, double d, double p) { return s + d + log(p + (
 
 static void run_select(const struct sel_case *c)
 {
-    enum { D = 128 };
-    const uint32_t n = c->n, G = c->G, words = (n + 31) / 32;
+    enum { MAXD = 512 };
+    const uint32_t D = c->dim, n = c->n, G = c->G, words = (n + 31) / 32;
     uint16_t *k = malloc((size_t)n * D * sizeof *k);
     float *est = malloc((size_t)n * sizeof *est), *bound = malloc((size_t)n * sizeof *bound);
-    float q[TKV_RABITQ_SELECT_MAX_G][D], dir[D], base[4][D];
+    static float q[TKV_RABITQ_SELECT_MAX_G][MAXD], dir[MAXD], base[4][MAXD];
     uint32_t *bm1 = calloc((size_t)G * words, 4), *bmG = calloc(words, 4), *bmW = calloc(words, 4), *bm2 = calloc(words, 4);
     uint32_t *bmC = calloc((size_t)G * words, 4); /* coarse, one query head per row */
     uint32_t *pos = malloc((size_t)n * sizeof *pos), nch[TKV_RABITQ_SELECT_MAX_G], nchG[TKV_RABITQ_SELECT_MAX_G];
@@ -243,7 +243,7 @@ static void run_select(const struct sel_case *c)
         }
     struct tkv_rabitq *ix = NULL;
     struct tkv_rabitq_mean mk;
-    float ck[D];
+    float ck[MAXD];
     REQUIRE_VOID(tkv_rabitq_init(D, 0xabcull + n, &ix) == TKV_OK);
     tkv_rabitq_mean_init(&mk, D);
     tkv_rabitq_mean_add_f16(&mk, k, D, TKV_MIN(n, 4096u));
@@ -429,7 +429,9 @@ static void test_select(void)
     for (size_t a = 0; a < sizeof ns / sizeof *ns; a++)
         for (int shape = RANDOM; shape <= TIES; shape++)
             for (int safe = 0; safe <= 1; safe++, t++) {
-                const struct sel_case c = {.n = ns[a], .G = 1 + t % 8, .shape = (enum shape)shape, .safe = safe != 0,
+                static const uint32_t dims[] = {128, 64, 256, 512, 96}; /* dim_pad 64 .. 512: the estimate's chunks */
+                const struct sel_case c = {.n = ns[a], .G = 1 + t % 8, .dim = dims[t / 2 % 5],
+                                           .shape = (enum shape)shape, .safe = safe != 0,
                                            .n_forced = t % 5, .extra_lse = t % 3 == 2 ? 2.0f : -INFINITY,
                                            .p = t % 4 == 3 ? 0.99f : t % 4 == 1 ? 1.0f : 0.9f};
                 run_select(&c);
