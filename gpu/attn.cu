@@ -731,7 +731,8 @@ static cudaError_t splits_ready(tkv_cuda_attn_state *st, tkv_cuda_attn_params *p
 
 /* A decode call over device views (a->kv_dev): the entries stay where they
  * are (one array in device memory, head g's from kv[g].blocks); only the
- * query positions and each head's first and end entry travel, as
+ * query positions and each head's first and end entry travel (with
+ * kv_dev_n the end a bound, the kernels reading the counts), as
  *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | head_end [n_head_kv] u32 */
 static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s)
 {
@@ -765,6 +766,7 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
     p.blocks = (const struct tkv_cuda_kv_entry *)base;
     p.head_off = (const uint32_t *)((uint8_t *)t->dev + off_h);
     p.head_end = (const uint32_t *)((uint8_t *)t->dev + off_e);
+    p.head_cnt = a->kv_dev_n, p.head_cnt_stride = a->kv_dev_n_stride; /* (n_blocks: bounds then) */
     p.vec16 = a->head_dim % 8 == 0;
     p.pdl = st->pdl;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);

@@ -58,6 +58,13 @@ struct tkv_cuda_attn_params {
                                                entries end at head_end[g], not
                                                head_off[g + 1] (device views:
                                                not back to back)                 */
+    const uint32_t *head_cnt;               /* with head_end, or NULL: head g's
+                                               entries end at head_off[g] +
+                                               head_cnt[g head_cnt_stride] if
+                                               that is sooner (counts the device
+                                               wrote; the host's bound in
+                                               head_end)                         */
+    uint32_t head_cnt_stride;
     const uint32_t *kofs;                   /* [head_off[n_head_kv] + 65]: key
                                                offsets (below), or NULL          */
     float *part;                            /* [n_split][n_q*n_head][hd + 2]    */
@@ -84,7 +91,8 @@ struct tkv_cuda_attn_params {
 /* The end of KV head g's entries in p.blocks. */
 __device__ __forceinline__ uint32_t tkv_cuda_head_end(const tkv_cuda_attn_params &p, uint32_t g)
 {
-    return p.head_end ? p.head_end[g] : p.head_off[g + 1];
+    const uint32_t e = p.head_end ? p.head_end[g] : p.head_off[g + 1];
+    return p.head_cnt ? min(e, p.head_off[g] + p.head_cnt[(size_t)g * p.head_cnt_stride]) : e;
 }
 
 /* Which kernels serve calls of at most 8 query rows per KV head. */

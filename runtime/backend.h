@@ -51,7 +51,28 @@ struct tkv_attn_args {
      * entry of n = 0; every K/V row 16-byte aligned where head_dim % 8 == 0
      * (the store's slots are). */
     bool kv_dev;
+    /* kv_dev_n (with kv_dev, or NULL): head g's entry count is
+     * min(kv[g].n_blocks, kv_dev_n[g * kv_dev_n_stride]), read from BACKEND
+     * memory when the work queued before this call has run -- a decode
+     * table's counts the host has not brought down (engine.c, table_layer);
+     * kv[g].n_blocks is then a bound, for planning, with that many entries
+     * of kv[g].blocks addressable. Every backend honours it. */
+    const uint32_t *kv_dev_n;
+    uint32_t kv_dev_n_stride;
 };
+
+/* a's views with kv_dev_n's counts applied, into out[a->n_head_kv], n: the
+ * counts where the caller reads them (a->kv_dev_n, or its translation):
+ * for backends that resolve the counts on the host. */
+static inline void tkv_attn_views_counted(const struct tkv_attn_args *a, const uint32_t *n,
+                                          struct tkv_kv_head_view *out)
+{
+    for (uint32_t g = 0; g < a->n_head_kv; g++) {
+        const uint32_t c = n[(size_t)g * a->kv_dev_n_stride];
+        out[g] = a->kv[g];
+        out[g].n_blocks = c < out[g].n_blocks ? c : out[g].n_blocks;
+    }
+}
 
 /* Attention statistics the KV policies score keys with (runtime/policy/):
  * one call covers every KV head of a layer. The queries are in backend

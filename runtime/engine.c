@@ -96,6 +96,7 @@ void tkv_session_free(tkv_session *s)
     free(s->trace_buf);
     free(s->dt_hmiss);
     free(s->dt_sel_n);
+    free(s->dt_defer);
     free(s->host_ok);
     free(s->hviews);
     free(s->hrefs);
@@ -271,13 +272,14 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         const size_t refs = (size_t)hp->n_head_kv * s->max_refs * sizeof(struct tkv_kv_block_ref);
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_refs));
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_miss));
-        TKV_TRY(s->be->ops->alloc(s->be, (size_t)hp->n_head_kv * 4 * sizeof(uint32_t), (void **)&s->dt_counts));
+        const size_t hcounts = (size_t)hp->n_layer * hp->n_head_kv * 4 * sizeof *s->dt_hcounts;
+        TKV_TRY(s->be->ops->alloc(s->be, hcounts, (void **)&s->dt_counts));
         s->dt_sel_n = malloc(hp->n_head_kv * sizeof *s->dt_sel_n);
+        s->dt_defer = calloc(hp->n_layer, sizeof *s->dt_defer);
         /* the miss lists, then the counts (one region: a page can be pinned once) */
         const size_t hmiss = (size_t)hp->n_head_kv * s->max_refs * sizeof *s->dt_hmiss;
-        const size_t hcounts = (size_t)hp->n_head_kv * 4 * sizeof *s->dt_hcounts;
         s->dt_hmiss = malloc(hmiss + hcounts);
-        if (!s->dt_sel_n || !s->dt_hmiss)
+        if (!s->dt_sel_n || !s->dt_hmiss || !s->dt_defer)
             return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
         s->dt_hcounts = (uint32_t *)((char *)s->dt_hmiss + hmiss);
         /* pinned where the backend can: the counts (every decode layer) and
@@ -664,39 +666,74 @@ static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const 
 
 static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a);
 
+/* Layer l's host copy of its decode table's counts ([Hkv][4]). */
+static uint32_t *layer_hcounts(const tkv_session *s, uint32_t l)
+{
+    return s->dt_hcounts + (size_t)l * s->hp.n_head_kv * 4;
+}
+
 /* Layer l's decode table from the policy's selection (bitmap, words; NULL
  * when no head selects) and the store's page table, its counts brought
- * down into s->dt_hcounts. */
-static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const uint32_t *bitmap, uint32_t words)
+ * down into layer_hcounts -- unless `mapped` is given and the page table
+ * maps every block of the layer (tkv_kvs_layer_mapped): then nothing can be
+ * missing nor any list overflow (max_refs bounds the slices of any
+ * selection), *mapped is set, and the counts stay on the backend, the host
+ * not waiting for them. */
+static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const uint32_t *bitmap, uint32_t words,
+                              bool *mapped)
 {
     const uint32_t Hkv = s->hp.n_head_kv;
     TKV_TRY(tkv_kvs_page_table_sync(s->kv, l, NULL));
+    uint32_t *counts = s->dt_counts + (size_t)l * Hkv * 4;
     const struct tkv_kv_table_args a = {.bitmap = bitmap, .words = words, .sel_n = s->dt_sel_n,
                                         .ptab = tkv_kvs_page_table(s->kv, l), .ptab_stride = tkv_kvs_max_blocks(s->kv),
                                         .n_heads = Hkv, .block_tokens = s->kv_block, .head_dim = s->hp.head_dim,
                                         .n_past = n_past, .refs = s->dt_refs, .miss = s->dt_miss, .cap = s->max_refs,
-                                        .counts = s->dt_counts};
+                                        .counts = counts};
     const double t0 = phase_edge(s);
     tkv_status st = s->be->ops->kv_table(s->be, &a);
     if (st != TKV_OK)
         return tkv_err_wrap(st, "device table: layer %u", l);
-    st = s->be->ops->download(s->be, s->dt_hcounts, s->dt_counts, (size_t)Hkv * 4 * sizeof *s->dt_hcounts);
+    if (mapped && (*mapped = tkv_kvs_layer_mapped(s->kv, l)))
+        st = TKV_OK;
+    else
+        st = s->be->ops->download(s->be, layer_hcounts(s, l), counts, (size_t)Hkv * 4 * sizeof *s->dt_hcounts);
     s->ph_select += phase_edge(s) - t0;
     return st;
 }
 
+/* The step's layers whose counts stayed on the backend (s->dt_defer),
+ * brought down in one copy and accounted, at the end of a decode step. */
+static tkv_status counts_flush(tkv_session *s)
+{
+    if (!s->dt_n_defer)
+        return TKV_OK;
+    const uint32_t L = s->hp.n_layer, Hkv = s->hp.n_head_kv;
+    s->dt_n_defer = 0;
+    TKV_TRY(s->be->ops->download(s->be, s->dt_hcounts, s->dt_counts, (size_t)L * Hkv * 4 * sizeof *s->dt_hcounts));
+    for (uint32_t l = 0; l < L; l++) {
+        if (!s->dt_defer[l])
+            continue;
+        const uint32_t *c = layer_hcounts(s, l);
+        for (uint32_t h = 0; h < Hkv; h++)
+            account_counts(s, c[4 * h + 2], c[4 * h + 3], s->dt_defer[l], false);
+        s->dt_defer[l] = 0;
+    }
+    return TKV_OK;
+}
+
 /* Every head's missing slices of the last table, head h's into row h of
- * s->dt_hmiss ([Hkv][max_refs]; the counts checked against max_refs by the
+ * s->dt_hmiss ([Hkv][max_refs]; layer l's counts checked against max_refs by the
  * caller): one batch and one wait where the backend has download_blocks
  * (each row copied up to the longest list), else a download per head. */
-static tkv_status table_misses(tkv_session *s)
+static tkv_status table_misses(tkv_session *s, uint32_t l)
 {
-    const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs;
+    const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs, *c = layer_hcounts(s, l);
     void *dst[256];
     const void *src[256];
     uint32_t nm[256], n = 0, most = 0;
     for (uint32_t h = 0; h < Hkv; h++) {
-        if (!(nm[n] = s->dt_hcounts[4 * h + 1]))
+        if (!(nm[n] = c[4 * h + 1]))
             continue;
         most = TKV_MAX(most, nm[n]);
         dst[n] = s->dt_hmiss + (size_t)h * cap, src[n++] = s->dt_miss + (size_t)h * cap;
@@ -722,12 +759,12 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
 {
     *ok = false, *begun = true;
     const uint32_t Hkv = s->hp.n_head_kv, cap = s->max_refs, MB = tkv_kvs_max_blocks(s->kv), B = s->kv_block;
-    const uint32_t hd = s->hp.head_dim;
+    const uint32_t hd = s->hp.head_dim, *c = layer_hcounts(s, l);
     bool cpu_head[256], any_cpu = false;
     uint64_t cpu_heads = 0, cpu_blocks = 0, cpu_tokens = 0, recall_heads = 0, recall_blocks = 0; /* if *ok */
-    TKV_TRY(table_misses(s));
+    TKV_TRY(table_misses(s, l));
     for (uint32_t h = 0; h < Hkv; h++) {
-        const uint32_t nm = s->dt_hcounts[4 * h + 1];
+        const uint32_t nm = c[4 * h + 1];
         const struct tkv_kv_block_ref *miss = s->dt_hmiss + (size_t)h * cap;
         uint8_t *need = s->need + (size_t)h * MB, *host_ok = s->host_ok ? s->host_ok + (size_t)h * MB : NULL;
         cpu_head[h] = false;
@@ -763,16 +800,16 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
         *begun = false;
         return st;
     }
-    TKV_TRY(table_build(s, l, n_past, bitmap, words));
+    TKV_TRY(table_build(s, l, n_past, bitmap, words, NULL));
     for (uint32_t h = 0; h < Hkv; h++) {
-        const uint32_t nr = s->dt_hcounts[4 * h], nm = s->dt_hcounts[4 * h + 1];
+        const uint32_t nr = c[4 * h], nm = c[4 * h + 1];
         if (nr > cap || nm > cap || (nm && !cpu_head[h]))
             return TKV_OK; /* not *ok */
     }
-    TKV_TRY(table_misses(s));
+    TKV_TRY(table_misses(s, l));
     bool split = false;
     for (uint32_t h = 0; h < Hkv; h++) {
-        const uint32_t nm = s->dt_hcounts[4 * h + 1];
+        const uint32_t nm = c[4 * h + 1];
         const struct tkv_kv_block_ref *miss = s->dt_hmiss + (size_t)h * cap;
         if (s->hviews)
             s->hviews[h] = (struct tkv_kv_head_view){.blocks = s->hrefs + (size_t)h * cap, .n_blocks = nm};
@@ -803,8 +840,11 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
  * (decode_bitmap: nothing comes down), the store brings in only the block
  * this step writes, kv_table turns the selection and the store's page table
  * into per-head lists of resident and missing slices, and one download of
- * their counts tells whether every selected block is resident. Where one is
- * not, table_bring recalls it or leaves it to the CPU and rebuilds the table.
+ * their counts tells whether every selected block is resident -- unless
+ * the store maps every block of the layer: then the attention reads the
+ * counts where they are and the host goes on without waiting (the reads
+ * accounted at the step's end, counts_flush). Where a block is missing,
+ * table_bring recalls it or leaves it to the CPU and rebuilds the table.
  * Then the attention reads the resident lists where they are (kv_dev), the
  * CPU's part merged with it (hetero_attention): no ranges, views or block
  * table built on the host. *done false: not applicable, or the missing
@@ -836,25 +876,36 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
     uint32_t n_host = 0;
     TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, s->need, NULL, &n_host));
     tkv_status st = store_kv(s, l, n);
+    bool mapped = false;
     if (st == TKV_OK)
-        st = table_build(s, l, v.n_past, bitmap, words);
+        st = table_build(s, l, v.n_past, bitmap, words, &mapped);
+    const uint32_t *c = layer_hcounts(s, l);
     bool ok = st == TKV_OK, missing = false, begun = true;
-    for (uint32_t h = 0; h < Hkv && ok; h++) {
-        ok = s->dt_hcounts[4 * h] <= cap && s->dt_hcounts[4 * h + 1] <= cap;
-        missing |= s->dt_hcounts[4 * h + 1] > 0;
+    for (uint32_t h = 0; h < Hkv && ok && !mapped; h++) {
+        ok = c[4 * h] <= cap && c[4 * h + 1] <= cap;
+        missing |= c[4 * h + 1] > 0;
     }
     if (ok && missing)
         st = table_bring(s, l, n, v.n_past, bitmap, words, &ok, &begun);
     if (st == TKV_OK && ok) {
+        /* mapped: the counts stay on the backend (the attention reads them
+         * there), this layer's reads are accounted at the step's end */
         for (uint32_t h = 0; h < Hkv; h++) {
-            const uint32_t *c = s->dt_hcounts + 4 * h;
-            s->views[h] = (struct tkv_kv_head_view){.blocks = s->dt_refs + (size_t)h * cap, .n_blocks = c[0]};
-            account_counts(s, c[2], c[3], v.n_past, false);
+            s->views[h] = (struct tkv_kv_head_view){.blocks = s->dt_refs + (size_t)h * cap,
+                                                    .n_blocks = mapped ? cap : c[4 * h]};
+            if (!mapped)
+                account_counts(s, c[4 * h + 2], c[4 * h + 3], v.n_past, false);
+        }
+        if (mapped) {
+            s->dt_n_defer += !s->dt_defer[l];
+            s->dt_defer[l] = v.n_past; /* (> 0: the step's own token) */
         }
         const struct tkv_attn_args att = {.q = s->q, .q_pos = s->pos, .out = s->att, .n_q = n,
                                           .n_head = s->hp.n_head, .n_head_kv = Hkv, .head_dim = s->hp.head_dim,
                                           .scale = 1.0f / sqrtf((float)s->hp.head_dim), .kv = s->views,
-                                          .kv_dev = true};
+                                          .kv_dev = true,
+                                          .kv_dev_n = mapped ? s->dt_counts + (size_t)l * Hkv * 4 : NULL,
+                                          .kv_dev_n_stride = 4};
         if (s->hsplit) {
             st = hetero_attention(s, &att);
         } else {
@@ -1059,6 +1110,10 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
         s->pos[i] = (int32_t)(s->n_past + i);
     TKV_TRY(ops->get_rows(be, s->tok_embd, toks, n, s->x));
 
+    if (s->dt_n_defer) { /* left by a step that failed */
+        memset(s->dt_defer, 0, hp->n_layer * sizeof *s->dt_defer);
+        s->dt_n_defer = 0;
+    }
     const bool fuse = s->fuse;
     /* a layer's last add leaves the next norm's output in s->h: the next
      * layer's attn_norm, after the last layer the output norm (one row) */
@@ -1078,7 +1133,7 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
         TKV_TRY(ops->matmul(be, s->output, s->h, s->logits_dev, 1));
         TKV_TRY(ops->download(be, s->logits, s->logits_dev, (size_t)hp->n_vocab * sizeof(float)));
     }
-    return TKV_OK;
+    return counts_flush(s);
 }
 
 /* Runs one chunk: reserves KV, marks it valid, and rolls back on failure. */

@@ -122,11 +122,16 @@ struct tkv_session {
      * (table_layer), missing blocks recalled or attended on the CPU first */
     bool dev_table;
     struct tkv_kv_block_ref *dt_refs, *dt_miss; /* backend [Hkv][max_refs] */
-    uint32_t *dt_counts;                        /* backend [Hkv][4]         */
+    uint32_t *dt_counts;                        /* backend [layer][Hkv][4]  */
     uint32_t *dt_sel_n;                         /* host [Hkv]               */
     struct tkv_kv_block_ref *dt_hmiss;          /* host [Hkv][max_refs]: the heads' missing slices */
-    uint32_t *dt_hcounts;                       /* host [Hkv][4], in dt_hmiss's allocation, after it */
+    uint32_t *dt_hcounts;                       /* host [layer][Hkv][4], in dt_hmiss's allocation, after it */
     bool dt_hmiss_pinned;                       /* that allocation registered with the backend  */
+    /* layers of this step attended with their counts left on the backend
+     * (every block mapped: nothing to check first; table_layer), accounted
+     * at the step's end (counts_flush): dt_defer[l] its context, 0 none */
+    uint32_t *dt_defer;                         /* host [layer] */
+    uint32_t dt_n_defer;
     uint64_t dt_layers, dt_fallbacks;           /* decode layers attended from the table;
                                                    those that took the host path instead */
     uint64_t dt_brought;                        /* of dt_layers: missing blocks recalled or

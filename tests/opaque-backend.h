@@ -34,6 +34,7 @@ struct opaque {
 static uint64_t opaque_stats_calls;     /* attn_stats calls on every opaque backend */
 static uint64_t opaque_attention_calls; /* attention calls on every opaque backend */
 static uint64_t opaque_attention_dev_calls; /* of them, over device views (kv_dev) */
+static uint64_t opaque_attention_counted_calls; /* of those, with the counts in backend memory (kv_dev_n) */
 
 static void *tag(void *p) { return p ? (void *)((uintptr_t)p + TAG) : NULL; }
 static void *untag(const void *p)
@@ -156,7 +157,16 @@ static tkv_status o_attention(struct tkv_backend *b, const struct tkv_attn_args 
     opaque_attention_calls++;
     opaque_attention_dev_calls += a->kv_dev;
     c.kv_dev = false;
-    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, a->kv_dev, &c.kv));
+    struct tkv_kv_head_view counted[256]; /* kv_dev_n: the counts read through their translation */
+    const struct tkv_kv_head_view *kv = a->kv;
+    if (a->kv_dev_n) {
+        opaque_attention_counted_calls++;
+        if (a->n_head_kv > 256)
+            return tkv_err(TKV_ERR_INVALID_ARG, "opaque: attention: %u KV heads with device counts", a->n_head_kv);
+        tkv_attn_views_counted(a, U(a->kv_dev_n), counted);
+        kv = counted, c.kv_dev_n = NULL;
+    }
+    TKV_TRY(untag_views(o, kv, a->n_head_kv, a->kv_dev, &c.kv));
     return o->cpu->ops->attention(o->cpu, &c);
 }
 static tkv_status o_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)

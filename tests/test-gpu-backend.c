@@ -805,7 +805,9 @@ static void attn_on(struct tkv_backend *be, struct tkv_attn_args *a, float *o_ho
  * refs of no rows left out (the contract). Where the fixture's rows are
  * 16-byte aligned (kv_dev's contract): a decode call (at most 8 rows per KV
  * head) must give the packed table's output bit for bit -- the same
- * entries, the same plan -- and any call the reference's within 1e-4. */
+ * entries, the same plan -- and any call the reference's within 1e-4; so
+ * must the call with the counts in device memory (kv_dev_n) and bounds one
+ * past them in the views. */
 static void attn_device_views(const struct kv_fixture *f, const struct tkv_attn_args *a, const float *o_gpu,
                               const float *l_gpu, const float *o_ref, const float *l_ref, const char *label)
 {
@@ -851,6 +853,22 @@ static void attn_device_views(const struct kv_fixture *f, const struct tkv_attn_
     CHECK(eo <= 1e-4 && el <= 1e-4, "attention (device views) %s: out err %.3g lse err %.3g", label, eo, el);
     CHECK(!decode || (fo == 0 && fl == 0), "attention (device views, decode) %s: %.3g / %.3g from the packed table",
           label, fo, fl);
+    /* the counts in device memory (kv_dev_n, stride 3), the views' n_blocks
+     * one more: the bound takes in the poisoned entry after each head's,
+     * which the counts must keep out */
+    uint32_t *cnt = calloc((size_t)Hkv * 3, sizeof *cnt);
+    REQUIRE_VOID(cnt);
+    for (uint32_t h = 0; h < Hkv; h++)
+        cnt[3 * h] = views[h].n_blocks, views[h].n_blocks++;
+    uint32_t *dcnt = dev_from(cnt, (size_t)Hkv * 3 * sizeof *cnt);
+    d.kv_dev_n = dcnt, d.kv_dev_n_stride = 3;
+    attn_on(gpu, &d, o, l);
+    const double co = max_err(o, o_ref, qn), cl = max_err(l, l_ref, ln);
+    fprintf(stderr, ", counts on the device vs ref %.1e %.1e", co, cl);
+    CHECK(co <= 1e-4 && cl <= 1e-4, "attention (device views, device counts) %s: out err %.3g lse err %.3g", label,
+          co, cl);
+    dev_free(dcnt);
+    free(cnt);
     dev_free(darr);
     free(arr), free(views), free(o), free(l);
 }

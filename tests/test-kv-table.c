@@ -11,7 +11,9 @@
  *     traffic with evictions, NVMe spills, prefetches in flight and
  *     truncations, and after every layer a sync and the whole table compared
  *     with each block's record and, inside begin/end, with the views (on the
- *     CPU, opaque and -- where there is a device -- CUDA backends).
+ *     CPU, opaque and -- where there is a device -- CUDA backends); the
+ *     store's verdict that a layer is mapped (every block below the length
+ *     has an entry: a decode table can miss nothing) against the table.
  */
 #include "test.h"
 #include "opaque-backend.h"
@@ -27,9 +29,14 @@ enum { L = 3, H = 2, HD = 64, BT = 16, CTX = 1024 };
 static uint64_t rng;
 static char spill_dir[256];
 
+static uint64_t n_mapped, n_unmapped; /* check_layer's verdicts of tkv_kvs_layer_mapped */
+
 /* Syncs layer l and compares its whole device table with the records (and,
- * with views, with the views of the blocks they point at). */
-static void check_layer(struct tkv_backend *be, struct tkv_kvs *s, uint32_t l, bool views, const char *when)
+ * with views, with the views of the blocks they point at); the store at
+ * length len says the layer is mapped exactly when every block below len
+ * has an entry. */
+static void check_layer(struct tkv_backend *be, struct tkv_kvs *s, uint32_t l, uint32_t len, bool views,
+                        const char *when)
 {
     const uint32_t MB = tkv_kvs_max_blocks(s);
     uint64_t *t = malloc((size_t)H * MB * sizeof *t);
@@ -53,6 +60,13 @@ static void check_layer(struct tkv_backend *be, struct tkv_kvs *s, uint32_t l, b
             bad += !ok;
         }
     }
+    bool all = true;
+    for (uint32_t h = 0; h < H; h++)
+        for (uint32_t b = 0; b < (len + BT - 1) / BT; b++)
+            all &= t[(size_t)h * MB + b] != 0;
+    CHECK(tkv_kvs_layer_mapped(s, l) == all, "%s: layer %u %s mapped, the store says otherwise", when, l,
+          all ? "is" : "is not");
+    n_mapped += all, n_unmapped += !all;
     /* a second sync with nothing moved writes nothing (blocks still arriving
      * are 0 either way) */
     CHECK(tkv_kvs_page_table_sync(s, l, &n_written) == TKV_OK && n_written == 0, "%s: a repeated sync wrote %u",
@@ -73,8 +87,9 @@ static void store_traffic(struct tkv_backend *be, bool compute_is_host, const ch
     struct tkv_kvs *s = NULL;
     REQUIRE_VOID(tkv_kvs_init(&p, be, &s) == TKV_OK);
     CHECK(tkv_kvs_page_table(s, 0) && !tkv_kvs_page_table(s, L), "%s: page table pointers", name);
+    n_mapped = n_unmapped = 0;
     for (uint32_t l = 0; l < L; l++)
-        check_layer(be, s, l, false, "fresh");
+        check_layer(be, s, l, 0, false, "fresh");
     uint8_t *need = malloc((size_t)H * MB);
     REQUIRE_VOID(need);
     uint32_t len = 0;
@@ -87,7 +102,7 @@ static void store_traffic(struct tkv_backend *be, bool compute_is_host, const ch
             tkv_kvs_set_length(s, len);
             snprintf(when, sizeof when, "%s step %d: truncated to %u", name, step, len);
             for (uint32_t l = 0; l < L; l++)
-                check_layer(be, s, l, false, when);
+                check_layer(be, s, l, len, false, when);
             continue;
         }
         if (step == 0) /* a prompt past the compute tier: the later steps evict and recall */
@@ -110,11 +125,11 @@ static void store_traffic(struct tkv_backend *be, bool compute_is_host, const ch
             if (st != TKV_OK)
                 continue;
             snprintf(when, sizeof when, "%s step %d layer %u (mode %d, %u blocks)", name, step, l, mode, nb);
-            check_layer(be, s, l, true, when);
+            check_layer(be, s, l, len + n_write, true, when);
             tkv_kvs_end_layer(s, l);
             /* another layer, which may have prefetches in flight and evictions */
             const uint32_t o = (uint32_t)(test_rand_u64(&rng) % L);
-            check_layer(be, s, o, false, when);
+            check_layer(be, s, o, len + n_write, false, when);
         }
         len += n_write;
     }
@@ -125,6 +140,8 @@ static void store_traffic(struct tkv_backend *be, bool compute_is_host, const ch
             (unsigned long long)stats.stall.recalled_blocks);
     CHECK(stats.stall.evicted_blocks > 0 && stats.stall.recalled_blocks > 0, "%s: the traffic never moved a block",
           name);
+    CHECK(n_mapped > 0 && n_unmapped > 0, "%s: layers mapped %llu times, not %llu: one verdict untested", name,
+          (unsigned long long)n_mapped, (unsigned long long)n_unmapped);
     /* a store without the table refuses the sync */
     struct tkv_kvs *plain = NULL;
     p.page_table = false;
@@ -136,6 +153,8 @@ static void store_traffic(struct tkv_backend *be, bool compute_is_host, const ch
     CHECK(!tkv_kvs_page_table(plain, 0) && tkv_kvs_page_table_sync(plain, 0, NULL) == TKV_ERR_INVALID_ARG,
           "%s: a store without the table", name);
     CHECK(tkv_kvs_page_table_sync(s, L, NULL) == TKV_ERR_INVALID_ARG, "%s: sync of layer %u", name, L);
+    CHECK(!tkv_kvs_layer_mapped(plain, 0) && !tkv_kvs_layer_mapped(s, L), "%s: mapped without a table, or past the "
+          "layers", name);
     tkv_kvs_free(plain);
     tkv_kvs_free(s);
     free(need);

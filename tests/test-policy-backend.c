@@ -449,7 +449,8 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
  * while kv_table builds each layer's table from the bitmaps left in
  * backend memory. Flat (every
  * block resident), every such layer's attention reads that table where it
- * is (kv_dev), so a table skewed by one row changes the logits; tiered (a
+ * is (kv_dev), its counts too (kv_dev_n: no layer waits for them), so a
+ * table skewed by one row changes the logits; tiered (a
  * compute tier of 40 blocks), a layer whose selection is not all resident
  * has its missing blocks left to the CPU (the split) or recalled, and a
  * second table built, before the same attention. A knob of another value
@@ -469,6 +470,7 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
         for (int tier = 0; tier < 3; tier++) {
             setenv("TKV_RABITQ_DEVICE_TABLE", "0", 1);
             const uint64_t kt0 = opaque_kv_table_calls, dv0 = opaque_attention_dev_calls;
+            const uint64_t cn0 = opaque_attention_counted_calls;
             struct dt_counts dt;
             tkv_status st = run_tiered(m, "opaque", specs[i], tier, prompt, t_off, l_off, &r_off, &dt);
             CHECK(st == TKV_OK, "%s, knob off: %s", specs[i], tkv_last_error());
@@ -477,6 +479,7 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
             setenv("TKV_RABITQ_DEVICE_TABLE", "1", 1);
             st = run_tiered(m, "opaque", specs[i], tier, prompt, t_on, l_on, &r_on, &dt);
             const uint64_t tables = opaque_kv_table_calls - kt0, from_table = opaque_attention_dev_calls - dv0;
+            const uint64_t counted = opaque_attention_counted_calls - cn0;
             CHECK(st == TKV_OK, "%s (%s), knob on: %s", specs[i], tiers[tier], tkv_last_error());
             CHECK(tables > 0, "%s: the knob on built no device table", specs[i]);
             /* every decode layer attends from the table; flat, nothing is missing (one table each);
@@ -486,6 +489,11 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
                   "%s (%s): %llu kv_table calls, %llu attentions from the table; the session counted %llu layers, "
                   "%llu with blocks brought, %llu fallbacks", specs[i], tiers[tier], (unsigned long long)tables,
                   (unsigned long long)from_table, dt.layers, dt.brought, dt.fallbacks);
+            /* flat, every block is mapped: no layer waits for its counts (the attention reads them in
+             * backend memory); tiered, a layer with blocks missing does */
+            CHECK(tier ? counted < from_table : counted == from_table,
+                  "%s (%s): %llu of %llu attentions from the table read their counts in backend memory", specs[i],
+                  tiers[tier], (unsigned long long)counted, (unsigned long long)from_table);
             CHECK(!memcmp(t_off, t_on, sizeof t_off), "%s (%s): the knob on generated other tokens", specs[i],
                   tiers[tier]);
             /* flat: bit for bit; tiered: the residency differs (a layer with

@@ -2221,6 +2221,17 @@ const uint64_t *tkv_kvs_page_table(const struct tkv_kvs *s, uint32_t layer)
     return s->pt_dev + (size_t)layer * s->p.n_head_kv * s->max_blocks;
 }
 
+bool tkv_kvs_layer_mapped(const struct tkv_kvs *s, uint32_t layer)
+{
+    if (!s->pt_dev || layer >= s->p.n_layer)
+        return false;
+    /* blocks at or past the length hold no slot (set_length drops them), a
+     * block at most one compute slot: the count is the blocks resident, and
+     * with nothing pending each one's entry is its slot */
+    const uint32_t B = s->p.block_tokens, nb = (s->length + B - 1) / B;
+    return s->pool[TKV_TIER_COMPUTE].layer_used[layer] == (uint64_t)s->p.n_head_kv * nb && s->pt_pend_n[layer] == 0;
+}
+
 tkv_status tkv_kvs_page_table_sync(struct tkv_kvs *s, uint32_t layer, uint32_t *n_written)
 {
     if (n_written)

@@ -213,6 +213,11 @@ const uint64_t *tkv_kvs_page_table(const struct tkv_kvs *s, uint32_t layer);
  * none). O(blocks that moved), not O(context). *n_written (may be NULL):
  * entries written. Any time, inside or outside begin/end. */
 tkv_status tkv_kvs_page_table_sync(struct tkv_kvs *s, uint32_t layer, uint32_t *n_written);
+/* Whether layer's device page table, as of its last sync, maps every block
+ * below the store's length (every head) -- a decode table built from it
+ * misses nothing: each of those blocks holds a compute slot and no entry
+ * waits for a later sync. False without a page table. O(1). */
+bool tkv_kvs_layer_mapped(const struct tkv_kvs *s, uint32_t layer);
 /* Test hook: the address of the compute slot block b of (layer, head) holds,
  * whatever its state, or 0 without one. After a sync its page-table entry
  * must be this where tkv_kvs_block_tier says TKV_TIER_COMPUTE, else 0. */
