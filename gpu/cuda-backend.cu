@@ -86,10 +86,8 @@ struct cuda_backend {
     struct tkv_cuda_attn_state *attn; /* block tables, partials (attn.cu)  */
     void *stats_work;              /* [stats_work_cap] attn_stats work memory */
     uint32_t *rq_bad;              /* rabitq_encode's first non-finite row      */
-    void *rqs_dev, *rqs_host;      /* rabitq_select: device work, pinned staging */
+    void *rqs_dev, *rqs_host;      /* rabitq_select: device work, pinned results */
     void *ks_dev;                  /* rabitq_key_sums: [dim] u64 units, [dim] u32 counts */
-    cudaEvent_t rqs_staged;        /* after a call that did not wait: its staging copied */
-    bool rqs_pending;              /* rqs_staged recorded, maybe not passed    */
     size_t rqs_dev_cap, rqs_host_cap; /* bytes                                  */
     size_t stats_work_cap;         /* bytes                                   */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
@@ -1397,8 +1395,9 @@ static tkv_status cuda_rabitq_key_sums(struct tkv_backend *b, const struct tkv_r
 }
 
 /* One layer's selection (gpu/rabitq-select.cuh): the heads' descriptors and
- * queries go up in one copy, the bitmaps and per-pair results come down in
- * one copy, one wait. */
+ * queries go up in one copy through a staging slot, the bitmaps and
+ * per-pair results come down in one copy, one wait -- none when the bitmap
+ * stays in device memory and nothing else is asked for. */
 static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq_select_args *a)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -1438,8 +1437,11 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     if ((uint64_t)a->words * 32 < n_max)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u bitmap words for %u keys", a->words, n_max);
     const uint32_t H = a->n_heads, G = a->G, P = H * G;
-    /* device: heads | queries | state | scratch [3][P][n_max] | list [P][n_max] | mass [P] | n_chosen [P] | bitmap
-     * (the bitmap there only when it comes down; with bitmap_dev the kernels write the caller's rows) */
+    /* staged (a slot of the ring: the host need not wait for the last
+     * call's copy): heads | queries; device: state | scratch [3][P][n_max] |
+     * list [P][n_max] | mass [P] | n_chosen [P] | bitmap (the bitmap there
+     * only when it comes down; with bitmap_dev the kernels write the
+     * caller's rows) */
     const size_t b_heads = tkv_align_up(H * sizeof(struct tkv_cuda_rqs_head), 256);
     const size_t b_q = tkv_align_up((size_t)P * sizeof(struct tkv_rabitq_dev_query), 256);
     const size_t b_state = tkv_align_up(tkv_cuda_rqs_state_bytes(P), 256);
@@ -1447,7 +1449,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     const size_t b_list = tkv_align_up((size_t)P * n_max * sizeof(uint32_t), 256);
     const size_t b_out = (size_t)P * (sizeof(double) + sizeof(uint32_t)) +
                          (a->bitmap_dev ? 0 : (size_t)H * a->words * sizeof(uint32_t));
-    const size_t dev_bytes = b_heads + b_q + b_state + b_scratch + b_list + b_out, up = b_heads + b_q;
+    const size_t dev_bytes = b_state + b_scratch + b_list + b_out, up = b_heads + b_q;
     if (dev_bytes > cb->rqs_dev_cap) {
         CU(op, cudaStreamSynchronize(cb->stream));
         cudaFree(cb->rqs_dev);
@@ -1455,17 +1457,15 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         CU(op, cudaMalloc(&cb->rqs_dev, dev_bytes));
         cb->rqs_dev_cap = dev_bytes;
     }
-    if (cb->rqs_pending) { /* the last call's staging copy (it did not wait) */
-        CU(op, cudaEventSynchronize(cb->rqs_staged));
-        cb->rqs_pending = false;
-    }
-    if (up + b_out > cb->rqs_host_cap) {
-        cudaFreeHost(cb->rqs_host); /* (the last call waited for its copies) */
+    if (b_out > cb->rqs_host_cap) {
+        cudaFreeHost(cb->rqs_host); /* (only calls that waited for their copies used it) */
         cb->rqs_host = NULL, cb->rqs_host_cap = 0;
-        CU(op, cudaMallocHost(&cb->rqs_host, up + b_out));
-        cb->rqs_host_cap = up + b_out;
+        CU(op, cudaMallocHost(&cb->rqs_host, b_out));
+        cb->rqs_host_cap = b_out;
     }
-    uint8_t *hm = (uint8_t *)cb->rqs_host, *dm = (uint8_t *)cb->rqs_dev;
+    struct stage_slot *sl;
+    TKV_TRY(stage_take(cb, up, &sl, op));
+    uint8_t *hm = (uint8_t *)sl->host, *dm = (uint8_t *)cb->rqs_dev, *ds = (uint8_t *)sl->dev;
     struct tkv_cuda_rqs_head *hh = (struct tkv_cuda_rqs_head *)hm;
     struct tkv_rabitq_dev_query *hq = (struct tkv_rabitq_dev_query *)(hm + b_heads);
     for (uint32_t h = 0; h < H; h++) {
@@ -1481,17 +1481,16 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
             hh[h].q = hd->q_dev;
             continue;
         }
-        hh[h].q = (const struct tkv_rabitq_dev_query *)(dm + b_heads) + (size_t)h * G;
+        hh[h].q = (const struct tkv_rabitq_dev_query *)(ds + b_heads) + (size_t)h * G;
         for (uint32_t j = 0; j < G; j++)
             hq[h * G + j] = rq_query(&hd->q[j]);
     }
     bool host_q = false;
     for (uint32_t h = 0; h < H; h++)
         host_q |= a->heads[h].q != NULL;
-    CU(op, cudaMemcpyAsync(dm, hm, host_q ? up : b_heads, cudaMemcpyHostToDevice, cb->stream));
-    uint8_t *out = dm + up + b_state + b_scratch + b_list;
-    const struct tkv_cuda_rqs_work w = {dm + up,
-                                        (float *)(dm + up + b_state), (uint32_t *)(dm + up + b_state + b_scratch),
+    TKV_TRY(stage_send(cb, sl, host_q ? up : b_heads, op));
+    uint8_t *out = dm + b_state + b_scratch + b_list;
+    const struct tkv_cuda_rqs_work w = {dm, (float *)(dm + b_state), (uint32_t *)(dm + b_state + b_scratch),
                                         (double *)out, (uint32_t *)(out + (size_t)P * sizeof(double)),
                                         a->bitmap_dev ? a->bitmap_dev
                                                       : (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
@@ -1500,15 +1499,12 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         code_words = hh[h].ix.words == code_words ? code_words : 0;
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
                                            a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words};
-    CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)dm, &w, cb->stream));
-    if (a->bitmap_dev && !a->n_chosen && !a->mass) { /* nothing comes down: no wait */
-        CU(op, cudaEventRecord(cb->rqs_staged, cb->stream));
-        cb->rqs_pending = true;
+    CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)ds, &w, cb->stream));
+    if (a->bitmap_dev && !a->n_chosen && !a->mass) /* nothing comes down: no wait */
         return TKV_OK;
-    }
-    CU(op, cudaMemcpyAsync(hm + up, out, b_out, cudaMemcpyDeviceToHost, cb->stream));
+    uint8_t *ho = (uint8_t *)cb->rqs_host;
+    CU(op, cudaMemcpyAsync(ho, out, b_out, cudaMemcpyDeviceToHost, cb->stream));
     CU(op, cudaStreamSynchronize(cb->stream));
-    const uint8_t *ho = hm + up;
     if (a->mass)
         memcpy(a->mass, ho, (size_t)P * sizeof(double));
     if (a->n_chosen)
@@ -1944,8 +1940,6 @@ static void cuda_free(struct tkv_backend *b)
         cudaEventDestroy(cb->ev_main);
     if (cb->ev_copy)
         cudaEventDestroy(cb->ev_copy);
-    if (cb->rqs_staged)
-        cudaEventDestroy(cb->rqs_staged);
     if (cb->copy_stream)
         cudaStreamDestroy(cb->copy_stream);
     cudaFree(cb->rq_bad);
@@ -2093,7 +2087,6 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     CU(op, cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking));
     CU(op, cudaEventCreateWithFlags(&cb->ev_main, cudaEventDisableTiming));
     CU(op, cudaEventCreateWithFlags(&cb->ev_copy, cudaEventDisableTiming));
-    CU(op, cudaEventCreateWithFlags(&cb->rqs_staged, cudaEventDisableTiming));
     for (int i = 0; i < N_GATHER; i++)
         CU(op, cudaEventCreateWithFlags(&cb->gather[i].ev, cudaEventDisableTiming));
     int host_ptr_ok = 0;

@@ -694,9 +694,9 @@ static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const
     tkv_status st = s->be->ops->kv_table(s->be, &a);
     if (st != TKV_OK)
         return tkv_err_wrap(st, "device table: layer %u", l);
-    if (mapped && (*mapped = tkv_kvs_layer_mapped(s->kv, l)))
-        st = TKV_OK;
-    else
+    if (mapped)
+        *mapped = tkv_kvs_layer_mapped(s->kv, l);
+    if (!mapped || !*mapped)
         st = s->be->ops->download(s->be, layer_hcounts(s, l), counts, (size_t)Hkv * 4 * sizeof *s->dt_hcounts);
     s->ph_select += phase_edge(s) - t0;
     return st;
@@ -709,7 +709,7 @@ static tkv_status counts_flush(tkv_session *s)
     if (!s->dt_n_defer)
         return TKV_OK;
     const uint32_t L = s->hp.n_layer, Hkv = s->hp.n_head_kv;
-    s->dt_n_defer = 0;
+    /* (failed: the marks stay, and the next forward clears them) */
     TKV_TRY(s->be->ops->download(s->be, s->dt_hcounts, s->dt_counts, (size_t)L * Hkv * 4 * sizeof *s->dt_hcounts));
     for (uint32_t l = 0; l < L; l++) {
         if (!s->dt_defer[l])
@@ -719,6 +719,7 @@ static tkv_status counts_flush(tkv_session *s)
             account_counts(s, c[4 * h + 2], c[4 * h + 3], s->dt_defer[l], false);
         s->dt_defer[l] = 0;
     }
+    s->dt_n_defer = 0;
     return TKV_OK;
 }
 
