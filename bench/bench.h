@@ -1,10 +1,12 @@
 /*
  * bench.h -- what the benchmark programs share: a monotonic clock, a small
- * deterministic generator for synthetic inputs, and the build's commit for
- * their reports (header-only).
+ * deterministic generator for synthetic inputs, the build's commit for
+ * their reports, and a backend's op profile (header-only).
  */
 #ifndef TKV_BENCH_H
 #define TKV_BENCH_H
+
+#include "runtime/backend.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -44,9 +46,7 @@ static inline void build_commit(char *out, size_t cap)
 
 /* The op profile of a backend that keeps one (TKV_CUDA_PROFILE=1 when it
  * was created; runtime/backend.h): printed to stderr for the `steps` timed
- * steps since the last reset, then reset. Nothing without a profile. Needs
- * runtime/backend.h included before this header. */
-#ifdef TKV_BACKEND_H
+ * steps since the last reset, then reset. Nothing without a profile. */
 static inline void bench_profile_print(struct tkv_backend *be, const char *label, uint32_t steps)
 {
     if (!be->ops->profile_read)
@@ -56,6 +56,5 @@ static inline void bench_profile_print(struct tkv_backend *be, const char *label
         tkv_op_profile_print(label, &prof, steps);
     be->ops->profile_reset(be);
 }
-#endif
 
 #endif
