@@ -762,7 +762,7 @@ __global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_para
     __syncthreads();
     const uint32_t n = hd.n, W = pp.whole;
     const struct rqs_forced fr = forced_of(hd);
-    const float *const g0 = w.scratch + (size_t)h * G * pp.n_max; /* pair (h, j): g0 + j n_max */
+    const float *const g0 = pair_ptrs(pp, w, h * G).g; /* pair (h, j)'s: g0 + j n_max */
     uint32_t *const row = w.bitmap + (size_t)hd.row * pp.words;
     const bool widen = W > 1 && 32 % W == 0;
     const uint32_t warps = gridDim.x * (blockDim.x / 32);
