@@ -1263,8 +1263,7 @@ static tkv_status cuda_rabitq_prepare(struct tkv_backend *b, const struct tkv_ra
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_prepare: eps0 %g must be >= 0", (double)a->eps0);
     for (uint32_t i = 0; i < a->n; i++) {
         const struct tkv_rabitq_dev *ix = a->items[i].ix;
-        if (!ix || ix->dim == 0 || ix->dim > ix->dim_pad || ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM ||
-            (ix->dim_pad & (ix->dim_pad - 1)) || ix->words * 64 != ix->dim_pad)
+        if (!ix || ix->dim == 0 || ix->dim > ix->dim_pad || !tkv_cuda_rq_shape_ok(ix->dim_pad, ix->words))
             return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_prepare: item %u: no index or dim %u, dim_pad %u", i,
                            ix ? ix->dim : 0, ix ? ix->dim_pad : 0);
     }
@@ -1294,8 +1293,7 @@ static tkv_status cuda_rabitq_encode(struct tkv_backend *b, const struct tkv_rab
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "rabitq_encode";
     ALIVE(op);
-    if (ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || (ix->dim_pad & (ix->dim_pad - 1)) ||
-        ix->words * 64 != ix->dim_pad)
+    if (!tkv_cuda_rq_shape_ok(ix->dim_pad, ix->words))
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_encode: dim_pad %u (a power of two, 64 .. %u)", ix->dim_pad,
                        TKV_CUDA_RQ_MAX_DIM);
     uint64_t n = 0;

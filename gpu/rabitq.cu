@@ -302,8 +302,7 @@ cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct 
 {
     if (n_rows == 0)
         return cudaSuccess;
-    if (n_spans == 0 || ix->dim_pad < 64 || ix->dim_pad > TKV_CUDA_RQ_MAX_DIM || (ix->dim_pad & (ix->dim_pad - 1)) ||
-        ix->words * 64 != ix->dim_pad)
+    if (n_spans == 0 || !tkv_cuda_rq_shape_ok(ix->dim_pad, ix->words))
         return cudaErrorInvalidValue;
     rq_encode_kernel<<<tkv_cuda_blocks(n_rows, RQ_WARPS), RQ_WARPS * 32, 0, s>>>(*ix, spans, n_spans, n_rows,
                                                                                  row_stride, at, bad);

@@ -33,6 +33,14 @@ struct tkv_cuda_rq_index {
     uint16_t *pc;                 /* [cap]                                                   */
 };
 
+/* Whether an index's shape is one the kernels take: dim_pad a power of two
+ * in 64 .. TKV_CUDA_RQ_MAX_DIM (the register rotation needs one), words =
+ * dim_pad / 64. */
+static inline bool tkv_cuda_rq_shape_ok(uint32_t dim_pad, uint32_t words)
+{
+    return dim_pad >= 64 && dim_pad <= TKV_CUDA_RQ_MAX_DIM && !(dim_pad & (dim_pad - 1)) && words * 64 == dim_pad;
+}
+
 /* A prepared query is backend.h's struct tkv_rabitq_dev_query (the host's
  * tkv_rabitq_query_prepare, or tkv_cuda_rq_prepare here), by value. */
 static_assert(TKV_RABITQ_DEV_QUERY_WORDS == TKV_CUDA_RQ_MAX_WORDS, "query planes as wide as the codes can be");

@@ -703,8 +703,9 @@ static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const
 }
 
 /* The step's layers whose counts stayed on the backend (s->dt_defer),
- * brought down in one copy and accounted, at the end of a decode step. */
-static tkv_status counts_flush(tkv_session *s)
+ * brought down in one copy and accounted as reads of a context of n_past
+ * tokens, at the end of a decode step. */
+static tkv_status counts_flush(tkv_session *s, uint32_t n_past)
 {
     if (!s->dt_n_defer)
         return TKV_OK;
@@ -716,8 +717,8 @@ static tkv_status counts_flush(tkv_session *s)
             continue;
         const uint32_t *c = layer_hcounts(s, l);
         for (uint32_t h = 0; h < Hkv; h++)
-            account_counts(s, c[4 * h + 2], c[4 * h + 3], s->dt_defer[l], false);
-        s->dt_defer[l] = 0;
+            account_counts(s, c[4 * h + 2], c[4 * h + 3], n_past, false);
+        s->dt_defer[l] = false;
     }
     s->dt_n_defer = 0;
     return TKV_OK;
@@ -899,7 +900,7 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
         }
         if (mapped) {
             s->dt_n_defer += !s->dt_defer[l];
-            s->dt_defer[l] = v.n_past; /* (> 0: the step's own token) */
+            s->dt_defer[l] = true;
         }
         const struct tkv_attn_args att = {.q = s->q, .q_pos = s->pos, .out = s->att, .n_q = n,
                                           .n_head = s->hp.n_head, .n_head_kv = Hkv, .head_dim = s->hp.head_dim,
@@ -1134,7 +1135,7 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
         TKV_TRY(ops->matmul(be, s->output, s->h, s->logits_dev, 1));
         TKV_TRY(ops->download(be, s->logits, s->logits_dev, (size_t)hp->n_vocab * sizeof(float)));
     }
-    return counts_flush(s);
+    return counts_flush(s, s->n_past + n); /* (the policy view's n_past) */
 }
 
 /* Runs one chunk: reserves KV, marks it valid, and rolls back on failure. */

@@ -129,8 +129,8 @@ struct tkv_session {
     bool dt_hmiss_pinned;                       /* that allocation registered with the backend  */
     /* layers of this step attended with their counts left on the backend
      * (every block mapped: nothing to check first; table_layer), accounted
-     * at the step's end (counts_flush): dt_defer[l] its context, 0 none */
-    uint32_t *dt_defer;                         /* host [layer] */
+     * at the step's end (counts_flush): dt_defer[l] set, dt_n_defer of them */
+    bool *dt_defer;                             /* host [layer] */
     uint32_t dt_n_defer;
     uint64_t dt_layers, dt_fallbacks;           /* decode layers attended from the table;
                                                    those that took the host path instead */

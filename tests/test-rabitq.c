@@ -451,6 +451,14 @@ static void topp_stats_init(struct topp_stats *t)
     t->plain_mass_min = 1;
 }
 
+/* Key i's log-value as the top-p search orders the keys: s + d + log(p +
+ * (1-p) e^(-2d)) with bounds (safe), s without (bnd NULL), in float. */
+static float key_logvalue(const float *est, const float *bnd, uint32_t i, float p, float scale)
+{
+    const float s = scale * est[i], d = bnd ? scale * bnd[i] : 0.0f;
+    return bnd ? s + d + logf(p + (1 - p) * expf(-2 * d)) : s;
+}
+
 /* One trial: keys [0, n) of which [n_enc, n) are the unencoded tail; sinks [0, n_sink).
  * est/bnd cover [0, n_enc); ex[] are the exact logits (unscaled) of all n. */
 static void topp_trial(struct topp_stats *st, const float *est, const float *bnd, const double *ex, uint32_t n,
@@ -532,23 +540,18 @@ static void topp_trial(struct topp_stats *st, const float *est, const float *bnd
         for (uint32_t j = 0; j < r[safe].n_pos; j++) {
             const uint32_t i = pos[j];
             in_exact[i] = 1;
-            if (i >= n_sink && i < n_enc) {
-                const float s = scale * est[i], d = safe ? scale * bnd[i] : 0.0f;
-                const float g = safe ? s + d + logf(p + (1 - p) * expf(-2 * d)) : s;
-                gmin = fminf(gmin, g);
-            }
+            if (i >= n_sink && i < n_enc)
+                gmin = fminf(gmin, key_logvalue(est, safe ? bnd : NULL, i, p, scale));
         }
-        uint32_t extra = 0, missing = 0, far = 0;
+        uint32_t extra = 0, far = 0;
         for (uint32_t j = 0; j < rc.n_pos; j++) {
             const uint32_t i = pos_c[j];
             if (in_exact[i])
                 continue;
             extra++;
-            const float s = scale * est[i], d = safe ? scale * bnd[i] : 0.0f;
-            const float g = safe ? s + d + logf(p + (1 - p) * expf(-2 * d)) : s;
-            far += !(g >= gmin - 1.0f / TKV_RABITQ_TOPP_BPN - 1e-3f);
+            far += !(key_logvalue(est, safe ? bnd : NULL, i, p, scale) >= gmin - 1.0f / TKV_RABITQ_TOPP_BPN - 1e-3f);
         }
-        missing = r[safe].n_pos + extra - rc.n_pos; /* exact's positions coarse lacks */
+        const uint32_t missing = r[safe].n_pos + extra - rc.n_pos; /* exact's positions coarse lacks */
         const bool ok = missing == 0 && far == 0 && rc.n_chosen == r[safe].n_chosen + extra &&
                         rc.mass >= r[safe].mass - 1e-12;
         CHECK(ok, "topp coarse (%s): %u of the exact set missing, %u extra keys more than a bin below it, %u chosen "

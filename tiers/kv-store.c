@@ -2582,35 +2582,49 @@ tkv_status tkv_kvs_demote(struct tkv_kvs *s, uint32_t layer, uint32_t head, uint
     return TKV_OK;
 }
 
+/* tkv_kvs_write_back's copies of batch[nb] to the host tier, grown within
+ * its capacity first; *full: it had no room for them (nothing copied). */
+static tkv_status write_back_batch(struct tkv_kvs *s, const uint32_t *batch, uint32_t nb, uint32_t *n_done, bool *full)
+{
+    struct pool *hp = &s->pool[TKV_TIER_HOST];
+    if (hp->n_free < nb) /* within capacity: grow by what is missing */
+        TKV_TRY(pool_grow(s, TKV_TIER_HOST, hp->n + (nb - hp->n_free)));
+    *full = hp->n_free < nb; /* then nothing of it is evicted for this */
+    if (*full)
+        return TKV_OK;
+    TKV_TRY(spill_to_host(s, batch, nb));
+    if (n_done)
+        *n_done += nb;
+    return TKV_OK;
+}
+
 tkv_status tkv_kvs_write_back(struct tkv_kvs *s, uint32_t *n_done)
 {
     if (n_done)
         *n_done = 0;
-    struct pool *cp = &s->pool[TKV_TIER_COMPUTE], *hp = &s->pool[TKV_TIER_HOST];
+    const struct pool *cp = &s->pool[TKV_TIER_COMPUTE];
     const uint64_t total = (uint64_t)s->p.n_layer * s->p.n_head_kv * s->max_blocks;
-    if (!hp->present || s->p.compute_is_host || cp->cap >= total || cp->n < cp->cap || cp->n_free > 0)
+    if (!s->pool[TKV_TIER_HOST].present || s->p.compute_is_host || cp->cap >= total || cp->n < cp->cap ||
+        cp->n_free > 0)
         return TKV_OK; /* (a compute tier that holds the context, or has room, evicts nothing soon) */
     prefetch_drain(s);
     TKV_TRY(prefetch_settle(s));
     uint32_t batch[IO_BATCH], nb = 0;
-    for (uint32_t slot = 0; slot <= cp->n; slot++) {
-        const int32_t i = slot < cp->n ? cp->owner[slot] : -1;
-        if (i >= 0) {
-            const struct blk *k = &s->blk[i];
-            if (!(k->valid & (BIT(TKV_TIER_HOST) | BIT(TKV_TIER_NVME))) && !blk_pinned(s, k) && !k->inflight)
-                batch[nb++] = (uint32_t)i;
-        }
-        if (nb == IO_BATCH || (slot == cp->n && nb)) {
-            if (hp->n_free < nb) /* within capacity: grow by what is missing */
-                TKV_TRY(pool_grow(s, TKV_TIER_HOST, hp->n + (nb - hp->n_free)));
-            if (hp->n_free < nb)
-                return TKV_OK; /* the host tier is full: nothing of it is evicted for this */
-            TKV_TRY(spill_to_host(s, batch, nb));
-            if (n_done)
-                *n_done += nb;
+    bool full = false;
+    for (uint32_t slot = 0; slot < cp->n && !full; slot++) {
+        const int32_t i = cp->owner[slot];
+        if (i < 0)
+            continue;
+        const struct blk *k = &s->blk[i];
+        if (!(k->valid & (BIT(TKV_TIER_HOST) | BIT(TKV_TIER_NVME))) && !blk_pinned(s, k) && !k->inflight)
+            batch[nb++] = (uint32_t)i;
+        if (nb == IO_BATCH) {
+            TKV_TRY(write_back_batch(s, batch, nb, n_done, &full));
             nb = 0;
         }
     }
+    if (nb && !full)
+        TKV_TRY(write_back_batch(s, batch, nb, n_done, &full));
     return TKV_OK;
 }
 
