@@ -531,27 +531,26 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
     }
 }
 
-/* The decode kernel over the packed table in device memory. Under a
- * programmatic dependent launch (p.pdl) it waits at once: everything it
- * reads but its parameters (the table, q, K/V) an earlier op writes. */
-template <class C> __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_params p)
+/* A CTA over the packed table in device memory: its split of KV head g's
+ * entries [hb, he) (blockIdx.x = g); q_pos [n_q]. */
+template <class C>
+__device__ __forceinline__ void decode_table(const tkv_cuda_attn_params &p, const int32_t *q_pos, uint32_t hb,
+                                             uint32_t he)
 {
-    tkv_pdl_trigger();
-    tkv_pdl_wait();
-    const uint32_t g = blockIdx.x, split = blockIdx.y, G = p.n_head / p.n_head_kv;
+    const uint32_t split = blockIdx.y, G = p.n_head / p.n_head_kv;
     const int R = (int)(p.n_q * G);
     int32_t pos_max = INT_MIN;
 #pragma unroll
     for (int r = 0; r < C::DR; r++)
         if (r < R)
-            pos_max = max(pos_max, p.q_pos[(uint32_t)r / G]);
+            pos_max = max(pos_max, q_pos[(uint32_t)r / G]);
 
     /* this split's blocks; the warp's first chunk */
     tab_walk w;
     w.blocks = p.blocks;
     w.pos_max = pos_max;
     dec_cursor &cur = w.c;
-    const uint32_t hb = p.head_off[g], nbh = tkv_cuda_head_end(p, g) - hb;
+    const uint32_t nbh = he - hb;
     cur.e.k = cur.e.v = nullptr;
     cur.e.pos0 = 0;
     cur.e.n = 0;
@@ -566,7 +565,31 @@ template <class C> __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(c
             cur.b = cur.b_end;
     }
     w.template advance<C::CH>((int)(threadIdx.x >> 5));
-    decode_cta<C>(p, w, p.q_pos);
+    decode_cta<C>(p, w, q_pos);
+}
+
+/* The decode kernel over the packed table in device memory. Under a
+ * programmatic dependent launch (p.pdl) it waits at once: everything it
+ * reads but its parameters (the table, q, K/V) an earlier op writes. */
+template <class C> __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(const tkv_cuda_attn_params p)
+{
+    tkv_pdl_trigger();
+    tkv_pdl_wait();
+    const uint32_t g = blockIdx.x;
+    decode_table<C>(p, p.q_pos, p.head_off[g], tkv_cuda_head_end(p, g));
+}
+
+/* The same over device views whose positions and head ranges travel in the
+ * parameters (tkv_cuda_attn_views): nothing staged before it. */
+template <class C>
+__global__ void __launch_bounds__(NT, 2)
+    attn_decode_views_kernel(const tkv_cuda_attn_params p, const __grid_constant__ tkv_cuda_attn_views v)
+{
+    tkv_pdl_trigger();
+    tkv_pdl_wait();
+    const uint32_t g = blockIdx.x, hb = v.head_off[g];
+    const uint32_t he = p.head_cnt ? min(v.head_end[g], hb + p.head_cnt[(size_t)g * p.head_cnt_stride]) : v.head_end[g];
+    decode_table<C>(p, v.q_pos, hb, he);
 }
 
 /* 4 KiB: the parameter space every driver takes (CUDA 12.1 raised it to
@@ -604,28 +627,50 @@ __global__ void __launch_bounds__(NT) attn_decode_merge_kernel(const tkv_cuda_at
     merge_head(p, blockIdx.x, (float *)smem);
 }
 
-template <class C> cudaError_t launch_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
-{
-    const dim3 grid(p->n_head_kv, p->n_split);
-    TKV_CUDA_TRY(tkv_cuda_launch(p->pdl != 0, grid, NT, C::SMEM, s, attn_decode_kernel<C>, *p));
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
-}
-
-/* pdl: the launch attribute that lets the kernel start while the previous
+/* The launches, each for the configuration C that by_shape picks; pdl:
+ * the launch attribute that lets the kernel start while the previous
  * kernel of the stream drains (the kernel waits for it, griddepcontrol). */
-template <class C>
-cudaError_t launch_runs(const tkv_cuda_attn_params *p, const tkv_cuda_attn_runs *r, bool pdl, cudaStream_t s)
-{
-    return tkv_cuda_launch(pdl, dim3(p->n_head_kv, p->n_split), dim3(NT), C::SMEM, s, attn_decode_runs_kernel<C>, *p,
-                           *r);
-}
+struct launch_table {
+    const tkv_cuda_attn_params *p;
+    cudaStream_t s;
+    template <class C> cudaError_t go() const
+    {
+        return tkv_cuda_launch(p->pdl != 0, dim3(p->n_head_kv, p->n_split), NT, C::SMEM, s, attn_decode_kernel<C>,
+                               *p);
+    }
+};
+struct launch_views {
+    const tkv_cuda_attn_params *p;
+    const tkv_cuda_attn_views *v;
+    cudaStream_t s;
+    template <class C> cudaError_t go() const
+    {
+        return tkv_cuda_launch(p->pdl != 0, dim3(p->n_head_kv, p->n_split), NT, C::SMEM, s,
+                               attn_decode_views_kernel<C>, *p, *v);
+    }
+};
+struct launch_runs {
+    const tkv_cuda_attn_params *p;
+    const tkv_cuda_attn_runs *r;
+    bool pdl;
+    cudaStream_t s;
+    template <class C> cudaError_t go() const
+    {
+        return tkv_cuda_launch(pdl, dim3(p->n_head_kv, p->n_split), dim3(NT), C::SMEM, s, attn_decode_runs_kernel<C>,
+                               *p, *r);
+    }
+};
+struct chunk_keys_of {
+    template <class C> uint32_t go() const { return (uint32_t)C::CH; }
+};
 
 template <class C> cudaError_t init_decode(int *ctas)
 {
     TKV_CUDA_TRY(cudaFuncSetAttribute(attn_decode_runs_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)C::SMEM));
     TKV_CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)C::SMEM));
+    TKV_CUDA_TRY(cudaFuncSetAttribute(attn_decode_views_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)C::SMEM));
     TKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, attn_decode_kernel<C>, NT, C::SMEM));
     if (*ctas < 1)
         *ctas = 1;
@@ -648,48 +693,42 @@ template <template <int, int> class CF> cudaError_t init_all(int ctas[3][2])
     return cudaSuccess;
 }
 
-template <template <int, int> class CF> cudaError_t launch_all(const tkv_cuda_attn_params *p, cudaStream_t s)
-{
-    const bool small = p->n_q * (p->n_head / p->n_head_kv) <= 4;
-    switch (hd_index(p->head_dim)) {
-    case 0: return small ? launch_decode<CF<64, 4>>(p, s) : launch_decode<CF<64, 8>>(p, s);
-    case 1: return small ? launch_decode<CF<128, 4>>(p, s) : launch_decode<CF<128, 8>>(p, s);
-    default: return small ? launch_decode<CF<256, 4>>(p, s) : launch_decode<CF<256, 8>>(p, s);
-    }
-}
-
-template <template <int, int> class CF>
-cudaError_t launch_all_runs(const tkv_cuda_attn_params *p, const tkv_cuda_attn_runs *r, bool pdl, cudaStream_t s)
-{
-    const bool small = p->n_q * (p->n_head / p->n_head_kv) <= 4;
-    switch (hd_index(p->head_dim)) {
-    case 0: return small ? launch_runs<CF<64, 4>>(p, r, pdl, s) : launch_runs<CF<64, 8>>(p, r, pdl, s);
-    case 1: return small ? launch_runs<CF<128, 4>>(p, r, pdl, s) : launch_runs<CF<128, 8>>(p, r, pdl, s);
-    default: return small ? launch_runs<CF<256, 4>>(p, r, pdl, s) : launch_runs<CF<256, 8>>(p, r, pdl, s);
-    }
-}
-
-template <template <int, int> class CF> uint32_t chunk_keys(uint32_t hd, uint32_t rows)
+/* f.go<C>() for the configuration C of CF that serves head_dim hd and
+ * `rows` query rows per KV head */
+template <template <int, int> class CF, class F> auto by_shape(uint32_t hd, uint32_t rows, const F &f)
 {
     const bool small = rows <= 4;
     switch (hd_index(hd)) {
-    case 0: return small ? CF<64, 4>::CH : CF<64, 8>::CH;
-    case 1: return small ? CF<128, 4>::CH : CF<128, 8>::CH;
-    default: return small ? CF<256, 4>::CH : CF<256, 8>::CH;
+    case 0: return small ? f.template go<CF<64, 4>>() : f.template go<CF<64, 8>>();
+    case 1: return small ? f.template go<CF<128, 4>>() : f.template go<CF<128, 8>>();
+    default: return small ? f.template go<CF<256, 4>>() : f.template go<CF<256, 8>>();
     }
+}
+
+uint32_t rows_of(const tkv_cuda_attn_params *p) { return p->n_q * (p->n_head / p->n_head_kv); }
+
+/* the merge kernel after the decode kernel in TKV_ATTN_DECODE_MERGE mode */
+cudaError_t merge_after(const tkv_cuda_attn_params *p, cudaStream_t s)
+{
+    if (p->n_split > 1 && p->decode_mode == TKV_ATTN_DECODE_MERGE) {
+        const size_t smem = (2 * (size_t)p->n_split * MERGE_DR + 2 * MERGE_DR) * sizeof(float);
+        attn_decode_merge_kernel<<<p->n_head_kv, NT, smem, s>>>(*p);
+        TKV_CUDA_LAUNCHED();
+    }
+    return cudaSuccess;
 }
 
 } // namespace
 
 uint32_t tkv_cuda_attn_decode_chunk_keys(uint32_t head_dim, uint32_t rows)
 {
-    return chunk_keys<cfg0>(head_dim, rows);
+    return by_shape<cfg0>(head_dim, rows, chunk_keys_of{});
 }
 
-cudaError_t tkv_cuda_attn_decode_runs(const tkv_cuda_attn_params *p, const tkv_cuda_attn_runs *r, bool pdl,
+cudaError_t tkv_cuda_attn_decode_runs(const struct tkv_cuda_attn_params *p, const struct tkv_cuda_attn_runs *r, bool pdl,
                                       cudaStream_t s)
 {
-    TKV_CUDA_TRY(launch_all_runs<cfg0>(p, r, pdl, s));
+    TKV_CUDA_TRY(by_shape<cfg0>(p->head_dim, rows_of(p), launch_runs{p, r, pdl, s}));
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
@@ -705,13 +744,15 @@ int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows)
     return c > 0 ? c : 1;
 }
 
-cudaError_t tkv_cuda_attn_decode(const tkv_cuda_attn_params *p, cudaStream_t s)
+cudaError_t tkv_cuda_attn_decode(const struct tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    TKV_CUDA_TRY(launch_all<cfg0>(p, s));
-    if (p->n_split > 1 && p->decode_mode == TKV_ATTN_DECODE_MERGE) {
-        const size_t smem = (2 * (size_t)p->n_split * MERGE_DR + 2 * MERGE_DR) * sizeof(float);
-        attn_decode_merge_kernel<<<p->n_head_kv, NT, smem, s>>>(*p);
-        TKV_CUDA_LAUNCHED();
-    }
-    return cudaSuccess;
+    TKV_CUDA_TRY(by_shape<cfg0>(p->head_dim, rows_of(p), launch_table{p, s}));
+    return merge_after(p, s);
+}
+
+cudaError_t tkv_cuda_attn_decode_views(const struct tkv_cuda_attn_params *p, const struct tkv_cuda_attn_views *v,
+                                       cudaStream_t s)
+{
+    TKV_CUDA_TRY(by_shape<cfg0>(p->head_dim, rows_of(p), launch_views{p, v, s}));
+    return merge_after(p, s);
 }

@@ -47,6 +47,12 @@ int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows);
  * mode). Needs p->vec16 and n_q * G <= TKV_ATTN_DECODE_ROWS. */
 cudaError_t tkv_cuda_attn_decode(const struct tkv_cuda_attn_params *p, cudaStream_t s);
 
+/* The same over device views whose query positions and head ranges are
+ * in v (p->q_pos, head_off and head_end unused): no table to stage. Needs
+ * n_q * G <= TKV_ATTN_DECODE_ROWS and n_head_kv <= TKV_ATTN_RUNS_HEADS. */
+cudaError_t tkv_cuda_attn_decode_views(const struct tkv_cuda_attn_params *p, const struct tkv_cuda_attn_views *v,
+                                       cudaStream_t s);
+
 /* Keys per chunk of the kernel that serves (head_dim, rows): a run of more
  * than one block needs blocks of a multiple of it (attn.cuh). */
 uint32_t tkv_cuda_attn_decode_chunk_keys(uint32_t head_dim, uint32_t rows);

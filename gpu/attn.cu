@@ -744,6 +744,31 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
             base = a->kv[g].blocks;
         max_blocks = a->kv[g].n_blocks > max_blocks ? a->kv[g].n_blocks : max_blocks;
     }
+    tkv_cuda_attn_params p = params_of(st, a);
+    p.blocks = (const struct tkv_cuda_kv_entry *)base;
+    p.head_cnt = a->kv_dev_n, p.head_cnt_stride = a->kv_dev_n_stride; /* (n_blocks: bounds then) */
+    p.vec16 = a->head_dim % 8 == 0;
+    p.pdl = st->pdl;
+    /* each head's entries [off, end) from base, off + n_blocks <= 2^32 */
+    const auto range = [&](uint32_t g, uint32_t *off, uint32_t *end) {
+        const size_t o = a->kv[g].n_blocks ? (size_t)(a->kv[g].blocks - base) : 0;
+        if (o + a->kv[g].n_blocks > UINT32_MAX)
+            return false; /* views farther apart than 2^32 entries */
+        *off = (uint32_t)o;
+        *end = (uint32_t)o + a->kv[g].n_blocks;
+        return true;
+    };
+    if (use_decode(&p) && H <= TKV_ATTN_RUNS_HEADS) { /* the tables in the parameters: nothing staged */
+        tkv_cuda_attn_views v;
+        memset(&v, 0, sizeof v);
+        memcpy(v.q_pos, a->q_pos, (size_t)a->n_q * sizeof(int32_t)); /* n_q <= rows <= 8 */
+        for (uint32_t g = 0; g < H; g++)
+            if (!range(g, &v.head_off[g], &v.head_end[g]))
+                return cudaErrorInvalidValue;
+        const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);
+        TKV_CUDA_TRY(splits_ready(st, &p, part, s));
+        return tkv_cuda_attn_decode_views(&p, &v, s);
+    }
     const size_t off_h = ((size_t)a->n_q * sizeof(int32_t) + 7) & ~(size_t)7;
     const size_t off_e = off_h + ((size_t)H + 1) * sizeof(uint32_t), used = off_e + (size_t)H * sizeof(uint32_t);
     struct attn_table *t;
@@ -751,24 +776,15 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
     uint8_t *h = (uint8_t *)t->host;
     memcpy(h, a->q_pos, (size_t)a->n_q * sizeof(int32_t));
     uint32_t *head_off = (uint32_t *)(h + off_h), *head_end = (uint32_t *)(h + off_e);
-    for (uint32_t g = 0; g < H; g++) {
-        const size_t o = a->kv[g].n_blocks ? (size_t)(a->kv[g].blocks - base) : 0;
-        if (o + a->kv[g].n_blocks > UINT32_MAX)
-            return cudaErrorInvalidValue; /* views farther apart than 2^32 entries */
-        head_off[g] = (uint32_t)o;
-        head_end[g] = (uint32_t)o + a->kv[g].n_blocks;
-    }
+    for (uint32_t g = 0; g < H; g++)
+        if (!range(g, &head_off[g], &head_end[g]))
+            return cudaErrorInvalidValue;
     head_off[H] = H ? head_end[H - 1] : 0;
     TKV_CUDA_TRY(table_send(st, t, used, s));
 
-    tkv_cuda_attn_params p = params_of(st, a);
     p.q_pos = (const int32_t *)t->dev;
-    p.blocks = (const struct tkv_cuda_kv_entry *)base;
     p.head_off = (const uint32_t *)((uint8_t *)t->dev + off_h);
     p.head_end = (const uint32_t *)((uint8_t *)t->dev + off_e);
-    p.head_cnt = a->kv_dev_n, p.head_cnt_stride = a->kv_dev_n_stride; /* (n_blocks: bounds then) */
-    p.vec16 = a->head_dim % 8 == 0;
-    p.pdl = st->pdl;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);
     TKV_CUDA_TRY(splits_ready(st, &p, part, s));
     TKV_CUDA_TRY(tkv_cuda_attention(&p, s));

@@ -139,6 +139,16 @@ struct tkv_cuda_attn_runs {
     struct tkv_cuda_kv_run runs[TKV_ATTN_RUNS_MAX];
 };
 
+/* A decode call over device views (the entries in device memory, head g's
+ * [head_off[g], head_end[g]), bounded by p.head_cnt when set): the query
+ * positions and the head ranges as a kernel parameter, so the call stages
+ * nothing (attn-decode.cuh, tkv_cuda_attn_decode_views). */
+struct tkv_cuda_attn_views {
+    int32_t q_pos[8];                      /* [n_q]         */
+    uint32_t head_off[TKV_ATTN_RUNS_HEADS]; /* [n_head_kv]   */
+    uint32_t head_end[TKV_ATTN_RUNS_HEADS]; /* [n_head_kv]   */
+};
+
 /* Which kernel serves calls of more query rows (attn-prefill.cuh). */
 enum tkv_cuda_attn_prefill_mode {
     TKV_ATTN_PREFILL_GENERAL = 0, /* the general kernel (f32 CUDA cores)           */

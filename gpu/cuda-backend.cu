@@ -89,6 +89,9 @@ struct cuda_backend {
     void *rqs_dev, *rqs_host;      /* rabitq_select: device work, pinned results */
     void *ks_dev;                  /* rabitq_key_sums: [dim] u64 units, [dim] u32 counts */
     size_t rqs_dev_cap, rqs_host_cap; /* bytes                                  */
+    struct tkv_cuda_rqs_head *rqs_heads; /* rabitq_select: the heads' table (host,
+                                            [rqs_heads_cap]) for the kernels' parameters */
+    uint32_t rqs_heads_cap;
     size_t stats_work_cap;         /* bytes                                   */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
     bool f16_rounded;              /* =f16round: f32, holding the f16 values  */
@@ -1231,22 +1234,15 @@ static tkv_status cuda_table_write(struct tkv_backend *b, uint64_t *table, const
     return TKV_OK;
 }
 
-/* The decode attention table: the heads' sel_n go up through a staging slot,
- * one CTA per head; nothing waits. */
+/* The decode attention table: the heads' sel_n travel in the kernel's
+ * parameters, one CTA per head; nothing waits. */
 static tkv_status cuda_kv_table(struct tkv_backend *b, const struct tkv_kv_table_args *a)
 {
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "kv_table";
     ALIVE(op);
     TKV_TRY(tkv_kv_table_check(a));
-    if (a->n_heads == 0)
-        return TKV_OK;
-    struct stage_slot *sl;
-    const size_t bytes = (size_t)a->n_heads * sizeof *a->sel_n;
-    TKV_TRY(stage_take(cb, bytes, &sl, op));
-    memcpy(sl->host, a->sel_n, bytes);
-    TKV_TRY(stage_send(cb, sl, bytes, op));
-    CU(op, tkv_cuda_kv_table(a, (const uint32_t *)sl->dev, cb->stream));
+    CU(op, tkv_cuda_kv_table(a, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -1268,19 +1264,20 @@ static tkv_status cuda_rabitq_prepare(struct tkv_backend *b, const struct tkv_ra
                            ix ? ix->dim : 0, ix ? ix->dim_pad : 0);
     }
     if (a->bad)
-        CU(op, cudaMemsetAsync(a->bad, 0xff, sizeof *a->bad, cb->stream));
+        CU(op, tkv_cuda_fill32(a->bad, UINT32_MAX, 1, cb->pdl, cb->stream));
     if (a->n == 0)
         return TKV_OK;
-    struct stage_slot *sl;
-    const size_t bytes = (size_t)a->n * sizeof(struct tkv_cuda_rq_prep);
-    TKV_TRY(stage_take(cb, bytes, &sl, op));
-    struct tkv_cuda_rq_prep *tab = (struct tkv_cuda_rq_prep *)sl->host;
-    for (uint32_t i = 0; i < a->n; i++)
-        tab[i] = (struct tkv_cuda_rq_prep){rq_index(a->items[i].ix), a->items[i].ix->cqck, a->items[i].head, 0};
-    TKV_TRY(stage_send(cb, sl, bytes, op));
-    CU(op, tkv_cuda_rq_prepare(a->q, a->head_stride, (const struct tkv_cuda_rq_prep *)sl->dev, a->n,
-                               a->eps0 == 0 ? TKV_RABITQ_EPS0 : a->eps0, a->out, a->bad,
-                               cb->stream));
+    struct tkv_cuda_rq_preps g; /* a launch per group, its items in the parameters: nothing staged */
+    memset(&g, 0, sizeof g);
+    for (uint32_t b0 = 0; b0 < a->n; b0 += TKV_CUDA_RQ_PREP_GROUP) {
+        const uint32_t m = TKV_MIN(a->n - b0, (uint32_t)TKV_CUDA_RQ_PREP_GROUP);
+        for (uint32_t i = 0; i < m; i++) {
+            const struct tkv_rabitq_prepare_item *it = &a->items[b0 + i];
+            g.it[i] = (struct tkv_cuda_rq_prep){rq_index(it->ix), it->ix->cqck, it->head, 0};
+        }
+        CU(op, tkv_cuda_rq_prepare(a->q, a->head_stride, &g, b0, m, a->eps0 == 0 ? TKV_RABITQ_EPS0 : a->eps0, a->out,
+                                   a->bad, cb->pdl, cb->stream));
+    }
     return TKV_OK;
 }
 
@@ -1435,19 +1432,19 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     if ((uint64_t)a->words * 32 < n_max)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u bitmap words for %u keys", a->words, n_max);
     const uint32_t H = a->n_heads, G = a->G, P = H * G;
-    /* staged (a slot of the ring: the host need not wait for the last
-     * call's copy): heads | queries; device: state | scratch [3][P][n_max] |
-     * list [P][n_max] | mass [P] | n_chosen [P] | bitmap (the bitmap there
-     * only when it comes down; with bitmap_dev the kernels write the
-     * caller's rows) */
-    const size_t b_heads = tkv_align_up(H * sizeof(struct tkv_cuda_rqs_head), 256);
-    const size_t b_q = tkv_align_up((size_t)P * sizeof(struct tkv_rabitq_dev_query), 256);
+    /* the heads go into the kernels' parameters (tkv_cuda_rqs_run); queries
+     * the host prepared go up through a slot of the staging ring (the host
+     * need not wait for the last call's copy). Device: state | scratch
+     * [3][P][n_max] | list [P][n_max] | mass [P] | n_chosen [P] | bitmap
+     * (the bitmap there only when it comes down; with bitmap_dev the
+     * kernels write the caller's rows) */
+    const size_t b_q = (size_t)P * sizeof(struct tkv_rabitq_dev_query);
     const size_t b_state = tkv_align_up(tkv_cuda_rqs_state_bytes(P), 256);
     const size_t b_scratch = tkv_align_up((size_t)3 * P * n_max * sizeof(float), 256);
     const size_t b_list = tkv_align_up((size_t)P * n_max * sizeof(uint32_t), 256);
     const size_t b_out = (size_t)P * (sizeof(double) + sizeof(uint32_t)) +
                          (a->bitmap_dev ? 0 : (size_t)H * a->words * sizeof(uint32_t));
-    const size_t dev_bytes = b_state + b_scratch + b_list + b_out, up = b_heads + b_q;
+    const size_t dev_bytes = b_state + b_scratch + b_list + b_out;
     if (dev_bytes > cb->rqs_dev_cap) {
         CU(op, cudaStreamSynchronize(cb->stream));
         cudaFree(cb->rqs_dev);
@@ -1461,11 +1458,25 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         CU(op, cudaMallocHost(&cb->rqs_host, b_out));
         cb->rqs_host_cap = b_out;
     }
-    struct stage_slot *sl;
-    TKV_TRY(stage_take(cb, up, &sl, op));
-    uint8_t *hm = (uint8_t *)sl->host, *dm = (uint8_t *)cb->rqs_dev, *ds = (uint8_t *)sl->dev;
-    struct tkv_cuda_rqs_head *hh = (struct tkv_cuda_rqs_head *)hm;
-    struct tkv_rabitq_dev_query *hq = (struct tkv_rabitq_dev_query *)(hm + b_heads);
+    bool host_q = false;
+    for (uint32_t h = 0; h < H; h++)
+        host_q |= a->heads[h].q != NULL;
+    struct stage_slot *sl = NULL;
+    if (host_q) {
+        TKV_TRY(stage_take(cb, b_q, &sl, op));
+        struct tkv_rabitq_dev_query *hq = (struct tkv_rabitq_dev_query *)sl->host;
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t j = 0; j < G && a->heads[h].q; j++)
+                hq[h * G + j] = rq_query(&a->heads[h].q[j]);
+        TKV_TRY(stage_send(cb, sl, b_q, op));
+    }
+    struct tkv_cuda_rqs_head *hh = cb->rqs_heads;
+    if (H > cb->rqs_heads_cap) {
+        hh = (struct tkv_cuda_rqs_head *)realloc(cb->rqs_heads, H * sizeof *hh);
+        if (!hh)
+            return tkv_err(TKV_ERR_NOMEM, "cuda: rabitq_select: %u heads' table", H);
+        cb->rqs_heads = hh, cb->rqs_heads_cap = H;
+    }
     for (uint32_t h = 0; h < H; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
         memset(&hh[h], 0, sizeof hh[h]);
@@ -1475,19 +1486,10 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         hh[h].row = a->bitmap_dev ? hd->row : h;
         for (uint32_t r = 0; r < hd->n_forced; r++)
             hh[h].fb[r] = hd->forced[r].begin, hh[h].fe[r] = hd->forced[r].end;
-        if (!hd->q) { /* prepared on the device, earlier in the stream */
-            hh[h].q = hd->q_dev;
-            continue;
-        }
-        hh[h].q = (const struct tkv_rabitq_dev_query *)(ds + b_heads) + (size_t)h * G;
-        for (uint32_t j = 0; j < G; j++)
-            hq[h * G + j] = rq_query(&hd->q[j]);
+        hh[h].q = hd->q ? (const struct tkv_rabitq_dev_query *)sl->dev + (size_t)h * G /* staged above */
+                        : hd->q_dev;                                               /* prepared on the device */
     }
-    bool host_q = false;
-    for (uint32_t h = 0; h < H; h++)
-        host_q |= a->heads[h].q != NULL;
-    TKV_TRY(stage_send(cb, sl, host_q ? up : b_heads, op));
-    uint8_t *out = dm + b_state + b_scratch + b_list;
+    uint8_t *dm = (uint8_t *)cb->rqs_dev, *out = dm + b_state + b_scratch + b_list;
     const struct tkv_cuda_rqs_work w = {dm, (float *)(dm + b_state), (uint32_t *)(dm + b_state + b_scratch),
                                         (double *)out, (uint32_t *)(out + (size_t)P * sizeof(double)),
                                         a->bitmap_dev ? a->bitmap_dev
@@ -1497,7 +1499,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         code_words = hh[h].ix.words == code_words ? code_words : 0;
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
                                            a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words};
-    CU(op, tkv_cuda_rqs_run(&pp, (const struct tkv_cuda_rqs_head *)ds, &w, cb->stream));
+    CU(op, tkv_cuda_rqs_run(&pp, hh, &w, cb->pdl, cb->stream));
     if (a->bitmap_dev && !a->n_chosen && !a->mass) /* nothing comes down: no wait */
         return TKV_OK;
     uint8_t *ho = (uint8_t *)cb->rqs_host;
@@ -1944,6 +1946,7 @@ static void cuda_free(struct tkv_backend *b)
     cudaFree(cb->rqs_dev);
     cudaFree(cb->ks_dev);
     cudaFreeHost(cb->rqs_host);
+    free(cb->rqs_heads);
     if (cb->blas)
         cublasDestroy(cb->blas);
     for (int i = 0; i < N_STAGE; i++) {

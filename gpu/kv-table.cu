@@ -92,8 +92,16 @@ __device__ static void walk_block(const struct tkv_kv_table_args &p, const uint3
         emit(start, hi);
 }
 
-__global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_table_args p, const uint32_t *sel_n_dev)
+/* the sel_n of a launch's heads */
+struct kvt_sel_n {
+    uint32_t n[TKV_CUDA_KVT_GROUP];
+};
+
+__global__ void __launch_bounds__(KVT_THREADS)
+    kv_table_kernel(struct tkv_kv_table_args p, const __grid_constant__ struct kvt_sel_n sel)
 {
+    tkv_pdl_wait(); /* the bitmap, the page table: earlier ops' */
+    tkv_pdl_trigger();
     typedef cub::BlockScan<unsigned long long, KVT_THREADS> Scan;
     __shared__ typename Scan::TempStorage scan_tmp;
     __shared__ uint32_t positions, touched; /* read, over all rounds */
@@ -101,7 +109,7 @@ __global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_tab
         positions = touched = 0;
     __syncthreads(); /* before any thread adds to them */
     const uint32_t h = blockIdx.x, B = p.block_tokens;
-    const uint32_t sel_n = sel_n_dev[h];
+    const uint32_t sel_n = sel.n[h];
     const uint32_t *row = p.bitmap ? p.bitmap + (size_t)h * p.words : NULL;
     const uint64_t *pt = p.ptab + (size_t)h * p.ptab_stride;
     struct tkv_kv_block_ref *refs = p.refs ? p.refs + (size_t)h * p.cap : NULL;
@@ -153,11 +161,24 @@ __global__ void __launch_bounds__(KVT_THREADS) kv_table_kernel(struct tkv_kv_tab
     }
 }
 
-cudaError_t tkv_cuda_kv_table(const struct tkv_kv_table_args *a, const uint32_t *sel_n, cudaStream_t s)
+cudaError_t tkv_cuda_kv_table(const struct tkv_kv_table_args *a, bool pdl, cudaStream_t s)
 {
-    if (a->n_heads == 0)
-        return cudaSuccess;
-    kv_table_kernel<<<a->n_heads, KVT_THREADS, 0, s>>>(*a, sel_n);
-    TKV_CUDA_LAUNCHED();
+    for (uint32_t h0 = 0; h0 < a->n_heads; h0 += TKV_CUDA_KVT_GROUP) { /* the group's rows of every array */
+        struct tkv_kv_table_args g = *a;
+        g.n_heads = a->n_heads - h0 < TKV_CUDA_KVT_GROUP ? a->n_heads - h0 : TKV_CUDA_KVT_GROUP;
+        g.sel_n = NULL;
+        if (g.bitmap)
+            g.bitmap += (size_t)h0 * a->words;
+        g.ptab += (size_t)h0 * a->ptab_stride;
+        if (g.refs)
+            g.refs += (size_t)h0 * a->cap;
+        if (g.miss)
+            g.miss += (size_t)h0 * a->cap;
+        g.counts += (size_t)h0 * 4;
+        struct kvt_sel_n sel;
+        memset(&sel, 0, sizeof sel);
+        memcpy(sel.n, a->sel_n + h0, g.n_heads * sizeof *sel.n);
+        TKV_CUDA_TRY(tkv_cuda_launch(pdl, g.n_heads, KVT_THREADS, 0, s, kv_table_kernel, g, sel));
+    }
     return cudaSuccess;
 }

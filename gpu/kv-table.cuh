@@ -15,11 +15,14 @@
 cudaError_t tkv_cuda_table_write(uint64_t *table, const uint32_t *idx, const uint64_t *val, uint32_t n,
                                  cudaStream_t s);
 
-/* backend.h's kv_table: every pointer of a in device memory but a->sel_n,
- * whose copy in device memory is sel_n [a->n_heads]. One CTA per KV head
- * walks the head's blocks a CTA-width at a time: each thread counts its
- * block's slices word by word, a block-wide scan places them, and the
- * thread writes them; the slices keep position order. */
-cudaError_t tkv_cuda_kv_table(const struct tkv_kv_table_args *a, const uint32_t *sel_n, cudaStream_t s);
+/* backend.h's kv_table: every pointer of a in device memory but a->sel_n
+ * (host), which goes into the kernel's parameters (a launch per
+ * TKV_CUDA_KVT_GROUP heads), so nothing is staged before it. One CTA per
+ * KV head walks the head's blocks a CTA-width at a time: each thread counts
+ * its block's slices word by word, a block-wide scan places them, and the
+ * thread writes them; the slices keep position order. pdl: a programmatic
+ * dependent launch (common.cuh). */
+#define TKV_CUDA_KVT_GROUP 64
+cudaError_t tkv_cuda_kv_table(const struct tkv_kv_table_args *a, bool pdl, cudaStream_t s);
 
 #endif /* TKV_GPU_KV_TABLE_CUH */

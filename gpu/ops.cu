@@ -515,6 +515,14 @@ __global__ void rope_qk_kernel(float *q, float *k, uint32_t n, uint32_t n_head, 
         rope_item(k, n_head_kv, head_dim, n_pairs, i - n_q, pos, theta_scale, freq_scale);
 }
 
+__global__ void fill32_kernel(uint32_t *p, uint32_t v, size_t n)
+{
+    tkv_pdl_wait(); /* an earlier op may still read p */
+    tkv_pdl_trigger();
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = v;
+}
+
 constexpr unsigned TB = 256;
 
 } // namespace
@@ -595,6 +603,14 @@ cudaError_t tkv_cuda_add(float *y, const float *x, size_t count, cudaStream_t s)
     add_kernel<<<tkv_cuda_blocks(count, TB), TB, 0, s>>>(y, x, count);
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_fill32(uint32_t *p, uint32_t v, size_t n, bool pdl, cudaStream_t s)
+{
+    if (n == 0)
+        return cudaSuccess;
+    const unsigned blocks = tkv_cuda_blocks(n, TB);
+    return tkv_cuda_launch(pdl, blocks < 1024 ? blocks : 1024, TB, 0, s, fill32_kernel, p, v, n);
 }
 
 cudaError_t tkv_cuda_kv_write(const float *src, size_t src_stride, uint16_t *dst, uint32_t n_rows, uint32_t head_dim,

@@ -36,6 +36,11 @@ cudaError_t tkv_cuda_swiglu(const float *gate, const float *up, float *out, size
 /* y += x */
 cudaError_t tkv_cuda_add(float *y, const float *x, size_t count, cudaStream_t s);
 
+/* p[0 .. n) = v: cudaMemsetAsync as a kernel, so that it can take part in a
+ * chain of programmatic dependent launches (a memset node between two
+ * kernels ends the chain). */
+cudaError_t tkv_cuda_fill32(uint32_t *p, uint32_t v, size_t n, bool pdl, cudaStream_t s);
+
 /* dst[r, :hd] = f16(src[r*src_stride + :hd]), round to nearest even (as
  * tkv_fp32_to_fp16: overflow gives Inf). */
 cudaError_t tkv_cuda_kv_write(const float *src, size_t src_stride, uint16_t *dst, uint32_t n_rows, uint32_t head_dim,

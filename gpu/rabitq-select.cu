@@ -57,6 +57,7 @@
  * in N, or dropped with u >= Lref, so that (1-p) N >= p Lref).
  */
 #include "rabitq-select.cuh"
+#include "ops.cuh"
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -185,13 +186,14 @@ static __device__ __forceinline__ struct rqs_ptrs pair_ptrs(const struct tkv_cud
 /* 1: grid (keys / RQS_EST_T, n_heads). W > 0: every head's codes are W words
  * (pp.code_words), held in registers; 0: any width, through local memory. */
 template <int W>
-__global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
+__global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const __grid_constant__ struct tkv_cuda_rqs_heads heads,
                              struct tkv_cuda_rqs_work w)
 {
     __shared__ struct tkv_rabitq_dev_query q[TKV_CUDA_RQS_MAX_G];
     __shared__ unsigned red[RQS_EST_T / 32][TKV_CUDA_RQS_MAX_G][4]; /* per warp and pair: go, uo, lo, bad */
+    tkv_pdl_wait(); /* (common.cuh's contract, in every kernel here: before any read of the stream's data) */
     const uint32_t h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
-    const struct tkv_cuda_rqs_head &hd = heads[h];
+    const struct tkv_cuda_rqs_head &hd = heads.h[h];
     for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
         ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
     __syncthreads();
@@ -241,6 +243,7 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const struct tkv_cud
     }
     /* the block's maxima, one atomic per (pair, value): the warps' would
      * queue thousands deep on the same few words */
+    tkv_pdl_trigger(); /* late: the hist kernel's CTAs would otherwise sit on the slots this grid's later waves need */
     __syncthreads();
     if (threadIdx.x < 4 * pp.G) {
         const uint32_t j = threadIdx.x / 4, v = threadIdx.x % 4;
@@ -315,12 +318,14 @@ static_assert(NB % HIST_T == 0, "the hist kernel's threads fold whole bins");
  * the pair's state at the end: the units and the global atomics are paid
  * once per HIST_SUB sub-chunks. */
 __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp,
-                                                   const struct tkv_cuda_rqs_head *heads, struct tkv_cuda_rqs_work w)
+                                                   const __grid_constant__ struct tkv_cuda_rqs_heads heads, struct tkv_cuda_rqs_work w)
 {
+    tkv_pdl_wait();
+    tkv_pdl_trigger();
     extern __shared__ uint32_t sh[];
     uint32_t *hl_lo = sh, *hl_hi = sh + NB, *hu_lo = sh + 2 * NB, *hu_hi = sh + 3 * NB, *hc = sh + 4 * NB;
     const uint32_t pair = blockIdx.y, h = pair / pp.G;
-    const struct tkv_cuda_rqs_head &hd = heads[h];
+    const struct tkv_cuda_rqs_head &hd = heads.h[h];
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
     __shared__ struct rqs_units cs;
     __shared__ int2 bexp[NB]; /* bin_exps of every bin: El, Eu */
@@ -431,6 +436,8 @@ __global__ void rqs_scan(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work
     __shared__ uint32_t sc[SCAN_T];
     __shared__ uint32_t bmin;
     struct rqs_state *st = (struct rqs_state *)w.state + blockIdx.x;
+    tkv_pdl_wait();
+    tkv_pdl_trigger();
     const uint32_t t = threadIdx.x;
     const struct rqs_units un = pair_units(pp, st);
     double bl[SCAN_B], bu[SCAN_B], l = 0, u = 0;
@@ -504,11 +511,13 @@ __global__ void rqs_scan(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work
 }
 
 /* 4: grid (n_max / CHUNK, P) */
-__global__ void rqs_members(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
+__global__ void rqs_members(struct tkv_cuda_rqs_params pp, const __grid_constant__ struct tkv_cuda_rqs_heads heads,
                             struct tkv_cuda_rqs_work w)
 {
+    tkv_pdl_wait();
+    tkv_pdl_trigger();
     const uint32_t pair = blockIdx.y;
-    const struct tkv_cuda_rqs_head &hd = heads[pair / pp.G];
+    const struct tkv_cuda_rqs_head &hd = heads.h[pair / pp.G];
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
     if (!st->partial)
         return;
@@ -594,6 +603,8 @@ __global__ void rqs_refine(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_wo
         typename Reduce::TempStorage reduce;
     } tmp;
     __shared__ u64 dl[256], du[256], sl[256]; /* sl[d]: the l of digits above d */
+    tkv_pdl_wait();
+    tkv_pdl_trigger();
     __shared__ uint32_t dc[256], sc[256];     /* sc[d]: the members of digits above d */
     __shared__ int dstar;
     __shared__ u64 sni, sci, skey, kand, kor;
@@ -743,7 +754,7 @@ static __device__ __forceinline__ unsigned widen_word(unsigned bits, uint32_t W,
  * wd, wd + the grid's warps, ...: the pairs' boundaries, the forced ranges
  * and the widening mask are set up once per thread, not once per word. */
 __global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_params pp,
-                                                        const struct tkv_cuda_rqs_head *heads,
+                                                        const __grid_constant__ struct tkv_cuda_rqs_heads heads,
                                                         struct tkv_cuda_rqs_work w)
 {
     /* the G pairs' boundaries, read once per block */
@@ -753,7 +764,9 @@ __global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_para
         uint32_t bstar, partial, bad;
     } ps[TKV_CUDA_RQS_MAX_G];
     const uint32_t h = blockIdx.y, G = pp.G, lane = threadIdx.x % 32;
-    const struct tkv_cuda_rqs_head &hd = heads[h];
+    tkv_pdl_wait();
+    tkv_pdl_trigger();
+    const struct tkv_cuda_rqs_head &hd = heads.h[h];
     if (threadIdx.x < G) {
         const struct rqs_state *st = (const struct rqs_state *)w.state + h * G + threadIdx.x;
         ps[threadIdx.x].kstar = st->kstar, ps[threadIdx.x].gmax = st->gmax, ps[threadIdx.x].bstar = st->bstar;
@@ -793,15 +806,17 @@ __global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_para
 /* 7: grid (blocks / 256, n_heads): a block of `whole` positions with a kept
  * key is kept whole. Threads only set bits of their own block, so what each
  * reads is kernel 6's output. */
-__global__ void rqs_whole(struct tkv_cuda_rqs_params pp, const struct tkv_cuda_rqs_head *heads,
+__global__ void rqs_whole(struct tkv_cuda_rqs_params pp, const __grid_constant__ struct tkv_cuda_rqs_heads heads,
                           struct tkv_cuda_rqs_work w)
 {
+    tkv_pdl_wait();
+    tkv_pdl_trigger();
     const uint32_t h = blockIdx.y, b = blockIdx.x * blockDim.x + threadIdx.x, W = pp.whole;
-    const uint32_t n = heads[h].n;
+    const uint32_t n = heads.h[h].n;
     if ((uint64_t)b * W >= n)
         return;
     const uint32_t b0 = b * W, b1 = min(b0 + W, n);
-    uint32_t *row = w.bitmap + (size_t)heads[h].row * pp.words;
+    uint32_t *row = w.bitmap + (size_t)heads.h[h].row * pp.words;
     bool any = false;
     for (uint32_t x = b0; x < b1 && !any;) {
         const uint32_t wd = x / 32, lo = x % 32, hi = min(b1 - wd * 32, 32u);
@@ -830,39 +845,49 @@ cudaError_t tkv_cuda_rqs_init(void)
 }
 
 cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_head *heads,
-                             const struct tkv_cuda_rqs_work *w, cudaStream_t s)
+                             const struct tkv_cuda_rqs_work *w, bool pdl, cudaStream_t s)
 {
     if (pp->n_heads == 0 || pp->G == 0 || pp->G > TKV_CUDA_RQS_MAX_G || pp->n_max == 0 ||
         pp->words * 32ull < pp->n_max)
         return cudaErrorInvalidValue;
     const uint32_t P = pp->n_heads * pp->G, chunks = tkv_cuda_blocks(pp->n_max, CHUNK);
-    TKV_CUDA_TRY(cudaMemsetAsync(w->state, 0, tkv_cuda_rqs_state_bytes(P), s));
-    const dim3 eg(tkv_cuda_blocks(pp->n_max, RQS_EST_T), pp->n_heads);
-    switch (pp->code_words) { /* dim_pad / 64, dim_pad a power of two */
-    case 1: rqs_estimate<1><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
-    case 2: rqs_estimate<2><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
-    case 4: rqs_estimate<4><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
-    case 8: rqs_estimate<8><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
-    default: rqs_estimate<0><<<eg, RQS_EST_T, 0, s>>>(*pp, heads, *w); break;
-    }
-    TKV_CUDA_LAUNCHED();
-    rqs_hist<<<dim3(tkv_cuda_blocks(pp->n_max, HCHUNK * HIST_SUB), P), HIST_T, HIST_SMEM, s>>>(*pp, heads, *w);
-    TKV_CUDA_LAUNCHED();
-    rqs_scan<<<P, SCAN_T, 0, s>>>(*pp, *w);
-    TKV_CUDA_LAUNCHED();
-    if (!pp->coarse) {
-        rqs_members<<<dim3(chunks, P), 512, 0, s>>>(*pp, heads, *w);
-        TKV_CUDA_LAUNCHED();
-        rqs_refine<<<P, REF_T, REF_SMEM, s>>>(*pp, *w);
-        TKV_CUDA_LAUNCHED();
-    }
-    rqs_output<<<dim3(tkv_cuda_blocks(pp->words, RQS_OUT_T / 32 * RQS_OUT_WPW), pp->n_heads), RQS_OUT_T, 0, s>>>(
-        *pp, heads, *w);
-    TKV_CUDA_LAUNCHED();
-    if (pp->whole > 1 && 32 % pp->whole) { /* (groups that divide 32: done by rqs_output) */
-        rqs_whole<<<dim3(tkv_cuda_blocks(tkv_cuda_blocks(pp->n_max, pp->whole), 256), pp->n_heads), 256, 0, s>>>(
-            *pp, heads, *w);
-        TKV_CUDA_LAUNCHED();
+    TKV_CUDA_TRY(tkv_cuda_fill32((uint32_t *)w->state, 0, tkv_cuda_rqs_state_bytes(P) / 4, pdl, s));
+    /* a group's pairs are the call's [base, base + Pg): its own slices of the work */
+    for (uint32_t h0 = 0; h0 < pp->n_heads; h0 += TKV_CUDA_RQS_GROUP) {
+        struct tkv_cuda_rqs_params gp = *pp;
+        gp.n_heads = pp->n_heads - h0 < TKV_CUDA_RQS_GROUP ? pp->n_heads - h0 : TKV_CUDA_RQS_GROUP;
+        struct tkv_cuda_rqs_heads hs;
+        memset(&hs, 0, sizeof hs);
+        memcpy(hs.h, heads + h0, gp.n_heads * sizeof *heads);
+        const size_t base = (size_t)h0 * pp->G;
+        const struct tkv_cuda_rqs_work gw = {(struct rqs_state *)w->state + base,
+                                             w->scratch + 3 * base * pp->n_max,
+                                             w->list + base * pp->n_max,
+                                             w->mass + base,
+                                             w->n_chosen + base,
+                                             w->bitmap};
+        const uint32_t Pg = gp.n_heads * gp.G;
+        const dim3 eg(tkv_cuda_blocks(gp.n_max, RQS_EST_T), gp.n_heads);
+        switch (gp.code_words) { /* dim_pad / 64, dim_pad a power of two */
+        case 1: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<1>, gp, hs, gw)); break;
+        case 2: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<2>, gp, hs, gw)); break;
+        case 4: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<4>, gp, hs, gw)); break;
+        case 8: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<8>, gp, hs, gw)); break;
+        default: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<0>, gp, hs, gw)); break;
+        }
+        TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.n_max, HCHUNK * HIST_SUB), Pg), HIST_T, HIST_SMEM, s,
+                                     rqs_hist, gp, hs, gw));
+        TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, SCAN_T, 0, s, rqs_scan, gp, gw));
+        if (!gp.coarse) {
+            TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(chunks, Pg), 512, 0, s, rqs_members, gp, hs, gw));
+            TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, REF_T, REF_SMEM, s, rqs_refine, gp, gw));
+        }
+        TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.words, RQS_OUT_T / 32 * RQS_OUT_WPW), gp.n_heads),
+                                     RQS_OUT_T, 0, s, rqs_output, gp, hs, gw));
+        if (gp.whole > 1 && 32 % gp.whole) /* (groups that divide 32: done by rqs_output) */
+            TKV_CUDA_TRY(tkv_cuda_launch(pdl,
+                                         dim3(tkv_cuda_blocks(tkv_cuda_blocks(gp.n_max, gp.whole), 256), gp.n_heads),
+                                         256, 0, s, rqs_whole, gp, hs, gw));
     }
     return cudaSuccess;
 }

@@ -22,13 +22,22 @@
 #define TKV_CUDA_RQS_MAX_FORCED 4
 #define TKV_CUDA_RQS_NBINS      TKV_RABITQ_TOPP_BINS /* the host's bins (backend.h) */
 
-/* One KV head of the call (device memory, [n_heads]). */
+/* One KV head of the call. */
 struct tkv_cuda_rqs_head {
     struct tkv_cuda_rq_index ix;
     const struct tkv_rabitq_dev_query *q;       /* [G] the head's queries (device memory) */
     uint32_t n, n_forced;                       /* keys 0 .. n-1; forced ranges        */
     uint32_t row;                               /* the head's row of the bitmap         */
     uint32_t fb[TKV_CUDA_RQS_MAX_FORCED], fe[TKV_CUDA_RQS_MAX_FORCED]; /* [fb, fe)     */
+};
+
+/* The heads one launch of the kernels takes: their table travels as a
+ * kernel parameter (TKV_CUDA_RQS_GROUP x 128 bytes), so nothing is staged
+ * between a layer's kernels; tkv_cuda_rqs_run launches them once per group
+ * of heads. */
+#define TKV_CUDA_RQS_GROUP 8
+struct tkv_cuda_rqs_heads {
+    struct tkv_cuda_rqs_head h[TKV_CUDA_RQS_GROUP];
 };
 
 struct tkv_cuda_rqs_params {
@@ -44,7 +53,8 @@ struct tkv_cuda_rqs_params {
 /* Device memory one call uses, all sized by tkv_cuda_rqs_bytes. */
 struct tkv_cuda_rqs_work {
     void *state;        /* [P] per-pair state (histogram, boundary), zeroed by run */
-    float *scratch;     /* [3][P][n_max] log-values g, scaled estimates s, bounds d */
+    float *scratch;     /* [3][P][n_max] log-values g, scaled estimates s, bounds d
+                           (a group of heads' three [Pg][n_max] arrays together) */
     uint32_t *list;     /* [P][n_max] members of the boundary bin                   */
     double *mass;       /* [P] out                                                  */
     uint32_t *n_chosen; /* [P] out                                                  */
@@ -58,10 +68,12 @@ cudaError_t tkv_cuda_rqs_init(void);
 /* Bytes of the per-pair state (P pairs). */
 size_t tkv_cuda_rqs_state_bytes(uint32_t P);
 
-/* Queues the selection: heads [n_heads] in device memory (query j of head
- * h at heads[h].q[j], device memory: uploaded with the heads, or prepared
- * there by tkv_cuda_rq_prepare earlier in the stream). */
+/* Queues the selection: heads [n_heads] in host memory, copied into the
+ * launches' parameters (query j of head h at heads[h].q[j], device memory:
+ * staged by the caller, or prepared there by tkv_cuda_rq_prepare earlier in
+ * the stream). pdl: the kernels as programmatic dependent launches
+ * (common.cuh). */
 cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_head *heads,
-                             const struct tkv_cuda_rqs_work *w, cudaStream_t s);
+                             const struct tkv_cuda_rqs_work *w, bool pdl, cudaStream_t s);
 
 #endif /* TKV_GPU_RABITQ_SELECT_CUH */

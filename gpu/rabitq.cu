@@ -177,18 +177,20 @@ static __device__ __forceinline__ void rq_pick(float &v, uint32_t &i, float w, u
  * the same IEEE operations, the planes by ballots, the scalars in double.
  * (Each query is a chain of dependent steps on one warp, so what counts is
  * the length of that chain: no memory round trip inside a loop.) */
-__global__ void rq_prepare_kernel(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
-                                  float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad)
+__global__ void rq_prepare_kernel(const float *q, size_t head_stride, const __grid_constant__ struct tkv_cuda_rq_preps items,
+                                  uint32_t first, uint32_t n, float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad)
 {
     __shared__ float ys[RQ_WARPS][TKV_CUDA_RQ_MAX_DIM];
     __shared__ double prods[RQ_WARPS][2][TKV_CUDA_RQ_MAX_DIM]; /* u_i^2, q_i c_k,i */
+    tkv_pdl_wait(); /* q: the step's, written by the ops before */
+    tkv_pdl_trigger();
     const unsigned wp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const uint32_t it = blockIdx.x * RQ_WARPS + wp;
-    if (it >= n) /* the whole warp leaves */
+    const uint32_t gi = blockIdx.x * RQ_WARPS + wp, it = first + gi; /* item gi of the launch, it of the call */
+    if (gi >= n) /* the whole warp leaves */
         return;
-    const struct tkv_cuda_rq_index &ix = items[it].ix;
+    const struct tkv_cuda_rq_index &ix = items.it[gi].ix;
     const uint32_t D = ix.dim_pad, dim = ix.dim;
-    const float *row = q + (size_t)items[it].head * head_stride;
+    const float *row = q + (size_t)items.it[gi].head * head_stride;
     float *y = ys[wp];
     bool fin = true;
     for (uint32_t i = lane; i < D; i += 32) {
@@ -268,7 +270,7 @@ __global__ void rq_prepare_kernel(const float *q, size_t head_stride, const stru
     o->delta = delta;
     o->vl = lo;
     o->sum_q = sum;
-    o->add = (float)__dsub_rn(qck, items[it].cqck);
+    o->add = (float)__dsub_rn(qck, items.it[gi].cqck);
     o->norm = (float)__dsqrt_rn(nn);
     o->bound_u = (float)__ddiv_rn(__dmul_rn(e2, nn), (double)(D - 1));
     o->bound_w = (float)__ddiv_rn(__dmul_rn(__dmul_rn(__dmul_rn(e2, (double)delta), (double)delta), (double)D), 12.0);
@@ -310,16 +312,19 @@ cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct 
     return cudaSuccess;
 }
 
-cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
-                                float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, cudaStream_t s)
+/* 4 KiB: the parameter space every driver takes (as attn-decode.cu's) */
+static_assert(sizeof(struct tkv_cuda_rq_preps) + 64 <= 4096, "kernel parameters");
+
+cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_preps *g, uint32_t first,
+                                uint32_t n, float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, bool pdl,
+                                cudaStream_t s)
 {
     if (n == 0)
         return cudaSuccess;
-    if (!(eps0 > 0))
+    if (!(eps0 > 0) || n > TKV_CUDA_RQ_PREP_GROUP)
         return cudaErrorInvalidValue;
-    rq_prepare_kernel<<<tkv_cuda_blocks(n, RQ_WARPS), RQ_WARPS * 32, 0, s>>>(q, head_stride, items, n, eps0, out, bad);
-    TKV_CUDA_LAUNCHED();
-    return cudaSuccess;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(n, RQ_WARPS), RQ_WARPS * 32, 0, s, rq_prepare_kernel, q, head_stride,
+                           *g, first, n, eps0, out, bad);
 }
 
 #define KS_ROWS 64 /* rows of a span one block of the key-sum kernel adds */

@@ -101,16 +101,26 @@ struct tkv_cuda_rq_prep {
     uint32_t pad_;
 };
 
-/* out[i] = query head items[i].head (f32 row q + head * head_stride)
- * prepared as tkv_rabitq_query_prepare prepares it, bit for bit (one warp
- * per query: the encoder's rotation, the double sums in the host's order,
- * the 4-bit levels with the host's roundings); a query the host refuses (not
- * finite, or its rotation overflowing) is written poisoned (backend.h:
- * struct tkv_rabitq_dev_query) and lowers *bad (device, set to UINT32_MAX
- * by the caller first; NULL: not reported) to its i. eps0 > 0 (the caller maps 0 to the
- * default). Queued on s. */
-cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_prep *items, uint32_t n,
-                                float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, cudaStream_t s);
+/* Items one launch of the prepare kernel takes: they travel as a kernel
+ * parameter (88 bytes each), so nothing is staged before it. */
+#define TKV_CUDA_RQ_PREP_GROUP 32
+struct tkv_cuda_rq_preps {
+    struct tkv_cuda_rq_prep it[TKV_CUDA_RQ_PREP_GROUP];
+};
+
+/* Items first .. first + n - 1 of a call (n <= TKV_CUDA_RQ_PREP_GROUP, item
+ * first + i at g->it[i]): out[first + i] = query head g->it[i].head (f32 row
+ * q + head * head_stride) prepared as tkv_rabitq_query_prepare prepares it,
+ * bit for bit (one warp per query: the encoder's rotation, the double sums
+ * in the host's order, the 4-bit levels with the host's roundings); a query
+ * the host refuses (not finite, or its rotation overflowing) is written
+ * poisoned (backend.h: struct tkv_rabitq_dev_query) and lowers *bad
+ * (device, set to UINT32_MAX by the caller first; NULL: not reported) to its
+ * index in the call. eps0 > 0 (the caller maps 0 to the default). pdl: a
+ * programmatic dependent launch (common.cuh). Queued on s. */
+cudaError_t tkv_cuda_rq_prepare(const float *q, size_t head_stride, const struct tkv_cuda_rq_preps *g, uint32_t first,
+                                uint32_t n, float eps0, struct tkv_rabitq_dev_query *out, uint32_t *bad, bool pdl,
+                                cudaStream_t s);
 
 /* A key centroid's sums (backend.h's rabitq_key_sums): rows k .. of a
  * span, n of them, row_stride f16 apart. */

@@ -235,6 +235,7 @@ static void kvt_all(struct tkv_backend *be, uint64_t *rng, int rounds)
                  test_rand_u64(rng) % 4 == 0);
     }
     kvt_case(be, rng, 64, 128, 0, 3, 4, 2, 0); /* an empty context */
+    kvt_case(be, rng, 16, 64, 1000, 70, 2, 1, 0); /* more heads than one CUDA launch takes (64) */
     kvt_table_write(be, rng, 1 + (uint32_t)(test_rand_u64(rng) % 5000));
 }
 

@@ -1161,6 +1161,7 @@ static void test_attention(void)
     test_attention_case(8, 1, 64, 48, 2500, 1, VIEW_SPARSE, 0);    /* G = 8 at hd 64, B not a power of 2 */
     test_attention_case(32, 8, 128, 64, 1, 1, VIEW_ALL, 0);        /* one key */
     test_attention_case(8, 8, 128, 64, 4000, 1, VIEW_ALL, 0);      /* MHA: 1 row per KV head */
+    test_attention_case(40, 40, 64, 64, 700, 1, VIEW_ALL, 0);     /* 40 KV heads: more than a decode's parameters take */
     test_attention_refs(32, 8, 128, 64, 5000, LENS_8, 40, 1, 2500, 4);        /* small refs, decode */
     test_attention_refs(32, 8, 128, 64, 5000, LENS_MIXED, 40, 2, 4990, 4);
     /* views the inline runs (runs, pdl) hold, at most 64 runs in all: one

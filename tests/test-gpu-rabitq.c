@@ -299,6 +299,24 @@ static void run_select(const struct sel_case *c)
     a2.bitmap = bm2;
     CHECK(be->ops->rabitq_select(be, &a2) == TKV_OK, "select again: %s", tkv_last_error());
     CHECK(!memcmp(bm2, bmG, (size_t)words * 4), "n=%u: a second call gave other bits", n);
+    /* 19 heads in one call (more than one launch of the CUDA kernels takes,
+     * 8), head i the call a's head i % G: every head's row, count and mass
+     * a's bit for bit */
+    enum { NM = 19 };
+    struct tkv_rabitq_select_head hM[NM];
+    uint32_t *bmM = calloc((size_t)NM * words, 4), nchM[NM];
+    double massM[NM];
+    REQUIRE_VOID(bmM);
+    for (uint32_t i = 0; i < NM; i++)
+        hM[i] = h1[i % G];
+    struct tkv_rabitq_select_args aM = a;
+    aM.heads = hM, aM.n_heads = NM, aM.bitmap = bmM, aM.n_chosen = nchM, aM.mass = massM;
+    CHECK(be->ops->rabitq_select(be, &aM) == TKV_OK, "select %u heads: %s", NM, tkv_last_error());
+    for (uint32_t i = 0; i < NM; i++)
+        CHECK(!memcmp(bmM + (size_t)i * words, bm1 + (size_t)(i % G) * words, (size_t)words * 4) &&
+                  nchM[i] == nch[i % G] && !memcmp(&massM[i], &mass[i % G], sizeof mass[0]),
+              "n=%u: head %u of %u differs from its twin in a call of %u", n, i, NM, G);
+    free(bmM);
 
     const double p = c->p, lp = 1 - p;
     char what[96];
