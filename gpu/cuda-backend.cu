@@ -89,9 +89,6 @@ struct cuda_backend {
     void *rqs_dev, *rqs_host;      /* rabitq_select: device work, pinned results */
     void *ks_dev;                  /* rabitq_key_sums: [dim] u64 units, [dim] u32 counts */
     size_t rqs_dev_cap, rqs_host_cap; /* bytes                                  */
-    struct tkv_cuda_rqs_head *rqs_heads; /* rabitq_select: the heads' table (host,
-                                            [rqs_heads_cap]) for the kernels' parameters */
-    uint32_t rqs_heads_cap;
     size_t stats_work_cap;         /* bytes                                   */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
     bool f16_rounded;              /* =f16round: f32, holding the f16 values  */
@@ -1470,36 +1467,36 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
                 hq[h * G + j] = rq_query(&a->heads[h].q[j]);
         TKV_TRY(stage_send(cb, sl, b_q, op));
     }
-    struct tkv_cuda_rqs_head *hh = cb->rqs_heads;
-    if (H > cb->rqs_heads_cap) {
-        hh = (struct tkv_cuda_rqs_head *)realloc(cb->rqs_heads, H * sizeof *hh);
-        if (!hh)
-            return tkv_err(TKV_ERR_NOMEM, "cuda: rabitq_select: %u heads' table", H);
-        cb->rqs_heads = hh, cb->rqs_heads_cap = H;
-    }
-    for (uint32_t h = 0; h < H; h++) {
-        const struct tkv_rabitq_select_head *hd = &a->heads[h];
-        memset(&hh[h], 0, sizeof hh[h]);
-        hh[h].ix = rq_index(hd->ix);
-        hh[h].n = hd->n;
-        hh[h].n_forced = hd->n_forced;
-        hh[h].row = a->bitmap_dev ? hd->row : h;
-        for (uint32_t r = 0; r < hd->n_forced; r++)
-            hh[h].fb[r] = hd->forced[r].begin, hh[h].fe[r] = hd->forced[r].end;
-        hh[h].q = hd->q ? (const struct tkv_rabitq_dev_query *)sl->dev + (size_t)h * G /* staged above */
-                        : hd->q_dev;                                               /* prepared on the device */
-    }
     uint8_t *dm = (uint8_t *)cb->rqs_dev, *out = dm + b_state + b_scratch + b_list;
     const struct tkv_cuda_rqs_work w = {dm, (float *)(dm + b_state), (uint32_t *)(dm + b_state + b_scratch),
                                         (double *)out, (uint32_t *)(out + (size_t)P * sizeof(double)),
                                         a->bitmap_dev ? a->bitmap_dev
                                                       : (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
-    uint32_t code_words = hh[0].ix.words;
+    uint32_t code_words = a->heads[0].ix->words;
     for (uint32_t h = 1; h < H; h++)
-        code_words = hh[h].ix.words == code_words ? code_words : 0;
+        code_words = a->heads[h].ix->words == code_words ? code_words : 0;
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
                                            a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words};
-    CU(op, tkv_cuda_rqs_run(&pp, hh, &w, cb->pdl, cb->stream));
+    CU(op, tkv_cuda_rqs_clear(&w, P, cb->pdl, cb->stream));
+    struct tkv_cuda_rqs_heads hs; /* a group of heads a launch, in its parameters: nothing staged */
+    for (uint32_t h0 = 0; h0 < H; h0 += TKV_CUDA_RQS_GROUP) {
+        const uint32_t m = TKV_MIN(H - h0, (uint32_t)TKV_CUDA_RQS_GROUP);
+        memset(&hs, 0, sizeof hs);
+        for (uint32_t i = 0; i < m; i++) {
+            const uint32_t h = h0 + i;
+            const struct tkv_rabitq_select_head *hd = &a->heads[h];
+            struct tkv_cuda_rqs_head *x = &hs.h[i];
+            x->ix = rq_index(hd->ix);
+            x->n = hd->n;
+            x->n_forced = hd->n_forced;
+            x->row = a->bitmap_dev ? hd->row : h;
+            for (uint32_t r = 0; r < hd->n_forced; r++)
+                x->fb[r] = hd->forced[r].begin, x->fe[r] = hd->forced[r].end;
+            x->q = hd->q ? (const struct tkv_rabitq_dev_query *)sl->dev + (size_t)h * G /* staged above */
+                         : hd->q_dev;                                               /* prepared on the device */
+        }
+        CU(op, tkv_cuda_rqs_run(&pp, &hs, h0, m, &w, cb->pdl, cb->stream));
+    }
     if (a->bitmap_dev && !a->n_chosen && !a->mass) /* nothing comes down: no wait */
         return TKV_OK;
     uint8_t *ho = (uint8_t *)cb->rqs_host;
@@ -1946,7 +1943,6 @@ static void cuda_free(struct tkv_backend *b)
     cudaFree(cb->rqs_dev);
     cudaFree(cb->ks_dev);
     cudaFreeHost(cb->rqs_host);
-    free(cb->rqs_heads);
     if (cb->blas)
         cublasDestroy(cb->blas);
     for (int i = 0; i < N_STAGE; i++) {

@@ -844,50 +844,48 @@ cudaError_t tkv_cuda_rqs_init(void)
     return cudaFuncSetAttribute(rqs_refine, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)REF_SMEM);
 }
 
-cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_head *heads,
-                             const struct tkv_cuda_rqs_work *w, bool pdl, cudaStream_t s)
+cudaError_t tkv_cuda_rqs_clear(const struct tkv_cuda_rqs_work *w, uint32_t P, bool pdl, cudaStream_t s)
+{
+    return tkv_cuda_fill32((uint32_t *)w->state, 0, tkv_cuda_rqs_state_bytes(P) / 4, pdl, s);
+}
+
+cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_heads *hs, uint32_t h0,
+                             uint32_t n, const struct tkv_cuda_rqs_work *w, bool pdl, cudaStream_t s)
 {
     if (pp->n_heads == 0 || pp->G == 0 || pp->G > TKV_CUDA_RQS_MAX_G || pp->n_max == 0 ||
-        pp->words * 32ull < pp->n_max)
+        pp->words * 32ull < pp->n_max || n == 0 || n > TKV_CUDA_RQS_GROUP || h0 + n > pp->n_heads)
         return cudaErrorInvalidValue;
-    const uint32_t P = pp->n_heads * pp->G, chunks = tkv_cuda_blocks(pp->n_max, CHUNK);
-    TKV_CUDA_TRY(tkv_cuda_fill32((uint32_t *)w->state, 0, tkv_cuda_rqs_state_bytes(P) / 4, pdl, s));
-    /* a group's pairs are the call's [base, base + Pg): its own slices of the work */
-    for (uint32_t h0 = 0; h0 < pp->n_heads; h0 += TKV_CUDA_RQS_GROUP) {
-        struct tkv_cuda_rqs_params gp = *pp;
-        gp.n_heads = pp->n_heads - h0 < TKV_CUDA_RQS_GROUP ? pp->n_heads - h0 : TKV_CUDA_RQS_GROUP;
-        struct tkv_cuda_rqs_heads hs;
-        memset(&hs, 0, sizeof hs);
-        memcpy(hs.h, heads + h0, gp.n_heads * sizeof *heads);
-        const size_t base = (size_t)h0 * pp->G;
-        const struct tkv_cuda_rqs_work gw = {(struct rqs_state *)w->state + base,
-                                             w->scratch + 3 * base * pp->n_max,
-                                             w->list + base * pp->n_max,
-                                             w->mass + base,
-                                             w->n_chosen + base,
-                                             w->bitmap};
-        const uint32_t Pg = gp.n_heads * gp.G;
-        const dim3 eg(tkv_cuda_blocks(gp.n_max, RQS_EST_T), gp.n_heads);
-        switch (gp.code_words) { /* dim_pad / 64, dim_pad a power of two */
-        case 1: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<1>, gp, hs, gw)); break;
-        case 2: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<2>, gp, hs, gw)); break;
-        case 4: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<4>, gp, hs, gw)); break;
-        case 8: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<8>, gp, hs, gw)); break;
-        default: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<0>, gp, hs, gw)); break;
-        }
-        TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.n_max, HCHUNK * HIST_SUB), Pg), HIST_T, HIST_SMEM, s,
-                                     rqs_hist, gp, hs, gw));
-        TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, SCAN_T, 0, s, rqs_scan, gp, gw));
-        if (!gp.coarse) {
-            TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(chunks, Pg), 512, 0, s, rqs_members, gp, hs, gw));
-            TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, REF_T, REF_SMEM, s, rqs_refine, gp, gw));
-        }
-        TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.words, RQS_OUT_T / 32 * RQS_OUT_WPW), gp.n_heads),
-                                     RQS_OUT_T, 0, s, rqs_output, gp, hs, gw));
-        if (gp.whole > 1 && 32 % gp.whole) /* (groups that divide 32: done by rqs_output) */
-            TKV_CUDA_TRY(tkv_cuda_launch(pdl,
-                                         dim3(tkv_cuda_blocks(tkv_cuda_blocks(gp.n_max, gp.whole), 256), gp.n_heads),
-                                         256, 0, s, rqs_whole, gp, hs, gw));
+    /* the group's pairs are the call's [base, base + Pg): its own slices of the work */
+    struct tkv_cuda_rqs_params gp = *pp;
+    gp.n_heads = n;
+    const size_t base = (size_t)h0 * pp->G;
+    const struct tkv_cuda_rqs_work gw = {(struct rqs_state *)w->state + base,
+                                         w->scratch + 3 * base * pp->n_max,
+                                         w->list + base * pp->n_max,
+                                         w->mass + base,
+                                         w->n_chosen + base,
+                                         w->bitmap};
+    const struct tkv_cuda_rqs_heads &h = *hs;
+    const uint32_t Pg = n * gp.G, chunks = tkv_cuda_blocks(gp.n_max, CHUNK);
+    const dim3 eg(tkv_cuda_blocks(gp.n_max, RQS_EST_T), n);
+    switch (gp.code_words) { /* dim_pad / 64, dim_pad a power of two */
+    case 1: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<1>, gp, h, gw)); break;
+    case 2: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<2>, gp, h, gw)); break;
+    case 4: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<4>, gp, h, gw)); break;
+    case 8: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<8>, gp, h, gw)); break;
+    default: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<0>, gp, h, gw)); break;
     }
+    TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.n_max, HCHUNK * HIST_SUB), Pg), HIST_T, HIST_SMEM, s,
+                                 rqs_hist, gp, h, gw));
+    TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, SCAN_T, 0, s, rqs_scan, gp, gw));
+    if (!gp.coarse) {
+        TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(chunks, Pg), 512, 0, s, rqs_members, gp, h, gw));
+        TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, REF_T, REF_SMEM, s, rqs_refine, gp, gw));
+    }
+    TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.words, RQS_OUT_T / 32 * RQS_OUT_WPW), n), RQS_OUT_T, 0,
+                                 s, rqs_output, gp, h, gw));
+    if (gp.whole > 1 && 32 % gp.whole) /* (groups that divide 32: done by rqs_output) */
+        TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(tkv_cuda_blocks(gp.n_max, gp.whole), 256), n), 256, 0, s,
+                                     rqs_whole, gp, h, gw));
     return cudaSuccess;
 }

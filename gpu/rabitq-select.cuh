@@ -33,8 +33,8 @@ struct tkv_cuda_rqs_head {
 
 /* The heads one launch of the kernels takes: their table travels as a
  * kernel parameter (TKV_CUDA_RQS_GROUP x 128 bytes), so nothing is staged
- * between a layer's kernels; tkv_cuda_rqs_run launches them once per group
- * of heads. */
+ * between a layer's kernels; the caller runs the kernels once per group of
+ * heads (tkv_cuda_rqs_run). */
 #define TKV_CUDA_RQS_GROUP 8
 struct tkv_cuda_rqs_heads {
     struct tkv_cuda_rqs_head h[TKV_CUDA_RQS_GROUP];
@@ -52,7 +52,7 @@ struct tkv_cuda_rqs_params {
 
 /* Device memory one call uses, all sized by tkv_cuda_rqs_bytes. */
 struct tkv_cuda_rqs_work {
-    void *state;        /* [P] per-pair state (histogram, boundary), zeroed by run */
+    void *state;        /* [P] per-pair state (histogram, boundary), zeroed by clear */
     float *scratch;     /* [3][P][n_max] log-values g, scaled estimates s, bounds d
                            (a group of heads' three [Pg][n_max] arrays together) */
     uint32_t *list;     /* [P][n_max] members of the boundary bin                   */
@@ -68,12 +68,15 @@ cudaError_t tkv_cuda_rqs_init(void);
 /* Bytes of the per-pair state (P pairs). */
 size_t tkv_cuda_rqs_state_bytes(uint32_t P);
 
-/* Queues the selection: heads [n_heads] in host memory, copied into the
- * launches' parameters (query j of head h at heads[h].q[j], device memory:
- * staged by the caller, or prepared there by tkv_cuda_rq_prepare earlier in
- * the stream). pdl: the kernels as programmatic dependent launches
- * (common.cuh). */
-cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_head *heads,
-                             const struct tkv_cuda_rqs_work *w, bool pdl, cudaStream_t s);
+/* A call's selection, queued on s: first tkv_cuda_rqs_clear (the state of
+ * its P pairs zeroed), then tkv_cuda_rqs_run once per group of heads, heads
+ * h0 .. h0 + n - 1 of the call (n <= TKV_CUDA_RQS_GROUP, head h0 + i at
+ * hs->h[i]; query j of a head at its q[j], device memory: staged by the
+ * caller, or prepared there by tkv_cuda_rq_prepare earlier in the stream).
+ * pp describes the whole call (n_heads: all of its heads). pdl: the kernels
+ * as programmatic dependent launches (common.cuh). */
+cudaError_t tkv_cuda_rqs_clear(const struct tkv_cuda_rqs_work *w, uint32_t P, bool pdl, cudaStream_t s);
+cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_heads *hs, uint32_t h0,
+                             uint32_t n, const struct tkv_cuda_rqs_work *w, bool pdl, cudaStream_t s);
 
 #endif /* TKV_GPU_RABITQ_SELECT_CUH */
