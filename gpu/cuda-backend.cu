@@ -89,6 +89,7 @@ struct cuda_backend {
     void *rqs_dev, *rqs_host;      /* rabitq_select: device work, pinned results */
     void *ks_dev;                  /* rabitq_key_sums: [dim] u64 units, [dim] u32 counts */
     size_t rqs_dev_cap, rqs_host_cap; /* bytes                                  */
+    struct tkv_cuda_kvt_sync kvt;  /* kv_table's rounds' totals (kv-table.cuh) */
     size_t stats_work_cap;         /* bytes                                   */
     bool f32_weights;              /* TKV_CUDA_WEIGHTS=f32: validation mode   */
     bool f16_rounded;              /* =f16round: f32, holding the f16 values  */
@@ -1232,14 +1233,15 @@ static tkv_status cuda_table_write(struct tkv_backend *b, uint64_t *table, const
 }
 
 /* The decode attention table: the heads' sel_n travel in the kernel's
- * parameters, one CTA per head; nothing waits. */
+ * parameters, a CTA per (head, round of blocks); nothing waits. */
 static tkv_status cuda_kv_table(struct tkv_backend *b, const struct tkv_kv_table_args *a)
 {
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "kv_table";
     ALIVE(op);
     TKV_TRY(tkv_kv_table_check(a));
-    CU(op, tkv_cuda_kv_table(a, cb->pdl, cb->stream));
+    CU(op, tkv_cuda_kvt_sync_reserve(&cb->kvt, a, cb->stream));
+    CU(op, tkv_cuda_kv_table(a, &cb->kvt, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -1943,6 +1945,7 @@ static void cuda_free(struct tkv_backend *b)
     cudaFree(cb->rqs_dev);
     cudaFree(cb->ks_dev);
     cudaFreeHost(cb->rqs_host);
+    tkv_cuda_kvt_sync_free(&cb->kvt);
     if (cb->blas)
         cublasDestroy(cb->blas);
     for (int i = 0; i < N_STAGE; i++) {
