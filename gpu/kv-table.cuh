@@ -27,8 +27,9 @@ struct tkv_cuda_kvt_sync {
     uint32_t seq;   /* the last launch's                                         */
 };
 
-/* Grows sy to hold the slots of a call (n_heads x its rounds; waits for the
- * stream first when it must reallocate). */
+/* Grows sy to hold the slots of a call's launches (up to
+ * TKV_CUDA_KVT_GROUP heads x the call's rounds; waits for the stream first
+ * when it must reallocate). */
 cudaError_t tkv_cuda_kvt_sync_reserve(struct tkv_cuda_kvt_sync *sy, const struct tkv_kv_table_args *a, cudaStream_t s);
 void tkv_cuda_kvt_sync_free(struct tkv_cuda_kvt_sync *sy);
 
