@@ -60,10 +60,11 @@ tkv_status tkv_cpu_attention_ref(const struct tkv_attn_args *a)
         for (uint32_t h = 0; h < a->n_head; h++) {
             const float *q = a->q + (size_t)t * ld + (size_t)h * hd;
             const struct tkv_kv_head_view *view = &a->kv[h / G];
+            const uint32_t nb = tkv_attn_head_blocks(a, h / G);
             double m = -INFINITY, l = 0;
             for (uint32_t d = 0; d < hd; d++)
                 acc[d] = 0;
-            for (uint32_t b = 0; b < view->n_blocks; b++) {
+            for (uint32_t b = 0; b < nb; b++) {
                 const struct tkv_kv_block_ref *blk = &view->blocks[b];
                 for (uint32_t j = 0; j < blk->n; j++) {
                     if (blk->pos0 + (int32_t)j > a->q_pos[t])
@@ -332,7 +333,7 @@ static void attn_item(struct attn_job *job, uint32_t item, uint32_t ith)
     const uint32_t R = (t1 - t0) * G;
     const struct tkv_kv_head_view *view = &a->kv[g];
     uint32_t b0, b1;
-    split_blocks(view->n_blocks, s, job->n_split, &b0, &b1);
+    split_blocks(tkv_attn_head_blocks(a, g), s, job->n_split, &b0, &b1);
     /* the fused kernels (Q pre-scaled) or sgemm (K and V converted per tile) */
     const bool fused = job->fused && R <= FUSED_ROWS;
 
@@ -488,7 +489,7 @@ tkv_status tkv_cpu_attention(struct tkv_cpu_backend *cb, const struct tkv_attn_a
 {
     TKV_TRY(attn_check(a));
     for (uint32_t g = 0; g < a->n_head_kv; g++)
-        for (uint32_t b = 0; b < a->kv[g].n_blocks; b++)
+        for (uint32_t b = 0; b < tkv_attn_head_blocks(a, g); b++)
             if (a->kv[g].blocks[b].n > TILE_KEYS)
                 return tkv_err(TKV_ERR_INVALID_ARG, "attention: KV block of %u rows exceeds %u",
                                a->kv[g].blocks[b].n, TILE_KEYS);
@@ -501,7 +502,7 @@ tkv_status tkv_cpu_attention(struct tkv_cpu_backend *cb, const struct tkv_attn_a
     /* split the keys only when queries alone give too few items */
     uint32_t max_blocks = 0;
     for (uint32_t g = 0; g < a->n_head_kv; g++)
-        max_blocks = TKV_MAX(max_blocks, a->kv[g].n_blocks);
+        max_blocks = TKV_MAX(max_blocks, tkv_attn_head_blocks(a, g));
     const uint32_t base_items = a->n_head_kv * job.n_tok_chunks, want = 4 * cb->n_threads;
     job.n_split = 1;
     if (base_items < want && max_blocks > 1)

@@ -352,17 +352,7 @@ static tkv_status cpu_kv_write_heads(struct tkv_backend *b, const float *k, cons
 
 static tkv_status cpu_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
 {
-    if (!a->kv_dev_n)
-        return tkv_cpu_attention(cpu_of(b), a);
-    /* counts in backend memory: host memory here */
-    struct tkv_kv_head_view v[256];
-    if (a->n_head_kv > 256)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cpu: attention: %u KV heads with device counts (at most 256)",
-                       a->n_head_kv);
-    tkv_attn_views_counted(a, a->kv_dev_n, v);
-    struct tkv_attn_args c = *a;
-    c.kv = v, c.kv_dev_n = NULL;
-    return tkv_cpu_attention(cpu_of(b), &c);
+    return tkv_cpu_attention(cpu_of(b), a); /* (kv_dev_n: host memory here, read where each head's count is) */
 }
 
 /* The RaBitQ ops: the index's own CPU kernels over the arrays (host memory). */

@@ -1408,7 +1408,8 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     static_assert(TKV_CUDA_RQS_MAX_G == TKV_RABITQ_SELECT_MAX_G &&
                       TKV_CUDA_RQS_MAX_FORCED == TKV_RABITQ_SELECT_MAX_FORCED,
                   "the same limits");
-    uint32_t n_max = 0;
+    uint32_t n_max = 0, code_words = a->heads[0].ix ? a->heads[0].ix->words : 0; /* 0: the heads' widths differ */
+    bool host_q = false; /* some head's queries come from the host: staged */
     for (uint32_t h = 0; h < a->n_heads; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
         if (!hd->ix || (!hd->q && !hd->q_dev) || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
@@ -1427,6 +1428,8 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
                 return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: head %u query %u: %u words, index %u", h, j,
                                hd->q[j].words, hd->ix->words);
         n_max = TKV_MAX(n_max, hd->n);
+        code_words = hd->ix->words == code_words ? code_words : 0;
+        host_q |= hd->q != NULL;
     }
     if ((uint64_t)a->words * 32 < n_max)
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u bitmap words for %u keys", a->words, n_max);
@@ -1457,9 +1460,6 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
         CU(op, cudaMallocHost(&cb->rqs_host, b_out));
         cb->rqs_host_cap = b_out;
     }
-    bool host_q = false;
-    for (uint32_t h = 0; h < H; h++)
-        host_q |= a->heads[h].q != NULL;
     struct stage_slot *sl = NULL;
     if (host_q) {
         TKV_TRY(stage_take(cb, b_q, &sl, op));
@@ -1474,9 +1474,6 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
                                         (double *)out, (uint32_t *)(out + (size_t)P * sizeof(double)),
                                         a->bitmap_dev ? a->bitmap_dev
                                                       : (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
-    uint32_t code_words = a->heads[0].ix->words;
-    for (uint32_t h = 1; h < H; h++)
-        code_words = a->heads[h].ix->words == code_words ? code_words : 0;
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
                                            a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words};
     CU(op, tkv_cuda_rqs_clear(&w, P, cb->pdl, cb->stream));

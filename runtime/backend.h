@@ -61,17 +61,16 @@ struct tkv_attn_args {
     uint32_t kv_dev_n_stride;
 };
 
-/* a's views with kv_dev_n's counts applied, into out[a->n_head_kv], n: the
- * counts where the caller reads them (a->kv_dev_n, or its translation):
- * for backends that resolve the counts on the host. */
-static inline void tkv_attn_views_counted(const struct tkv_attn_args *a, const uint32_t *n,
-                                          struct tkv_kv_head_view *out)
+/* KV head g's entry count in a: kv[g].n_blocks, or the count kv_dev_n
+ * holds where that is smaller -- read through a->kv_dev_n, so for backends
+ * whose memory the host reads (the CPU's). */
+static inline uint32_t tkv_attn_head_blocks(const struct tkv_attn_args *a, uint32_t g)
 {
-    for (uint32_t g = 0; g < a->n_head_kv; g++) {
-        const uint32_t c = n[(size_t)g * a->kv_dev_n_stride];
-        out[g] = a->kv[g];
-        out[g].n_blocks = c < out[g].n_blocks ? c : out[g].n_blocks;
-    }
+    const uint32_t n = a->kv[g].n_blocks;
+    if (!a->kv_dev_n)
+        return n;
+    const uint32_t c = a->kv_dev_n[(size_t)g * a->kv_dev_n_stride];
+    return c < n ? c : n;
 }
 
 /* Attention statistics the KV policies score keys with (runtime/policy/):

@@ -49,13 +49,16 @@ static void *untag(const void *p)
 static struct opaque *op_of(struct tkv_backend *b) { return (struct opaque *)b; }
 
 /* Untagged copies of n_head_kv head views; dev: their block arrays are in
- * backend memory too (tkv_attn_args.kv_dev). */
+ * backend memory too (tkv_attn_args.kv_dev); counted (or NULL): an
+ * attention's args whose kv is kv and whose kv_dev_n is readable here, each
+ * head's entries then up to its count (tkv_attn_head_blocks; those past it
+ * are not the op's to read). */
 static tkv_status untag_views(struct opaque *o, const struct tkv_kv_head_view *kv, uint32_t n, bool dev,
-                              const struct tkv_kv_head_view **out)
+                              const struct tkv_attn_args *counted, const struct tkv_kv_head_view **out)
 {
     size_t total = 0;
     for (uint32_t g = 0; g < n; g++)
-        total += kv[g].n_blocks;
+        total += counted ? tkv_attn_head_blocks(counted, g) : kv[g].n_blocks;
     if (n > o->cap_views) {
         free(o->views);
         o->views = malloc(n * sizeof *o->views), o->cap_views = n;
@@ -68,9 +71,10 @@ static tkv_status untag_views(struct opaque *o, const struct tkv_kv_head_view *k
         return tkv_err(TKV_ERR_NOMEM, "opaque: out of memory");
     size_t k = 0;
     for (uint32_t g = 0; g < n; g++) {
-        o->views[g] = (struct tkv_kv_head_view){.blocks = o->refs + k, .n_blocks = kv[g].n_blocks};
+        const uint32_t nb = counted ? tkv_attn_head_blocks(counted, g) : kv[g].n_blocks;
+        o->views[g] = (struct tkv_kv_head_view){.blocks = o->refs + k, .n_blocks = nb};
         const struct tkv_kv_block_ref *blocks = dev ? U(kv[g].blocks) : kv[g].blocks;
-        for (uint32_t i = 0; i < kv[g].n_blocks; i++, k++) {
+        for (uint32_t i = 0; i < nb; i++, k++) {
             o->refs[k] = blocks[i];
             o->refs[k].k = U(o->refs[k].k);
             o->refs[k].v = U(o->refs[k].v);
@@ -157,16 +161,9 @@ static tkv_status o_attention(struct tkv_backend *b, const struct tkv_attn_args 
     opaque_attention_calls++;
     opaque_attention_dev_calls += a->kv_dev;
     c.kv_dev = false;
-    struct tkv_kv_head_view counted[256]; /* kv_dev_n: the counts read through their translation */
-    const struct tkv_kv_head_view *kv = a->kv;
-    if (a->kv_dev_n) {
-        opaque_attention_counted_calls++;
-        if (a->n_head_kv > 256)
-            return tkv_err(TKV_ERR_INVALID_ARG, "opaque: attention: %u KV heads with device counts", a->n_head_kv);
-        tkv_attn_views_counted(a, U(a->kv_dev_n), counted);
-        kv = counted, c.kv_dev_n = NULL;
-    }
-    TKV_TRY(untag_views(o, kv, a->n_head_kv, a->kv_dev, &c.kv));
+    opaque_attention_counted_calls += a->kv_dev_n != NULL;
+    c.kv_dev_n = U(a->kv_dev_n); /* the counts read through their translation (the CPU backend reads them too) */
+    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, a->kv_dev, &c, &c.kv));
     return o->cpu->ops->attention(o->cpu, &c);
 }
 static tkv_status o_attn_stats(struct tkv_backend *b, const struct tkv_attn_stats_args *a)
@@ -175,7 +172,7 @@ static tkv_status o_attn_stats(struct tkv_backend *b, const struct tkv_attn_stat
     struct tkv_attn_stats_args c = *a;
     if (!a->q_host)
         c.q = U(a->q);
-    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, false, &c.kv));
+    TKV_TRY(untag_views(o, a->kv, a->n_head_kv, false, NULL, &c.kv));
     opaque_stats_calls++;
     return o->cpu->ops->attn_stats(o->cpu, &c);
 }
