@@ -334,13 +334,22 @@ static void test_obs_window(void)
         CHECK(s->obs_n == OBS_QUERIES && one->obs_n == OBS_QUERIES, "window rows %u and %u", s->obs_n, one->obs_n);
         CHECK(memcmp(s->obs_pos, one->obs_pos, sizeof s->obs_pos) == 0 && one->obs_pos[0] == N - OBS_QUERIES,
               "window positions differ");
-        double worst = 0, big = 0;
-        for (size_t i = 0; i < (size_t)L * OBS_QUERIES * QD; i++) {
-            worst = fmax(worst, fabs((double)s->obs_q[i] - one->obs_q[i]));
-            big = fmax(big, fabs((double)one->obs_q[i]));
+        /* Chunk sizes change only float rounding; a stale or missing row is
+         * O(1) in every layer. Layer 0's queries see no K/V: 5e-7 of the
+         * largest at worst over 300 seeds. Deeper layers attend over the
+         * earlier layers' f16 K/V, where a value near a rounding tie can
+         * round one f16 ulp apart between chunkings (see the top): ~20% of
+         * seeds, up to 1.5e-4 of the largest (TKV_SEED=291853414108381). */
+        for (int l = 0; l < L; l++) {
+            const float *a = s->obs_q + (size_t)l * OBS_QUERIES * QD, *b = one->obs_q + (size_t)l * OBS_QUERIES * QD;
+            double worst = 0, big = 0, tol = l == 0 ? 1e-5 : 1e-3;
+            for (size_t i = 0; i < OBS_QUERIES * QD; i++) {
+                worst = fmax(worst, fabs((double)a[i] - b[i]));
+                big = fmax(big, fabs((double)b[i]));
+            }
+            CHECK(big > 0 && worst <= tol * big, "run %d layer %d: window queries differ by %.3g (largest %.3g)", r, l,
+                  worst, big);
         }
-        /* chunk sizes change only float rounding; a stale or missing row is O(1) */
-        CHECK(big > 0 && worst <= 1e-4 * big, "run %d: window queries differ by %.3g (largest %.3g)", r, worst, big);
     }
     tkv_session_free(one);
     tkv_session_free(many);

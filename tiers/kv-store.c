@@ -1450,9 +1450,25 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
  * straight into the slots on a host compute tier, through the staging
  * buffer below a GPU). On failure no block keeps a compute slot without a
  * current copy in it. */
-static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n)
+static tkv_status recall(struct tkv_kvs *s, const uint32_t *idx, uint32_t n, uint32_t host_pins)
 {
-    TKV_TRY(make_room_for_layer(s, n));
+    /* The blocks recalled from the host tier stay there while the compute
+     * tier's victims spill into it: else a spill could evict a source to
+     * NVMe only to read it back at once (and a corrupt host copy would be
+     * reported from NVMe). Pins leave IO_BATCH host slots for the spills,
+     * as begin_layer_split's do (host_pins of them are its, none of idx:
+     * those are not read in place); past that, a source may move. */
+    const uint32_t cap = s->pool[TKV_TIER_HOST].cap;
+    uint32_t room = cap > IO_BATCH + host_pins ? cap - IO_BATCH - host_pins : 0;
+    for (uint32_t j = 0; j < n && room > 0; j++)
+        if (s->blk[idx[j]].valid & BIT(TKV_TIER_HOST)) {
+            s->blk[idx[j]].hpinned = 1;
+            room--;
+        }
+    tkv_status made = make_room_for_layer(s, n);
+    for (uint32_t j = 0; j < n; j++)
+        s->blk[idx[j]].hpinned = 0;
+    TKV_TRY(made);
     uint32_t *nv = s->cand[TKV_TIER_COMPUTE], n_nv = 0; /* free again after make_room */
     uint32_t n_up = 0;                                   /* host-tier blocks in ub */
     struct up_batch *ub = &s->dm;
@@ -1984,7 +2000,7 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
         else
             lists[n_missing + n_new++] = i;
     }
-    if (n_recall && (st = recall(s, lists, n_recall)) != TKV_OK)
+    if (n_recall && (st = recall(s, lists, n_recall, n_host)) != TKV_OK)
         goto out;
     if (n_new) {
         if ((st = make_room_for_layer(s, n_new)) != TKV_OK)
