@@ -744,11 +744,19 @@ static struct topp_work topp_carve(void *work, uint32_t n)
     return w;
 }
 
+/* scale * x rounded on its own. Under gnu11 GCC may fuse a product into a
+ * later add (-ffp-contract=fast), and differently at each inlined use: s - d
+ * then differs in its last bits between the passes below, which e^(s-d-M)
+ * turns into ~1e-6 relative where d is large (TKV_SEED=10000217 of
+ * test-rabitq: the same keys, two masses). fma with +0 is one rounding of
+ * the product (+0 for -0) and cannot be fused further. */
+static inline float scaled(float scale, float x) { return fmaf(scale, x, 0.0f); }
+
 /* l = e^(s-d-M) and u = e^(s+d-M) of key i, the same wherever needed (float
  * exponentials, summed in double: mass to ~1e-7 relative) */
 static inline void key_lu(const float *est, const float *bound, uint32_t i, float scale, float M, double *l, double *u)
 {
-    const float s = scale * est[i], d = bound ? scale * bound[i] : 0.0f;
+    const float s = scaled(scale, est[i]), d = bound ? scaled(scale, bound[i]) : 0.0f;
     *u = expf(s + d - M);
     *l = bound ? expf(s - d - M) : *u;
 }
@@ -803,7 +811,7 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
     float gmax = -INFINITY, umax = -INFINITY;
     uint32_t n_cand = 0, r = 0;
     for (uint32_t i = 0; i < n; i++) {
-        const float s = scale * est[i], d = bound ? scale * bound[i] : 0.0f;
+        const float s = scaled(scale, est[i]), d = bound ? scaled(scale, bound[i]) : 0.0f;
         if (isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || s + d == INFINITY)
             return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: key %u: estimate %g or bound %g", i, (double)est[i],
                            bound ? (double)bound[i] : 0.0);
