@@ -14,7 +14,8 @@
  * `full` with the whole KV in the compute tier): here every row is a
  * (context, policy) pair under tier caps, with columns bench-decode has no
  * use for. Policies are given one --policy each (specs hold commas; default
- * `full` and `rabitq:p=0.9`). The tier options go into the session exactly
+ * `full` and `rabitq:p=0.9`; "SPEC;no-prefetch": SPEC without the prefetch
+ * of the next layer's selection of the step before). The tier options go into the session exactly
  * as `tierkv run` passes them; `full` rows leave the caps out (all KV in the
  * compute tier, "where it fits": a session that cannot hold it is a row
  * saying so) unless --cap-full.
@@ -185,6 +186,10 @@ struct row {
 
 static bool is_full(const char *policy) { return !strncmp(policy, "full", 4) && (!policy[4] || policy[4] == ':'); }
 
+/* A row "SPEC;no-prefetch" runs SPEC without the selection prefetch
+ * (TKV_SESSION_NO_SELECTION_PREFETCH), to set beside the row with it. */
+#define NO_PREFETCH ";no-prefetch"
+
 /* d = a - b over the sums that matter */
 static void diff(const struct tkv_step_counters *a, const struct tkv_step_counters *b, struct tkv_step_counters *d)
 {
@@ -238,7 +243,14 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     sp.n_ctx = ctx + o->warmup + o->steps + o->split_steps;
     sp.n_threads = o->threads;
     sp.device = o->device;
-    sp.policy = policy;
+    char spec[256];
+    snprintf(spec, sizeof spec, "%s", policy);
+    char *suffix = strstr(spec, NO_PREFETCH);
+    if (suffix && !suffix[strlen(NO_PREFETCH)]) {
+        *suffix = 0;
+        sp.flags |= TKV_SESSION_NO_SELECTION_PREFETCH;
+    }
+    sp.policy = spec;
     if (!is_full(policy) || o->cap_full) {
         sp.gpu_kv_mem = o->gpu_kv;
         sp.host_kv_mem = o->host_kv;

@@ -974,6 +974,10 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
         uint32_t n_host = 0;
         TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, planned ? s->need : NULL,
                                           split ? s->host_ok : NULL, &n_host));
+        /* the next layer's selection of the step before, while this one
+         * runs (after this layer's own recalls, which it would delay) */
+        if (planned && !(s->flags & TKV_SESSION_NO_SELECTION_PREFETCH))
+            tkv_kvs_prefetch_last(s->kv, l + 1);
         s->hsplit = n_host > 0;
         tkv_status st = layer_attention(s, l, n, planned ? plan : NULL);
         s->hsplit = false;

@@ -183,6 +183,10 @@ struct tkv_session_params {
  * that falls on the keys the policy lets attention read (an extra dense
  * attention pass per layer: for evaluation, not for speed). */
 #define TKV_SESSION_MEASURE_MASS 1u
+/* At decode, with a policy that selects blocks, do not prefetch the next
+ * layer's selection of the step before while a layer runs (for measuring
+ * what that prefetch gives). */
+#define TKV_SESSION_NO_SELECTION_PREFETCH 2u
 struct tkv_session_params tkv_session_default_params(void);
 
 tkv_status tkv_session_init(const tkv_model *model, const struct tkv_session_params *params,

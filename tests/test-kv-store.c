@@ -651,6 +651,107 @@ static void test_prefetch_pipeline(void)
     be = cpu_be;
 }
 
+/* tkv_kvs_prefetch_last: after a selective read of layer l and reads of the
+ * other layers that pushed its blocks out, it brings back exactly the
+ * listed blocks that left the compute tier (the next read of the same
+ * selection then misses nothing), and none of the others; after a
+ * whole-layer read it prefetches the whole layer. From NVMe into a host
+ * compute tier (io_uring) and from the host tier to a device whose uploads
+ * land late. */
+static uint32_t count_out(struct tkv_kvs *s, uint32_t l, const uint8_t *need, uint32_t MB)
+{
+    uint32_t n = 0;
+    for (uint32_t h = 0; h < H; h++)
+        for (uint32_t b = 0; b < NB; b++)
+            n += (!need || need[h * MB + b]) && tkv_kvs_block_tier(s, l, h, b) != TKV_TIER_COMPUTE;
+    return n;
+}
+
+static void test_prefetch_last(void)
+{
+    struct tkv_backend *cpu_be = be;
+    for (int c = 0; c < 2; c++) {
+        const char *name = c ? "device (late uploads)+host" : "host+nvme";
+        be = c ? deferred_backend(cpu_be) : cpu_be;
+        struct tkv_kvs *s = c ? make_store(false, H * NB + 8, L * H * NB, false) : make_store(true, H * NB + 8, 0, true);
+        if (!s)
+            break;
+        fill_until_spilling(s);
+        const uint32_t l = 1, MB = tkv_kvs_max_blocks(s);
+        static uint8_t need[H * CTX];
+        memset(need, 0, sizeof need);
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = 0; b < NB; b++)
+                need[h * MB + b] = test_rand_u64(&rng) % 4 == 0 || b == h;
+        tkv_status st = tkv_kvs_begin_layer_sel(s, l, 0, 0, need);
+        CHECK(st == TKV_OK, "%s: selective read: %s", name, tkv_last_error());
+        if (st == TKV_OK)
+            tkv_kvs_end_layer(s, l);
+        for (uint32_t o = 0; o < L; o++) /* the other layers, whole: layer l's blocks go */
+            if (o != l && tkv_kvs_begin_layer(s, o, 0, 0) == TKV_OK)
+                tkv_kvs_end_layer(s, o);
+        const uint32_t out = count_out(s, l, need, MB), out_all = count_out(s, l, NULL, MB);
+        CHECK(out > 0, "%s: no selected block left the compute tier: nothing to test", name);
+        int tier[H][NB];
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = 0; b < NB; b++)
+                tier[h][b] = tkv_kvs_block_tier(s, l, h, b);
+        struct tkv_kvs_stats k0, k1;
+        tkv_kvs_get_stats(s, &k0);
+        tkv_kvs_prefetch_last(s, l);
+        CHECK(tkv_kvs_prefetch_wait(s) == TKV_OK, "%s: prefetch: %s", name, tkv_last_error());
+        tkv_kvs_get_stats(s, &k1);
+        CHECK(k1.prefetched_blocks - k0.prefetched_blocks == out, "%s: %llu blocks prefetched, %u selected were out",
+              name, (unsigned long long)(k1.prefetched_blocks - k0.prefetched_blocks), out);
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = 0; b < NB; b++)
+                CHECK(need[h * MB + b] ? tkv_kvs_block_tier(s, l, h, b) == TKV_TIER_COMPUTE
+                                       : tkv_kvs_block_tier(s, l, h, b) == tier[h][b],
+                      "%s: head %u block %u (%s) on tier %d after the prefetch, %d before", name, h, b,
+                      need[h * MB + b] ? "selected" : "not selected", tkv_kvs_block_tier(s, l, h, b), tier[h][b]);
+        /* the same selection again: every block a hit, each as the mirror has it */
+        tkv_kvs_get_stats(s, &k0);
+        st = tkv_kvs_begin_layer_sel(s, l, 0, 0, need);
+        tkv_kvs_get_stats(s, &k1);
+        CHECK(st == TKV_OK && k1.tier[TKV_TIER_COMPUTE].misses == k0.tier[TKV_TIER_COMPUTE].misses,
+              "%s: the read after the prefetch: %s, %llu misses", name, tkv_status_str(st),
+              (unsigned long long)(k1.tier[TKV_TIER_COMPUTE].misses - k0.tier[TKV_TIER_COMPUTE].misses));
+        for (uint32_t h = 0; h < H && st == TKV_OK; h++)
+            for (uint32_t b = 0; b < NB; b++) {
+                const struct tkv_kv_block_ref *r = &tkv_kvs_view(s, l, h).blocks[b];
+                if (!need[h * MB + b])
+                    continue;
+                uint16_t k[B][HD], v[B][HD];
+                be->ops->download(be, k, r->k, (size_t)B * HD * 2);
+                be->ops->download(be, v, r->v, (size_t)B * HD * 2);
+                bool same = true;
+                for (uint32_t j = 0; j < B; j++)
+                    same &= !memcmp(k[j], mirror[l][h][b * B + j][0], HD * 2) &&
+                            !memcmp(v[j], mirror[l][h][b * B + j][1], HD * 2);
+                CHECK(same, "%s: head %u block %u differs from the mirror after the prefetch", name, h, b);
+            }
+        if (st == TKV_OK)
+            tkv_kvs_end_layer(s, l);
+        /* after a whole-layer read: the whole layer */
+        if (tkv_kvs_begin_layer(s, l, 0, 0) == TKV_OK)
+            tkv_kvs_end_layer(s, l);
+        for (uint32_t o = 0; o < L; o++)
+            if (o != l && tkv_kvs_begin_layer(s, o, 0, 0) == TKV_OK)
+                tkv_kvs_end_layer(s, o);
+        const uint32_t out_whole = count_out(s, l, NULL, MB);
+        tkv_kvs_get_stats(s, &k0);
+        tkv_kvs_prefetch_last(s, l);
+        CHECK(tkv_kvs_prefetch_wait(s) == TKV_OK, "%s: prefetch: %s", name, tkv_last_error());
+        tkv_kvs_get_stats(s, &k1);
+        CHECK(out_whole > out && k1.prefetched_blocks - k0.prefetched_blocks == out_whole,
+              "%s: after a whole read %llu blocks prefetched, %u were out (%u selected before; %u then)", name,
+              (unsigned long long)(k1.prefetched_blocks - k0.prefetched_blocks), out_whole, out, out_all);
+        check_all(s, name);
+        tkv_kvs_free(s);
+    }
+    be = cpu_be;
+}
+
 /* ---- faults -------------------------------------------------------------------------- */
 
 static void fill_until_spilling(struct tkv_kvs *s)
@@ -1267,6 +1368,7 @@ int main(void)
     CHECK(dfr.downloads > 0, "the batched spill downloads were never used");
     be = cpu_be;
     test_prefetch_pipeline();
+    test_prefetch_last();
     setenv("TKV_IO_FORCE_SYNC", "1", 1);
     s = make_store(true, 40, 0, true);
     if (s) {

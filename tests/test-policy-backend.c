@@ -410,6 +410,11 @@ static tkv_status run_tiered(tkv_model *m, const char *device, const char *polic
         enum { BLK = 4 * 8 * HD }; /* bytes of one block of K and V */
         sp.hetero = tier == 1 ? TKV_HETERO_CPU : TKV_HETERO_RECALL;
         sp.gpu_kv_mem = 40 * BLK, sp.host_kv_mem = 128 * BLK;
+        /* the device table's path does not prefetch the next layer's
+         * selection (kv-layout.md): the host path compared with it must not
+         * either, or the residency, and with it the CPU split, differs more
+         * than the bounds below allow for (seen: 1.07e-5 of the largest logit) */
+        sp.flags |= TKV_SESSION_NO_SELECTION_PREFETCH;
     }
     tkv_session *s = NULL;
     TKV_TRY(tkv_session_init(m, &sp, &s));

@@ -2083,7 +2083,9 @@ void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
         }
 }
 
-void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
+/* tkv_kvs_prefetch's work over the blocks base + off[0, n) of `layer` (base:
+ * its first block's index; off: head * max_blocks + block, as sel holds). */
+static void prefetch_blocks(struct tkv_kvs *s, uint32_t layer, const uint32_t *off, uint32_t n)
 {
     /* NVMe -> a host compute tier by io_uring; pinned host -> GPU by the
      * backend's asynchronous uploads */
@@ -2092,23 +2094,21 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
     if (!from_nvme && !from_host)
         return;
     const int from = from_nvme ? TKV_TIER_NVME : TKV_TIER_HOST;
-    layer %= s->p.n_layer; /* after the last layer comes the first (next step) */
-    const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);
+    struct blk *const base = s->blk + (size_t)layer * s->p.n_head_kv * s->max_blocks;
 #define WANTED(k) (!((k)->valid & BIT(TKV_TIER_COMPUTE)) && !(k)->inflight && ((k)->valid & BIT(from)))
     uint32_t wanted = 0;
-    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
-        for (uint32_t b = 0; b < nb; b++)
-            wanted += WANTED(&s->blk[blk_index(s, layer, h, b)]);
+    for (uint32_t j = 0; j < n; j++)
+        wanted += WANTED(&base[off[j]]);
     if (wanted == 0)
         return;
     /* a free set of lists: the oldest prefetch settles when all are busy */
     if (from_host && s->n_pf == MAX_PREFETCH && prefetch_settle_n(s, 1) != TKV_OK)
         return; /* the error comes back from the next begin_layer */
     struct up_batch *ub = from_host ? &s->pf[s->n_pf] : NULL;
-    /* room from clean blocks needed after `layer` (never the pinned current layer) */
-    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
-        for (uint32_t b = 0; b < nb; b++)
-            s->blk[blk_index(s, layer, h, b)].pinned++;
+    /* room from clean blocks needed after `layer` (never the pinned current
+     * layer, nor the listed blocks already in place) */
+    for (uint32_t j = 0; j < n; j++)
+        base[off[j]].pinned++;
     const uint32_t saved = s->cur_layer;
     /* distances as seen from the layer before the prefetched one: it runs
      * first (it is the current layer, or about to be when the caller
@@ -2116,41 +2116,39 @@ void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
     s->cur_layer = (layer + s->p.n_layer - 1) % s->p.n_layer;
     make_room_ex(s, TKV_TIER_COMPUTE, wanted, true);
     s->cur_layer = saved;
-    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
-        for (uint32_t b = 0; b < nb; b++)
-            s->blk[blk_index(s, layer, h, b)].pinned--;
+    for (uint32_t j = 0; j < n; j++)
+        base[off[j]].pinned--;
     uint32_t n_up = 0;
-    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
-        for (uint32_t b = 0; b < nb; b++) {
-            uint32_t i = blk_index(s, layer, h, b);
-            struct blk *k = &s->blk[i];
-            if (!WANTED(k))
-                continue;
-            if (s->pool[TKV_TIER_COMPUTE].n_free == 0)
-                goto issue; /* only free slots: a prefetch never evicts */
-            int32_t cs = pool_take(s, TKV_TIER_COMPUTE, i);
-            if (from_host) { /* in flight until it is settled */
-                k->slot[TKV_TIER_COMPUTE] = cs;
-                k->inflight = 1;
-                ub->idx[n_up] = i;
-                ub->src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
-                ub->dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
-                if (n_up - ub->sent >= s->up_piece && up_send(s, ub, n_up) != TKV_OK)
-                    goto issue;
-                continue;
-            }
-            int rc = tkv_io_read(s->io, s->file, slot_ptr(s, TKV_TIER_COMPUTE, cs), s->S,
-                                 (uint64_t)k->slot[TKV_TIER_NVME] * s->S, ((uint64_t)i << 1) | 1);
-            if (rc < 0) {
-                pool_give(s, TKV_TIER_COMPUTE, cs);
-                goto issue;
-            }
+    for (uint32_t j = 0; j < n; j++) {
+        struct blk *k = &base[off[j]];
+        const uint32_t i = (uint32_t)(k - s->blk);
+        if (!WANTED(k))
+            continue;
+        if (s->pool[TKV_TIER_COMPUTE].n_free == 0)
+            goto issue; /* only free slots: a prefetch never evicts */
+        int32_t cs = pool_take(s, TKV_TIER_COMPUTE, i);
+        if (from_host) { /* in flight until it is settled */
             k->slot[TKV_TIER_COMPUTE] = cs;
             k->inflight = 1;
-            s->n_inflight++;
-            s->inflight_reads[layer]++;
-            s->prefetched++;
+            ub->idx[n_up] = i;
+            ub->src[n_up] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+            ub->dst[n_up++] = slot_ptr(s, TKV_TIER_COMPUTE, cs);
+            if (n_up - ub->sent >= s->up_piece && up_send(s, ub, n_up) != TKV_OK)
+                goto issue;
+            continue;
         }
+        int rc = tkv_io_read(s->io, s->file, slot_ptr(s, TKV_TIER_COMPUTE, cs), s->S,
+                             (uint64_t)k->slot[TKV_TIER_NVME] * s->S, ((uint64_t)i << 1) | 1);
+        if (rc < 0) {
+            pool_give(s, TKV_TIER_COMPUTE, cs);
+            goto issue;
+        }
+        k->slot[TKV_TIER_COMPUTE] = cs;
+        k->inflight = 1;
+        s->n_inflight++;
+        s->inflight_reads[layer]++;
+        s->prefetched++;
+    }
 #undef WANTED
 issue:
     if (!from_host) {
@@ -2167,6 +2165,27 @@ issue:
         ub->layer = layer;
         s->n_pf++;
     }
+}
+
+void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer)
+{
+    layer %= s->p.n_layer; /* after the last layer comes the first (next step) */
+    const uint32_t nb = TKV_MIN((s->length + s->p.block_tokens - 1) / s->p.block_tokens, s->n_blocks);
+    uint32_t *off = s->lists, n = 0; /* (free outside begin_layer) */
+    for (uint32_t h = 0; h < s->p.n_head_kv; h++)
+        for (uint32_t b = 0; b < nb; b++)
+            off[n++] = h * s->max_blocks + b;
+    prefetch_blocks(s, layer, off, n);
+}
+
+void tkv_kvs_prefetch_last(struct tkv_kvs *s, uint32_t layer)
+{
+    layer %= s->p.n_layer;
+    if (s->p.walk_ref || s->sparse_nb[layer] == SPARSE_NONE) {
+        tkv_kvs_prefetch(s, layer);
+        return;
+    }
+    prefetch_blocks(s, layer, s->sel + (size_t)layer * s->p.n_head_kv * s->max_blocks, s->sel_n[layer]);
 }
 
 bool tkv_kvs_prefetch_done(struct tkv_kvs *s)

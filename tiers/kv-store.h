@@ -180,6 +180,13 @@ void       tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer);
  * in flight); every other call of the store settles them all. A block that
  * failed is recalled again and reported by begin_layer. */
 void tkv_kvs_prefetch(struct tkv_kvs *s, uint32_t layer);
+/* tkv_kvs_prefetch over the blocks the last selective read of `layer` read
+ * (begin_layer_sel/_split with a need map) that are not in the compute tier:
+ * at decode a layer's selection overlaps much of the step before's, so
+ * called for l+1 while l runs (the engine: right after begin_layer(l)) it
+ * brings much of what l+1 will read. After a whole-layer read (or none
+ * yet): tkv_kvs_prefetch. */
+void tkv_kvs_prefetch_last(struct tkv_kvs *s, uint32_t layer);
 /* Whether every prefetch has landed (polls, never blocks). */
 bool tkv_kvs_prefetch_done(struct tkv_kvs *s);
 /* Blocks until every prefetch has landed. */
