@@ -10,6 +10,8 @@
  *       backend's rabitq_select against the per-head path it replaces --
  *       rabitq_estimate, download, host select_topp, union -- and the keys
  *       where the two unions differ)
+ *   build/bench/bench-rabitq --cpu-select [T] (the same on the CPU backend,
+ *       its rabitq_select on T threads (0: all cores), at 32K and 128K keys)
  *
  * Keys are random (Gaussian, off-centre, a few outlier channels), queries
  * too; every variant's estimates are checked bit-identical to the scalar
@@ -141,20 +143,24 @@ static int fail(const char *what)
     return 1;
 }
 
-/* --gpu-select: see the top of the file. */
-static int gpu_select(void)
+/* --gpu-select and --cpu-select: see the top of the file. */
+static int select_bench(bool cuda, uint32_t threads)
 {
     enum { H = 8, G = 4, D = 128, REPS = 10 };
     struct tkv_backend *be = NULL;
-    if (tkv_backend_cuda_devices() == 0 || tkv_backend_create("cuda", 0, &be) != TKV_OK || !be->ops->rabitq_select) {
-        printf("no CUDA device with rabitq_select: nothing to time\n");
+    if ((cuda && tkv_backend_cuda_devices() == 0) || tkv_backend_create(cuda ? "cuda" : "cpu", threads, &be) != TKV_OK ||
+        !be->ops->rabitq_select) {
+        printf("no %s backend with rabitq_select: nothing to time\n", cuda ? "CUDA" : "CPU");
         return 0;
     }
-    printf("## One layer's RaBitQ selection on the GPU (%d KV heads x %d query heads, D = %d, p = 0.9, sink 64, recent 64), ms per layer\n\n", H, G, D);
+    printf("## One layer's RaBitQ selection on the %s (%d KV heads x %d query heads, D = %d, p = 0.9, sink 64, "
+           "recent 64), ms per layer\n\n", cuda ? "GPU" : "CPU backend", H, G, D);
+    if (!cuda)
+        printf("rabitq_select on %u threads; the other column is the policy's path without it, on one\n\n", threads);
     printf("| keys | mode | rabitq_select | estimate + download + host top-p | speedup | keys differing |\n");
     printf("|---:|---|---:|---:|---:|---:|\n");
     const uint32_t sizes[] = {32768, 131072, 1048576};
-    for (int si = 0; si < 3; si++) {
+    for (int si = 0; si < (cuda ? 3 : 2); si++) {
         const uint32_t n = sizes[si], words = (n + 31) / 32;
         uint16_t *k = malloc((size_t)n * D * sizeof *k);
         float *est = malloc((size_t)n * 4), *bound = malloc((size_t)n * 4);
@@ -163,7 +169,7 @@ static int gpu_select(void)
         const size_t wb = tkv_rabitq_topp_work_bytes(n);
         void *work = malloc(wb);
         if (!k || !est || !bound || !bm || !pos || !mark || !work)
-            return fail("gpu-select: out of memory");
+            return fail("select: out of memory");
         for (size_t i = 0; i < (size_t)n * D; i++)
             k[i] = tkv_fp32_to_fp16(gauss());
         struct tkv_rabitq *ix = NULL;
@@ -174,14 +180,14 @@ static int gpu_select(void)
             be->ops->alloc(be, (size_t)n * D * 2, (void **)&k_dev) || be->ops->upload(be, k_dev, k, (size_t)n * D * 2) ||
             tkv_rabitq_dev_create(be, ix, n, &dx) || tkv_rabitq_dev_append(dx, k_dev, D, n) ||
             be->ops->alloc(be, (size_t)n * 4, (void **)&est_dev) || be->ops->alloc(be, (size_t)n * 4, (void **)&bound_dev))
-            return fail("gpu-select: index");
+            return fail("select: index");
         static struct tkv_rabitq_query qq[H * G];
         float q[D];
         for (int j = 0; j < H * G; j++) {
             for (int i = 0; i < D; i++)
                 q[i] = 2.0f * gauss();
             if (tkv_rabitq_query_prepare(ix, q, 0, &qq[j]))
-                return fail("gpu-select: query");
+                return fail("select: query");
         }
         struct tkv_rabitq_select_head heads[H];
         const struct tkv_range forced[2] = {{0, 64}, {n - 64, n}};
@@ -199,7 +205,7 @@ static int gpu_select(void)
             for (int r = 0; r < REPS + 1; r++) {
                 const double t0 = now();
                 if (be->ops->rabitq_select(be, &a))
-                    return fail("gpu-select: rabitq_select");
+                    return fail("select: rabitq_select");
                 if (r)
                     t_dev = fmin(t_dev, now() - t0);
             }
@@ -216,7 +222,7 @@ static int gpu_select(void)
                             be->ops->download(be, est, est_dev, (size_t)n * 4) ||
                             (safe && be->ops->download(be, bound, bound_dev, (size_t)n * 4)) ||
                             tkv_rabitq_select_topp(est, safe ? bound : NULL, n, &tp, work, wb, pos, n, &res))
-                            return fail("gpu-select: old path");
+                            return fail("select: old path");
                         for (uint32_t x = 0; x < res.n_pos; x++)
                             mark[pos[x]] = 1;
                     }
@@ -241,7 +247,9 @@ static int gpu_select(void)
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "--gpu-select"))
-        return gpu_select();
+        return select_bench(true, 0);
+    if (argc > 1 && !strcmp(argv[1], "--cpu-select"))
+        return select_bench(false, argc > 2 ? (uint32_t)atoi(argv[2]) : 0);
     const int quick = argc > 1 && !strcmp(argv[1], "--quick");
     const uint32_t sizes[] = {8192, 131072, 1048576}, dims[] = {64, 128};
     const int n_sizes = quick ? 1 : 3;

@@ -17,6 +17,7 @@
 
 #include <cblas.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -372,6 +373,68 @@ static tkv_status cpu_rabitq_estimate(struct tkv_backend *b, const struct tkv_ra
     return tkv_rabitq_host_estimate(ix, q, first, n, est, bound);
 }
 
+/* rabitq_select: the host reference's pieces, a (head, query head) pair per
+ * task on the pool (each pair's estimates and top-p are independent), each
+ * into its own row of select_rows; then each head's row is the OR of its
+ * pairs' rows, widened. The same bitmaps as tkv_rabitq_host_select. */
+struct select_job {
+    const struct tkv_rabitq_select_args *a;
+    struct tkv_cpu_backend *cb;
+    size_t scratch_floats; /* a pair's scratch (tkv_rabitq_select_pair_bytes of the longest head) */
+    int failed;            /* set once, by the first task that fails (atomic) */
+    tkv_status st;         /* its status and message (the message is per thread: carried back) */
+    char msg[256];
+};
+
+static void select_worker(void *ctx, uint32_t ith, uint32_t nth)
+{
+    struct select_job *j = ctx;
+    const struct tkv_rabitq_select_args *a = j->a;
+    void *scratch = NULL;
+    for (uint32_t k = ith; k < a->n_heads * a->G && !__atomic_load_n(&j->failed, __ATOMIC_RELAXED); k += nth) {
+        uint32_t *row = j->cb->select_rows + (size_t)k * a->words;
+        memset(row, 0, (size_t)a->words * sizeof *row);
+        tkv_status st = (scratch = scratch ? scratch : tkv_cpu_scratch(j->cb, ith, j->scratch_floats))
+                            ? tkv_rabitq_select_pair(a, k / a->G, k % a->G, scratch, row)
+                            : tkv_err(TKV_ERR_NOMEM, "cpu: rabitq_select: out of memory for a thread's scratch");
+        if (st != TKV_OK && !__atomic_exchange_n(&j->failed, 1, __ATOMIC_ACQ_REL)) {
+            j->st = st;
+            snprintf(j->msg, sizeof j->msg, "%s", tkv_last_error());
+        }
+    }
+}
+
+static tkv_status cpu_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq_select_args *a)
+{
+    struct tkv_cpu_backend *cb = cpu_of(b);
+    uint32_t n_max;
+    TKV_TRY(tkv_rabitq_select_check(a, "cpu: rabitq_select", &n_max));
+    const size_t rows = (size_t)a->n_heads * a->G * a->words;
+    if (rows > cb->select_rows_cap) {
+        uint32_t *p = realloc(cb->select_rows, rows * sizeof *p);
+        if (!p)
+            return tkv_err(TKV_ERR_NOMEM, "cpu: rabitq_select: out of memory for %zu bitmap words", rows);
+        cb->select_rows = p, cb->select_rows_cap = rows;
+    }
+    struct select_job job = {.a = a, .cb = cb,
+                             .scratch_floats = (tkv_rabitq_select_pair_bytes(n_max) + sizeof(float) - 1) / sizeof(float)};
+    tkv_pool_run(cb->pool, select_worker, &job);
+    if (job.failed)
+        return tkv_err(job.st, "%s", job.msg);
+    for (uint32_t h = 0; h < a->n_heads; h++) {
+        uint32_t *row = tkv_rabitq_select_row(a, h);
+        const uint32_t *pr = cb->select_rows + (size_t)h * a->G * a->words;
+        for (uint32_t w = 0; w < a->words; w++) {
+            uint32_t x = 0;
+            for (uint32_t j = 0; j < a->G; j++)
+                x |= pr[(size_t)j * a->words + w];
+            row[w] = x;
+        }
+        tkv_rabitq_select_widen(a, h, row);
+    }
+    return TKV_OK;
+}
+
 /* The page-table stores and the decode table: host memory, so the stores
  * are plain and the table is the reference itself. */
 static tkv_status cpu_table_write(struct tkv_backend *b, uint64_t *table, const uint32_t *idx, const uint64_t *val,
@@ -410,6 +473,7 @@ static void cpu_free(struct tkv_backend *b)
     free(cb->scratch);
     free(cb->act);
     free(cb->partials);
+    free(cb->select_rows);
     free(cb);
 }
 
@@ -435,6 +499,7 @@ static const struct tkv_backend_ops cpu_ops = {
     .attn_stats = cpu_attn_stats,
     .rabitq_encode = cpu_rabitq_encode,
     .rabitq_estimate = cpu_rabitq_estimate,
+    .rabitq_select = cpu_rabitq_select,
     .table_write = cpu_table_write,
     .kv_table = cpu_kv_table,
 };

@@ -24,6 +24,8 @@ struct tkv_cpu_backend {
     size_t act_cap;
     float *partials;                 /* split-K attention partial results */
     size_t partials_cap;
+    uint32_t *select_rows;           /* rabitq_select: a bitmap row per (head, query head) */
+    size_t select_rows_cap;          /* words */
     bool attn_fused;                 /* attention of <= 8 rows per KV head by the
                                         AVX2 f16 kernels (attn.c), else sgemm
                                         tiles; TKV_CPU_ATTN=blas|fused */

@@ -2,10 +2,12 @@
  * test-cpu-backend.c -- the CPU backend's fast paths against slow references
  * on fresh random inputs: attention (prefill tiles, split-K decode, GQA,
  * partial and selected blocks, log-sum-exp), matmul (quantized-dot and sgemm
- * paths), RoPE, RMSNorm, SwiGLU, and the thread pool.
+ * paths), RoPE, RMSNorm, SwiGLU, rabitq_select (threaded, against the host
+ * reference), and the thread pool.
  */
 #include "cpu/cpu.h"
 #include "cpu/quant.h"
+#include "runtime/rabitq/rabitq.h"
 #include "test.h"
 
 #include <stdlib.h>
@@ -261,10 +263,102 @@ static void test_pool(void)
     CHECK(tkv_pool_init(0, &p) == TKV_ERR_INVALID_ARG, "0 threads must be refused");
 }
 
+/* ---- rabitq_select ------------------------------------------------------- */
+
+/* The backend's op (a (head, query head) pair per task on its threads)
+ * against tkv_rabitq_host_select on the same heads: the same bitmaps, counts
+ * and masses, bit for bit, for plain and safe, exact and coarse top-p, with
+ * and without whole groups, on 1 to 3 threads; heads of different lengths
+ * (each its own index), sinks and a recent window forced, one head whose
+ * keys are mostly copies of one (ties). A bad call is refused by name. */
+static void test_rabitq_select(void)
+{
+    enum { NH = 5, G = 4, D = 64 };
+    static const uint32_t lens[NH] = {700, 3001, 64, 1800, 2500};
+    struct tkv_backend *be;
+    REQUIRE_VOID(tkv_backend_create("cpu", 1, &be) == TKV_OK);
+    struct tkv_rabitq *ix[NH];
+    struct tkv_rabitq_dev_index *dx[NH];
+    struct tkv_rabitq_query q[NH][G];
+    struct tkv_rabitq_select_head heads[NH];
+    uint32_t words = 0;
+    for (uint32_t h = 0; h < NH; h++) {
+        const uint32_t n = lens[h];
+        words = TKV_MAX(words, (n + 31) / 32);
+        uint16_t *k = malloc((size_t)n * D * sizeof *k);
+        REQUIRE_VOID(k);
+        float one[D], c[D], qv[D];
+        for (uint32_t i = 0; i < D; i++)
+            one[i] = test_rand_f32(&rng, -2.0f, 2.0f);
+        for (uint32_t r = 0; r < n; r++)
+            for (uint32_t i = 0; i < D; i++) /* head 3: nine keys in ten the same */
+                k[(size_t)r * D + i] = tkv_fp32_to_fp16(h == 3 && r % 10 ? one[i] : test_rand_f32(&rng, -2.0f, 2.0f));
+        struct tkv_rabitq_mean mk;
+        REQUIRE_VOID(tkv_rabitq_init(D, 0x5e1ull + h, &ix[h]) == TKV_OK && tkv_rabitq_mean_init(&mk, D) == TKV_OK);
+        tkv_rabitq_mean_add_f16(&mk, k, D, n);
+        tkv_rabitq_mean_get(&mk, c);
+        REQUIRE_VOID(tkv_rabitq_set_centroids(ix[h], c, NULL) == TKV_OK && tkv_rabitq_reserve(ix[h], n) == TKV_OK &&
+                     tkv_rabitq_append_f16(ix[h], k, D, n) == TKV_OK);
+        REQUIRE_VOID(tkv_rabitq_dev_create(be, ix[h], n, &dx[h]) == TKV_OK && tkv_rabitq_dev_append(dx[h], k, D, n) == TKV_OK);
+        free(k);
+        for (uint32_t j = 0; j < G; j++) {
+            for (uint32_t i = 0; i < D; i++)
+                qv[i] = (1 + j) * test_rand_f32(&rng, -2.0f, 2.0f);
+            REQUIRE_VOID(tkv_rabitq_query_prepare(ix[h], qv, 3.0f, &q[h][j]) == TKV_OK);
+        }
+        heads[h] = (struct tkv_rabitq_select_head){.ix = tkv_rabitq_dev_arrays(dx[h]), .q = q[h], .n = n};
+        if (n > 16) /* sinks, and the last 16 keys */
+            heads[h].forced[heads[h].n_forced++] = (struct tkv_rabitq_select_range){0, 4},
+            heads[h].forced[heads[h].n_forced++] = (struct tkv_rabitq_select_range){n - 16, n};
+    }
+    uint32_t *want = malloc((size_t)NH * words * 4), *got = malloc((size_t)NH * words * 4);
+    uint32_t wn[NH * G], gn[NH * G];
+    double wm[NH * G], gm[NH * G];
+    REQUIRE_VOID(want && got);
+    uint32_t cases = 0, kept = 0;
+    for (uint32_t threads = 1; threads <= 3; threads++) {
+        struct tkv_backend *bt;
+        REQUIRE_VOID(tkv_backend_create("cpu", threads, &bt) == TKV_OK);
+        for (int v = 0; v < 8; v++) {
+            const bool safe = v & 1, coarse = v & 2;
+            const uint32_t whole = v & 4 ? 16 : 0;
+            struct tkv_rabitq_select_args a = {.heads = heads, .n_heads = NH, .G = G, .p = 0.9f,
+                                               .scale = 1.0f / sqrtf((float)D), .extra_lse = -INFINITY,
+                                               .safe = safe, .coarse = coarse, .whole = whole, .bitmap = want,
+                                               .words = words, .n_chosen = wn, .mass = wm};
+            memset(want, 0xa5, (size_t)NH * words * 4);
+            REQUIRE_VOID(tkv_rabitq_host_select(&a) == TKV_OK);
+            a.bitmap = got, a.n_chosen = gn, a.mass = gm;
+            memset(got, 0x5a, (size_t)NH * words * 4);
+            tkv_status st = bt->ops->rabitq_select(bt, &a);
+            CHECK(st == TKV_OK, "rabitq_select (%u threads): %s", threads, tkv_last_error());
+            CHECK(!memcmp(want, got, (size_t)NH * words * 4) && !memcmp(wn, gn, sizeof wn) && !memcmp(wm, gm, sizeof wm),
+                  "rabitq_select on %u threads (safe %d, coarse %d, whole %u) differs from the host reference",
+                  threads, safe, coarse, whole);
+            for (size_t w = 0; w < (size_t)NH * words; w++)
+                kept += (uint32_t)__builtin_popcount(got[w]);
+            cases++;
+        }
+        struct tkv_rabitq_select_args bad = {.heads = heads, .n_heads = NH, .G = 0, .bitmap = got, .words = words};
+        CHECK(bt->ops->rabitq_select(bt, &bad) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "cpu: rabitq_select"),
+              "G = 0 must be refused by name: %s", tkv_last_error());
+        bt->ops->free(bt);
+    }
+    fprintf(stderr, "rabitq_select: %u cases on 1-3 threads equal the host reference (%u keys kept in all)\n", cases,
+            kept);
+    for (uint32_t h = 0; h < NH; h++) {
+        tkv_rabitq_dev_free(dx[h]);
+        tkv_rabitq_free(ix[h]);
+    }
+    free(want), free(got);
+    be->ops->free(be);
+}
+
 int main(void)
 {
     rng = test_seed();
     test_pool();
+    test_rabitq_select();
     struct tkv_backend *be;
     REQUIRE(tkv_backend_create("cpu", 2, &be) == TKV_OK, "%s", tkv_last_error());
     struct tkv_cpu_backend *cb = (struct tkv_cpu_backend *)be;

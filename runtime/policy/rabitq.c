@@ -46,10 +46,10 @@
  * read whole), whole (0; 1: widen each touched KV block to all its tokens --
  * the store brings whole blocks in anyway; N > 1: widen to the aligned
  * groups of N positions; a superset of the top-p set either way; not given:
- * RQ_DEVICE_GROUP where the backend selects, else 0), exact (1: the
+ * RQ_DEVICE_GROUP where a device selects, else 0), exact (1: the
  * shortest prefix of the keys that meets p; 0: the top-p search's boundary
- * bin kept whole, tkv_rabitq_topp_params.coarse; not given: 0 where the
- * backend selects, else 1).
+ * bin kept whole, tkv_rabitq_topp_params.coarse; not given: 0 where a
+ * device selects, else 1).
  */
 #include "policy.h"
 #include "../rabitq/rabitq.h"
@@ -79,8 +79,8 @@ struct rabitq {
     uint32_t safe, sink, recent, batch, dense;
     uint32_t whole;         /* 0, or the positions of a group read whole */
     uint32_t exact;         /* 1: the shortest prefix; 0: the boundary bin whole */
-    bool whole_auto;        /* whole not given: RQ_DEVICE_GROUP once the backend selects */
-    bool exact_auto;        /* exact not given: RQ_DEVICE_EXACT once the backend selects */
+    bool whole_auto;        /* whole not given: RQ_DEVICE_GROUP once a device selects */
+    bool exact_auto;        /* exact not given: RQ_DEVICE_EXACT once a device selects */
     struct tkv_rabitq **ix; /* [layer][head]: the index, NULL until first built */
     /* the KV in backend memory: the indexes' codes live there too */
     struct tkv_backend *be;              /* NULL: host indexes only          */
@@ -323,9 +323,13 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
         }
         if (r->env.device_table && be->ops->kv_table)
             TKV_TRY(be->ops->alloc(be, (size_t)H * r->words * sizeof *r->bitmap_dev, (void **)&r->bitmap_dev));
-        if (r->whole_auto)
+        /* the device's defaults where the selection runs in device memory
+         * (the backend prepares queries there: rabitq_prepare); the CPU
+         * backend's selection (its threads over host memory) keeps the
+         * host's, whose sets its attention reads at any granularity */
+        if (r->whole_auto && be->ops->rabitq_prepare)
             r->whole = RQ_DEVICE_GROUP;
-        if (r->exact_auto)
+        if (r->exact_auto && be->ops->rabitq_prepare)
             r->exact = RQ_DEVICE_EXACT;
     }
     TKV_TRY(be->ops->alloc(be, n * sizeof(float), (void **)&r->est_dev));

@@ -155,73 +155,100 @@ tkv_status tkv_rabitq_select_check_out(const struct tkv_rabitq_select_args *a, c
     return TKV_OK;
 }
 
-tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a)
+tkv_status tkv_rabitq_select_check(const struct tkv_rabitq_select_args *a, const char *who, uint32_t *n_max)
 {
-    TKV_TRY(tkv_rabitq_select_check_out(a, "rabitq: host_select"));
+    TKV_TRY(tkv_rabitq_select_check_out(a, who));
     if (a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
-        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: G = %u", a->G);
-    uint32_t n_max = 0;
+        return tkv_err(TKV_ERR_INVALID_ARG, "%s: G = %u", who, a->G);
+    *n_max = 0;
     for (uint32_t h = 0; h < a->n_heads; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
         if (!hd->ix || (!hd->q && !hd->q_dev) || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
             hd->n_forced > TKV_RABITQ_SELECT_MAX_FORCED)
-            return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: head %u: %u keys, %u forced ranges", h, hd->n,
+            return tkv_err(TKV_ERR_INVALID_ARG, "%s: head %u: %u keys, %u forced ranges", who, h, hd->n,
                            hd->n_forced);
         for (uint32_t r = 0; r < hd->n_forced; r++)
             if (hd->forced[r].end > hd->n)
-                return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: head %u: forced range past %u keys", h,
-                               hd->n);
-        n_max = TKV_MAX(n_max, hd->n);
+                return tkv_err(TKV_ERR_INVALID_ARG, "%s: head %u: forced range past %u keys", who, h, hd->n);
+        *n_max = TKV_MAX(*n_max, hd->n);
     }
-    if ((uint64_t)a->words * 32 < n_max)
-        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: host_select: %u bitmap words for %u keys", a->words, n_max);
-    const size_t wb = tkv_rabitq_topp_work_bytes(n_max);
-    float *est = malloc((size_t)n_max * sizeof *est), *bound = malloc((size_t)n_max * sizeof *bound);
-    uint32_t *pos = malloc((size_t)n_max * sizeof *pos);
-    void *work = malloc(wb);
-    tkv_status st = est && bound && pos && work ? TKV_OK : tkv_err(TKV_ERR_NOMEM, "rabitq: host_select: out of memory");
+    if ((uint64_t)a->words * 32 < *n_max)
+        return tkv_err(TKV_ERR_INVALID_ARG, "%s: %u bitmap words for %u keys", who, a->words, *n_max);
+    return TKV_OK;
+}
+
+size_t tkv_rabitq_select_pair_bytes(uint32_t n)
+{
+    return 3 * tkv_align_up((size_t)n * sizeof(float), 8) + tkv_rabitq_topp_work_bytes(n);
+}
+
+tkv_status tkv_rabitq_select_pair(const struct tkv_rabitq_select_args *a, uint32_t h, uint32_t j, void *scratch,
+                                  uint32_t *row)
+{
+    const struct tkv_rabitq_select_head *hd = &a->heads[h];
+    const size_t nb = tkv_align_up((size_t)hd->n * sizeof(float), 8);
+    float *est = scratch, *bound = (float *)((char *)scratch + nb);
+    uint32_t *pos = (uint32_t *)((char *)scratch + 2 * nb);
+    void *work = (char *)scratch + 3 * nb;
+    struct tkv_range forced[TKV_RABITQ_SELECT_MAX_FORCED];
+    for (uint32_t r = 0; r < hd->n_forced; r++)
+        forced[r] = (struct tkv_range){hd->forced[r].begin, hd->forced[r].end};
+    const struct tkv_rabitq_topp_params tp = {.p = a->p, .scale = a->scale, .extra_lse = a->extra_lse, .pos0 = 0,
+                                              .forced = forced, .n_forced = hd->n_forced, .coarse = a->coarse};
+    struct tkv_rabitq_query qd;
+    if (!hd->q) /* prepared by rabitq_prepare: the fields estimate reads */
+        tkv_rabitq_query_from_dev(&hd->q_dev[j], NULL, &qd);
+    TKV_TRY(tkv_rabitq_host_estimate(hd->ix, hd->q ? &hd->q[j] : &qd, 0, hd->n, est, a->safe ? bound : NULL));
+    struct tkv_rabitq_topp_result res;
+    tkv_status st = tkv_rabitq_select_topp(est, a->safe ? bound : NULL, hd->n, &tp, work,
+                                           tkv_rabitq_topp_work_bytes(hd->n), pos, hd->n, &res);
+    if (st == TKV_ERR_INVALID_ARG) { /* a non-finite estimate: the whole head */
+        set_bits(row, 0, hd->n);
+        res.n_chosen = UINT32_MAX, res.mass = NAN;
+    } else if (st != TKV_OK) {
+        return st;
+    } else {
+        for (uint32_t x = 0; x < res.n_pos; x++)
+            row[pos[x] / 32] |= 1u << (pos[x] % 32);
+    }
+    if (a->n_chosen)
+        a->n_chosen[h * a->G + j] = res.n_chosen;
+    if (a->mass)
+        a->mass[h * a->G + j] = res.mass;
+    return TKV_OK;
+}
+
+uint32_t *tkv_rabitq_select_row(const struct tkv_rabitq_select_args *a, uint32_t h)
+{
+    return a->bitmap ? a->bitmap + (size_t)h * a->words : a->bitmap_dev + (size_t)a->heads[h].row * a->words;
+}
+
+void tkv_rabitq_select_widen(const struct tkv_rabitq_select_args *a, uint32_t h, uint32_t *row)
+{
+    const uint32_t n = a->heads[h].n;
+    for (uint32_t b0 = 0; a->whole && b0 < n; b0 += a->whole) {
+        const uint32_t b1 = TKV_MIN(b0 + a->whole, n);
+        bool any = false;
+        for (uint32_t x = b0; x < b1 && !any; x++)
+            any = row[x / 32] >> (x % 32) & 1;
+        if (any)
+            set_bits(row, b0, b1);
+    }
+}
+
+tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a)
+{
+    uint32_t n_max;
+    TKV_TRY(tkv_rabitq_select_check(a, "rabitq: host_select", &n_max));
+    void *scratch = malloc(tkv_rabitq_select_pair_bytes(n_max));
+    tkv_status st = scratch ? TKV_OK : tkv_err(TKV_ERR_NOMEM, "rabitq: host_select: out of memory");
     for (uint32_t h = 0; h < a->n_heads && st == TKV_OK; h++) {
-        const struct tkv_rabitq_select_head *hd = &a->heads[h];
-        uint32_t *row = a->bitmap ? a->bitmap + (size_t)h * a->words : a->bitmap_dev + (size_t)hd->row * a->words;
+        uint32_t *row = tkv_rabitq_select_row(a, h);
         memset(row, 0, (size_t)a->words * sizeof *row);
-        struct tkv_range forced[TKV_RABITQ_SELECT_MAX_FORCED];
-        for (uint32_t r = 0; r < hd->n_forced; r++)
-            forced[r] = (struct tkv_range){hd->forced[r].begin, hd->forced[r].end};
-        const struct tkv_rabitq_topp_params tp = {.p = a->p, .scale = a->scale, .extra_lse = a->extra_lse,
-                                                  .pos0 = 0, .forced = forced, .n_forced = hd->n_forced,
-                                                  .coarse = a->coarse};
-        for (uint32_t j = 0; j < a->G && st == TKV_OK; j++) {
-            struct tkv_rabitq_topp_result res;
-            struct tkv_rabitq_query qd;
-            if (!hd->q) /* prepared by rabitq_prepare: the fields estimate reads */
-                tkv_rabitq_query_from_dev(&hd->q_dev[j], NULL, &qd);
-            st = tkv_rabitq_host_estimate(hd->ix, hd->q ? &hd->q[j] : &qd, 0, hd->n, est, a->safe ? bound : NULL);
-            if (st != TKV_OK)
-                break;
-            tkv_status ts = tkv_rabitq_select_topp(est, a->safe ? bound : NULL, hd->n, &tp, work, wb, pos, hd->n, &res);
-            if (ts == TKV_ERR_INVALID_ARG) { /* a non-finite estimate: the whole head */
-                set_bits(row, 0, hd->n);
-                res.n_chosen = UINT32_MAX, res.mass = NAN;
-            } else if ((st = ts) != TKV_OK) {
-                break;
-            } else {
-                for (uint32_t x = 0; x < res.n_pos; x++)
-                    row[pos[x] / 32] |= 1u << (pos[x] % 32);
-            }
-            if (a->n_chosen)
-                a->n_chosen[h * a->G + j] = res.n_chosen;
-            if (a->mass)
-                a->mass[h * a->G + j] = res.mass;
-        }
-        for (uint32_t b0 = 0; a->whole && b0 < hd->n; b0 += a->whole) { /* whole blocks */
-            const uint32_t b1 = TKV_MIN(b0 + a->whole, hd->n);
-            bool any = false;
-            for (uint32_t x = b0; x < b1 && !any; x++)
-                any = row[x / 32] >> (x % 32) & 1;
-            if (any)
-                set_bits(row, b0, b1);
-        }
+        for (uint32_t j = 0; j < a->G && st == TKV_OK; j++)
+            st = tkv_rabitq_select_pair(a, h, j, scratch, row);
+        tkv_rabitq_select_widen(a, h, row);
     }
-    free(est), free(bound), free(pos), free(work);
+    free(scratch);
     return st;
 }

@@ -214,6 +214,24 @@ void tkv_rabitq_query_poison(uint32_t dim_pad, float eps0, struct tkv_rabitq_dev
  * call (tests, and test backends standing in for a device). */
 tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a);
 
+/* Its pieces, for a backend that runs them its own way (the CPU backend: a
+ * (head, query head) pair per task on its threads):
+ *   select_check  the arguments (outputs, G, each head's keys and forced
+ *                 ranges, the bitmap width); *n_max the most keys of a head;
+ *   select_pair   query head j of head h: estimates and top-p in scratch
+ *                 (tkv_rabitq_select_pair_bytes(n) for a head of n keys,
+ *                 8-byte aligned), the positions ORed into row (a
+ *                 non-finite estimate: every key), n_chosen and mass written
+ *                 where the args have them;
+ *   select_row    head h's row of the output bitmap;
+ *   select_widen  row widened to whole groups of a->whole positions (0: as it is). */
+tkv_status tkv_rabitq_select_check(const struct tkv_rabitq_select_args *a, const char *who, uint32_t *n_max);
+size_t     tkv_rabitq_select_pair_bytes(uint32_t n);
+tkv_status tkv_rabitq_select_pair(const struct tkv_rabitq_select_args *a, uint32_t h, uint32_t j, void *scratch,
+                                  uint32_t *row);
+uint32_t  *tkv_rabitq_select_row(const struct tkv_rabitq_select_args *a, uint32_t h);
+void       tkv_rabitq_select_widen(const struct tkv_rabitq_select_args *a, uint32_t h, uint32_t *row);
+
 /* ---- query and estimate --------------------------------------------------- */
 
 /* A query prepared for one index: u' = P (q - c_q), quantized as
