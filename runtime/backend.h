@@ -482,8 +482,10 @@ struct tkv_backend_ops {
     tkv_status (*rabitq_estimate)(struct tkv_backend *b, const struct tkv_rabitq_dev *ix,
                                   const struct tkv_rabitq_query *q, uint32_t first, uint32_t n, float *est,
                                   float *bound);
-    /* optional (NULL on the CPU backend, whose policies select on the
-     * host): the selection above for one layer in one call, one wait. */
+    /* optional (NULL: the policies select head by head, estimates and
+     * top-p on the host): the selection above for one layer in one call,
+     * one wait. The CPU backend's runs the host reference's (head, query
+     * head) pairs on its threads. */
     tkv_status (*rabitq_select)(struct tkv_backend *b, const struct tkv_rabitq_select_args *a);
     /* optional (NULL: the policy downloads the rows and sums them on the
      * host): a key centroid's sums from backend memory. For every element

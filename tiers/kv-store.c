@@ -2083,8 +2083,8 @@ void tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer)
         }
 }
 
-/* tkv_kvs_prefetch's work over the blocks base + off[0, n) of `layer` (base:
- * its first block's index; off: head * max_blocks + block, as sel holds). */
+/* tkv_kvs_prefetch's work over the blocks off[0, n) of `layer`, each given
+ * as head * max_blocks + block (as sel holds them). */
 static void prefetch_blocks(struct tkv_kvs *s, uint32_t layer, const uint32_t *off, uint32_t n)
 {
     /* NVMe -> a host compute tier by io_uring; pinned host -> GPU by the
