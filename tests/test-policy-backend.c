@@ -447,10 +447,10 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
 /* The device decode table (TKV_RABITQ_DEVICE_TABLE=1, the default where the
  * backend's memory is not the host's): on the opaque backend, flat and
  * tiered, the RaBitQ policies decode with the knob on as with it off (=0)
- * -- the same tokens and reads, the same logits (tiered: within 1e-5 of
- * the largest, the CPU split's partials may be cut elsewhere; with the CPU
- * split a near tie of the top-p may flip: reads within 0.1%, logits within
- * 1e-2 then) --
+ * -- the same tokens and reads, the same logits (bit for bit but with the
+ * CPU split, whose partials may be cut elsewhere: within 1e-4 of the
+ * largest; there a near tie of the top-p may flip: reads within 0.1%,
+ * logits within 1e-2 then) --
  * while kv_table builds each layer's table from the bitmaps left in
  * backend memory. Flat (every
  * block resident), every such layer's attention reads that table where it
@@ -501,16 +501,21 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
                   tiers[tier], (unsigned long long)counted, (unsigned long long)from_table);
             CHECK(!memcmp(t_off, t_on, sizeof t_off), "%s (%s): the knob on generated other tokens", specs[i],
                   tiers[tier]);
-            /* flat: bit for bit; tiered: the residency differs (a layer with
-             * misses begins twice), so the split attention's partials and their
-             * rounding may too: 1e-5 of the largest logit. With the CPU split a
-             * key at a near tie of a later top-p can then go either way (seen:
-             * one key in 5700 reads, the logits 3.5e-3 of the largest apart) */
+            /* flat and recalled: bit for bit (every block attended in one
+             * pass either way). With the CPU split the residency differs (a
+             * layer with misses begins twice), so the blocks each side
+             * attends, and the rounding of the merged partials, may too:
+             * measured up to 1.75e-5 of the largest logit over 80 seeds
+             * (TKV_SEED=586019; 1.01e-5 at CI's 353224201806169, which the
+             * bound of 1e-5 first set here failed), so 1e-4: one key read
+             * or not moves them 35 times that. A key at a near tie of a later
+             * top-p can go either way (seen: one key in 5700 reads, the
+             * logits 3.5e-3 of the largest apart): then 1e-2 */
             double dmax = 0, lmax = 0;
             for (size_t j = 0; j < (NG + 1) * V; j++)
                 dmax = fmax(dmax, fabs((double)l_off[j] - l_on[j])), lmax = fmax(lmax, fabs((double)l_off[j]));
             const bool split = tier == 1, flip = split && r_off != r_on;
-            CHECK(tier ? dmax <= (flip ? 1e-2 : 1e-5) * lmax : !memcmp(l_off, l_on, sizeof l_off),
+            CHECK(split ? dmax <= (flip ? 1e-2 : 1e-4) * lmax : !memcmp(l_off, l_on, sizeof l_off),
                   "%s (%s): the knob on changed the logits by up to %g (largest %g)", specs[i], tiers[tier], dmax,
                   lmax);
             CHECK(split ? fabs(r_off - r_on) <= 1e-3 * r_off : r_off == r_on,
