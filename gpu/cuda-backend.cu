@@ -1397,42 +1397,23 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "rabitq_select";
     ALIVE(op);
-    TKV_TRY(tkv_rabitq_select_check_out(a, "cuda: rabitq_select"));
-    if (a->n_heads == 0 || a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u heads, G = %u (1..%d)", a->n_heads, a->G,
-                       TKV_RABITQ_SELECT_MAX_G);
-    if (!(a->p > 0 && a->p <= 1) || !(a->scale > 0) || !isfinite(a->scale) || isnan(a->extra_lse) ||
-        a->extra_lse == INFINITY)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: p %g, scale %g, extra_lse %g", (double)a->p,
-                       (double)a->scale, (double)a->extra_lse);
+    uint32_t n_max;
+    TKV_TRY(tkv_rabitq_select_check(a, "cuda: rabitq_select", &n_max));
+    if (a->n_heads == 0)
+        return TKV_OK;
     static_assert(TKV_CUDA_RQS_MAX_G == TKV_RABITQ_SELECT_MAX_G &&
                       TKV_CUDA_RQS_MAX_FORCED == TKV_RABITQ_SELECT_MAX_FORCED,
                   "the same limits");
-    uint32_t n_max = 0, code_words = a->heads[0].ix ? a->heads[0].ix->words : 0; /* 0: the heads' widths differ */
+    uint32_t code_words = a->heads[0].ix->words; /* 0: the heads' widths differ */
     bool host_q = false; /* some head's queries come from the host: staged */
     for (uint32_t h = 0; h < a->n_heads; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
-        if (!hd->ix || (!hd->q && !hd->q_dev) || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
-            hd->n_forced > TKV_RABITQ_SELECT_MAX_FORCED || hd->ix->words == 0 ||
-            hd->ix->words > TKV_CUDA_RQ_MAX_WORDS)
-            return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: head %u: %u keys (1..%u), %u forced ranges", h,
-                           hd->n, TKV_RABITQ_SELECT_MAX_N, hd->n_forced);
-        for (uint32_t r = 0; r < hd->n_forced; r++)
-            if (hd->forced[r].begin > hd->forced[r].end || hd->forced[r].end > hd->n ||
-                (r && hd->forced[r].begin < hd->forced[r - 1].end))
-                return tkv_err(TKV_ERR_INVALID_ARG,
-                               "cuda: rabitq_select: head %u: forced range %u [%u, %u) not ascending within [0, %u)", h,
-                               r, hd->forced[r].begin, hd->forced[r].end, hd->n);
-        for (uint32_t j = 0; j < a->G && hd->q; j++) /* (q_dev: rabitq_prepare wrote the twin's words) */
-            if (hd->q[j].words != hd->ix->words)
-                return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: head %u query %u: %u words, index %u", h, j,
-                               hd->q[j].words, hd->ix->words);
-        n_max = TKV_MAX(n_max, hd->n);
+        if (hd->ix->words == 0 || hd->ix->words > TKV_CUDA_RQ_MAX_WORDS) /* the kernels' code widths */
+            return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: head %u: codes of %u words (1..%d)", h,
+                           hd->ix->words, TKV_CUDA_RQ_MAX_WORDS);
         code_words = hd->ix->words == code_words ? code_words : 0;
         host_q |= hd->q != NULL;
     }
-    if ((uint64_t)a->words * 32 < n_max)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rabitq_select: %u bitmap words for %u keys", a->words, n_max);
     const uint32_t H = a->n_heads, G = a->G, P = H * G;
     /* the heads go into the kernels' parameters (tkv_cuda_rqs_run); queries
      * the host prepared go up through a slot of the staging ring (the host

@@ -271,6 +271,52 @@ static void test_pool(void)
  * and without whole groups, on 1 to 3 threads; heads of different lengths
  * (each its own index), sinks and a recent window forced, one head whose
  * keys are mostly copies of one (ties). A bad call is refused by name. */
+/* Bad arguments of a selection are refused by the CPU op and by the host
+ * reference alike, with TKV_ERR_INVALID_ARG and a message that names the
+ * bad value -- not taken for a non-finite estimate, which selects the whole
+ * head and succeeds. heads[0] has two forced ranges and host queries. */
+static void test_rabitq_select_refusals(struct tkv_backend *be, const struct tkv_rabitq_select_head *heads, uint32_t nh,
+                                        uint32_t G, uint32_t words, uint32_t *bitmap)
+{
+    enum { CASES = 11 };
+    /* what the message must name */
+    static const char *const expect[CASES] = {"p 0 ",          "p 1.5",         "p nan",  "scale 0 ",
+                                              "scale inf",     "extra_lse nan", "extra_lse inf", "range 0 [9, 3)",
+                                              "range 1 [4, 8)", "range 1 [0, 4)", "query 1: 9 words"};
+    struct tkv_rabitq_select_head h[8];
+    struct tkv_rabitq_query q0[8];
+    REQUIRE_VOID(nh <= 8 && G <= 8 && heads[0].n_forced == 2 && heads[0].q);
+    for (int c = 0; c < CASES; c++) {
+        memcpy(h, heads, nh * sizeof *h);
+        memcpy(q0, heads[0].q, G * sizeof *q0);
+        h[0].q = q0;
+        struct tkv_rabitq_select_args a = {.heads = h, .n_heads = nh, .G = G, .p = 0.9f, .scale = 0.125f,
+                                           .extra_lse = -INFINITY, .bitmap = bitmap, .words = words};
+        switch (c) {
+        case 0: a.p = 0.0f; break;
+        case 1: a.p = 1.5f; break;
+        case 2: a.p = NAN; break;
+        case 3: a.scale = 0.0f; break;
+        case 4: a.scale = INFINITY; break;
+        case 5: a.extra_lse = NAN; break;
+        case 6: a.extra_lse = INFINITY; break;
+        case 7: h[0].forced[0] = (struct tkv_rabitq_select_range){9, 3}; break;          /* begin > end */
+        case 8: h[0].forced[0] = (struct tkv_rabitq_select_range){2, 6}, /* overlapping */
+                h[0].forced[1] = (struct tkv_rabitq_select_range){4, 8}; break;
+        case 9: h[0].forced[1] = (struct tkv_rabitq_select_range){0, 4}; break;          /* not ascending */
+        default: q0[1].words = 9; break;                                                  /* another width */
+        }
+        for (int r = 0; r < 2; r++) {
+            const tkv_status st = r ? tkv_rabitq_host_select(&a) : be->ops->rabitq_select(be, &a);
+            const char *err = tkv_last_error();
+            CHECK(st == TKV_ERR_INVALID_ARG && strstr(err, r ? "rabitq: host_select" : "cpu: rabitq_select") &&
+                      strstr(err, expect[c]),
+                  "%s: '%s' must be refused, naming it: %s (%s)", r ? "host_select" : "cpu op", expect[c],
+                  tkv_status_str(st), err);
+        }
+    }
+}
+
 static void test_rabitq_select(void)
 {
     enum { NH = 5, G = 4, D = 64 };
@@ -346,6 +392,7 @@ static void test_rabitq_select(void)
     }
     fprintf(stderr, "rabitq_select: %u cases on 1-3 threads equal the host reference (%u keys kept in all)\n", cases,
             kept);
+    test_rabitq_select_refusals(be, heads, NH, G, words, got);
     for (uint32_t h = 0; h < NH; h++) {
         tkv_rabitq_dev_free(dx[h]);
         tkv_rabitq_free(ix[h]);

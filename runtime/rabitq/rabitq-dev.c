@@ -159,17 +159,29 @@ tkv_status tkv_rabitq_select_check(const struct tkv_rabitq_select_args *a, const
 {
     TKV_TRY(tkv_rabitq_select_check_out(a, who));
     if (a->G == 0 || a->G > TKV_RABITQ_SELECT_MAX_G)
-        return tkv_err(TKV_ERR_INVALID_ARG, "%s: G = %u", who, a->G);
+        return tkv_err(TKV_ERR_INVALID_ARG, "%s: G = %u (1..%d)", who, a->G, TKV_RABITQ_SELECT_MAX_G);
+    /* top-p's own refusals, here so that they are not taken for a
+     * non-finite estimate (tkv_rabitq_select_pair: the whole head) */
+    if (!(a->p > 0 && a->p <= 1) || !(a->scale > 0) || !isfinite(a->scale) || isnan(a->extra_lse) ||
+        a->extra_lse == INFINITY)
+        return tkv_err(TKV_ERR_INVALID_ARG, "%s: p %g (0 < p <= 1), scale %g (finite, > 0), extra_lse %g", who,
+                       (double)a->p, (double)a->scale, (double)a->extra_lse);
     *n_max = 0;
     for (uint32_t h = 0; h < a->n_heads; h++) {
         const struct tkv_rabitq_select_head *hd = &a->heads[h];
         if (!hd->ix || (!hd->q && !hd->q_dev) || hd->n == 0 || hd->n > TKV_RABITQ_SELECT_MAX_N ||
             hd->n_forced > TKV_RABITQ_SELECT_MAX_FORCED)
-            return tkv_err(TKV_ERR_INVALID_ARG, "%s: head %u: %u keys, %u forced ranges", who, h, hd->n,
-                           hd->n_forced);
+            return tkv_err(TKV_ERR_INVALID_ARG, "%s: head %u: %u keys (1..%u), %u forced ranges (at most %d)", who, h,
+                           hd->n, TKV_RABITQ_SELECT_MAX_N, hd->n_forced, TKV_RABITQ_SELECT_MAX_FORCED);
         for (uint32_t r = 0; r < hd->n_forced; r++)
-            if (hd->forced[r].end > hd->n)
-                return tkv_err(TKV_ERR_INVALID_ARG, "%s: head %u: forced range past %u keys", who, h, hd->n);
+            if (hd->forced[r].begin > hd->forced[r].end || hd->forced[r].end > hd->n ||
+                (r && hd->forced[r].begin < hd->forced[r - 1].end))
+                return tkv_err(TKV_ERR_INVALID_ARG, "%s: head %u: forced range %u [%u, %u) not ascending within [0, %u)",
+                               who, h, r, hd->forced[r].begin, hd->forced[r].end, hd->n);
+        for (uint32_t j = 0; j < a->G && hd->q; j++) /* (q_dev: rabitq_prepare wrote the twin's words) */
+            if (hd->q[j].words != hd->ix->words)
+                return tkv_err(TKV_ERR_INVALID_ARG, "%s: head %u query %u: %u words, index %u", who, h, j,
+                               hd->q[j].words, hd->ix->words);
         *n_max = TKV_MAX(*n_max, hd->n);
     }
     if ((uint64_t)a->words * 32 < *n_max)

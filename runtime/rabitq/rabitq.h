@@ -216,8 +216,10 @@ tkv_status tkv_rabitq_host_select(const struct tkv_rabitq_select_args *a);
 
 /* Its pieces, for a backend that runs them its own way (the CPU backend: a
  * (head, query head) pair per task on its threads):
- *   select_check  the arguments (outputs, G, each head's keys and forced
- *                 ranges, the bitmap width); *n_max the most keys of a head;
+ *   select_check  the arguments (outputs, G, p, scale and extra_lse, each
+ *                 head's keys, forced ranges and host queries' widths, the
+ *                 bitmap width: every backend's op calls it); *n_max the
+ *                 most keys of a head;
  *   select_pair   query head j of head h: estimates and top-p in scratch
  *                 (tkv_rabitq_select_pair_bytes(n) for a head of n keys,
  *                 8-byte aligned), the positions ORed into row (a
