@@ -718,7 +718,9 @@ static inline uint32_t bin_of(float g, float gmax)
 }
 
 struct topp_work {
-    float *g;             /* [n] log-value of each key; +inf once taken from the threshold bin */
+    float *g;             /* [n] log-value of each key                                          */
+    uint16_t *bin;        /* [n] a candidate's bin + 1 (bin_of, pass 2); 0 once taken from the
+                             threshold bin: kept <=> bin[i] <= bstar                             */
     struct cand *cand;    /* [n] members of the threshold bin                                   */
     double *hl, *hu;      /* [NBINS] sums of l and u per bin (hu: then suffix sums)             */
     uint32_t *hc;         /* [NBINS] counts                                                     */
@@ -726,8 +728,8 @@ struct topp_work {
 
 size_t tkv_rabitq_topp_work_bytes(uint32_t n)
 {
-    return tkv_align_up((size_t)n * sizeof(float), 8) + (size_t)n * sizeof(struct cand) +
-           NBINS * (2 * sizeof(double) + sizeof(uint32_t));
+    return tkv_align_up((size_t)n * sizeof(float), 8) + tkv_align_up((size_t)n * sizeof(uint16_t), 8) +
+           (size_t)n * sizeof(struct cand) + NBINS * (2 * sizeof(double) + sizeof(uint32_t));
 }
 
 static struct topp_work topp_carve(void *work, uint32_t n)
@@ -736,6 +738,8 @@ static struct topp_work topp_carve(void *work, uint32_t n)
     char *p = work;
     w.g = (float *)p;
     p += tkv_align_up((size_t)n * sizeof(float), 8);
+    w.bin = (uint16_t *)p;
+    p += tkv_align_up((size_t)n * sizeof(uint16_t), 8);
     w.cand = (struct cand *)p;
     p += (size_t)n * sizeof(struct cand);
     w.hl = (double *)p;
@@ -846,6 +850,7 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
                 N += el;
             } else {
                 const uint32_t b = bin_of(w.g[j], gmax);
+                w.bin[j] = (uint16_t)(b + 1);
                 w.hl[b] += el;
                 w.hu[b] += eu;
                 w.hc[b]++;
@@ -894,7 +899,7 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
             bool forced;
             e = run_end(pp, n, i, &r, &forced);
             for (uint32_t j = i; j < e && !forced; j++)
-                if (bin_of(w.g[j], gmax) == bstar)
+                if (w.bin[j] == bstar + 1)
                     w.cand[m++] = (struct cand){0, w.g[j], j};
         }
         sort_cands(w.cand, m);
@@ -912,7 +917,7 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
             double l, u;
             key_lu(est, bound, w.cand[j].i, scale, M, &l, &u);
             N += l;
-            w.g[w.cand[j].i] = INFINITY; /* taken */
+            w.bin[w.cand[j].i] = 0; /* taken */
             cnt++;
             C = j + 1 < m ? w.cand[j + 1].c : C_after;
         }
@@ -943,11 +948,11 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
         } else if (count + (e - i) <= cap) { /* room for all: branch-free */
             for (uint32_t j = i; j < e; j++) {
                 pos[count] = pp->pos0 + j;
-                count += w.g[j] == INFINITY || bin_of(w.g[j], gmax) < bstar;
+                count += w.bin[j] <= bstar;
             }
         } else {
             for (uint32_t j = i; j < e; j++)
-                if (w.g[j] == INFINITY || bin_of(w.g[j], gmax) < bstar)
+                if (w.bin[j] <= bstar)
                     EMIT(pp->pos0 + j);
         }
     }
