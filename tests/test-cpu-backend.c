@@ -436,6 +436,9 @@ int main(void)
         test_attention_case(cb, 4, 4, 64, 16, 200, 2, false);    /* 2 rows (MHA, 2 tokens) */
         test_attention_case(cb, 10, 2, 64, 64, 300, 1, true);    /* 5 rows */
         test_attention_case(cb, 14, 2, 128, 32, 250, 1, false);  /* 7 rows */
+        test_attention_case(cb, 12, 2, 64, 7, 200, 1, false);    /* 6 rows, blocks of 7 (a lone last key) */
+        test_attention_case(cb, 9, 3, 64, 5, 203, 1, true);      /* 3 rows, blocks of 5 */
+        test_attention_case(cb, 2, 1, 256, 16, 100, 1, false);   /* 2 rows, hd 256 */
         test_attention_merge(cb);
     }
     cb->attn_fused = fused_ok;
