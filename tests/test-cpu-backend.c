@@ -265,12 +265,6 @@ static void test_pool(void)
 
 /* ---- rabitq_select ------------------------------------------------------- */
 
-/* The backend's op (a (head, query head) pair per task on its threads)
- * against tkv_rabitq_host_select on the same heads: the same bitmaps, counts
- * and masses, bit for bit, for plain and safe, exact and coarse top-p, with
- * and without whole groups, on 1 to 3 threads; heads of different lengths
- * (each its own index), sinks and a recent window forced, one head whose
- * keys are mostly copies of one (ties). A bad call is refused by name. */
 /* Bad arguments of a selection are refused by the CPU op and by the host
  * reference alike, with TKV_ERR_INVALID_ARG and a message that names the
  * bad value -- not taken for a non-finite estimate, which selects the whole
@@ -317,6 +311,12 @@ static void test_rabitq_select_refusals(struct tkv_backend *be, const struct tkv
     }
 }
 
+/* The backend's op (a (head, query head) pair per task on its threads)
+ * against tkv_rabitq_host_select on the same heads: the same bitmaps, counts
+ * and masses, bit for bit, for plain and safe, exact and coarse top-p, with
+ * and without whole groups, on 1 to 3 threads; heads of different lengths
+ * (each its own index), sinks and a recent window forced, one head whose
+ * keys are mostly copies of one (ties). A bad call is refused by name. */
 static void test_rabitq_select(void)
 {
     enum { NH = 5, G = 4, D = 64 };

@@ -712,9 +712,9 @@ static void sort_cands(struct cand *h, size_t n)
 
 static inline uint32_t bin_of(float g, float gmax)
 {
-    float d = (gmax - g) * BPN;                 /* >= 0; +inf or NaN for g = -inf, -inf for a taken key */
+    float d = (gmax - g) * BPN; /* >= 0; +inf for g = -inf (NaN if gmax is -inf too): the last bin */
     d = d < (float)(NBINS - 1) ? d : (float)(NBINS - 1);
-    return (uint32_t)(int32_t)(d > 0 ? d : 0); /* (taken keys are told apart before) */
+    return (uint32_t)(int32_t)(d > 0 ? d : 0);
 }
 
 struct topp_work {
