@@ -188,11 +188,25 @@ TKV_FUSED static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
 
 TKV_FUSED static inline __m256 load_h8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* Asks for the n rows of hd f16 at p in cache, a line at a time. A macro,
+ * not a function: GCC takes a function of prefetches alone for pure and
+ * drops its calls. */
+#define PREFETCH_ROWS(p, n, hd)                                                                                         \
+    do {                                                                                                               \
+        const char *pf_ = (const char *)(p);                                                                           \
+        for (size_t o_ = 0; o_ < (size_t)(n) * (hd) * 2; o_ += 64)                                                     \
+            _mm_prefetch(pf_ + o_, _MM_HINT_T0);                                                                       \
+    } while (0)
+
 /* S[r * ld + c] = Q[r] . k_c for the RR rows of Q (hd floats each) and the
  * nb blocks' keys (c counts them): two keys per step for up to 4 rows, one
  * for more, so that up to 8 independent accumulators hide the FMA latency
  * (an odd block's last key is paired with itself) and one horizontal-sum
- * shuffle yields 8 scores. hd a multiple of 8. */
+ * shuffle yields 8 scores. hd a multiple of 8.
+ * Each step also asks for the V rows of its keys, which pv_rows reads once
+ * the tile's scores are done: decode attention reads every K/V row once,
+ * from memory, and without it P . V waited for each V row (1.5x on one
+ * core of the build VM, SmolLM2 at 8K: docs/benchmarks.md). */
 TKV_FUSED static inline __attribute__((always_inline)) void scores_rows(const float *Q, uint32_t hd,
                                                                        const struct tkv_kv_block_ref *blk,
                                                                        uint32_t nb, float *S, uint32_t ld,
@@ -204,6 +218,7 @@ TKV_FUSED static inline __attribute__((always_inline)) void scores_rows(const fl
         for (uint32_t j = 0; j < blk[b].n; j += KS) {
             const bool pair = KS == 2 && j + 1 < blk[b].n;
             const uint16_t *k0 = blk[b].k + (size_t)j * hd, *k1 = pair ? k0 + hd : k0;
+            PREFETCH_ROWS(blk[b].v + (size_t)j * hd, pair ? 2 : 1, hd);
             __m256 a[8];
             for (int i = 0; i < 8; i++)
                 a[i] = _mm256_setzero_ps();
