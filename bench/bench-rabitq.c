@@ -155,8 +155,10 @@ static int select_bench(bool cuda, uint32_t threads)
     }
     printf("## One layer's RaBitQ selection on the %s (%d KV heads x %d query heads, D = %d, p = 0.9, sink 64, "
            "recent 64), ms per layer\n\n", cuda ? "GPU" : "CPU backend", H, G, D);
-    if (!cuda)
+    if (!cuda && threads)
         printf("rabitq_select on %u threads; the other column is the policy's path without it, on one\n\n", threads);
+    else if (!cuda)
+        printf("rabitq_select on a thread per core; the other column is the policy's path without it, on one\n\n");
     printf("| keys | mode | rabitq_select | estimate + download + host top-p | speedup | keys differing |\n");
     printf("|---:|---|---:|---:|---:|---:|\n");
     const uint32_t sizes[] = {32768, 131072, 1048576};

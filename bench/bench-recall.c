@@ -15,8 +15,8 @@
  * (context, policy) pair under tier caps, with columns bench-decode has no
  * use for. Policies are given one --policy each (specs hold commas; default
  * `full` and `rabitq:p=0.9`; "SPEC;no-prefetch": SPEC without the prefetch
- * of the next layer's selection of the step before). The tier options go into the session exactly
- * as `tierkv run` passes them; `full` rows leave the caps out (all KV in the
+ * of the next layer's selection of the step before). The tier options go
+ * into the session exactly as `tierkv run` passes them; `full` rows leave the caps out (all KV in the
  * compute tier, "where it fits": a session that cannot hold it is a row
  * saying so) unless --cap-full.
  *

@@ -394,9 +394,10 @@ static void select_worker(void *ctx, uint32_t ith, uint32_t nth)
     for (uint32_t k = ith; k < a->n_heads * a->G && !__atomic_load_n(&j->failed, __ATOMIC_RELAXED); k += nth) {
         uint32_t *row = j->cb->select_rows + (size_t)k * a->words;
         memset(row, 0, (size_t)a->words * sizeof *row);
-        tkv_status st = (scratch = scratch ? scratch : tkv_cpu_scratch(j->cb, ith, j->scratch_floats))
-                            ? tkv_rabitq_select_pair(a, k / a->G, k % a->G, scratch, row)
-                            : tkv_err(TKV_ERR_NOMEM, "cpu: rabitq_select: out of memory for a thread's scratch");
+        if (!scratch) /* the thread's, once */
+            scratch = tkv_cpu_scratch(j->cb, ith, j->scratch_floats);
+        tkv_status st = scratch ? tkv_rabitq_select_pair(a, k / a->G, k % a->G, scratch, row)
+                                : tkv_err(TKV_ERR_NOMEM, "cpu: rabitq_select: out of memory for a thread's scratch");
         if (st != TKV_OK && !__atomic_exchange_n(&j->failed, 1, __ATOMIC_ACQ_REL)) {
             j->st = st;
             snprintf(j->msg, sizeof j->msg, "%s", tkv_last_error());

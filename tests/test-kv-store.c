@@ -667,6 +667,14 @@ static uint32_t count_out(struct tkv_kvs *s, uint32_t l, const uint8_t *need, ui
     return n;
 }
 
+/* Every layer but l read whole, once. */
+static void read_other_layers(struct tkv_kvs *s, uint32_t l)
+{
+    for (uint32_t o = 0; o < L; o++)
+        if (o != l && tkv_kvs_begin_layer(s, o, 0, 0) == TKV_OK)
+            tkv_kvs_end_layer(s, o);
+}
+
 static void test_prefetch_last(void)
 {
     struct tkv_backend *cpu_be = be;
@@ -687,9 +695,7 @@ static void test_prefetch_last(void)
         CHECK(st == TKV_OK, "%s: selective read: %s", name, tkv_last_error());
         if (st == TKV_OK)
             tkv_kvs_end_layer(s, l);
-        for (uint32_t o = 0; o < L; o++) /* the other layers, whole: layer l's blocks go */
-            if (o != l && tkv_kvs_begin_layer(s, o, 0, 0) == TKV_OK)
-                tkv_kvs_end_layer(s, o);
+        read_other_layers(s, l); /* layer l's blocks go */
         const uint32_t out = count_out(s, l, need, MB), out_all = count_out(s, l, NULL, MB);
         CHECK(out > 0, "%s: no selected block left the compute tier: nothing to test", name);
         int tier[H][NB];
@@ -735,9 +741,7 @@ static void test_prefetch_last(void)
         /* after a whole-layer read: the whole layer */
         if (tkv_kvs_begin_layer(s, l, 0, 0) == TKV_OK)
             tkv_kvs_end_layer(s, l);
-        for (uint32_t o = 0; o < L; o++)
-            if (o != l && tkv_kvs_begin_layer(s, o, 0, 0) == TKV_OK)
-                tkv_kvs_end_layer(s, o);
+        read_other_layers(s, l);
         const uint32_t out_whole = count_out(s, l, NULL, MB);
         tkv_kvs_get_stats(s, &k0);
         tkv_kvs_prefetch_last(s, l);

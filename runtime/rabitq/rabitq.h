@@ -310,8 +310,8 @@ size_t tkv_rabitq_topp_work_bytes(uint32_t n);
  * on a GPU two kernels fewer (unless max_keep ends the search in that bin:
  * then as without). The last bin holds every log-value 64 nats or more
  * below the largest: a boundary there (log-values spread that wide, as the
- * safe mode's bounds can make them) keeps all of those keys. TKV_ERR_TOO_SMALL (res->n_pos = the count needed) when
- * cap is short; work: tkv_rabitq_topp_work_bytes(n) bytes, 8-byte aligned. */
+ * safe mode's bounds can make them) keeps all of those keys.
+ * TKV_ERR_TOO_SMALL (res->n_pos = the count needed) when cap is short; work: tkv_rabitq_topp_work_bytes(n) bytes, 8-byte aligned. */
 tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t n,
                                   const struct tkv_rabitq_topp_params *params, void *work, size_t work_bytes,
                                   uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res);
