@@ -111,6 +111,7 @@ struct ctx {
     void *work;
     size_t work_bytes;
     uint32_t *pos;
+    enum tkv_rabitq_isa topp_isa; /* the top-p kernels timed */
 };
 
 /* Seconds for one pass over all keys, best of a few (about budget seconds in all). */
@@ -126,8 +127,11 @@ static double timed(struct ctx *c, int what, double budget)
         case RUN_EST:       tkv_rabitq_estimate(c->ix, c->qq, 0, c->n, c->est, NULL); break;
         case RUN_EST_BOUND: tkv_rabitq_estimate(c->ix, c->qq, 0, c->n, c->est, c->bnd); break;
         case RUN_EXACT:     exact_dots(c->keys, c->n, c->D, c->q, c->est); break;
-        case RUN_TOPP:      tkv_rabitq_select_topp(c->est, NULL, c->n, &tp, c->work, c->work_bytes, c->pos, c->n, &res); break;
-        default:            tkv_rabitq_select_topp(c->est, c->bnd, c->n, &tp, c->work, c->work_bytes, c->pos, c->n, &res); break;
+        case RUN_TOPP:
+        case RUN_TOPP_SAFE:
+            tkv_rabitq_select_topp_isa(c->topp_isa, c->est, what == RUN_TOPP_SAFE ? c->bnd : NULL, c->n, &tp, c->work,
+                                       c->work_bytes, c->pos, c->n, &res);
+            break;
         }
         const double dt = now() - t0;
         sink = c->est[rep % c->n];
@@ -263,7 +267,7 @@ int main(int argc, char **argv)
     printf("## RaBitQ estimate throughput (1 thread, Mkeys/s; est+bound also writes the error bound)\n\n");
     printf("| D | keys | scalar | AVX2 | AVX-512 | AVX-512 est+bound | exact f16.f32 dot | AVX-512 / exact | index B/key | f16 K B/key |\n");
     printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    double topp_ms[2][3][2];
+    double topp_ms[2][3][2][TKV_RABITQ_ISA_COUNT]; /* [D][size][safe][isa] */
     memset(topp_ms, 0, sizeof topp_ms);
     for (int di = 0; di < 2; di++) {
         const uint32_t D = dims[di], nmax = sizes[n_sizes - 1];
@@ -308,7 +312,7 @@ int main(int argc, char **argv)
                                    tkv_rabitq_isa_name((enum tkv_rabitq_isa)isa)), 1;
             }
         for (int si = 0; si < n_sizes; si++) {
-            struct ctx c = {ix, keys, sizes[si], D, q, &qq, est, bnd, work, wb, pos};
+            struct ctx c = {ix, keys, sizes[si], D, q, &qq, est, bnd, work, wb, pos, TKV_RABITQ_ISA_SCALAR};
             double mk[TKV_RABITQ_ISA_COUNT] = {0}, mkb = 0;
             for (int isa = 0; isa < TKV_RABITQ_ISA_COUNT; isa++)
                 if (have[isa]) {
@@ -320,8 +324,12 @@ int main(int argc, char **argv)
             const double ex = c.n / timed(&c, RUN_EXACT, budget) * 1e-6;
             /* top-p on the real estimates and bounds of these keys */
             tkv_rabitq_estimate(ix, &qq, 0, c.n, est, bnd);
-            topp_ms[di][si][0] = timed(&c, RUN_TOPP, budget) * 1e3;
-            topp_ms[di][si][1] = timed(&c, RUN_TOPP_SAFE, budget) * 1e3;
+            for (int isa = 0; isa < TKV_RABITQ_ISA_COUNT; isa++)
+                if (have[isa]) {
+                    c.topp_isa = (enum tkv_rabitq_isa)isa;
+                    topp_ms[di][si][0][isa] = timed(&c, RUN_TOPP, budget) * 1e3;
+                    topp_ms[di][si][1][isa] = timed(&c, RUN_TOPP_SAFE, budget) * 1e3;
+                }
             char col[TKV_RABITQ_ISA_COUNT][32], colb[32];
             for (int isa = 0; isa < TKV_RABITQ_ISA_COUNT; isa++)
                 snprintf(col[isa], sizeof col[isa], have[isa] ? "%.1f" : "n/a", mk[isa]);
@@ -371,10 +379,21 @@ int main(int argc, char **argv)
         free(keys);
     }
 
-    printf("\n## Top-p selection (select_topp, p = 0.9, on the estimates above), 1 thread, ms per call\n\n");
-    printf("| D | keys | plain | safe (eps0 = 3) |\n|---:|---:|---:|---:|\n");
+    printf("\n## Top-p selection (select_topp, p = 0.9, on the estimates above), 1 thread, ms per call by kernels\n\n");
+    printf("| D | keys | plain scalar | plain AVX2 | plain AVX-512 | safe scalar | safe AVX2 | safe AVX-512 | "
+           "best / scalar plain | best / scalar safe |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    const int best = have[TKV_RABITQ_ISA_AVX512] ? 2 : have[1] ? 1 : 0;
     for (int di = 0; di < 2; di++)
-        for (int si = 0; si < n_sizes; si++)
-            printf("| %u | %uK | %.3f | %.3f |\n", dims[di], sizes[si] / 1024, topp_ms[di][si][0], topp_ms[di][si][1]);
+        for (int si = 0; si < n_sizes; si++) {
+            char col[2][TKV_RABITQ_ISA_COUNT][32];
+            for (int safe = 0; safe < 2; safe++)
+                for (int isa = 0; isa < TKV_RABITQ_ISA_COUNT; isa++)
+                    snprintf(col[safe][isa], sizeof col[safe][isa], have[isa] ? "%.3f" : "n/a",
+                             topp_ms[di][si][safe][isa]);
+            const double(*t)[TKV_RABITQ_ISA_COUNT] = topp_ms[di][si];
+            printf("| %u | %uK | %s | %s | %s | %s | %s | %s | %.2fx | %.2fx |\n", dims[di], sizes[si] / 1024,
+                   col[0][0], col[0][1], col[0][2], col[1][0], col[1][1], col[1][2], t[0][0] / t[0][best],
+                   t[1][0] / t[1][best]);
+        }
     return 0;
 }

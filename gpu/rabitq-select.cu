@@ -132,7 +132,7 @@ static __device__ __forceinline__ int exp_of(double x)
     return !(x > E_MIN) ? E_MIN : x > E_MAX ? E_MAX : (int)ceil(x) + 1;
 }
 
-/* the host's bin_of */
+/* the host's rq_topp_bin (runtime/rabitq/rabitq-impl.h) */
 static __device__ __forceinline__ uint32_t bin_of(float g, float gmax)
 {
     float d = __fmul_rn(__fsub_rn(gmax, g), BPN);
@@ -164,7 +164,7 @@ static __device__ __forceinline__ bool is_forced(const struct rqs_forced &f, uin
     return x;
 }
 
-/* the host's key_lu, from the stored s and d */
+/* the scalar topp_weights of the host (runtime/rabitq/rabitq.c), from the stored s and d */
 static __device__ __forceinline__ void key_lu(float s, float d, float M, bool safe, float *l, float *u)
 {
     *u = expf(__fsub_rn(__fadd_rn(s, d), M));

@@ -8,7 +8,9 @@
  * variant bit-identical to the scalar reference (codes, scalars, estimates,
  * bounds); safe top-p keeping >= p of the exact softmax mass in >= 99% of
  * trials, plain top-p's kept mass reported, both the smallest set for their
- * rule; bad input refused with a status. The batched encode of the device
+ * rule; every SIMD variant of top-p's kernels selecting the scalar
+ * reference's sets (up to a rounding tie) with its masses to 1e-6, its own
+ * sets reaching p; bad input refused with a status. The batched encode of the device
  * twin (dev_append_spans: many spans in one rabitq_encode call) on the CPU
  * backend equals per-span appends and the host index byte for byte, and
  * names the first non-finite key of a call (tests/rabitq-spans.h). The
@@ -727,6 +729,127 @@ static void test_topp_edges(void)
     CHECK(tkv_rabitq_select_topp(NULL, NULL, 0, &tp, NULL, 0, pos, 32, &r) == TKV_OK && r.n_pos == 0, "empty input");
 }
 
+/* Every SIMD variant of select_topp against the scalar reference on fresh
+ * random inputs: 1 .. 20000 keys, estimates gaussian (scales 0.1 .. 30),
+ * peaked, flat (all equal), tied (4 values) or with -inf keys; plain and
+ * safe; 0-3 forced ranges; p 0.5 .. 1; extra_lse; coarse; max_keep. The
+ * same status (and message, for a bad key); the same forced positions and
+ * ascending output; the sets differ by at most 4 + n/1e5 keys (a rule on a
+ * rounding tie); masses within 1e-6; and, uncapped, the variant's own set
+ * keeps >= p of the mass recomputed in double (its lower bound, safe). */
+static void test_topp_simd(void)
+{
+    enum { N_MAX = 20000, TRIALS = 400 };
+    float *est = malloc(N_MAX * sizeof *est), *bnd = malloc(N_MAX * sizeof *bnd);
+    uint32_t *pr = malloc(N_MAX * sizeof *pr), *pf = malloc(N_MAX * sizeof *pf);
+    uint8_t *in_ref = malloc(N_MAX + 3 * 64); /* forced ranges may end past n */
+    const size_t wb = tkv_rabitq_topp_work_bytes(N_MAX);
+    void *work = malloc(wb);
+    REQUIRE_VOID(est && bnd && pr && pf && in_ref && work);
+    for (int isa = 1; isa < TKV_RABITQ_ISA_COUNT; isa++) {
+        const char *name = tkv_rabitq_isa_name((enum tkv_rabitq_isa)isa);
+        if (!tkv_rabitq_isa_supported((enum tkv_rabitq_isa)isa)) {
+            fprintf(stderr, "topp simd: %s not available here, not compared\n", name);
+            continue;
+        }
+        uint64_t keys = 0, differ = 0, bad_inputs = 0;
+        double mass_dev = 0;
+        for (uint32_t t = 0; t < TRIALS; t++) {
+            const uint32_t n = t % 7 == 0 ? 1 + (uint32_t)(test_rand_u64(&rng) % 40)
+                                          : 1 + (uint32_t)(test_rand_u64(&rng) % N_MAX);
+            const int shape = (int)(t % 5); /* gaussian, peaked, flat, tied, -inf keys */
+            const float sd = test_rand_f32(&rng, 0.1f, 30.0f);
+            for (uint32_t i = 0; i < n; i++) {
+                est[i] = shape == 2 ? 1.5f : shape == 3 ? (float)(test_rand_u64(&rng) % 4) : sd * gauss(&rng);
+                if (shape == 1 && test_rand_u64(&rng) % 500 == 0)
+                    est[i] += 40.0f;
+                if (shape == 4 && test_rand_u64(&rng) % 3 == 0)
+                    est[i] = -INFINITY;
+                bnd[i] = test_rand_u64(&rng) % 8 == 0 ? 0.0f : test_rand_f32(&rng, 0.0f, 6.0f);
+            }
+            const bool safe = t % 2, poison = t % 31 == 30;
+            if (poison) { /* a bad key: the same refusal */
+                const uint32_t at = (uint32_t)(test_rand_u64(&rng) % n);
+                if (safe && t % 4 == 1)
+                    bnd[at] = -1.0f;
+                else
+                    est[at] = t % 3 ? NAN : INFINITY;
+            }
+            struct tkv_range forced[3];
+            uint32_t nf = (uint32_t)(test_rand_u64(&rng) % 4), b0 = 0;
+            for (uint32_t r = 0; r < nf; r++) {
+                const uint32_t b = b0 + (uint32_t)(test_rand_u64(&rng) % (n / 4 + 1));
+                forced[r] = (struct tkv_range){b, b + (uint32_t)(test_rand_u64(&rng) % 64)};
+                b0 = forced[r].end;
+            }
+            static const float ps[] = {0.5f, 0.9f, 0.95f, 0.99f, 1.0f};
+            struct tkv_rabitq_topp_params tp = {
+                .p = ps[test_rand_u64(&rng) % 5], .scale = test_rand_f32(&rng, 0.05f, 1.0f),
+                .extra_lse = t % 3 == 0 ? test_rand_f32(&rng, -5.0f, 20.0f) : -INFINITY, .pos0 = 0,
+                .forced = forced, .n_forced = nf, .max_keep = t % 9 == 8 ? 1 + (uint32_t)(test_rand_u64(&rng) % 50) : 0,
+                .coarse = t % 6 == 5};
+            struct tkv_rabitq_topp_result rr, rf;
+            const float *b = safe ? bnd : NULL;
+            const tkv_status sr = tkv_rabitq_select_topp_isa(TKV_RABITQ_ISA_SCALAR, est, b, n, &tp, work, wb, pr,
+                                                             N_MAX, &rr);
+            char msg[256];
+            snprintf(msg, sizeof msg, "%s", tkv_last_error());
+            const tkv_status sf = tkv_rabitq_select_topp_isa((enum tkv_rabitq_isa)isa, est, b, n, &tp, work, wb, pf,
+                                                             N_MAX, &rf);
+            CHECK(sr == sf, "topp %s trial %u: status %d, the reference's %d", name, t, (int)sf, (int)sr);
+            if (sr != TKV_OK || sf != TKV_OK) {
+                CHECK(sr == TKV_ERR_INVALID_ARG && poison && !strcmp(msg, tkv_last_error()),
+                      "topp %s trial %u: '%s', the reference's '%s'", name, t, tkv_last_error(), msg);
+                bad_inputs++;
+                continue;
+            }
+            memset(in_ref, 0, n + 64 * 3);
+            uint32_t diff = 0, forced_missing = 0, asc = 1;
+            for (uint32_t j = 0; j < rr.n_pos; j++)
+                in_ref[pr[j]] = 1;
+            for (uint32_t j = 0; j < rf.n_pos; j++) {
+                asc &= j == 0 || pf[j] > pf[j - 1];
+                diff += !in_ref[pf[j]];
+                in_ref[pf[j]] |= 2;
+            }
+            for (uint32_t j = 0; j < rr.n_pos; j++)
+                diff += !(in_ref[pr[j]] & 2);
+            for (uint32_t r = 0; r < nf; r++)
+                for (uint32_t x = forced[r].begin; x < forced[r].end; x++)
+                    forced_missing += !(in_ref[x] & 2);
+            CHECK(asc && forced_missing == 0, "topp %s trial %u: output not ascending or %u forced missing", name, t,
+                  forced_missing);
+            CHECK(diff <= 4 + n / 100000, "topp %s trial %u (n %u, %s, p %.2f): %u keys differ (%u vs %u chosen)",
+                  name, t, n, safe ? "safe" : "plain", (double)tp.p, diff, rf.n_chosen, rr.n_chosen);
+            CHECK(fabs(rf.mass - rr.mass) <= 1e-6, "topp %s trial %u: mass %.9f, the reference's %.9f", name, t,
+                  rf.mass, rr.mass);
+            mass_dev = fmax(mass_dev, fabs(rf.mass - rr.mass));
+            if (!tp.max_keep) { /* the variant's own set reaches p */
+                double M = tp.extra_lse, N = 0, C = 0;
+                for (uint32_t i = 0; i < n; i++)
+                    M = fmax(M, (double)(tp.scale * est[i]) + (b ? (double)(tp.scale * bnd[i]) : 0.0));
+                M = M == -INFINITY ? 0 : M; /* every key -inf */
+                N = exp((double)tp.extra_lse - M);
+                for (uint32_t i = 0; i < n; i++) {
+                    const double s = (double)(tp.scale * est[i]), d = b ? (double)(tp.scale * bnd[i]) : 0.0;
+                    if (in_ref[i] & 2)
+                        N += exp(s - d - M);
+                    else
+                        C += exp(s + d - M);
+                }
+                const double kept = N + C > 0 ? N / (N + C) : 1.0; /* nothing but -inf: all of nothing */
+                CHECK(kept >= tp.p - 1e-6, "topp %s trial %u: kept mass %.9f < p %.2f", name, t, kept, (double)tp.p);
+            }
+            keys += n;
+            differ += diff;
+        }
+        fprintf(stderr, "topp simd %s: %u trials, %llu keys: %llu differ from the scalar reference's sets, masses "
+                "within %.2g, %llu bad inputs refused alike\n", name, TRIALS, (unsigned long long)keys,
+                (unsigned long long)differ, mass_dev, (unsigned long long)bad_inputs);
+    }
+    free(est), free(bnd), free(pr), free(pf), free(in_ref), free(work);
+}
+
 // --- bad input ---------------------------------------------------------------------------
 
 static void test_errors(void)
@@ -972,6 +1095,7 @@ int main(void)
     test_coverage_random(64);
     test_coverage_random(128);
     test_topp_edges();
+    test_topp_simd();
     test_topp_random();
     test_real_keys();
     test_spans_cpu();

@@ -31,7 +31,40 @@ struct rq_kernels {
     /* est (and bound unless NULL) for keys first .. first+n-1 */
     void (*estimate)(const struct tkv_rabitq *ix, const struct tkv_rabitq_query *q, uint32_t first, uint32_t n,
                      float *est, float *bound);
+
+    /* The per-key loops of tkv_rabitq_select_topp (rabitq.c explains the
+     * search). With s = scale*est[i] and d = scale*bound[i] (0 without
+     * bound), each product one rounding (fmaf with +0):                     */
+    /* g[i] = s + d + log(p + (1-p) e^(-2d)) with bound, s without; *umax =
+     * max(*umax, s + d). Returns the first key whose s is NaN or +inf, or
+     * whose d is negative, NaN or +inf, or whose s + d overflows; n if none
+     * (g and umax then cover all n keys). */
+    uint32_t (*topp_logvalues)(const float *est, const float *bound, uint32_t n, float scale, float p, float *g,
+                               float *umax);
+    /* max(m, g[0 .. n)) */
+    float (*topp_max)(const float *g, uint32_t n, float m);
+    /* l[j] = e^(s-d-M), u[j] = e^(s+d-M) for j < n <= RQ_TOPP_CHUNK (both
+     * <= 1 as M >= s + d; l = u without bound) */
+    void (*topp_weights)(const float *est, const float *bound, uint32_t n, float scale, float M, float *l, float *u);
+    /* bin[j] = rq_topp_bin(g[j], gmax) + 1 for j < n */
+    void (*topp_bins)(const float *g, uint32_t n, float gmax, uint16_t *bin);
+    /* bit j of mask (word j/64, bit j%64) = lo <= bin[j] <= hi, for j < n <=
+     * RQ_TOPP_CHUNK; words (n+63)/64 written, their bits past n 0 */
+    void (*topp_mask)(const uint16_t *bin, uint32_t n, uint32_t lo, uint32_t hi, uint64_t *mask);
 };
+
+/* Keys per call of topp_weights and topp_mask: the caller's buffers. */
+#define RQ_TOPP_CHUNK 512
+
+/* The top-p histogram's bin of log-value g: NBINS bins of 1/BPN nat below
+ * the largest, gmax (backend.h); the last bin takes everything lower,
+ * g = -inf (and NaN, were gmax -inf too) included. */
+static inline uint32_t rq_topp_bin(float g, float gmax)
+{
+    float d = (gmax - g) * (float)TKV_RABITQ_TOPP_BPN; /* >= 0 */
+    d = d < (float)(TKV_RABITQ_TOPP_BINS - 1) ? d : (float)(TKV_RABITQ_TOPP_BINS - 1);
+    return (uint32_t)(int32_t)(d > 0 ? d : 0);
+}
 
 struct tkv_rabitq {
     uint32_t dim, dim_pad, words;

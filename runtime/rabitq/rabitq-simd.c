@@ -12,6 +12,9 @@
  *           iteration.
  * Both take head dims of 1 or 2 code words (64, 128) in vector form and
  * other widths with scalar popcounts feeding the same vector epilogue.
+ * The top-p kernels (rabitq-impl.h) are the exception to bit-identity:
+ * their e^x and log x are the polynomials below, within a few ulp of
+ * libm's; their bins, masks and maxima are exact.
  * Functions carry target attributes, so the file builds without
  * -march=native; rabitq.c calls them only where the CPU has the features.
  */
@@ -19,7 +22,9 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 
+#include <float.h>
 #include <immintrin.h>
+#include <string.h>
 
 #define RQ_AVX2   __attribute__((target("avx2,fma,f16c,popcnt")))
 #define RQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vpopcntdq,avx2,fma,f16c,popcnt")))
@@ -36,6 +41,23 @@ RQ_AVX2 static void load_row_f16(const struct tkv_rabitq *ix, const uint16_t *ro
     for (; i < ix->dim_pad; i++)
         x[i] = 0.0f;
 }
+
+// --- top-p: e^x and log x ------------------------------------------------------
+/*
+ * e^x for x <= 0: x = t ln2 + r, t = round(x / ln2), |r| <= ln2/2, ln2 split
+ * in two (t * RQ_LN2_HI is exact for |t| < 2^7), e^r by its Taylor series to
+ * r^7 (the first term left out, r^8/8! < 6e-9, is under float's half ulp),
+ * times 2^t, rounded once: into the subnormals below -87.3 as libm's, so
+ * p = 1 keeps the same keys (those whose e^x is not 0); 0 below -104 and
+ * for -inf. log a for a in (0, 1]: a = m 2^e with m in [sqrt(1/2),
+ * sqrt 2), log m = 2 atanh((m-1)/(m+1)) by its series to the 7th power
+ * (|t| <= 0.172: the next term is 1e-13 relative).
+ */
+#define RQ_LN2_HI 0x1.62e4p-1f            /* ln 2 to 14 bits           */
+#define RQ_LN2_LO 1.428606765330187e-06f  /* ln 2 - RQ_LN2_HI          */
+#define RQ_LOG2E  1.44269504088896341f
+#define RQ_EXP_MIN (-104.0f)  /* e^x < 2^-150 below: 0 */
+
 
 // --- AVX2 ----------------------------------------------------------------------
 
@@ -201,7 +223,181 @@ RQ_AVX2 static void avx2_estimate(const struct tkv_rabitq *ix, const struct tkv_
         rq_estimate_one(ix, q, first + o, est + o, bound ? bound + o : NULL);
 }
 
-static const struct rq_kernels avx2_kernels = {avx2_rotate, avx2_encode, avx2_estimate};
+// --- AVX2: top-p ---------------------------------------------------------------------
+
+RQ_AVX2 static inline __m256 avx2_exp(__m256 x)
+{
+    const __m256 t = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(RQ_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(t, _mm256_set1_ps(RQ_LN2_HI), x);
+    r = _mm256_fnmadd_ps(t, _mm256_set1_ps(RQ_LN2_LO), r);
+    __m256 e = _mm256_set1_ps(1.0f / 5040);
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 720));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 120));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 24));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 6));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(RQ_EXP_MIN), _CMP_GE_OQ); /* then t in [-150, 0] */
+    /* 2^t = 2^t1 2^t2, t1 >= -100: e 2^t1 is exact, the second product the one rounding */
+    const __m256i ti = _mm256_cvtps_epi32(t), t1 = _mm256_max_epi32(ti, _mm256_set1_epi32(-100)),
+                  bias = _mm256_set1_epi32(127);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(t1, bias), 23)),
+                 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ti, t1), bias), 23));
+    return _mm256_and_ps(keep, _mm256_mul_ps(_mm256_mul_ps(e, f1), f2));
+}
+
+/* a in (0, 1]; below FLT_MIN taken as FLT_MIN (p < 1.2e-38 only) */
+RQ_AVX2 static inline __m256 avx2_log(__m256 a)
+{
+    const __m256i bits = _mm256_castps_si256(_mm256_max_ps(a, _mm256_set1_ps(FLT_MIN)));
+    __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
+    __m256 m = _mm256_castsi256_ps(
+        _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffff)), _mm256_set1_epi32(0x3f800000)));
+    const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps((float)M_SQRT2), _CMP_GT_OQ);
+    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+    e = _mm256_add_ps(e, _mm256_and_ps(big, _mm256_set1_ps(1.0f)));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(m, one), _mm256_add_ps(m, one)), t2 = _mm256_mul_ps(t, t);
+    __m256 q = _mm256_fmadd_ps(t2, _mm256_set1_ps(1.0f / 7), _mm256_set1_ps(1.0f / 5));
+    q = _mm256_fmadd_ps(q, t2, _mm256_set1_ps(1.0f / 3));
+    q = _mm256_fmadd_ps(q, t2, one);
+    const __m256 lm = _mm256_mul_ps(_mm256_add_ps(t, t), q);
+    return _mm256_fmadd_ps(e, _mm256_set1_ps(RQ_LN2_HI), _mm256_fmadd_ps(e, _mm256_set1_ps(RQ_LN2_LO), lm));
+}
+
+/* lanes j < n of 8 */
+RQ_AVX2 static inline __m256i avx2_lanes(uint32_t n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)TKV_MIN(n, 8u)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* s and d of keys i .. i+7 (lanes past n: 0) */
+RQ_AVX2 static inline void avx2_sd(const float *est, const float *bound, uint32_t i, __m256i in, __m256 scale,
+                                   __m256 *s, __m256 *d)
+{
+    const __m256 z = _mm256_setzero_ps();
+    *s = _mm256_fmadd_ps(scale, _mm256_maskload_ps(est + i, in), z);
+    *d = bound ? _mm256_fmadd_ps(scale, _mm256_maskload_ps(bound + i, in), z) : z;
+}
+
+RQ_AVX2 static uint32_t avx2_topp_logvalues(const float *est, const float *bound, uint32_t n, float scale, float p,
+                                            float *g, float *umax)
+{
+    const __m256 vs = _mm256_set1_ps(scale), inf = _mm256_set1_ps(INFINITY), z = _mm256_setzero_ps();
+    __m256 vm = _mm256_set1_ps(*umax);
+    for (uint32_t i = 0; i < n; i += 8) {
+        const __m256i in = avx2_lanes(n - i);
+        __m256 s, d;
+        avx2_sd(est, bound, i, in, vs, &s, &d);
+        const __m256 sd = _mm256_add_ps(s, d);
+        const __m256 bad = _mm256_or_ps(
+            _mm256_or_ps(_mm256_cmp_ps(s, s, _CMP_UNORD_Q), _mm256_cmp_ps(s, inf, _CMP_EQ_OQ)),
+            _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(d, z, _CMP_NGE_UQ), _mm256_cmp_ps(d, inf, _CMP_EQ_OQ)),
+                         _mm256_cmp_ps(sd, inf, _CMP_EQ_OQ)));
+        const int nb = _mm256_movemask_ps(_mm256_and_ps(bad, _mm256_castsi256_ps(in)));
+        if (nb)
+            return i + (uint32_t)__builtin_ctz((unsigned)nb);
+        __m256 gv = s;
+        if (bound) {
+            const __m256 a = _mm256_fmadd_ps(_mm256_set1_ps(1 - p), avx2_exp(_mm256_mul_ps(d, _mm256_set1_ps(-2.0f))),
+                                             _mm256_set1_ps(p));
+            gv = _mm256_add_ps(sd, avx2_log(a));
+        }
+        _mm256_maskstore_ps(g + i, in, gv);
+        vm = _mm256_blendv_ps(vm, _mm256_max_ps(vm, sd), _mm256_castsi256_ps(in));
+    }
+    float m[8];
+    _mm256_storeu_ps(m, vm);
+    for (int j = 1; j < 8; j++)
+        m[0] = m[0] > m[j] ? m[0] : m[j];
+    *umax = m[0];
+    return n;
+}
+
+RQ_AVX2 static float avx2_topp_max(const float *g, uint32_t n, float m0)
+{
+    __m256 vm = _mm256_set1_ps(m0);
+    for (uint32_t i = 0; i < n; i += 8) {
+        const __m256i in = avx2_lanes(n - i);
+        vm = _mm256_blendv_ps(vm, _mm256_max_ps(vm, _mm256_maskload_ps(g + i, in)), _mm256_castsi256_ps(in));
+    }
+    float m[8];
+    _mm256_storeu_ps(m, vm);
+    for (int j = 1; j < 8; j++)
+        m[0] = m[0] > m[j] ? m[0] : m[j];
+    return m[0];
+}
+
+RQ_AVX2 static void avx2_topp_weights(const float *est, const float *bound, uint32_t n, float scale, float M, float *l,
+                                      float *u)
+{
+    const __m256 vs = _mm256_set1_ps(scale), vM = _mm256_set1_ps(M);
+    for (uint32_t i = 0; i < n; i += 8) {
+        const __m256i in = avx2_lanes(n - i);
+        __m256 s, d;
+        avx2_sd(est, bound, i, in, vs, &s, &d);
+        const __m256 vu = avx2_exp(_mm256_sub_ps(_mm256_add_ps(s, d), vM));
+        _mm256_maskstore_ps(u + i, in, vu);
+        _mm256_maskstore_ps(l + i, in, bound ? avx2_exp(_mm256_sub_ps(_mm256_sub_ps(s, d), vM)) : vu);
+    }
+}
+
+RQ_AVX2 static void avx2_topp_bins(const float *g, uint32_t n, float gmax, uint16_t *bin)
+{
+    const __m256 vg = _mm256_set1_ps(gmax), bpn = _mm256_set1_ps((float)TKV_RABITQ_TOPP_BPN),
+                 last = _mm256_set1_ps((float)(TKV_RABITQ_TOPP_BINS - 1)), z = _mm256_setzero_ps();
+    for (uint32_t i = 0; i < n; i += 8) {
+        const __m256i in = avx2_lanes(n - i);
+        __m256 d = _mm256_mul_ps(_mm256_sub_ps(vg, _mm256_maskload_ps(g + i, in)), bpn);
+        d = _mm256_max_ps(_mm256_min_ps(d, last), z); /* min: NaN -> last, as rq_topp_bin */
+        const __m256i b = _mm256_add_epi32(_mm256_cvttps_epi32(d), _mm256_set1_epi32(1));
+        const __m128i b16 = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08));
+        if (n - i >= 8) {
+            _mm_storeu_si128((__m128i *)(bin + i), b16);
+        } else {
+            uint16_t t[8];
+            _mm_storeu_si128((__m128i *)t, b16);
+            memcpy(bin + i, t, (n - i) * sizeof *t);
+        }
+    }
+}
+
+RQ_AVX2 static void avx2_topp_mask(const uint16_t *bin, uint32_t n, uint32_t lo, uint32_t hi, uint64_t *mask)
+{
+    /* bins are <= TKV_RABITQ_TOPP_BINS: signed 16-bit compares are exact */
+    const __m256i vlo = _mm256_set1_epi16((int16_t)lo), vhi = _mm256_set1_epi16((int16_t)hi);
+    for (uint32_t w = 0; w < (n + 63) / 64; w++) {
+        uint64_t m = 0;
+        for (uint32_t h = 0; h < 2; h++) {
+            const uint32_t i = 64 * w + 32 * h;
+            if (i >= n)
+                break;
+            const uint16_t *src = bin + i;
+            uint16_t t[32];
+            if (n - i < 32) { /* the tail: padded with bins no range holds */
+                memset(t, 0xff, sizeof t);
+                memcpy(t, src, (n - i) * sizeof *t);
+                src = t;
+            }
+            __m256i in[2];
+            for (int k = 0; k < 2; k++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(src + 16 * k));
+                in[k] = _mm256_andnot_si256(_mm256_or_si256(_mm256_cmpgt_epi16(vlo, v), _mm256_cmpgt_epi16(v, vhi)),
+                                            _mm256_set1_epi16(-1));
+            }
+            const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(in[0], in[1]), 0xD8);
+            m |= (uint64_t)(uint32_t)_mm256_movemask_epi8(bytes) << (32 * h);
+        }
+        mask[w] = m;
+    }
+}
+
+static const struct rq_kernels avx2_kernels = {
+    avx2_rotate,       avx2_encode,      avx2_estimate,  avx2_topp_logvalues,
+    avx2_topp_max,     avx2_topp_weights, avx2_topp_bins, avx2_topp_mask,
+};
 const struct rq_kernels *const rq_kernels_avx2 = &avx2_kernels;
 
 // --- AVX-512 ----------------------------------------------------------------------
@@ -360,7 +556,136 @@ RQ_AVX512 static void avx512_estimate(const struct tkv_rabitq *ix, const struct 
         rq_estimate_one(ix, q, first + o, est + o, bound ? bound + o : NULL);
 }
 
-static const struct rq_kernels avx512_kernels = {avx512_rotate, avx512_encode, avx512_estimate};
+// --- AVX-512: top-p -------------------------------------------------------------------
+
+RQ_AVX512 static inline __m512 avx512_exp(__m512 x)
+{
+    const __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(RQ_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(t, _mm512_set1_ps(RQ_LN2_HI), x);
+    r = _mm512_fnmadd_ps(t, _mm512_set1_ps(RQ_LN2_LO), r);
+    __m512 e = _mm512_set1_ps(1.0f / 5040);
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 720));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(RQ_EXP_MIN), _CMP_GE_OQ);
+    return _mm512_maskz_scalef_ps(keep, e, t);
+}
+
+/* a in (0, 1] */
+RQ_AVX512 static inline __m512 avx512_log(__m512 a)
+{
+    __m512 e = _mm512_getexp_ps(a), m = _mm512_getmant_ps(a, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+    const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps((float)M_SQRT2), _CMP_GT_OQ);
+    m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5f));
+    e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0f));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one)), t2 = _mm512_mul_ps(t, t);
+    __m512 q = _mm512_fmadd_ps(t2, _mm512_set1_ps(1.0f / 7), _mm512_set1_ps(1.0f / 5));
+    q = _mm512_fmadd_ps(q, t2, _mm512_set1_ps(1.0f / 3));
+    q = _mm512_fmadd_ps(q, t2, one);
+    const __m512 lm = _mm512_mul_ps(_mm512_add_ps(t, t), q);
+    return _mm512_fmadd_ps(e, _mm512_set1_ps(RQ_LN2_HI), _mm512_fmadd_ps(e, _mm512_set1_ps(RQ_LN2_LO), lm));
+}
+
+RQ_AVX512 static inline __mmask16 avx512_lanes(uint32_t n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
+
+RQ_AVX512 static inline void avx512_sd(const float *est, const float *bound, uint32_t i, __mmask16 in, __m512 scale,
+                                       __m512 *s, __m512 *d)
+{
+    const __m512 z = _mm512_setzero_ps();
+    *s = _mm512_fmadd_ps(scale, _mm512_maskz_loadu_ps(in, est + i), z);
+    *d = bound ? _mm512_fmadd_ps(scale, _mm512_maskz_loadu_ps(in, bound + i), z) : z;
+}
+
+RQ_AVX512 static uint32_t avx512_topp_logvalues(const float *est, const float *bound, uint32_t n, float scale, float p,
+                                                float *g, float *umax)
+{
+    const __m512 vs = _mm512_set1_ps(scale), inf = _mm512_set1_ps(INFINITY), z = _mm512_setzero_ps();
+    __m512 vm = _mm512_set1_ps(*umax);
+    for (uint32_t i = 0; i < n; i += 16) {
+        const __mmask16 in = avx512_lanes(n - i);
+        __m512 s, d;
+        avx512_sd(est, bound, i, in, vs, &s, &d);
+        const __m512 sd = _mm512_add_ps(s, d);
+        const __mmask16 bad = in & (_mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(s, inf, _CMP_EQ_OQ) |
+                                    _mm512_cmp_ps_mask(d, z, _CMP_NGE_UQ) | _mm512_cmp_ps_mask(d, inf, _CMP_EQ_OQ) |
+                                    _mm512_cmp_ps_mask(sd, inf, _CMP_EQ_OQ));
+        if (bad)
+            return i + (uint32_t)__builtin_ctz(bad);
+        __m512 gv = s;
+        if (bound) {
+            const __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(1 - p), avx512_exp(_mm512_mul_ps(d, _mm512_set1_ps(-2.0f))),
+                                             _mm512_set1_ps(p));
+            gv = _mm512_add_ps(sd, avx512_log(a));
+        }
+        _mm512_mask_storeu_ps(g + i, in, gv);
+        vm = _mm512_mask_max_ps(vm, in, vm, sd);
+    }
+    *umax = _mm512_reduce_max_ps(vm);
+    return n;
+}
+
+RQ_AVX512 static float avx512_topp_max(const float *g, uint32_t n, float m)
+{
+    __m512 vm = _mm512_set1_ps(m);
+    for (uint32_t i = 0; i < n; i += 16) {
+        const __mmask16 in = avx512_lanes(n - i);
+        vm = _mm512_mask_max_ps(vm, in, vm, _mm512_maskz_loadu_ps(in, g + i));
+    }
+    return _mm512_reduce_max_ps(vm);
+}
+
+RQ_AVX512 static void avx512_topp_weights(const float *est, const float *bound, uint32_t n, float scale, float M,
+                                          float *l, float *u)
+{
+    const __m512 vs = _mm512_set1_ps(scale), vM = _mm512_set1_ps(M);
+    for (uint32_t i = 0; i < n; i += 16) {
+        const __mmask16 in = avx512_lanes(n - i);
+        __m512 s, d;
+        avx512_sd(est, bound, i, in, vs, &s, &d);
+        const __m512 vu = avx512_exp(_mm512_sub_ps(_mm512_add_ps(s, d), vM));
+        _mm512_mask_storeu_ps(u + i, in, vu);
+        _mm512_mask_storeu_ps(l + i, in, bound ? avx512_exp(_mm512_sub_ps(_mm512_sub_ps(s, d), vM)) : vu);
+    }
+}
+
+RQ_AVX512 static void avx512_topp_bins(const float *g, uint32_t n, float gmax, uint16_t *bin)
+{
+    const __m512 vg = _mm512_set1_ps(gmax), bpn = _mm512_set1_ps((float)TKV_RABITQ_TOPP_BPN),
+                 last = _mm512_set1_ps((float)(TKV_RABITQ_TOPP_BINS - 1)), z = _mm512_setzero_ps();
+    for (uint32_t i = 0; i < n; i += 16) {
+        const __mmask16 in = avx512_lanes(n - i);
+        __m512 d = _mm512_mul_ps(_mm512_sub_ps(vg, _mm512_maskz_loadu_ps(in, g + i)), bpn);
+        d = _mm512_max_ps(_mm512_min_ps(d, last), z); /* min: NaN -> last, as rq_topp_bin */
+        const __m512i b = _mm512_add_epi32(_mm512_cvttps_epi32(d), _mm512_set1_epi32(1));
+        _mm256_mask_storeu_epi16(bin + i, in, _mm512_cvtepi32_epi16(b));
+    }
+}
+
+RQ_AVX512 static void avx512_topp_mask(const uint16_t *bin, uint32_t n, uint32_t lo, uint32_t hi, uint64_t *mask)
+{
+    const __m512i vlo = _mm512_set1_epi16((short)lo), vhi = _mm512_set1_epi16((short)hi);
+    for (uint32_t w = 0; w < (n + 63) / 64; w++) {
+        uint64_t m = 0;
+        for (uint32_t h = 0; h < 2 && 64 * w + 32 * h < n; h++) {
+            const uint32_t i = 64 * w + 32 * h, k = n - i;
+            const __mmask32 in = k >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << k) - 1);
+            const __m512i v = _mm512_maskz_loadu_epi16(in, bin + i);
+            m |= (uint64_t)(_mm512_mask_cmpge_epu16_mask(in, v, vlo) & _mm512_cmple_epu16_mask(v, vhi)) << (32 * h);
+        }
+        mask[w] = m;
+    }
+}
+
+static const struct rq_kernels avx512_kernels = {
+    avx512_rotate,      avx512_encode,        avx512_estimate,  avx512_topp_logvalues,
+    avx512_topp_max,    avx512_topp_weights,  avx512_topp_bins, avx512_topp_mask,
+};
 const struct rq_kernels *const rq_kernels_avx512 = &avx512_kernels;
 
 #else /* not x86-64: the scalar reference only */

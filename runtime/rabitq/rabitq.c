@@ -98,8 +98,6 @@ static void estimate_ref(const struct tkv_rabitq *ix, const struct tkv_rabitq_qu
         rq_estimate_one(ix, q, first + i, est + i, bound ? bound + i : NULL);
 }
 
-const struct rq_kernels rq_kernels_scalar = {rotate_ref, encode_ref, estimate_ref};
-
 // --- dispatch -----------------------------------------------------------------
 
 static const struct rq_kernels *kernels_of(enum tkv_rabitq_isa isa)
@@ -665,13 +663,16 @@ tkv_status tkv_rabitq_estimate(const struct tkv_rabitq *ix, const struct tkv_rab
  * largest g, the last bin taking everything lower: the device's bins too,
  * backend.h) finds the bin where the rule is met; only that bin's members
  * are sorted.
+ *
+ * The per-key loops (log-values, maxima, l and u, bins, the masks of kept
+ * keys) are kernels (rq_kernels): the scalar ones below, SIMD ones in
+ * rabitq-simd.c; this function is the rest, the same for all.
  */
 #define NBINS TKV_RABITQ_TOPP_BINS
-#define BPN   ((float)TKV_RABITQ_TOPP_BPN)
 
 struct cand {
     double   c;  /* after sorting: sum of u over this member and the ones after it */
-    float    g;
+    float    g;  /* log-value; after sorting, l                                     */
     uint32_t i;
 };
 
@@ -710,16 +711,9 @@ static void sort_cands(struct cand *h, size_t n)
     }
 }
 
-static inline uint32_t bin_of(float g, float gmax)
-{
-    float d = (gmax - g) * BPN; /* >= 0; +inf for g = -inf (NaN if gmax is -inf too): the last bin */
-    d = d < (float)(NBINS - 1) ? d : (float)(NBINS - 1);
-    return (uint32_t)(int32_t)(d > 0 ? d : 0);
-}
-
 struct topp_work {
     float *g;             /* [n] log-value of each key                                          */
-    uint16_t *bin;        /* [n] a candidate's bin + 1 (bin_of, pass 2); 0 once taken from the
+    uint16_t *bin;        /* [n] a candidate's bin + 1 (topp_bins, pass 2); 0 once taken from the
                              threshold bin: kept <=> bin[i] <= bstar                             */
     struct cand *cand;    /* [n] members of the threshold bin                                   */
     double *hl, *hu;      /* [NBINS] sums of l and u per bin (hu: then suffix sums)             */
@@ -748,6 +742,9 @@ static struct topp_work topp_carve(void *work, uint32_t n)
     return w;
 }
 
+/* The scalar reference of the per-key loops (rq_kernels, rabitq-impl.h),
+ * libm's expf and logf. */
+
 /* scale * x rounded on its own. Under gnu11 GCC may fuse a product into a
  * later add (-ffp-contract=fast), and differently at each inlined use: s - d
  * then differs in its last bits between the passes below, which e^(s-d-M)
@@ -756,14 +753,58 @@ static struct topp_work topp_carve(void *work, uint32_t n)
  * the product (+0 for -0) and cannot be fused further. */
 static inline float scaled(float scale, float x) { return fmaf(scale, x, 0.0f); }
 
-/* l = e^(s-d-M) and u = e^(s+d-M) of key i, the same wherever needed (float
- * exponentials, summed in double: mass to ~1e-7 relative) */
-static inline void key_lu(const float *est, const float *bound, uint32_t i, float scale, float M, double *l, double *u)
+static uint32_t topp_logvalues_ref(const float *est, const float *bound, uint32_t n, float scale, float p, float *g,
+                                   float *umax)
 {
-    const float s = scaled(scale, est[i]), d = bound ? scaled(scale, bound[i]) : 0.0f;
-    *u = expf(s + d - M);
-    *l = bound ? expf(s - d - M) : *u;
+    float m = *umax;
+    for (uint32_t i = 0; i < n; i++) {
+        const float s = scaled(scale, est[i]), d = bound ? scaled(scale, bound[i]) : 0.0f;
+        if (isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || s + d == INFINITY)
+            return i;
+        /* g = log((1-p) e^(s-d) + p e^(s+d)) = s + d + log(p + (1-p) e^(-2d)) */
+        g[i] = bound ? s + d + logf(p + (1 - p) * expf(-2 * d)) : s;
+        m = m > s + d ? m : s + d;
+    }
+    *umax = m;
+    return n;
 }
+
+static float topp_max_ref(const float *g, uint32_t n, float m)
+{
+    for (uint32_t i = 0; i < n; i++)
+        m = m > g[i] ? m : g[i];
+    return m;
+}
+
+static void topp_weights_ref(const float *est, const float *bound, uint32_t n, float scale, float M, float *l,
+                             float *u)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        const float s = scaled(scale, est[i]), d = bound ? scaled(scale, bound[i]) : 0.0f;
+        u[i] = expf(s + d - M);
+        l[i] = bound ? expf(s - d - M) : u[i];
+    }
+}
+
+static void topp_bins_ref(const float *g, uint32_t n, float gmax, uint16_t *bin)
+{
+    for (uint32_t i = 0; i < n; i++)
+        bin[i] = (uint16_t)(rq_topp_bin(g[i], gmax) + 1);
+}
+
+static void topp_mask_ref(const uint16_t *bin, uint32_t n, uint32_t lo, uint32_t hi, uint64_t *mask)
+{
+    for (uint32_t w = 0; w < (n + 63) / 64; w++)
+        mask[w] = 0;
+    for (uint32_t i = 0; i < n; i++)
+        mask[i / 64] |= (uint64_t)(lo <= bin[i] && bin[i] <= hi) << (i % 64);
+}
+
+/* the scalar variant: the reference of every kernel */
+const struct rq_kernels rq_kernels_scalar = {
+    rotate_ref,   encode_ref,       estimate_ref,  topp_logvalues_ref, topp_max_ref,
+    topp_weights_ref, topp_bins_ref, topp_mask_ref,
+};
 
 /* Splits est indices [0, n) into runs, all forced or none: returns the end
  * of the run starting at i (position pos0 + i); *r walks the ranges. */
@@ -781,9 +822,39 @@ static inline uint32_t run_end(const struct tkv_rabitq_topp_params *pp, uint32_t
     return *r < pp->n_forced ? (uint32_t)TKV_MIN((uint64_t)pp->forced[*r].begin - pp->pos0, (uint64_t)n) : n;
 }
 
-tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t n,
-                                  const struct tkv_rabitq_topp_params *pp, void *work, size_t work_bytes,
-                                  uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res)
+/* Writes to idx the keys j in [c, c+k) (k <= RQ_TOPP_CHUNK) with lo <= bin[j]
+ * <= hi, ascending; returns their count. */
+static uint32_t keys_in_bins(const struct rq_kernels *kern, const uint16_t *bin, uint32_t c, uint32_t k, uint32_t lo,
+                             uint32_t hi, uint32_t *idx)
+{
+    uint64_t mask[RQ_TOPP_CHUNK / 64];
+    kern->topp_mask(bin + c, k, lo, hi, mask);
+    uint32_t n = 0;
+    for (uint32_t x = 0; x < (k + 63) / 64; x++)
+        for (uint64_t bits = mask[x]; bits; bits &= bits - 1)
+            idx[n++] = c + 64 * x + (uint32_t)__builtin_ctzll(bits);
+    return n;
+}
+
+/* The kernels of select_topp: the best this CPU has, or TKV_RABITQ_FORCE's;
+ * chosen on the first call (threads racing there choose the same). */
+static tkv_status topp_kernels(const struct rq_kernels **out)
+{
+    static const struct rq_kernels *chosen;
+    const struct rq_kernels *k = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
+    if (!k) {
+        enum tkv_rabitq_isa isa;
+        TKV_TRY(default_isa(&isa));
+        k = kernels_of(isa);
+        __atomic_store_n(&chosen, k, __ATOMIC_RELEASE);
+    }
+    *out = k;
+    return TKV_OK;
+}
+
+static tkv_status select_topp(const struct rq_kernels *kern, const float *est, const float *bound, uint32_t n,
+                              const struct tkv_rabitq_topp_params *pp, void *work, size_t work_bytes, uint32_t *pos,
+                              uint32_t cap, struct tkv_rabitq_topp_result *res)
 {
     if (!pp || !res || (n && !est) || (cap && !pos))
         return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: NULL argument");
@@ -811,24 +882,20 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
     if (n)
         w = topp_carve(work, n);
     const double lp = 1 - (double)p;
+    float lb[RQ_TOPP_CHUNK], ub[RQ_TOPP_CHUNK]; /* one chunk's l and u */
+    uint32_t idx[RQ_TOPP_CHUNK];                /* one chunk's keys in some bins */
     /* pass 1: log-values, maxima, input checks */
     float gmax = -INFINITY, umax = -INFINITY;
+    const uint32_t bad = kern->topp_logvalues(est, bound, n, scale, p, w.g, &umax);
+    if (bad < n)
+        return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: key %u: estimate %g or bound %g", bad, (double)est[bad],
+                       bound ? (double)bound[bad] : 0.0);
     uint32_t n_cand = 0, r = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        const float s = scaled(scale, est[i]), d = bound ? scaled(scale, bound[i]) : 0.0f;
-        if (isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || s + d == INFINITY)
-            return tkv_err(TKV_ERR_INVALID_ARG, "rabitq: topp: key %u: estimate %g or bound %g", i, (double)est[i],
-                           bound ? (double)bound[i] : 0.0);
-        /* g = log((1-p) e^(s-d) + p e^(s+d)) = s + d + log(p + (1-p) e^(-2d)) */
-        w.g[i] = bound ? s + d + logf(p + (1 - p) * expf(-2 * d)) : s;
-        umax = umax > s + d ? umax : s + d;
-    }
     for (uint32_t i = 0, e; i < n; i = e) {
         bool forced;
         e = run_end(pp, n, i, &r, &forced);
         if (!forced) {
-            for (uint32_t j = i; j < e; j++)
-                gmax = gmax > w.g[j] ? gmax : w.g[j];
+            gmax = kern->topp_max(w.g + i, e - i, gmax);
             n_cand += e - i;
         }
     }
@@ -843,20 +910,33 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
     for (uint32_t i = 0, e; i < n; i = e) {
         bool forced;
         e = run_end(pp, n, i, &r, &forced);
-        for (uint32_t j = i; j < e; j++) {
-            double el, eu;
-            key_lu(est, bound, j, scale, M, &el, &eu);
+        for (uint32_t c = i; c < e; c += RQ_TOPP_CHUNK) {
+            const uint32_t k = TKV_MIN(e - c, (uint32_t)RQ_TOPP_CHUNK);
+            kern->topp_weights(est + c, bound ? bound + c : NULL, k, scale, M, lb, ub);
             if (forced) {
-                N += el;
-            } else {
-                const uint32_t b = bin_of(w.g[j], gmax);
-                w.bin[j] = (uint16_t)(b + 1);
-                w.hl[b] += el;
-                w.hu[b] += eu;
-                w.hc[b]++;
+                for (uint32_t j = 0; j < k; j++)
+                    N += lb[j];
+                continue;
+            }
+            kern->topp_bins(w.g + c, k, gmax, w.bin + c);
+            if (bound) {
+                for (uint32_t j = 0; j < k; j++) {
+                    const uint32_t b = w.bin[c + j] - 1u;
+                    w.hl[b] += lb[j];
+                    w.hu[b] += ub[j];
+                    w.hc[b]++;
+                }
+            } else { /* l = u: hl below */
+                for (uint32_t j = 0; j < k; j++) {
+                    const uint32_t b = w.bin[c + j] - 1u;
+                    w.hu[b] += ub[j];
+                    w.hc[b]++;
+                }
             }
         }
     }
+    if (n && !bound)
+        memcpy(w.hl, w.hu, NBINS * sizeof *w.hl);
     /* hu[b] <- sum of u over bins b.. (from the smallest up) */
     for (int b = NBINS - 2; b >= 0 && n; b--)
         w.hu[b] += w.hu[b + 1];
@@ -893,30 +973,42 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
         }
     }
     if (partial) {
+        /* the members, in order; then their l and u by the histogram's kernel */
         uint32_t m = 0;
         r = 0;
         for (uint32_t i = 0, e; i < n; i = e) {
             bool forced;
             e = run_end(pp, n, i, &r, &forced);
-            for (uint32_t j = i; j < e && !forced; j++)
-                if (w.bin[j] == bstar + 1)
-                    w.cand[m++] = (struct cand){0, w.g[j], j};
+            for (uint32_t c = i; c < e && !forced; c += RQ_TOPP_CHUNK) {
+                const uint32_t nk = keys_in_bins(kern, w.bin, c, TKV_MIN(e - c, (uint32_t)RQ_TOPP_CHUNK), bstar + 1,
+                                                 bstar + 1, idx);
+                for (uint32_t x = 0; x < nk; x++)
+                    w.cand[m++] = (struct cand){0, w.g[idx[x]], idx[x]};
+            }
         }
         sort_cands(w.cand, m);
+        float eb[RQ_TOPP_CHUNK], bb[RQ_TOPP_CHUNK];
+        for (uint32_t c = 0; c < m; c += RQ_TOPP_CHUNK) {
+            const uint32_t k = TKV_MIN(m - c, (uint32_t)RQ_TOPP_CHUNK);
+            for (uint32_t j = 0; j < k; j++) {
+                eb[j] = est[w.cand[c + j].i];
+                bb[j] = bound ? bound[w.cand[c + j].i] : 0.0f;
+            }
+            kern->topp_weights(eb, bound ? bb : NULL, k, scale, M, lb, ub);
+            for (uint32_t j = 0; j < k; j++) {
+                w.cand[c + j].c = ub[j];
+                w.cand[c + j].g = lb[j];
+            }
+        }
         const double C_after = bstar + 1 < NBINS ? w.hu[bstar + 1] : 0.0;
         double acc = C_after;
-        for (uint32_t j = m; j-- > 0;) {
-            double l, u;
-            key_lu(est, bound, w.cand[j].i, scale, M, &l, &u);
-            w.cand[j].c = acc += u;
-        }
+        for (uint32_t j = m; j-- > 0;)
+            w.cand[j].c = acc += w.cand[j].c;
         for (uint32_t j = 0; j < m; j++) {
             C = w.cand[j].c;
             if (lp * N >= p * C || cnt >= keep_cap)
                 break;
-            double l, u;
-            key_lu(est, bound, w.cand[j].i, scale, M, &l, &u);
-            N += l;
+            N += w.cand[j].g; /* l */
             w.bin[w.cand[j].i] = 0; /* taken */
             cnt++;
             C = j + 1 < m ? w.cand[j + 1].c : C_after;
@@ -945,15 +1037,12 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
         if (forced) {
             for (uint32_t j = i; j < e; j++)
                 EMIT(pp->pos0 + j);
-        } else if (count + (e - i) <= cap) { /* room for all: branch-free */
-            for (uint32_t j = i; j < e; j++) {
-                pos[count] = pp->pos0 + j;
-                count += w.bin[j] <= bstar;
-            }
-        } else {
-            for (uint32_t j = i; j < e; j++)
-                if (w.bin[j] <= bstar)
-                    EMIT(pp->pos0 + j);
+            continue;
+        }
+        for (uint32_t c = i; c < e; c += RQ_TOPP_CHUNK) {
+            const uint32_t nk = keys_in_bins(kern, w.bin, c, TKV_MIN(e - c, (uint32_t)RQ_TOPP_CHUNK), 0, bstar, idx);
+            for (uint32_t x = 0; x < nk; x++)
+                EMIT(pp->pos0 + idx[x]);
         }
     }
     for (; r < pp->n_forced; r++) /* forced positions at or past the end of est */
@@ -967,4 +1056,23 @@ tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t
         return tkv_err(TKV_ERR_TOO_SMALL, "rabitq: topp: %llu positions selected, room for %u", (unsigned long long)count,
                        cap);
     return TKV_OK;
+}
+
+tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t n,
+                                  const struct tkv_rabitq_topp_params *params, void *work, size_t work_bytes,
+                                  uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res)
+{
+    const struct rq_kernels *kern;
+    TKV_TRY(topp_kernels(&kern));
+    return select_topp(kern, est, bound, n, params, work, work_bytes, pos, cap, res);
+}
+
+tkv_status tkv_rabitq_select_topp_isa(enum tkv_rabitq_isa isa, const float *est, const float *bound, uint32_t n,
+                                      const struct tkv_rabitq_topp_params *params, void *work, size_t work_bytes,
+                                      uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res)
+{
+    if (!tkv_rabitq_isa_supported(isa))
+        return tkv_err(TKV_ERR_UNSUPPORTED, "rabitq: topp: %s kernels are not available on this CPU or build",
+                       tkv_rabitq_isa_name(isa));
+    return select_topp(kernels_of(isa), est, bound, n, params, work, work_bytes, pos, cap, res);
 }

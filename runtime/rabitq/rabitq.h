@@ -311,9 +311,21 @@ size_t tkv_rabitq_topp_work_bytes(uint32_t n);
  * then as without). The last bin holds every log-value 64 nats or more
  * below the largest: a boundary there (log-values spread that wide, as the
  * safe mode's bounds can make them) keeps all of those keys.
- * TKV_ERR_TOO_SMALL (res->n_pos = the count needed) when cap is short; work: tkv_rabitq_topp_work_bytes(n) bytes, 8-byte aligned. */
+ * TKV_ERR_TOO_SMALL (res->n_pos = the count needed) when cap is short; work: tkv_rabitq_topp_work_bytes(n) bytes, 8-byte aligned.
+ *
+ * Kernels: as the index's (TKV_RABITQ_FORCE honoured, chosen at the first
+ * call). The SIMD variants compute the exponentials and logarithms with
+ * their own polynomials (within a few ulp of libm's, which the scalar
+ * reference calls): l, u and the masses agree to ~1e-7 relative, the
+ * order of plain top-p is the same, and a set may differ from the
+ * reference's by the keys whose rule sits on a rounding tie. */
 tkv_status tkv_rabitq_select_topp(const float *est, const float *bound, uint32_t n,
                                   const struct tkv_rabitq_topp_params *params, void *work, size_t work_bytes,
                                   uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res);
+/* The same with one variant's kernels (TKV_ERR_UNSUPPORTED where this CPU
+ * or build lacks it): tests and benchmarks compare them. */
+tkv_status tkv_rabitq_select_topp_isa(enum tkv_rabitq_isa isa, const float *est, const float *bound, uint32_t n,
+                                      const struct tkv_rabitq_topp_params *params, void *work, size_t work_bytes,
+                                      uint32_t *pos, uint32_t cap, struct tkv_rabitq_topp_result *res);
 
 #endif /* TKV_RABITQ_H */
