@@ -273,6 +273,14 @@ RQ_AVX2 static inline __m256i avx2_lanes(uint32_t n)
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)TKV_MIN(n, 8u)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+/* the largest of the 8 lanes */
+RQ_AVX2 static inline float avx2_hmax(__m256 v)
+{
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
 /* s and d of keys i .. i+7 (lanes past n: 0) */
 RQ_AVX2 static inline void avx2_sd(const float *est, const float *bound, uint32_t i, __m256i in, __m256 scale,
                                    __m256 *s, __m256 *d)
@@ -308,11 +316,7 @@ RQ_AVX2 static uint32_t avx2_topp_logvalues(const float *est, const float *bound
         _mm256_maskstore_ps(g + i, in, gv);
         vm = _mm256_blendv_ps(vm, _mm256_max_ps(vm, sd), _mm256_castsi256_ps(in));
     }
-    float m[8];
-    _mm256_storeu_ps(m, vm);
-    for (int j = 1; j < 8; j++)
-        m[0] = m[0] > m[j] ? m[0] : m[j];
-    *umax = m[0];
+    *umax = avx2_hmax(vm);
     return n;
 }
 
@@ -323,11 +327,7 @@ RQ_AVX2 static float avx2_topp_max(const float *g, uint32_t n, float m0)
         const __m256i in = avx2_lanes(n - i);
         vm = _mm256_blendv_ps(vm, _mm256_max_ps(vm, _mm256_maskload_ps(g + i, in)), _mm256_castsi256_ps(in));
     }
-    float m[8];
-    _mm256_storeu_ps(m, vm);
-    for (int j = 1; j < 8; j++)
-        m[0] = m[0] > m[j] ? m[0] : m[j];
-    return m[0];
+    return avx2_hmax(vm);
 }
 
 RQ_AVX2 static void avx2_topp_weights(const float *est, const float *bound, uint32_t n, float scale, float M, float *l,
