@@ -15,7 +15,9 @@
  *     bit for bit: the selection is every key, in the same blocks);
  *   - at p=0.9 the selection is the same whether the policy answers before
  *     the KV is brought in (no keys) or with them (mass measurement on), and
- *     the measured mass kept is >= p.
+ *     the measured mass kept is >= p;
+ *   - the CPU backend's layer selection on 3 threads (index twins,
+ *     rabitq_select) gives the per-head path's logits bit for bit.
  */
 #include "runtime/policy/policy.h"
 #include "tierkv.h"
@@ -391,10 +393,10 @@ static void test_specs(void)
 
 /* ---- through the engine, on the tiny model ----------------------------------------------- */
 
-static tkv_session *open_session(tkv_model *m, const char *policy, unsigned flags)
+static tkv_session *open_session_t(tkv_model *m, const char *policy, unsigned flags, uint32_t n_threads)
 {
     struct tkv_session_params sp = tkv_session_default_params();
-    sp.n_threads = 1;
+    sp.n_threads = n_threads;
     sp.n_ctx = CTX;
     sp.kv_block = 8;
     sp.policy = policy;
@@ -403,6 +405,19 @@ static tkv_session *open_session(tkv_model *m, const char *policy, unsigned flag
     tkv_status st = tkv_session_init(m, &sp, &s);
     CHECK(st == TKV_OK, "session %s: %s", policy, tkv_last_error());
     return s;
+}
+
+static tkv_session *open_session(tkv_model *m, const char *policy, unsigned flags)
+{
+    return open_session_t(m, policy, flags, 1);
+}
+
+static size_t policy_bytes(tkv_session *s)
+{
+    char json[4096];
+    size_t len;
+    const char *at = tkv_session_stats_json(s, json, sizeof json, &len) == TKV_OK ? strstr(json, "\"policy_bytes\": ") : NULL;
+    return at ? (size_t)strtoull(at + strlen("\"policy_bytes\": "), NULL, 10) : 0;
 }
 
 /* Greedy generation of n tokens after prompt; tokens and every step's logits out. */
@@ -464,6 +479,27 @@ static void test_engine(void)
     fprintf(stderr, "tiny model, rabitq:p=0.9: mass kept %.4f, tokens read %.3f, blocks %.3f\n", mass, tok, blk);
     CHECK(mass >= 0.9, "safe top-p at p=0.9 kept %.4f of the mass", mass);
     CHECK(tok < 1.0 && blk <= 1.0, "reads: tokens %g, blocks %g", tok, blk);
+    tkv_session_free(a);
+    tkv_session_free(b);
+
+    /* the CPU backend selects a layer in one call on its threads (the
+     * indexes as its twins, rabitq_select); with TKV_RABITQ_DEVICE_TOPP=0
+     * a head at a time on the calling thread from host indexes: the same
+     * selections, so the same logits bit for bit (both sessions on 3
+     * threads: the other ops split their work by the thread count) and
+     * other memory (the twins and the layer's bitmaps) */
+    setenv("TKV_RABITQ_DEVICE_TOPP", "0", 1);
+    a = open_session_t(m, spec, 0, 3);
+    REQUIRE_VOID(a);
+    generate(a, prompt, NP, NG, t_full, l_plan);
+    unsetenv("TKV_RABITQ_DEVICE_TOPP");
+    b = open_session_t(m, spec, 0, 3);
+    REQUIRE_VOID(b);
+    generate(b, prompt, NP, NG, t_rq, l_rq);
+    CHECK(!memcmp(l_plan, l_rq, sizeof l_rq), "the CPU backend's layer selection differs from the per-head path");
+    const size_t bytes_head = policy_bytes(a), bytes_layer = policy_bytes(b);
+    CHECK(bytes_head && bytes_layer && bytes_head != bytes_layer,
+          "policy bytes %zu (per head) and %zu (layer): the layer path did not run", bytes_head, bytes_layer);
     tkv_session_free(a);
     tkv_session_free(b);
 

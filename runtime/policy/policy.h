@@ -92,9 +92,10 @@ struct tkv_policy_ops {
     /* the hooks read the keys (v->kv's blocks) themselves, so they need them
      * in host memory: the engine refuses the policy on a device backend */
     bool reads_keys;
-    /* the hooks keep a RaBitQ index of the keys: in host memory where the KV
-     * is (kv_host), else on the backend through its rabitq ops, which the
-     * engine then requires */
+    /* the hooks keep a RaBitQ index of the keys: on the backend through its
+     * rabitq ops, which the engine then requires, where the KV is in backend
+     * memory or the backend selects a whole layer in one call (the CPU
+     * backend's rabitq_select); else in host memory */
     bool needs_rabitq_ops;
     tkv_status (*create)(const struct tkv_policy_env *env, const struct tkv_policy_args *args, void **state);
     void (*destroy)(void *state);

@@ -287,7 +287,27 @@ static tkv_status append_keys(struct rabitq *r, size_t i, const struct tkv_kv_he
     return TKV_OK;
 }
 
-/* The first view whose KV is in backend memory: estimates go there. */
+/* Whether be selects a whole layer in one call (rabitq_select; off with
+ * TKV_RABITQ_DEVICE_TOPP=0) at this model's group size and context. */
+static bool backend_selects(const struct rabitq *r, const struct tkv_backend *be)
+{
+    const char *env = getenv("TKV_RABITQ_DEVICE_TOPP");
+    const size_t n = r->env.n_ctx ? r->env.n_ctx : 1;
+    return be->ops->rabitq_select && !(env && !strcmp(env, "0")) &&
+           r->env.n_head / r->env.n_head_kv <= TKV_RABITQ_SELECT_MAX_G && n <= TKV_RABITQ_SELECT_MAX_N;
+}
+
+/* Whether the indexes of v's keys live on its backend as twins
+ * (tkv_rabitq_dev): always where the keys are in backend memory; where they
+ * are in host memory (the CPU backend), when that backend selects a layer
+ * in one call, on its threads, instead of a head at a time here. */
+static bool index_on_backend(const struct rabitq *r, const struct tkv_policy_view *v)
+{
+    return v->be && (!v->kv_host || backend_selects(r, v->be));
+}
+
+/* The first view whose index goes to its backend (index_on_backend):
+ * estimates go there. */
 static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
 {
     if (r->be)
@@ -299,10 +319,8 @@ static tkv_status attach_backend(struct rabitq *r, struct tkv_backend *be)
     r->spans = malloc(r->n_spans * sizeof *r->spans);
     if (!r->kbuf || !r->spans)
         return tkv_err(TKV_ERR_NOMEM, "rabitq: out of memory");
-    const char *env_sel = getenv("TKV_RABITQ_DEVICE_TOPP");
     const uint32_t G = r->env.n_head / r->env.n_head_kv, H = r->env.n_head_kv;
-    r->dev_sel = be->ops->rabitq_select && !(env_sel && !strcmp(env_sel, "0")) && G <= TKV_RABITQ_SELECT_MAX_G &&
-                 n <= TKV_RABITQ_SELECT_MAX_N;
+    r->dev_sel = backend_selects(r, be);
     if (r->dev_sel) {
         r->words = (uint32_t)((n + 31) / 32);
         r->qs = malloc((size_t)H * G * sizeof *r->qs);
@@ -392,8 +410,8 @@ static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, 
 {
     const uint32_t hd = r->env.head_dim, G = r->env.n_head / r->env.n_head_kv, n = v->n_past;
     const size_t QD = (size_t)r->env.n_head * hd, i = (size_t)v->layer * r->env.n_head_kv + g;
-    const bool on_device = v->be && !v->kv_host;
-    if (on_device)
+    const bool keys_on_backend = v->be && !v->kv_host, twin = index_on_backend(r, v);
+    if (twin)
         TKV_TRY(attach_backend(r, v->be));
     if (!r->ix[i])
         TKV_TRY(tkv_rabitq_init(hd, tkv_rabitq_seed(SEED_BASE, v->layer, g), &r->ix[i]));
@@ -402,7 +420,7 @@ static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, 
     float ck[TKV_RABITQ_MAX_DIM], cq[TKV_RABITQ_MAX_DIM];
     TKV_TRY(tkv_rabitq_mean_init(&mk, hd));
     TKV_TRY(tkv_rabitq_mean_init(&mq, hd));
-    TKV_TRY(key_sums(r, v, g, n, on_device, &mk));
+    TKV_TRY(key_sums(r, v, g, n, keys_on_backend, &mk));
     const struct tkv_kv_head_view *kv = &v->kv[g];
     for (uint32_t hh = 0; hh < G; hh++) /* the group's query heads, every window query */
         TKV_TRY(tkv_rabitq_mean_add_f32(&mq, v->q + (size_t)(g * G + hh) * hd, QD, v->n_q));
@@ -412,7 +430,7 @@ static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, 
     TKV_TRY(tkv_rabitq_set_centroids(ix, ck, cq));
     tkv_rabitq_dev_free(r->dx[i]); /* the rotation's centroids changed: a new twin */
     r->dx[i] = NULL;
-    if (on_device)
+    if (twin)
         TKV_TRY(tkv_rabitq_dev_create(v->be, ix, r->env.n_ctx ? r->env.n_ctx : n, &r->dx[i]));
     else
         TKV_TRY(rq_reserve(r, ix, n));
