@@ -22,17 +22,34 @@ struct tkv_pool_worker {
 };
 
 struct tkv_pool {
-    uint32_t n;                       /* threads, including the caller  */
+    uint32_t n;                       /* threads, including the caller; shares per job */
     struct tkv_pool_worker *workers;  /* [n - 1]                        */
     tkv_pool_fn fn;
     void *ctx;
     atomic_uint_fast64_t generation;  /* bumped once per job            */
-    atomic_uint pending;              /* workers still running the job  */
+    atomic_uint next;                 /* the job's shares claimed       */
+    atomic_uint done;                 /* the job's shares finished      */
     atomic_bool stop;
     atomic_uint sleepers;
     pthread_mutex_t mu;
     pthread_cond_t wake;
 };
+
+/* Runs shares of the current job until every one is claimed. A claim that
+ * reads the counter tkv_pool_run reset is a share of that job, whose fn
+ * and ctx were written before the reset (release / acquire); one that comes
+ * late, after the job's last share was claimed, claims nothing -- or, if
+ * the next job has reset the counter meanwhile, a share of that one. */
+static void run_shares(struct tkv_pool *p)
+{
+    for (;;) {
+        const uint32_t k = atomic_fetch_add_explicit(&p->next, 1, memory_order_acq_rel);
+        if (k >= p->n)
+            return;
+        p->fn(p->ctx, k, p->n);
+        atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
+    }
+}
 
 static void *tkv_pool_main(void *arg)
 {
@@ -45,7 +62,10 @@ static void *tkv_pool_main(void *arg)
         while ((gen = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen &&
                !atomic_load_explicit(&p->stop, memory_order_acquire)) {
             if (++spins < TKV_POOL_SPINS) {
-                tkv_cpu_relax();
+                if (spins % 1024 == 0)
+                    sched_yield();
+                else
+                    tkv_cpu_relax();
                 continue;
             }
             pthread_mutex_lock(&p->mu);
@@ -59,8 +79,7 @@ static void *tkv_pool_main(void *arg)
         if (atomic_load_explicit(&p->stop, memory_order_acquire))
             return NULL;
         seen = gen;
-        p->fn(p->ctx, w->ith, p->n);
-        atomic_fetch_sub_explicit(&p->pending, 1, memory_order_release);
+        run_shares(p);
     }
 }
 
@@ -122,17 +141,19 @@ void tkv_pool_run(struct tkv_pool *p, tkv_pool_fn fn, void *ctx)
     }
     p->fn = fn;
     p->ctx = ctx;
-    atomic_store_explicit(&p->pending, p->n - 1, memory_order_relaxed);
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->next, 0, memory_order_release); /* (the previous job's shares all done) */
     atomic_fetch_add(&p->generation, 1); /* seq_cst: pairs with the sleepers check */
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->wake);
         pthread_mutex_unlock(&p->mu);
     }
-    fn(ctx, 0, p->n);
-    /* spin, then yield: when cores are oversubscribed (parallel tests, other
-     * processes) a descheduled worker must not cost us a whole time slice */
-    for (int spins = 0; atomic_load_explicit(&p->pending, memory_order_acquire) != 0; spins++) {
+    /* the caller takes shares too, so a worker not running (cores
+     * oversubscribed: other processes, parallel tests) leaves its share to
+     * us instead of costing a time slice; we wait only for shares begun */
+    run_shares(p);
+    for (int spins = 0; atomic_load_explicit(&p->done, memory_order_acquire) != p->n; spins++) {
         if (spins < TKV_POOL_SPINS)
             tkv_cpu_relax();
         else

@@ -2,9 +2,14 @@
  * threadpool.h -- a fixed pool of worker threads for data-parallel kernels.
  *
  * tkv_pool_run(pool, fn, ctx) calls fn(ctx, ith, nth) once for every
- * ith in [0, nth) -- the calling thread runs ith = 0 -- and returns when all
- * have finished. Workers spin briefly between jobs (decode issues hundreds of
- * small jobs per token) and then sleep, so an idle pool costs no CPU.
+ * share ith in [0, nth), nth the pool's size, and returns when all have
+ * finished. The shares are claimed in turn by whichever threads are
+ * running, the caller included: a share is not tied to a thread (per-share
+ * scratch indexed by ith is still used by one thread at a time), and a
+ * worker that is not running when a job starts (more threads than free
+ * cores) costs nothing. Workers spin briefly between jobs (decode issues
+ * hundreds of small jobs per token) and then sleep, so an idle pool costs
+ * no CPU.
  * One job at a time: tkv_pool_run is not reentrant and not thread-safe.
  */
 #ifndef TKV_THREADPOOL_H

@@ -10,6 +10,8 @@
 #include "runtime/rabitq/rabitq.h"
 #include "test.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -247,6 +249,28 @@ static void count_worker(void *ctx, uint32_t ith, uint32_t nth)
         sums[ith] += i;
 }
 
+/* A job of the oversubscribed pool: each share counts its runs and which
+ * thread ran it. */
+struct share_log {
+    _Atomic uint32_t runs[32]; /* (room for shares past the 16 there are) */
+    _Atomic uint32_t wrong_nth; /* shares told another count than 16 */
+    pthread_t who[32];
+};
+
+static void log_worker(void *ctx, uint32_t ith, uint32_t nth)
+{
+    struct share_log *l = ctx;
+    if (ith < 32) {
+        atomic_fetch_add(&l->runs[ith], 1);
+        l->who[ith] = pthread_self();
+    }
+    if (nth != 16)
+        atomic_fetch_add(&l->wrong_nth, 1);
+    volatile uint64_t x = 0;
+    for (uint32_t i = 0; i < 200 * (ith % 4 + 1); i++) /* uneven shares */
+        x += i;
+}
+
 static void test_pool(void)
 {
     struct tkv_pool *p;
@@ -259,6 +283,24 @@ static void test_pool(void)
             break;
         }
     }
+    tkv_pool_free(p);
+    /* more threads than cores (CI has 2): every share of every job runs
+     * exactly once, some thread or other -- the caller takes the shares of
+     * workers not running -- and the job returns only when all are done */
+    REQUIRE_VOID(tkv_pool_init(16, &p) == TKV_OK);
+    uint32_t bad = 0, by_caller = 0;
+    for (int rep = 0; rep < 3000 && !bad; rep++) {
+        struct share_log l = {.wrong_nth = 0};
+        tkv_pool_run(p, log_worker, &l);
+        for (uint32_t k = 0; k < 32; k++) {
+            bad += atomic_load(&l.runs[k]) != (k < 16);
+            by_caller += k && k < 16 && pthread_equal(l.who[k], pthread_self());
+        }
+        bad += atomic_load(&l.wrong_nth);
+    }
+    CHECK(bad == 0, "oversubscribed pool: %u shares run other than once", bad);
+    fprintf(stderr, "pool of 16 threads: 3000 jobs, each share once; %u shares other than 0 run by the caller\n",
+            by_caller);
     tkv_pool_free(p);
     CHECK(tkv_pool_init(0, &p) == TKV_ERR_INVALID_ARG, "0 threads must be refused");
 }
