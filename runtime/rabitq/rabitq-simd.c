@@ -45,19 +45,19 @@ RQ_AVX2 static void load_row_f16(const struct tkv_rabitq *ix, const uint16_t *ro
 // --- top-p: e^x and log x ------------------------------------------------------
 /*
  * e^x for x <= 0: x = t ln2 + r, t = round(x / ln2), |r| <= ln2/2, ln2 split
- * in two (t * RQ_LN2_HI is exact for |t| < 2^7), e^r by its Taylor series to
- * r^7 (the first term left out, r^8/8! < 6e-9, is under float's half ulp),
- * times 2^t, rounded once: into the subnormals below -87.3 as libm's, so
- * p = 1 keeps the same keys (those whose e^x is not 0); 0 below -104 and
- * for -inf. log a for a in (0, 1]: a = m 2^e with m in [sqrt(1/2),
- * sqrt 2), log m = 2 atanh((m-1)/(m+1)) by its series to the 7th power
- * (|t| <= 0.172: the next term is 1e-13 relative).
+ * in two (RQ_LN2_HI has 15 significant bits: t * RQ_LN2_HI is exact for
+ * |t| < 2^9, and here t >= -150), e^r by its Taylor series to r^7 (the
+ * first term left out, r^8/8! <= 5.2e-9, is under float's half ulp), times
+ * 2^t, rounded once: into the subnormals below -87.3 as libm's, so p = 1
+ * keeps the same keys (those whose e^x is not 0); 0 below -104 and for
+ * -inf. log a for a in (0, 1]: a = m 2^e with m in [sqrt(1/2), sqrt 2),
+ * log m = 2 atanh(t), t = (m-1)/(m+1), by its series to t^9 (|t| <= 0.172:
+ * the first term left out, t^11/11 against t, is 2e-9 relative).
  */
-#define RQ_LN2_HI 0x1.62e4p-1f            /* ln 2 to 14 bits           */
-#define RQ_LN2_LO 1.428606765330187e-06f  /* ln 2 - RQ_LN2_HI          */
+#define RQ_LN2_HI 0x1.62e4p-1f            /* ln 2 to 15 significant bits */
+#define RQ_LN2_LO 1.428606765330187e-06f  /* ln 2 - RQ_LN2_HI            */
 #define RQ_LOG2E  1.44269504088896341f
 #define RQ_EXP_MIN (-104.0f)  /* e^x < 2^-150 below: 0 */
-
 
 // --- AVX2 ----------------------------------------------------------------------
 
@@ -260,7 +260,8 @@ RQ_AVX2 static inline __m256 avx2_log(__m256 a)
     e = _mm256_add_ps(e, _mm256_and_ps(big, _mm256_set1_ps(1.0f)));
     const __m256 one = _mm256_set1_ps(1.0f);
     const __m256 t = _mm256_div_ps(_mm256_sub_ps(m, one), _mm256_add_ps(m, one)), t2 = _mm256_mul_ps(t, t);
-    __m256 q = _mm256_fmadd_ps(t2, _mm256_set1_ps(1.0f / 7), _mm256_set1_ps(1.0f / 5));
+    __m256 q = _mm256_fmadd_ps(t2, _mm256_set1_ps(1.0f / 9), _mm256_set1_ps(1.0f / 7));
+    q = _mm256_fmadd_ps(q, t2, _mm256_set1_ps(1.0f / 5));
     q = _mm256_fmadd_ps(q, t2, _mm256_set1_ps(1.0f / 3));
     q = _mm256_fmadd_ps(q, t2, one);
     const __m256 lm = _mm256_mul_ps(_mm256_add_ps(t, t), q);
@@ -585,7 +586,8 @@ RQ_AVX512 static inline __m512 avx512_log(__m512 a)
     e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0f));
     const __m512 one = _mm512_set1_ps(1.0f);
     const __m512 t = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one)), t2 = _mm512_mul_ps(t, t);
-    __m512 q = _mm512_fmadd_ps(t2, _mm512_set1_ps(1.0f / 7), _mm512_set1_ps(1.0f / 5));
+    __m512 q = _mm512_fmadd_ps(t2, _mm512_set1_ps(1.0f / 9), _mm512_set1_ps(1.0f / 7));
+    q = _mm512_fmadd_ps(q, t2, _mm512_set1_ps(1.0f / 5));
     q = _mm512_fmadd_ps(q, t2, _mm512_set1_ps(1.0f / 3));
     q = _mm512_fmadd_ps(q, t2, one);
     const __m512 lm = _mm512_mul_ps(_mm512_add_ps(t, t), q);

@@ -822,17 +822,17 @@ static inline uint32_t run_end(const struct tkv_rabitq_topp_params *pp, uint32_t
     return *r < pp->n_forced ? (uint32_t)TKV_MIN((uint64_t)pp->forced[*r].begin - pp->pos0, (uint64_t)n) : n;
 }
 
-/* Writes to idx the keys j in [c, c+k) (k <= RQ_TOPP_CHUNK) with lo <= bin[j]
- * <= hi, ascending; returns their count. */
+/* Writes to out base + j for the keys j in [c, c+k) (k <= RQ_TOPP_CHUNK)
+ * with lo <= bin[j] <= hi, ascending; returns their count (<= k). */
 static uint32_t keys_in_bins(const struct rq_kernels *kern, const uint16_t *bin, uint32_t c, uint32_t k, uint32_t lo,
-                             uint32_t hi, uint32_t *idx)
+                             uint32_t hi, uint32_t base, uint32_t *out)
 {
     uint64_t mask[RQ_TOPP_CHUNK / 64];
     kern->topp_mask(bin + c, k, lo, hi, mask);
     uint32_t n = 0;
     for (uint32_t x = 0; x < (k + 63) / 64; x++)
         for (uint64_t bits = mask[x]; bits; bits &= bits - 1)
-            idx[n++] = c + 64 * x + (uint32_t)__builtin_ctzll(bits);
+            out[n++] = base + c + 64 * x + (uint32_t)__builtin_ctzll(bits);
     return n;
 }
 
@@ -981,7 +981,7 @@ static tkv_status select_topp(const struct rq_kernels *kern, const float *est, c
             e = run_end(pp, n, i, &r, &forced);
             for (uint32_t c = i; c < e && !forced; c += RQ_TOPP_CHUNK) {
                 const uint32_t nk = keys_in_bins(kern, w.bin, c, TKV_MIN(e - c, (uint32_t)RQ_TOPP_CHUNK), bstar + 1,
-                                                 bstar + 1, idx);
+                                                 bstar + 1, 0, idx);
                 for (uint32_t x = 0; x < nk; x++)
                     w.cand[m++] = (struct cand){0, w.g[idx[x]], idx[x]};
             }
@@ -1040,9 +1040,14 @@ static tkv_status select_topp(const struct rq_kernels *kern, const float *est, c
             continue;
         }
         for (uint32_t c = i; c < e; c += RQ_TOPP_CHUNK) {
-            const uint32_t nk = keys_in_bins(kern, w.bin, c, TKV_MIN(e - c, (uint32_t)RQ_TOPP_CHUNK), 0, bstar, idx);
+            const uint32_t k = TKV_MIN(e - c, (uint32_t)RQ_TOPP_CHUNK);
+            if (count + k <= cap) { /* room for all: straight into pos */
+                count += keys_in_bins(kern, w.bin, c, k, 0, bstar, pp->pos0, pos + count);
+                continue;
+            }
+            const uint32_t nk = keys_in_bins(kern, w.bin, c, k, 0, bstar, pp->pos0, idx);
             for (uint32_t x = 0; x < nk; x++)
-                EMIT(pp->pos0 + idx[x]);
+                EMIT(idx[x]);
         }
     }
     for (; r < pp->n_forced; r++) /* forced positions at or past the end of est */
