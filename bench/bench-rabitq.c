@@ -382,7 +382,9 @@ int main(int argc, char **argv)
     printf("\n## Top-p selection (select_topp, p = 0.9, on the estimates above), 1 thread, ms per call by kernels\n\n");
     printf("| D | keys | plain scalar | plain AVX2 | plain AVX-512 | safe scalar | safe AVX2 | safe AVX-512 | "
            "best / scalar plain | best / scalar safe |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    const int best = have[TKV_RABITQ_ISA_AVX512] ? 2 : have[1] ? 1 : 0;
+    const int best = have[TKV_RABITQ_ISA_AVX512] ? TKV_RABITQ_ISA_AVX512
+                   : have[TKV_RABITQ_ISA_AVX2]   ? TKV_RABITQ_ISA_AVX2
+                                                 : TKV_RABITQ_ISA_SCALAR;
     for (int di = 0; di < 2; di++)
         for (int si = 0; si < n_sizes; si++) {
             char col[2][TKV_RABITQ_ISA_COUNT][32];

@@ -1,7 +1,8 @@
 /*
  * rabitq.c -- the RaBitQ key index (rabitq.h): lifecycle, centroids, query
  * preparation, top-p selection, kernel dispatch, and the scalar reference
- * kernels that the SIMD ones (rabitq-simd.c) must match bit for bit.
+ * kernels that the SIMD ones (rabitq-simd.c) must match bit for bit (the
+ * top-p ones up to their exponentials' and logarithms' rounding).
  */
 #include "rabitq-impl.h"
 
