@@ -15,15 +15,9 @@
 /* Spin iterations before a worker sleeps (~50-100 us on current x86). */
 #define TKV_POOL_SPINS 20000
 
-struct tkv_pool_worker {
-    struct tkv_pool *pool;
-    uint32_t ith;
-    pthread_t thread;
-};
-
 struct tkv_pool {
     uint32_t n;                       /* threads, including the caller; shares per job */
-    struct tkv_pool_worker *workers;  /* [n - 1]                        */
+    pthread_t *threads;               /* [n - 1] the workers            */
     tkv_pool_fn fn;
     void *ctx;
     atomic_uint_fast64_t generation;  /* bumped once per job            */
@@ -53,8 +47,7 @@ static void run_shares(struct tkv_pool *p)
 
 static void *tkv_pool_main(void *arg)
 {
-    struct tkv_pool_worker *w = arg;
-    struct tkv_pool *p = w->pool;
+    struct tkv_pool *p = arg;
     uint64_t seen = 0;
     for (;;) {
         uint64_t gen;
@@ -95,17 +88,14 @@ tkv_status tkv_pool_init(uint32_t n_threads, struct tkv_pool **out)
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
     if (n_threads > 1) {
-        p->workers = calloc(n_threads - 1, sizeof *p->workers);
-        if (!p->workers) {
+        p->threads = calloc(n_threads - 1, sizeof *p->threads);
+        if (!p->threads) {
             tkv_pool_free(p);
             return tkv_err(TKV_ERR_NOMEM, "threadpool: out of memory");
         }
     }
     for (uint32_t i = 1; i < n_threads; i++) {
-        struct tkv_pool_worker *w = &p->workers[i - 1];
-        w->pool = p;
-        w->ith = i;
-        if (pthread_create(&w->thread, NULL, tkv_pool_main, w) != 0) {
+        if (pthread_create(&p->threads[i - 1], NULL, tkv_pool_main, p) != 0) {
             p->n = i; /* only the threads started so far get joined */
             tkv_pool_free(p);
             return tkv_err(TKV_ERR_NOMEM, "threadpool: cannot start thread %u of %u", i, n_threads);
@@ -124,10 +114,10 @@ void tkv_pool_free(struct tkv_pool *p)
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
     for (uint32_t i = 1; i < p->n; i++)
-        pthread_join(p->workers[i - 1].thread, NULL);
+        pthread_join(p->threads[i - 1], NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->wake);
-    free(p->workers);
+    free(p->threads);
     free(p);
 }
 
