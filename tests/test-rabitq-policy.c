@@ -8,6 +8,9 @@
  *     selected; decode_needs_keys asks for the keys exactly when a batch is
  *     pending, and the batch then joins the index;
  *   - whole=1 widens the selection to whole KV blocks; p=1 selects all;
+ *   - a head whose selection kept more than `wide` of its keys reads
+ *     everything for the next `hold` steps, then selects again; asked again
+ *     within a step, it answers the same;
  *   - entropy+rabitq reads Dynamic heads whole and selects Rigid ones;
  *   - bad parameters are refused with a message naming them.
  * On the tiny random model (tests/tiny-model.h), through the engine:
@@ -219,7 +222,8 @@ static void test_lazy_tail(void)
 {
     const uint32_t n_prompt = 1000, batch = 48;
     make_keys(n_prompt);
-    struct tkv_policy *p = make("rabitq:dense=1,batch=48,sink=8,recent=8");
+    /* (hold=0: every step selects, so that each shows its tail; test_hold has the holds) */
+    struct tkv_policy *p = make("rabitq:dense=1,batch=48,sink=8,recent=8,hold=0");
     REQUIRE_VOID(p);
     REQUIRE_VOID(prefill_done(p, n_prompt) == TKV_OK);
     static struct tkv_range r[S_CTX];
@@ -299,6 +303,85 @@ static void test_lazy_tail(void)
     }
 }
 
+/* ---- holds: a head that keeps most of its keys reads everything for a while --------------- */
+
+/* What head g of layer 1 reads at decode step `step` (the same query at
+ * every step): -1 everything, else the share of the n_past keys its ranges
+ * cover (> 0). */
+static double read_at(struct tkv_policy *p, uint32_t n_prompt, uint32_t step, uint32_t g, const float *q)
+{
+    static struct tkv_range r[S_CTX];
+    int32_t qpos = (int32_t)(n_prompt + step);
+    const struct tkv_policy_view v = {.layer = 1, .n_past = n_prompt + step + 1, .n_prompt = n_prompt, .step = step,
+                                      .q = q, .q_pos = &qpos, .n_q = 1, .kv = NULL};
+    CHECK(!p->ops->decode_needs_keys(p->state, &v), "step %u: no batch is pending (batch=1000)", step);
+    const int m = p->ops->decode_select(p->state, &v, g, r, S_CTX);
+    if (m < 0)
+        return -1;
+    CHECK(m > 0 && ascending(r, m, v.n_past), "step %u head %u: %d ranges, not ascending", step, g, m);
+    return (double)covered(r, m) / v.n_past;
+}
+
+static void test_hold(void)
+{
+    const uint32_t n_prompt = 1200;
+    make_keys(n_prompt);
+    float q[S_H * S_HD];
+    decode_query(q);
+    /* p = 1 keeps every key: head 0 holds for 3 steps after each selection,
+     * head 1 (asked first at each step, so the heads' counts are their own) too */
+    struct tkv_policy *p = make("rabitq:p=1,dense=0,batch=1000,hold=3");
+    REQUIRE_VOID(p && prefill_done(p, n_prompt) == TKV_OK);
+    for (uint32_t step = 0; step < 10; step++) {
+        const bool selects = step % 4 == 0; /* 0 selects, 1-3 hold, 4 selects, ... */
+        for (uint32_t g = S_HKV; g-- > 0;) {
+            const double x = read_at(p, n_prompt, step, g, q);
+            CHECK(selects ? x >= 1.0 : x == -1, "p=1, hold=3: step %u head %u read %g (%s expected)", step, g, x,
+                  selects ? "a selection of everything" : "-1, a hold");
+            CHECK(read_at(p, n_prompt, step, g, q) == x, "step %u head %u: asked again, another answer", step, g);
+        }
+    }
+    tkv_policy_free(p);
+    /* hold=0, or wide=1 (no selection keeps more than all): no holds */
+    const char *never[] = {"rabitq:p=1,dense=0,batch=1000,hold=0", "rabitq:p=1,dense=0,batch=1000,wide=1"};
+    for (int i = 0; i < 2; i++) {
+        p = make(never[i]);
+        REQUIRE_VOID(p && prefill_done(p, n_prompt) == TKV_OK);
+        for (uint32_t step = 0; step < 4; step++)
+            CHECK(read_at(p, n_prompt, step, 0, q) >= 1.0, "%s: step %u did not select", never[i], step);
+        tkv_policy_free(p);
+    }
+    /* plain top-p keeps a few keys: it selects at every step (a share of
+     * the keys, which moves a little with the recent window and the tail);
+     * wide= just below what it keeps at step 0 makes it hold, just above
+     * does not */
+    p = make("rabitq:p=0.9,safe=0,dense=0,batch=1000");
+    REQUIRE_VOID(p && prefill_done(p, n_prompt) == TKV_OK);
+    const double share = read_at(p, n_prompt, 0, 0, q);
+    CHECK(share > 0 && share < 0.75, "plain top-p read %g of the keys", share);
+    for (uint32_t step = 1; step < 4; step++) {
+        const double x = read_at(p, n_prompt, step, 0, q);
+        CHECK(x > 0 && x < 0.75, "plain top-p, step %u read %g", step, x);
+    }
+    tkv_policy_free(p);
+    /* the share over the indexed keys, n_prompt of them (the tail is not in it) */
+    const double kept = share * (n_prompt + 1) - 1;
+    for (int above = 0; above <= 1; above++) {
+        char spec[96];
+        snprintf(spec, sizeof spec, "rabitq:p=0.9,safe=0,dense=0,batch=1000,wide=%.6f",
+                 kept / n_prompt + (above ? 1e-4 : -1e-4));
+        p = make(spec);
+        REQUIRE_VOID(p && prefill_done(p, n_prompt) == TKV_OK);
+        CHECK(read_at(p, n_prompt, 0, 0, q) == share, "%s: step 0 selected otherwise", spec);
+        const double x = read_at(p, n_prompt, 1, 0, q);
+        CHECK(above ? x > 0 && x < 0.75 : x == -1, "%s: step 1 read %g", spec, x);
+        /* a new prefill forgets the holds */
+        REQUIRE_VOID(prefill_done(p, n_prompt) == TKV_OK);
+        CHECK(read_at(p, n_prompt, 1, 0, q) > 0, "%s: after a new prefill, step 1 held", spec);
+        tkv_policy_free(p);
+    }
+}
+
 /* ---- entropy+rabitq: Dynamic heads whole, Rigid heads by top-p -------------------------- */
 
 static void test_composition(void)
@@ -367,6 +450,9 @@ static void test_specs(void)
                  {"rabitq:whole=70000", "whole=70000"},
                  {"rabitq:exact=2", "exact is 0 or 1"},
                  {"rabitq:batch=0", "batch=0"},
+                 {"rabitq:wide=0", "wide=0 must be in (0, 1]"},
+                 {"rabitq:wide=1.5", "wide=1.5 must be in (0, 1]"},
+                 {"rabitq:hold=-1", "hold=-1 is not a non-negative integer"},
                  {"rabitq:sink=-1", "sink=-1 is not a non-negative integer"},
                  {"rabitq:foo=1", "policy 'rabitq': unknown parameter 'foo'"},
                  {"entropy+rabitq:foo=1", "policy 'entropy+rabitq': unknown parameter 'foo'"},
@@ -382,6 +468,7 @@ static void test_specs(void)
     }
     const char *good[] = {"rabitq", "rabitq:p=0.95",
                           "rabitq:p=1,safe=0,eps=1.5,sink=0,recent=0,batch=1,dense=0,whole=1",
+                          "rabitq:hold=0", "rabitq:hold=100,wide=1",
                           "entropy+rabitq", "entropy+rabitq:p=0.9,safe=1,eps=3,segment=256,block=8"};
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
         struct tkv_policy *p = make(good[i]);
@@ -518,6 +605,7 @@ int main(void)
     test_specs();
     test_safe_mass();
     test_lazy_tail();
+    test_hold();
     test_composition();
     test_engine();
     return test_done();

@@ -49,7 +49,14 @@
  * RQ_DEVICE_GROUP where a device selects, else 0), exact (1: the
  * shortest prefix of the keys that meets p; 0: the top-p search's boundary
  * bin kept whole, tkv_rabitq_topp_params.coarse; not given: 0 where a
- * device selects, else 1).
+ * device selects, else 1), hold (16) and wide (0.75): a head whose
+ * selection kept more than `wide` of its indexed keys reads everything for
+ * the next `hold` steps without selecting, then selects again (hold=0:
+ * never). Reading more only raises the kept mass; where top-p keeps most
+ * keys anyway (safe mode on real text at a few thousand tokens keeps
+ * 75-95%), the selection is pure cost. It acts where a selection's sets
+ * come to the host (the host's top-p, a backend's rabitq_select into a
+ * host bitmap), not on the device table path, where they never do.
  */
 #include "policy.h"
 #include "../rabitq/rabitq.h"
@@ -73,6 +80,14 @@
  * at 128K, the same share of the keys read (docs/rabitq.md, "Session 17"). */
 #define RQ_DEVICE_EXACT 0
 
+/* A head's hold (wide, hold): the decode step it last saw, whether that
+ * step reads whole, and the steps left to read whole after it. */
+struct rq_hold {
+    uint32_t step, left;
+    bool on;
+};
+#define RQ_NO_STEP UINT32_MAX
+
 struct rabitq {
     struct tkv_policy_env env;
     float p, eps;
@@ -81,6 +96,9 @@ struct rabitq {
     uint32_t exact;         /* 1: the shortest prefix; 0: the boundary bin whole */
     bool whole_auto;        /* whole not given: RQ_DEVICE_GROUP once a device selects */
     bool exact_auto;        /* exact not given: RQ_DEVICE_EXACT once a device selects */
+    float wide;             /* a selection keeping more than this share of its keys ...   */
+    uint32_t hold;          /* ... makes its head read whole for the next `hold` steps      */
+    struct rq_hold *holds;  /* [layer][head]                                                */
     struct tkv_rabitq **ix; /* [layer][head]: the index, NULL until first built */
     /* the KV in backend memory: the indexes' codes live there too */
     struct tkv_backend *be;              /* NULL: host indexes only          */
@@ -127,7 +145,8 @@ struct rabitq {
     uint32_t *bitmap_dev;                  /* backend [n_head_kv][words]                    */
 };
 
-static const char *const rq_keys[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", "exact", NULL};
+static const char *const rq_keys[] = {"p",     "safe",  "eps",  "sink", "recent", "batch",
+                                      "dense", "whole", "exact", "hold", "wide",   NULL};
 
 static void rq_destroy(void *state)
 {
@@ -148,15 +167,24 @@ static void rq_destroy(void *state)
             r->be->ops->release(r->be, r->bitmap_dev);
     }
     free(r->ix), free(r->dx), free(r->kbuf), free(r->spans), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
-        free(r->mark);
+        free(r->mark), free(r->holds);
     free(r->qs), free(r->sh), free(r->bitmap), free(r->slot), free(r->sel_n), free(r->n_chosen), free(r->items);
     free(r);
+}
+
+/* Heads [i0, i1) hold nothing. */
+static void holds_clear(struct rabitq *r, size_t i0, size_t i1)
+{
+    for (size_t i = i0; i < i1; i++)
+        r->holds[i] = (struct rq_hold){RQ_NO_STEP, 0, false};
 }
 
 static void rq_reset(void *state)
 {
     struct rabitq *r = state;
-    memset(r->ready, 0, (size_t)r->env.n_layer * r->env.n_head_kv * sizeof *r->ready);
+    const size_t LH = (size_t)r->env.n_layer * r->env.n_head_kv;
+    memset(r->ready, 0, LH * sizeof *r->ready);
+    holds_clear(r, 0, LH);
     r->c_valid = false;
 }
 
@@ -167,7 +195,8 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
 {
     *out = NULL;
     struct rabitq p = {.env = *env, .p = 0.9f, .eps = TKV_RABITQ_EPS0, .safe = 1, .sink = 64, .recent = 64,
-                       .batch = 64, .dense = 2, .whole = UINT32_MAX, .exact = UINT32_MAX};
+                       .batch = 64, .dense = 2, .whole = UINT32_MAX, .exact = UINT32_MAX, .hold = 16,
+                       .wide = 0.75f};
     TKV_TRY(tkv_policy_arg_f32(name, args, "p", &p.p));
     TKV_TRY(tkv_policy_arg_u32(name, args, "safe", &p.safe));
     TKV_TRY(tkv_policy_arg_f32(name, args, "eps", &p.eps));
@@ -177,6 +206,8 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     TKV_TRY(tkv_policy_arg_u32(name, args, "dense", &p.dense));
     TKV_TRY(tkv_policy_arg_u32(name, args, "whole", &p.whole));
     TKV_TRY(tkv_policy_arg_u32(name, args, "exact", &p.exact));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "hold", &p.hold));
+    TKV_TRY(tkv_policy_arg_f32(name, args, "wide", &p.wide));
     if (!(p.p > 0 && p.p <= 1))
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': p=%g must be in (0, 1]", name, (double)p.p);
     if (!(p.eps > 0))
@@ -188,6 +219,9 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
         p.whole = 0, p.whole_auto = true;
     if (p.exact == UINT32_MAX)
         p.exact = 1, p.exact_auto = true;
+    if (!(p.wide > 0 && p.wide <= 1))
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': wide=%g must be in (0, 1] (the share of a head's keys "
+                       "above which it holds)", name, (double)p.wide);
     if (p.exact > 1)
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': exact is 0 or 1 (exact=%u)", name, p.exact);
     if (p.whole > 1u << 16)
@@ -216,10 +250,13 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     r->work = malloc(r->work_bytes);
     r->pos = malloc(n * sizeof *r->pos);
     r->mark = malloc(n);
-    if (!r->ix || !r->dx || !r->use || !r->ready || !r->est || !r->bound || !r->work || !r->pos || !r->mark) {
+    r->holds = malloc(LH * sizeof *r->holds);
+    if (!r->ix || !r->dx || !r->use || !r->ready || !r->est || !r->bound || !r->work || !r->pos || !r->mark ||
+        !r->holds) {
         rq_destroy(r);
         return tkv_err(TKV_ERR_NOMEM, "policy '%s': out of memory", name);
     }
+    holds_clear(r, 0, LH);
     for (uint32_t l = p.dense; l < env->n_layer; l++) /* plain rabitq: every head of the sparse layers */
         for (uint32_t g = 0; g < env->n_head_kv; g++)
             r->use[(size_t)l * env->n_head_kv + g] = true;
@@ -440,6 +477,7 @@ static tkv_status build_head(struct rabitq *r, const struct tkv_policy_view *v, 
 static tkv_status rq_after_prefill(void *state, const struct tkv_policy_view *v)
 {
     struct rabitq *r = state;
+    holds_clear(r, (size_t)v->layer * r->env.n_head_kv, (size_t)(v->layer + 1) * r->env.n_head_kv);
     for (uint32_t g = 0; g < r->env.n_head_kv; g++) {
         const size_t i = (size_t)v->layer * r->env.n_head_kv + g;
         r->ready[i] = false;
@@ -528,6 +566,28 @@ static bool catch_up(struct rabitq *r, const struct tkv_policy_view *v, uint32_t
     return true;
 }
 
+/* Whether head i reads everything at this step without selecting (the
+ * hold): the first ask of a step moves the head's count on, later asks of
+ * the same step get the same answer. */
+static bool holding(struct rabitq *r, size_t i, uint32_t step)
+{
+    struct rq_hold *h = &r->holds[i];
+    if (h->step != step) {
+        h->step = step;
+        h->on = h->left > 0;
+        h->left -= h->on;
+    }
+    return h->on;
+}
+
+/* Head i's selection at this step kept `kept` of its n indexed keys: more
+ * than `wide` of them, and it holds for the next `hold` steps. */
+static void selected(struct rabitq *r, size_t i, uint64_t kept, uint32_t n)
+{
+    if (kept > (double)r->wide * n)
+        r->holds[i].left = r->hold;
+}
+
 /* Whether v->q is in host memory (be NULL: everything is). */
 static bool q_in_host(const struct tkv_policy_view *v) { return v->q_host || !v->be; }
 
@@ -546,7 +606,7 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
     for (uint32_t g = 0; g < H; g++) {
         const size_t i = (size_t)v->layer * H + g;
         r->slot[g] = -1;
-        if (!r->ready[i] || !r->dx[i] || !catch_up(r, v, g, i))
+        if (!r->ready[i] || !r->dx[i] || !catch_up(r, v, g, i) || holding(r, i, v->step))
             continue;
         struct tkv_range forced[2];
         uint32_t n, nf;
@@ -597,10 +657,20 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
     /* a query head whose estimates are not finite (its query refused on the
      * device, or overflowing scalars): the head reads everything, as on the
      * host path */
-    for (uint32_t g = 0; g < H; g++)
+    for (uint32_t g = 0; g < H; g++) {
         for (uint32_t hh = 0; r->slot[g] >= 0 && hh < G; hh++)
             if (r->n_chosen[(size_t)r->slot[g] * G + hh] == UINT32_MAX)
                 r->slot[g] = -1;
+        if (r->slot[g] < 0)
+            continue;
+        const uint32_t *row = r->bitmap + (size_t)r->slot[g] * r->words, n = r->sel_n[g];
+        uint64_t kept = 0;
+        for (uint32_t x = 0; x < n / 32; x++)
+            kept += (uint32_t)__builtin_popcount(row[x]);
+        if (n % 32)
+            kept += (uint32_t)__builtin_popcount(row[n / 32] & ((1u << n % 32) - 1));
+        selected(r, (size_t)v->layer * H + g, kept, n);
+    }
 }
 
 /* This step's selection of v->layer on the device, made once (the cache). */
@@ -688,7 +758,7 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
     if (!r->ready[i])
         return -1;
     struct tkv_rabitq *ix = r->ix[i];
-    if (!q_in_host(v) || !catch_up(r, v, head, i))
+    if (!q_in_host(v) || !catch_up(r, v, head, i) || holding(r, i, v->step))
         return -1; /* (the query left in backend memory is only for the device path) */
     struct tkv_range forced[2];
     uint32_t n, n_forced;
@@ -718,7 +788,7 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
                 memset(r->mark + b0, 1, b1 - b0);
         }
     }
-    uint32_t m = 0;
+    uint32_t m = 0, kept = 0;
     for (uint32_t j = 0; j < n;) {
         if (!r->mark[j]) {
             j++;
@@ -730,7 +800,9 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
         if (m == cap)
             return -1;
         out[m++] = (struct tkv_range){b, j};
+        kept += j - b;
     }
+    selected(r, i, kept, n);
     return add_tail(out, m, cap, n, v->n_past); /* the tail not yet encoded, this step's token included */
 }
 
@@ -754,8 +826,8 @@ static bool rq_query_host(void *state) { return !((const struct rabitq *)state)-
 
 const struct tkv_policy_ops tkv_policy_rabitq = {
     .name = "rabitq",
-    .help = "RaBitQ top-p at decode: p=0.9, safe=1, eps=3, sink=64, recent=64, batch=64, dense=2; whole=16 and "
-            "exact=0 where the backend selects, else whole=0 and exact=1",
+    .help = "RaBitQ top-p at decode: p=0.9, safe=1, eps=3, sink=64, recent=64, batch=64, dense=2, hold=16, "
+            "wide=0.75; whole=16 and exact=0 where the backend selects, else whole=0 and exact=1",
     .decode_reads_query = true,
     .decode_query_host = rq_query_host,
     .needs_rabitq_ops = true, /* the index is built and grown where the keys are */
@@ -794,7 +866,7 @@ static tkv_status er_create(const struct tkv_policy_env *env, const struct tkv_p
 {
     const char *name = "entropy+rabitq";
     static const char *const known[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", "exact",
-                                        "faithful", "segment", "block", "threshold", "layer_skip", "base",
+                                        "hold", "wide", "faithful", "segment", "block", "threshold", "layer_skip", "base",
                                         "rigid_after", "e_t", "delta", "alpha", NULL};
     for (uint32_t i = 0; i < args->n; i++)
         for (const char *const *k = ent_decode_keys; *k; k++)
