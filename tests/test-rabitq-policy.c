@@ -328,8 +328,8 @@ static void test_hold(void)
     make_keys(n_prompt);
     float q[S_H * S_HD];
     decode_query(q);
-    /* p = 1 keeps every key: head 0 holds for 3 steps after each selection,
-     * head 1 (asked first at each step, so the heads' counts are their own) too */
+    /* p = 1 keeps every key: each head holds for the 3 steps after each of
+     * its selections (head 1 asked first at every step: a count per head) */
     struct tkv_policy *p = make("rabitq:p=1,dense=0,batch=1000,hold=3");
     REQUIRE_VOID(p && prefill_done(p, n_prompt) == TKV_OK);
     for (uint32_t step = 0; step < 10; step++) {
