@@ -80,13 +80,12 @@
  * at 128K, the same share of the keys read (docs/rabitq.md, "Session 17"). */
 #define RQ_DEVICE_EXACT 0
 
-/* A head's hold (wide, hold): the decode step it last saw, whether that
- * step reads whole, and the steps left to read whole after it. */
+/* A head's hold (wide, hold): it reads whole at the decode steps in
+ * (from, to] -- the `hold` steps after a selection that kept more than
+ * `wide` of its keys. {0, 0}: none. */
 struct rq_hold {
-    uint32_t step, left;
-    bool on;
+    uint64_t from, to;
 };
-#define RQ_NO_STEP UINT32_MAX
 
 struct rabitq {
     struct tkv_policy_env env;
@@ -145,8 +144,8 @@ struct rabitq {
     uint32_t *bitmap_dev;                  /* backend [n_head_kv][words]                    */
 };
 
-static const char *const rq_keys[] = {"p",     "safe",  "eps",  "sink", "recent", "batch",
-                                      "dense", "whole", "exact", "hold", "wide",   NULL};
+#define RQ_KEYS "p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", "exact", "hold", "wide"
+static const char *const rq_keys[] = {RQ_KEYS, NULL};
 
 static void rq_destroy(void *state)
 {
@@ -176,7 +175,7 @@ static void rq_destroy(void *state)
 static void holds_clear(struct rabitq *r, size_t i0, size_t i1)
 {
     for (size_t i = i0; i < i1; i++)
-        r->holds[i] = (struct rq_hold){RQ_NO_STEP, 0, false};
+        r->holds[i] = (struct rq_hold){0, 0};
 }
 
 static void rq_reset(void *state)
@@ -567,25 +566,29 @@ static bool catch_up(struct rabitq *r, const struct tkv_policy_view *v, uint32_t
 }
 
 /* Whether head i reads everything at this step without selecting (the
- * hold): the first ask of a step moves the head's count on, later asks of
- * the same step get the same answer. */
-static bool holding(struct rabitq *r, size_t i, uint32_t step)
+ * hold); every ask of a step gets the same answer. */
+static bool holding(const struct rabitq *r, size_t i, uint32_t step)
 {
-    struct rq_hold *h = &r->holds[i];
-    if (h->step != step) {
-        h->step = step;
-        h->on = h->left > 0;
-        h->left -= h->on;
-    }
-    return h->on;
+    return step > r->holds[i].from && step <= r->holds[i].to;
 }
 
 /* Head i's selection at this step kept `kept` of its n indexed keys: more
  * than `wide` of them, and it holds for the next `hold` steps. */
-static void selected(struct rabitq *r, size_t i, uint64_t kept, uint32_t n)
+static void selected(struct rabitq *r, size_t i, uint32_t step, uint64_t kept, uint32_t n)
 {
     if (kept > (double)r->wide * n)
-        r->holds[i].left = r->hold;
+        r->holds[i] = (struct rq_hold){step, (uint64_t)step + r->hold};
+}
+
+/* Set bits among the first n of a bitmap row. */
+static uint32_t row_count(const uint32_t *row, uint32_t n)
+{
+    uint32_t c = 0;
+    for (uint32_t x = 0; x < n / 32; x++)
+        c += (uint32_t)__builtin_popcount(row[x]);
+    if (n % 32)
+        c += (uint32_t)__builtin_popcount(row[n / 32] & ((1u << n % 32) - 1));
+    return c;
 }
 
 /* Whether v->q is in host memory (be NULL: everything is). */
@@ -661,15 +664,9 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
         for (uint32_t hh = 0; r->slot[g] >= 0 && hh < G; hh++)
             if (r->n_chosen[(size_t)r->slot[g] * G + hh] == UINT32_MAX)
                 r->slot[g] = -1;
-        if (r->slot[g] < 0)
-            continue;
-        const uint32_t *row = r->bitmap + (size_t)r->slot[g] * r->words, n = r->sel_n[g];
-        uint64_t kept = 0;
-        for (uint32_t x = 0; x < n / 32; x++)
-            kept += (uint32_t)__builtin_popcount(row[x]);
-        if (n % 32)
-            kept += (uint32_t)__builtin_popcount(row[n / 32] & ((1u << n % 32) - 1));
-        selected(r, (size_t)v->layer * H + g, kept, n);
+        if (r->slot[g] >= 0)
+            selected(r, (size_t)v->layer * H + g, v->step,
+                     row_count(r->bitmap + (size_t)r->slot[g] * r->words, r->sel_n[g]), r->sel_n[g]);
     }
 }
 
@@ -802,7 +799,7 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
         out[m++] = (struct tkv_range){b, j};
         kept += j - b;
     }
-    selected(r, i, kept, n);
+    selected(r, i, v->step, kept, n);
     return add_tail(out, m, cap, n, v->n_past); /* the tail not yet encoded, this step's token included */
 }
 
@@ -865,9 +862,8 @@ static void er_destroy(void *state)
 static tkv_status er_create(const struct tkv_policy_env *env, const struct tkv_policy_args *args, void **state)
 {
     const char *name = "entropy+rabitq";
-    static const char *const known[] = {"p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", "exact",
-                                        "hold", "wide", "faithful", "segment", "block", "threshold", "layer_skip", "base",
-                                        "rigid_after", "e_t", "delta", "alpha", NULL};
+    static const char *const known[] = {RQ_KEYS,     "faithful", "segment", "block", "threshold", "layer_skip",
+                                        "base",      "rigid_after", "e_t",  "delta", "alpha",     NULL};
     for (uint32_t i = 0; i < args->n; i++)
         for (const char *const *k = ent_decode_keys; *k; k++)
             if (!strcmp(*k, args->key[i]))
