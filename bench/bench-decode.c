@@ -5,7 +5,7 @@
  *
  *   bench-decode -m MODEL [--device cpu|cuda] [--ctx 4096,32768,131072] [--steps 32]
  *                [--fill synthetic|prefill|synthetic,prefill] [--real N] [-t threads]
- *                [--bw-mib 1024] [-j out.jsonl]
+ *                [--bw-mib 1024] [-j out.jsonl] [--skip OPS ...]
  *
  * For each context N and each fill, a fresh session (policy full, KV blocks
  * of 64 tokens, the whole KV in the compute tier) gets N tokens of context;
@@ -36,6 +36,19 @@
  * Prints a Markdown table; -j writes one JSON object per row to a file.
  * With TKV_CUDA_PROFILE=1 (CUDA), each row's timed steps' op profile goes to
  * stderr (docs/gpu.md, "Op profile"); the profile slows the steps down a little.
+ *
+ * --skip OPS (repeatable; each one more run per context and fill): a
+ * leave-one-out timing. The timed steps run with the named ops turned into
+ * no-ops (a patched copy of the backend's op table; the session's own ops run
+ * the fill and are untouched), so the step time falls by what those ops cost
+ * inside the real launch chain, their overlap with their neighbours included
+ * -- what an op profile, which puts events between ops, cannot show. The
+ * logits are meaningless (garbage in, finiteness not checked); only the time
+ * is. OPS: "none" or a comma list of norm (add_rmsnorm and rmsnorm), rope
+ * (rope_qk), kvw (kv_write_heads), attn (attention), qkv (matmul_group), ffn
+ * (matmul_swiglu), and the three plain matmuls of a fused decode step, told
+ * apart by their order (per step 2 per layer, wo then down, then the output):
+ * wo, down, output.
  */
 #include "runtime/backend.h"
 #include "runtime/kv-synth.h"
@@ -49,13 +62,14 @@
 #include <unistd.h>
 
 #define WARMUP_STEPS 2
+#define MAX_SKIPS 16
 #define MIN_(a, b) ((a) < (b) ? (a) : (b))
 
 static void usage(void)
 {
     fprintf(stderr, "usage: bench-decode -m MODEL [--device cpu|cuda] [--ctx 4096,32768,131072] [--steps 32]\n"
                     "                    [--fill synthetic|prefill|synthetic,prefill] [--real 512] [-t threads]\n"
-                    "                    [--bw-mib 1024] [-j out.jsonl]\n");
+                    "                    [--bw-mib 1024] [-j out.jsonl] [--skip none|OP,OP.. ...]\n");
 }
 
 static int die(const char *what)
@@ -232,6 +246,134 @@ static int backend_bandwidth(const char *device, size_t bytes, struct bw *out)
     return 0;
 }
 
+/* ---- leave-one-out: ops turned into no-ops (--skip) ---------------------------------- */
+
+enum {
+    SKIP_NORM = 1 << 0,
+    SKIP_ROPE = 1 << 1,
+    SKIP_KVW = 1 << 2,
+    SKIP_ATTN = 1 << 3,
+    SKIP_QKV = 1 << 4,
+    SKIP_FFN = 1 << 5,
+    SKIP_WO = 1 << 6,
+    SKIP_DOWN = 1 << 7,
+    SKIP_OUTPUT = 1 << 8,
+};
+static const char *const skip_names[] = {"norm", "rope", "kvw", "attn", "qkv", "ffn", "wo", "down", "output"};
+
+/* "none" or a comma list of skip_names -> a mask; -1 on an unknown name */
+static int skip_parse(const char *list)
+{
+    if (!strcmp(list, "none"))
+        return 0;
+    int mask = 0;
+    char *dup = strdup(list), *save = NULL;
+    for (char *p = strtok_r(dup, ",", &save); p; p = strtok_r(NULL, ",", &save)) {
+        int bit = -1;
+        for (int i = 0; i < (int)(sizeof skip_names / sizeof *skip_names); i++)
+            if (!strcmp(p, skip_names[i]))
+                bit = i;
+        if (bit < 0) {
+            fprintf(stderr, "bench-decode: --skip: no op '%s' (norm rope kvw attn qkv ffn wo down output)\n", p);
+            mask = -1;
+            break;
+        }
+        mask |= 1 << bit;
+    }
+    free(dup);
+    return mask;
+}
+
+/* The patched table's state: one run at a time. */
+static struct {
+    const struct tkv_backend_ops *real;
+    int mask;
+    uint32_t matmuls_per_step; /* 2 per layer + the output */
+    uint64_t matmul_calls;     /* since the patch, which starts at a step */
+} skip;
+
+static tkv_status skip_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+{
+    const uint64_t k = skip.matmul_calls++ % skip.matmuls_per_step;
+    const int role = k + 1 == skip.matmuls_per_step ? SKIP_OUTPUT : k % 2 ? SKIP_DOWN : SKIP_WO;
+    return skip.mask & role ? TKV_OK : skip.real->matmul(b, w, x, y, n);
+}
+static tkv_status skip_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y,
+                               uint32_t n, uint32_t dim, float eps)
+{
+    (void)b, (void)x, (void)w, (void)y, (void)n, (void)dim, (void)eps;
+    return TKV_OK;
+}
+static tkv_status skip_add_rmsnorm(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w,
+                                   float *h, uint32_t n, uint32_t dim, float eps)
+{
+    (void)b, (void)y, (void)x, (void)w, (void)h, (void)n, (void)dim, (void)eps;
+    return TKV_OK;
+}
+static tkv_status skip_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head,
+                               uint32_t n_head_kv, uint32_t head_dim, uint32_t rot_dim, const int32_t *pos,
+                               float base, float freq_scale)
+{
+    (void)b, (void)q, (void)k, (void)n, (void)n_head, (void)n_head_kv, (void)head_dim, (void)rot_dim, (void)pos;
+    (void)base, (void)freq_scale;
+    return TKV_OK;
+}
+static tkv_status skip_kv_write_heads(struct tkv_backend *b, const float *k, const float *v, size_t stride,
+                                      uint16_t *const *kdst, uint16_t *const *vdst, uint32_t n_heads,
+                                      uint32_t n_rows, uint32_t head_dim)
+{
+    (void)b, (void)k, (void)v, (void)stride, (void)kdst, (void)vdst, (void)n_heads, (void)n_rows, (void)head_dim;
+    return TKV_OK;
+}
+static tkv_status skip_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
+{
+    (void)b, (void)a;
+    return TKV_OK;
+}
+static tkv_status skip_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
+                                    const float *x, float *const *y, uint32_t n)
+{
+    (void)b, (void)w, (void)nw, (void)x, (void)y, (void)n;
+    return TKV_OK;
+}
+static tkv_status skip_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweight *w_gate,
+                                     const struct tkv_bweight *w_up, const float *x, float *out, uint32_t n)
+{
+    (void)b, (void)w_gate, (void)w_up, (void)x, (void)out, (void)n;
+    return TKV_OK;
+}
+
+/* Points be at *patched: be's ops with those in mask made no-ops. The
+ * fused ops must be there (the step must be the fused one the roles assume). */
+static int skip_patch(struct tkv_backend *be, int mask, uint32_t n_layer, struct tkv_backend_ops *patched)
+{
+    const struct tkv_backend_ops *o = be->ops;
+    if (!o->matmul_group || !o->matmul_swiglu || !o->add_rmsnorm || !o->rope_qk || !o->kv_write_heads) {
+        fprintf(stderr, "bench-decode: --skip needs the backend's fused decode ops (CUDA, TKV_FUSE unset)\n");
+        return 1;
+    }
+    skip.real = o;
+    skip.mask = mask;
+    skip.matmuls_per_step = 2 * n_layer + 1;
+    skip.matmul_calls = 0;
+    *patched = *o;
+    patched->matmul = skip_matmul;
+    if (mask & SKIP_NORM)
+        patched->rmsnorm = skip_rmsnorm, patched->add_rmsnorm = skip_add_rmsnorm;
+    if (mask & SKIP_ROPE)
+        patched->rope_qk = skip_rope_qk;
+    if (mask & SKIP_KVW)
+        patched->kv_write_heads = skip_kv_write_heads;
+    if (mask & SKIP_ATTN)
+        patched->attention = skip_attention;
+    if (mask & SKIP_QKV)
+        patched->matmul_group = skip_matmul_group;
+    if (mask & SKIP_FFN)
+        patched->matmul_swiglu = skip_matmul_swiglu;
+    be->ops = patched;
+    return 0;
+}
+
 /* ---- one run ------------------------------------------------------------------ */
 
 struct run {
@@ -244,7 +386,7 @@ struct run {
 };
 
 static int run_one(const tkv_model *m, const char *device, uint32_t threads, uint32_t ctx, uint32_t steps,
-                   const char *fill, uint32_t real, struct run *r)
+                   const char *fill, uint32_t real, int skip_mask, struct run *r)
 {
     struct tkv_model_info info;
     tkv_model_get_info(m, &info);
@@ -280,11 +422,19 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
     tkv_token tok = tkv_argmax(tkv_logits(s), info.n_vocab);
     double keys = 0;
     struct tkv_backend *be = tkv_session_backend(s); /* its op profile, when it keeps one */
+    const struct tkv_backend_ops *own_ops = be->ops;
+    struct tkv_backend_ops patched;
+    if (skip_mask > 0 && skip_patch(be, skip_mask, info.n_layer, &patched)) {
+        tkv_session_free(s);
+        free(dt);
+        return 1;
+    }
     for (uint32_t i = 0; i < WARMUP_STEPS + steps; i++) {
         if (i == WARMUP_STEPS && be->ops->profile_reset)
             be->ops->profile_reset(be);
         const double t1 = now();
         if (tkv_decode(s, tok) != TKV_OK) {
+            be->ops = own_ops;
             tkv_session_free(s);
             free(dt);
             return die("decode");
@@ -303,6 +453,8 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
     r->finite = 1;
     for (uint32_t i = 0; i < info.n_vocab; i++)
         r->finite &= isfinite(lg[i]) != 0;
+    r->finite |= skip_mask > 0; /* skipped ops leave garbage: only the time counts */
+    be->ops = own_ops;
     tkv_session_free(s);
     double sum = 0;
     for (uint32_t i = 0; i < steps; i++)
@@ -319,6 +471,8 @@ int main(int argc, char **argv)
 {
     const char *model = NULL, *device = NULL, *ctxs = "4096,32768,131072", *fills = "synthetic", *json_path = NULL;
     uint32_t steps = 32, real = 512, threads = 0, bw_mib = 1024;
+    const char *skip_label[MAX_SKIPS] = {"none"};
+    int skip_mask[MAX_SKIPS] = {0}, n_skip = 0; /* no --skip: one run, nothing skipped */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
@@ -343,7 +497,13 @@ int main(int argc, char **argv)
             bw_mib = (uint32_t)atoi(v);
         else if (!strcmp(a, "-j"))
             json_path = v;
-        else {
+        else if (!strcmp(a, "--skip")) {
+            if (n_skip == MAX_SKIPS || (skip_mask[n_skip] = skip_parse(v)) < 0) {
+                fprintf(stderr, "bench-decode: at most %d --skip, each known ops\n", MAX_SKIPS);
+                return 2;
+            }
+            skip_label[n_skip++] = v;
+        } else {
             usage();
             return 2;
         }
@@ -409,10 +569,13 @@ int main(int argc, char **argv)
            wb.weights_f16 / 1e6, kv_per_key / 1e3);
     printf("bandwidth (%zu MiB): %s %.1f GB/s (the roofline's), %s %.1f GB/s\n\n", bw_bytes >> 20, bw.kind, bw.gbps,
            bw.kind2, bw.gbps2);
-    printf("| model | device | weights | ctx | fill | step ms (mean) | step ms (median) | tok/s | roofline ms | ratio |%s "
-           "fill s |\n",
-           quantized_on_gpu ? " ratio, f16 matrices |" : "");
-    printf("|---|---|---|---:|---|---:|---:|---:|---:|---:|%s---:|\n", quantized_on_gpu ? "---:|" : "");
+    const bool skipping = n_skip > 0;
+    n_skip += !skipping;
+    printf("| model | device | weights | ctx | fill |%s step ms (mean) | step ms (median) | tok/s | roofline ms | ratio "
+           "|%s fill s |\n",
+           skipping ? " skipped |" : "", quantized_on_gpu ? " ratio, f16 matrices |" : "");
+    printf("|---|---|---|---:|---|%s---:|---:|---:|---:|---:|%s---:|\n", skipping ? "---|" : "",
+           quantized_on_gpu ? "---:|" : "");
     fflush(stdout);
 
     int rc = 0;
@@ -422,9 +585,10 @@ int main(int argc, char **argv)
         if (ctx == 0)
             continue;
         char *fl = strdup(fills), *save_f = NULL;
-        for (char *f = strtok_r(fl, ",", &save_f); f && !rc; f = strtok_r(NULL, ",", &save_f)) {
+        for (char *f = strtok_r(fl, ",", &save_f); f && !rc; f = strtok_r(NULL, ",", &save_f))
+        for (int k = 0; k < n_skip && !rc; k++) {
             struct run r;
-            if ((rc = run_one(m, device, threads, ctx, steps, f, real, &r)) != 0)
+            if ((rc = run_one(m, device, threads, ctx, steps, f, real, skip_mask[k], &r)) != 0)
                 break;
             const double roof = (wb.weights + kv_per_key * r.keys_mean) / (bw.gbps * 1e9);
             const double roof16 = (wb.weights_f16 + kv_per_key * r.keys_mean) / (bw.gbps * 1e9);
@@ -436,8 +600,11 @@ int main(int argc, char **argv)
             char extra[32] = "";
             if (quantized_on_gpu)
                 snprintf(extra, sizeof extra, " %.2f |", r.step_mean / roof16);
-            printf("| %s | %s | %s | %u | %s | %.3f | %.3f | %.1f | %.3f | %.2f |%s %.1f |%s\n", base, device,
-                   wb.matrix_type, ctx, fill_label, r.step_mean * 1e3, r.step_median * 1e3, 1.0 / r.step_mean,
+            char skip_col[96] = "";
+            if (skipping)
+                snprintf(skip_col, sizeof skip_col, " %s |", skip_label[k]);
+            printf("| %s | %s | %s | %u | %s |%s %.3f | %.3f | %.1f | %.3f | %.2f |%s %.1f |%s\n", base, device,
+                   wb.matrix_type, ctx, fill_label, skip_col, r.step_mean * 1e3, r.step_median * 1e3, 1.0 / r.step_mean,
                    roof * 1e3, r.step_mean / roof, extra, r.fill_s, r.finite ? "" : " (non-finite logits!)");
             fflush(stdout);
             if (json) {
@@ -449,12 +616,12 @@ int main(int argc, char **argv)
                         "\"kv_bytes_per_step\": %.0f, \"bw_kind\": \"%s\", \"bw_gbps\": %.2f, \"bw2_kind\": \"%s\", "
                         "\"bw2_gbps\": %.2f, \"roofline_ms\": %.4f, \"ratio\": %.4f, "
                         "\"roofline_ms_f16_matrices\": %.4f, \"ratio_f16_matrices\": %.4f, \"logits_finite\": %s, "
-                        "\"commit\": \"%s\"}\n",
+                        "\"skipped\": \"%s\", \"commit\": \"%s\"}\n",
                         base, wb.matrix_type, device, T, ctx, f, r.real, r.fill_s, steps, r.keys_mean,
                         r.step_mean * 1e3, r.step_median * 1e3, 1.0 / r.step_mean, (unsigned long long)wb.weights,
                         (unsigned long long)wb.weights_f16, kv_per_key * r.keys_mean, bw.kind, bw.gbps, bw.kind2,
                         bw.gbps2, roof * 1e3, r.step_mean / roof, roof16 * 1e3, r.step_mean / roof16,
-                        r.finite ? "true" : "false", commit);
+                        r.finite ? "true" : "false", skip_label[k], commit);
                 fflush(json);
             }
             if (!r.finite)
