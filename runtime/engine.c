@@ -702,9 +702,18 @@ static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const
     return st;
 }
 
+/* Tells the policy what layer l's decode table read at this step (counts
+ * c, the table's n_past): decode_table_read, where it has one. */
+static void table_read(tkv_session *s, uint32_t l, uint32_t n_past, const uint32_t *c)
+{
+    const struct tkv_policy_ops *po = s->policy->ops;
+    if (po->decode_table_read)
+        po->decode_table_read(s->policy->state, l, s->step, n_past, c);
+}
+
 /* The step's layers whose counts stayed on the backend (s->dt_defer),
- * brought down in one copy and accounted as reads of a context of n_past
- * tokens, at the end of a decode step. */
+ * brought down in one copy, accounted as reads of a context of n_past
+ * tokens and told to the policy, at the end of a decode step. */
 static tkv_status counts_flush(tkv_session *s, uint32_t n_past)
 {
     if (!s->dt_n_defer)
@@ -718,6 +727,7 @@ static tkv_status counts_flush(tkv_session *s, uint32_t n_past)
         const uint32_t *c = layer_hcounts(s, l);
         for (uint32_t h = 0; h < Hkv; h++)
             account_counts(s, c[4 * h + 2], c[4 * h + 3], n_past, false);
+        table_read(s, l, n_past, c);
         s->dt_defer[l] = false;
     }
     s->dt_n_defer = 0;
@@ -882,6 +892,8 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
     if (st == TKV_OK)
         st = table_build(s, l, v.n_past, bitmap, words, &mapped);
     const uint32_t *c = layer_hcounts(s, l);
+    if (st == TKV_OK && !mapped) /* (mapped: the counts come down at the step's end) */
+        table_read(s, l, v.n_past, c);
     bool ok = st == TKV_OK, missing = false, begun = true;
     for (uint32_t h = 0; h < Hkv && ok && !mapped; h++) {
         ok = c[4 * h] <= cap && c[4 * h + 1] <= cap;

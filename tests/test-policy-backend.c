@@ -465,12 +465,14 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
     static tkv_token t_off[NG], t_on[NG];
     static float l_off[(NG + 1) * V], l_on[(NG + 1) * V];
     double r_off, r_on;
-    /* (hold=0: the knob-off path would hold a head that keeps most of its
-     * keys, where the table's sets never come to the host to count) */
+    /* (holds on: the table's heads hold from its counts as the knob-off
+     * path's do from the rows it counts; wide=0.3 makes them frequent, and
+     * that spec checks that they act) */
     static const char *const specs[] = {
-        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,hold=0", /* single-key slices */
-        "rabitq:p=0.7,safe=1,sink=4,recent=8,batch=8,dense=1,whole=1,hold=0",
-        "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0,hold=0",
+        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1", /* single-key slices */
+        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3",
+        "rabitq:p=0.7,safe=1,sink=4,recent=8,batch=8,dense=1,whole=1",
+        "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
     };
     static const char *const tiers[] = {"flat", "tiered, CPU split", "tiered, recall"};
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
@@ -525,6 +527,17 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
                   r_on);
             fprintf(stderr, "  device table %-80s %s: %llu layers from the table, %llu with blocks brought first, "
                             "logits within %.2g\n", specs[i], tiers[tier], dt.layers, dt.brought, dmax);
+            if (tier == 0 && strstr(specs[i], "wide=")) { /* the holds act on the table's path: without them it reads less */
+                char nohold[256];
+                snprintf(nohold, sizeof nohold, "%s,hold=0", specs[i]);
+                double r_nohold;
+                st = run_tiered(m, "opaque", nohold, tier, prompt, t_on, l_on, &r_nohold, NULL);
+                CHECK(st == TKV_OK && r_nohold < r_on,
+                      "%s: the table's path read %g of the tokens with holds, %g without (%d: %s)", specs[i], r_on,
+                      r_nohold, (int)st, st == TKV_OK ? "ok" : tkv_last_error());
+                fprintf(stderr, "  device table %-80s: read %.4f with holds, %.4f with hold=0\n", specs[i], r_on,
+                        r_nohold);
+            }
             if (tier == 0) { /* the attention really reads the table: one row short changes the logits */
                 opaque_kv_table_skew = true;
                 st = run_tiered(m, "opaque", specs[i], tier, prompt, t_on, l_on, &r_on, NULL);
@@ -596,9 +609,8 @@ static void test_engine(void)
     /* the RaBitQ policies without `whole` and `exact` read groups of 16 and
      * keep the boundary bin whole where the backend selects (the opaque one
      * does), single keys by the shortest prefix on the cpu: their cpu twins
-     * say whole=16,exact=0. And the opaque backend selects into its device
-     * table, whose sets never come to the host, so its heads never hold
-     * (rabitq's hold and wide): the cpu twins say hold=0 */
+     * say whole=16,exact=0. (The opaque backend's heads hold from its
+     * device table's counts as the cpu's do from their rows.) */
     static const char *const specs[][2] = {
         {"full", NULL},
         {"entropy:segment=16,block=8,threshold=16,base=16,gap=4,window=8,keep=40,resel=8", NULL},
@@ -607,12 +619,11 @@ static void test_engine(void)
         {"snapkv:budget=40,window=8,kernel=5", NULL},
         {"adakv:budget=40,window=8", NULL},
         {"streaming:budget=40,sink=4", NULL},
-        {"rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,hold=0", NULL},
+        {"rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1", NULL},
         {"rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0",
-         "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=16,exact=0,hold=0"},
+         "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=16,exact=0"},
         {"entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
-         "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0,whole=16,exact=0,"
-         "hold=0"},
+         "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0,whole=16,exact=0"},
     };
     for (size_t s = 0; s < sizeof specs / sizeof specs[0]; s++) {
         const char *const spec = specs[s][0], *const cpu_spec = specs[s][1] ? specs[s][1] : spec;

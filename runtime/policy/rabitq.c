@@ -54,9 +54,10 @@
  * the next `hold` steps without selecting, then selects again (hold=0:
  * never). Reading more only raises the kept mass; where top-p keeps most
  * keys anyway (safe mode on real text at a few thousand tokens keeps
- * 75-95%), the selection is pure cost. It acts where a selection's sets
- * come to the host (the host's top-p, a backend's rabitq_select into a
- * host bitmap), not on the device table path, where they never do.
+ * 75-95%), the selection is pure cost. Where a selection's sets come to
+ * the host (the host's top-p, a backend's rabitq_select into a host
+ * bitmap) they are counted there; on the device table path, where they
+ * never do, from the table's counts (rq_table_read).
  */
 #include "policy.h"
 #include "../rabitq/rabitq.h"
@@ -98,6 +99,8 @@ struct rabitq {
     float wide;             /* a selection keeping more than this share of its keys ...   */
     uint32_t hold;          /* ... makes its head read whole for the next `hold` steps      */
     struct rq_hold *holds;  /* [layer][head]                                                */
+    uint32_t *table_n;      /* [layer][head]: the keys the row decode_bitmap last gave covers
+                               (0: read whole), for its count (decode_table_read)           */
     struct tkv_rabitq **ix; /* [layer][head]: the index, NULL until first built */
     /* the KV in backend memory: the indexes' codes live there too */
     struct tkv_backend *be;              /* NULL: host indexes only          */
@@ -166,7 +169,7 @@ static void rq_destroy(void *state)
             r->be->ops->release(r->be, r->bitmap_dev);
     }
     free(r->ix), free(r->dx), free(r->kbuf), free(r->spans), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
-        free(r->mark), free(r->holds);
+        free(r->mark), free(r->holds), free(r->table_n);
     free(r->qs), free(r->sh), free(r->bitmap), free(r->slot), free(r->sel_n), free(r->n_chosen), free(r->items);
     free(r);
 }
@@ -250,8 +253,9 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     r->pos = malloc(n * sizeof *r->pos);
     r->mark = malloc(n);
     r->holds = malloc(LH * sizeof *r->holds);
+    r->table_n = calloc(LH, sizeof *r->table_n);
     if (!r->ix || !r->dx || !r->use || !r->ready || !r->est || !r->bound || !r->work || !r->pos || !r->mark ||
-        !r->holds) {
+        !r->holds || !r->table_n) {
         rq_destroy(r);
         return tkv_err(TKV_ERR_NOMEM, "policy '%s': out of memory", name);
     }
@@ -733,14 +737,34 @@ static bool rq_bitmap(void *state, const struct tkv_policy_view *v, const uint32
             if (r->ready[(size_t)v->layer * H + g])
                 return false; /* the host path selects with this head's index */
         memset(sel_n, 0, H * sizeof *sel_n);
+        memset(r->table_n + (size_t)v->layer * H, 0, H * sizeof *r->table_n);
         *bitmap = NULL, *words = 0;
         return true;
     }
     ensure_selected(r, v); /* (a head without a device index does not select: read whole) */
     for (uint32_t g = 0; g < r->env.n_head_kv; g++)
-        sel_n[g] = r->slot[g] < 0 ? 0 : r->sel_n[g];
+        r->table_n[(size_t)v->layer * H + g] = sel_n[g] = r->slot[g] < 0 ? 0 : r->sel_n[g];
     *bitmap = r->bitmap_dev, *words = r->words;
     return true;
+}
+
+/* decode_table_read: the holds of the selections whose rows stayed in
+ * backend memory. The table read counts[4g + 2] positions of head g: the
+ * row's set bits below table_n plus the tail [table_n, n_past), so the
+ * selection kept counts[4g + 2] - (n_past - table_n) of its indexed keys,
+ * what row_count gives where the rows come to the host. (A head whose
+ * query the device refused has every key in its row: kept all, it holds,
+ * where the host path would read it whole for the step only.) */
+static void rq_table_read(void *state, uint32_t layer, uint32_t step, uint32_t n_past, const uint32_t *counts)
+{
+    struct rabitq *r = state;
+    const uint32_t H = r->env.n_head_kv;
+    for (uint32_t g = 0; g < H; g++) {
+        const size_t i = (size_t)layer * H + g;
+        const uint32_t n = r->table_n[i], read = counts[4 * g + 2];
+        if (n && n <= n_past && read >= n_past - n)
+            selected(r, i, step, read - (n_past - n), n);
+    }
 }
 
 static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out, uint32_t cap)
@@ -814,7 +838,7 @@ static size_t rq_memory(void *state)
         bytes += (size_t)r->env.n_head * (sizeof *r->items + sizeof *r->qd);
     for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++)
         bytes += tkv_rabitq_bytes(r->ix[i]) + tkv_rabitq_dev_bytes(r->dx[i]) + sizeof r->ix[i] + sizeof r->dx[i] +
-                 2 * sizeof(bool);
+                 2 * sizeof(bool) + sizeof *r->holds + sizeof *r->table_n;
     return bytes;
 }
 
@@ -834,6 +858,7 @@ const struct tkv_policy_ops tkv_policy_rabitq = {
     .decode_select = rq_decode,
     .decode_needs_keys = rq_needs_keys,
     .decode_bitmap = rq_bitmap,
+    .decode_table_read = rq_table_read,
     .reset = rq_reset,
     .memory_bytes = rq_memory,
 };
@@ -928,6 +953,11 @@ static bool er_bitmap(void *state, const struct tkv_policy_view *v, const uint32
     return rq_bitmap(((struct entropy_rabitq *)state)->rq, v, bitmap, words, sel_n);
 }
 
+static void er_table_read(void *state, uint32_t layer, uint32_t step, uint32_t n_past, const uint32_t *counts)
+{
+    rq_table_read(((struct entropy_rabitq *)state)->rq, layer, step, n_past, counts);
+}
+
 static bool er_query_host(void *state) { return rq_query_host(((struct entropy_rabitq *)state)->rq); }
 
 static void er_reset(void *state)
@@ -961,6 +991,7 @@ const struct tkv_policy_ops tkv_policy_entropy_rabitq = {
     .decode_select = er_decode,
     .decode_needs_keys = er_needs_keys,
     .decode_bitmap = er_bitmap,
+    .decode_table_read = er_table_read,
     .reset = er_reset,
     .segment = er_segment,
     .prefill_dense = er_dense,
