@@ -571,8 +571,8 @@ int main(int argc, char **argv)
            bw.kind2, bw.gbps2);
     const bool skipping = n_skip > 0;
     n_skip += !skipping;
-    printf("| model | device | weights | ctx | fill |%s step ms (mean) | step ms (median) | tok/s | roofline ms | ratio "
-           "|%s fill s |\n",
+    printf("| model | device | weights | ctx | fill |%s step ms (mean) | step ms (median) | tok/s | roofline ms "
+           "| ratio |%s fill s |\n",
            skipping ? " skipped |" : "", quantized_on_gpu ? " ratio, f16 matrices |" : "");
     printf("|---|---|---|---:|---|%s---:|---:|---:|---:|---:|%s---:|\n", skipping ? "---|" : "",
            quantized_on_gpu ? "---:|" : "");
@@ -585,47 +585,50 @@ int main(int argc, char **argv)
         if (ctx == 0)
             continue;
         char *fl = strdup(fills), *save_f = NULL;
-        for (char *f = strtok_r(fl, ",", &save_f); f && !rc; f = strtok_r(NULL, ",", &save_f))
-        for (int k = 0; k < n_skip && !rc; k++) {
-            struct run r;
-            if ((rc = run_one(m, device, threads, ctx, steps, f, real, skip_mask[k], &r)) != 0)
-                break;
-            const double roof = (wb.weights + kv_per_key * r.keys_mean) / (bw.gbps * 1e9);
-            const double roof16 = (wb.weights_f16 + kv_per_key * r.keys_mean) / (bw.gbps * 1e9);
-            char fill_label[64];
-            if (!strcmp(f, "synthetic"))
-                snprintf(fill_label, sizeof fill_label, "synthetic (%u real)", r.real);
-            else
-                snprintf(fill_label, sizeof fill_label, "prefill");
-            char extra[32] = "";
-            if (quantized_on_gpu)
-                snprintf(extra, sizeof extra, " %.2f |", r.step_mean / roof16);
-            char skip_col[96] = "";
-            if (skipping)
-                snprintf(skip_col, sizeof skip_col, " %s |", skip_label[k]);
-            printf("| %s | %s | %s | %u | %s |%s %.3f | %.3f | %.1f | %.3f | %.2f |%s %.1f |%s\n", base, device,
-                   wb.matrix_type, ctx, fill_label, skip_col, r.step_mean * 1e3, r.step_median * 1e3, 1.0 / r.step_mean,
-                   roof * 1e3, r.step_mean / roof, extra, r.fill_s, r.finite ? "" : " (non-finite logits!)");
-            fflush(stdout);
-            if (json) {
-                fprintf(json,
-                        "{\"bench\": \"decode\", \"model\": \"%s\", \"matrix_type\": \"%s\", \"device\": \"%s\", "
-                        "\"threads\": %d, \"ctx\": %u, \"fill\": \"%s\", \"real_tokens\": %u, \"fill_s\": %.3f, "
-                        "\"steps\": %u, \"keys_mean\": %.1f, \"step_ms_mean\": %.4f, \"step_ms_median\": %.4f, "
-                        "\"tok_s\": %.3f, \"weight_bytes\": %llu, \"weight_bytes_f16\": %llu, "
-                        "\"kv_bytes_per_step\": %.0f, \"bw_kind\": \"%s\", \"bw_gbps\": %.2f, \"bw2_kind\": \"%s\", "
-                        "\"bw2_gbps\": %.2f, \"roofline_ms\": %.4f, \"ratio\": %.4f, "
-                        "\"roofline_ms_f16_matrices\": %.4f, \"ratio_f16_matrices\": %.4f, \"logits_finite\": %s, "
-                        "\"skipped\": \"%s\", \"commit\": \"%s\"}\n",
-                        base, wb.matrix_type, device, T, ctx, f, r.real, r.fill_s, steps, r.keys_mean,
-                        r.step_mean * 1e3, r.step_median * 1e3, 1.0 / r.step_mean, (unsigned long long)wb.weights,
-                        (unsigned long long)wb.weights_f16, kv_per_key * r.keys_mean, bw.kind, bw.gbps, bw.kind2,
-                        bw.gbps2, roof * 1e3, r.step_mean / roof, roof16 * 1e3, r.step_mean / roof16,
-                        r.finite ? "true" : "false", skip_label[k], commit);
-                fflush(json);
+        for (char *f = strtok_r(fl, ",", &save_f); f && !rc; f = strtok_r(NULL, ",", &save_f)) {
+            for (int k = 0; k < n_skip && !rc; k++) {
+                struct run r;
+                if ((rc = run_one(m, device, threads, ctx, steps, f, real, skip_mask[k], &r)) != 0)
+                    break;
+                const double roof = (wb.weights + kv_per_key * r.keys_mean) / (bw.gbps * 1e9);
+                const double roof16 = (wb.weights_f16 + kv_per_key * r.keys_mean) / (bw.gbps * 1e9);
+                char fill_label[64];
+                if (!strcmp(f, "synthetic"))
+                    snprintf(fill_label, sizeof fill_label, "synthetic (%u real)", r.real);
+                else
+                    snprintf(fill_label, sizeof fill_label, "prefill");
+                char extra[32] = "";
+                if (quantized_on_gpu)
+                    snprintf(extra, sizeof extra, " %.2f |", r.step_mean / roof16);
+                char skip_col[96] = "";
+                if (skipping)
+                    snprintf(skip_col, sizeof skip_col, " %s |", skip_label[k]);
+                printf("| %s | %s | %s | %u | %s |%s %.3f | %.3f | %.1f | %.3f | %.2f |%s %.1f |%s\n", base, device,
+                       wb.matrix_type, ctx, fill_label, skip_col, r.step_mean * 1e3, r.step_median * 1e3,
+                       1.0 / r.step_mean, roof * 1e3, r.step_mean / roof, extra, r.fill_s,
+                       r.finite ? "" : " (non-finite logits!)");
+                fflush(stdout);
+                if (json) {
+                    fprintf(json,
+                            "{\"bench\": \"decode\", \"model\": \"%s\", \"matrix_type\": \"%s\", \"device\": \"%s\", "
+                            "\"threads\": %d, \"ctx\": %u, \"fill\": \"%s\", \"real_tokens\": %u, \"fill_s\": %.3f, "
+                            "\"steps\": %u, \"keys_mean\": %.1f, \"step_ms_mean\": %.4f, \"step_ms_median\": %.4f, "
+                            "\"tok_s\": %.3f, \"weight_bytes\": %llu, \"weight_bytes_f16\": %llu, "
+                            "\"kv_bytes_per_step\": %.0f, \"bw_kind\": \"%s\", \"bw_gbps\": %.2f, "
+                            "\"bw2_kind\": \"%s\", "
+                            "\"bw2_gbps\": %.2f, \"roofline_ms\": %.4f, \"ratio\": %.4f, "
+                            "\"roofline_ms_f16_matrices\": %.4f, \"ratio_f16_matrices\": %.4f, \"logits_finite\": %s, "
+                            "\"skipped\": \"%s\", \"commit\": \"%s\"}\n",
+                            base, wb.matrix_type, device, T, ctx, f, r.real, r.fill_s, steps, r.keys_mean,
+                            r.step_mean * 1e3, r.step_median * 1e3, 1.0 / r.step_mean, (unsigned long long)wb.weights,
+                            (unsigned long long)wb.weights_f16, kv_per_key * r.keys_mean, bw.kind, bw.gbps, bw.kind2,
+                            bw.gbps2, roof * 1e3, r.step_mean / roof, roof16 * 1e3, r.step_mean / roof16,
+                            r.finite ? "true" : "false", skip_label[k], commit);
+                    fflush(json);
+                }
+                if (!r.finite)
+                    rc = 1;
             }
-            if (!r.finite)
-                rc = 1;
         }
         free(fl);
     }
