@@ -274,7 +274,7 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_miss));
         const size_t hcounts = (size_t)hp->n_layer * hp->n_head_kv * 4 * sizeof *s->dt_hcounts;
         TKV_TRY(s->be->ops->alloc(s->be, hcounts, (void **)&s->dt_counts));
-        s->dt_sel_n = malloc(hp->n_head_kv * sizeof *s->dt_sel_n);
+        s->dt_sel_n = malloc((size_t)hp->n_layer * hp->n_head_kv * sizeof *s->dt_sel_n);
         s->dt_defer = calloc(hp->n_layer, sizeof *s->dt_defer);
         /* the miss lists, then the counts (one region: a page can be pinned once) */
         const size_t hmiss = (size_t)hp->n_head_kv * s->max_refs * sizeof *s->dt_hmiss;
@@ -672,6 +672,13 @@ static uint32_t *layer_hcounts(const tkv_session *s, uint32_t l)
     return s->dt_hcounts + (size_t)l * s->hp.n_head_kv * 4;
 }
 
+/* Layer l's sel_n ([Hkv]) as the policy's decode_bitmap gave it this step:
+ * kept per layer until its counts come down (table_read). */
+static uint32_t *layer_sel_n(const tkv_session *s, uint32_t l)
+{
+    return s->dt_sel_n + (size_t)l * s->hp.n_head_kv;
+}
+
 /* Layer l's decode table from the policy's selection (bitmap, words; NULL
  * when no head selects) and the store's page table, its counts brought
  * down into layer_hcounts -- unless `mapped` is given and the page table
@@ -685,7 +692,7 @@ static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const
     const uint32_t Hkv = s->hp.n_head_kv;
     TKV_TRY(tkv_kvs_page_table_sync(s->kv, l, NULL));
     uint32_t *counts = s->dt_counts + (size_t)l * Hkv * 4;
-    const struct tkv_kv_table_args a = {.bitmap = bitmap, .words = words, .sel_n = s->dt_sel_n,
+    const struct tkv_kv_table_args a = {.bitmap = bitmap, .words = words, .sel_n = layer_sel_n(s, l),
                                         .ptab = tkv_kvs_page_table(s->kv, l), .ptab_stride = tkv_kvs_max_blocks(s->kv),
                                         .n_heads = Hkv, .block_tokens = s->kv_block, .head_dim = s->hp.head_dim,
                                         .n_past = n_past, .refs = s->dt_refs, .miss = s->dt_miss, .cap = s->max_refs,
@@ -702,13 +709,13 @@ static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const
     return st;
 }
 
-/* Tells the policy what layer l's decode table read at this step (counts
- * c, the table's n_past): decode_table_read, where it has one. */
+/* Tells the policy what layer l's decode table read at this step (its
+ * sel_n, counts c, the table's n_past): decode_table_read, where it has one. */
 static void table_read(tkv_session *s, uint32_t l, uint32_t n_past, const uint32_t *c)
 {
     const struct tkv_policy_ops *po = s->policy->ops;
     if (po->decode_table_read)
-        po->decode_table_read(s->policy->state, l, s->step, n_past, c);
+        po->decode_table_read(s->policy->state, l, s->step, n_past, layer_sel_n(s, l), c);
 }
 
 /* The step's layers whose counts stayed on the backend (s->dt_defer),
@@ -876,7 +883,7 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
     const uint32_t *bitmap = NULL;
     uint32_t words = 0;
     const double t0 = phase_edge(s);
-    const bool on_dev = po->decode_bitmap(s->policy->state, &v, &bitmap, &words, s->dt_sel_n);
+    const bool on_dev = po->decode_bitmap(s->policy->state, &v, &bitmap, &words, layer_sel_n(s, l));
     s->ph_select += phase_edge(s) - t0;
     if (!on_dev)
         return TKV_OK;

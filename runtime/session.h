@@ -123,7 +123,7 @@ struct tkv_session {
     bool dev_table;
     struct tkv_kv_block_ref *dt_refs, *dt_miss; /* backend [Hkv][max_refs] */
     uint32_t *dt_counts;                        /* backend [layer][Hkv][4]  */
-    uint32_t *dt_sel_n;                         /* host [Hkv]               */
+    uint32_t *dt_sel_n;                         /* host [L][Hkv]            */
     struct tkv_kv_block_ref *dt_hmiss;          /* host [Hkv][max_refs]: the heads' missing slices */
     uint32_t *dt_hcounts;                       /* host [layer][Hkv][4], in dt_hmiss's allocation, after it */
     bool dt_hmiss_pinned;                       /* that allocation registered with the backend  */

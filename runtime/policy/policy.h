@@ -122,14 +122,15 @@ struct tkv_policy_ops {
     bool (*decode_bitmap)(void *state, const struct tkv_policy_view *v, const uint32_t **bitmap, uint32_t *words,
                           uint32_t *sel_n);
     /* Optional, with decode_bitmap: what the backend's decode table read of
-     * `layer` at decode step `step` from the bitmap decode_bitmap gave,
-     * counts [n_head_kv][4] as kv_table (backend.h) wrote them --
+     * `layer` at decode step `step` from the bitmap decode_bitmap gave with
+     * sel_n, counts [n_head_kv][4] as kv_table (backend.h) wrote them --
      * counts[4h + 2] the positions head h read: its row's set bits below
      * sel_n[h] and the tail [sel_n[h], n_past) -- with n_past the table's.
      * Called once they are on the host (where the engine waits for them,
      * at once; else at the step's end), before the next step. NULL: not
      * wanted. */
-    void (*decode_table_read)(void *state, uint32_t layer, uint32_t step, uint32_t n_past, const uint32_t *counts);
+    void (*decode_table_read)(void *state, uint32_t layer, uint32_t step, uint32_t n_past, const uint32_t *sel_n,
+                              const uint32_t *counts);
     /* Forget everything about the context (session reset). */
     void (*reset)(void *state);
     /* Prefill chunk length the policy's segments need (0: any). */

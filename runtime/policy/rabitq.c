@@ -99,8 +99,6 @@ struct rabitq {
     float wide;             /* a selection keeping more than this share of its keys ...   */
     uint32_t hold;          /* ... makes its head read whole for the next `hold` steps      */
     struct rq_hold *holds;  /* [layer][head]                                                */
-    uint32_t *table_n;      /* [layer][head]: the keys the row decode_bitmap last gave covers
-                               (0: read whole), for its count (decode_table_read)           */
     struct tkv_rabitq **ix; /* [layer][head]: the index, NULL until first built */
     /* the KV in backend memory: the indexes' codes live there too */
     struct tkv_backend *be;              /* NULL: host indexes only          */
@@ -169,7 +167,7 @@ static void rq_destroy(void *state)
             r->be->ops->release(r->be, r->bitmap_dev);
     }
     free(r->ix), free(r->dx), free(r->kbuf), free(r->spans), free(r->use), free(r->ready), free(r->est), free(r->bound), free(r->work), free(r->pos),
-        free(r->mark), free(r->holds), free(r->table_n);
+        free(r->mark), free(r->holds);
     free(r->qs), free(r->sh), free(r->bitmap), free(r->slot), free(r->sel_n), free(r->n_chosen), free(r->items);
     free(r);
 }
@@ -253,9 +251,8 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     r->pos = malloc(n * sizeof *r->pos);
     r->mark = malloc(n);
     r->holds = malloc(LH * sizeof *r->holds);
-    r->table_n = calloc(LH, sizeof *r->table_n);
     if (!r->ix || !r->dx || !r->use || !r->ready || !r->est || !r->bound || !r->work || !r->pos || !r->mark ||
-        !r->holds || !r->table_n) {
+        !r->holds) {
         rq_destroy(r);
         return tkv_err(TKV_ERR_NOMEM, "policy '%s': out of memory", name);
     }
@@ -737,34 +734,32 @@ static bool rq_bitmap(void *state, const struct tkv_policy_view *v, const uint32
             if (r->ready[(size_t)v->layer * H + g])
                 return false; /* the host path selects with this head's index */
         memset(sel_n, 0, H * sizeof *sel_n);
-        memset(r->table_n + (size_t)v->layer * H, 0, H * sizeof *r->table_n);
         *bitmap = NULL, *words = 0;
         return true;
     }
     ensure_selected(r, v); /* (a head without a device index does not select: read whole) */
     for (uint32_t g = 0; g < r->env.n_head_kv; g++)
-        r->table_n[(size_t)v->layer * H + g] = sel_n[g] = r->slot[g] < 0 ? 0 : r->sel_n[g];
+        sel_n[g] = r->slot[g] < 0 ? 0 : r->sel_n[g];
     *bitmap = r->bitmap_dev, *words = r->words;
     return true;
 }
 
 /* decode_table_read: the holds of the selections whose rows stayed in
  * backend memory. The table read counts[4g + 2] positions of head g: the
- * row's set bits below table_n plus the tail [table_n, n_past), so the
- * selection kept counts[4g + 2] - (n_past - table_n) of its indexed keys,
- * what row_count gives where the rows come to the host. (A head whose
- * query the device refused has every key in its row: kept all, it holds,
- * where the host path would read it whole for the step only.) */
-static void rq_table_read(void *state, uint32_t layer, uint32_t step, uint32_t n_past, const uint32_t *counts)
+ * row's set bits below sel_n[g] plus the tail [sel_n[g], n_past), so the
+ * selection kept counts[4g + 2] - (n_past - sel_n[g]) of its indexed keys,
+ * what row_count gives where the rows come to the host (sel_n[g] = 0: read
+ * whole, no selection). (A head whose query the device refused has every
+ * key in its row: kept all, it holds, where the host path would read it
+ * whole for the step only.) */
+static void rq_table_read(void *state, uint32_t layer, uint32_t step, uint32_t n_past, const uint32_t *sel_n,
+                          const uint32_t *counts)
 {
     struct rabitq *r = state;
     const uint32_t H = r->env.n_head_kv;
-    for (uint32_t g = 0; g < H; g++) {
-        const size_t i = (size_t)layer * H + g;
-        const uint32_t n = r->table_n[i], read = counts[4 * g + 2];
-        if (n && n <= n_past && read >= n_past - n)
-            selected(r, i, step, read - (n_past - n), n);
-    }
+    for (uint32_t g = 0; g < H; g++)
+        if (sel_n[g])
+            selected(r, (size_t)layer * H + g, step, counts[4 * g + 2] - (n_past - sel_n[g]), sel_n[g]);
 }
 
 static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out, uint32_t cap)
@@ -838,7 +833,7 @@ static size_t rq_memory(void *state)
         bytes += (size_t)r->env.n_head * (sizeof *r->items + sizeof *r->qd);
     for (size_t i = 0; i < (size_t)r->env.n_layer * r->env.n_head_kv; i++)
         bytes += tkv_rabitq_bytes(r->ix[i]) + tkv_rabitq_dev_bytes(r->dx[i]) + sizeof r->ix[i] + sizeof r->dx[i] +
-                 2 * sizeof(bool) + sizeof *r->holds + sizeof *r->table_n;
+                 2 * sizeof(bool) + sizeof *r->holds;
     return bytes;
 }
 
@@ -953,9 +948,10 @@ static bool er_bitmap(void *state, const struct tkv_policy_view *v, const uint32
     return rq_bitmap(((struct entropy_rabitq *)state)->rq, v, bitmap, words, sel_n);
 }
 
-static void er_table_read(void *state, uint32_t layer, uint32_t step, uint32_t n_past, const uint32_t *counts)
+static void er_table_read(void *state, uint32_t layer, uint32_t step, uint32_t n_past, const uint32_t *sel_n,
+                          const uint32_t *counts)
 {
-    rq_table_read(((struct entropy_rabitq *)state)->rq, layer, step, n_past, counts);
+    rq_table_read(((struct entropy_rabitq *)state)->rq, layer, step, n_past, sel_n, counts);
 }
 
 static bool er_query_host(void *state) { return rq_query_host(((struct entropy_rabitq *)state)->rq); }
