@@ -6,7 +6,7 @@
  *   bench-recall -m MODEL [--device cpu|cuda] [--ctx 32768,131072] [--steps 16] [--warmup 3]
  *                [--split-steps 8] [--policy SPEC]... [--cap-full]
  *                [--gpu-kv-mem SIZE] [--host-kv-mem SIZE] [--nvme-dir DIR] [--nvme-kv-max SIZE]
- *                [--hetero auto|recall|cpu] [-t threads] [--real 512]
+ *                [--hetero auto|recall|cpu] [--kv-block N] [-t threads] [--real 512] [--seed S]
  *                [--hot-spread 4] [--cold-spread 0.25] [--hot-every 64] [--recent-blocks 2] [--uniform]
  *                [-j out.jsonl]
  *
@@ -16,7 +16,8 @@
  * use for. Policies are given one --policy each (specs hold commas; default
  * `full` and `rabitq:p=0.9`; "SPEC;no-prefetch": SPEC without the prefetch
  * of the next layer's selection of the step before). The tier options go
- * into the session exactly as `tierkv run` passes them; `full` rows leave the caps out (all KV in the
+ * into the session exactly as `tierkv run` passes them, and so does --kv-block
+ * (tokens per KV block: what a recall moves, 64 by default); `full` rows leave the caps out (all KV in the
  * compute tier, "where it fits": a session that cannot hold it is a row
  * saying so) unless --cap-full.
  *
@@ -25,7 +26,9 @@
  * blocks with their keys moved so that attention concentrates on hot blocks:
  * the knobs --hot-spread and --cold-spread (the copies' logit sd in nats, set
  * per head against the model's own), --hot-every, --recent-blocks; --uniform:
- * plain copies); the same token ids for every row of a context. Then
+ * plain copies); the same token ids for every row of a context (random, from
+ * the context and --seed: the fill's concentration, and so what a selection
+ * reads and recalls, varies widely with them -- docs/bench-decode.md). Then
  * --warmup untimed steps (a rabitq index encodes the synthetic keys in the
  * first: the fill leaves them pending), --steps timed steps (tok/s), and
  * --split-steps more with the phase timers synchronizing the backend at their
@@ -83,7 +86,7 @@ static void usage(void)
             "usage: bench-recall -m MODEL [--device cpu|cuda] [--ctx 32768,131072] [--steps 16] [--warmup 3]\n"
             "                    [--split-steps 8] [--policy SPEC]... [--cap-full]\n"
             "                    [--gpu-kv-mem SIZE] [--host-kv-mem SIZE] [--nvme-dir DIR] [--nvme-kv-max SIZE]\n"
-            "                    [--hetero auto|recall|cpu] [-t threads] [--real 512]\n"
+            "                    [--hetero auto|recall|cpu] [--kv-block N] [-t threads] [--real 512] [--seed S]\n"
             "                    [--hot-spread 4] [--cold-spread 0.25] [--hot-every 64] [--recent-blocks 2] [--uniform]\n"
             "                    [-j out.jsonl]\n");
 }
@@ -158,7 +161,7 @@ static double link_rate(const char *device)
 struct opts {
     const char *model, *device, *ctxs, *nvme_dir, *json;
     const char *policies[MAX_POLICIES];
-    uint32_t n_policies, steps, warmup, split_steps, threads;
+    uint32_t n_policies, steps, warmup, split_steps, threads, kv_block, seed;
     uint64_t gpu_kv, host_kv, nvme_max;
     enum tkv_hetero hetero;
     bool cap_full;
@@ -236,13 +239,15 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
         fprintf(stderr, "bench-recall: out of memory\n");
         return 1;
     }
-    bench_rng_state = 0x9E3779B97F4A7C15ull ^ ctx; /* the same ids for every row of a context */
+    /* the same ids for every row of a context; seed 0: those of the runs before --seed */
+    bench_rng_state = 0x9E3779B97F4A7C15ull ^ ctx ^ ((uint64_t)o->seed << 32);
     for (uint32_t i = 0; i < ctx; i++)
         toks[i] = (tkv_token)(rnd() % info.n_vocab);
     struct tkv_session_params sp = tkv_session_default_params();
     sp.n_ctx = ctx + o->warmup + o->steps + o->split_steps;
     sp.n_threads = o->threads;
     sp.device = o->device;
+    sp.kv_block = o->kv_block;
     char spec[256];
     snprintf(spec, sizeof spec, "%s", policy);
     char *suffix = strstr(spec, NO_PREFETCH);
@@ -370,7 +375,8 @@ static void stall_row(char **buf, size_t *len, uint32_t ctx, const char *policy,
 int main(int argc, char **argv)
 {
     struct opts o = {.ctxs = "32768,131072", .steps = 16, .warmup = 3, .split_steps = 8,
-                     .hetero = TKV_HETERO_AUTO, .synth = tkv_synth_default_params()};
+                     .hetero = TKV_HETERO_AUTO, .synth = tkv_synth_default_params(),
+                     .kv_block = tkv_session_default_params().kv_block};
     o.synth.hot_spread = 4.0f, o.synth.cold_spread = 0.25f, o.synth.hot_every = 64, o.synth.recent_blocks = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -414,6 +420,10 @@ int main(int argc, char **argv)
                  : !strcmp(v, "cpu") ? (o.hetero = TKV_HETERO_CPU, true) : false;
         else if (!strcmp(a, "-t"))
             o.threads = (uint32_t)atoi(v);
+        else if (!strcmp(a, "--kv-block"))
+            ok = (o.kv_block = (uint32_t)atoi(v)) > 0;
+        else if (!strcmp(a, "--seed"))
+            o.seed = (uint32_t)strtoul(v, NULL, 10);
         else if (!strcmp(a, "--real"))
             o.synth.n_real = (uint32_t)atoi(v);
         else if (!strcmp(a, "--hot-spread"))
@@ -487,8 +497,8 @@ int main(int argc, char **argv)
 
     printf("bench-recall: %s (%u layers, %u/%u heads, head_dim %u, matrices %s), device %s, commit %s\n", base,
            info.n_layer, info.n_head, info.n_head_kv, info.head_dim, wb.matrix_type, o.device, commit);
-    printf("KV %.1f KB per token; capped rows: %s; fill: %s; %u warm-up, %u timed, %u split steps\n",
-           kv_per_token / 1e3, tiers, synth, o.warmup, o.steps, o.split_steps);
+    printf("KV %.1f KB per token, blocks of %u tokens; capped rows: %s; fill: %s, token seed %u; %u warm-up, %u timed, "
+           "%u split steps\n", kv_per_token / 1e3, o.kv_block, tiers, synth, o.seed, o.warmup, o.steps, o.split_steps);
     if (cuda)
         printf("link: pinned host -> GPU %.1f GB/s (64 MiB copies, best of 5)\n", link);
     printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | hot blk | split step ms | rest ms | "
@@ -559,7 +569,8 @@ int main(int argc, char **argv)
             if (json) {
                 fprintf(json,
                         "{\"bench\": \"recall\", \"model\": \"%s\", \"matrix_type\": \"%s\", \"device\": \"%s\", "
-                        "\"ctx\": %u, \"policy\": \"%s\", \"tiers\": \"%s\", \"fits\": true, \"fill\": \"%s\", "
+                        "\"ctx\": %u, \"kv_block\": %u, \"seed\": %u, \"policy\": \"%s\", \"tiers\": \"%s\", "
+                        "\"fits\": true, \"fill\": \"%s\", "
                         "\"real_tokens\": %u, \"natural_logit_sd\": %.4f, \"hot_block_share\": %.5f, \"fill_s\": %.3f, \"warmup_s\": %.3f, \"steps\": %u, "
                         "\"step_ms\": %.4f, \"tok_s\": %.3f, \"x_full\": %.4f, \"read_tokens\": %.6f, "
                         "\"read_blocks\": %.6f, \"split_steps\": %u, \"split_step_ms\": %.4f, \"rest_ms\": %.4f, "
@@ -568,7 +579,8 @@ int main(int argc, char **argv)
                         "\"nvme_out_bytes_per_step\": %.0f, \"cpu_heads_per_step\": %.2f, \"link_gbs\": %.3f, "
                         "\"pcie_gbs\": %.4f, \"same_tokens_as_ref\": \"%s\", \"commit\": \"%s\", "
                         "\"device_table_share\": %.4f, \"device_table_brought_share\": %.4f, ",
-                        base, wb.matrix_type, o.device, ctx, o.policies[p], row_tiers, synth, r.real, r.natural_sd, r.hot_share, r.fill_s,
+                        base, wb.matrix_type, o.device, ctx, o.kv_block, o.seed, o.policies[p], row_tiers, synth, r.real,
+                        r.natural_sd, r.hot_share, r.fill_s,
                         r.warm_s, o.steps, r.step_s * 1e3, 1.0 / r.step_s, full_s > 0 ? full_s / r.step_s : 0.0,
                         r.read_tok, r.read_blk, o.split_steps, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3,
                         r.select_s * 1e3, r.cpu_attn_s * 1e3, r.stall_s * 1e3, r.recall_b, r.host_out_b,
