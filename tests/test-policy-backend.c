@@ -467,10 +467,11 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
     double r_off, r_on;
     /* (holds on: the table's heads hold from its counts as the knob-off
      * path's do from the rows it counts; wide=0.3 makes them frequent, and
-     * that spec checks that they act) */
+     * that spec checks that they act; hold=16 given, since where the KV is
+     * paged -- tiers 1 and 2 -- holds are off by default) */
     static const char *const specs[] = {
         "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1", /* single-key slices */
-        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3",
+        "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3,hold=16",
         "rabitq:p=0.7,safe=1,sink=4,recent=8,batch=8,dense=1,whole=1",
         "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
     };
@@ -527,9 +528,10 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
                   r_on);
             fprintf(stderr, "  device table %-80s %s: %llu layers from the table, %llu with blocks brought first, "
                             "logits within %.2g\n", specs[i], tiers[tier], dt.layers, dt.brought, dmax);
-            if (tier == 0 && strstr(specs[i], "wide=")) { /* the holds act on the table's path: without them it reads less */
+            const char *h16 = strstr(specs[i], ",hold=16");
+            if (tier == 0 && h16) { /* the holds act on the table's path: without them it reads less */
                 char nohold[256];
-                snprintf(nohold, sizeof nohold, "%s,hold=0", specs[i]);
+                snprintf(nohold, sizeof nohold, "%.*s,hold=0", (int)(h16 - specs[i]), specs[i]);
                 double r_nohold;
                 st = run_tiered(m, "opaque", nohold, tier, prompt, t_on, l_on, &r_nohold, NULL);
                 CHECK(st == TKV_OK && r_nohold < r_on,
@@ -548,6 +550,27 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
             }
             unsetenv("TKV_RABITQ_DEVICE_TABLE");
         }
+    /* hold's default: 16 where every block is resident (flat), 0 where the
+     * compute tier is capped (tiers 1 and 2: a held head, read whole, would
+     * recall or CPU-attend all of it) -- the same reads as the spec with
+     * that value given, and holds do change the reads here */
+    for (int tier = 0; tier <= 2; tier += 2) {
+        static const char *const base = "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3";
+        char given[3][160];
+        double r[3];
+        snprintf(given[0], sizeof given[0], "%s", base);
+        snprintf(given[1], sizeof given[1], "%s,hold=16", base);
+        snprintf(given[2], sizeof given[2], "%s,hold=0", base);
+        for (int k = 0; k < 3; k++) {
+            tkv_status st = run_tiered(m, "opaque", given[k], tier, prompt, t_on, l_on, &r[k], NULL);
+            CHECK(st == TKV_OK, "%s (%s): %s", given[k], tiers[tier], tkv_last_error());
+        }
+        CHECK(r[1] != r[2] && r[0] == (tier ? r[2] : r[1]),
+              "%s (%s): read %g of the tokens, %g with hold=16, %g with hold=0 (the default: %s)", base, tiers[tier],
+              r[0], r[1], r[2], tier ? "0, the KV is paged" : "16");
+        fprintf(stderr, "  hold's default %-18s: read %.4f (hold=16 %.4f, hold=0 %.4f)\n", tiers[tier], r[0], r[1],
+                r[2]);
+    }
     /* unset, the table is on where the backend's memory is not the host's
      * (opaque) and off on the CPU backend */
     struct dt_counts dt;

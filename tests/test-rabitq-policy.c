@@ -342,6 +342,23 @@ static void test_hold(void)
         }
     }
     tkv_policy_free(p);
+    /* where the KV is paged, holds are off unless hold is given (a held
+     * head read whole would recall all of it) */
+    struct tkv_policy_env paged = s_env;
+    paged.kv_paged = true;
+    const char *paged_specs[] = {"rabitq:p=1,dense=0,batch=1000", "rabitq:p=1,dense=0,batch=1000,hold=3"};
+    for (int i = 0; i < 2; i++) {
+        p = NULL;
+        CHECK(tkv_policy_create(paged_specs[i], &paged, &p) == TKV_OK, "create %s: %s", paged_specs[i],
+              tkv_last_error());
+        REQUIRE_VOID(p && prefill_done(p, n_prompt) == TKV_OK);
+        for (uint32_t step = 0; step < 4; step++) {
+            const double x = read_at(p, n_prompt, step, 0, q);
+            CHECK(i == 0 || step == 0 ? x >= 1.0 : x == -1, "KV paged, %s: step %u read %g", paged_specs[i], step,
+                  x);
+        }
+        tkv_policy_free(p);
+    }
     /* hold=0, or wide=1 (no selection keeps more than all): no holds */
     const char *never[] = {"rabitq:p=1,dense=0,batch=1000,hold=0", "rabitq:p=1,dense=0,batch=1000,wide=1"};
     for (int i = 0; i < 2; i++) {

@@ -42,6 +42,9 @@ struct tkv_policy_env {
                                  (TKV_RABITQ_DEVICE_TABLE=1, session.h): a
                                  selecting policy leaves its bitmaps in backend
                                  memory for it (decode_bitmap) */
+    bool kv_paged;            /* the compute tier is capped below the context's
+                                 KV: reading a block may mean recalling it (or
+                                 attending it on the CPU where it lives) */
 };
 
 #define TKV_POLICY_MAX_ARGS 16

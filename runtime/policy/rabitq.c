@@ -49,15 +49,21 @@
  * RQ_DEVICE_GROUP where a device selects, else 0), exact (1: the
  * shortest prefix of the keys that meets p; 0: the top-p search's boundary
  * bin kept whole, tkv_rabitq_topp_params.coarse; not given: 0 where a
- * device selects, else 1), hold (16) and wide (0.75): a head whose
- * selection kept more than `wide` of its indexed keys reads everything for
- * the next `hold` steps without selecting, then selects again (hold=0:
- * never). Reading more only raises the kept mass; where top-p keeps most
- * keys anyway (safe mode on real text at a few thousand tokens keeps
- * 75-95%), the selection is pure cost. Where a selection's sets come to
- * the host (the host's top-p, a backend's rabitq_select into a host
- * bitmap) they are counted there; on the device table path, where they
- * never do, from the table's counts (rq_table_read).
+ * device selects, else 1), hold (16; 0 where the KV is paged) and wide
+ * (0.75): a head whose selection kept more than `wide` of its indexed keys
+ * reads everything for the next `hold` steps without selecting, then
+ * selects again (hold=0: never). Reading more only raises the kept mass;
+ * where top-p keeps most keys anyway (safe mode on real text at a few
+ * thousand tokens keeps 75-95%), the selection is pure cost. Not where the
+ * compute tier is capped (env.kv_paged): there reading a head whole
+ * recalls every block of it that is not resident, for `hold` steps, which
+ * costs more than the selection it saves (docs/bench-decode.md, "The
+ * synthetic fill against real text": 5.28 against 0.68 MB recalled per
+ * step on the CPU), so holds are off unless asked for. Where a
+ * selection's sets come to the host (the host's top-p, a backend's
+ * rabitq_select into a host bitmap) they are counted there; on the device
+ * table path, where they never do, from the table's counts
+ * (rq_table_read).
  */
 #include "policy.h"
 #include "../rabitq/rabitq.h"
@@ -195,7 +201,7 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
 {
     *out = NULL;
     struct rabitq p = {.env = *env, .p = 0.9f, .eps = TKV_RABITQ_EPS0, .safe = 1, .sink = 64, .recent = 64,
-                       .batch = 64, .dense = 2, .whole = UINT32_MAX, .exact = UINT32_MAX, .hold = 16,
+                       .batch = 64, .dense = 2, .whole = UINT32_MAX, .exact = UINT32_MAX, .hold = UINT32_MAX,
                        .wide = 0.75f};
     TKV_TRY(tkv_policy_arg_f32(name, args, "p", &p.p));
     TKV_TRY(tkv_policy_arg_u32(name, args, "safe", &p.safe));
@@ -219,6 +225,8 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
         p.whole = 0, p.whole_auto = true;
     if (p.exact == UINT32_MAX)
         p.exact = 1, p.exact_auto = true;
+    if (p.hold == UINT32_MAX) /* not given */
+        p.hold = env->kv_paged ? 0 : 16;
     if (!(p.wide > 0 && p.wide <= 1))
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': wide=%g must be in (0, 1] (the share of a head's keys "
                        "above which it holds)", name, (double)p.wide);
