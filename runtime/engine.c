@@ -208,15 +208,20 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         TKV_TRY(weight(s, src->w_down, &dst->w_down));
     }
 
-    /* the compute tier's cap (0: none) against the whole context's f16 K and V in blocks */
     const bool on_host = s->be_host;
-    const uint64_t compute_cap = on_host ? p->host_kv_mem : p->gpu_kv_mem;
-    const uint64_t kv_bytes = (uint64_t)hp->n_layer * hp->n_head_kv * ((s->n_ctx + s->kv_block - 1) / s->kv_block) *
-                              s->kv_block * hp->head_dim * 4;
+    struct tkv_kvs_params kp = {.n_layer = hp->n_layer, .n_head_kv = hp->n_head_kv, .head_dim = hp->head_dim,
+                                .block_tokens = s->kv_block, .max_tokens = s->n_ctx, .compute_is_host = on_host,
+                                .compute_bytes = on_host ? p->host_kv_mem : p->gpu_kv_mem,
+                                .host_bytes = on_host ? 0 : p->host_kv_mem, .nvme_dir = p->nvme_dir,
+                                .nvme_bytes = p->nvme_kv_max,
+                                .pci_bus_id = s->be->ops->pci_bus_id ? s->be->ops->pci_bus_id(s->be) : NULL,
+                                .page_table = s->dev_table};
+    TKV_TRY(tkv_kvs_init(&kp, s->be, &s->kv));
+
     struct tkv_policy_env env = {.n_layer = hp->n_layer, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv,
                                  .head_dim = hp->head_dim, .n_ctx = s->n_ctx, .block_tokens = s->kv_block,
                                  .budget = s->kv_budget, .device_table = s->dev_table,
-                                 .kv_paged = compute_cap != 0 && compute_cap < kv_bytes};
+                                 .kv_paged = !tkv_kvs_compute_holds_all(s->kv)};
     TKV_TRY(tkv_policy_create(s->policy_spec, &env, &s->policy));
     /* policies compute their statistics through the backend's attn_stats op
      * (policy.h); one that reads the keys itself needs them in host memory */
@@ -243,16 +248,6 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     TKV_TRY(alloc_act(s, C * F, &s->gate));
     TKV_TRY(alloc_act(s, C * F, &s->up));
     TKV_TRY(alloc_act(s, hp->n_vocab, &s->logits_dev));
-
-    struct tkv_kvs_params kp = {.n_layer = hp->n_layer, .n_head_kv = hp->n_head_kv, .head_dim = hp->head_dim,
-                                .block_tokens = s->kv_block, .max_tokens = s->n_ctx, .compute_is_host = on_host,
-                                .compute_bytes = compute_cap,
-                                .host_bytes = on_host ? 0 : p->host_kv_mem, .nvme_dir = p->nvme_dir,
-                                .nvme_bytes = p->nvme_kv_max,
-                                .pci_bus_id = s->be->ops->pci_bus_id ? s->be->ops->pci_bus_id(s->be) : NULL,
-                                .page_table = s->dev_table};
-    TKV_TRY(tkv_kvs_init(&kp, s->be, &s->kv));
-
 
     s->max_blocks = (s->n_ctx + s->kv_block - 1) / s->kv_block;
     /* a selection of ranges splits at block boundaries into at most

@@ -2633,14 +2633,18 @@ static tkv_status write_back_batch(struct tkv_kvs *s, const uint32_t *batch, uin
     return TKV_OK;
 }
 
+bool tkv_kvs_compute_holds_all(const struct tkv_kvs *s)
+{
+    return s->pool[TKV_TIER_COMPUTE].cap >= (uint64_t)s->p.n_layer * s->p.n_head_kv * s->max_blocks;
+}
+
 tkv_status tkv_kvs_write_back(struct tkv_kvs *s, uint32_t *n_done)
 {
     if (n_done)
         *n_done = 0;
     const struct pool *cp = &s->pool[TKV_TIER_COMPUTE];
-    const uint64_t total = (uint64_t)s->p.n_layer * s->p.n_head_kv * s->max_blocks;
-    if (!s->pool[TKV_TIER_HOST].present || s->p.compute_is_host || cp->cap >= total || cp->n < cp->cap ||
-        cp->n_free > 0)
+    if (!s->pool[TKV_TIER_HOST].present || s->p.compute_is_host || tkv_kvs_compute_holds_all(s) ||
+        cp->n < cp->cap || cp->n_free > 0)
         return TKV_OK; /* (a compute tier that holds the context, or has room, evicts nothing soon) */
     prefetch_drain(s);
     TKV_TRY(prefetch_settle(s));

@@ -165,6 +165,9 @@ tkv_status tkv_kvs_begin_layer_sel(struct tkv_kvs *s, uint32_t layer, uint32_t w
 tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t write_pos, uint32_t n_write,
                                      const uint8_t *need, const uint8_t *host_ok, uint32_t *n_host);
 uint32_t tkv_kvs_max_blocks(const struct tkv_kvs *s);
+/* Whether the compute tier has a slot for every block of the context, so
+ * that nothing is ever paged out of it (no cap, or a cap above the KV). */
+bool tkv_kvs_compute_holds_all(const struct tkv_kvs *s);
 void       tkv_kvs_end_layer(struct tkv_kvs *s, uint32_t layer);
 
 /* Starts recalling blocks of `layer` into free compute slots without
