@@ -555,7 +555,8 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
      * recall or CPU-attend all of it) -- the same reads as the spec with
      * that value given, and holds do change the reads here */
     for (int tier = 0; tier <= 2; tier += 2) {
-        static const char *const base = "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3";
+        static const char *const base =
+            "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3";
         char given[3][160];
         double r[3];
         snprintf(given[0], sizeof given[0], "%s", base);

@@ -57,13 +57,15 @@ static float gauss(void)
     return sqrtf(-2.0f * logf(u)) * cosf(w);
 }
 
-static struct tkv_policy *make(const char *spec)
+static struct tkv_policy *make_in(const char *spec, const struct tkv_policy_env *env)
 {
     struct tkv_policy *p = NULL;
-    tkv_status st = tkv_policy_create(spec, &s_env, &p);
+    tkv_status st = tkv_policy_create(spec, env, &p);
     CHECK(st == TKV_OK, "create %s: %s", spec, tkv_last_error());
     return p;
 }
+
+static struct tkv_policy *make(const char *spec) { return make_in(spec, &s_env); }
 
 static bool contains(const struct tkv_range *r, int n, uint32_t pos)
 {
@@ -348,9 +350,7 @@ static void test_hold(void)
     paged.kv_paged = true;
     const char *paged_specs[] = {"rabitq:p=1,dense=0,batch=1000", "rabitq:p=1,dense=0,batch=1000,hold=3"};
     for (int i = 0; i < 2; i++) {
-        p = NULL;
-        CHECK(tkv_policy_create(paged_specs[i], &paged, &p) == TKV_OK, "create %s: %s", paged_specs[i],
-              tkv_last_error());
+        p = make_in(paged_specs[i], &paged);
         REQUIRE_VOID(p && prefill_done(p, n_prompt) == TKV_OK);
         for (uint32_t step = 0; step < 4; step++) {
             const double x = read_at(p, n_prompt, step, 0, q);
