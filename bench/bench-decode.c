@@ -357,7 +357,8 @@ static int skip_patch(struct tkv_backend *be, int mask, uint32_t n_layer, struct
     skip.matmuls_per_step = 2 * n_layer + 1;
     skip.matmul_calls = 0;
     *patched = *o;
-    patched->matmul = skip_matmul;
+    if (mask & (SKIP_WO | SKIP_DOWN | SKIP_OUTPUT))
+        patched->matmul = skip_matmul;
     if (mask & SKIP_NORM)
         patched->rmsnorm = skip_rmsnorm, patched->add_rmsnorm = skip_add_rmsnorm;
     if (mask & SKIP_ROPE)
@@ -570,7 +571,8 @@ int main(int argc, char **argv)
     printf("bandwidth (%zu MiB): %s %.1f GB/s (the roofline's), %s %.1f GB/s\n\n", bw_bytes >> 20, bw.kind, bw.gbps,
            bw.kind2, bw.gbps2);
     const bool skipping = n_skip > 0;
-    n_skip += !skipping;
+    if (!skipping)
+        n_skip = 1; /* one run, skip_mask[0] = 0 */
     printf("| model | device | weights | ctx | fill |%s step ms (mean) | step ms (median) | tok/s | roofline ms "
            "| ratio |%s fill s |\n",
            skipping ? " skipped |" : "", quantized_on_gpu ? " ratio, f16 matrices |" : "");
@@ -615,8 +617,7 @@ int main(int argc, char **argv)
                             "\"steps\": %u, \"keys_mean\": %.1f, \"step_ms_mean\": %.4f, \"step_ms_median\": %.4f, "
                             "\"tok_s\": %.3f, \"weight_bytes\": %llu, \"weight_bytes_f16\": %llu, "
                             "\"kv_bytes_per_step\": %.0f, \"bw_kind\": \"%s\", \"bw_gbps\": %.2f, "
-                            "\"bw2_kind\": \"%s\", "
-                            "\"bw2_gbps\": %.2f, \"roofline_ms\": %.4f, \"ratio\": %.4f, "
+                            "\"bw2_kind\": \"%s\", \"bw2_gbps\": %.2f, \"roofline_ms\": %.4f, \"ratio\": %.4f, "
                             "\"roofline_ms_f16_matrices\": %.4f, \"ratio_f16_matrices\": %.4f, \"logits_finite\": %s, "
                             "\"skipped\": \"%s\", \"commit\": \"%s\"}\n",
                             base, wb.matrix_type, device, T, ctx, f, r.real, r.fill_s, steps, r.keys_mean,

@@ -467,8 +467,8 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
     double r_off, r_on;
     /* (holds on: the table's heads hold from its counts as the knob-off
      * path's do from the rows it counts; wide=0.3 makes them frequent, and
-     * that spec checks that they act; hold=16 given, since where the KV is
-     * paged -- tiers 1 and 2 -- holds are off by default) */
+     * hold=16 is given, since where the KV is paged -- tiers 1 and 2 --
+     * holds are off by default; that they act is checked below) */
     static const char *const specs[] = {
         "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1", /* single-key slices */
         "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3,hold=16",
@@ -528,18 +528,6 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
                   r_on);
             fprintf(stderr, "  device table %-80s %s: %llu layers from the table, %llu with blocks brought first, "
                             "logits within %.2g\n", specs[i], tiers[tier], dt.layers, dt.brought, dmax);
-            const char *h16 = strstr(specs[i], ",hold=16");
-            if (tier == 0 && h16) { /* the holds act on the table's path: without them it reads less */
-                char nohold[256];
-                snprintf(nohold, sizeof nohold, "%.*s,hold=0", (int)(h16 - specs[i]), specs[i]);
-                double r_nohold;
-                st = run_tiered(m, "opaque", nohold, tier, prompt, t_on, l_on, &r_nohold, NULL);
-                CHECK(st == TKV_OK && r_nohold < r_on,
-                      "%s: the table's path read %g of the tokens with holds, %g without (%d: %s)", specs[i], r_on,
-                      r_nohold, (int)st, st == TKV_OK ? "ok" : tkv_last_error());
-                fprintf(stderr, "  device table %-80s: read %.4f with holds, %.4f with hold=0\n", specs[i], r_on,
-                        r_nohold);
-            }
             if (tier == 0) { /* the attention really reads the table: one row short changes the logits */
                 opaque_kv_table_skew = true;
                 st = run_tiered(m, "opaque", specs[i], tier, prompt, t_on, l_on, &r_on, NULL);
@@ -553,7 +541,9 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
     /* hold's default: 16 where every block is resident (flat), 0 where the
      * compute tier is capped (tiers 1 and 2: a held head, read whole, would
      * recall or CPU-attend all of it) -- the same reads as the spec with
-     * that value given, and holds do change the reads here */
+     * that value given -- and holds act on the device table's path (the
+     * knob unset: on for the opaque backend, below): flat, without them it
+     * reads less; capped, otherwise */
     for (int tier = 0; tier <= 2; tier += 2) {
         static const char *const base =
             "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3";
@@ -563,10 +553,12 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
         snprintf(given[1], sizeof given[1], "%s,hold=16", base);
         snprintf(given[2], sizeof given[2], "%s,hold=0", base);
         for (int k = 0; k < 3; k++) {
-            tkv_status st = run_tiered(m, "opaque", given[k], tier, prompt, t_on, l_on, &r[k], NULL);
-            CHECK(st == TKV_OK, "%s (%s): %s", given[k], tiers[tier], tkv_last_error());
+            struct dt_counts dt;
+            tkv_status st = run_tiered(m, "opaque", given[k], tier, prompt, t_on, l_on, &r[k], &dt);
+            CHECK(st == TKV_OK && dt.layers > 0, "%s (%s): %llu layers from the table (%s)", given[k], tiers[tier],
+                  dt.layers, tkv_last_error());
         }
-        CHECK(r[1] != r[2] && r[0] == (tier ? r[2] : r[1]),
+        CHECK((tier ? r[1] != r[2] : r[2] < r[1]) && r[0] == (tier ? r[2] : r[1]),
               "%s (%s): read %g of the tokens, %g with hold=16, %g with hold=0 (the default: %s)", base, tiers[tier],
               r[0], r[1], r[2], tier ? "0, the KV is paged" : "16");
         fprintf(stderr, "  hold's default %-18s: read %.4f (hold=16 %.4f, hold=0 %.4f)\n", tiers[tier], r[0], r[1],
