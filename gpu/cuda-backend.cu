@@ -121,6 +121,7 @@ struct cuda_backend {
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
+    struct l2_sched *l2;           /* TKV_CUDA_L2_PREFETCH set: the hints' state, else NULL */
 };
 
 /* How Q4_0 / Q4_1 / Q8_0 matrices multiply few tokens, from
@@ -167,6 +168,78 @@ struct tkv_bweight {
 };
 
 static struct cuda_backend *cuda_of(struct tkv_backend *b) { return (struct cuda_backend *)b; }
+
+/* ---- L2 prefetch hints (TKV_CUDA_L2_PREFETCH=MB[:norm]; docs/gpu.md) ------
+ * A decode step queues the same matmuls in the same order every time, so
+ * the backend remembers which matmul op followed which (keyed by its first
+ * weight) and hands the expected next one's first MB of weights to the
+ * short kernels queued in between (rmsnorm, add_rmsnorm and, unless
+ * ":norm", rope_qk), which prefetch them into L2 while they run. Only for
+ * few tokens (the GEMV paths); a wrong guess costs bandwidth, never bits. */
+enum { L2_SUCC_CAP = 1024 }; /* a power of two above any model's matmul ops per step */
+struct l2_sched {
+    uint32_t budget;   /* bytes per hint */
+    bool rope;         /* rope_qk hints too */
+    const struct tkv_bweight *last; /* the last matmul op's first weight */
+    struct {
+        const struct tkv_bweight *key;
+        struct tkv_cuda_l2_hint next; /* what followed key's op last time */
+    } succ[L2_SUCC_CAP];
+};
+
+/* succ's slot for key (open addressing), or NULL when the table is full. */
+static struct tkv_cuda_l2_hint *l2_slot(struct l2_sched *l2, const struct tkv_bweight *key, bool insert)
+{
+    for (uint32_t i = 0, h = (uint32_t)((uintptr_t)key >> 6); i < L2_SUCC_CAP; i++) {
+        auto &e = l2->succ[(h + i) & (L2_SUCC_CAP - 1)];
+        if (e.key == key)
+            return &e.next;
+        if (!e.key) {
+            if (!insert)
+                return NULL;
+            e.key = key;
+            return &e.next;
+        }
+    }
+    return NULL;
+}
+
+/* The matmul op over w[0 .. nw) for n tokens is queued: it is what followed the last one. */
+static void l2_note_matmul(struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw, uint32_t n)
+{
+    struct l2_sched *l2 = cb->l2;
+    if (!l2 || n > TKV_CUDA_GEMV_MAX_N)
+        return;
+    struct tkv_cuda_l2_hint h;
+    memset(&h, 0, sizeof h);
+    uint32_t left = l2->budget;
+    for (uint32_t i = 0, r = 0; i < nw && r < TKV_CUDA_L2_HINT_MAX && left; i++) {
+        const void *p = w[i]->wq ? w[i]->wq : (const void *)w[i]->w16;
+        const size_t bytes = w[i]->wq ? w[i]->bytes_wq : w[i]->w16 ? (size_t)w[i]->n_out * w[i]->n_in * 2 : 0;
+        const uint32_t take = (uint32_t)TKV_MIN(bytes, (size_t)left) & ~15u;
+        if (!take)
+            continue;
+        h.p[r] = p;
+        h.bytes[r++] = take;
+        left -= take;
+    }
+    struct tkv_cuda_l2_hint *slot = l2->last ? l2_slot(l2, l2->last, true) : NULL;
+    if (slot)
+        *slot = h;
+    l2->last = w[0];
+}
+
+/* The hint for a short op over n tokens queued now (rope: rope_qk asks). */
+static struct tkv_cuda_l2_hint l2_hint(const struct cuda_backend *cb, uint32_t n, bool rope)
+{
+    struct tkv_cuda_l2_hint h;
+    memset(&h, 0, sizeof h);
+    struct l2_sched *l2 = cb->l2;
+    if (!l2 || n > TKV_CUDA_GEMV_MAX_N || !l2->last || (rope && !l2->rope))
+        return h;
+    const struct tkv_cuda_l2_hint *next = l2_slot(l2, l2->last, false);
+    return next ? *next : h;
+}
 
 /* Whether matmul's GEMV takes the 8-load kernel for w. */
 static bool gemv_u8_for(int mode, const struct tkv_bweight *w)
@@ -760,15 +833,10 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     return TKV_OK;
 }
 
-static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+/* y = x . w^T: matmul's paths; the grouped ops' sequences call it too. */
+static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
-    struct cuda_backend *cb = cuda_of(b);
     const char *op = "matmul";
-    ALIVE(op);
-    if (w->is_vec)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
-    if (n == 0)
-        return TKV_OK;
     const float one = 1.0f, zero = 0.0f;
     cublasStatus_t s;
     if (w->w32) { /* validation mode: plain f32 (the handle's default math mode has no TF32) */
@@ -800,6 +868,18 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
     if (s != CUBLAS_STATUS_SUCCESS)
         return blas_fail(s, op);
     return TKV_OK;
+}
+
+static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    ALIVE("matmul");
+    if (w->is_vec)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
+    if (n == 0)
+        return TKV_OK;
+    l2_note_matmul(cb, &w, 1, n);
+    return matmul_run(cb, w, x, y, n);
 }
 
 /* ---- fused decode ops (optional members; docs/gpu.md "Fused decode ops") ---- */
@@ -850,6 +930,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
                            w[0]->n_in);
     if (n == 0)
         return TKV_OK;
+    l2_note_matmul(cb, w, nw, n);
     const int path = group_path(cb, w, nw, x, n);
     if (path == GROUP_QUANT) {
         struct tkv_cuda_q8_act a;
@@ -861,7 +942,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
     }
     if (path == GROUP_SEQ) {
         for (uint32_t i = 0; i < nw; i++)
-            TKV_TRY(cuda_matmul(b, w[i], x, y[i], n));
+            TKV_TRY(matmul_run(cb, w[i], x, y[i], n));
         return TKV_OK;
     }
     struct tkv_cuda_gemv_group g;
@@ -882,6 +963,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     if (n == 0)
         return TKV_OK;
     const struct tkv_bweight *const gu[2] = {wg, wu};
+    l2_note_matmul(cb, gu, 2, n);
     const int path = group_path(cb, gu, 2, x, n);
     if (path == GROUP_QUANT) {
         struct tkv_cuda_q8_act a;
@@ -901,8 +983,8 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     /* the sequence, the up product in a work buffer */
     const size_t count = (size_t)n * wg->n_out;
     TKV_TRY(work_reserve(cb, (void **)&cb->fuse_work, &cb->fuse_work_cap, count * sizeof(float), op));
-    TKV_TRY(cuda_matmul(b, wg, x, out, n));
-    TKV_TRY(cuda_matmul(b, wu, x, cb->fuse_work, n));
+    TKV_TRY(matmul_run(cb, wg, x, out, n));
+    TKV_TRY(matmul_run(cb, wu, x, cb->fuse_work, n));
     CU(op, tkv_cuda_swiglu(out, cb->fuse_work, out, count, cb->stream));
     return TKV_OK;
 }
@@ -916,7 +998,8 @@ static tkv_status cuda_add_rmsnorm(struct tkv_backend *b, float *y, const float 
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: add_rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
     if (dim == 0)
         return TKV_OK;
-    CU("add_rmsnorm", tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, cb->pdl, cb->stream));
+    CU("add_rmsnorm", tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, l2_hint(cb, n, false), cb->pdl,
+                                               cb->stream));
     return TKV_OK;
 }
 
@@ -968,7 +1051,7 @@ static tkv_status cuda_rope_qk(struct tkv_backend *b, float *q, float *k, uint32
     const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* as cuda_rope */
     TKV_TRY(pos_upload(cb, pos, n, op));
     CU(op, tkv_cuda_rope_qk(q, k, n, n_head, n_head_kv, head_dim, rot_dim, cb->pos_dev, theta_scale, freq_scale,
-                            cb->pdl, cb->stream));
+                            l2_hint(cb, n, true), cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -981,7 +1064,7 @@ static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const stru
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
     if (dim == 0)
         return TKV_OK;
-    CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->pdl, cb->stream));
+    CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, l2_hint(cb, n, false), cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -1903,6 +1986,7 @@ static void cuda_free(struct tkv_backend *b)
     if (cb->copy_stream)
         cudaStreamSynchronize(cb->copy_stream);
     prof_free(cb);
+    free(cb->l2);
     for (int i = 0; i < N_GATHER; i++) {
         struct gather_slot *sl = &cb->gather[i];
         cudaFreeHost(sl->host);
@@ -2141,6 +2225,25 @@ extern "C" const char *tkv_cuda_prefill_variant_desc(int variant)
     return tkv_cuda_attn_prefill_variant_desc(variant);
 }
 
+/* TKV_CUDA_L2_PREFETCH: unset, "" or "0": no hints; "MB" (1 .. 1024): hints
+ * of up to MB MiB at the norms and rope_qk; "MB:norm": at the norms only. */
+static tkv_status l2_sched_create(struct cuda_backend *cb, const char *spec)
+{
+    if (!spec || !*spec || !strcmp(spec, "0"))
+        return TKV_OK;
+    char *end;
+    const long mb = strtol(spec, &end, 10);
+    const bool norm_only = !strcmp(end, ":norm");
+    if (end == spec || (*end && !norm_only) || mb < 1 || mb > 1024)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: TKV_CUDA_L2_PREFETCH='%s': want MB (1 to 1024) or MB:norm", spec);
+    cb->l2 = (struct l2_sched *)calloc(1, sizeof *cb->l2);
+    if (!cb->l2)
+        return tkv_err(TKV_ERR_NOMEM, "cuda: out of memory for the L2 prefetch schedule");
+    cb->l2->budget = (uint32_t)mb << 20;
+    cb->l2->rope = !norm_only;
+    return TKV_OK;
+}
+
 extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, struct tkv_backend **out)
 {
     (void)n_threads;
@@ -2172,7 +2275,9 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");
-    tkv_status st = cuda_init(cb);
+    tkv_status st = l2_sched_create(cb, getenv("TKV_CUDA_L2_PREFETCH"));
+    if (st == TKV_OK)
+        st = cuda_init(cb);
     if (st == TKV_OK && prof && !strcmp(prof, "1")) {
         st = prof_create(cb);
         cb->base.ops = &cuda_prof_ops;
