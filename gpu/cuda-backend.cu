@@ -118,6 +118,7 @@ struct cuda_backend {
     uint32_t pos_n, pos_cap;
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
+    bool qgemv_act_l1;             /* TKV_CUDA_QGEMV_ACT_L1=1 (tkv_cuda_qgemv.act_l1) */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
@@ -829,6 +830,7 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     }
     struct tkv_cuda_qgemv g;
     group_build(&g, &w, 1, &y);
+    g.act_l1 = cb->qgemv_act_l1;
     CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -937,6 +939,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
         TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
         struct tkv_cuda_qgemv g;
         group_build(&g, w, nw, y);
+        g.act_l1 = cb->qgemv_act_l1;
         CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
@@ -972,6 +975,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
         group_build(&g, &wg, 1, &out);
         g.wu = wu->wq;
         g.swiglu = true;
+        g.act_l1 = cb->qgemv_act_l1;
         CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
@@ -2272,6 +2276,8 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->gemv_quant = quant && !strcmp(quant, "0")     ? QGEMV_OFF
                      : quant && !strcmp(quant, "ref") ? QGEMV_REF
                                                       : QGEMV_FAST;
+    const char *act_l1 = getenv("TKV_CUDA_QGEMV_ACT_L1");
+    cb->qgemv_act_l1 = act_l1 && !strcmp(act_l1, "1");
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");

@@ -247,6 +247,18 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
     tkv_pdl_trigger();
     issue(0, 0); /* weights only: written at load, by no kernel */
     tkv_pdl_wait();
+    if (g.act_l1 && live && t < gpr) { /* group_dot's first-round activation reads, as L1 prefetches */
+        const uint32_t nb = n_in / 32;
+#pragma unroll
+        for (int b = 0; b < Q::GB; b++) {
+            const uint32_t kb = b * gpr + t;
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                asm volatile("prefetch.global.L1 [%0];" ::"l"(aq + (size_t)i * n_in + (size_t)kb * 32));
+                asm volatile("prefetch.global.L1 [%0];" ::"l"(am + (size_t)i * nb + kb));
+            }
+        }
+    }
     float acc[NT], acc2[NT];
 #pragma unroll
     for (int i = 0; i < NT; i++)

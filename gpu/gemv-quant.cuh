@@ -71,6 +71,9 @@ struct tkv_cuda_qgemv {
     uint32_t nw;
     const void *wu;
     bool swiglu;
+    bool act_l1; /* prefetch the first round's activations into L1 right
+                    after the programmatic wait, while the weights are in
+                    flight (TKV_CUDA_QGEMV_ACT_L1=1; same results) */
 };
 
 /* The fast kernel, 1 <= n <= 8 tokens, activations in the type's block

@@ -2113,19 +2113,22 @@ static bool dev_equal(const void *a, const void *b, size_t bytes)
 }
 
 /* The chain with matrices of wtype on `plain` (no PDL) and on a
- * TKV_CUDA_PDL=1 backend (quantized GEMV on: Q4_0 matrices take it) with
- * TKV_CUDA_L2_PREFETCH=l2 (NULL: unset): the L2 hints, from the second step
- * on, must not change a bit either. */
-static void pdl_case(uint32_t wtype, struct tkv_backend *plain, const char *l2)
+ * TKV_CUDA_PDL=1 backend (quantized GEMV on: Q4_0 matrices take it), with
+ * var=value in its environment (var NULL: none): the prefetch knobs
+ * (TKV_CUDA_L2_PREFETCH: hints from the second step on;
+ * TKV_CUDA_QGEMV_ACT_L1) must not change a bit either. */
+static void pdl_case(uint32_t wtype, struct tkv_backend *plain, const char *var, const char *value)
 {
     struct tkv_backend *be[2] = {plain, NULL};
     setenv("TKV_CUDA_PDL", "1", 1);
     setenv("TKV_CUDA_GEMV", "fast", 1); /* the reference's GEMV: the bits must match */
-    if (l2)
-        setenv("TKV_CUDA_L2_PREFETCH", l2, 1);
+    if (var)
+        setenv(var, value, 1);
     tkv_status cst = tkv_backend_create("cuda", 0, &be[1]);
-    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV"), unsetenv("TKV_CUDA_L2_PREFETCH");
-    CHECK(cst == TKV_OK, "TKV_CUDA_PDL=1, TKV_CUDA_L2_PREFETCH=%s: %s", l2 ? l2 : "(unset)", tkv_last_error());
+    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV");
+    if (var)
+        unsetenv(var);
+    CHECK(cst == TKV_OK, "TKV_CUDA_PDL=1 %s=%s: %s", var ? var : "", var ? value : "", tkv_last_error());
     if (cst != TKV_OK)
         return;
     /* Llama-3-8B's widths over 2 (the GEMVs take S = 1, 2 and 4 warps per
@@ -2173,9 +2176,10 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain, const char *l2)
     size_t finite = 0;
     for (uint32_t i = 0; i < m.V; i++)
         finite += isfinite(lg[i]) != 0;
-    fprintf(stderr, "  %s%s%s: %u steps x %u layers (E %u, %u/%u heads, F %u, %u keys): pdl vs plain: x %s, "
+    fprintf(stderr, "  %s%s%s%s%s: %u steps x %u layers (E %u, %u/%u heads, F %u, %u keys): pdl vs plain: x %s, "
                     "logits %s, K/V %s, attention %s; %zu of %u logits finite\n", tkv_type_name(wtype),
-            l2 ? ", L2 hints " : "", l2 ? l2 : "", steps, layers, m.E, m.H, m.Hkv, m.F, pos0 + steps * layers, x_same ? "bit-identical" : "DIFFER", l_same ? "bit-identical" : "DIFFER",
+            var ? ", " : "", var ? var : "", var ? "=" : "", var ? value : "", steps, layers, m.E, m.H, m.Hkv, m.F,
+            pos0 + steps * layers, x_same ? "bit-identical" : "DIFFER", l_same ? "bit-identical" : "DIFFER",
             kv_same ? "bit-identical" : "DIFFER", a_same ? "bit-identical" : "DIFFER", finite, m.V);
     CHECK(x_same && l_same && kv_same && a_same, "TKV_CUDA_PDL=1 changed the decode chain's results");
     CHECK(finite == m.V, "non-finite logits (%zu of %u finite)", finite, m.V);
@@ -2194,8 +2198,8 @@ static void test_pdl(void)
 {
     fprintf(stderr, "programmatic dependent launches:\n");
     REQUIRE_VOID(gpu->ops->matmul_group && gpu->ops->matmul_swiglu && gpu->ops->add_rmsnorm && gpu->ops->rope_qk);
-    pdl_case(TKV_TYPE_F16, gpu, NULL);
-    pdl_case(TKV_TYPE_F16, gpu, "16");
+    pdl_case(TKV_TYPE_F16, gpu, NULL, NULL);
+    pdl_case(TKV_TYPE_F16, gpu, "TKV_CUDA_L2_PREFETCH", "16");
     /* a malformed hint budget is refused, not ignored */
     const char *bad[] = {"x", "16:all", "0:norm", "2048", "-1"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -2216,9 +2220,10 @@ static void test_pdl(void)
     unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV");
     CHECK(st == TKV_OK, "%s", tkv_last_error());
     if (st == TKV_OK) {
-        pdl_case(TKV_TYPE_Q4_0, qplain, NULL);
-        pdl_case(TKV_TYPE_Q4_0, qplain, "16");
-        pdl_case(TKV_TYPE_Q4_0, qplain, "4:norm");
+        pdl_case(TKV_TYPE_Q4_0, qplain, NULL, NULL);
+        pdl_case(TKV_TYPE_Q4_0, qplain, "TKV_CUDA_L2_PREFETCH", "16");
+        pdl_case(TKV_TYPE_Q4_0, qplain, "TKV_CUDA_L2_PREFETCH", "4:norm");
+        pdl_case(TKV_TYPE_Q4_0, qplain, "TKV_CUDA_QGEMV_ACT_L1", "1");
         qplain->ops->free(qplain);
     }
 }
