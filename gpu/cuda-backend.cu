@@ -170,23 +170,26 @@ struct tkv_bweight {
 
 static struct cuda_backend *cuda_of(struct tkv_backend *b) { return (struct cuda_backend *)b; }
 
-/* ---- L2 prefetch hints (TKV_CUDA_L2_PREFETCH=MB[:norm]; docs/gpu.md) ------
+/* ---- L2 prefetch hints (TKV_CUDA_L2_PREFETCH=MB[:no-attn]; docs/gpu.md) --
  * A decode step queues the same matmuls in the same order every time, so
  * the backend remembers which matmul op followed which (keyed by its first
- * weight) and hands the expected next one's first MB of weights to the
- * short kernels queued in between (rmsnorm, add_rmsnorm and, unless
- * ":norm", rope_qk), which prefetch them into L2 while they run. Only for
- * few tokens (the GEMV paths); a wrong guess costs bandwidth, never bits. */
+ * weight) and hands the quantized GEMV of each op the expected next op's
+ * first MB of weights (tkv_cuda_qgemv.next), which its CTAs prefetch into
+ * L2 once their own weights are in. ":no-attn": not from the q/k/v op,
+ * whose successor (wo) waits behind the attention. Only for few tokens (the
+ * GEMV paths); a wrong guess costs bandwidth, never bits. */
 enum { L2_SUCC_CAP = 1024 }; /* a power of two above any model's matmul ops per step */
 struct l2_sched {
     uint32_t budget;   /* bytes per hint */
-    bool rope;         /* rope_qk hints too */
+    bool attn;         /* hints from the q/k/v op too */
     const struct tkv_bweight *last; /* the last matmul op's first weight */
     struct {
         const struct tkv_bweight *key;
         struct tkv_cuda_l2_hint next; /* what followed key's op last time */
     } succ[L2_SUCC_CAP];
 };
+
+static const struct tkv_cuda_l2_hint no_hint = {};
 
 /* succ's slot for key (open addressing), or NULL when the table is full. */
 static struct tkv_cuda_l2_hint *l2_slot(struct l2_sched *l2, const struct tkv_bweight *key, bool insert)
@@ -205,14 +208,17 @@ static struct tkv_cuda_l2_hint *l2_slot(struct l2_sched *l2, const struct tkv_bw
     return NULL;
 }
 
-/* The matmul op over w[0 .. nw) for n tokens is queued: it is what followed the last one. */
-static void l2_note_matmul(struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw, uint32_t n)
+/* The matmul op over w[0 .. nw) for n tokens is queued: it is what followed
+ * the last one. Returns the hint for its GEMV: what followed it last time
+ * (all zero when unknown or off; qkv: the op is the q/k/v group). */
+static struct tkv_cuda_l2_hint l2_note_matmul(struct cuda_backend *cb, const struct tkv_bweight *const *w,
+                                              uint32_t nw, uint32_t n, bool qkv)
 {
-    struct l2_sched *l2 = cb->l2;
-    if (!l2 || n > TKV_CUDA_GEMV_MAX_N)
-        return;
     struct tkv_cuda_l2_hint h;
     memset(&h, 0, sizeof h);
+    struct l2_sched *l2 = cb->l2;
+    if (!l2 || n > TKV_CUDA_GEMV_MAX_N)
+        return h;
     uint32_t left = l2->budget;
     for (uint32_t i = 0, r = 0; i < nw && r < TKV_CUDA_L2_HINT_MAX && left; i++) {
         const void *p = w[i]->wq ? w[i]->wq : (const void *)w[i]->w16;
@@ -228,18 +234,11 @@ static void l2_note_matmul(struct cuda_backend *cb, const struct tkv_bweight *co
     if (slot)
         *slot = h;
     l2->last = w[0];
-}
-
-/* The hint for a short op over n tokens queued now (rope: rope_qk asks). */
-static struct tkv_cuda_l2_hint l2_hint(const struct cuda_backend *cb, uint32_t n, bool rope)
-{
-    struct tkv_cuda_l2_hint h;
+    const struct tkv_cuda_l2_hint *next = qkv && !l2->attn ? NULL : l2_slot(l2, w[0], false);
+    if (next)
+        return *next;
     memset(&h, 0, sizeof h);
-    struct l2_sched *l2 = cb->l2;
-    if (!l2 || n > TKV_CUDA_GEMV_MAX_N || !l2->last || (rope && !l2->rope))
-        return h;
-    const struct tkv_cuda_l2_hint *next = l2_slot(l2, l2->last, false);
-    return next ? *next : h;
+    return h;
 }
 
 /* Whether matmul's GEMV takes the 8-load kernel for w. */
@@ -820,7 +819,7 @@ static void group_build(G *g, const struct tkv_bweight *const *w, uint32_t nw, f
 }
 
 static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
-                               uint32_t n, int path, const char *op)
+                               uint32_t n, int path, const struct tkv_cuda_l2_hint &next, const char *op)
 {
     struct tkv_cuda_q8_act a;
     TKV_TRY(q8_prepare(cb, w->t->type, x, n, w->n_in, &a, op));
@@ -830,13 +829,16 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     }
     struct tkv_cuda_qgemv g;
     group_build(&g, &w, 1, &y);
+    g.next = next;
     g.act_l1 = cb->qgemv_act_l1;
     CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
-/* y = x . w^T: matmul's paths; the grouped ops' sequences call it too. */
-static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+/* y = x . w^T: matmul's paths (next: the quantized GEMV's L2 hint); the
+ * grouped ops' sequences call it too. */
+static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y, uint32_t n,
+                             const struct tkv_cuda_l2_hint &next)
 {
     const char *op = "matmul";
     const float one = 1.0f, zero = 0.0f;
@@ -849,7 +851,7 @@ static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *
     }
     const int qpath = qgemv_path(cb, w, n);
     if (qpath != QGEMV_OFF)
-        return qgemv_matmul(cb, w, x, y, n, qpath, op);
+        return qgemv_matmul(cb, w, x, y, n, qpath, next, op);
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
@@ -880,8 +882,7 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
     if (n == 0)
         return TKV_OK;
-    l2_note_matmul(cb, &w, 1, n);
-    return matmul_run(cb, w, x, y, n);
+    return matmul_run(cb, w, x, y, n, l2_note_matmul(cb, &w, 1, n, false));
 }
 
 /* ---- fused decode ops (optional members; docs/gpu.md "Fused decode ops") ---- */
@@ -932,20 +933,21 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
                            w[0]->n_in);
     if (n == 0)
         return TKV_OK;
-    l2_note_matmul(cb, w, nw, n);
+    const struct tkv_cuda_l2_hint next = l2_note_matmul(cb, w, nw, n, true);
     const int path = group_path(cb, w, nw, x, n);
     if (path == GROUP_QUANT) {
         struct tkv_cuda_q8_act a;
         TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
         struct tkv_cuda_qgemv g;
         group_build(&g, w, nw, y);
+        g.next = next;
         g.act_l1 = cb->qgemv_act_l1;
         CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
     if (path == GROUP_SEQ) {
         for (uint32_t i = 0; i < nw; i++)
-            TKV_TRY(matmul_run(cb, w[i], x, y[i], n));
+            TKV_TRY(matmul_run(cb, w[i], x, y[i], n, i + 1 == nw ? next : no_hint));
         return TKV_OK;
     }
     struct tkv_cuda_gemv_group g;
@@ -966,7 +968,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     if (n == 0)
         return TKV_OK;
     const struct tkv_bweight *const gu[2] = {wg, wu};
-    l2_note_matmul(cb, gu, 2, n);
+    const struct tkv_cuda_l2_hint next = l2_note_matmul(cb, gu, 2, n, false);
     const int path = group_path(cb, gu, 2, x, n);
     if (path == GROUP_QUANT) {
         struct tkv_cuda_q8_act a;
@@ -975,6 +977,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
         group_build(&g, &wg, 1, &out);
         g.wu = wu->wq;
         g.swiglu = true;
+        g.next = next;
         g.act_l1 = cb->qgemv_act_l1;
         CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
@@ -987,8 +990,8 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     /* the sequence, the up product in a work buffer */
     const size_t count = (size_t)n * wg->n_out;
     TKV_TRY(work_reserve(cb, (void **)&cb->fuse_work, &cb->fuse_work_cap, count * sizeof(float), op));
-    TKV_TRY(matmul_run(cb, wg, x, out, n));
-    TKV_TRY(matmul_run(cb, wu, x, cb->fuse_work, n));
+    TKV_TRY(matmul_run(cb, wg, x, out, n, no_hint));
+    TKV_TRY(matmul_run(cb, wu, x, cb->fuse_work, n, next));
     CU(op, tkv_cuda_swiglu(out, cb->fuse_work, out, count, cb->stream));
     return TKV_OK;
 }
@@ -1002,8 +1005,7 @@ static tkv_status cuda_add_rmsnorm(struct tkv_backend *b, float *y, const float 
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: add_rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
     if (dim == 0)
         return TKV_OK;
-    CU("add_rmsnorm", tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, l2_hint(cb, n, false), cb->pdl,
-                                               cb->stream));
+    CU("add_rmsnorm", tkv_cuda_add_rmsnorm(y, x, w->v32, h, n, dim, eps, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -1055,7 +1057,7 @@ static tkv_status cuda_rope_qk(struct tkv_backend *b, float *q, float *k, uint32
     const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* as cuda_rope */
     TKV_TRY(pos_upload(cb, pos, n, op));
     CU(op, tkv_cuda_rope_qk(q, k, n, n_head, n_head_kv, head_dim, rot_dim, cb->pos_dev, theta_scale, freq_scale,
-                            l2_hint(cb, n, true), cb->pdl, cb->stream));
+                            cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -1068,7 +1070,7 @@ static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const stru
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
     if (dim == 0)
         return TKV_OK;
-    CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, l2_hint(cb, n, false), cb->pdl, cb->stream));
+    CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -2230,21 +2232,23 @@ extern "C" const char *tkv_cuda_prefill_variant_desc(int variant)
 }
 
 /* TKV_CUDA_L2_PREFETCH: unset, "" or "0": no hints; "MB" (1 .. 1024): hints
- * of up to MB MiB at the norms and rope_qk; "MB:norm": at the norms only. */
+ * of up to MB MiB from every quantized GEMV; "MB:no-attn": not from the
+ * q/k/v op's. */
 static tkv_status l2_sched_create(struct cuda_backend *cb, const char *spec)
 {
     if (!spec || !*spec || !strcmp(spec, "0"))
         return TKV_OK;
     char *end;
     const long mb = strtol(spec, &end, 10);
-    const bool norm_only = !strcmp(end, ":norm");
-    if (end == spec || (*end && !norm_only) || mb < 1 || mb > 1024)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: TKV_CUDA_L2_PREFETCH='%s': want MB (1 to 1024) or MB:norm", spec);
+    const bool no_attn = !strcmp(end, ":no-attn");
+    if (end == spec || (*end && !no_attn) || mb < 1 || mb > 1024)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: TKV_CUDA_L2_PREFETCH='%s': want MB (1 to 1024) or MB:no-attn",
+                       spec);
     cb->l2 = (struct l2_sched *)calloc(1, sizeof *cb->l2);
     if (!cb->l2)
         return tkv_err(TKV_ERR_NOMEM, "cuda: out of memory for the L2 prefetch schedule");
     cb->l2->budget = (uint32_t)mb << 20;
-    cb->l2->rope = !norm_only;
+    cb->l2->attn = !no_attn;
     return TKV_OK;
 }
 

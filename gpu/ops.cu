@@ -26,36 +26,10 @@ __device__ double row_sum(double v, double *partial)
     return partial[0];
 }
 
-/* ---- L2 prefetch hints (ops.cuh) --------------------------------------------------------
- * Thread tid of nthreads issues every nthreads-th 64 KiB chunk of the
- * hint's regions (numbered across them) as one bulk prefetch: fire and
- * forget, so the kernel goes on at once and the copy engine and DRAM do
- * the rest. Weights only (written at load), so callers issue it before
- * their programmatic wait. */
-constexpr uint32_t L2_CHUNK = 64u << 10;
-
-__device__ __forceinline__ void l2_prefetch(const struct tkv_cuda_l2_hint &h, uint32_t tid, uint32_t nthreads)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    uint32_t first = 0; /* the region's first chunk's number */
-    for (int r = 0; r < TKV_CUDA_L2_HINT_MAX && h.bytes[r]; r++) {
-        const uint32_t nc = (h.bytes[r] + L2_CHUNK - 1) / L2_CHUNK;
-        for (uint32_t c = (tid + nthreads - first % nthreads) % nthreads; c < nc; c += nthreads) {
-            const uint32_t off = c * L2_CHUNK, size = min(L2_CHUNK, h.bytes[r] - off);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"((const char *)h.p[r] + off), "r"(size)
-                         : "memory");
-        }
-        first += nc;
-    }
-#endif
-}
-
-__global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps,
-                               const struct tkv_cuda_l2_hint hint)
+__global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps)
 {
     __shared__ double partial[32];
     tkv_pdl_trigger();
-    l2_prefetch(hint, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
     tkv_pdl_wait();
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *yr = y + (size_t)blockIdx.x * dim;
@@ -506,12 +480,10 @@ cudaError_t gemv_fused(const struct tkv_cuda_gemv_group *g, const __half *wg, co
  * threads own the same elements in both loops, so y[d] is read back by the
  * thread that wrote it and h may alias x (x[d] is read before h[d] is
  * written, by the same thread). */
-__global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, float *h, uint32_t dim, float eps,
-                                   const struct tkv_cuda_l2_hint hint)
+__global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, float *h, uint32_t dim, float eps)
 {
     __shared__ double partial[32];
     tkv_pdl_trigger();
-    l2_prefetch(hint, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
     tkv_pdl_wait();
     float *yr = y + (size_t)blockIdx.x * dim;
     const float *xr = x + (size_t)blockIdx.x * dim;
@@ -532,12 +504,10 @@ __global__ void add_rmsnorm_kernel(float *y, const float *x, const float *w, flo
  * rope_kernel does (same angle sequence). */
 
 __global__ void rope_qk_kernel(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
-                               uint32_t n_pairs, const int32_t *pos, float theta_scale, float freq_scale,
-                               const struct tkv_cuda_l2_hint hint)
+                               uint32_t n_pairs, const int32_t *pos, float theta_scale, float freq_scale)
 {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, n_q = (size_t)n * n_head * n_pairs;
     tkv_pdl_trigger();
-    l2_prefetch(hint, (uint32_t)i, gridDim.x * blockDim.x);
     tkv_pdl_wait();
     if (i < n_q)
         rope_item(q, n_head, head_dim, n_pairs, i, pos, theta_scale, freq_scale);
@@ -577,32 +547,32 @@ cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float
 }
 
 cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
-                                 float eps, struct tkv_cuda_l2_hint hint, bool pdl, cudaStream_t s)
+                                 float eps, bool pdl, cudaStream_t s)
 {
     if (n == 0)
         return cudaSuccess;
     unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32; /* as tkv_cuda_rmsnorm */
-    return tkv_cuda_launch(pdl, n, threads, 0, s, add_rmsnorm_kernel, y, x, w, h, dim, eps, hint);
+    return tkv_cuda_launch(pdl, n, threads, 0, s, add_rmsnorm_kernel, y, x, w, h, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
-                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale,
-                             struct tkv_cuda_l2_hint hint, bool pdl, cudaStream_t s)
+                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale, bool pdl,
+                             cudaStream_t s)
 {
     const size_t items = (size_t)n * (n_head + n_head_kv) * (rot_dim / 2);
     if (items == 0)
         return cudaSuccess;
     return tkv_cuda_launch(pdl, tkv_cuda_blocks(items, TB), TB, 0, s, rope_qk_kernel, q, k, n, n_head, n_head_kv,
-                           head_dim, rot_dim / 2, pos, theta_scale, freq_scale, hint);
+                           head_dim, rot_dim / 2, pos, theta_scale, freq_scale);
 }
 
-cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
-                             struct tkv_cuda_l2_hint hint, bool pdl, cudaStream_t s)
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,
+                             cudaStream_t s)
 {
     if (n == 0)
         return cudaSuccess;
     unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    return tkv_cuda_launch(pdl, n, threads, 0, s, rmsnorm_kernel, x, w, y, dim, eps, hint);
+    return tkv_cuda_launch(pdl, n, threads, 0, s, rmsnorm_kernel, x, w, y, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim,

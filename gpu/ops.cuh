@@ -18,22 +18,10 @@
 
 #include "gemv-common.cuh"
 
-/* ---- L2 prefetch hints ---------------------------------------------------------------
- * The weights of the matmul expected next, which a short kernel (rmsnorm,
- * add_rmsnorm, rope_qk) asks L2 to fetch before its programmatic wait, so
- * DRAM streams them while the latency-bound op runs (TKV_CUDA_L2_PREFETCH,
- * docs/gpu.md). Hints only: no result depends on them. Regions are 16-byte
- * aligned, bytes multiples of 16; a 0 ends the list. Passed by value. */
-#define TKV_CUDA_L2_HINT_MAX 4
-struct tkv_cuda_l2_hint {
-    const void *p[TKV_CUDA_L2_HINT_MAX];
-    uint32_t bytes[TKV_CUDA_L2_HINT_MAX];
-};
-
 /* y[n, dim] = x / sqrt(mean(x^2) + eps) * w; sum of squares in double as on
  * the CPU. y may alias x. */
-cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
-                             struct tkv_cuda_l2_hint hint, bool pdl, cudaStream_t s);
+cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,
+                             cudaStream_t s);
 
 /* In place on x[n, n_heads*head_dim], positions pos[n] (device). The angle of
  * pair i is pos * theta_scale^i * freq_scale with theta_scale^i built by i
@@ -135,12 +123,12 @@ cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float
 /* y += x; h = rmsnorm(y) * w over n rows of dim: add + rmsnorm's arithmetic
  * in one pass (bit-identical). h may alias x, not y. */
 cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
-                                 float eps, struct tkv_cuda_l2_hint hint, bool pdl, cudaStream_t s);
+                                 float eps, bool pdl, cudaStream_t s);
 
 /* tkv_cuda_rope on q [n, n_head*hd] and k [n, n_head_kv*hd] in one launch,
  * positions pos[n] in device memory. */
 cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
-                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale,
-                             struct tkv_cuda_l2_hint hint, bool pdl, cudaStream_t s);
+                             uint32_t rot_dim, const int32_t *pos, float theta_scale, float freq_scale, bool pdl,
+                             cudaStream_t s);
 
 #endif
