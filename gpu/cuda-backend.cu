@@ -118,11 +118,9 @@ struct cuda_backend {
     uint32_t pos_n, pos_cap;
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
-    bool qgemv_act_l1;             /* TKV_CUDA_QGEMV_ACT_L1=1 (tkv_cuda_qgemv.act_l1) */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
-    struct l2_sched *l2;           /* TKV_CUDA_L2_PREFETCH set: the hints' state, else NULL */
 };
 
 /* How Q4_0 / Q4_1 / Q8_0 matrices multiply few tokens, from
@@ -169,77 +167,6 @@ struct tkv_bweight {
 };
 
 static struct cuda_backend *cuda_of(struct tkv_backend *b) { return (struct cuda_backend *)b; }
-
-/* ---- L2 prefetch hints (TKV_CUDA_L2_PREFETCH=MB[:no-attn]; docs/gpu.md) --
- * A decode step queues the same matmuls in the same order every time, so
- * the backend remembers which matmul op followed which (keyed by its first
- * weight) and hands the quantized GEMV of each op the expected next op's
- * first MB of weights (tkv_cuda_qgemv.next), which its CTAs prefetch into
- * L2 once their own weights are in. ":no-attn": not from the q/k/v op,
- * whose successor (wo) waits behind the attention. Only for few tokens (the
- * GEMV paths); a wrong guess costs bandwidth, never bits. */
-enum { L2_SUCC_CAP = 1024 }; /* a power of two above any model's matmul ops per step */
-struct l2_sched {
-    uint32_t budget;   /* bytes per hint */
-    bool attn;         /* hints from the q/k/v op too */
-    const struct tkv_bweight *last; /* the last matmul op's first weight */
-    struct {
-        const struct tkv_bweight *key;
-        struct tkv_cuda_l2_hint next; /* what followed key's op last time */
-    } succ[L2_SUCC_CAP];
-};
-
-static const struct tkv_cuda_l2_hint no_hint = {};
-
-/* succ's slot for key (open addressing), or NULL when the table is full. */
-static struct tkv_cuda_l2_hint *l2_slot(struct l2_sched *l2, const struct tkv_bweight *key, bool insert)
-{
-    for (uint32_t i = 0, h = (uint32_t)((uintptr_t)key >> 6); i < L2_SUCC_CAP; i++) {
-        auto &e = l2->succ[(h + i) & (L2_SUCC_CAP - 1)];
-        if (e.key == key)
-            return &e.next;
-        if (!e.key) {
-            if (!insert)
-                return NULL;
-            e.key = key;
-            return &e.next;
-        }
-    }
-    return NULL;
-}
-
-/* The matmul op over w[0 .. nw) for n tokens is queued: it is what followed
- * the last one. Returns the hint for its GEMV: what followed it last time
- * (all zero when unknown or off; qkv: the op is the q/k/v group). */
-static struct tkv_cuda_l2_hint l2_note_matmul(struct cuda_backend *cb, const struct tkv_bweight *const *w,
-                                              uint32_t nw, uint32_t n, bool qkv)
-{
-    struct tkv_cuda_l2_hint h;
-    memset(&h, 0, sizeof h);
-    struct l2_sched *l2 = cb->l2;
-    if (!l2 || n > TKV_CUDA_GEMV_MAX_N)
-        return h;
-    uint32_t left = l2->budget;
-    for (uint32_t i = 0, r = 0; i < nw && r < TKV_CUDA_L2_HINT_MAX && left; i++) {
-        const void *p = w[i]->wq ? w[i]->wq : (const void *)w[i]->w16;
-        const size_t bytes = w[i]->wq ? w[i]->bytes_wq : w[i]->w16 ? (size_t)w[i]->n_out * w[i]->n_in * 2 : 0;
-        const uint32_t take = (uint32_t)TKV_MIN(bytes, (size_t)left) & ~15u;
-        if (!take)
-            continue;
-        h.p[r] = p;
-        h.bytes[r++] = take;
-        left -= take;
-    }
-    struct tkv_cuda_l2_hint *slot = l2->last ? l2_slot(l2, l2->last, true) : NULL;
-    if (slot)
-        *slot = h;
-    l2->last = w[0];
-    const struct tkv_cuda_l2_hint *next = qkv && !l2->attn ? NULL : l2_slot(l2, w[0], false);
-    if (next)
-        return *next;
-    memset(&h, 0, sizeof h);
-    return h;
-}
 
 /* Whether matmul's GEMV takes the 8-load kernel for w. */
 static bool gemv_u8_for(int mode, const struct tkv_bweight *w)
@@ -819,7 +746,7 @@ static void group_build(G *g, const struct tkv_bweight *const *w, uint32_t nw, f
 }
 
 static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
-                               uint32_t n, int path, const struct tkv_cuda_l2_hint &next, const char *op)
+                               uint32_t n, int path, const char *op)
 {
     struct tkv_cuda_q8_act a;
     TKV_TRY(q8_prepare(cb, w->t->type, x, n, w->n_in, &a, op));
@@ -829,18 +756,19 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     }
     struct tkv_cuda_qgemv g;
     group_build(&g, &w, 1, &y);
-    g.next = next;
-    g.act_l1 = cb->qgemv_act_l1;
     CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
-/* y = x . w^T: matmul's paths (next: the quantized GEMV's L2 hint); the
- * grouped ops' sequences call it too. */
-static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y, uint32_t n,
-                             const struct tkv_cuda_l2_hint &next)
+static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
+    struct cuda_backend *cb = cuda_of(b);
     const char *op = "matmul";
+    ALIVE(op);
+    if (w->is_vec)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
+    if (n == 0)
+        return TKV_OK;
     const float one = 1.0f, zero = 0.0f;
     cublasStatus_t s;
     if (w->w32) { /* validation mode: plain f32 (the handle's default math mode has no TF32) */
@@ -851,7 +779,7 @@ static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *
     }
     const int qpath = qgemv_path(cb, w, n);
     if (qpath != QGEMV_OFF)
-        return qgemv_matmul(cb, w, x, y, n, qpath, next, op);
+        return qgemv_matmul(cb, w, x, y, n, qpath, op);
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
@@ -872,17 +800,6 @@ static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *
     if (s != CUBLAS_STATUS_SUCCESS)
         return blas_fail(s, op);
     return TKV_OK;
-}
-
-static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
-{
-    struct cuda_backend *cb = cuda_of(b);
-    ALIVE("matmul");
-    if (w->is_vec)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
-    if (n == 0)
-        return TKV_OK;
-    return matmul_run(cb, w, x, y, n, l2_note_matmul(cb, &w, 1, n, false));
 }
 
 /* ---- fused decode ops (optional members; docs/gpu.md "Fused decode ops") ---- */
@@ -933,21 +850,18 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
                            w[0]->n_in);
     if (n == 0)
         return TKV_OK;
-    const struct tkv_cuda_l2_hint next = l2_note_matmul(cb, w, nw, n, true);
     const int path = group_path(cb, w, nw, x, n);
     if (path == GROUP_QUANT) {
         struct tkv_cuda_q8_act a;
         TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
         struct tkv_cuda_qgemv g;
         group_build(&g, w, nw, y);
-        g.next = next;
-        g.act_l1 = cb->qgemv_act_l1;
         CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
     if (path == GROUP_SEQ) {
         for (uint32_t i = 0; i < nw; i++)
-            TKV_TRY(matmul_run(cb, w[i], x, y[i], n, i + 1 == nw ? next : no_hint));
+            TKV_TRY(cuda_matmul(b, w[i], x, y[i], n));
         return TKV_OK;
     }
     struct tkv_cuda_gemv_group g;
@@ -968,7 +882,6 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     if (n == 0)
         return TKV_OK;
     const struct tkv_bweight *const gu[2] = {wg, wu};
-    const struct tkv_cuda_l2_hint next = l2_note_matmul(cb, gu, 2, n, false);
     const int path = group_path(cb, gu, 2, x, n);
     if (path == GROUP_QUANT) {
         struct tkv_cuda_q8_act a;
@@ -977,8 +890,6 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
         group_build(&g, &wg, 1, &out);
         g.wu = wu->wq;
         g.swiglu = true;
-        g.next = next;
-        g.act_l1 = cb->qgemv_act_l1;
         CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
@@ -990,8 +901,8 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     /* the sequence, the up product in a work buffer */
     const size_t count = (size_t)n * wg->n_out;
     TKV_TRY(work_reserve(cb, (void **)&cb->fuse_work, &cb->fuse_work_cap, count * sizeof(float), op));
-    TKV_TRY(matmul_run(cb, wg, x, out, n, no_hint));
-    TKV_TRY(matmul_run(cb, wu, x, cb->fuse_work, n, next));
+    TKV_TRY(cuda_matmul(b, wg, x, out, n));
+    TKV_TRY(cuda_matmul(b, wu, x, cb->fuse_work, n));
     CU(op, tkv_cuda_swiglu(out, cb->fuse_work, out, count, cb->stream));
     return TKV_OK;
 }
@@ -1992,7 +1903,6 @@ static void cuda_free(struct tkv_backend *b)
     if (cb->copy_stream)
         cudaStreamSynchronize(cb->copy_stream);
     prof_free(cb);
-    free(cb->l2);
     for (int i = 0; i < N_GATHER; i++) {
         struct gather_slot *sl = &cb->gather[i];
         cudaFreeHost(sl->host);
@@ -2231,27 +2141,6 @@ extern "C" const char *tkv_cuda_prefill_variant_desc(int variant)
     return tkv_cuda_attn_prefill_variant_desc(variant);
 }
 
-/* TKV_CUDA_L2_PREFETCH: unset, "" or "0": no hints; "MB" (1 .. 1024): hints
- * of up to MB MiB from every quantized GEMV; "MB:no-attn": not from the
- * q/k/v op's. */
-static tkv_status l2_sched_create(struct cuda_backend *cb, const char *spec)
-{
-    if (!spec || !*spec || !strcmp(spec, "0"))
-        return TKV_OK;
-    char *end;
-    const long mb = strtol(spec, &end, 10);
-    const bool no_attn = !strcmp(end, ":no-attn");
-    if (end == spec || (*end && !no_attn) || mb < 1 || mb > 1024)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: TKV_CUDA_L2_PREFETCH='%s': want MB (1 to 1024) or MB:no-attn",
-                       spec);
-    cb->l2 = (struct l2_sched *)calloc(1, sizeof *cb->l2);
-    if (!cb->l2)
-        return tkv_err(TKV_ERR_NOMEM, "cuda: out of memory for the L2 prefetch schedule");
-    cb->l2->budget = (uint32_t)mb << 20;
-    cb->l2->attn = !no_attn;
-    return TKV_OK;
-}
-
 extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, struct tkv_backend **out)
 {
     (void)n_threads;
@@ -2280,14 +2169,10 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->gemv_quant = quant && !strcmp(quant, "0")     ? QGEMV_OFF
                      : quant && !strcmp(quant, "ref") ? QGEMV_REF
                                                       : QGEMV_FAST;
-    const char *act_l1 = getenv("TKV_CUDA_QGEMV_ACT_L1");
-    cb->qgemv_act_l1 = act_l1 && !strcmp(act_l1, "1");
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");
-    tkv_status st = l2_sched_create(cb, getenv("TKV_CUDA_L2_PREFETCH"));
-    if (st == TKV_OK)
-        st = cuda_init(cb);
+    tkv_status st = cuda_init(cb);
     if (st == TKV_OK && prof && !strcmp(prof, "1")) {
         st = prof_create(cb);
         cb->base.ops = &cuda_prof_ops;

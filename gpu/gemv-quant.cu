@@ -198,29 +198,6 @@ __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, cons
     }
 }
 
-/* Issues this CTA's share of the hint as bulk L2 prefetches: 16 KiB
- * pieces numbered across the regions, piece i from CTA i % gridDim.x,
- * thread 0 alone (fire and forget: the copy engine and DRAM do the rest). */
-constexpr uint32_t L2_PIECE = 16u << 10;
-
-__device__ __forceinline__ void l2_prefetch(const struct tkv_cuda_l2_hint &h)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x != 0 || !h.bytes[0])
-        return;
-    uint32_t first = 0; /* the region's first piece's number */
-    for (int r = 0; r < TKV_CUDA_L2_HINT_MAX && h.bytes[r]; r++) {
-        const uint32_t np = (h.bytes[r] + L2_PIECE - 1) / L2_PIECE;
-        for (uint32_t i = (blockIdx.x + gridDim.x - first % gridDim.x) % gridDim.x; i < np; i += gridDim.x) {
-            const uint32_t off = i * L2_PIECE, size = min(L2_PIECE, h.bytes[r] - off);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"((const char *)h.p[r] + off), "r"(size)
-                         : "memory");
-        }
-        first += np;
-    }
-#endif
-}
-
 /* L threads per row (8 .. 256); blockDim.x / L rows per CTA; nstage 1 or 2
  * stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
  * the reduction's part[warps][NM][NT]. */
@@ -270,18 +247,6 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
     tkv_pdl_trigger();
     issue(0, 0); /* weights only: written at load, by no kernel */
     tkv_pdl_wait();
-    if (g.act_l1 && live && t < gpr) { /* group_dot's first-round activation reads, as L1 prefetches */
-        const uint32_t nb = n_in / 32;
-#pragma unroll
-        for (int b = 0; b < Q::GB; b++) {
-            const uint32_t kb = b * gpr + t;
-#pragma unroll
-            for (int i = 0; i < NT; i++) {
-                asm volatile("prefetch.global.L1 [%0];" ::"l"(aq + (size_t)i * n_in + (size_t)kb * 32));
-                asm volatile("prefetch.global.L1 [%0];" ::"l"(am + (size_t)i * nb + kb));
-            }
-        }
-    }
     float acc[NT], acc2[NT];
 #pragma unroll
     for (int i = 0; i < NT; i++)
@@ -308,9 +273,6 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
         if (nstage == 1 && k0 + L < gpr)
             issue(k0 + L, 0);
     }
-    /* this CTA's weights are in: its share of the next matmul's may start
-     * streaming behind the rest of the grid's */
-    l2_prefetch(g.next);
     float *part = (float *)(qg_smem + nstage * stage_chunks);
     float v0, v1 = 0.0f;
     const bool out = tkv_row_reduce<NT, L>(acc, part, warp, lane, &v0);

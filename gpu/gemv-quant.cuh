@@ -64,18 +64,6 @@ bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in);
  * y[0] = silu(x . w[0]^T) * (x . wu^T) with swiglu's formula. Travels as a
  * kernel parameter. */
 #define TKV_CUDA_QGEMV_MAX 8
-
-/* The weights of the matmul expected after this one (TKV_CUDA_L2_PREFETCH,
- * docs/gpu.md "L2 prefetch hints"): each CTA, once its own weights have
- * landed, asks L2 to fetch its share of them, so DRAM streams them during
- * the latency-bound ops in between. Hints only: no result depends on them.
- * Regions 16-byte aligned, bytes multiples of 16; a 0 ends the list. */
-#define TKV_CUDA_L2_HINT_MAX 4
-struct tkv_cuda_l2_hint {
-    const void *p[TKV_CUDA_L2_HINT_MAX];
-    uint32_t bytes[TKV_CUDA_L2_HINT_MAX];
-};
-
 struct tkv_cuda_qgemv {
     const void *w[TKV_CUDA_QGEMV_MAX];
     float *y[TKV_CUDA_QGEMV_MAX];
@@ -83,10 +71,6 @@ struct tkv_cuda_qgemv {
     uint32_t nw;
     const void *wu;
     bool swiglu;
-    struct tkv_cuda_l2_hint next; /* none: all zero */
-    bool act_l1; /* prefetch the first round's activations into L1 right
-                    after the programmatic wait, while the weights are in
-                    flight (TKV_CUDA_QGEMV_ACT_L1=1; same results) */
 };
 
 /* The fast kernel, 1 <= n <= 8 tokens, activations in the type's block
