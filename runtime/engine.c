@@ -98,6 +98,7 @@ void tkv_session_free(tkv_session *s)
     free(s->dt_sel_n);
     free(s->dt_defer);
     free(s->host_ok);
+    free(s->het_heads);
     free(s->hviews);
     free(s->hrefs);
     free(s->ref_host);
@@ -147,6 +148,13 @@ static tkv_status hetero_init(tkv_session *s, const struct tkv_session_params *p
     s->lse_mrg = malloc(hp->n_head * sizeof(float));
     if (!s->host_ok || !s->hviews || !s->hrefs || !s->ref_host || !s->att_mrg || !s->lse_mrg)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    if (p->hetero == TKV_HETERO_AUTO) {
+        const size_t n = (size_t)hp->n_layer * hp->n_head_kv;
+        if (!(s->het_heads = malloc(n * sizeof *s->het_heads)))
+            return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+        for (size_t i = 0; i < n; i++)
+            s->het_heads[i] = TKV_HETERO_HEAD_INIT;
+    }
     if (p->hetero == TKV_HETERO_AUTO && s->cpu_flops == 0) { /* measured: the verification's cost too */
         tkv_status st = tkv_hetero_measure_cpu(s->be_cpu, hp->n_head_kv, hp->n_head / hp->n_head_kv, hp->head_dim,
                                                s->kv_block, &s->cpu_flops);
@@ -573,14 +581,19 @@ static bool host_readable(const tkv_session *s, uint32_t layer, uint32_t head, u
     return b != s->n_past / s->kv_block && tkv_kvs_block_tier(s->kv, layer, head, b) == TKV_TIER_HOST;
 }
 
-/* The heterogeneous choice for one KV head whose host-tier blocks (blocks,
- * holding `tokens` selected tokens) are needed: true, the CPU attends them
- * where they are -- always, never, or by the cost model, as s->hetero says. */
-static bool hetero_to_cpu(const tkv_session *s, uint64_t blocks, uint64_t tokens)
+/* The heterogeneous choice for KV head `head` of `layer`, whose host-tier
+ * blocks (blocks, holding `tokens` selected tokens) are needed: true, the
+ * CPU attends them where they are -- always, never, or as auto's cost model
+ * and its observations of the head so far say (tkv_hetero_choose), as
+ * s->hetero says. */
+static bool hetero_to_cpu(tkv_session *s, uint32_t layer, uint32_t head, uint64_t blocks, uint64_t tokens)
 {
-    return s->hetero == TKV_HETERO_CPU ||
-           tkv_hetero_prefer_cpu(blocks, tokens, tkv_kvs_block_bytes(s->kv), s->hp.n_head / s->hp.n_head_kv,
-                                 s->hp.head_dim, s->link_bps, s->cpu_flops, s->crc_bps);
+    if (s->hetero != TKV_HETERO_AUTO)
+        return s->hetero == TKV_HETERO_CPU;
+    double cpu_s, recall_s;
+    tkv_hetero_costs(blocks, tokens, tkv_kvs_block_bytes(s->kv), s->hp.n_head / s->hp.n_head_kv, s->hp.head_dim,
+                     s->link_bps, s->cpu_flops, s->crc_bps, &cpu_s, &recall_s);
+    return tkv_hetero_choose(&s->het_heads[(size_t)layer * s->hp.n_head_kv + head], cpu_s, recall_s);
 }
 
 /* Heterogeneous decode, after plan_decode: per KV head, the planned blocks
@@ -622,7 +635,7 @@ static bool hetero_plan(tkv_session *s, uint32_t layer, const int *plan)
         }
         if (blocks == 0)
             continue;
-        if (hetero_to_cpu(s, blocks, tokens)) {
+        if (hetero_to_cpu(s, layer, h, blocks, tokens)) {
             s->het_cpu_heads++;
             s->het_cpu_blocks += blocks;
             s->het_cpu_tokens += tokens;
@@ -803,7 +816,7 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
             blocks += b != last;
             last = b;
         }
-        if (blocks && hetero_to_cpu(s, blocks, tokens)) {
+        if (blocks && hetero_to_cpu(s, l, h, blocks, tokens)) {
             cpu_head[h] = any_cpu = true;
             cpu_heads++, cpu_blocks += blocks, cpu_tokens += tokens;
         } else if (blocks) { /* recalled: the marks go */

@@ -54,6 +54,23 @@ void tkv_attn_merge_ref(float *o, float *lse, const float *o2, const float *lse2
     }
 }
 
+bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s)
+{
+    const double now[2] = {cpu_s, recall_s};
+    if (h->last) { /* the host blocks this step finds are the last choice's consequence */
+        const int m = h->last - 1;
+        h->cost[m] = (float)(h->cost[m] < 0 ? now[m] : 0.5 * (h->cost[m] + now[m]));
+    }
+    double price[2];
+    for (int m = 0; m < 2; m++)
+        price[m] = h->cost[m] >= 0 ? h->cost[m] : now[m];
+    int pick = price[0] < price[1] ? 0 : 1;
+    if (h->last && h->cost[1 - pick] < 0 && now[1 - pick] <= 2 * price[pick])
+        pick = 1 - pick; /* never observed and not far off: try it once */
+    h->last = (uint8_t)(pick + 1);
+    return pick == 0;
+}
+
 tkv_status tkv_hetero_measure_cpu(struct tkv_backend *cpu, uint32_t n_head_kv, uint32_t group, uint32_t head_dim,
                                   uint32_t block, double *flops)
 {

@@ -31,6 +31,17 @@ void tkv_attn_merge(float *o, float *lse, const float *o2, const float *lse2, ui
 void tkv_attn_merge_ref(float *o, float *lse, const float *o2, const float *lse2, uint32_t n_rows,
                         uint32_t head_dim);
 
+/* The cost model's two predictions for one head (below; tkv_hetero_prefer_cpu is
+ * cpu_s < recall_s). */
+static inline void tkv_hetero_costs(uint64_t host_blocks, uint64_t host_tokens, uint32_t block_bytes, uint32_t group,
+                                    uint32_t head_dim, double link_bps, double cpu_flops, double crc_bps,
+                                    double *cpu_s, double *recall_s)
+{
+    *recall_s = (double)host_blocks * block_bytes / link_bps;
+    *cpu_s = (double)host_tokens * group * head_dim * 4.0 / cpu_flops +
+             (crc_bps > 0 ? (double)host_blocks * block_bytes / crc_bps : 0.0);
+}
+
 /* The cost model, per KV head and step: the head's selected blocks in the
  * host tier either go up the link (recall_s = blocks * block_bytes /
  * link_bps; the device verifies them as they land) or the CPU reads the
@@ -44,11 +55,37 @@ static inline bool tkv_hetero_prefer_cpu(uint64_t host_blocks, uint64_t host_tok
                                          uint32_t group, uint32_t head_dim, double link_bps, double cpu_flops,
                                          double crc_bps)
 {
-    const double recall_s = (double)host_blocks * block_bytes / link_bps;
-    const double cpu_s = (double)host_tokens * group * head_dim * 4.0 / cpu_flops +
-                         (crc_bps > 0 ? (double)host_blocks * block_bytes / crc_bps : 0.0);
+    double cpu_s, recall_s;
+    tkv_hetero_costs(host_blocks, host_tokens, block_bytes, group, head_dim, link_bps, cpu_flops, crc_bps, &cpu_s,
+                     &recall_s);
     return cpu_s < recall_s;
 }
+
+/* What `auto` remembers of one (layer, KV head) between steps. The cost
+ * model above predicts from one step's blocks, but a recalled block stays
+ * in the compute tier and later steps find it there, while the CPU reads
+ * its blocks again at every step they stay selected: where selections
+ * repeat, a recall costs far less per step than the prediction says (and
+ * where the compute tier is too small to keep them, it does not). So each
+ * step also observes what the mode chosen at the last one costs per step
+ * now -- the host blocks a step still finds there are that mode's
+ * consequence -- and keeps it (cost[0]: the CPU, cost[1]: recall; < 0:
+ * never observed). Zeroed memory is not a valid state: start with
+ * TKV_HETERO_HEAD_INIT. */
+struct tkv_hetero_head {
+    float cost[2]; /* seconds per step, running mean of the observations  */
+    uint8_t last;  /* the mode chosen last: 0 none yet, 1 CPU, 2 recall     */
+};
+#define TKV_HETERO_HEAD_INIT ((struct tkv_hetero_head){.cost = {-1.0f, -1.0f}, .last = 0})
+
+/* The choice for one head with this step's costs as the model predicts them
+ * (cpu_s, recall_s: tkv_hetero_costs). First the last choice's observed
+ * cost is folded into h; then each mode is priced at its observed cost if
+ * it has one, else at the prediction, and the cheaper taken -- unless the
+ * other mode was never observed and its prediction is within 2x of that
+ * price, when it is taken once to observe it. With nothing observed this is
+ * the prediction's choice (tkv_hetero_prefer_cpu). True: the CPU. */
+bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s);
 
 /* CRC-32C bytes/s on the calling thread (a few MiB, best of 3; ~1 ms). */
 double tkv_hetero_measure_crc(void);

@@ -103,6 +103,8 @@ struct tkv_session {
     double link_bps, cpu_flops;      /* the cost model's rates */
     double crc_bps;                  /* host-read verification: one thread's CRC-32C rate times the
                                         store's verifying threads (0 with given rates: not counted) */
+    struct tkv_hetero_head *het_heads; /* TKV_HETERO_AUTO: [n_layer][n_head_kv], what each head's
+                                          choices cost (hetero.h); else NULL */
     uint8_t *host_ok;                /* host [n_head_kv][max blocks]: may stay on the host tier */
     bool hsplit;                     /* this layer has blocks read on the host tier */
     struct tkv_kv_head_view *hviews; /* host [Hkv]: the CPU's part of the selection */

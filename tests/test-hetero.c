@@ -8,6 +8,10 @@
  *      tkv_attn_merge, equals attention over A u B (the double-precision
  *      reference), and equals tkv_attn_merge_ref; an empty side leaves the
  *      other bit for bit;
+ *   cost: the cost model's choices (tkv_hetero_prefer_cpu), and auto's
+ *      per-head observations (tkv_hetero_choose): the prediction with
+ *      nothing observed, a recall probed and kept where selections repeat,
+ *      given up where it thrashes, a mode far off never probed;
  *   2. store: tkv_kvs_begin_layer_split on a "device" compute tier + pinned
  *      host tier + NVMe under pressure: exactly the allowed host-tier
  *      blocks are left on the host, the host view and the compute view are
@@ -164,6 +168,35 @@ static void test_cost_model(void)
     CHECK(!tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 100e9, 0), "the recall is cheaper here");
     CHECK(tkv_hetero_prefer_cpu(10, 160, 32768, 4, 128, 40e9, 100e9, 0), "a quarter of the tokens: the CPU");
     CHECK(!tkv_hetero_prefer_cpu(0, 0, 32768, 4, 128, 40e9, 100e9, 0), "nothing to move: no CPU part");
+
+    /* auto's observations (tkv_hetero_choose): (cpu_s, recall_s) per step as
+     * the model predicts them from the host blocks that step finds */
+    struct tkv_hetero_head h = TKV_HETERO_HEAD_INIT;
+    CHECK(tkv_hetero_choose(&h, 1.0, 2.0) && h.last == 1, "nothing observed: the prediction (CPU)");
+    h = TKV_HETERO_HEAD_INIT;
+    CHECK(!tkv_hetero_choose(&h, 2.0, 1.0) && h.last == 2, "nothing observed: the prediction (recall)");
+    /* selections that repeat: under the CPU every block is found on the
+     * host again; one probe of recall shows it leaves few there */
+    h = TKV_HETERO_HEAD_INIT;
+    CHECK(tkv_hetero_choose(&h, 1.0, 1.1), "step 1: the CPU, as predicted");
+    CHECK(!tkv_hetero_choose(&h, 1.0, 1.1), "step 2: recall probed (never observed, within 2x)");
+    CHECK(h.cost[0] == 1.0f && h.cost[1] < 0, "step 2 observed the CPU's cost only");
+    CHECK(!tkv_hetero_choose(&h, 0.1, 0.11), "step 3: recall kept (0.11 observed against the CPU's 1.0)");
+    for (int i = 0; i < 8; i++)
+        CHECK(!tkv_hetero_choose(&h, 0.1, 0.11), "step %d: recall stays", 4 + i);
+    CHECK(fabsf(h.cost[1] - 0.11f) < 1e-6f, "recall's cost is the mean of its observations (%g)", (double)h.cost[1]);
+    /* recalls that thrash: recall leaves as many blocks on the host as the
+     * CPU did, so after one probe the CPU is back */
+    h = TKV_HETERO_HEAD_INIT;
+    CHECK(tkv_hetero_choose(&h, 1.0, 1.1), "thrash, step 1: the CPU");
+    CHECK(!tkv_hetero_choose(&h, 1.0, 1.1), "thrash, step 2: recall probed");
+    for (int i = 0; i < 8; i++)
+        CHECK(tkv_hetero_choose(&h, 1.0, 1.1), "thrash, step %d: the CPU (recall observed at 1.1)", 3 + i);
+    /* a mode far off is never probed */
+    h = TKV_HETERO_HEAD_INIT;
+    for (int i = 0; i < 8; i++)
+        CHECK(tkv_hetero_choose(&h, 0.1, 1.0), "a fast CPU, step %d: never recall", 1 + i);
+    CHECK(h.cost[1] < 0, "recall was never observed");
 }
 
 /* ---- 2: the store's split begin ------------------------------------------------------------ */
@@ -414,7 +447,12 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
                 name, r.read, (unsigned long long)r.cpu_heads, (unsigned long long)r.cpu_tokens,
                 (unsigned long long)r.host_reads, (unsigned long long)r.recall_heads, (double)diff);
         CHECK(!memcmp(r.toks, full.toks, sizeof r.toks), "%s: other tokens than full", name);
-        CHECK(diff < 1e-4f, "%s: logits differ from full's by %g", name, (double)diff);
+        /* the split reorders each attention's sums (two partials and a
+         * merge); 24 steps of the random tiny model amplify that rounding:
+         * over 400 seeds the largest diff was 2.35e-4 on either path (median
+         * 1.4e-6), where a merge that drops one query row's host half gives
+         * 4.2 */
+        CHECK(diff < 1e-3f, "%s: logits differ from full's by %g", name, (double)diff);
         CHECK(r.read > 0.999, "%s: p = 1.0 read only %.4f of the tokens", name, r.read);
         switch (cases[i].want) {
         case 0:
