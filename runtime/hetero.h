@@ -31,8 +31,15 @@ void tkv_attn_merge(float *o, float *lse, const float *o2, const float *lse2, ui
 void tkv_attn_merge_ref(float *o, float *lse, const float *o2, const float *lse2, uint32_t n_rows,
                         uint32_t head_dim);
 
-/* The cost model's two predictions for one head (below; tkv_hetero_prefer_cpu is
- * cpu_s < recall_s). */
+/* The cost model, per KV head and step: the head's selected blocks in the
+ * host tier either go up the link (recall_s = blocks * block_bytes /
+ * link_bps; the device verifies them as they land) or the CPU reads the
+ * selected tokens of them (cpu_s = tokens * G * head_dim * 4 / cpu_flops:
+ * q.k and p.v, a multiply and an add each, for each of the G query heads of
+ * the KV head) after verifying the whole blocks (+ blocks * block_bytes /
+ * crc_bps; crc_bps = 0 leaves that out). Blocks whose only copy is on NVMe
+ * are recalled either way and are not counted; blocks already in the
+ * compute tier cost neither. */
 static inline void tkv_hetero_costs(uint64_t host_blocks, uint64_t host_tokens, uint32_t block_bytes, uint32_t group,
                                     uint32_t head_dim, double link_bps, double cpu_flops, double crc_bps,
                                     double *cpu_s, double *recall_s)
@@ -42,15 +49,7 @@ static inline void tkv_hetero_costs(uint64_t host_blocks, uint64_t host_tokens, 
              (crc_bps > 0 ? (double)host_blocks * block_bytes / crc_bps : 0.0);
 }
 
-/* The cost model, per KV head and step: the head's selected blocks in the
- * host tier either go up the link (recall_s = blocks * block_bytes /
- * link_bps; the device verifies them as they land) or the CPU reads the
- * selected tokens of them (cpu_s = tokens * G * head_dim * 4 / cpu_flops:
- * q.k and p.v, a multiply and an add each, for each of the G query heads of
- * the KV head) after verifying the whole blocks (+ blocks * block_bytes /
- * crc_bps; crc_bps = 0 leaves that out). True: the CPU is cheaper. Blocks
- * whose only copy is on NVMe are recalled either way and are not counted;
- * blocks already in the compute tier cost neither. */
+/* The model's choice for one step alone: true, the CPU is cheaper. */
 static inline bool tkv_hetero_prefer_cpu(uint64_t host_blocks, uint64_t host_tokens, uint32_t block_bytes,
                                          uint32_t group, uint32_t head_dim, double link_bps, double cpu_flops,
                                          double crc_bps)
