@@ -25,6 +25,9 @@
  *      recall, auto (measured rates, and rates forcing either side) generates
  *      the tokens of `full`, with logits within float rounding, and the
  *      counters say which path ran; on the CPU backend the split is a no-op;
+ *      auto where selections repeat (StreamingLLM) and the compute tier
+ *      keeps what it recalls: far fewer heads on the CPU than `cpu`, some
+ *      recalled, the tokens of `recall`;
  *   4. a corrupted host block read by the CPU path fails the decode step
  *      with TKV_ERR_CORRUPT naming the block; no logits come out of it.
  */
@@ -478,6 +481,44 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
     unsetenv("TKV_RABITQ_DEVICE_TABLE");
 }
 
+/* auto where selections repeat and the compute tier keeps them: StreamingLLM
+ * (the sink and a window that moves one token a step) over the 40-block
+ * tier, which holds both layers' selections (2 x 2 heads x ~7 blocks) but
+ * not the context (60 blocks at the end), and a CPU rate at which one
+ * step's prediction makes the CPU 10% cheaper (cpu_s / recall_s = G x link
+ * / cpu rate for whole blocks).
+ * Under `cpu` every step reads the window on the host again; a recall
+ * leaves it resident, so auto, having tried one, keeps recalling: far fewer
+ * heads on the CPU than `cpu`, some recalled, the tokens of `recall`. One
+ * step's prediction alone would put every head on the CPU, as `cpu` does. */
+static void test_engine_reuse(tkv_model *m, const tkv_token *prompt)
+{
+    static struct run rc, cp, au;
+    const char *pol = "streaming:sink=4,budget=48";
+    const double gflops = (double)(H / HKV) * TKV_HETERO_LINK_BPS / 0.9 / 1e9;
+    setenv("TKV_RABITQ_DEVICE_TABLE", "0", 1);
+    tkv_status st = run_session(m, "opaque", pol, TKV_HETERO_RECALL, 0, prompt, &rc);
+    if (st == TKV_OK)
+        st = run_session(m, "opaque", pol, TKV_HETERO_CPU, 0, prompt, &cp);
+    if (st == TKV_OK)
+        st = run_session(m, "opaque", pol, TKV_HETERO_AUTO, gflops, prompt, &au);
+    unsetenv("TKV_RABITQ_DEVICE_TABLE");
+    CHECK(st == TKV_OK, "streaming runs: %s", tkv_last_error());
+    if (st != TKV_OK)
+        return;
+    fprintf(stderr, "  auto with repeating selections (%s, %.0f GFLOP/s): KV heads on the CPU %llu (cpu: %llu), "
+                    "recalled %llu\n", pol, gflops, (unsigned long long)au.cpu_heads,
+            (unsigned long long)cp.cpu_heads, (unsigned long long)au.recall_heads);
+    CHECK(cp.cpu_heads > 0, "cpu: no head's blocks were on the host tier");
+    CHECK(au.recall_heads > 0 && 4 * au.cpu_heads < cp.cpu_heads,
+          "auto kept the CPU where recalls stay resident: %llu heads on the CPU (cpu: %llu), %llu recalled",
+          (unsigned long long)au.cpu_heads, (unsigned long long)cp.cpu_heads, (unsigned long long)au.recall_heads);
+    CHECK(!memcmp(au.toks, rc.toks, sizeof au.toks) && !memcmp(cp.toks, rc.toks, sizeof cp.toks),
+          "the modes generated different tokens");
+    CHECK(max_abs(au.logits, rc.logits, (NG + 1) * V) < 1e-3f, "auto's logits differ from recall's by %g",
+          (double)max_abs(au.logits, rc.logits, (NG + 1) * V));
+}
+
 /* A corrupt host-tier block that a step attends on the CPU: the step fails
  * naming it, with nothing moved, on the host path (table 0) and from the
  * device decode table (table 1, the default on the opaque backend). */
@@ -542,6 +583,7 @@ int main(void)
     for (int i = 0; i < NP; i++)
         prompt[i] = (tkv_token)(1 + test_rand_u64(&rng) % (V - 2));
     test_engine(m, prompt);
+    test_engine_reuse(m, prompt);
     test_engine_corrupt(m, prompt);
     tkv_backend_set_test_factory(NULL);
     tkv_model_free(m);

@@ -97,7 +97,10 @@ static void store_traffic(struct tkv_backend *be, bool compute_is_host, const ch
     for (int step = 0; step < 160; step++) {
         const uint64_t r = test_rand_u64(&rng) % 40;
         uint32_t n_write = 1;
-        if (r == 0 && len > 0) { /* truncate */
+        /* truncate, once 40 steps have run past the compute tier: a
+         * truncation at step 1 or 2 left some seeds no recall to check
+         * (seed 43780398117402: 33 tokens, 0 recalled) */
+        if (r == 0 && len > 0 && step >= 40) {
             len = (uint32_t)(test_rand_u64(&rng) % len);
             tkv_kvs_set_length(s, len);
             snprintf(when, sizeof when, "%s step %d: truncated to %u", name, step, len);
