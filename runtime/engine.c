@@ -148,14 +148,14 @@ static tkv_status hetero_init(tkv_session *s, const struct tkv_session_params *p
     s->lse_mrg = malloc(hp->n_head * sizeof(float));
     if (!s->host_ok || !s->hviews || !s->hrefs || !s->ref_host || !s->att_mrg || !s->lse_mrg)
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
-    if (p->hetero == TKV_HETERO_AUTO) {
-        const size_t n = (size_t)hp->n_layer * hp->n_head_kv;
-        if (!(s->het_heads = malloc(n * sizeof *s->het_heads)))
-            return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
-        for (size_t i = 0; i < n; i++)
-            s->het_heads[i] = TKV_HETERO_HEAD_INIT;
-    }
-    if (p->hetero == TKV_HETERO_AUTO && s->cpu_flops == 0) { /* measured: the verification's cost too */
+    if (p->hetero != TKV_HETERO_AUTO)
+        return TKV_OK;
+    const size_t n = (size_t)hp->n_layer * hp->n_head_kv;
+    if (!(s->het_heads = malloc(n * sizeof *s->het_heads)))
+        return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    for (size_t i = 0; i < n; i++)
+        s->het_heads[i] = TKV_HETERO_HEAD_INIT;
+    if (s->cpu_flops == 0) { /* measured: the verification's cost too */
         tkv_status st = tkv_hetero_measure_cpu(s->be_cpu, hp->n_head_kv, hp->n_head / hp->n_head_kv, hp->head_dim,
                                                s->kv_block, &s->cpu_flops);
         if (st != TKV_OK)

@@ -24,6 +24,9 @@
 #                  full and rabitq:p=0.9,safe=0 (the 1M row's reference)
 #   qwen-1m        the same at 1M (56 GiB of KV: GPU 8G, host 40G, the rest
 #                  NVMe in /tmp); generates the model (--ctx 1048576) if needed
+#   l8-hetero      llama3-8b q4_0 at 128K under the caps, rabitq:p=0.9,safe=0
+#                  with --hetero auto, recall and cpu, after 2 and after 24
+#                  warm-up steps (how auto's choice compares with both paths)
 # Every context is made by the synthetic fill (512 real tokens, the rest
 # copies with concentrated attention: hot 1/64 + last 2 blocks at 4 nats,
 # cold 0.25 nats); rows say "synthetic" and print the share of KV each step
@@ -62,9 +65,9 @@ left() { echo $((BUDGET_S - ($(date +%s) - t_start))); }
 log() { echo "[$(($(date +%s) - t_start)) s] $*" | tee -a "$OUT/steps.log"; }
 
 case "$piece" in
-build | l8-f16 | l8-q4_0 | l8-512k-f16 | l8-512k-q4_0 | qwen-128k | qwen-1m) ;;
+build | l8-f16 | l8-q4_0 | l8-512k-f16 | l8-512k-q4_0 | qwen-128k | qwen-1m | l8-hetero) ;;
 *)
-    echo "usage: $0 build|l8-f16|l8-q4_0|l8-512k-f16|l8-512k-q4_0|qwen-128k|qwen-1m" >&2
+    echo "usage: $0 build|l8-f16|l8-q4_0|l8-512k-f16|l8-512k-q4_0|qwen-128k|qwen-1m|l8-hetero" >&2
     exit 2
     ;;
 esac
@@ -140,6 +143,16 @@ l8-512k-f16 | l8-512k-q4_0)
     # shellcheck disable=SC2046
     run "$piece" "$STEPS_LONG" -m "$m" --ctx "$CTX_512K" $(caps "$HOST_KV_512K") \
         --policy full --policy rabitq:p=0.9,safe=0
+    ;;
+l8-hetero)
+    m=$(model "$L8_SHAPE" q4_0)
+    for h in auto recall cpu; do
+        for w in 2 24; do
+            # shellcheck disable=SC2046
+            run "$piece-$h-w$w" "$w,8,4" -m "$m" --ctx "$CTX_128K" $(caps 24G) --hetero "$h" \
+                --policy rabitq:p=0.9,safe=0
+        done
+    done
     ;;
 qwen-128k | qwen-1m)
     m=$(model "$QW_SHAPE" q4_0 1048576)

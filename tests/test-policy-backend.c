@@ -547,12 +547,11 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
     for (int tier = 0; tier <= 2; tier += 2) {
         static const char *const base =
             "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,wide=0.3";
+        static const char *const hold[3] = {"", ",hold=16", ",hold=0"}; /* the default, then given */
         char given[3][160];
         double r[3];
-        snprintf(given[0], sizeof given[0], "%s", base);
-        snprintf(given[1], sizeof given[1], "%s,hold=16", base);
-        snprintf(given[2], sizeof given[2], "%s,hold=0", base);
         for (int k = 0; k < 3; k++) {
+            snprintf(given[k], sizeof given[k], "%s%s", base, hold[k]);
             struct dt_counts dt;
             tkv_status st = run_tiered(m, "opaque", given[k], tier, prompt, t_on, l_on, &r[k], &dt);
             CHECK(st == TKV_OK && dt.layers > 0, "%s (%s): %llu layers from the table (%s)", given[k], tiers[tier],
