@@ -3,7 +3,7 @@
  * against its reference kernel, cuBLAS and a device-to-device copy of the
  * same bytes, for the Llama-3-8B shapes (docs/gpu.md, "GEMV").
  *
- *   bench-gemv [-r reps] [-n tokens] [-j out.jsonl]
+ *   bench-gemv [-r reps] [-n tokens] [-q auto|pair|single] [-j out.jsonl]
  *
  * Four CUDA backends, all through the backend interface: the default one
  * (the fast GEMV), TKV_CUDA_GEMV=u8 (the fast GEMV with 8 loads per lane in
@@ -23,7 +23,10 @@
  * weights kept as their GGUF blocks, activations quantized to 8 bits in the
  * same op: the matmul row's time includes that kernel) against a device
  * copy of the quantized bytes and against the f16 GEMV of the same matrix
- * (a TKV_CUDA_GEMV_QUANT=0 backend), and the fused ops on Q4_0 weights.
+ * (a TKV_CUDA_GEMV_QUANT=0 backend), and the fused ops on Q4_0 weights;
+ * -q pair (single) runs those quantized tables on a
+ * TKV_CUDA_GEMV_QUANT=pair (=single) backend: rows in pairs always (never)
+ * instead of the default's choice by size.
  * Exits 77 without a GPU.
  */
 #include "runtime/backend.h"
@@ -472,7 +475,7 @@ int main(int argc, char **argv)
 {
     int reps = 200;
     uint32_t n = 1;
-    const char *json_path = NULL;
+    const char *json_path = NULL, *qmode = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-r") && i + 1 < argc)
             reps = atoi(argv[++i]);
@@ -480,8 +483,11 @@ int main(int argc, char **argv)
             n = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "-j") && i + 1 < argc)
             json_path = argv[++i];
+        else if (!strcmp(argv[i], "-q") && i + 1 < argc &&
+                 (!strcmp(argv[i + 1], "auto") || !strcmp(argv[i + 1], "pair") || !strcmp(argv[i + 1], "single")))
+            qmode = argv[++i];
         else {
-            fprintf(stderr, "usage: bench-gemv [-r reps] [-n tokens (1..8)] [-j out.jsonl]\n");
+            fprintf(stderr, "usage: bench-gemv [-r reps] [-n tokens (1..8)] [-q auto|pair|single] [-j out.jsonl]\n");
             return 2;
         }
     }
@@ -505,12 +511,14 @@ int main(int argc, char **argv)
 
     bench_f16(fast, u8, ref, blas, n, reps, json, commit);
     bench_groups(fast, TKV_TYPE_F16, n, reps, json, commit);
-    struct tkv_backend *f16q = make_backend_q(NULL, "0");
+    struct tkv_backend *f16q = make_backend_q(NULL, "0"), *quant = make_backend_q(NULL, qmode);
+    printf("\nquantized tables: TKV_CUDA_GEMV_QUANT=%s\n", qmode ? qmode : "auto (default)");
     static const uint32_t qtypes[] = {TKV_TYPE_Q4_0, TKV_TYPE_Q8_0, TKV_TYPE_Q4_1};
     for (size_t i = 0; i < sizeof qtypes / sizeof qtypes[0]; i++)
-        bench_quant(fast, f16q, qtypes[i], n, reps, json, commit);
-    bench_groups(fast, TKV_TYPE_Q4_0, n, reps, json, commit);
+        bench_quant(quant, f16q, qtypes[i], n, reps, json, commit);
+    bench_groups(quant, TKV_TYPE_Q4_0, n, reps, json, commit);
     f16q->ops->free(f16q);
+    quant->ops->free(quant);
     printf("of copy = (weight bytes / GEMV time) / ((read + written bytes) / copy time); host us/call: wall time per "
            "call of back-to-back calls (launch-bound when above the device time)\n");
     /* the profiles were read and reset: nothing left to print at free */

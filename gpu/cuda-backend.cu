@@ -118,6 +118,7 @@ struct cuda_backend {
     uint32_t pos_n, pos_cap;
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
+    int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
@@ -129,6 +130,14 @@ struct cuda_backend {
  * its reference kernel ("ref"), or not at all ("0": their blocks are not
  * kept and the f16 path of TKV_CUDA_GEMV serves them, for A/B measuring). */
 enum { QGEMV_FAST, QGEMV_REF, QGEMV_OFF };
+
+/* Whether the fast kernel's lanes take rows in pairs (struct
+ * tkv_cuda_qgemv's pair): by default for calls of at least
+ * QGEMV_PAIR_MIN_BYTES of weights (docs/gpu.md, "Row pairs": on the H200
+ * they gain from the 33 MB FFN matrices up and lose ~0.4-1 us on 2-9 MB
+ * ones); TKV_CUDA_GEMV_QUANT=pair always, =single never (A/B measuring). */
+enum { PAIRS_AUTO, PAIRS_ALWAYS, PAIRS_NEVER };
+#define QGEMV_PAIR_MIN_BYTES ((size_t)16 << 20)
 
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
  * TKV_CUDA_GEMV when the backend is created: "auto" (default, below), the
@@ -745,6 +754,15 @@ static void group_build(G *g, const struct tkv_bweight *const *w, uint32_t nw, f
     }
 }
 
+/* Whether one quantized GEMV call over w[0 .. nw-1] takes rows in pairs. */
+static bool qgemv_pairs(const struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw)
+{
+    size_t bytes = 0;
+    for (uint32_t i = 0; i < nw; i++)
+        bytes += w[i]->bytes_wq;
+    return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && bytes >= QGEMV_PAIR_MIN_BYTES);
+}
+
 static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
                                uint32_t n, int path, const char *op)
 {
@@ -756,6 +774,7 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     }
     struct tkv_cuda_qgemv g;
     group_build(&g, &w, 1, &y);
+    g.pair = qgemv_pairs(cb, &w, 1);
     CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -856,6 +875,7 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
         TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
         struct tkv_cuda_qgemv g;
         group_build(&g, w, nw, y);
+        g.pair = qgemv_pairs(cb, w, nw);
         CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
@@ -2102,6 +2122,8 @@ static tkv_status cuda_init(struct cuda_backend *cb)
               cb->pdl ? " (programmatic dependent launches)" : "",
               cb->f32_weights || cb->gemv_quant == QGEMV_OFF ? ""
               : cb->gemv_quant == QGEMV_REF                  ? " (quantized decode GEMV: reference kernel)"
+              : cb->qgemv_pairs == PAIRS_ALWAYS              ? " (quantized decode GEMV: row pairs)"
+              : cb->qgemv_pairs == PAIRS_NEVER               ? " (quantized decode GEMV: single rows)"
                                                              : " (quantized decode GEMV)");
     return TKV_OK;
 }
@@ -2169,6 +2191,9 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->gemv_quant = quant && !strcmp(quant, "0")     ? QGEMV_OFF
                      : quant && !strcmp(quant, "ref") ? QGEMV_REF
                                                       : QGEMV_FAST;
+    cb->qgemv_pairs = quant && !strcmp(quant, "pair")     ? PAIRS_ALWAYS
+                      : quant && !strcmp(quant, "single") ? PAIRS_NEVER
+                                                          : PAIRS_AUTO;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");

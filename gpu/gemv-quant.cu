@@ -153,12 +153,13 @@ __device__ __forceinline__ float block_term(const wblock &w, const uint4 &a0, co
     }
 }
 
-/* acc[i] (acc2[i]: the second matrix, swiglu) += the terms of group j of a
- * row (blocks j GB .. j GB + GB - 1) staged at g0 (g1). Activations come
+/* acc[i] (acc2[i]: the second row, swiglu's up matrix or the pair's next
+ * row) += the terms of group j of a row (blocks j GB .. j GB + GB - 1)
+ * staged at g0 (g1). Activations come
  * through the read-only cache (every row of the grid reads them), in block
  * order GB: block b of group j at position b gpr + j, so the lanes of a row
  * (consecutive j) read consecutive blocks. */
-template <int QT, int NT, bool SW>
+template <int QT, int NT, bool TWO>
 __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, const int8_t *__restrict__ aq,
                                           const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in,
                                           uint32_t j, float *acc, float *acc2)
@@ -174,7 +175,7 @@ __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, cons
 #pragma unroll
         for (int c = 0; c < NC; c++) {
             r0[c] = c0 + c <= c1 ? g0[c0 + c] : make_uint4(0, 0, 0, 0);
-            if (SW)
+            if (TWO)
                 r1[c] = c0 + c <= c1 ? g1[c0 + c] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
@@ -182,7 +183,7 @@ __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, cons
             const int o = (h * PER + b) * Q::BB - c0 * 16;
             const wblock w0 = wblock_at<QT>(r0, o);
             wblock w1;
-            if (SW)
+            if (TWO)
                 w1 = wblock_at<QT>(r1, o);
             const uint32_t kb = (h * PER + b) * gpr + j; /* the block's position */
 #pragma unroll
@@ -191,26 +192,34 @@ __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, cons
                 const uint4 a0 = __ldg(ap), a1 = __ldg(ap + 1);
                 const uint2 m = __ldg((const uint2 *)(am + (size_t)i * nb + kb));
                 acc[i] = __fadd_rn(acc[i], block_term<QT>(w0, a0, a1, m.x, (int)m.y));
-                if (SW)
+                if (TWO)
                     acc2[i] = __fadd_rn(acc2[i], block_term<QT>(w1, a0, a1, m.x, (int)m.y));
             }
         }
     }
 }
 
-/* L threads per row (8 .. 256); blockDim.x / L rows per CTA; nstage 1 or 2
- * stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
+/* What a lane set (the L threads of a unit) computes: one row (PLAIN), one
+ * row of the gate and of the up matrix (SWIGLU), or two adjacent rows of
+ * one weight (PAIR: every weight's row count even). SWIGLU and PAIR stream
+ * two rows' groups through the stage and use each activation load for both. */
+enum { MODE_PLAIN, MODE_SWIGLU, MODE_PAIR };
+
+/* L threads per unit (8 .. 256); blockDim.x / L units per CTA; nstage 1 or
+ * 2 stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
  * the reduction's part[warps][NM][NT]. */
-template <int QT, int NT, int L, bool SW>
+template <int QT, int NT, int L, int MODE>
 __global__ void __launch_bounds__(QG_THREADS_MAX)
     qgemv_kernel(const struct tkv_cuda_qgemv g, const int8_t *__restrict__ aq,
                  const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in, uint32_t nstage)
 {
     using Q = qtype<QT>;
-    constexpr int CH = Q::CH, NM = SW ? 2 : 1;
+    constexpr bool SW = MODE == MODE_SWIGLU, TWO = MODE != MODE_PLAIN;
+    constexpr int CH = Q::CH, NM = TWO ? 2 : 1;
     extern __shared__ uint4 qg_smem[];
     const uint32_t warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const uint32_t row = blockIdx.x * (blockDim.x / L) + threadIdx.x / L, t = threadIdx.x % L;
+    const uint32_t unit = blockIdx.x * (blockDim.x / L) + threadIdx.x / L, t = threadIdx.x % L;
+    const uint32_t row = MODE == MODE_PAIR ? 2 * unit : unit;
     const uint32_t gpr = n_in / (32 * Q::GB); /* groups per row */
     const size_t row_bytes = (size_t)(n_in / 32) * Q::BB;
     const uint32_t total = g.end[g.nw - 1];
@@ -220,7 +229,7 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
     const bool live = row < total;
     const uint32_t local = live ? row - (seg ? g.end[seg - 1] : 0) : 0;
     const uint8_t *w0 = (const uint8_t *)g.w[seg] + local * row_bytes;
-    const uint8_t *w1 = SW ? (const uint8_t *)g.wu + local * row_bytes : NULL;
+    const uint8_t *w1 = SW ? (const uint8_t *)g.wu + local * row_bytes : TWO ? w0 + row_bytes : NULL;
     const size_t stage_chunks = (size_t)warps * NM * 32 * CH;
     uint4 *mine = qg_smem + (size_t)warp * NM * 32 * CH; /* this warp's stage 0 */
 
@@ -267,7 +276,7 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
         const uint32_t j = k0 + t;
         if (live && j < gpr) {
             const uint4 *gs = mine + st * stage_chunks + lane * CH;
-            group_dot<QT, NT, SW>(gs, gs + 32 * CH, aq, am, n_in, j, acc, acc2);
+            group_dot<QT, NT, TWO>(gs, gs + 32 * CH, aq, am, n_in, j, acc, acc2);
         }
         __syncwarp(); /* the stage is read before it is refilled */
         if (nstage == 1 && k0 + L < gpr)
@@ -276,26 +285,31 @@ __global__ void __launch_bounds__(QG_THREADS_MAX)
     float *part = (float *)(qg_smem + nstage * stage_chunks);
     float v0, v1 = 0.0f;
     const bool out = tkv_row_reduce<NT, L>(acc, part, warp, lane, &v0);
-    if (SW)
+    if (TWO)
         tkv_row_reduce<NT, L>(acc2, part + warps * NT, warp, lane, &v1);
     if (!out || !live)
         return;
     const uint32_t i = L <= 32 ? t : lane, n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
-    g.y[seg][(size_t)i * n_out + local] = SW ? v0 / (1.0f + expf(-v0)) * v1 : v0;
+    float *y = g.y[seg] + (size_t)i * n_out + local;
+    y[0] = SW ? v0 / (1.0f + expf(-v0)) * v1 : v0;
+    if (MODE == MODE_PAIR)
+        y[1] = v1;
 }
 
-uint32_t stage_bytes(int qt, uint32_t warps, bool sw)
+/* two: a unit streams two rows (MODE_SWIGLU, MODE_PAIR) */
+uint32_t stage_bytes(int qt, uint32_t warps, bool two)
 {
-    return warps * (sw ? 2 : 1) * 32 * group_chunks(qt) * 16;
+    return warps * (two ? 2 : 1) * 32 * group_chunks(qt) * 16;
 }
 
-uint32_t smem_bytes(int qt, uint32_t warps, bool sw, uint32_t nstage, uint32_t nt)
+uint32_t smem_bytes(int qt, uint32_t warps, bool two, uint32_t nstage, uint32_t nt)
 {
-    return nstage * stage_bytes(qt, warps, sw) + warps * (sw ? 2 : 1) * nt * (uint32_t)sizeof(float);
+    return nstage * stage_bytes(qt, warps, two) + warps * (two ? 2 : 1) * nt * (uint32_t)sizeof(float);
 }
 
-/* Threads per row L, warps per CTA and stages for rows x n_in. */
-void plan(int qt, uint32_t n_in, uint32_t rows, uint32_t n_sm, bool sw, uint32_t *L_out, uint32_t *warps_out,
+/* Threads per unit L, warps per CTA and stages for `rows` units of n_in
+ * (two: a unit streams two rows). */
+void plan(int qt, uint32_t n_in, uint32_t rows, uint32_t n_sm, bool two, uint32_t *L_out, uint32_t *warps_out,
           uint32_t *nstage_out)
 {
     const uint32_t gpr = n_in / (32 * group_blocks(qt));
@@ -307,13 +321,13 @@ void plan(int qt, uint32_t n_in, uint32_t rows, uint32_t n_sm, bool sw, uint32_t
     /* few rows: split them over more warps while each thread keeps a group
      * (and the row's warps' stage fits) */
     while (L < 128 && ctas(L, 8) < 2ull * n_sm && 2 * L <= gpr &&
-           smem_bytes(qt, wmin(2 * L), sw, 1, 8) <= QG_SMEM_MAX)
+           smem_bytes(qt, wmin(2 * L), two, 1, 8) <= QG_SMEM_MAX)
         L *= 2;
     /* a second stage (the next round's copies in flight during this one's
      * arithmetic) where a row takes several rounds */
-    const uint32_t nstage = gpr > L && smem_bytes(qt, wmin(L), sw, 2, 8) <= QG_SMEM_MAX ? 2 : 1;
+    const uint32_t nstage = gpr > L && smem_bytes(qt, wmin(L), two, 2, 8) <= QG_SMEM_MAX ? 2 : 1;
     uint32_t w = 8;
-    while (w > wmin(L) && smem_bytes(qt, w, sw, nstage, 8) > QG_SMEM_MAX)
+    while (w > wmin(L) && smem_bytes(qt, w, two, nstage, 8) > QG_SMEM_MAX)
         w /= 2;
     /* then smaller CTAs while the grid does not fill the GPU twice over */
     while (w > 2 && w > wmin(L) && ctas(L, w) < 2ull * n_sm)
@@ -323,54 +337,59 @@ void plan(int qt, uint32_t n_in, uint32_t rows, uint32_t n_sm, bool sw, uint32_t
     *nstage_out = nstage;
 }
 
-template <int QT, int NT, int L, bool SW>
-cudaError_t qgemv_launch(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t rows,
+template <int QT, int NT, int L, int MODE>
+cudaError_t qgemv_launch(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
                          uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
 {
-    const uint32_t threads = warps * 32, smem = smem_bytes(QT, warps, SW, nstage, NT);
+    const uint32_t threads = warps * 32, smem = smem_bytes(QT, warps, MODE != MODE_PLAIN, nstage, NT);
     if (smem > QG_SMEM_MAX || threads < (uint32_t)L)
         return cudaErrorInvalidConfiguration;
-    return tkv_cuda_launch(pdl, tkv_cuda_blocks(rows, threads / L), threads, smem, s, qgemv_kernel<QT, NT, L, SW>,
-                           *g, (const int8_t *)a.q, (const struct tkv_cuda_q8_meta *)a.meta, n_in, nstage);
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(units, threads / L), threads, smem, s,
+                           qgemv_kernel<QT, NT, L, MODE>, *g, (const int8_t *)a.q,
+                           (const struct tkv_cuda_q8_meta *)a.meta, n_in, nstage);
 }
 
-template <int QT, int NT, bool SW>
-cudaError_t qgemv_pick_l(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t rows,
+template <int QT, int NT, int MODE>
+cudaError_t qgemv_pick_l(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
                          uint32_t L, uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
 {
     switch (L) {
-    case 8: return qgemv_launch<QT, NT, 8, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
-    case 16: return qgemv_launch<QT, NT, 16, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
-    case 32: return qgemv_launch<QT, NT, 32, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
-    case 64: return qgemv_launch<QT, NT, 64, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
-    case 128: return qgemv_launch<QT, NT, 128, SW>(g, a, n_in, rows, warps, nstage, pdl, s);
+    case 8: return qgemv_launch<QT, NT, 8, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
+    case 16: return qgemv_launch<QT, NT, 16, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
+    case 32: return qgemv_launch<QT, NT, 32, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
+    case 64: return qgemv_launch<QT, NT, 64, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
+    case 128: return qgemv_launch<QT, NT, 128, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
 
-template <int QT, bool SW>
-cudaError_t qgemv_pick_n(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t rows,
+template <int QT, int MODE>
+cudaError_t qgemv_pick_n(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
                          uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
 {
     switch (n) {
-    case 1: return qgemv_pick_l<QT, 1, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
-    case 2: return qgemv_pick_l<QT, 2, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
-    case 3: return qgemv_pick_l<QT, 3, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
-    case 4: return qgemv_pick_l<QT, 4, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
-    case 5: return qgemv_pick_l<QT, 5, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
-    case 6: return qgemv_pick_l<QT, 6, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
-    case 7: return qgemv_pick_l<QT, 7, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
-    case 8: return qgemv_pick_l<QT, 8, SW>(g, a, n_in, rows, L, warps, nstage, pdl, s);
+    case 1: return qgemv_pick_l<QT, 1, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 2: return qgemv_pick_l<QT, 2, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 3: return qgemv_pick_l<QT, 3, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 4: return qgemv_pick_l<QT, 4, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 5: return qgemv_pick_l<QT, 5, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 6: return qgemv_pick_l<QT, 6, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 7: return qgemv_pick_l<QT, 7, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 8: return qgemv_pick_l<QT, 8, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
 
 template <int QT>
-cudaError_t qgemv_pick_sw(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t rows,
-                          uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
+cudaError_t qgemv_pick_mode(int mode, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
+                            uint32_t units, uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, bool pdl,
+                            cudaStream_t s)
 {
-    return g->swiglu ? qgemv_pick_n<QT, true>(g, a, n_in, rows, n, L, warps, nstage, pdl, s)
-                     : qgemv_pick_n<QT, false>(g, a, n_in, rows, n, L, warps, nstage, pdl, s);
+    switch (mode) {
+    case MODE_SWIGLU: return qgemv_pick_n<QT, MODE_SWIGLU>(g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    case MODE_PAIR: return qgemv_pick_n<QT, MODE_PAIR>(g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    default: return qgemv_pick_n<QT, MODE_PLAIN>(g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    }
 }
 
 /* ---- the reference: one warp per row, a lane per block, byte loads ------------------ */
@@ -506,12 +525,17 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
     const uint32_t rows = g->end[g->nw - 1];
     if (rows == 0 || n == 0)
         return cudaSuccess;
+    bool pair = g->pair && !g->swiglu;
+    for (uint32_t i = 0; i < g->nw; i++)
+        pair = pair && g->end[i] % 2 == 0; /* a pair never straddles two weights */
+    const int mode = g->swiglu ? MODE_SWIGLU : pair ? MODE_PAIR : MODE_PLAIN;
+    const uint32_t units = pair ? rows / 2 : rows;
     uint32_t L, warps, nstage;
-    plan(qt, n_in, rows, n_sm, g->swiglu, &L, &warps, &nstage);
+    plan(qt, n_in, units, n_sm, mode != MODE_PLAIN, &L, &warps, &nstage);
     switch (qt) {
-    case QT_Q4_0: return qgemv_pick_sw<QT_Q4_0>(g, a, n_in, rows, n, L, warps, nstage, pdl, s);
-    case QT_Q4_1: return qgemv_pick_sw<QT_Q4_1>(g, a, n_in, rows, n, L, warps, nstage, pdl, s);
-    default: return qgemv_pick_sw<QT_Q8_0>(g, a, n_in, rows, n, L, warps, nstage, pdl, s);
+    case QT_Q4_0: return qgemv_pick_mode<QT_Q4_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    case QT_Q4_1: return qgemv_pick_mode<QT_Q4_1>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    default: return qgemv_pick_mode<QT_Q8_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
     }
 }
 

@@ -61,8 +61,11 @@ bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in);
  * sharing the activations (matmul: nw = 1; matmul_group: q, k, v):
  * y[i][n, n_out_i] = x . w[i]^T, end[i] = rows of w[0..i]. With swiglu set
  * (nw = 1), w[0] is the gate and wu the up matrix of the same shape, and
- * y[0] = silu(x . w[0]^T) * (x . wu^T) with swiglu's formula. Travels as a
- * kernel parameter. */
+ * y[0] = silu(x . w[0]^T) * (x . wu^T) with swiglu's formula. With pair set
+ * (and not swiglu), the lanes of a row take two adjacent rows, each
+ * activation load serving both (as swiglu's gate and up rows share them);
+ * ignored unless every end[i] is even. Same results either way. Travels as
+ * a kernel parameter. */
 #define TKV_CUDA_QGEMV_MAX 8
 struct tkv_cuda_qgemv {
     const void *w[TKV_CUDA_QGEMV_MAX];
@@ -71,6 +74,7 @@ struct tkv_cuda_qgemv {
     uint32_t nw;
     const void *wu;
     bool swiglu;
+    bool pair;
 };
 
 /* The fast kernel, 1 <= n <= 8 tokens, activations in the type's block

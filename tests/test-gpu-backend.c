@@ -1647,8 +1647,11 @@ static void test_fused(void)
 
 /* ---- the quantized decode GEMV (Q4_0 / Q4_1 / Q8_0 weights, n <= 8) ------------------
  *
- * gpu_q runs the defaults (quantized GEMV, TKV_CUDA_GEMV=auto, PDL),
- * gpu_q_ref TKV_CUDA_GEMV_QUANT=ref (the reference kernel). The CPU reference
+ * gpu_q runs the defaults (quantized GEMV, TKV_CUDA_GEMV=auto, PDL; rows in
+ * pairs for calls of 16 MiB or more), gpu_q_pair TKV_CUDA_GEMV_QUANT=pair
+ * (two rows per lane set wherever every weight's row count is even),
+ * gpu_q_single =single (one row per lane set), gpu_q_ref =ref (the
+ * reference kernel). The CPU reference
  * is the CPU backend's own decode arithmetic: tkv_quantize_act_ref of each
  * token row, tkv_vec_dot_ref of each weight row. Both sides sum exact
  * integer block sums, so a result may differ from it only by the order of
@@ -1722,7 +1725,7 @@ static size_t qbeyond(const float *got, const float *ref, const double *bound, s
     return bad;
 }
 
-static struct tkv_backend *gpu_q, *gpu_q_ref; /* quantized GEMV: defaults; TKV_CUDA_GEMV_QUANT=ref */
+static struct tkv_backend *gpu_q, *gpu_q_pair, *gpu_q_single, *gpu_q_ref; /* quantized GEMV, above */
 
 /* Activation rows that stress the quantizer: [row % 6] random; zeros;
  * exact ties (x * id = m + 0.5: amax = 127 * 2^k gives d = 2^k, id = 2^-k)
@@ -1790,7 +1793,8 @@ static void test_q8_act_case(uint32_t wtype, uint32_t n, uint32_t n_in)
     free(x), free(want), free(got), free(act);
 }
 
-/* matmul on gpu_q and gpu_q_ref against the CPU reference. */
+/* matmul on gpu_q, gpu_q_pair, gpu_q_single and gpu_q_ref against the CPU
+ * reference. */
 static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint32_t n)
 {
     struct test_weight tw;
@@ -1804,10 +1808,10 @@ static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint
             x[k + n_in] = 0.0f, x[k + 2 * (size_t)n_in] *= 1000.0f;
     qref(&tw, x, n, ref, bound);
     float *dx = dev_from(x, nx * sizeof *x);
-    struct tkv_backend *be[2] = {gpu_q, gpu_q_ref};
-    static const char *const name[2] = {"fast", "ref"};
+    struct tkv_backend *be[4] = {gpu_q, gpu_q_pair, gpu_q_single, gpu_q_ref};
+    static const char *const name[4] = {"fast", "pair", "single", "ref"};
     fprintf(stderr, "  qmatmul %-5s %5ux%-5u n=%u:", tkv_type_name(type), n_in, n_out, n);
-    for (int b = 0; b < 2; b++) {
+    for (int b = 0; b < 4; b++) {
         struct tkv_bweight *w = NULL;
         CHECK(be[b]->ops->weight_init(be[b], &tw.t, &w) == TKV_OK, "%s", tkv_last_error());
         if (!w)
@@ -1836,12 +1840,13 @@ static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint
  *   f16 (on gpu): against nw matmul calls on the same backend (rel 1e-5)
  *       and the double product of the dequantized weights (rel 1e-3; 2e-3
  *       for n > 8, cuBLAS)
- *   Q4_0, Q4_1, Q8_0 (on gpu_q): element by element against the CPU
- *       reference, within its float reassociation bound (qref) */
-static void test_group_case(uint32_t type, uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n)
+ *   Q4_0, Q4_1, Q8_0 (on gpu_q and on gpu_q_pair): element by element
+ *       against the CPU reference, within its float reassociation bound
+ *       (qref) */
+static void group_case_on(struct tkv_backend *be, uint32_t type, uint32_t n_in, const uint32_t *n_out, uint32_t nw,
+                          uint32_t n)
 {
     const bool quant = type != TKV_TYPE_F16;
-    struct tkv_backend *be = quant ? gpu_q : gpu;
     struct test_weight tw[TKV_MATMUL_GROUP_MAX];
     struct tkv_bweight *wg[TKV_MATMUL_GROUP_MAX];
     float *dy[TKV_MATMUL_GROUP_MAX], *ds[TKV_MATMUL_GROUP_MAX]; /* ds: the matmuls' outputs (f16) */
@@ -1905,10 +1910,10 @@ static void test_group_case(uint32_t type, uint32_t n_in, const uint32_t *n_out,
         weight_free(&tw[i]);
     }
     if (quant) {
-        fprintf(stderr, "  qmatmul_group %-5s %u weights, %u rows x %u, n=%u: worst |gpu-ref|/bound %.3f\n",
-                tkv_type_name(type), nw, rows, n_in, n, worst_bound);
-        CHECK(bad == 0, "qmatmul_group %s %ux%u n=%u: %zu of %zu beyond the bound", tkv_type_name(type), rows, n_in,
-              n, bad, total);
+        fprintf(stderr, "  qmatmul_group%s %-5s %u weights, %u rows x %u, n=%u: worst |gpu-ref|/bound %.3f\n",
+                be == gpu_q_pair ? " (pair)" : "", tkv_type_name(type), nw, rows, n_in, n, worst_bound);
+        CHECK(bad == 0, "qmatmul_group%s %s %ux%u n=%u: %zu of %zu beyond the bound",
+              be == gpu_q_pair ? " (pair)" : "", tkv_type_name(type), rows, n_in, n, bad, total);
     } else {
         const double tol_ref = n <= 8 ? 1e-3 : 2e-3;
         fprintf(stderr, "  matmul_group %u weights, %u rows x %u, n=%u: vs matmuls rel %.2e (%zu of %zu "
@@ -1918,6 +1923,16 @@ static void test_group_case(uint32_t type, uint32_t n_in, const uint32_t *n_out,
     }
     dev_free(dx);
     free(x);
+}
+
+static void test_group_case(uint32_t type, uint32_t n_in, const uint32_t *n_out, uint32_t nw, uint32_t n)
+{
+    if (type == TKV_TYPE_F16) {
+        group_case_on(gpu, type, n_in, n_out, nw, n);
+        return;
+    }
+    group_case_on(gpu_q, type, n_in, n_out, nw, n);
+    group_case_on(gpu_q_pair, type, n_in, n_out, nw, n);
 }
 
 /* matmul_swiglu on gpu_q against silu(g) * u of the CPU references (bounds
@@ -2288,6 +2303,10 @@ int main(void)
     unsetenv("TKV_CUDA_GEMV");
     unsetenv("TKV_CUDA_GEMV_QUANT");
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_q) == TKV_OK, "%s", tkv_last_error());
+    setenv("TKV_CUDA_GEMV_QUANT", "pair", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_q_pair) == TKV_OK, "%s", tkv_last_error());
+    setenv("TKV_CUDA_GEMV_QUANT", "single", 1);
+    REQUIRE(tkv_backend_create("cuda", 0, &gpu_q_single) == TKV_OK, "%s", tkv_last_error());
     setenv("TKV_CUDA_GEMV_QUANT", "ref", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_q_ref) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_GEMV_QUANT");
@@ -2319,6 +2338,8 @@ int main(void)
     gpu_gemv_u8->ops->free(gpu_gemv_u8);
     gpu_gemv_auto->ops->free(gpu_gemv_auto);
     gpu_q->ops->free(gpu_q);
+    gpu_q_pair->ops->free(gpu_q_pair);
+    gpu_q_single->ops->free(gpu_q_single);
     gpu_q_ref->ops->free(gpu_q_ref);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
