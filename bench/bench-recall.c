@@ -183,9 +183,35 @@ struct row {
     double brought_share;            /* of those, the share with missing blocks settled first */
     double split_step_s, select_s, attn_s, cpu_attn_s, stall_s; /* per split step */
     struct tkv_kvs_stall stall;      /* the stall's parts and counts, summed over the split steps */
+    char rates[200];                 /* --hetero auto's rates at the end, when it observed them */
     double stall_steps;              /* the steps they are summed over          */
     tkv_token *toks_out;             /* [steps] timed tokens                  */
 };
+
+/* The number after "key": in the session's stats JSON (0 if absent). */
+static double json_num(const char *json, const char *key)
+{
+    char k[64];
+    snprintf(k, sizeof k, "\"%s\": ", key);
+    const char *p = strstr(json, k);
+    return p ? strtod(p + strlen(k), NULL) : 0;
+}
+
+/* r->rates: what --hetero auto priced the two paths with at the end of the
+ * run, from the session's stats JSON, where it observed its rates in use
+ * (runtime/hetero.h, struct tkv_hetero_rate); else empty. */
+static void hetero_rates(const tkv_session *s, struct row *r)
+{
+    static char json[1 << 16];
+    size_t len;
+    r->rates[0] = 0;
+    if (tkv_session_stats_json(s, json, sizeof json, &len) != TKV_OK || !strstr(json, "\"observed\": true"))
+        return;
+    snprintf(r->rates, sizeof r->rates,
+             "CPU attention %.1f GFLOP/s measured at start, %.1f observed; recalls %.1f GB/s default, %.1f observed",
+             json_num(json, "cpu_gflops"), json_num(json, "cpu_gflops_seen"), json_num(json, "link_gbs"),
+             json_num(json, "link_gbs_seen"));
+}
 
 static bool is_full(const char *policy) { return !strncmp(policy, "full", 4) && (!policy[4] || policy[4] == ':'); }
 
@@ -316,6 +342,7 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
         c1 = c2;
         timed_profile(s, ctx, policy, o->steps);
     }
+    hetero_rates(s, r);
     tkv_session_free(s);
     diff(&c1, &c0, &d);
     const double n = d.decode_steps ? (double)d.decode_steps : 1;
@@ -349,6 +376,19 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
 /* One row of the stall split table (per step, over the steps the stall
  * column comes from), appended to *buf (the row's JSON fields are written
  * with the main table's, in main). */
+/* Appends a line to a growing buffer (*buf, *len); on out of memory the
+ * line is dropped (it is only printed). */
+static void append_line(char **buf, size_t *len, const char *line)
+{
+    const size_t w = strlen(line);
+    char *nb = realloc(*buf, *len + w + 1);
+    if (!nb)
+        return;
+    memcpy(nb + *len, line, w + 1);
+    *buf = nb;
+    *len += w;
+}
+
 static void stall_row(char **buf, size_t *len, uint32_t ctx, const char *policy, const struct row *r)
 {
     const struct tkv_kvs_stall *t = &r->stall;
@@ -356,20 +396,15 @@ static void stall_row(char **buf, size_t *len, uint32_t ctx, const char *policy,
     const double total = t->settle_s + t->evict_s + t->verify_s + t->upload_issue_s + t->upload_wait_s + t->nvme_s +
                          t->other_s;
     char line[512];
-    int w = snprintf(line, sizeof line,
-                     "| %u | %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.0f | %.2f | %.1f | %.0f | %.0f "
-                     "| %.1f | %.1f | %.1f | %.2f |\n",
-                     ctx, policy, total / k * 1e3, t->settle_s / k * 1e3, t->evict_s / k * 1e3, t->verify_s / k * 1e3,
-                     t->upload_issue_s / k * 1e3, t->upload_wait_s / k * 1e3, t->nvme_s / k * 1e3, t->other_s / k * 1e3,
-                     t->recalled_blocks / k, t->evict_passes / k, t->evict_scanned / k / 1e3, t->evicted_blocks / k,
-                     t->spilled_blocks / k, t->upload_calls / k, t->upload_waits / k, t->verify_bytes / k / 1e6,
-                     t->recalled_blocks ? total / t->recalled_blocks * 1e6 : 0.0);
-    char *nb = realloc(*buf, *len + (size_t)w + 1);
-    if (!nb)
-        return;
-    memcpy(nb + *len, line, (size_t)w + 1);
-    *buf = nb;
-    *len += (size_t)w;
+    snprintf(line, sizeof line,
+             "| %u | %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.0f | %.2f | %.1f | %.0f | %.0f "
+             "| %.1f | %.1f | %.1f | %.2f |\n",
+             ctx, policy, total / k * 1e3, t->settle_s / k * 1e3, t->evict_s / k * 1e3, t->verify_s / k * 1e3,
+             t->upload_issue_s / k * 1e3, t->upload_wait_s / k * 1e3, t->nvme_s / k * 1e3, t->other_s / k * 1e3,
+             t->recalled_blocks / k, t->evict_passes / k, t->evict_scanned / k / 1e3, t->evicted_blocks / k,
+             t->spilled_blocks / k, t->upload_calls / k, t->upload_waits / k, t->verify_bytes / k / 1e6,
+             t->recalled_blocks ? total / t->recalled_blocks * 1e6 : 0.0);
+    append_line(buf, len, line);
 }
 
 int main(int argc, char **argv)
@@ -508,8 +543,8 @@ int main(int argc, char **argv)
     fflush(stdout);
 
     int rc = 0;
-    char *split_tab = NULL; /* the stall split table, printed after the main one */
-    size_t split_len = 0;
+    char *split_tab = NULL, *rates = NULL; /* the stall split table and auto's rates, after the main one */
+    size_t split_len = 0, rates_len = 0;
     char *list = strdup(o.ctxs), *save = NULL;
     for (char *c = strtok_r(list, ",", &save); c && !rc; c = strtok_r(NULL, ",", &save)) {
         const uint32_t ctx = (uint32_t)strtoul(c, NULL, 10);
@@ -556,6 +591,11 @@ int main(int argc, char **argv)
             }
             const double rest = r.split_step_s - r.select_s - r.attn_s - r.cpu_attn_s - r.stall_s;
             stall_row(&split_tab, &split_len, ctx, o.policies[p], &r);
+            if (r.rates[0]) {
+                char line[320];
+                snprintf(line, sizeof line, "- %u, %s: %s\n", ctx, o.policies[p], r.rates);
+                append_line(&rates, &rates_len, line);
+            }
             char table[32] = "-";
             if (r.table_share >= 0)
                 snprintf(table, sizeof table, "%.1f%% (%.0f%% brought)", 100.0 * r.table_share,
@@ -615,6 +655,11 @@ int main(int argc, char **argv)
                "spills; spilled: victims written down first); verify: CRC-32C on the CPU; upload issue / wait: host -> compute copies queued / waited for "
                "(and fences); nvme: NVMe reads; other: page-table passes, slots taken, lists. Counts per step.\n");
         free(split_tab);
+    }
+    if (rates) {
+        printf("\nhetero rates: what --hetero auto priced the two paths with at the end of each run "
+               "(runtime/hetero.h):\n%s", rates);
+        free(rates);
     }
     printf("\nfill: %s -- attention concentrates by construction, so read tok / read blk say what this fill made "
            "the policy read, not what a real model would. x full: full's step / this row's (the context's full "

@@ -155,7 +155,8 @@ static tkv_status hetero_init(tkv_session *s, const struct tkv_session_params *p
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
     for (size_t i = 0; i < n; i++)
         s->het_heads[i] = TKV_HETERO_HEAD_INIT;
-    if (s->cpu_flops == 0) { /* measured: the verification's cost too */
+    if (s->cpu_flops == 0) { /* measured: the verification's cost too, and then observed */
+        s->het_observe = true;
         tkv_status st = tkv_hetero_measure_cpu(s->be_cpu, hp->n_head_kv, hp->n_head / hp->n_head_kv, hp->head_dim,
                                                s->kv_block, &s->cpu_flops);
         if (st != TKV_OK)
@@ -590,10 +591,36 @@ static bool hetero_to_cpu(tkv_session *s, uint32_t layer, uint32_t head, uint64_
 {
     if (s->hetero != TKV_HETERO_AUTO)
         return s->hetero == TKV_HETERO_CPU;
-    double cpu_s, recall_s;
-    tkv_hetero_costs(blocks, tokens, tkv_kvs_block_bytes(s->kv), s->hp.n_head / s->hp.n_head_kv, s->hp.head_dim,
-                     s->link_bps, s->cpu_flops, s->crc_bps, &cpu_s, &recall_s);
+    double cpu_s, recall_s, link = s->link_bps, cpu = s->cpu_flops;
+    if (s->het_observe)
+        link = tkv_hetero_rate_get(&s->link_seen, link), cpu = tkv_hetero_rate_get(&s->cpu_seen, cpu);
+    tkv_hetero_costs(blocks, tokens, tkv_kvs_block_bytes(s->kv), s->hp.n_head / s->hp.n_head_kv, s->hp.head_dim, link,
+                     cpu, s->crc_bps, &cpu_s, &recall_s);
     return tkv_hetero_choose(&s->het_heads[(size_t)layer * s->hp.n_head_kv + head], cpu_s, recall_s);
+}
+
+/* The store's stall counters now (for observe_recalls). */
+static struct tkv_kvs_stall stall_now(const tkv_session *s)
+{
+    struct tkv_kvs_stats ks;
+    tkv_kvs_get_stats(s->kv, &ks);
+    return ks.stall;
+}
+
+/* What recalls cost as auto observes it (s->link_seen): the time a
+ * begin_layer spent bringing blocks in -- settling, evicting, uploading,
+ * NVMe reads; not the CPU path's checksums nor the page-table passes that
+ * both paths pay -- per byte it brought in. `before`: stall_now() from
+ * before the call. */
+static void observe_recalls(tkv_session *s, const struct tkv_kvs_stall *before)
+{
+    if (!s->het_observe)
+        return;
+    const struct tkv_kvs_stall a = *before, b = stall_now(s);
+    const double secs = (b.settle_s - a.settle_s) + (b.evict_s - a.evict_s) + (b.upload_issue_s - a.upload_issue_s) +
+                        (b.upload_wait_s - a.upload_wait_s) + (b.nvme_s - a.nvme_s);
+    tkv_hetero_rate_observe(&s->link_seen, (double)(b.recalled_blocks - a.recalled_blocks) * tkv_kvs_block_bytes(s->kv),
+                            secs);
 }
 
 /* Heterogeneous decode, after plan_decode: per KV head, the planned blocks
@@ -827,11 +854,13 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
     }
     tkv_kvs_end_layer(s->kv, l);
     uint32_t n_host = 0;
+    const struct tkv_kvs_stall before = stall_now(s);
     tkv_status st = tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, s->need, any_cpu ? s->host_ok : NULL, &n_host);
     if (st != TKV_OK) {
         *begun = false;
         return st;
     }
+    observe_recalls(s, &before);
     TKV_TRY(table_build(s, l, n_past, bitmap, words, NULL));
     for (uint32_t h = 0; h < Hkv; h++) {
         const uint32_t nr = c[4 * h], nm = c[4 * h + 1];
@@ -1004,8 +1033,10 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
             tkv_kvs_prefetch(s->kv, l + 1);
         const bool split = planned && hetero_plan(s, l, plan);
         uint32_t n_host = 0;
+        const struct tkv_kvs_stall before = stall_now(s);
         TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, planned ? s->need : NULL,
                                           split ? s->host_ok : NULL, &n_host));
+        observe_recalls(s, &before);
         /* the next layer's selection of the step before, while this one
          * runs (after this layer's own recalls, which it would delay) */
         if (planned && !(s->flags & TKV_SESSION_NO_SELECTION_PREFETCH))
@@ -1074,6 +1105,13 @@ static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a
     TKV_TRY(s->be_cpu->ops->attention(s->be_cpu, &cpu));
     t0 = tkv_now_seconds();
     s->ph_cpu_attn += t0 - t1;
+    if (s->het_observe) { /* auto's observation of the CPU's rate (s->cpu_seen), counted as the model counts */
+        uint64_t tokens = 0;
+        for (uint32_t h = 0; h < a->n_head_kv; h++)
+            for (uint32_t j = 0; j < s->hviews[h].n_blocks; j++)
+                tokens += s->hviews[h].blocks[j].n;
+        tkv_hetero_rate_observe(&s->cpu_seen, (double)tokens * (H / a->n_head_kv) * hd * 4.0, t0 - t1);
+    }
     TKV_TRY(ops->download(be, s->att_mrg, s->att, (size_t)H * hd * sizeof(float)));
     TKV_TRY(ops->download(be, s->lse_mrg, s->lse_dev, H * sizeof(float)));
     tkv_attn_merge(s->att_mrg, s->lse_mrg, s->att_cpu, s->lse_cpu, H, hd);
@@ -1351,11 +1389,13 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
     static const char *const modes[] = {"auto", "recall", "cpu"};
     const double steps = s->decode_tokens ? (double)s->decode_tokens : 1.0;
     OUT(" \"hetero\": {\"mode\": \"%s\", \"active\": %s, \"link_gbs\": %.3f, \"cpu_gflops\": %.3f, \"crc_gbs\": %.3f, "
+        "\"observed\": %s, \"link_gbs_seen\": %.3f, \"cpu_gflops_seen\": %.3f, "
         "\"cpu_heads\": %llu, \"cpu_blocks\": %llu, \"cpu_tokens\": %llu, \"recall_heads\": %llu, "
         "\"recall_blocks\": %llu, \"host_read_blocks\": %llu,\n  \"per_step\": {\"cpu_heads\": %.3f, "
         "\"cpu_tokens\": %.3f, \"recall_heads\": %.3f, \"recall_blocks\": %.3f}},\n",
         modes[s->hetero], s->be_cpu ? "true" : "false", s->link_bps / 1e9, s->cpu_flops / 1e9, s->crc_bps / 1e9,
-        (unsigned long long)s->het_cpu_heads, (unsigned long long)s->het_cpu_blocks,
+        s->het_observe ? "true" : "false", tkv_hetero_rate_get(&s->link_seen, 0) / 1e9,
+        tkv_hetero_rate_get(&s->cpu_seen, 0) / 1e9, (unsigned long long)s->het_cpu_heads, (unsigned long long)s->het_cpu_blocks,
         (unsigned long long)s->het_cpu_tokens, (unsigned long long)s->het_recall_heads,
         (unsigned long long)s->het_recall_blocks, (unsigned long long)ks.host_read_blocks,
         s->het_cpu_heads / steps, s->het_cpu_tokens / steps, s->het_recall_heads / steps,

@@ -71,6 +71,19 @@ bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s)
     return pick == 0;
 }
 
+void tkv_hetero_rate_observe(struct tkv_hetero_rate *r, double work, double secs)
+{
+    if (!(work > 0) || !(secs > 0))
+        return;
+    r->work = 0.9 * r->work + work;
+    r->secs = 0.9 * r->secs + secs;
+}
+
+double tkv_hetero_rate_get(const struct tkv_hetero_rate *r, double prior)
+{
+    return r->secs > 0 ? r->work / r->secs : prior;
+}
+
 tkv_status tkv_hetero_measure_cpu(struct tkv_backend *cpu, uint32_t n_head_kv, uint32_t group, uint32_t head_dim,
                                   uint32_t block, double *flops)
 {

@@ -86,6 +86,23 @@ struct tkv_hetero_head {
  * the prediction's choice (tkv_hetero_prefer_cpu). True: the CPU. */
 bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s);
 
+/* A rate observed in use: work units (flops, bytes) per second over the
+ * observations so far, older ones weighing geometrically less (0.9 per
+ * observation), so that it follows the machine under the session's load.
+ * Zeroed: nothing observed. auto starts from rates measured in isolation
+ * (the CPU's attention on a few cache-resident MiB, the link's default),
+ * which can be far off in use -- on the H200 host at 128K the CPU attended
+ * host blocks ~4x slower than measured at start, the recalls moved ~0.6x
+ * the default rate -- so where the session measured its rates it prices
+ * with these once they have an observation. */
+struct tkv_hetero_rate {
+    double work, secs;
+};
+/* Adds an observation (ignored unless work > 0 and secs > 0). */
+void tkv_hetero_rate_observe(struct tkv_hetero_rate *r, double work, double secs);
+/* The observed rate, or `prior` when nothing was observed. */
+double tkv_hetero_rate_get(const struct tkv_hetero_rate *r, double prior);
+
 /* CRC-32C bytes/s on the calling thread (a few MiB, best of 3; ~1 ms). */
 double tkv_hetero_measure_crc(void);
 

@@ -176,7 +176,10 @@ struct tkv_session_params {
     } hetero;
     double      hetero_link_gbs;   /* the cost model's host -> GPU rate, GB/s; 0 = 40    */
     double      hetero_cpu_gflops; /* its CPU attention rate, GFLOP/s; 0 = measured at
-                                      session start (a few ms, auto only)              */
+                                      session start (a few ms, auto only), and then
+                                      both rates follow what the steps observe: the
+                                      CPU attention's flop/s, the recalls' bytes per
+                                      second of stall                                   */
 };
 
 /* Measure, at every decode step, the fraction of the full attention mass

@@ -32,7 +32,9 @@
 # cold 0.25 nats); rows say "synthetic" and print the share of KV each step
 # read. Logs, tables (*.md) and JSON lines (*.jsonl) go to $OUT.
 #
-# Overrides for a trial run elsewhere: TKV_BUILD, DEVICE, L8_SHAPE, QW_SHAPE,
+# Overrides for a trial run elsewhere: TKV_BUILD, TKV_BIN (a folder holding
+# prebuilt bench-recall and tierkv, e.g. sm_90 binaries built on the CPU
+# machine and carried: nothing is configured or built), DEVICE, L8_SHAPE, QW_SHAPE,
 # CTX_SHORT (default 32768,131072), CTX_512K, CTX_128K, CTX_1M, GPU_KV, HOST_KV_512K,
 # HOST_KV_1M, NVME_DIR, STEPS_SHORT/STEPS_LONG ("warmup,steps,split"), e.g. on
 # the CPU build machine:
@@ -72,14 +74,20 @@ build | l8-f16 | l8-q4_0 | l8-512k-f16 | l8-512k-q4_0 | qwen-128k | qwen-1m | l8
     ;;
 esac
 
-if [ ! -f "$build/CMakeCache.txt" ]; then
-    log "configuring $build from $root"
-    cmake -B "$build" -S "$root" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/cmake.log" 2>&1 ||
-        { tail -20 "$OUT/cmake.log"; exit 1; }
+if [ -n "${TKV_BIN:-}" ]; then
+    br="$TKV_BIN/bench-recall"
+    tierkv="$TKV_BIN/tierkv"
+else
+    if [ ! -f "$build/CMakeCache.txt" ]; then
+        log "configuring $build from $root"
+        cmake -B "$build" -S "$root" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/cmake.log" 2>&1 ||
+            { tail -20 "$OUT/cmake.log"; exit 1; }
+    fi
+    cmake --build "$build" -j"$(nproc)" --target bench-recall tierkv > "$OUT/build.log" 2>&1 ||
+        { grep -E "error|Error" "$OUT/build.log" | head -20; exit 1; }
+    br="$build/bench/bench-recall"
+    tierkv="$build/tierkv"
 fi
-cmake --build "$build" -j"$(nproc)" --target bench-recall tierkv > "$OUT/build.log" 2>&1 ||
-    { grep -E "error|Error" "$OUT/build.log" | head -20; exit 1; }
-br="$build/bench/bench-recall"
 
 # model SHAPE TYPE [CTX]: the path of a generated model, generated if missing
 model() {
@@ -87,7 +95,7 @@ model() {
     local path=/tmp/tkv-${shape//[:,]/_}-$type${ctx:+-$ctx}.gguf
     if [ ! -f "$path" ]; then
         log "gen-model $shape $type ${ctx:+--ctx $ctx}" >&2
-        "$build/tierkv" gen-model --shape "$shape" --type "$type" --seed 1 ${ctx:+--ctx "$ctx"} --out "$path" -t 16 \
+        "$tierkv" gen-model --shape "$shape" --type "$type" --seed 1 ${ctx:+--ctx "$ctx"} --out "$path" -t 16 \
             >> "$OUT/gen-model.log" 2>&1 || { log "gen-model $shape $type failed" >&2; tail -3 "$OUT/gen-model.log" >&2; exit 1; }
     fi
     echo "$path"
@@ -110,6 +118,7 @@ run() {
     local rc=$?
     grep -E '^(bench-recall|KV|link)' "$OUT/$name.md"
     grep -E '^\|' "$OUT/$name.md"
+    grep -A4 '^hetero rates' "$OUT/$name.md"
     [ -s "$OUT/$name.err" ] && grep -v "OpenBLAS" "$OUT/$name.err" | tail -3
     log "$name: exit $rc"
 }

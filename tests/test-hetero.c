@@ -11,7 +11,9 @@
  *   cost: the cost model's choices (tkv_hetero_prefer_cpu), and auto's
  *      per-head observations (tkv_hetero_choose): the prediction with
  *      nothing observed, a recall probed and kept where selections repeat,
- *      given up where it thrashes, a mode far off never probed;
+ *      given up where it thrashes, a mode far off never probed; the rates
+ *      observed in use (tkv_hetero_rate): the prior until an observation,
+ *      then the observations' rate, following a change;
  *   2. store: tkv_kvs_begin_layer_split on a "device" compute tier + pinned
  *      host tier + NVMe under pressure: exactly the allowed host-tier
  *      blocks are left on the host, the host view and the compute view are
@@ -24,7 +26,8 @@
  *      the context and a host tier: rabitq at p = 1.0 with --hetero cpu,
  *      recall, auto (measured rates, and rates forcing either side) generates
  *      the tokens of `full`, with logits within float rounding, and the
- *      counters say which path ran; on the CPU backend the split is a no-op;
+ *      counters say which path ran; auto with measured rates observed the
+ *      rate of each path that ran, with given rates none; on the CPU backend the split is a no-op;
  *      auto where selections repeat (StreamingLLM) and the compute tier
  *      keeps what it recalls: far fewer heads on the CPU than `cpu`, some
  *      recalled, the tokens of `recall`;
@@ -200,6 +203,26 @@ static void test_cost_model(void)
     for (int i = 0; i < 8; i++)
         CHECK(tkv_hetero_choose(&h, 0.1, 1.0), "a fast CPU, step %d: never recall", 1 + i);
     CHECK(h.cost[1] < 0, "recall was never observed");
+
+    /* rates observed in use: the prior until then, then what is observed */
+    struct tkv_hetero_rate r = {0};
+    CHECK(tkv_hetero_rate_get(&r, 200e9) == 200e9, "nothing observed: the prior");
+    tkv_hetero_rate_observe(&r, 1e9, 0.0);
+    tkv_hetero_rate_observe(&r, 0.0, 1.0);
+    tkv_hetero_rate_observe(&r, NAN, 1.0);
+    CHECK(tkv_hetero_rate_get(&r, 200e9) == 200e9, "empty observations are ignored");
+    tkv_hetero_rate_observe(&r, 50e9, 1.0);
+    CHECK(fabs(tkv_hetero_rate_get(&r, 200e9) - 50e9) < 1e-3 * 50e9, "one observation: its rate (%g)",
+          tkv_hetero_rate_get(&r, 200e9));
+    /* the CPU measured at 200 GFLOP/s at start, 50 in use: the head of the
+     * model's first example (CPU at 200) goes to recall once observed */
+    CHECK(tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, 200e9, 0) &&
+              !tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, tkv_hetero_rate_get(&r, 200e9), 0),
+          "the observed rate turns the choice");
+    for (int i = 0; i < 60; i++) /* the machine speeds up: older observations fade */
+        tkv_hetero_rate_observe(&r, 2 * 100e9 * 1e-3, 2e-3);
+    CHECK(fabs(tkv_hetero_rate_get(&r, 0) - 100e9) < 0.05 * 100e9, "follows a new rate (%g)",
+          tkv_hetero_rate_get(&r, 0));
 }
 
 /* ---- 2: the store's split begin ------------------------------------------------------------ */
@@ -368,7 +391,9 @@ struct run {
     tkv_token toks[NG];
     float logits[(NG + 1) * V];
     double read;
-    uint64_t cpu_heads, recall_heads, cpu_tokens, host_reads;
+    uint64_t cpu_heads, recall_heads, cpu_tokens, host_reads, recalled;
+    bool observe; /* auto priced with observed rates; then what it saw (flop/s, bytes/s) */
+    double cpu_seen, link_seen;
 };
 
 static tkv_status run_session(tkv_model *m, const char *device, const char *policy, enum tkv_hetero mode,
@@ -403,6 +428,8 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
     tkv_kvs_get_stats(s->kv, &ks);
     out->cpu_heads = s->het_cpu_heads, out->recall_heads = s->het_recall_heads;
     out->cpu_tokens = s->het_cpu_tokens, out->host_reads = ks.host_read_blocks;
+    out->recalled = ks.stall.recalled_blocks, out->observe = s->het_observe;
+    out->cpu_seen = tkv_hetero_rate_get(&s->cpu_seen, 0), out->link_seen = tkv_hetero_rate_get(&s->link_seen, 0);
     char json[4096];
     size_t len;
     CHECK(tkv_session_stats_json(s, json, sizeof json, &len) == TKV_OK && strstr(json, "\"hetero\""),
@@ -477,6 +504,16 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
                   "%s: logits are not full's bit for bit", name);
         if (!strcmp(cases[i].device, "opaque"))
             CHECK(opaque_attention_calls > att0, "%s: the device attended nothing", name);
+        /* rates observed only by auto with measured rates, of each path that ran */
+        const bool observe = cases[i].mode == TKV_HETERO_AUTO && cases[i].gflops == 0;
+        CHECK(r.observe == observe, "%s: observing rates: %d, want %d", name, r.observe, observe);
+        if (observe)
+            CHECK((r.cpu_heads == 0 || r.cpu_seen > 0) && (r.recalled == 0 || r.link_seen > 0),
+                  "%s: a path ran unobserved (CPU heads %llu, %g flop/s; recalled %llu, %g B/s)", name,
+                  (unsigned long long)r.cpu_heads, r.cpu_seen, (unsigned long long)r.recalled, r.link_seen);
+        else
+            CHECK(r.cpu_seen == 0 && r.link_seen == 0, "%s: rates observed (%g, %g) where they were given or unused",
+                  name, r.cpu_seen, r.link_seen);
     }
     unsetenv("TKV_RABITQ_DEVICE_TABLE");
 }
