@@ -3,7 +3,7 @@
  * what it costs the CPU to attend selected host-tier blocks where they are,
  * against what recalling them over a link of a given rate costs.
  *
- *   bench-hetero [-t threads] [-r reps] [--link GBPS] [--quick]
+ *   bench-hetero [-t threads] [-r reps] [--link GBPS] [--busy K] [--quick]
  *
  * Per model shape (SmolLM2-135M 9/3/64 and Llama-3-8B 32/8/128 heads, KV
  * blocks of 64 tokens) and per count of selected host tokens per KV head,
@@ -20,7 +20,10 @@
  *   recall     the same blocks' bytes over the link at --link GB/s (40)
  * for dense selections (whole blocks) and sparse ones (8 of every 64 tokens
  * selected: the CPU reads 1/8 of the bytes a recall moves). The merge of
- * the two partials (n_head rows) is timed once per shape. Markdown out.
+ * the two partials (n_head rows) is timed once per shape. --busy K gives
+ * only the first K KV heads of a layer blocks (the heterogeneous split
+ * hands the CPU a few of a layer's heads; counts are then of those K).
+ * Markdown out.
  */
 #include "runtime/backend.h"
 #include "runtime/hetero.h"
@@ -60,7 +63,7 @@ static double median_attention(struct tkv_backend *be, const struct tkv_attn_arg
 
 int main(int argc, char **argv)
 {
-    uint32_t threads = 0, reps = 9;
+    uint32_t threads = 0, reps = 9, busy = UINT32_MAX;
     double link_gbs = 40;
     bool quick = false;
     for (int i = 1; i < argc; i++) {
@@ -70,10 +73,12 @@ int main(int argc, char **argv)
             reps = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--link") && i + 1 < argc)
             link_gbs = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--busy") && i + 1 < argc && atoi(argv[i + 1]) > 0)
+            busy = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick"))
             quick = true;
         else {
-            fprintf(stderr, "usage: bench-hetero [-t threads] [-r reps] [--link GBPS] [--quick]\n");
+            fprintf(stderr, "usage: bench-hetero [-t threads] [-r reps] [--link GBPS] [--busy K>0] [--quick]\n");
             return 2;
         }
     }
@@ -99,7 +104,10 @@ int main(int argc, char **argv)
     build_commit(commit, sizeof commit);
     char nth[16];
     snprintf(nth, sizeof nth, threads ? "%u" : "all", threads);
-    printf("bench-hetero: commit %s, %s threads, link %.1f GB/s, median of %u\n\n", commit, nth, link_gbs, reps);
+    char nbusy[16];
+    snprintf(nbusy, sizeof nbusy, busy == UINT32_MAX ? "all" : "%u", busy);
+    printf("bench-hetero: commit %s, %s threads, link %.1f GB/s, median of %u, KV heads with blocks: %s\n\n", commit,
+           nth, link_gbs, reps, nbusy);
     printf("| shape | selection | host tokens / KV head | cpu attn ms | GFLOP/s | KV GB/s read | sgemm path ms | "
            "GFLOP/s | speedup | crc ms (1 thread) | recall ms | cost model picks |\n"
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
@@ -108,7 +116,7 @@ int main(int argc, char **argv)
     const uint32_t n_counts = quick ? 1 : 4, max_tokens = quick ? 512 : 32768;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const struct shape *sh = &shapes[si];
-        const uint32_t H = sh->hkv * sh->g, B = sh->b, nb_max = max_tokens / B;
+        const uint32_t H = sh->hkv * sh->g, B = sh->b, nb_max = max_tokens / B, hb = TKV_MIN(busy, sh->hkv);
         const size_t blk_halves = (size_t)B * sh->hd, S = 4 * blk_halves; /* K then V: bytes */
         uint16_t *kv = malloc((size_t)sh->hkv * nb_max * 2 * blk_halves * sizeof *kv);
         float *q = malloc((size_t)H * sh->hd * sizeof *q), *out = malloc((size_t)H * sh->hd * sizeof *out);
@@ -139,7 +147,7 @@ int main(int argc, char **argv)
                             .k = k + (size_t)(B - per) * sh->hd, .v = k + blk_halves + (size_t)(B - per) * sh->hd,
                             .pos0 = (int32_t)(b * B + B - per), .n = per};
                     }
-                    views[g] = (struct tkv_kv_head_view){.blocks = refs + (size_t)g * nb_max, .n_blocks = nb};
+                    views[g] = (struct tkv_kv_head_view){.blocks = refs + (size_t)g * nb_max, .n_blocks = g < hb ? nb : 0};
                 }
                 const int32_t pos = (int32_t)(nb * B);
                 const struct tkv_attn_args a = {.q = q, .q_pos = &pos, .out = out, .lse = lse, .n_q = 1, .n_head = H,
@@ -156,12 +164,12 @@ int main(int argc, char **argv)
                     fprintf(stderr, "bench-hetero: the fused and sgemm paths differ by %g\n", dmax);
                     return 1;
                 }
-                const double flop = (double)sh->hkv * T * sh->g * sh->hd * 4.0;
-                const double read_bytes = (double)sh->hkv * T * 4.0 * sh->hd; /* the selected K and V rows */
-                const double moved = (double)sh->hkv * nb * S;                 /* whole blocks */
+                const double flop = (double)hb * T * sh->g * sh->hd * 4.0;
+                const double read_bytes = (double)hb * T * 4.0 * sh->hd; /* the selected K and V rows */
+                const double moved = (double)hb * nb * S;                 /* whole blocks */
                 uint32_t acc = 0;
                 const double c0 = now();
-                for (uint32_t g = 0; g < sh->hkv; g++)
+                for (uint32_t g = 0; g < hb; g++)
                     for (uint32_t b = 0; b < nb; b++)
                         acc ^= tkv_crc32c(0, kv + (((size_t)g * nb_max + b) * 2) * blk_halves, S);
                 const double crc = now() - c0;

@@ -514,15 +514,19 @@ tkv_status tkv_cpu_attention(struct tkv_cpu_backend *cb, const struct tkv_attn_a
                            .fused = cb->attn_fused && a->head_dim % 8 == 0};
     job.tok_per_item = TKV_MAX(1u, ROWS_TARGET / job.G);
     job.n_tok_chunks = (a->n_q + job.tok_per_item - 1) / job.tok_per_item;
-    /* split the keys only when queries alone give too few items */
-    uint32_t max_blocks = 0;
-    for (uint32_t g = 0; g < a->n_head_kv; g++)
+    /* split the keys only when queries alone give too few items; heads
+     * with no block give empty items, so only the others count (the
+     * heterogeneous split hands the CPU a few of a layer's heads) */
+    uint32_t max_blocks = 0, busy = 0;
+    for (uint32_t g = 0; g < a->n_head_kv; g++) {
         max_blocks = TKV_MAX(max_blocks, tkv_attn_head_blocks(a, g));
-    const uint32_t base_items = a->n_head_kv * job.n_tok_chunks, want = 4 * cb->n_threads;
+        busy += tkv_attn_head_blocks(a, g) > 0;
+    }
+    const uint32_t busy_items = TKV_MAX(busy, 1u) * job.n_tok_chunks, want = 4 * cb->n_threads;
     job.n_split = 1;
-    if (base_items < want && max_blocks > 1)
-        job.n_split = TKV_MIN(max_blocks, (want + base_items - 1) / base_items);
-    job.n_items = base_items * job.n_split;
+    if (busy_items < want && max_blocks > 1)
+        job.n_split = TKV_MIN(max_blocks, (want + busy_items - 1) / busy_items);
+    job.n_items = a->n_head_kv * job.n_tok_chunks * job.n_split;
     if (job.n_split > 1) {
         job.partial_stride = (size_t)job.tok_per_item * job.G * (a->head_dim + 2);
         size_t need = job.partial_stride * job.n_items;

@@ -87,6 +87,47 @@ static void test_attention_case(struct tkv_cpu_backend *cb, uint32_t H, uint32_t
     kv_free(&f);
 }
 
+/* A decode step where only some KV heads have blocks (the heterogeneous
+ * split hands the CPU a few heads of a layer; the keys of those are split
+ * over the threads): the fast path equals the reference, the empty heads'
+ * rows are 0 with lse -inf on both. */
+static void test_attention_few_heads(struct tkv_cpu_backend *cb, uint32_t busy_mask)
+{
+    enum { H = 32, HKV = 8, HD = 128, CTX = 3000 };
+    struct kv_fixture f;
+    kv_make(&f, HKV, HD, 64, CTX, true);
+    for (uint32_t h = 0; h < HKV; h++)
+        if (!(busy_mask >> h & 1))
+            f.views[h].n_blocks = 0;
+    float *q = malloc(H * HD * sizeof *q), *o1 = malloc(H * HD * sizeof *o1), *o2 = malloc(H * HD * sizeof *o2);
+    float l1[H], l2[H];
+    const int32_t pos = CTX - 1;
+    for (size_t i = 0; i < H * HD; i++)
+        q[i] = test_rand_f32(&rng, -1, 1);
+    struct tkv_attn_args a = {.q = q, .q_pos = &pos, .out = o1, .lse = l1, .n_q = 1, .n_head = H, .n_head_kv = HKV,
+                              .head_dim = HD, .scale = 1.0f / sqrtf((float)HD), .kv = f.views};
+    CHECK(tkv_cpu_attention(cb, &a) == TKV_OK, "%s", tkv_last_error());
+    a.out = o2, a.lse = l2;
+    CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "%s", tkv_last_error());
+    double max_err = 0;
+    int bad_empty = 0;
+    for (uint32_t r = 0; r < H; r++) {
+        const bool busy = busy_mask >> (r / (H / HKV)) & 1;
+        if (!busy)
+            bad_empty += l1[r] != -INFINITY || l2[r] != -INFINITY;
+        else
+            max_err = fmax(max_err, fabs(l1[r] - l2[r]));
+        for (uint32_t d = 0; d < HD; d++) {
+            max_err = fmax(max_err, fabs(o1[r * HD + d] - o2[r * HD + d]));
+            bad_empty += !busy && o1[r * HD + d] != 0.0f;
+        }
+    }
+    CHECK(max_err < 2e-4 && bad_empty == 0, "attention with KV heads 0x%02x busy: max err %.3g, %d bad empty rows",
+          busy_mask, max_err, bad_empty);
+    free(q), free(o1), free(o2);
+    kv_free(&f);
+}
+
 /* Splitting the keys in two and merging by log-sum-exp equals one pass. */
 static void test_attention_merge(struct tkv_cpu_backend *cb)
 {
@@ -479,6 +520,9 @@ int main(void)
         test_attention_case(cb, 10, 2, 64, 64, 300, 1, true);    /* 5 rows */
         test_attention_case(cb, 14, 2, 128, 32, 250, 1, false);  /* 7 rows */
         test_attention_case(cb, 12, 2, 64, 7, 200, 1, false);    /* 6 rows, blocks of 7 (a lone last key) */
+        test_attention_few_heads(cb, 0x04);                      /* one KV head of 8 has blocks */
+        test_attention_few_heads(cb, 0x24);                      /* two */
+        test_attention_few_heads(cb, 0x00);                      /* none */
         test_attention_case(cb, 9, 3, 64, 5, 203, 1, true);      /* 3 rows, blocks of 5 */
         test_attention_case(cb, 2, 1, 256, 16, 100, 1, false);   /* 2 rows, hd 256 */
         test_attention_merge(cb);
