@@ -373,9 +373,6 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     return 0;
 }
 
-/* One row of the stall split table (per step, over the steps the stall
- * column comes from), appended to *buf (the row's JSON fields are written
- * with the main table's, in main). */
 /* Appends a line to a growing buffer (*buf, *len); on out of memory the
  * line is dropped (it is only printed). */
 static void append_line(char **buf, size_t *len, const char *line)
@@ -389,6 +386,9 @@ static void append_line(char **buf, size_t *len, const char *line)
     *len += w;
 }
 
+/* One row of the stall split table (per step, over the steps the stall
+ * column comes from), appended to *buf (the row's JSON fields are written
+ * with the main table's, in main). */
 static void stall_row(char **buf, size_t *len, uint32_t ctx, const char *policy, const struct row *r)
 {
     const struct tkv_kvs_stall *t = &r->stall;

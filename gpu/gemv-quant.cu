@@ -155,10 +155,10 @@ __device__ __forceinline__ float block_term(const wblock &w, const uint4 &a0, co
 
 /* acc[i] (acc2[i]: the second row, swiglu's up matrix or the pair's next
  * row) += the terms of group j of a row (blocks j GB .. j GB + GB - 1)
- * staged at g0 (g1). Activations come
- * through the read-only cache (every row of the grid reads them), in block
- * order GB: block b of group j at position b gpr + j, so the lanes of a row
- * (consecutive j) read consecutive blocks. */
+ * staged at g0 (g1). Activations come through the read-only cache (every
+ * row of the grid reads them), in block order GB: block b of group j at
+ * position b gpr + j, so the lanes of a row (consecutive j) read
+ * consecutive blocks. */
 template <int QT, int NT, bool TWO>
 __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, const int8_t *__restrict__ aq,
                                           const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in,
@@ -307,24 +307,24 @@ uint32_t smem_bytes(int qt, uint32_t warps, bool two, uint32_t nstage, uint32_t 
     return nstage * stage_bytes(qt, warps, two) + warps * (two ? 2 : 1) * nt * (uint32_t)sizeof(float);
 }
 
-/* Threads per unit L, warps per CTA and stages for `rows` units of n_in
+/* Threads per unit L, warps per CTA and stages for `units` units of n_in
  * (two: a unit streams two rows). */
-void plan(int qt, uint32_t n_in, uint32_t rows, uint32_t n_sm, bool two, uint32_t *L_out, uint32_t *warps_out,
+void plan(int qt, uint32_t n_in, uint32_t units, uint32_t n_sm, bool two, uint32_t *L_out, uint32_t *warps_out,
           uint32_t *nstage_out)
 {
     const uint32_t gpr = n_in / (32 * group_blocks(qt));
     uint32_t L = 8;
     while (L < 32 && 2 * L <= gpr) /* every lane of a row a group, where rows are long enough */
         L *= 2;
-    auto ctas = [&](uint32_t l, uint32_t w) { return ((uint64_t)rows * l + 32 * w - 1) / (32 * w); };
+    auto ctas = [&](uint32_t l, uint32_t w) { return ((uint64_t)units * l + 32 * w - 1) / (32 * w); };
     auto wmin = [](uint32_t l) { return l > 32 ? l / 32 : 1u; };
-    /* few rows: split them over more warps while each thread keeps a group
-     * (and the row's warps' stage fits) */
+    /* few units: split them over more warps while each thread keeps a group
+     * (and the unit's warps' stage fits) */
     while (L < 128 && ctas(L, 8) < 2ull * n_sm && 2 * L <= gpr &&
            smem_bytes(qt, wmin(2 * L), two, 1, 8) <= QG_SMEM_MAX)
         L *= 2;
     /* a second stage (the next round's copies in flight during this one's
-     * arithmetic) where a row takes several rounds */
+     * arithmetic) where a unit takes several rounds */
     const uint32_t nstage = gpr > L && smem_bytes(qt, wmin(L), two, 2, 8) <= QG_SMEM_MAX ? 2 : 1;
     uint32_t w = 8;
     while (w > wmin(L) && smem_bytes(qt, w, two, nstage, 8) > QG_SMEM_MAX)

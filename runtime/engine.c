@@ -599,30 +599,6 @@ static bool hetero_to_cpu(tkv_session *s, uint32_t layer, uint32_t head, uint64_
     return tkv_hetero_choose(&s->het_heads[(size_t)layer * s->hp.n_head_kv + head], cpu_s, recall_s);
 }
 
-/* The store's stall counters now (for observe_recalls). */
-static struct tkv_kvs_stall stall_now(const tkv_session *s)
-{
-    struct tkv_kvs_stats ks;
-    tkv_kvs_get_stats(s->kv, &ks);
-    return ks.stall;
-}
-
-/* What recalls cost as auto observes it (s->link_seen): the time a
- * begin_layer spent bringing blocks in -- settling, evicting, uploading,
- * NVMe reads; not the CPU path's checksums nor the page-table passes that
- * both paths pay -- per byte it brought in. `before`: stall_now() from
- * before the call. */
-static void observe_recalls(tkv_session *s, const struct tkv_kvs_stall *before)
-{
-    if (!s->het_observe)
-        return;
-    const struct tkv_kvs_stall a = *before, b = stall_now(s);
-    const double secs = (b.settle_s - a.settle_s) + (b.evict_s - a.evict_s) + (b.upload_issue_s - a.upload_issue_s) +
-                        (b.upload_wait_s - a.upload_wait_s) + (b.nvme_s - a.nvme_s);
-    tkv_hetero_rate_observe(&s->link_seen, (double)(b.recalled_blocks - a.recalled_blocks) * tkv_kvs_block_bytes(s->kv),
-                            secs);
-}
-
 /* Heterogeneous decode, after plan_decode: per KV head, the planned blocks
  * whose current copy is in the host tier (not the compute tier; never the
  * block this step writes) are either recalled or left there for the CPU
@@ -854,13 +830,11 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
     }
     tkv_kvs_end_layer(s->kv, l);
     uint32_t n_host = 0;
-    const struct tkv_kvs_stall before = stall_now(s);
     tkv_status st = tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, s->need, any_cpu ? s->host_ok : NULL, &n_host);
     if (st != TKV_OK) {
         *begun = false;
         return st;
     }
-    observe_recalls(s, &before);
     TKV_TRY(table_build(s, l, n_past, bitmap, words, NULL));
     for (uint32_t h = 0; h < Hkv; h++) {
         const uint32_t nr = c[4 * h], nm = c[4 * h + 1];
@@ -1033,10 +1007,8 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
             tkv_kvs_prefetch(s->kv, l + 1);
         const bool split = planned && hetero_plan(s, l, plan);
         uint32_t n_host = 0;
-        const struct tkv_kvs_stall before = stall_now(s);
         TKV_TRY(tkv_kvs_begin_layer_split(s->kv, l, s->n_past, n, planned ? s->need : NULL,
                                           split ? s->host_ok : NULL, &n_host));
-        observe_recalls(s, &before);
         /* the next layer's selection of the step before, while this one
          * runs (after this layer's own recalls, which it would delay) */
         if (planned && !(s->flags & TKV_SESSION_NO_SELECTION_PREFETCH))
@@ -1105,13 +1077,6 @@ static tkv_status hetero_attention(tkv_session *s, const struct tkv_attn_args *a
     TKV_TRY(s->be_cpu->ops->attention(s->be_cpu, &cpu));
     t0 = tkv_now_seconds();
     s->ph_cpu_attn += t0 - t1;
-    if (s->het_observe) { /* auto's observation of the CPU's rate (s->cpu_seen), counted as the model counts */
-        uint64_t tokens = 0;
-        for (uint32_t h = 0; h < a->n_head_kv; h++)
-            for (uint32_t j = 0; j < s->hviews[h].n_blocks; j++)
-                tokens += s->hviews[h].blocks[j].n;
-        tkv_hetero_rate_observe(&s->cpu_seen, (double)tokens * (H / a->n_head_kv) * hd * 4.0, t0 - t1);
-    }
     TKV_TRY(ops->download(be, s->att_mrg, s->att, (size_t)H * hd * sizeof(float)));
     TKV_TRY(ops->download(be, s->lse_mrg, s->lse_dev, H * sizeof(float)));
     tkv_attn_merge(s->att_mrg, s->lse_mrg, s->att_cpu, s->lse_cpu, H, hd);
@@ -1304,6 +1269,38 @@ tkv_status tkv_session_after_prefill(tkv_session *s, const tkv_session *src)
     return TKV_OK;
 }
 
+/* What auto's rate observations difference over a decode step: the
+ * tokens the step attended on the CPU (as the cost model counts them) and
+ * the CPU attention's time; the blocks recalled and the stall spent
+ * bringing them in (settle, evict, upload, NVMe reads; not the CPU path's
+ * checksums nor the page-table passes that both paths pay). */
+struct het_mark {
+    uint64_t cpu_tokens, recalled;
+    double cpu_s, recall_s;
+};
+
+static struct het_mark het_mark_now(const tkv_session *s)
+{
+    struct tkv_kvs_stats ks;
+    tkv_kvs_get_stats(s->kv, &ks);
+    const struct tkv_kvs_stall *t = &ks.stall;
+    return (struct het_mark){.cpu_tokens = s->het_cpu_tokens, .recalled = t->recalled_blocks,
+                             .cpu_s = s->ph_cpu_attn,
+                             .recall_s = t->settle_s + t->evict_s + t->upload_issue_s + t->upload_wait_s + t->nvme_s};
+}
+
+/* One observation of each rate auto prices with (s->cpu_seen, s->link_seen)
+ * over the decode step since m0. */
+static void observe_rates(tkv_session *s, const struct het_mark *m0)
+{
+    const struct het_mark m = het_mark_now(s);
+    const double group = s->hp.n_head / s->hp.n_head_kv;
+    tkv_hetero_rate_observe(&s->cpu_seen, (double)(m.cpu_tokens - m0->cpu_tokens) * group * s->hp.head_dim * 4.0,
+                            m.cpu_s - m0->cpu_s);
+    tkv_hetero_rate_observe(&s->link_seen, (double)(m.recalled - m0->recalled) * tkv_kvs_block_bytes(s->kv),
+                            m.recall_s - m0->recall_s);
+}
+
 tkv_status tkv_decode(tkv_session *s, tkv_token tok)
 {
     if (!s)
@@ -1311,6 +1308,7 @@ tkv_status tkv_decode(tkv_session *s, tkv_token tok)
     if (s->n_past >= s->n_ctx)
         return tkv_err(TKV_ERR_CONTEXT_FULL, "decode: the context of %u tokens is full", s->n_ctx);
     const double t0 = tkv_now_seconds();
+    const struct het_mark m0 = s->het_observe ? het_mark_now(s) : (struct het_mark){0};
     s->in_decode = true;
     tkv_status st = run_chunk(s, &tok, 1, true);
     s->in_decode = false;
@@ -1318,6 +1316,8 @@ tkv_status tkv_decode(tkv_session *s, tkv_token tok)
         s->step++;
         s->decode_tokens++;
         s->decode_seconds += tkv_now_seconds() - t0;
+        if (s->het_observe)
+            observe_rates(s, &m0);
     }
     return st;
 }
@@ -1395,7 +1395,8 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
         "\"cpu_tokens\": %.3f, \"recall_heads\": %.3f, \"recall_blocks\": %.3f}},\n",
         modes[s->hetero], s->be_cpu ? "true" : "false", s->link_bps / 1e9, s->cpu_flops / 1e9, s->crc_bps / 1e9,
         s->het_observe ? "true" : "false", tkv_hetero_rate_get(&s->link_seen, 0) / 1e9,
-        tkv_hetero_rate_get(&s->cpu_seen, 0) / 1e9, (unsigned long long)s->het_cpu_heads, (unsigned long long)s->het_cpu_blocks,
+        tkv_hetero_rate_get(&s->cpu_seen, 0) / 1e9, (unsigned long long)s->het_cpu_heads,
+        (unsigned long long)s->het_cpu_blocks,
         (unsigned long long)s->het_cpu_tokens, (unsigned long long)s->het_recall_heads,
         (unsigned long long)s->het_recall_blocks, (unsigned long long)ks.host_read_blocks,
         s->het_cpu_heads / steps, s->het_cpu_tokens / steps, s->het_recall_heads / steps,

@@ -87,8 +87,9 @@ struct tkv_hetero_head {
 bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s);
 
 /* A rate observed in use: work units (flops, bytes) per second over the
- * observations so far, older ones weighing geometrically less (0.9 per
- * observation), so that it follows the machine under the session's load.
+ * observations so far (the engine makes one per decode step), older ones
+ * weighing geometrically less (0.9 per observation), so that it follows
+ * the machine under the session's load.
  * Zeroed: nothing observed. auto starts from rates measured in isolation
  * (the CPU's attention on a few cache-resident MiB, the link's default),
  * which can be far off in use -- on the H200 host at 128K the CPU attended

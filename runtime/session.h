@@ -103,8 +103,8 @@ struct tkv_session {
     enum tkv_hetero hetero;
     double link_bps, cpu_flops;      /* the cost model's rates, as given or measured at start */
     bool het_observe;                /* auto with measured rates: price with what use observes */
-    struct tkv_hetero_rate cpu_seen, link_seen; /* the CPU's attention flop/s, the recalls' bytes/s
-                                                   (each recalled byte's share of the stall) */
+    struct tkv_hetero_rate cpu_seen, link_seen; /* the CPU's attention flop/s, the recalls' bytes/s,
+                                                   one observation per decode step (engine.c) */
     double crc_bps;                  /* host-read verification: one thread's CRC-32C rate times the
                                         store's verifying threads (0 with given rates: not counted) */
     struct tkv_hetero_head *het_heads; /* TKV_HETERO_AUTO: [n_layer][n_head_kv], what each head's
