@@ -147,7 +147,8 @@ int main(int argc, char **argv)
                             .k = k + (size_t)(B - per) * sh->hd, .v = k + blk_halves + (size_t)(B - per) * sh->hd,
                             .pos0 = (int32_t)(b * B + B - per), .n = per};
                     }
-                    views[g] = (struct tkv_kv_head_view){.blocks = refs + (size_t)g * nb_max, .n_blocks = g < hb ? nb : 0};
+                    views[g] = (struct tkv_kv_head_view){.blocks = refs + (size_t)g * nb_max,
+                                                         .n_blocks = g < hb ? nb : 0};
                 }
                 const int32_t pos = (int32_t)(nb * B);
                 const struct tkv_attn_args a = {.q = q, .q_pos = &pos, .out = out, .lse = lse, .n_q = 1, .n_head = H,

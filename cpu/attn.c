@@ -519,8 +519,9 @@ tkv_status tkv_cpu_attention(struct tkv_cpu_backend *cb, const struct tkv_attn_a
      * heterogeneous split hands the CPU a few of a layer's heads) */
     uint32_t max_blocks = 0, busy = 0;
     for (uint32_t g = 0; g < a->n_head_kv; g++) {
-        max_blocks = TKV_MAX(max_blocks, tkv_attn_head_blocks(a, g));
-        busy += tkv_attn_head_blocks(a, g) > 0;
+        const uint32_t nb = tkv_attn_head_blocks(a, g);
+        max_blocks = TKV_MAX(max_blocks, nb);
+        busy += nb > 0;
     }
     const uint32_t busy_items = TKV_MAX(busy, 1u) * job.n_tok_chunks, want = 4 * cb->n_threads;
     job.n_split = 1;

@@ -591,9 +591,9 @@ static bool hetero_to_cpu(tkv_session *s, uint32_t layer, uint32_t head, uint64_
 {
     if (s->hetero != TKV_HETERO_AUTO)
         return s->hetero == TKV_HETERO_CPU;
-    double cpu_s, recall_s, link = s->link_bps, cpu = s->cpu_flops;
-    if (s->het_observe)
-        link = tkv_hetero_rate_get(&s->link_seen, link), cpu = tkv_hetero_rate_get(&s->cpu_seen, cpu);
+    const double link = s->het_observe ? tkv_hetero_rate_get(&s->link_seen, s->link_bps) : s->link_bps;
+    const double cpu = s->het_observe ? tkv_hetero_rate_get(&s->cpu_seen, s->cpu_flops) : s->cpu_flops;
+    double cpu_s, recall_s;
     tkv_hetero_costs(blocks, tokens, tkv_kvs_block_bytes(s->kv), s->hp.n_head / s->hp.n_head_kv, s->hp.head_dim, link,
                      cpu, s->crc_bps, &cpu_s, &recall_s);
     return tkv_hetero_choose(&s->het_heads[(size_t)layer * s->hp.n_head_kv + head], cpu_s, recall_s);
