@@ -199,7 +199,8 @@ static double json_num(const char *json, const char *key)
 
 /* r->rates: what --hetero auto priced the two paths with at the end of the
  * run, from the session's stats JSON, where it observed its rates in use
- * (runtime/hetero.h, struct tkv_hetero_rate); else empty. */
+ * (runtime/hetero.h, struct tkv_hetero_rate; a rate no step did enough
+ * work to observe is "none observed": its prior priced it); else empty. */
 static void hetero_rates(const tkv_session *s, struct row *r)
 {
     static char json[1 << 16];
@@ -207,10 +208,14 @@ static void hetero_rates(const tkv_session *s, struct row *r)
     r->rates[0] = 0;
     if (tkv_session_stats_json(s, json, sizeof json, &len) != TKV_OK || !strstr(json, "\"observed\": true"))
         return;
-    snprintf(r->rates, sizeof r->rates,
-             "CPU attention %.1f GFLOP/s measured at start, %.1f observed; recalls %.1f GB/s default, %.1f observed",
-             json_num(json, "cpu_gflops"), json_num(json, "cpu_gflops_seen"), json_num(json, "link_gbs"),
-             json_num(json, "link_gbs_seen"));
+    char cpu[32] = "none observed", link[32] = "none observed";
+    const double cpu_seen = json_num(json, "cpu_gflops_seen"), link_seen = json_num(json, "link_gbs_seen");
+    if (cpu_seen > 0)
+        snprintf(cpu, sizeof cpu, "%.1f observed", cpu_seen);
+    if (link_seen > 0)
+        snprintf(link, sizeof link, "%.1f observed", link_seen);
+    snprintf(r->rates, sizeof r->rates, "CPU attention %.1f GFLOP/s measured at start, %s; recalls %.1f GB/s default, %s",
+             json_num(json, "cpu_gflops"), cpu, json_num(json, "link_gbs"), link);
 }
 
 static bool is_full(const char *policy) { return !strncmp(policy, "full", 4) && (!policy[4] || policy[4] == ':'); }

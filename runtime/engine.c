@@ -157,6 +157,7 @@ static tkv_status hetero_init(tkv_session *s, const struct tkv_session_params *p
         s->het_heads[i] = TKV_HETERO_HEAD_INIT;
     if (s->cpu_flops == 0) { /* measured: the verification's cost too, and then observed */
         s->het_observe = true;
+        s->het_observe_min_s = TKV_HETERO_OBSERVE_MIN_S;
         tkv_status st = tkv_hetero_measure_cpu(s->be_cpu, hp->n_head_kv, hp->n_head / hp->n_head_kv, hp->head_dim,
                                                s->kv_block, &s->cpu_flops);
         if (st != TKV_OK)
@@ -1290,15 +1291,16 @@ static struct het_mark het_mark_now(const tkv_session *s)
 }
 
 /* One observation of each rate auto prices with (s->cpu_seen, s->link_seen)
- * over the decode step since m0. */
+ * over the decode step since m0; a path whose work that step was too little
+ * to measure its throughput is not observed (tkv_hetero_rate_observe). */
 static void observe_rates(tkv_session *s, const struct het_mark *m0)
 {
     const struct het_mark m = het_mark_now(s);
     const double group = s->hp.n_head / s->hp.n_head_kv;
     tkv_hetero_rate_observe(&s->cpu_seen, (double)(m.cpu_tokens - m0->cpu_tokens) * group * s->hp.head_dim * 4.0,
-                            m.cpu_s - m0->cpu_s);
+                            m.cpu_s - m0->cpu_s, s->cpu_flops, s->het_observe_min_s);
     tkv_hetero_rate_observe(&s->link_seen, (double)(m.recalled - m0->recalled) * tkv_kvs_block_bytes(s->kv),
-                            m.recall_s - m0->recall_s);
+                            m.recall_s - m0->recall_s, s->link_bps, s->het_observe_min_s);
 }
 
 tkv_status tkv_decode(tkv_session *s, tkv_token tok)

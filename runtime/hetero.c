@@ -60,6 +60,8 @@ bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s)
     if (h->last) { /* the host blocks this step finds are the last choice's consequence */
         const int m = h->last - 1;
         h->cost[m] = (float)(h->cost[m] < 0 ? now[m] : 0.5 * (h->cost[m] + now[m]));
+        if (h->cost[1 - m] >= 0) /* unobserved since: stale */
+            h->cost[1 - m] += (float)((now[1 - m] - h->cost[1 - m]) / 8);
     }
     double price[2];
     for (int m = 0; m < 2; m++)
@@ -71,9 +73,9 @@ bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s)
     return pick == 0;
 }
 
-void tkv_hetero_rate_observe(struct tkv_hetero_rate *r, double work, double secs)
+void tkv_hetero_rate_observe(struct tkv_hetero_rate *r, double work, double secs, double prior, double min_s)
 {
-    if (!(work > 0) || !(secs > 0))
+    if (!(work > 0) || !(secs > 0) || !(work >= min_s * tkv_hetero_rate_get(r, prior)))
         return;
     r->work = 0.9 * r->work + work;
     r->secs = 0.9 * r->secs + secs;

@@ -69,8 +69,10 @@ static inline bool tkv_hetero_prefer_cpu(uint64_t host_blocks, uint64_t host_tok
  * step also observes what the mode chosen at the last one costs per step
  * now -- the host blocks a step still finds there are that mode's
  * consequence -- and keeps it (cost[0]: the CPU, cost[1]: recall; < 0:
- * never observed). Zeroed memory is not a valid state: start with
- * TKV_HETERO_HEAD_INIT. */
+ * never observed). The mode not chosen is not observed, and what it cost
+ * when it last was goes stale: each step it moves 1/8 of the way to that
+ * mode's prediction for the step (tkv_hetero_choose). Zeroed memory is not
+ * a valid state: start with TKV_HETERO_HEAD_INIT. */
 struct tkv_hetero_head {
     float cost[2]; /* seconds per step, running mean of the observations  */
     uint8_t last;  /* the mode chosen last: 0 none yet, 1 CPU, 2 recall     */
@@ -79,7 +81,12 @@ struct tkv_hetero_head {
 
 /* The choice for one head with this step's costs as the model predicts them
  * (cpu_s, recall_s: tkv_hetero_costs). First the last choice's observed
- * cost is folded into h; then each mode is priced at its observed cost if
+ * cost is folded into h and the other mode's (if observed) moves 1/8 of the
+ * way to its prediction -- on the H100 host at 128K, heads whose recall was
+ * observed during the first steps' transient (the whole selection still
+ * below) stayed on the CPU for good at 3x the recall's price once the
+ * transient had passed (docs/rabitq.md, session 28); then each mode is
+ * priced at its observed cost if
  * it has one, else at the prediction, and the cheaper taken -- unless the
  * other mode was never observed and its prediction is within 2x of that
  * price, when it is taken once to observe it. With nothing observed this is
@@ -94,15 +101,27 @@ bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s)
  * (the CPU's attention on a few cache-resident MiB, the link's default),
  * which can be far off in use -- on the H200 host at 128K the CPU attended
  * host blocks ~4x slower than measured at start, the recalls moved ~0.8x
- * the default rate (366 MB in ~11 ms of recall stall) -- so where the session measured its rates it prices
- * with these once they have an observation. */
+ * the default rate (366 MB in ~11 ms of recall stall) -- so where the
+ * session measured its rates it prices with these once they have an
+ * observation. */
 struct tkv_hetero_rate {
     double work, secs;
 };
-/* Adds an observation (ignored unless work > 0 and secs > 0). */
-void tkv_hetero_rate_observe(struct tkv_hetero_rate *r, double work, double secs);
+/* Adds an observation of `work` done in `secs`, `prior` being the rate
+ * assumed before any. Ignored unless work > 0, secs > 0 and the work would
+ * take at least min_s at the rate in use (tkv_hetero_rate_get): the cost
+ * model prices work by a throughput, and a step that did little measures
+ * the path's fixed costs (an eviction pass, an upload's issue, the thread
+ * pool's start) more than its throughput. On the H100 host at 128K, auto's
+ * steps that recalled ~6 MB observed 5-6 GB/s where steps recalling
+ * 366-385 MB moved 35-42 GB/s; priced at the former, every head went to the CPU and
+ * the link was never observed again (docs/rabitq.md, session 28). */
+void tkv_hetero_rate_observe(struct tkv_hetero_rate *r, double work, double secs, double prior, double min_s);
 /* The observed rate, or `prior` when nothing was observed. */
 double tkv_hetero_rate_get(const struct tkv_hetero_rate *r, double prior);
+/* The engine's min_s: 2 ms of a decode step's work, twice what those ~6 MB
+ * steps spent on recalls (1.1 ms, mostly eviction passes and issue). */
+#define TKV_HETERO_OBSERVE_MIN_S 2e-3
 
 /* CRC-32C bytes/s on the calling thread (a few MiB, best of 3; ~1 ms). */
 double tkv_hetero_measure_crc(void);

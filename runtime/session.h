@@ -105,6 +105,8 @@ struct tkv_session {
     bool het_observe;                /* auto with measured rates: price with what use observes */
     struct tkv_hetero_rate cpu_seen, link_seen; /* the CPU's attention flop/s, the recalls' bytes/s,
                                                    one observation per decode step (engine.c) */
+    double het_observe_min_s;        /* a step's work observed if it takes this long at the
+                                        rate in use (TKV_HETERO_OBSERVE_MIN_S; tests: 0) */
     double crc_bps;                  /* host-read verification: one thread's CRC-32C rate times the
                                         store's verifying threads (0 with given rates: not counted) */
     struct tkv_hetero_head *het_heads; /* TKV_HETERO_AUTO: [n_layer][n_head_kv], what each head's

@@ -11,9 +11,11 @@
  *   cost: the cost model's choices (tkv_hetero_prefer_cpu), and auto's
  *      per-head observations (tkv_hetero_choose): the prediction with
  *      nothing observed, a recall probed and kept where selections repeat,
- *      given up where it thrashes, a mode far off never probed; the rates
+ *      given up where it thrashes, one observed in a transient going stale
+ *      until the head returns, a mode far off never probed; the rates
  *      observed in use (tkv_hetero_rate): the prior until an observation,
- *      then the observations' rate, following a change;
+ *      then the observations' rate, following a change, a step with too
+ *      little work to measure ignored;
  *   2. store: tkv_kvs_begin_layer_split on a "device" compute tier + pinned
  *      host tier + NVMe under pressure: exactly the allowed host-tier
  *      blocks are left on the host, the host view and the compute view are
@@ -27,7 +29,9 @@
  *      recall, auto (measured rates, and rates forcing either side) generates
  *      the tokens of `full`, with logits within float rounding, and the
  *      counters say which path ran; auto with measured rates observed the
- *      rate of each path that ran, with given rates none; on the CPU backend the split is a no-op;
+ *      rate of each path that ran (every step counted), none with the
+ *      default's 2 ms (the tiny model's steps are far less), with given
+ *      rates none; on the CPU backend the split is a no-op;
  *      auto where selections repeat (StreamingLLM) and the compute tier
  *      keeps what it recalls: far fewer heads on the CPU than `cpu`, some
  *      recalled, the tokens of `recall`;
@@ -198,20 +202,34 @@ static void test_cost_model(void)
     CHECK(!tkv_hetero_choose(&h, 1.0, 1.1), "thrash, step 2: recall probed");
     for (int i = 0; i < 8; i++)
         CHECK(tkv_hetero_choose(&h, 1.0, 1.1), "thrash, step %d: the CPU (recall observed at 1.1)", 3 + i);
+    /* a recall observed in a transient (the whole selection still below)
+     * goes stale: it moves to the prediction, 1/8 a step, and the head
+     * returns to recall once it is cheaper than the CPU's observed cost */
+    h = TKV_HETERO_HEAD_INIT;
+    CHECK(tkv_hetero_choose(&h, 1.0, 1.1), "transient, step 1: the CPU");
+    CHECK(!tkv_hetero_choose(&h, 1.0, 1.1), "transient, step 2: recall probed");
+    CHECK(tkv_hetero_choose(&h, 1.0, 5.0), "transient, step 3: recall observed at 5, the CPU");
+    int back = 0; /* 0.3 + 4.7 (7/8)^k < 1.0 from k = 15 on */
+    for (int i = 0; i < 30 && !back; i++)
+        if (!tkv_hetero_choose(&h, 1.0, 0.3))
+            back = 4 + i;
+    CHECK(back == 18, "transient: back to recall at step %d, want 18 (recall's cost %g)", back, (double)h.cost[1]);
+    CHECK(h.cost[0] == 1.0f, "the CPU's cost stayed its observations' (%g)", (double)h.cost[0]);
     /* a mode far off is never probed */
     h = TKV_HETERO_HEAD_INIT;
     for (int i = 0; i < 8; i++)
         CHECK(tkv_hetero_choose(&h, 0.1, 1.0), "a fast CPU, step %d: never recall", 1 + i);
     CHECK(h.cost[1] < 0, "recall was never observed");
 
-    /* rates observed in use: the prior until then, then what is observed */
+    /* rates observed in use: the prior until then, then what is observed
+     * (min_s 0: any work counts) */
     struct tkv_hetero_rate r = {0};
     CHECK(tkv_hetero_rate_get(&r, 200e9) == 200e9, "nothing observed: the prior");
-    tkv_hetero_rate_observe(&r, 1e9, 0.0);
-    tkv_hetero_rate_observe(&r, 0.0, 1.0);
-    tkv_hetero_rate_observe(&r, NAN, 1.0);
+    tkv_hetero_rate_observe(&r, 1e9, 0.0, 200e9, 0);
+    tkv_hetero_rate_observe(&r, 0.0, 1.0, 200e9, 0);
+    tkv_hetero_rate_observe(&r, NAN, 1.0, 200e9, 0);
     CHECK(tkv_hetero_rate_get(&r, 200e9) == 200e9, "empty observations are ignored");
-    tkv_hetero_rate_observe(&r, 50e9, 1.0);
+    tkv_hetero_rate_observe(&r, 50e9, 1.0, 200e9, 0);
     CHECK(fabs(tkv_hetero_rate_get(&r, 200e9) - 50e9) < 1e-3 * 50e9, "one observation: its rate (%g)",
           tkv_hetero_rate_get(&r, 200e9));
     /* the CPU measured at 200 GFLOP/s at start, 50 in use: the head of the
@@ -220,9 +238,22 @@ static void test_cost_model(void)
               !tkv_hetero_prefer_cpu(10, 640, 32768, 4, 128, 40e9, tkv_hetero_rate_get(&r, 200e9), 0),
           "the observed rate turns the choice");
     for (int i = 0; i < 60; i++) /* the machine speeds up: older observations fade */
-        tkv_hetero_rate_observe(&r, 2 * 100e9 * 1e-3, 2e-3);
+        tkv_hetero_rate_observe(&r, 2 * 100e9 * 1e-3, 2e-3, 200e9, 0);
     CHECK(fabs(tkv_hetero_rate_get(&r, 0) - 100e9) < 0.05 * 100e9, "follows a new rate (%g)",
           tkv_hetero_rate_get(&r, 0));
+    /* too little work to measure a throughput: ignored, judged at the rate
+     * in use (the prior, then the observed one) */
+    struct tkv_hetero_rate l = {0};
+    tkv_hetero_rate_observe(&l, 6e6, 1e-3, 40e9, 2e-3); /* 0.15 ms at the prior's 40 GB/s */
+    CHECK(tkv_hetero_rate_get(&l, 40e9) == 40e9, "6 MB: below 2 ms at the prior, not observed");
+    tkv_hetero_rate_observe(&l, 81e6, 4e-3, 40e9, 2e-3); /* 2.03 ms at 40 GB/s */
+    CHECK(fabs(tkv_hetero_rate_get(&l, 40e9) - 20.25e9) < 1e-3 * 20e9, "81 MB: observed (%g)",
+          tkv_hetero_rate_get(&l, 40e9));
+    tkv_hetero_rate_observe(&l, 39e6, 1e-3, 40e9, 2e-3); /* 1.93 ms at the 20.25 GB/s now in use */
+    CHECK(fabs(tkv_hetero_rate_get(&l, 40e9) - 20.25e9) < 1e-3 * 20e9, "39 MB: below 2 ms at 20 GB/s, not observed");
+    tkv_hetero_rate_observe(&l, 42e6, 1e-3, 40e9, 2e-3); /* 2.07 ms at 20.25 GB/s */
+    CHECK(tkv_hetero_rate_get(&l, 40e9) > 21e9, "42 MB: observed at the rate in use (%g)",
+          tkv_hetero_rate_get(&l, 40e9));
 }
 
 /* ---- 2: the store's split begin ------------------------------------------------------------ */
@@ -394,10 +425,13 @@ struct run {
     uint64_t cpu_heads, recall_heads, cpu_tokens, host_reads;
     bool observe; /* auto priced with observed rates; then what it saw (flop/s, bytes/s) */
     double cpu_seen, link_seen;
+    double cpu_flops, link_bps; /* the rates it started from */
 };
 
+/* observe_min_s >= 0: what a decode step's work must take for auto to
+ * observe its rate (else the session's default) */
 static tkv_status run_session(tkv_model *m, const char *device, const char *policy, enum tkv_hetero mode,
-                              double cpu_gflops, const tkv_token *prompt, struct run *out)
+                              double cpu_gflops, double observe_min_s, const tkv_token *prompt, struct run *out)
 {
     struct tkv_session_params sp = tkv_session_default_params();
     sp.n_threads = 2;
@@ -413,6 +447,8 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
     }
     tkv_session *s = NULL;
     TKV_TRY(tkv_session_init(m, &sp, &s));
+    if (observe_min_s >= 0)
+        s->het_observe_min_s = observe_min_s;
     tkv_status st = tkv_prefill(s, prompt, NP);
     for (uint32_t i = 0; i < NG && st == TKV_OK; i++) {
         memcpy(out->logits + (size_t)i * V, tkv_logits(s), V * sizeof(float));
@@ -430,6 +466,7 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
     out->cpu_tokens = s->het_cpu_tokens, out->host_reads = ks.host_read_blocks;
     out->observe = s->het_observe;
     out->cpu_seen = tkv_hetero_rate_get(&s->cpu_seen, 0), out->link_seen = tkv_hetero_rate_get(&s->link_seen, 0);
+    out->cpu_flops = s->cpu_flops, out->link_bps = s->link_bps;
     char json[4096];
     size_t len;
     CHECK(tkv_session_stats_json(s, json, sizeof json, &len) == TKV_OK && strstr(json, "\"hetero\""),
@@ -442,21 +479,22 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
 {
     static struct run full, r;
     const char *rq = "rabitq:p=1.0,sink=4,recent=8,batch=8,dense=0";
-    REQUIRE_VOID(run_session(m, "opaque", "full", TKV_HETERO_AUTO, 0, prompt, &full) == TKV_OK);
+    REQUIRE_VOID(run_session(m, "opaque", "full", TKV_HETERO_AUTO, 0, -1, prompt, &full) == TKV_OK);
     CHECK(full.cpu_heads == 0 && full.host_reads == 0, "full: %llu heads on the CPU (nothing is planned)",
           (unsigned long long)full.cpu_heads);
     static const struct {
         const char *name, *device;
         enum tkv_hetero mode;
-        double gflops;
+        double gflops, observe_min_s; /* observe_min_s < 0: the session's default */
         int want; /* 1: CPU heads only, 2: recalls only, 3: either, 0: nothing split (CPU backend) */
     } cases[] = {
-        {"recall", "opaque", TKV_HETERO_RECALL, 0, 0},
-        {"cpu", "opaque", TKV_HETERO_CPU, 0, 1},
-        {"auto, measured rates", "opaque", TKV_HETERO_AUTO, 0, 3},
-        {"auto, a fast CPU", "opaque", TKV_HETERO_AUTO, 1e9, 1},
-        {"auto, a slow CPU", "opaque", TKV_HETERO_AUTO, 1e-9, 2},
-        {"cpu on the CPU backend", "cpu", TKV_HETERO_CPU, 0, 0},
+        {"recall", "opaque", TKV_HETERO_RECALL, 0, -1, 0},
+        {"cpu", "opaque", TKV_HETERO_CPU, 0, -1, 1},
+        {"auto, measured rates", "opaque", TKV_HETERO_AUTO, 0, 0, 3},
+        {"auto, measured, default min", "opaque", TKV_HETERO_AUTO, 0, -1, 3},
+        {"auto, a fast CPU", "opaque", TKV_HETERO_AUTO, 1e9, -1, 1},
+        {"auto, a slow CPU", "opaque", TKV_HETERO_AUTO, 1e-9, -1, 2},
+        {"cpu on the CPU backend", "cpu", TKV_HETERO_CPU, 0, -1, 0},
     };
     /* each case on the host path (table 0) and from the device decode table
      * (table 1: the default on the opaque backend, forced on the CPU's) */
@@ -468,7 +506,7 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
         snprintf(name, sizeof name, "%s, table %d", cases[i].name, table);
         memset(&r, 0, sizeof r);
         const uint64_t att0 = opaque_attention_calls;
-        tkv_status st = run_session(m, cases[i].device, rq, cases[i].mode, cases[i].gflops, prompt, &r);
+        tkv_status st = run_session(m, cases[i].device, rq, cases[i].mode, cases[i].gflops, cases[i].observe_min_s, prompt, &r);
         CHECK(st == TKV_OK, "%s: %s", name, tkv_last_error());
         const float diff = max_abs(r.logits, full.logits, (NG + 1) * V);
         fprintf(stderr,
@@ -508,11 +546,21 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
          * ran (a head chosen for recall has host blocks: they are recalled) */
         const bool observe = cases[i].mode == TKV_HETERO_AUTO && cases[i].gflops == 0;
         CHECK(r.observe == observe, "%s: observing rates: %d, want %d", name, r.observe, observe);
-        if (observe)
+        if (observe && cases[i].observe_min_s == 0) {
             CHECK((r.cpu_heads == 0 || r.cpu_seen > 0) && (r.recall_heads == 0 || r.link_seen > 0),
                   "%s: a path ran unobserved (CPU heads %llu, %g flop/s; recalled heads %llu, %g B/s)", name,
                   (unsigned long long)r.cpu_heads, r.cpu_seen, (unsigned long long)r.recall_heads, r.link_seen);
-        else
+        } else if (observe) {
+            /* a step of the tiny model reads at most its whole context on
+             * either path: far less than the default's 2 ms at the rates in
+             * use, so nothing is observed (where the CPU measured that slow,
+             * not checked) */
+            const double cpu_max = (double)L * HKV * CTX * (H / HKV) * HD * 4.0, link_max = (double)L * HKV * (CTX / KB) * BLK;
+            if (cpu_max < TKV_HETERO_OBSERVE_MIN_S * r.cpu_flops)
+                CHECK(r.cpu_seen == 0, "%s: a step of at most %g flop observed (%g flop/s)", name, cpu_max, r.cpu_seen);
+            CHECK(link_max < TKV_HETERO_OBSERVE_MIN_S * r.link_bps && r.link_seen == 0,
+                  "%s: a step of at most %g bytes observed (%g B/s)", name, link_max, r.link_seen);
+        } else
             CHECK(r.cpu_seen == 0 && r.link_seen == 0, "%s: rates observed (%g, %g) where they were given or unused",
                   name, r.cpu_seen, r.link_seen);
     }
@@ -535,11 +583,11 @@ static void test_engine_reuse(tkv_model *m, const tkv_token *prompt)
     const char *pol = "streaming:sink=4,budget=48";
     const double gflops = (double)(H / HKV) * TKV_HETERO_LINK_BPS / 0.9 / 1e9;
     setenv("TKV_RABITQ_DEVICE_TABLE", "0", 1);
-    tkv_status st = run_session(m, "opaque", pol, TKV_HETERO_RECALL, 0, prompt, &rc);
+    tkv_status st = run_session(m, "opaque", pol, TKV_HETERO_RECALL, 0, -1, prompt, &rc);
     if (st == TKV_OK)
-        st = run_session(m, "opaque", pol, TKV_HETERO_CPU, 0, prompt, &cp);
+        st = run_session(m, "opaque", pol, TKV_HETERO_CPU, 0, -1, prompt, &cp);
     if (st == TKV_OK)
-        st = run_session(m, "opaque", pol, TKV_HETERO_AUTO, gflops, prompt, &au);
+        st = run_session(m, "opaque", pol, TKV_HETERO_AUTO, gflops, -1, prompt, &au);
     unsetenv("TKV_RABITQ_DEVICE_TABLE");
     CHECK(st == TKV_OK, "streaming runs: %s", tkv_last_error());
     if (st != TKV_OK)
