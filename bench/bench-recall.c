@@ -183,7 +183,7 @@ struct row {
     double brought_share;            /* of those, the share with missing blocks settled first */
     double split_step_s, select_s, attn_s, cpu_attn_s, stall_s; /* per split step */
     struct tkv_kvs_stall stall;      /* the stall's parts and counts, summed over the split steps */
-    char rates[200];                 /* --hetero auto's rates at the end, when it observed them */
+    char rates[320];                 /* --hetero auto's rates and arms at the end, when it observed them */
     double stall_steps;              /* the steps they are summed over          */
     tkv_token *toks_out;             /* [steps] timed tokens                  */
 };
@@ -200,7 +200,9 @@ static double json_num(const char *json, const char *key)
 /* r->rates: what --hetero auto priced the two paths with at the end of the
  * run, from the session's stats JSON, where it observed its rates in use
  * (runtime/hetero.h, struct tkv_hetero_rate; a rate no step did enough
- * work to observe is "none observed": its prior priced it); else empty. */
+ * work to observe is "none observed": its prior priced it), and the decode
+ * steps each arm decided (struct tkv_hetero_arms; warm-up included) with
+ * the arm in use at the end; else empty. */
 static void hetero_rates(const tkv_session *s, struct row *r)
 {
     static char json[1 << 16];
@@ -214,8 +216,13 @@ static void hetero_rates(const tkv_session *s, struct row *r)
         snprintf(cpu, sizeof cpu, "%.1f observed", cpu_seen);
     if (link_seen > 0)
         snprintf(link, sizeof link, "%.1f observed", link_seen);
-    snprintf(r->rates, sizeof r->rates, "CPU attention %.1f GFLOP/s measured at start, %s; recalls %.1f GB/s default, %s",
-             json_num(json, "cpu_gflops"), cpu, json_num(json, "link_gbs"), link);
+    const char *as = strstr(json, "\"arm_steps\""), *arm = strstr(json, "\"arm\": \"");
+    const int arm_len = arm ? (int)strcspn(arm + 8, "\"") : 0;
+    snprintf(r->rates, sizeof r->rates,
+             "CPU attention %.1f GFLOP/s measured at start, %s; recalls %.1f GB/s default, %s; decode steps by arm: "
+             "model %.0f, recall %.0f, cpu %.0f, at the end %.*s",
+             json_num(json, "cpu_gflops"), cpu, json_num(json, "link_gbs"), link, as ? json_num(as, "model") : 0,
+             as ? json_num(as, "recall") : 0, as ? json_num(as, "cpu") : 0, arm_len, arm ? arm + 8 : "");
 }
 
 static bool is_full(const char *policy) { return !strncmp(policy, "full", 4) && (!policy[4] || policy[4] == ':'); }
@@ -597,7 +604,7 @@ int main(int argc, char **argv)
             const double rest = r.split_step_s - r.select_s - r.attn_s - r.cpu_attn_s - r.stall_s;
             stall_row(&split_tab, &split_len, ctx, o.policies[p], &r);
             if (r.rates[0]) {
-                char line[320];
+                char line[448];
                 snprintf(line, sizeof line, "- %u, %s: %s\n", ctx, o.policies[p], r.rates);
                 append_line(&rates, &rates_len, line);
             }
@@ -662,8 +669,8 @@ int main(int argc, char **argv)
         free(split_tab);
     }
     if (rates) {
-        printf("\nhetero rates: what --hetero auto priced the two paths with at the end of each run "
-               "(runtime/hetero.h):\n%s", rates);
+        printf("\nhetero rates: what --hetero auto priced the two paths with at the end of each run, and the "
+               "arms that decided its steps (runtime/hetero.h):\n%s", rates);
         free(rates);
     }
     printf("\nfill: %s -- attention concentrates by construction, so read tok / read blk say what this fill made "

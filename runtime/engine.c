@@ -158,6 +158,7 @@ static tkv_status hetero_init(tkv_session *s, const struct tkv_session_params *p
     if (s->cpu_flops == 0) { /* measured: the verification's cost too, and then observed */
         s->het_observe = true;
         s->het_observe_min_s = TKV_HETERO_OBSERVE_MIN_S;
+        tkv_hetero_arms_init(&s->arms);
         tkv_status st = tkv_hetero_measure_cpu(s->be_cpu, hp->n_head_kv, hp->n_head / hp->n_head_kv, hp->head_dim,
                                                s->kv_block, &s->cpu_flops);
         if (st != TKV_OK)
@@ -587,11 +588,14 @@ static bool host_readable(const tkv_session *s, uint32_t layer, uint32_t head, u
  * blocks (blocks, holding `tokens` selected tokens) are needed: true, the
  * CPU attends them where they are -- always, never, or as auto's cost model
  * and its observations of the head so far say (tkv_hetero_choose), as
- * s->hetero says. */
+ * s->hetero says; auto with measured rates, as the arm of the step says
+ * (s->arms: the model, or every head one way). */
 static bool hetero_to_cpu(tkv_session *s, uint32_t layer, uint32_t head, uint64_t blocks, uint64_t tokens)
 {
     if (s->hetero != TKV_HETERO_AUTO)
         return s->hetero == TKV_HETERO_CPU;
+    if (s->het_observe && s->arms.arm != TKV_HETERO_ARM_MODEL)
+        return s->arms.arm == TKV_HETERO_ARM_CPU;
     const double link = s->het_observe ? tkv_hetero_rate_get(&s->link_seen, s->link_bps) : s->link_bps;
     const double cpu = s->het_observe ? tkv_hetero_rate_get(&s->cpu_seen, s->cpu_flops) : s->cpu_flops;
     double cpu_s, recall_s;
@@ -1303,6 +1307,19 @@ static void observe_rates(tkv_session *s, const struct het_mark *m0)
                             m.recall_s - m0->recall_s, s->link_bps, s->het_observe_min_s);
 }
 
+/* auto with measured rates, after a decode step of dt seconds: the step's
+ * rate observations, then the arm of the next step; a return to the model
+ * starts its heads afresh (their last choice was not theirs). */
+static void next_arm(tkv_session *s, const struct het_mark *m0, double dt)
+{
+    observe_rates(s, m0);
+    const enum tkv_hetero_arm was = s->arms.arm;
+    s->het_arm_steps[was]++;
+    if (tkv_hetero_arm_next(&s->arms, dt) == TKV_HETERO_ARM_MODEL && was != TKV_HETERO_ARM_MODEL)
+        for (size_t i = 0; i < (size_t)s->hp.n_layer * s->hp.n_head_kv; i++)
+            s->het_heads[i].last = 0;
+}
+
 tkv_status tkv_decode(tkv_session *s, tkv_token tok)
 {
     if (!s)
@@ -1317,9 +1334,10 @@ tkv_status tkv_decode(tkv_session *s, tkv_token tok)
     if (st == TKV_OK) {
         s->step++;
         s->decode_tokens++;
-        s->decode_seconds += tkv_now_seconds() - t0;
+        const double dt = tkv_now_seconds() - t0;
+        s->decode_seconds += dt;
         if (s->het_observe)
-            observe_rates(s, &m0);
+            next_arm(s, &m0, dt);
     }
     return st;
 }
@@ -1388,16 +1406,20 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
         n_steps ? ks.stall_seconds / n_steps : 0.0, (unsigned long long)n_steps);
     /* heterogeneous decode: KV heads (summed over layers) whose host-tier
      * blocks the CPU attended or that were recalled, per decode step */
-    static const char *const modes[] = {"auto", "recall", "cpu"};
+    static const char *const modes[] = {"auto", "recall", "cpu"}, *const arms[] = {"model", "recall", "cpu"};
     const double steps = s->decode_tokens ? (double)s->decode_tokens : 1.0;
     OUT(" \"hetero\": {\"mode\": \"%s\", \"active\": %s, \"link_gbs\": %.3f, \"cpu_gflops\": %.3f, \"crc_gbs\": %.3f, "
-        "\"observed\": %s, \"link_gbs_seen\": %.3f, \"cpu_gflops_seen\": %.3f, "
+        "\"observed\": %s, \"link_gbs_seen\": %.3f, \"cpu_gflops_seen\": %.3f, \"arm\": \"%s\", "
+        "\"arm_steps\": {\"model\": %llu, \"recall\": %llu, \"cpu\": %llu}, "
         "\"cpu_heads\": %llu, \"cpu_blocks\": %llu, \"cpu_tokens\": %llu, \"recall_heads\": %llu, "
         "\"recall_blocks\": %llu, \"host_read_blocks\": %llu,\n  \"per_step\": {\"cpu_heads\": %.3f, "
         "\"cpu_tokens\": %.3f, \"recall_heads\": %.3f, \"recall_blocks\": %.3f}},\n",
         modes[s->hetero], s->be_cpu ? "true" : "false", s->link_bps / 1e9, s->cpu_flops / 1e9, s->crc_bps / 1e9,
         s->het_observe ? "true" : "false", tkv_hetero_rate_get(&s->link_seen, 0) / 1e9,
-        tkv_hetero_rate_get(&s->cpu_seen, 0) / 1e9, (unsigned long long)s->het_cpu_heads,
+        tkv_hetero_rate_get(&s->cpu_seen, 0) / 1e9, s->het_observe ? arms[s->arms.arm] : "none",
+        (unsigned long long)s->het_arm_steps[TKV_HETERO_ARM_MODEL],
+        (unsigned long long)s->het_arm_steps[TKV_HETERO_ARM_RECALL],
+        (unsigned long long)s->het_arm_steps[TKV_HETERO_ARM_CPU], (unsigned long long)s->het_cpu_heads,
         (unsigned long long)s->het_cpu_blocks,
         (unsigned long long)s->het_cpu_tokens, (unsigned long long)s->het_recall_heads,
         (unsigned long long)s->het_recall_blocks, (unsigned long long)ks.host_read_blocks,

@@ -73,6 +73,59 @@ bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s)
     return pick == 0;
 }
 
+void tkv_hetero_arms_init(struct tkv_hetero_arms *a)
+{
+    *a = (struct tkv_hetero_arms){.arm = TKV_HETERO_ARM_MODEL};
+    for (int m = 0; m < TKV_HETERO_ARMS; m++) {
+        a->mean[m] = -1;
+        a->wait[m] = TKV_HETERO_ARM_WAIT / 2; /* doubled at the first trial it loses */
+    }
+}
+
+enum tkv_hetero_arm tkv_hetero_arm_next(struct tkv_hetero_arms *a, double secs)
+{
+    a->step++;
+    if (a->run++ > 0) { /* not the step right after a switch */
+        a->sum += secs;
+        a->n++;
+    }
+    if (a->n < TKV_HETERO_ARM_TRIAL)
+        return a->arm;
+    const int cur = (int)a->arm;
+    a->mean[cur] = a->sum / a->n;
+    a->sum = 0, a->n = 0;
+    int best = -1;
+    for (int m = 0; m < TKV_HETERO_ARMS; m++)
+        if (a->mean[m] >= 0 && (best < 0 || a->mean[m] < a->mean[best]))
+            best = m;
+    /* due = 0: no re-trial scheduled (the best needs none). An arm that has
+     * just lost, or that the best has just passed, waits twice as long as
+     * the last time; the best's wait starts over. */
+    for (int m = 0; m < TKV_HETERO_ARMS; m++) {
+        if (m == best) {
+            a->wait[m] = TKV_HETERO_ARM_WAIT / 2;
+            a->due[m] = 0;
+        } else if (a->mean[m] >= 0 && (m == cur || a->due[m] == 0)) {
+            a->wait[m] = a->wait[m] < TKV_HETERO_ARM_WAIT_MAX / 2 ? 2 * a->wait[m] : TKV_HETERO_ARM_WAIT_MAX;
+            a->due[m] = a->step + a->wait[m];
+        }
+    }
+    int next = -1;
+    for (int m = 0; m < TKV_HETERO_ARMS && next < 0; m++)
+        if (a->mean[m] < 0)
+            next = m; /* never tried: first */
+    for (int m = 0; m < TKV_HETERO_ARMS && next < 0; m++)
+        if (a->due[m] && a->step >= a->due[m])
+            next = m; /* due again */
+    if (next < 0)
+        next = best;
+    if (next != cur) {
+        a->arm = (enum tkv_hetero_arm)next;
+        a->run = 0;
+    }
+    return a->arm;
+}
+
 void tkv_hetero_rate_observe(struct tkv_hetero_rate *r, double work, double secs, double prior, double min_s)
 {
     if (!(work > 0) || !(secs > 0) || !(work >= min_s * tkv_hetero_rate_get(r, prior)))

@@ -81,17 +81,55 @@ struct tkv_hetero_head {
 
 /* The choice for one head with this step's costs as the model predicts them
  * (cpu_s, recall_s: tkv_hetero_costs). First the last choice's observed
- * cost is folded into h and the other mode's (if observed) moves 1/8 of the
- * way to its prediction -- on the H100 host at 128K, heads whose recall was
- * observed during the first steps' transient (the whole selection still
- * below) stayed on the CPU for good at 3x the recall's price once the
- * transient had passed (docs/rabitq.md, session 28); then each mode is
- * priced at its observed cost if
- * it has one, else at the prediction, and the cheaper taken -- unless the
- * other mode was never observed and its prediction is within 2x of that
- * price, when it is taken once to observe it. With nothing observed this is
- * the prediction's choice (tkv_hetero_prefer_cpu). True: the CPU. */
+ * cost is folded into h, and the other mode's (if observed) moves 1/8 of
+ * the way to its prediction: on the H100 host at 128K, heads whose recall
+ * was observed in the first steps' transient (their whole selection still
+ * below) stayed on the CPU for good, at 3x the recall's price once the
+ * transient had passed (docs/rabitq.md, session 28). Then each mode is
+ * priced at its observed cost if it has one, else at the prediction, and
+ * the cheaper taken -- unless the other mode was never observed and its
+ * prediction is within 2x of that price, when it is taken once to observe
+ * it. With nothing observed this is the prediction's choice
+ * (tkv_hetero_prefer_cpu). True: the CPU. */
 bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s);
+
+/* Which way `auto` decides a decode step, when it measured its rates: the
+ * cost model per head (tkv_hetero_choose: MODEL), or every head's host
+ * blocks recalled (RECALL) or attended on the CPU (CPU). The model prices
+ * blocks one head at a time, and what a step costs is not that sum: an
+ * eviction pass, an upload's issue or the thread pool's start are paid per
+ * layer, recalls of one head evict another's blocks, the CPU's part adds
+ * to the step rather than overlapping the link's. On the H100 host at
+ * 128K under the 8G cap the model, its rates observed in use and its stale
+ * costs relaxed, still ran 32-35 tok/s where recalling everything ran
+ * 48-49 (docs/rabitq.md, session 28). So `auto` also measures what matters,
+ * the decode step's time, under each arm: a bandit over whole steps. Each
+ * arm is tried first for a trial of TKV_HETERO_ARM_TRIAL counted steps
+ * (the first step after a switch pays the switch's transient, e.g. the
+ * recall of every block the CPU had been reading, and is not counted),
+ * then the arm with the least mean step time of its latest trial is used,
+ * its mean refreshed every trial; an arm not in use is tried again after
+ * TKV_HETERO_ARM_WAIT steps, that wait doubling each time it loses (up to
+ * TKV_HETERO_ARM_WAIT_MAX), so a machine or a context that changes is
+ * followed while a losing arm costs less and less. */
+enum tkv_hetero_arm { TKV_HETERO_ARM_MODEL, TKV_HETERO_ARM_RECALL, TKV_HETERO_ARM_CPU, TKV_HETERO_ARMS };
+#define TKV_HETERO_ARM_TRIAL 3
+#define TKV_HETERO_ARM_WAIT 32
+#define TKV_HETERO_ARM_WAIT_MAX 1024
+struct tkv_hetero_arms {
+    double mean[TKV_HETERO_ARMS];   /* seconds per step of the arm's latest trial; < 0: never tried */
+    uint32_t due[TKV_HETERO_ARMS];  /* the step from which an arm not in use is tried again        */
+    uint32_t wait[TKV_HETERO_ARMS]; /* the steps from its last trial to `due`                      */
+    uint32_t step;                  /* steps so far                                                */
+    uint32_t run;                   /* steps of the arm in use since it was chosen                 */
+    uint32_t n;                     /* steps counted in the current trial, summing to `sum`        */
+    double sum;
+    enum tkv_hetero_arm arm;        /* the arm in use                                              */
+};
+/* Fresh arms: nothing tried, MODEL first. */
+void tkv_hetero_arms_init(struct tkv_hetero_arms *a);
+/* After a decode step of `secs` under a->arm: the arm for the next step. */
+enum tkv_hetero_arm tkv_hetero_arm_next(struct tkv_hetero_arms *a, double secs);
 
 /* A rate observed in use: work units (flops, bytes) per second over the
  * observations so far (the engine makes one per decode step), older ones
@@ -114,8 +152,9 @@ struct tkv_hetero_rate {
  * the path's fixed costs (an eviction pass, an upload's issue, the thread
  * pool's start) more than its throughput. On the H100 host at 128K, auto's
  * steps that recalled ~6 MB observed 5-6 GB/s where steps recalling
- * 366-385 MB moved 35-42 GB/s; priced at the former, every head went to the CPU and
- * the link was never observed again (docs/rabitq.md, session 28). */
+ * 366-385 MB moved 35-42 GB/s; priced at the former, every head went to
+ * the CPU and the link was never observed again (docs/rabitq.md, session
+ * 28). */
 void tkv_hetero_rate_observe(struct tkv_hetero_rate *r, double work, double secs, double prior, double min_s);
 /* The observed rate, or `prior` when nothing was observed. */
 double tkv_hetero_rate_get(const struct tkv_hetero_rate *r, double prior);

@@ -221,6 +221,41 @@ static void test_cost_model(void)
         CHECK(tkv_hetero_choose(&h, 0.1, 1.0), "a fast CPU, step %d: never recall", 1 + i);
     CHECK(h.cost[1] < 0, "recall was never observed");
 
+    /* the arms over whole steps: each tried for a trial (its first step
+     * not counted), then the fastest, the others tried again at doubling
+     * waits; a change followed */
+    struct tkv_hetero_arms arms;
+    tkv_hetero_arms_init(&arms);
+    const double times0[TKV_HETERO_ARMS] = {2.0, 1.0, 3.0}; /* model, recall, cpu */
+    enum tkv_hetero_arm seq[16];
+    for (int i = 0; i < 16; i++) {
+        const enum tkv_hetero_arm in = arms.arm;
+        /* the first step of each arm a 100 s transient: never counted */
+        const double t = arms.run == 0 && i > 0 ? 100.0 : times0[in];
+        seq[i] = tkv_hetero_arm_next(&arms, t);
+    }
+    CHECK(seq[2] == TKV_HETERO_ARM_MODEL && seq[3] == TKV_HETERO_ARM_RECALL && seq[7] == TKV_HETERO_ARM_CPU &&
+              seq[11] == TKV_HETERO_ARM_RECALL && seq[15] == TKV_HETERO_ARM_RECALL,
+          "arms: each tried 4 steps, then the fastest (%d %d %d %d %d)", seq[2], seq[3], seq[7], seq[11], seq[15]);
+    CHECK(arms.mean[0] == 2.0 && arms.mean[1] == 1.0 && arms.mean[2] == 3.0, "arms: transients counted (%g %g %g)",
+          arms.mean[0], arms.mean[1], arms.mean[2]);
+    uint32_t used[TKV_HETERO_ARMS] = {0}, tries[TKV_HETERO_ARMS] = {0};
+    for (int i = 16; i < 1000; i++) {
+        const enum tkv_hetero_arm in = arms.arm;
+        used[in]++;
+        if (tkv_hetero_arm_next(&arms, times0[in]) != in)
+            tries[arms.arm]++;
+    }
+    /* re-trials of a loser after 32, 64, 128, 256, 512 steps: 4-5 of each by step 1000 */
+    CHECK(used[1] > 950 && tries[0] >= 4 && tries[0] <= 5 && tries[2] >= 4 && tries[2] <= 5,
+          "arms: recall %u steps of 984, re-trials model %u, cpu %u", used[1], tries[0], tries[2]);
+    const double times1[TKV_HETERO_ARMS] = {2.0, 4.0, 3.0}; /* recall slows down */
+    int switched = -1;
+    for (int i = 0; i < 40 && switched < 0; i++)
+        if (tkv_hetero_arm_next(&arms, times1[arms.arm]) == TKV_HETERO_ARM_MODEL)
+            switched = i;
+    CHECK(switched >= 0 && switched < 4, "arms: recall at 4 s, the model taken within a trial (step %d)", switched);
+
     /* rates observed in use: the prior until then, then what is observed
      * (min_s 0: any work counts) */
     struct tkv_hetero_rate r = {0};
@@ -426,6 +461,7 @@ struct run {
     bool observe; /* auto priced with observed rates; then what it saw (flop/s, bytes/s) */
     double cpu_seen, link_seen;
     double cpu_flops, link_bps; /* the rates it started from */
+    uint64_t arm_steps[TKV_HETERO_ARMS];
 };
 
 /* observe_min_s >= 0: what a decode step's work must take for auto to
@@ -467,6 +503,7 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
     out->observe = s->het_observe;
     out->cpu_seen = tkv_hetero_rate_get(&s->cpu_seen, 0), out->link_seen = tkv_hetero_rate_get(&s->link_seen, 0);
     out->cpu_flops = s->cpu_flops, out->link_bps = s->link_bps;
+    memcpy(out->arm_steps, s->het_arm_steps, sizeof out->arm_steps);
     char json[4096];
     size_t len;
     CHECK(tkv_session_stats_json(s, json, sizeof json, &len) == TKV_OK && strstr(json, "\"hetero\""),
@@ -506,7 +543,8 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
         snprintf(name, sizeof name, "%s, table %d", cases[i].name, table);
         memset(&r, 0, sizeof r);
         const uint64_t att0 = opaque_attention_calls;
-        tkv_status st = run_session(m, cases[i].device, rq, cases[i].mode, cases[i].gflops, cases[i].observe_min_s, prompt, &r);
+        tkv_status st =
+            run_session(m, cases[i].device, rq, cases[i].mode, cases[i].gflops, cases[i].observe_min_s, prompt, &r);
         CHECK(st == TKV_OK, "%s: %s", name, tkv_last_error());
         const float diff = max_abs(r.logits, full.logits, (NG + 1) * V);
         fprintf(stderr,
@@ -546,6 +584,12 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
          * ran (a head chosen for recall has host blocks: they are recalled) */
         const bool observe = cases[i].mode == TKV_HETERO_AUTO && cases[i].gflops == 0;
         CHECK(r.observe == observe, "%s: observing rates: %d, want %d", name, r.observe, observe);
+        /* and only then arms: NG = 24 steps try each (4 steps a trial) */
+        const uint64_t *as = r.arm_steps;
+        CHECK(observe ? as[0] >= 4 && as[1] >= 4 && as[2] >= 4 && as[0] + as[1] + as[2] == NG
+                      : as[0] + as[1] + as[2] == 0,
+              "%s: decode steps by arm %llu %llu %llu", name, (unsigned long long)as[0], (unsigned long long)as[1],
+              (unsigned long long)as[2]);
         if (observe && cases[i].observe_min_s == 0) {
             CHECK((r.cpu_heads == 0 || r.cpu_seen > 0) && (r.recall_heads == 0 || r.link_seen > 0),
                   "%s: a path ran unobserved (CPU heads %llu, %g flop/s; recalled heads %llu, %g B/s)", name,
@@ -555,7 +599,8 @@ static void test_engine(tkv_model *m, const tkv_token *prompt)
              * either path: far less than the default's 2 ms at the rates in
              * use, so nothing is observed (where the CPU measured that slow,
              * not checked) */
-            const double cpu_max = (double)L * HKV * CTX * (H / HKV) * HD * 4.0, link_max = (double)L * HKV * (CTX / KB) * BLK;
+            const double cpu_max = (double)L * HKV * CTX * (H / HKV) * HD * 4.0;
+            const double link_max = (double)L * HKV * (CTX / KB) * BLK;
             if (cpu_max < TKV_HETERO_OBSERVE_MIN_S * r.cpu_flops)
                 CHECK(r.cpu_seen == 0, "%s: a step of at most %g flop observed (%g flop/s)", name, cpu_max, r.cpu_seen);
             CHECK(link_max < TKV_HETERO_OBSERVE_MIN_S * r.link_bps && r.link_seen == 0,
