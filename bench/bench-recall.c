@@ -216,13 +216,16 @@ static void hetero_rates(const tkv_session *s, struct row *r)
         snprintf(cpu, sizeof cpu, "%.1f observed", cpu_seen);
     if (link_seen > 0)
         snprintf(link, sizeof link, "%.1f observed", link_seen);
-    const char *as = strstr(json, "\"arm_steps\""), *arm = strstr(json, "\"arm\": \"");
-    const int arm_len = arm ? (int)strcspn(arm + 8, "\"") : 0;
+    static const char arm_key[] = "\"arm\": \"";
+    const char *as = strstr(json, "\"arm_steps\""), *arm = strstr(json, arm_key);
+    if (arm)
+        arm += sizeof arm_key - 1;
+    const int arm_len = arm ? (int)strcspn(arm, "\"") : 0;
     snprintf(r->rates, sizeof r->rates,
              "CPU attention %.1f GFLOP/s measured at start, %s; recalls %.1f GB/s default, %s; decode steps by arm: "
              "model %.0f, recall %.0f, cpu %.0f, at the end %.*s",
              json_num(json, "cpu_gflops"), cpu, json_num(json, "link_gbs"), link, as ? json_num(as, "model") : 0,
-             as ? json_num(as, "recall") : 0, as ? json_num(as, "cpu") : 0, arm_len, arm ? arm + 8 : "");
+             as ? json_num(as, "recall") : 0, as ? json_num(as, "cpu") : 0, arm_len, arm ? arm : "");
 }
 
 static bool is_full(const char *policy) { return !strncmp(policy, "full", 4) && (!policy[4] || policy[4] == ':'); }

@@ -75,7 +75,7 @@ bool tkv_hetero_choose(struct tkv_hetero_head *h, double cpu_s, double recall_s)
 
 void tkv_hetero_arms_init(struct tkv_hetero_arms *a)
 {
-    *a = (struct tkv_hetero_arms){.arm = TKV_HETERO_ARM_MODEL};
+    *a = (struct tkv_hetero_arms){.arm = TKV_HETERO_ARM_MODEL, .switched = true};
     for (int m = 0; m < TKV_HETERO_ARMS; m++) {
         a->mean[m] = -1;
         a->wait[m] = TKV_HETERO_ARM_WAIT / 2; /* doubled at the first trial it loses */
@@ -85,10 +85,11 @@ void tkv_hetero_arms_init(struct tkv_hetero_arms *a)
 enum tkv_hetero_arm tkv_hetero_arm_next(struct tkv_hetero_arms *a, double secs)
 {
     a->step++;
-    if (a->run++ > 0) { /* not the step right after a switch */
+    if (!a->switched) {
         a->sum += secs;
         a->n++;
     }
+    a->switched = false;
     if (a->n < TKV_HETERO_ARM_TRIAL)
         return a->arm;
     const int cur = (int)a->arm;
@@ -121,7 +122,7 @@ enum tkv_hetero_arm tkv_hetero_arm_next(struct tkv_hetero_arms *a, double secs)
         next = best;
     if (next != cur) {
         a->arm = (enum tkv_hetero_arm)next;
-        a->run = 0;
+        a->switched = true;
     }
     return a->arm;
 }

@@ -121,7 +121,7 @@ struct tkv_hetero_arms {
     uint32_t due[TKV_HETERO_ARMS];  /* the step from which an arm not in use is tried again        */
     uint32_t wait[TKV_HETERO_ARMS]; /* the steps from its last trial to `due`                      */
     uint32_t step;                  /* steps so far                                                */
-    uint32_t run;                   /* steps of the arm in use since it was chosen                 */
+    bool switched;                  /* the next step is the first under a new arm: not counted    */
     uint32_t n;                     /* steps counted in the current trial, summing to `sum`        */
     double sum;
     enum tkv_hetero_arm arm;        /* the arm in use                                              */

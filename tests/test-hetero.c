@@ -231,7 +231,7 @@ static void test_cost_model(void)
     for (int i = 0; i < 16; i++) {
         const enum tkv_hetero_arm in = arms.arm;
         /* the first step of each arm a 100 s transient: never counted */
-        const double t = arms.run == 0 && i > 0 ? 100.0 : times0[in];
+        const double t = arms.switched && i > 0 ? 100.0 : times0[in];
         seq[i] = tkv_hetero_arm_next(&arms, t);
     }
     CHECK(seq[2] == TKV_HETERO_ARM_MODEL && seq[3] == TKV_HETERO_ARM_RECALL && seq[7] == TKV_HETERO_ARM_CPU &&
