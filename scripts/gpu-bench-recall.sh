@@ -24,9 +24,10 @@
 #                  full and rabitq:p=0.9,safe=0 (the 1M row's reference)
 #   qwen-1m        the same at 1M (56 GiB of KV: GPU 8G, host 40G, the rest
 #                  NVMe in /tmp); generates the model (--ctx 1048576) if needed
-#   l8-hetero      llama3-8b q4_0 at 128K under the caps, rabitq:p=0.9,safe=0
-#                  with --hetero auto, recall and cpu, after 2 and after 24
-#                  warm-up steps (how auto's choice compares with both paths)
+#   l8-hetero      llama3-8b q4_0 at 128K: full without caps, then under the
+#                  caps rabitq:p=0.9,safe=0 with --hetero auto, recall and
+#                  cpu, after 2 and after 24 warm-up steps (how auto's
+#                  choice compares with both paths)
 # Every context is made by the synthetic fill (512 real tokens, the rest
 # copies with concentrated attention: hot 1/64 + last 2 blocks at 4 nats,
 # cold 0.25 nats); rows say "synthetic" and print the share of KV each step
@@ -155,6 +156,7 @@ l8-512k-f16 | l8-512k-q4_0)
     ;;
 l8-hetero)
     m=$(model "$L8_SHAPE" q4_0)
+    run "$piece-full" 2,8,4 -m "$m" --ctx "$CTX_128K" --policy full # the rows' reference: all on the GPU
     for h in auto recall cpu; do
         for w in 2 24; do
             # shellcheck disable=SC2046
