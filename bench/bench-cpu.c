@@ -89,14 +89,6 @@ static int run_ours(const tkv_model *m, size_t n, uint32_t d, uint32_t threads, 
     return 0;
 }
 
-static double json_number(const char *json, const char *key)
-{
-    char pat[64];
-    snprintf(pat, sizeof pat, "\"%s\":", key);
-    const char *p = strstr(json, pat);
-    return p ? strtod(p + strlen(pat), NULL) : 0;
-}
-
 static int run_peer(const char *python, const char *model, size_t n, uint32_t d, uint32_t threads, int reps,
                     struct result *r, char *version, size_t vcap)
 {
@@ -124,8 +116,8 @@ static int run_peer(const char *python, const char *model, size_t n, uint32_t d,
                 python);
         return 1;
     }
-    r->prefill_tok_s = json_number(json, "prefill_tok_s");
-    r->decode_tok_s = json_number(json, "decode_tok_s");
+    r->prefill_tok_s = bench_json_number(json, "prefill_tok_s");
+    r->decode_tok_s = bench_json_number(json, "decode_tok_s");
     const char *v = strstr(json, "\"version\":");
     if (v && (v = strchr(v + 10, '"'))) {
         size_t i = 0;

@@ -188,15 +188,6 @@ struct row {
     tkv_token *toks_out;             /* [steps] timed tokens                  */
 };
 
-/* The number after "key": in the session's stats JSON (0 if absent). */
-static double json_num(const char *json, const char *key)
-{
-    char k[64];
-    snprintf(k, sizeof k, "\"%s\": ", key);
-    const char *p = strstr(json, k);
-    return p ? strtod(p + strlen(k), NULL) : 0;
-}
-
 /* r->rates: what --hetero auto priced the two paths with at the end of the
  * run, from the session's stats JSON, where it observed its rates in use
  * (runtime/hetero.h, struct tkv_hetero_rate; a rate no step did enough
@@ -211,21 +202,22 @@ static void hetero_rates(const tkv_session *s, struct row *r)
     if (tkv_session_stats_json(s, json, sizeof json, &len) != TKV_OK || !strstr(json, "\"observed\": true"))
         return;
     char cpu[32] = "none observed", link[32] = "none observed";
-    const double cpu_seen = json_num(json, "cpu_gflops_seen"), link_seen = json_num(json, "link_gbs_seen");
+    const double cpu_seen = bench_json_number(json, "cpu_gflops_seen");
+    const double link_seen = bench_json_number(json, "link_gbs_seen");
     if (cpu_seen > 0)
         snprintf(cpu, sizeof cpu, "%.1f observed", cpu_seen);
     if (link_seen > 0)
         snprintf(link, sizeof link, "%.1f observed", link_seen);
     static const char arm_key[] = "\"arm\": \"";
     const char *as = strstr(json, "\"arm_steps\""), *arm = strstr(json, arm_key);
-    if (arm)
-        arm += sizeof arm_key - 1;
-    const int arm_len = arm ? (int)strcspn(arm, "\"") : 0;
+    arm = arm ? arm + sizeof arm_key - 1 : "";
+    as = as ? as : ""; /* the steps by arm: read after their key */
     snprintf(r->rates, sizeof r->rates,
              "CPU attention %.1f GFLOP/s measured at start, %s; recalls %.1f GB/s default, %s; decode steps by arm: "
              "model %.0f, recall %.0f, cpu %.0f, at the end %.*s",
-             json_num(json, "cpu_gflops"), cpu, json_num(json, "link_gbs"), link, as ? json_num(as, "model") : 0,
-             as ? json_num(as, "recall") : 0, as ? json_num(as, "cpu") : 0, arm_len, arm ? arm : "");
+             bench_json_number(json, "cpu_gflops"), cpu, bench_json_number(json, "link_gbs"), link,
+             bench_json_number(as, "model"), bench_json_number(as, "recall"), bench_json_number(as, "cpu"),
+             (int)strcspn(arm, "\""), arm);
 }
 
 static bool is_full(const char *policy) { return !strncmp(policy, "full", 4) && (!policy[4] || policy[4] == ':'); }

@@ -1,7 +1,8 @@
 /*
  * bench.h -- what the benchmark programs share: a monotonic clock, a small
  * deterministic generator for synthetic inputs, the build's commit for
- * their reports, and a backend's op profile (header-only).
+ * their reports, a backend's op profile and a number read from a stats
+ * JSON (header-only).
  */
 #ifndef TKV_BENCH_H
 #define TKV_BENCH_H
@@ -10,6 +11,7 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -55,6 +57,16 @@ static inline void bench_profile_print(struct tkv_backend *be, const char *label
     if (be->ops->profile_read(be, &prof) == TKV_OK)
         tkv_op_profile_print(label, &prof, steps);
     be->ops->profile_reset(be);
+}
+
+/* The number after the first "key": in a JSON text (e.g. a session's
+ * tkv_session_stats_json), 0 if absent. */
+static inline double bench_json_number(const char *json, const char *key)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(json, pat);
+    return p ? strtod(p + strlen(pat), NULL) : 0;
 }
 
 #endif

@@ -1314,7 +1314,6 @@ static void next_arm(tkv_session *s, const struct het_mark *m0, double dt)
 {
     observe_rates(s, m0);
     const enum tkv_hetero_arm was = s->arms.arm;
-    s->het_arm_steps[was]++;
     if (tkv_hetero_arm_next(&s->arms, dt) == TKV_HETERO_ARM_MODEL && was != TKV_HETERO_ARM_MODEL)
         for (size_t i = 0; i < (size_t)s->hp.n_layer * s->hp.n_head_kv; i++)
             s->het_heads[i].last = 0;
@@ -1417,9 +1416,9 @@ tkv_status tkv_session_stats_json(const tkv_session *s, char *buf, size_t cap, s
         modes[s->hetero], s->be_cpu ? "true" : "false", s->link_bps / 1e9, s->cpu_flops / 1e9, s->crc_bps / 1e9,
         s->het_observe ? "true" : "false", tkv_hetero_rate_get(&s->link_seen, 0) / 1e9,
         tkv_hetero_rate_get(&s->cpu_seen, 0) / 1e9, s->het_observe ? arms[s->arms.arm] : "none",
-        (unsigned long long)s->het_arm_steps[TKV_HETERO_ARM_MODEL],
-        (unsigned long long)s->het_arm_steps[TKV_HETERO_ARM_RECALL],
-        (unsigned long long)s->het_arm_steps[TKV_HETERO_ARM_CPU], (unsigned long long)s->het_cpu_heads,
+        (unsigned long long)s->arms.steps[TKV_HETERO_ARM_MODEL],
+        (unsigned long long)s->arms.steps[TKV_HETERO_ARM_RECALL],
+        (unsigned long long)s->arms.steps[TKV_HETERO_ARM_CPU], (unsigned long long)s->het_cpu_heads,
         (unsigned long long)s->het_cpu_blocks,
         (unsigned long long)s->het_cpu_tokens, (unsigned long long)s->het_recall_heads,
         (unsigned long long)s->het_recall_blocks, (unsigned long long)ks.host_read_blocks,

@@ -84,7 +84,7 @@ void tkv_hetero_arms_init(struct tkv_hetero_arms *a)
 
 enum tkv_hetero_arm tkv_hetero_arm_next(struct tkv_hetero_arms *a, double secs)
 {
-    a->step++;
+    a->steps[a->arm]++;
     if (!a->switched) {
         a->sum += secs;
         a->n++;
@@ -96,9 +96,12 @@ enum tkv_hetero_arm tkv_hetero_arm_next(struct tkv_hetero_arms *a, double secs)
     a->mean[cur] = a->sum / a->n;
     a->sum = 0, a->n = 0;
     int best = -1;
-    for (int m = 0; m < TKV_HETERO_ARMS; m++)
+    uint32_t step = 0; /* steps so far */
+    for (int m = 0; m < TKV_HETERO_ARMS; m++) {
+        step += a->steps[m];
         if (a->mean[m] >= 0 && (best < 0 || a->mean[m] < a->mean[best]))
             best = m;
+    }
     /* due = 0: no re-trial scheduled (the best needs none). An arm that has
      * just lost, or that the best has just passed, waits twice as long as
      * the last time; the best's wait starts over. */
@@ -108,7 +111,7 @@ enum tkv_hetero_arm tkv_hetero_arm_next(struct tkv_hetero_arms *a, double secs)
             a->due[m] = 0;
         } else if (a->mean[m] >= 0 && (m == cur || a->due[m] == 0)) {
             a->wait[m] = a->wait[m] < TKV_HETERO_ARM_WAIT_MAX / 2 ? 2 * a->wait[m] : TKV_HETERO_ARM_WAIT_MAX;
-            a->due[m] = a->step + a->wait[m];
+            a->due[m] = step + a->wait[m];
         }
     }
     int next = -1;
@@ -116,7 +119,7 @@ enum tkv_hetero_arm tkv_hetero_arm_next(struct tkv_hetero_arms *a, double secs)
         if (a->mean[m] < 0)
             next = m; /* never tried: first */
     for (int m = 0; m < TKV_HETERO_ARMS && next < 0; m++)
-        if (a->due[m] && a->step >= a->due[m])
+        if (a->due[m] && step >= a->due[m])
             next = m; /* due again */
     if (next < 0)
         next = best;

@@ -120,7 +120,7 @@ struct tkv_hetero_arms {
     double mean[TKV_HETERO_ARMS];   /* seconds per step of the arm's latest trial; < 0: never tried */
     uint32_t due[TKV_HETERO_ARMS];  /* the step from which an arm not in use is tried again        */
     uint32_t wait[TKV_HETERO_ARMS]; /* the steps from its last trial to `due`                      */
-    uint32_t step;                  /* steps so far                                                */
+    uint32_t steps[TKV_HETERO_ARMS]; /* decode steps each arm decided                              */
     bool switched;                  /* the next step is the first under a new arm: not counted    */
     uint32_t n;                     /* steps counted in the current trial, summing to `sum`        */
     double sum;

@@ -108,7 +108,6 @@ struct tkv_session {
     double het_observe_min_s;        /* a step's work observed if it takes this long at the
                                         rate in use (TKV_HETERO_OBSERVE_MIN_S; tests: 0) */
     struct tkv_hetero_arms arms;     /* het_observe: how each decode step is decided (hetero.h) */
-    uint64_t het_arm_steps[TKV_HETERO_ARMS]; /* decode steps decided by each arm */
     double crc_bps;                  /* host-read verification: one thread's CRC-32C rate times the
                                         store's verifying threads (0 with given rates: not counted) */
     struct tkv_hetero_head *het_heads; /* TKV_HETERO_AUTO: [n_layer][n_head_kv], what each head's

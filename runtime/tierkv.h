@@ -170,7 +170,9 @@ struct tkv_session_params {
      * recalled or attended on the CPU where they are, per KV head by a cost
      * model (auto) or always one way. No effect without a host tier. */
     enum tkv_hetero {
-        TKV_HETERO_AUTO = 0,    /* the cost model: CPU when tokens*G*hd*4/cpu rate < bytes/link rate */
+        TKV_HETERO_AUTO = 0,    /* the cost model: CPU when tokens*G*hd*4/cpu rate < bytes/link rate;
+                                   with measured rates, that model, all recall or all CPU, whichever
+                                   decode steps are measured fastest under (docs/rabitq.md)      */
         TKV_HETERO_RECALL = 1,  /* always recall (the store's path before heterogeneous decode) */
         TKV_HETERO_CPU = 2,     /* always attend host-tier blocks on the CPU */
     } hetero;

@@ -56,11 +56,19 @@ static void kv_free(struct kv_fixture *f)
     free(f->views);
 }
 
-static void test_attention_case(struct tkv_cpu_backend *cb, uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B,
-                                uint32_t n_ctx, uint32_t n_q, bool sparse)
+/* The fast path against the reference on random queries over a fixture
+ * whose KV heads g with bit g of busy_mask set have blocks (the others
+ * none: the heterogeneous split hands the CPU a few heads of a layer, and
+ * their keys are split over the threads): outputs and the busy rows' lse
+ * within 2e-4, the empty heads' rows 0 with lse -inf on both. */
+static void attention_case(struct tkv_cpu_backend *cb, uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B,
+                           uint32_t n_ctx, uint32_t n_q, bool sparse, uint32_t busy_mask)
 {
     struct kv_fixture f;
     kv_make(&f, Hkv, hd, B, n_ctx, sparse);
+    for (uint32_t h = 0; h < Hkv; h++)
+        if (!(busy_mask >> h & 1))
+            f.views[h].n_blocks = 0;
     size_t qn = (size_t)n_q * H * hd;
     float *q = malloc(qn * sizeof *q), *o1 = malloc(qn * sizeof *o1), *o2 = malloc(qn * sizeof *o2);
     float *l1 = malloc((size_t)n_q * H * sizeof *l1), *l2 = malloc((size_t)n_q * H * sizeof *l2);
@@ -76,56 +84,37 @@ static void test_attention_case(struct tkv_cpu_backend *cb, uint32_t H, uint32_t
     a.lse = l2;
     CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "%s", tkv_last_error());
     double max_err = 0, max_lse = 0;
-    for (size_t i = 0; i < qn; i++)
-        max_err = fmax(max_err, fabs(o1[i] - o2[i]));
-    for (size_t i = 0; i < (size_t)n_q * H; i++)
-        max_lse = fmax(max_lse, fabs(l1[i] - l2[i]));
-    CHECK(max_err < 2e-4 && max_lse < 2e-4,
-          "attention H=%u Hkv=%u hd=%u B=%u ctx=%u n_q=%u sparse=%d: max |out| err %.3g, |lse| err %.3g", H, Hkv, hd,
-          B, n_ctx, n_q, sparse, max_err, max_lse);
+    int bad_empty = 0;
+    for (size_t r = 0; r < (size_t)n_q * H; r++) { /* rows [n_q][H] */
+        const bool busy = busy_mask >> (r % H / (H / Hkv)) & 1;
+        if (busy)
+            max_lse = fmax(max_lse, fabs(l1[r] - l2[r]));
+        else
+            bad_empty += l1[r] != -INFINITY || l2[r] != -INFINITY;
+        for (uint32_t d = 0; d < hd; d++) {
+            max_err = fmax(max_err, fabs(o1[r * hd + d] - o2[r * hd + d]));
+            bad_empty += !busy && o1[r * hd + d] != 0.0f;
+        }
+    }
+    CHECK(max_err < 2e-4 && max_lse < 2e-4 && bad_empty == 0,
+          "attention H=%u Hkv=%u hd=%u B=%u ctx=%u n_q=%u sparse=%d KV heads busy 0x%x: max |out| err %.3g, "
+          "|lse| err %.3g, %d bad empty values",
+          H, Hkv, hd, B, n_ctx, n_q, sparse, busy_mask, max_err, max_lse, bad_empty);
     free(q), free(o1), free(o2), free(l1), free(l2), free(pos);
     kv_free(&f);
 }
 
-/* A decode step where only some KV heads have blocks (the heterogeneous
- * split hands the CPU a few heads of a layer; the keys of those are split
- * over the threads): the fast path equals the reference, the empty heads'
- * rows are 0 with lse -inf on both. */
+static void test_attention_case(struct tkv_cpu_backend *cb, uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B,
+                                uint32_t n_ctx, uint32_t n_q, bool sparse)
+{
+    attention_case(cb, H, Hkv, hd, B, n_ctx, n_q, sparse, UINT32_MAX);
+}
+
+/* A decode step of 32/8 heads, d = 128, where only the KV heads in
+ * busy_mask have blocks. */
 static void test_attention_few_heads(struct tkv_cpu_backend *cb, uint32_t busy_mask)
 {
-    enum { H = 32, HKV = 8, HD = 128, CTX = 3000 };
-    struct kv_fixture f;
-    kv_make(&f, HKV, HD, 64, CTX, true);
-    for (uint32_t h = 0; h < HKV; h++)
-        if (!(busy_mask >> h & 1))
-            f.views[h].n_blocks = 0;
-    float *q = malloc(H * HD * sizeof *q), *o1 = malloc(H * HD * sizeof *o1), *o2 = malloc(H * HD * sizeof *o2);
-    float l1[H], l2[H];
-    const int32_t pos = CTX - 1;
-    for (size_t i = 0; i < H * HD; i++)
-        q[i] = test_rand_f32(&rng, -1, 1);
-    struct tkv_attn_args a = {.q = q, .q_pos = &pos, .out = o1, .lse = l1, .n_q = 1, .n_head = H, .n_head_kv = HKV,
-                              .head_dim = HD, .scale = 1.0f / sqrtf((float)HD), .kv = f.views};
-    CHECK(tkv_cpu_attention(cb, &a) == TKV_OK, "%s", tkv_last_error());
-    a.out = o2, a.lse = l2;
-    CHECK(tkv_cpu_attention_ref(&a) == TKV_OK, "%s", tkv_last_error());
-    double max_err = 0;
-    int bad_empty = 0;
-    for (uint32_t r = 0; r < H; r++) {
-        const bool busy = busy_mask >> (r / (H / HKV)) & 1;
-        if (!busy)
-            bad_empty += l1[r] != -INFINITY || l2[r] != -INFINITY;
-        else
-            max_err = fmax(max_err, fabs(l1[r] - l2[r]));
-        for (uint32_t d = 0; d < HD; d++) {
-            max_err = fmax(max_err, fabs(o1[r * HD + d] - o2[r * HD + d]));
-            bad_empty += !busy && o1[r * HD + d] != 0.0f;
-        }
-    }
-    CHECK(max_err < 2e-4 && bad_empty == 0, "attention with KV heads 0x%02x busy: max err %.3g, %d bad empty rows",
-          busy_mask, max_err, bad_empty);
-    free(q), free(o1), free(o2);
-    kv_free(&f);
+    attention_case(cb, 32, 8, 128, 64, 3000, 1, true, busy_mask);
 }
 
 /* Splitting the keys in two and merging by log-sum-exp equals one pass. */

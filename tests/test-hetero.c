@@ -503,7 +503,8 @@ static tkv_status run_session(tkv_model *m, const char *device, const char *poli
     out->observe = s->het_observe;
     out->cpu_seen = tkv_hetero_rate_get(&s->cpu_seen, 0), out->link_seen = tkv_hetero_rate_get(&s->link_seen, 0);
     out->cpu_flops = s->cpu_flops, out->link_bps = s->link_bps;
-    memcpy(out->arm_steps, s->het_arm_steps, sizeof out->arm_steps);
+    for (int a = 0; a < TKV_HETERO_ARMS; a++)
+        out->arm_steps[a] = s->arms.steps[a];
     char json[4096];
     size_t len;
     CHECK(tkv_session_stats_json(s, json, sizeof json, &len) == TKV_OK && strstr(json, "\"hetero\""),
