@@ -22,6 +22,14 @@
 #                                      -xJf .gpu-bin/bins.tar.xz, after
 #                                      `source .device/bootstrap.sh`
 #   scripts/gpu-run.sh model           here: split the model into .gpu-model/
+#   scripts/gpu-run.sh peer [ARCH]     here: build llama.cpp's llama-bench
+#                                      with its CUDA backend (ARCH, default
+#                                      90) from the llama.cpp tree inside the
+#                                      llama-cpp-python sdist (PyPI), static
+#                                      ggml, into .gpu-peer/llama-bench.xz
+#                                      (~41 MB: carried without .device;
+#                                      ~25 minutes on 2 cores); there:
+#                                      xz -dc .gpu-peer/llama-bench.xz > /tmp/llama-bench
 #   scripts/gpu-run.sh test [sanitize] there: build .gpu-snap, run ctest -R gpu, kv-store, hetero
 #                                      (and compute-sanitizer memcheck)
 #   scripts/gpu-run.sh bench           there: build and run bench-attn
@@ -83,6 +91,28 @@ bins)
     rm -rf "$stage"
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- gpu runtime tiers cpu io tests bench || echo +changes): $targets"
     ls -l .gpu-bin/bins.tar.xz
+    ;;
+peer)
+    # the peer of bench-decode (docs/benchmarks.md): llama.cpp's own
+    # benchmark on the same GGUF. It needs only the CUDA runtime and cuBLAS,
+    # which the device has; OpenMP, NCCL, OpenSSL and curl are left out.
+    exclude .gpu-peer
+    arch=${2:-90}
+    work=/tmp/tkv-peer
+    mkdir -p "$work"
+    python3 -m pip download --no-deps --no-binary :all: llama-cpp-python -d "$work" > /dev/null
+    sdist=$(ls -t "$work"/llama_cpp_python-*.tar.gz | head -1)
+    tar -xzf "$sdist" -C "$work"
+    src=$(ls -d "$work"/llama_cpp_python-*/vendor/llama.cpp | tail -1)
+    cmake -B "$src/build" -S "$src" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+        -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_OPENMP=OFF -DGGML_CUDA_NCCL=OFF -DLLAMA_CURL=OFF \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > /dev/null
+    cmake --build "$src/build" -j"$(nproc)" --target llama-bench > /dev/null
+    mkdir -p .gpu-peer
+    strip -o "$work/llama-bench" "$src/build/bin/llama-bench"
+    xz -9e -T"$(nproc)" -c "$work/llama-bench" > .gpu-peer/llama-bench.xz
+    echo "llama-bench from $(basename "$sdist") for sm_$arch:"
+    ls -l .gpu-peer/llama-bench.xz
     ;;
 model)
     # the model (98 MB) is larger than one call may carry (64 MiB with the
@@ -169,7 +199,7 @@ bench)
     /tmp/tkv-build/bench/bench-attn "${@:2}"
     ;;
 *)
-    sed -n '2,28p' "$0"
+    sed -n '2,45p' "$0"
     exit 2
     ;;
 esac
