@@ -259,6 +259,7 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
     const uint32_t nb = (ctx + B - 1) / B;
     const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half;
     const bool check_cpu = (double)n_q * ctx <= 512.0 * 32768 && ctx <= 131072;
+    const bool decode = n_q * (H / Hkv) <= 8; /* the decode kernel's calls (TKV_ATTN_DECODE_ROWS) */
     static uint16_t *pool;
     if (!pool) {
         pool = malloc(POOL_HALVES * 2);
@@ -305,7 +306,7 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
         die_if(cpu->ops->attention(cpu, &a));
         err = max_abs(og, oc, qn);
     }
-    if (gpu_general && n_q * (H / Hkv) <= 8) {
+    if (gpu_general && decode) {
         run_to(gpu_general, &ga, dout, ox, qn);
         err_general = max_abs(og, ox, qn);
     }
@@ -334,7 +335,7 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
      * in device memory (kv_dev), nothing packed or copied per call; the same
      * kernel and plan as the packed table, so the same bits */
     double tv = -1e-6, tv_host = 0;
-    if (n_q * (H / Hkv) <= 8) {
+    if (decode) {
         struct tkv_kv_block_ref *drd = dalloc((size_t)Hkv * nb * sizeof *drd);
         die_if(gpu->ops->upload(gpu, drd, dr, (size_t)Hkv * nb * sizeof *drd));
         struct tkv_kv_head_view vv[64];
