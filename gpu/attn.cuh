@@ -143,10 +143,16 @@ struct tkv_cuda_attn_runs {
  * [head_off[g], head_end[g]), bounded by p.head_cnt when set): the query
  * positions and the head ranges as a kernel parameter, so the call stages
  * nothing (attn-decode.cuh, tkv_cuda_attn_decode_views). */
+#define TKV_ATTN_VIEW_PATCHES 32u
 struct tkv_cuda_attn_views {
     int32_t q_pos[8];                      /* [n_q]         */
     uint32_t head_off[TKV_ATTN_RUNS_HEADS]; /* [n_head_kv]   */
     uint32_t head_end[TKV_ATTN_RUNS_HEADS]; /* [n_head_kv]   */
+    /* entries the device array holds stale (a decode table kept on the
+     * device between calls, attn.cu): entry patch_at[i] is patch[i] */
+    uint32_t n_patch;
+    uint32_t patch_at[TKV_ATTN_VIEW_PATCHES];
+    struct tkv_cuda_kv_entry patch[TKV_ATTN_VIEW_PATCHES];
 };
 
 /* Which kernel serves calls of more query rows (attn-prefill.cuh). */
