@@ -458,12 +458,7 @@ struct dec_slot {
     uint64_t stamp;                         /* last use, for replacement        */
     uint32_t H, n;                          /* KV heads, entries                */
     uint32_t head_off[TKV_ATTN_RUNS_HEADS]; /* each head's first entry          */
-    struct tkv_cuda_kv_entry *host;         /* pinned [cap]: what dev holds     */
-    struct tkv_cuda_kv_entry *dev;          /* [cap]                            */
-    uint32_t cap;
-    cudaEvent_t copied;                     /* on the copy stream               */
-    cudaEvent_t used;                       /* after the kernels that read dev  */
-    bool pending;                           /* `used` may not have passed       */
+    struct attn_table t;                    /* the n entries; host: what dev holds */
 };
 
 struct tkv_cuda_attn_state {
@@ -490,38 +485,31 @@ struct tkv_cuda_attn_state {
                                       splits per KV head (at most the blocks); 0: the plan's */
 };
 
+/* Frees t's buffers and events once its kernels have ended. */
+static void table_free(struct attn_table *t)
+{
+    if (t->pending)
+        cudaEventSynchronize(t->used);
+    if (t->host)
+        cudaFreeHost(t->host);
+    if (t->dev)
+        cudaFree(t->dev);
+    if (t->copied)
+        cudaEventDestroy(t->copied);
+    if (t->used)
+        cudaEventDestroy(t->used);
+}
+
 void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
 {
     if (!st)
         return;
     if (st->copy)
         cudaStreamSynchronize(st->copy);
-    for (int i = 0; i < N_TABLES; i++) {
-        struct attn_table *t = &st->tab[i];
-        if (t->pending)
-            cudaEventSynchronize(t->used);
-        if (t->host)
-            cudaFreeHost(t->host);
-        if (t->dev)
-            cudaFree(t->dev);
-        if (t->copied)
-            cudaEventDestroy(t->copied);
-        if (t->used)
-            cudaEventDestroy(t->used);
-    }
-    for (int i = 0; st->slots && i < N_DEC_SLOTS; i++) {
-        struct dec_slot *sl = &st->slots[i];
-        if (sl->pending)
-            cudaEventSynchronize(sl->used);
-        if (sl->host)
-            cudaFreeHost(sl->host);
-        if (sl->dev)
-            cudaFree(sl->dev);
-        if (sl->copied)
-            cudaEventDestroy(sl->copied);
-        if (sl->used)
-            cudaEventDestroy(sl->used);
-    }
+    for (int i = 0; i < N_TABLES; i++)
+        table_free(&st->tab[i]);
+    for (int i = 0; st->slots && i < N_DEC_SLOTS; i++)
+        table_free(&st->slots[i].t);
     free(st->slots);
     free(st->pack);
     if (st->part)
@@ -730,6 +718,24 @@ static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struc
 
 /* A table buffer of at least `bytes` whose last kernels have finished
  * (host and device side free). */
+/* Grows t's buffers to at least `bytes` (no kernel may still read them). */
+static cudaError_t table_grow(struct attn_table *t, size_t bytes)
+{
+    if (bytes <= t->cap)
+        return cudaSuccess;
+    const size_t cap = bytes > 2 * t->cap ? (bytes > (64u << 10) ? bytes : (64u << 10)) : 2 * t->cap;
+    if (t->host)
+        TKV_CUDA_TRY(cudaFreeHost(t->host));
+    if (t->dev)
+        TKV_CUDA_TRY(cudaFree(t->dev));
+    t->host = t->dev = NULL;
+    t->cap = 0;
+    TKV_CUDA_TRY(cudaMallocHost(&t->host, cap));
+    TKV_CUDA_TRY(cudaMalloc(&t->dev, cap));
+    t->cap = cap;
+    return cudaSuccess;
+}
+
 static cudaError_t table_take(tkv_cuda_attn_state *st, size_t bytes, struct attn_table **out)
 {
     struct attn_table *t = &st->tab[st->next++ % N_TABLES];
@@ -737,18 +743,7 @@ static cudaError_t table_take(tkv_cuda_attn_state *st, size_t bytes, struct attn
         TKV_CUDA_TRY(cudaEventSynchronize(t->used));
         t->pending = false;
     }
-    if (bytes > t->cap) {
-        const size_t cap = bytes > 2 * t->cap ? (bytes > (64u << 10) ? bytes : (64u << 10)) : 2 * t->cap;
-        if (t->host)
-            TKV_CUDA_TRY(cudaFreeHost(t->host));
-        if (t->dev)
-            TKV_CUDA_TRY(cudaFree(t->dev));
-        t->host = t->dev = NULL;
-        t->cap = 0;
-        TKV_CUDA_TRY(cudaMallocHost(&t->host, cap));
-        TKV_CUDA_TRY(cudaMalloc(&t->dev, cap));
-        t->cap = cap;
-    }
+    TKV_CUDA_TRY(table_grow(t, bytes));
     *out = t;
     return cudaSuccess;
 }
@@ -870,39 +865,26 @@ static cudaError_t slot_fill(tkv_cuda_attn_state *st, struct dec_slot *sl, const
                              const uint32_t *head_off, const struct tkv_cuda_kv_entry *e, uint32_t n,
                              cudaStream_t s, bool *ok)
 {
+    struct attn_table *t = &sl->t;
     *ok = false;
-    if (sl->pending) {
-        const cudaError_t q = cudaEventQuery(sl->used);
+    if (t->pending) {
+        const cudaError_t q = cudaEventQuery(t->used);
         if (q == cudaErrorNotReady)
             return cudaSuccess;
         TKV_CUDA_TRY(q);
-        sl->pending = false;
+        t->pending = false;
     }
-    if (!sl->copied)
-        TKV_CUDA_TRY(cudaEventCreateWithFlags(&sl->copied, cudaEventDisableTiming));
-    if (!sl->used)
-        TKV_CUDA_TRY(cudaEventCreateWithFlags(&sl->used, cudaEventDisableTiming));
-    if (n > sl->cap) {
-        const uint32_t cap = n > 2 * sl->cap ? n : 2 * sl->cap;
-        if (sl->host)
-            TKV_CUDA_TRY(cudaFreeHost(sl->host));
-        if (sl->dev)
-            TKV_CUDA_TRY(cudaFree(sl->dev));
-        sl->host = sl->dev = NULL;
-        sl->cap = 0;
-        sl->key = NULL;
-        TKV_CUDA_TRY(cudaMallocHost((void **)&sl->host, (size_t)cap * sizeof *e));
-        TKV_CUDA_TRY(cudaMalloc((void **)&sl->dev, (size_t)cap * sizeof *e));
-        sl->cap = cap;
-    }
-    memcpy(sl->host, e, (size_t)n * sizeof *e);
+    if (!t->copied)
+        TKV_CUDA_TRY(cudaEventCreateWithFlags(&t->copied, cudaEventDisableTiming));
+    if (!t->used)
+        TKV_CUDA_TRY(cudaEventCreateWithFlags(&t->used, cudaEventDisableTiming));
+    sl->key = NULL; /* until it holds the entries */
+    TKV_CUDA_TRY(table_grow(t, (size_t)n * sizeof *e));
+    memcpy(t->host, e, (size_t)n * sizeof *e);
     memcpy(sl->head_off, head_off, H * sizeof *head_off);
     sl->key = key, sl->H = H, sl->n = n;
-    TKV_CUDA_TRY(cudaMemcpyAsync(sl->dev, sl->host, (size_t)n * sizeof *e, cudaMemcpyHostToDevice, st->copy));
-    TKV_CUDA_TRY(cudaEventRecord(sl->copied, st->copy));
-    TKV_CUDA_TRY(cudaStreamWaitEvent(s, sl->copied, 0));
-    TKV_CUDA_TRY(cudaEventRecord(sl->used, s)); /* covers the copy even if no kernel follows */
-    sl->pending = true;
+    TKV_CUDA_TRY(table_send(st, t, (size_t)n * sizeof *e, s));
+    TKV_CUDA_TRY(cudaEventRecord(t->used, s)); /* covers the copy even if no kernel follows */
     *ok = true;
     return cudaSuccess;
 }
@@ -956,8 +938,9 @@ static cudaError_t run_kept(tkv_cuda_attn_state *st, const struct tkv_attn_args 
     const void *key = e[0].k;
     struct dec_slot *sl = slot_of(st, key);
     bool same = sl->key == key && sl->H == H && sl->n == n && !memcmp(sl->head_off, v.head_off, H * sizeof(uint32_t));
+    const struct tkv_cuda_kv_entry *held = (const struct tkv_cuda_kv_entry *)sl->t.host;
     for (uint32_t i = 0; same && i < n; i++)
-        if (memcmp(&e[i], &sl->host[i], sizeof *e)) {
+        if (memcmp(&e[i], &held[i], sizeof *e)) {
             if (v.n_patch == TKV_ATTN_VIEW_PATCHES)
                 same = false;
             else
@@ -972,14 +955,14 @@ static cudaError_t run_kept(tkv_cuda_attn_state *st, const struct tkv_attn_args 
     }
     sl->stamp = ++st->clock;
     tkv_cuda_attn_params p = params_of(st, a);
-    p.blocks = sl->dev;
+    p.blocks = (const struct tkv_cuda_kv_entry *)sl->t.dev;
     p.vec16 = 1;
     p.pdl = st->pdl;
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);
     TKV_CUDA_TRY(splits_ready(st, &p, part, s));
     TKV_CUDA_TRY(tkv_cuda_attn_decode_views(&p, &v, s));
-    TKV_CUDA_TRY(cudaEventRecord(sl->used, s));
-    sl->pending = true;
+    TKV_CUDA_TRY(cudaEventRecord(sl->t.used, s));
+    sl->t.pending = true;
     *done = true;
     return cudaSuccess;
 }
