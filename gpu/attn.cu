@@ -467,6 +467,7 @@ struct tkv_cuda_attn_state {
     unsigned next;
     struct dec_slot *slots;        /* [N_DEC_SLOTS], NULL: no decode tables kept (TKV_CUDA_ATTN_CACHE unset) */
     uint64_t clock;                /* slot stamps                          */
+    uint64_t kept_counts[3];       /* tkv_cuda_attn_state_kept_counts      */
     struct tkv_cuda_kv_entry *pack;/* [pack_cap] a call's entries (host)   */
     uint32_t pack_cap;
     float *part;                   /* [part_cap] split-K partials          */
@@ -564,6 +565,12 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     }
     *out = st;
     return cudaSuccess;
+}
+
+void tkv_cuda_attn_state_kept_counts(const tkv_cuda_attn_state *st, uint64_t counts[3])
+{
+    for (int i = 0; i < 3; i++)
+        counts[i] = st->kept_counts[i];
 }
 
 bool tkv_cuda_attn_state_set_prefill_variant(tkv_cuda_attn_state *st, int variant)
@@ -950,8 +957,11 @@ static cudaError_t run_kept(tkv_cuda_attn_state *st, const struct tkv_attn_args 
         v.n_patch = 0;
         bool ok;
         TKV_CUDA_TRY(slot_fill(st, sl, key, H, v.head_off, e, n, s, &ok));
+        st->kept_counts[ok ? 1 : 2]++;
         if (!ok)
             return cudaSuccess;
+    } else {
+        st->kept_counts[0]++;
     }
     sl->stamp = ++st->clock;
     tkv_cuda_attn_params p = params_of(st, a);

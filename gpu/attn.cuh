@@ -212,6 +212,12 @@ bool tkv_cuda_attn_state_set_prefill_variant(struct tkv_cuda_attn_state *st, int
 /* "vN: ..." describing variant v (static), NULL past the last one. */
 const char *tkv_cuda_attn_prefill_variant_desc(int variant);
 
+/* How decode calls were served by the tables kept on the device
+ * (TKV_CUDA_ATTN_CACHE=1; all 0 otherwise): counts[0] from a kept table
+ * with no copy (the changed entries as parameters), [1] after refilling a
+ * table, [2] by the packed path because the table's kernels had not ended. */
+void tkv_cuda_attn_state_kept_counts(const struct tkv_cuda_attn_state *st, uint64_t counts[3]);
+
 /* Packs a's block table (a->kv: host memory holding device pointers) as
  *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | entries [total]
  *     | kofs [total + 1 + 64] u32

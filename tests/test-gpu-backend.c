@@ -1132,7 +1132,14 @@ static void test_attention_decode_steps(void)
     float *dout[STEPS][NL], *dlse[STEPS][NL];
     float *o = malloc(qn * sizeof *o), *lse = malloc(H * sizeof *lse);
     int32_t pos[STEPS];
+    uint64_t c0[3], c1[3], c2[3], c3[3]; /* kept, refilled, fallen back: before each pass, at the end */
+    CHECK(tkv_backend_cuda_attn_kept_counts(packed, c0) == TKV_OK && c0[0] + c0[1] + c0[2] == 0,
+          "the default backend keeps no tables");
     for (int pass = 0; pass < 3; pass++) {
+        if (pass == 1)
+            REQUIRE_VOID(tkv_backend_cuda_attn_kept_counts(kept, c0) == TKV_OK);
+        if (pass == 2)
+            REQUIRE_VOID(tkv_backend_cuda_attn_kept_counts(kept, c1) == TKV_OK);
         for (int t = 0; t < STEPS; t++) {
             const uint32_t n_tok = n0 + (uint32_t)t + 1, nb = (n_tok + B - 1) / B;
             pos[t] = (int32_t)n_tok - 1;
@@ -1163,6 +1170,18 @@ static void test_attention_decode_steps(void)
         }
     }
     CHECK(kept->ops->synchronize(kept) == TKV_OK, "%s", tkv_last_error());
+    REQUIRE_VOID(tkv_backend_cuda_attn_kept_counts(kept, c2) == TKV_OK);
+    /* synchronized: every call from a kept table, most without a copy (a
+     * refill at each layer's first call and where a block was added);
+     * queued: every call one of the three */
+    CHECK(c1[0] - c0[0] + c1[1] - c0[1] == STEPS * NL && c1[2] == c0[2],
+          "synchronized pass: %llu calls kept, %llu refilled, %llu packed of %d", (unsigned long long)(c1[0] - c0[0]),
+          (unsigned long long)(c1[1] - c0[1]), (unsigned long long)(c1[2] - c0[2]), STEPS * NL);
+    CHECK(c1[0] - c0[0] >= (uint64_t)(STEPS - 2) * NL && c1[1] - c0[1] >= NL,
+          "synchronized pass: %llu calls without a copy, %llu refills", (unsigned long long)(c1[0] - c0[0]),
+          (unsigned long long)(c1[1] - c0[1]));
+    CHECK(c2[0] + c2[1] + c2[2] - c1[0] - c1[1] - c1[2] == STEPS * NL, "queued pass: %llu calls counted of %d",
+          (unsigned long long)(c2[0] + c2[1] + c2[2] - c1[0] - c1[1] - c1[2]), STEPS * NL);
     for (int t = 0; t < STEPS; t++)
         for (int l = 0; l < NL; l++) {
             to_host(o, dout[t][l], qn * sizeof *o);
@@ -1184,6 +1203,8 @@ static void test_attention_decode_steps(void)
     attn_on(kept, &a, o, lse);
     CHECK(!memcmp(o, want[0][0], qn * sizeof *o) && !memcmp(lse, lwant[0][0], H * sizeof *lse),
           "decode, a table of many changed entries: %.3g from the packed path", max_err(o, want[0][0], qn));
+    REQUIRE_VOID(tkv_backend_cuda_attn_kept_counts(kept, c3) == TKV_OK);
+    CHECK(c3[1] == c2[1] + 1 && c3[0] == c2[0] && c3[2] == c2[2], "many changed entries: not one refill");
     fprintf(stderr, "  decode steps: %d steps x %d layers, tables kept on the device = packed, bit for bit\n", STEPS,
             NL);
     for (int t = 0; t < STEPS; t++)
