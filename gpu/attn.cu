@@ -453,6 +453,9 @@ struct attn_table {
  * step faster. */
 #define N_DEC_SLOTS 128
 
+/* How run_kept served a call (tkv_cuda_attn_state_kept_counts' indices). */
+enum { KEPT_NO_COPY, KEPT_REFILLED, KEPT_PACKED };
+
 struct dec_slot {
     const void *key;                        /* the first entry's K; NULL: free  */
     uint64_t stamp;                         /* last use, for replacement        */
@@ -723,8 +726,6 @@ static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struc
     return p;
 }
 
-/* A table buffer of at least `bytes` whose last kernels have finished
- * (host and device side free). */
 /* Grows t's buffers to at least `bytes` (no kernel may still read them). */
 static cudaError_t table_grow(struct attn_table *t, size_t bytes)
 {
@@ -743,6 +744,8 @@ static cudaError_t table_grow(struct attn_table *t, size_t bytes)
     return cudaSuccess;
 }
 
+/* A table buffer of at least `bytes` whose last kernels have finished
+ * (host and device side free). */
 static cudaError_t table_take(tkv_cuda_attn_state *st, size_t bytes, struct attn_table **out)
 {
     struct attn_table *t = &st->tab[st->next++ % N_TABLES];
@@ -957,11 +960,11 @@ static cudaError_t run_kept(tkv_cuda_attn_state *st, const struct tkv_attn_args 
         v.n_patch = 0;
         bool ok;
         TKV_CUDA_TRY(slot_fill(st, sl, key, H, v.head_off, e, n, s, &ok));
-        st->kept_counts[ok ? 1 : 2]++;
+        st->kept_counts[ok ? KEPT_REFILLED : KEPT_PACKED]++;
         if (!ok)
             return cudaSuccess;
     } else {
-        st->kept_counts[0]++;
+        st->kept_counts[KEPT_NO_COPY]++;
     }
     sl->stamp = ++st->clock;
     tkv_cuda_attn_params p = params_of(st, a);

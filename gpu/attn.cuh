@@ -227,7 +227,10 @@ void tkv_cuda_attn_state_kept_counts(const struct tkv_cuda_attn_state *st, uint6
  * validated a (head counts, supported head_dim, fewer than 2^31 blocks).
  * With a->kv_dev the entries are not packed: they stay in device memory,
  * kv[g].blocks being head g's (head_off / head_end point into them), and
- * the table holds q_pos and those offsets only.
+ * the table holds q_pos and those offsets only. With TKV_CUDA_ATTN_CACHE=1
+ * when the state was created, a decode call's entries may instead come
+ * from a table kept on the device since an earlier call, the changed ones
+ * as kernel parameters (attn.cu; the same bits).
  * TKV_CUDA_ATTN_PACK=0 when the state is created: the prefill kernel walks
  * the refs one by one instead of packed 64-key tiles (attn-prefill.cuh). */
 cudaError_t tkv_cuda_attn_run(struct tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm,
