@@ -118,15 +118,8 @@ struct dec_cursor {
     tkv_cuda_kv_entry e, en;
 };
 
-/* Entry b of the table; pv (or NULL): a device-views call whose patches
- * replace the entries the device array holds stale. */
-__device__ __forceinline__ tkv_cuda_kv_entry load_entry(const tkv_cuda_kv_entry *blocks, uint32_t b,
-                                                        const tkv_cuda_attn_views *pv)
+__device__ __forceinline__ tkv_cuda_kv_entry load_entry(const tkv_cuda_kv_entry *blocks, uint32_t b)
 {
-    if (pv)
-        for (uint32_t i = 0; i < pv->n_patch; i++)
-            if (pv->patch_at[i] == b)
-                return pv->patch[i];
     tkv_cuda_kv_entry e;
     e.k = (const uint16_t *)__ldg((const unsigned long long *)&blocks[b].k);
     e.v = (const uint16_t *)__ldg((const unsigned long long *)&blocks[b].v);
@@ -138,7 +131,7 @@ __device__ __forceinline__ tkv_cuda_kv_entry load_entry(const tkv_cuda_kv_entry 
 /* Moves the cursor `step` chunks on (skipping to later blocks as needed). */
 template <int CH>
 __device__ __forceinline__ void cursor_advance(dec_cursor &c, int step, const tkv_cuda_kv_entry *blocks,
-                                               int32_t pos_max, const tkv_cuda_attn_views *pv)
+                                               int32_t pos_max)
 {
     c.j += step;
     while (c.b < c.b_end && c.j * CH >= (int)c.e.n) {
@@ -147,7 +140,7 @@ __device__ __forceinline__ void cursor_advance(dec_cursor &c, int step, const tk
         if (c.b < c.b_end) {
             c.e = c.en;
             if (c.b + 1 < c.b_end)
-                c.en = load_entry(blocks, c.b + 1, pv);
+                c.en = load_entry(blocks, c.b + 1);
             if (c.e.pos0 > pos_max) /* blocks are in position order: none later is visible */
                 c.b = c.b_end;
         }
@@ -160,12 +153,8 @@ struct tab_walk {
     dec_cursor c;
     const tkv_cuda_kv_entry *blocks;
     int32_t pos_max;
-    const tkv_cuda_attn_views *pv; /* its patches, or NULL */
 
-    template <int CH> __device__ __forceinline__ void advance(int step)
-    {
-        cursor_advance<CH>(c, step, blocks, pos_max, pv);
-    }
+    template <int CH> __device__ __forceinline__ void advance(int step) { cursor_advance<CH>(c, step, blocks, pos_max); }
     template <int CH> __device__ __forceinline__ chunk_src src(uint32_t hd) const
     {
         chunk_src s;
@@ -543,10 +532,10 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
 }
 
 /* A CTA over the packed table in device memory: its split of KV head g's
- * entries [hb, he) (blockIdx.x = g); q_pos [n_q]; pv: patches or NULL. */
+ * entries [hb, he) (blockIdx.x = g); q_pos [n_q]. */
 template <class C>
 __device__ __forceinline__ void decode_table(const tkv_cuda_attn_params &p, const int32_t *q_pos, uint32_t hb,
-                                             uint32_t he, const tkv_cuda_attn_views *pv)
+                                             uint32_t he)
 {
     const uint32_t split = blockIdx.y, G = p.n_head / p.n_head_kv;
     const int R = (int)(p.n_q * G);
@@ -560,7 +549,6 @@ __device__ __forceinline__ void decode_table(const tkv_cuda_attn_params &p, cons
     tab_walk w;
     w.blocks = p.blocks;
     w.pos_max = pos_max;
-    w.pv = pv;
     dec_cursor &cur = w.c;
     const uint32_t nbh = he - hb;
     cur.e.k = cur.e.v = nullptr;
@@ -571,8 +559,8 @@ __device__ __forceinline__ void decode_table(const tkv_cuda_attn_params &p, cons
     cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
     cur.j = 0;
     if (cur.b < cur.b_end) {
-        cur.e = load_entry(p.blocks, cur.b, pv);
-        cur.en = cur.b + 1 < cur.b_end ? load_entry(p.blocks, cur.b + 1, pv) : cur.e;
+        cur.e = load_entry(p.blocks, cur.b);
+        cur.en = cur.b + 1 < cur.b_end ? load_entry(p.blocks, cur.b + 1) : cur.e;
         if (cur.e.pos0 > pos_max)
             cur.b = cur.b_end;
     }
@@ -588,7 +576,7 @@ template <class C> __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(c
     tkv_pdl_trigger();
     tkv_pdl_wait();
     const uint32_t g = blockIdx.x;
-    decode_table<C>(p, p.q_pos, p.head_off[g], tkv_cuda_head_end(p, g), nullptr);
+    decode_table<C>(p, p.q_pos, p.head_off[g], tkv_cuda_head_end(p, g));
 }
 
 /* The same over device views whose positions and head ranges travel in the
@@ -601,13 +589,12 @@ __global__ void __launch_bounds__(NT, 2)
     tkv_pdl_wait();
     const uint32_t g = blockIdx.x, hb = v.head_off[g];
     const uint32_t he = p.head_cnt ? min(v.head_end[g], hb + p.head_cnt[(size_t)g * p.head_cnt_stride]) : v.head_end[g];
-    decode_table<C>(p, v.q_pos, hb, he, &v);
+    decode_table<C>(p, v.q_pos, hb, he);
 }
 
 /* 4 KiB: the parameter space every driver takes (CUDA 12.1 raised it to
  * 32 KiB on Volta and later; larger parameters also cost more per launch). */
 static_assert(sizeof(tkv_cuda_attn_params) + sizeof(tkv_cuda_attn_runs) <= 4096, "kernel parameters");
-static_assert(sizeof(tkv_cuda_attn_params) + sizeof(tkv_cuda_attn_views) <= 4096, "kernel parameters");
 
 /* The decode kernel over inline runs. Before griddepcontrol.wait it reads
  * only its parameters: under a programmatic dependent launch that part

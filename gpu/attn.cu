@@ -434,45 +434,10 @@ struct attn_table {
     bool pending;         /* `used` was recorded and may not have passed           */
 };
 
-/* ---- decode tables kept on the device ------------------------------------------------
- * A decode step calls the attention once per layer, and the next step
- * calls it again over the same blocks, each head's last block one row
- * longer (a block more every B steps). The packed path copies the whole
- * table at every call and makes the compute stream wait for the copy (an
- * event across streams, which also ends the programmatic overlap there).
- * Here a decode call's table stays on the device in a slot keyed by its
- * first entry; a later call whose entries differ from the slot's in at
- * most TKV_ATTN_VIEW_PATCHES places passes those entries in the kernel's
- * parameters (tkv_cuda_attn_views.patch) and nothing is copied or waited
- * for. Other calls refresh the slot -- once the kernels that read it have
- * ended; until then they take the packed path. The entries, the plan and
- * the kernel are the packed path's: the same bits (test-gpu-backend's
- * decode-steps case). Off unless TKV_CUDA_ATTN_CACHE=1: written in session
- * 29 when no device time was left to run it (docs/gpu.md, "What is
- * left"); the default once that test passes and bench-decode shows the
- * step faster. */
-#define N_DEC_SLOTS 128
-
-/* How run_kept served a call (tkv_cuda_attn_state_kept_counts' indices). */
-enum { KEPT_NO_COPY, KEPT_REFILLED, KEPT_PACKED };
-
-struct dec_slot {
-    const void *key;                        /* the first entry's K; NULL: free  */
-    uint64_t stamp;                         /* last use, for replacement        */
-    uint32_t H, n;                          /* KV heads, entries                */
-    uint32_t head_off[TKV_ATTN_RUNS_HEADS]; /* each head's first entry          */
-    struct attn_table t;                    /* the n entries; host: what dev holds */
-};
-
 struct tkv_cuda_attn_state {
     cudaStream_t copy;             /* host-to-device copies of the tables */
     struct attn_table tab[N_TABLES];
     unsigned next;
-    struct dec_slot *slots;        /* [N_DEC_SLOTS], NULL: no decode tables kept (TKV_CUDA_ATTN_CACHE unset) */
-    uint64_t clock;                /* slot stamps                          */
-    uint64_t kept_counts[3];       /* tkv_cuda_attn_state_kept_counts      */
-    struct tkv_cuda_kv_entry *pack;/* [pack_cap] a call's entries (host)   */
-    uint32_t pack_cap;
     float *part;                   /* [part_cap] split-K partials          */
     size_t part_cap;               /* floats                               */
     uint32_t *counters;            /* [counters_cap], zero between calls   */
@@ -489,33 +454,25 @@ struct tkv_cuda_attn_state {
                                       splits per KV head (at most the blocks); 0: the plan's */
 };
 
-/* Frees t's buffers and events once its kernels have ended. */
-static void table_free(struct attn_table *t)
-{
-    if (t->pending)
-        cudaEventSynchronize(t->used);
-    if (t->host)
-        cudaFreeHost(t->host);
-    if (t->dev)
-        cudaFree(t->dev);
-    if (t->copied)
-        cudaEventDestroy(t->copied);
-    if (t->used)
-        cudaEventDestroy(t->used);
-}
-
 void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
 {
     if (!st)
         return;
     if (st->copy)
         cudaStreamSynchronize(st->copy);
-    for (int i = 0; i < N_TABLES; i++)
-        table_free(&st->tab[i]);
-    for (int i = 0; st->slots && i < N_DEC_SLOTS; i++)
-        table_free(&st->slots[i].t);
-    free(st->slots);
-    free(st->pack);
+    for (int i = 0; i < N_TABLES; i++) {
+        struct attn_table *t = &st->tab[i];
+        if (t->pending)
+            cudaEventSynchronize(t->used);
+        if (t->host)
+            cudaFreeHost(t->host);
+        if (t->dev)
+            cudaFree(t->dev);
+        if (t->copied)
+            cudaEventDestroy(t->copied);
+        if (t->used)
+            cudaEventDestroy(t->used);
+    }
     if (st->part)
         cudaFree(st->part);
     if (st->counters)
@@ -551,11 +508,6 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
         var++;
     if (var && var[0] >= '0' && var[0] <= '9' && !var[1])
         tkv_cuda_attn_state_set_prefill_variant(st, var[0] - '0');
-    const char *cache = getenv("TKV_CUDA_ATTN_CACHE");
-    if (cache && !strcmp(cache, "1") && !(st->slots = (struct dec_slot *)calloc(N_DEC_SLOTS, sizeof *st->slots))) {
-        free(st);
-        return cudaErrorMemoryAllocation;
-    }
     cudaError_t e = cudaStreamCreateWithFlags(&st->copy, cudaStreamNonBlocking);
     for (int i = 0; i < N_TABLES && e == cudaSuccess; i++) {
         e = cudaEventCreateWithFlags(&st->tab[i].copied, cudaEventDisableTiming);
@@ -568,12 +520,6 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     }
     *out = st;
     return cudaSuccess;
-}
-
-void tkv_cuda_attn_state_kept_counts(const tkv_cuda_attn_state *st, uint64_t counts[3])
-{
-    for (int i = 0; i < 3; i++)
-        counts[i] = st->kept_counts[i];
 }
 
 bool tkv_cuda_attn_state_set_prefill_variant(tkv_cuda_attn_state *st, int variant)
@@ -726,24 +672,6 @@ static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struc
     return p;
 }
 
-/* Grows t's buffers to at least `bytes` (no kernel may still read them). */
-static cudaError_t table_grow(struct attn_table *t, size_t bytes)
-{
-    if (bytes <= t->cap)
-        return cudaSuccess;
-    const size_t cap = bytes > 2 * t->cap ? (bytes > (64u << 10) ? bytes : (64u << 10)) : 2 * t->cap;
-    if (t->host)
-        TKV_CUDA_TRY(cudaFreeHost(t->host));
-    if (t->dev)
-        TKV_CUDA_TRY(cudaFree(t->dev));
-    t->host = t->dev = NULL;
-    t->cap = 0;
-    TKV_CUDA_TRY(cudaMallocHost(&t->host, cap));
-    TKV_CUDA_TRY(cudaMalloc(&t->dev, cap));
-    t->cap = cap;
-    return cudaSuccess;
-}
-
 /* A table buffer of at least `bytes` whose last kernels have finished
  * (host and device side free). */
 static cudaError_t table_take(tkv_cuda_attn_state *st, size_t bytes, struct attn_table **out)
@@ -753,7 +681,18 @@ static cudaError_t table_take(tkv_cuda_attn_state *st, size_t bytes, struct attn
         TKV_CUDA_TRY(cudaEventSynchronize(t->used));
         t->pending = false;
     }
-    TKV_CUDA_TRY(table_grow(t, bytes));
+    if (bytes > t->cap) {
+        const size_t cap = bytes > 2 * t->cap ? (bytes > (64u << 10) ? bytes : (64u << 10)) : 2 * t->cap;
+        if (t->host)
+            TKV_CUDA_TRY(cudaFreeHost(t->host));
+        if (t->dev)
+            TKV_CUDA_TRY(cudaFree(t->dev));
+        t->host = t->dev = NULL;
+        t->cap = 0;
+        TKV_CUDA_TRY(cudaMallocHost(&t->host, cap));
+        TKV_CUDA_TRY(cudaMalloc(&t->dev, cap));
+        t->cap = cap;
+    }
     *out = t;
     return cudaSuccess;
 }
@@ -853,133 +792,6 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
     return cudaSuccess;
 }
 
-/* The slot of key: its own, else a free one, else the least recently used. */
-static struct dec_slot *slot_of(tkv_cuda_attn_state *st, const void *key)
-{
-    struct dec_slot *victim = &st->slots[0];
-    for (int i = 0; i < N_DEC_SLOTS; i++) {
-        struct dec_slot *sl = &st->slots[i];
-        if (sl->key == key)
-            return sl;
-        if (!victim->key)
-            continue;
-        if (!sl->key || sl->stamp < victim->stamp)
-            victim = sl;
-    }
-    return victim;
-}
-
-/* Makes sl hold the call's n entries e (heads from head_off): *ok false
- * when kernels queued earlier may still read it (nothing done). */
-static cudaError_t slot_fill(tkv_cuda_attn_state *st, struct dec_slot *sl, const void *key, uint32_t H,
-                             const uint32_t *head_off, const struct tkv_cuda_kv_entry *e, uint32_t n,
-                             cudaStream_t s, bool *ok)
-{
-    struct attn_table *t = &sl->t;
-    *ok = false;
-    if (t->pending) {
-        const cudaError_t q = cudaEventQuery(t->used);
-        if (q == cudaErrorNotReady)
-            return cudaSuccess;
-        TKV_CUDA_TRY(q);
-        t->pending = false;
-    }
-    if (!t->copied)
-        TKV_CUDA_TRY(cudaEventCreateWithFlags(&t->copied, cudaEventDisableTiming));
-    if (!t->used)
-        TKV_CUDA_TRY(cudaEventCreateWithFlags(&t->used, cudaEventDisableTiming));
-    sl->key = NULL; /* until it holds the entries */
-    TKV_CUDA_TRY(table_grow(t, (size_t)n * sizeof *e));
-    memcpy(t->host, e, (size_t)n * sizeof *e);
-    memcpy(sl->head_off, head_off, H * sizeof *head_off);
-    sl->key = key, sl->H = H, sl->n = n;
-    TKV_CUDA_TRY(table_send(st, t, (size_t)n * sizeof *e, s));
-    TKV_CUDA_TRY(cudaEventRecord(t->used, s)); /* covers the copy even if no kernel follows */
-    *ok = true;
-    return cudaSuccess;
-}
-
-/* Runs a decode call over a table kept on the device (above); *done false
- * when the call is not one (nothing queued: the packed table serves it). */
-static cudaError_t run_kept(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s,
-                            bool *done)
-{
-    *done = false;
-    const uint32_t H = a->n_head_kv;
-    if (!st->slots || st->decode_mode != TKV_ATTN_DECODE_FUSED || st->decode_splits || st->table_on_main ||
-        H > TKV_ATTN_RUNS_HEADS ||
-        a->n_q * (a->n_head / H) > TKV_ATTN_DECODE_ROWS || a->head_dim % 8)
-        return cudaSuccess;
-    uint64_t total = 0;
-    for (uint32_t g = 0; g < H; g++)
-        total += a->kv[g].n_blocks;
-    if (total == 0 || total > UINT32_MAX / 2)
-        return cudaSuccess;
-    if (total > st->pack_cap) {
-        struct tkv_cuda_kv_entry *p = (struct tkv_cuda_kv_entry *)realloc(st->pack, total * sizeof *p);
-        if (!p)
-            return cudaErrorMemoryAllocation;
-        st->pack = p;
-        st->pack_cap = (uint32_t)total;
-    }
-    /* the packed table's entries (refs of no rows left out) */
-    tkv_cuda_attn_views v;
-    memset(&v, 0, sizeof v);
-    memcpy(v.q_pos, a->q_pos, (size_t)a->n_q * sizeof(int32_t));
-    struct tkv_cuda_kv_entry *e = st->pack;
-    uintptr_t addr_bits = 0;
-    uint32_t n = 0, max_blocks = 0;
-    for (uint32_t g = 0; g < H; g++) {
-        v.head_off[g] = n;
-        const struct tkv_kv_block_ref *r = a->kv[g].blocks;
-        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++) {
-            if (r[i].n == 0)
-                continue;
-            e[n].k = r[i].k, e[n].v = r[i].v, e[n].pos0 = r[i].pos0, e[n].n = r[i].n;
-            addr_bits |= (uintptr_t)r[i].k | (uintptr_t)r[i].v;
-            n++;
-        }
-        v.head_end[g] = n;
-        max_blocks = n - v.head_off[g] > max_blocks ? n - v.head_off[g] : max_blocks;
-    }
-    if (n == 0 || addr_bits % 16)
-        return cudaSuccess;
-    /* the slot: its entries as parameters where few differ, else a refill */
-    const void *key = e[0].k;
-    struct dec_slot *sl = slot_of(st, key);
-    bool same = sl->key == key && sl->H == H && sl->n == n && !memcmp(sl->head_off, v.head_off, H * sizeof(uint32_t));
-    const struct tkv_cuda_kv_entry *held = (const struct tkv_cuda_kv_entry *)sl->t.host;
-    for (uint32_t i = 0; same && i < n; i++)
-        if (memcmp(&e[i], &held[i], sizeof *e)) {
-            if (v.n_patch == TKV_ATTN_VIEW_PATCHES)
-                same = false;
-            else
-                v.patch_at[v.n_patch] = i, v.patch[v.n_patch++] = e[i];
-        }
-    if (!same) {
-        v.n_patch = 0;
-        bool ok;
-        TKV_CUDA_TRY(slot_fill(st, sl, key, H, v.head_off, e, n, s, &ok));
-        st->kept_counts[ok ? KEPT_REFILLED : KEPT_PACKED]++;
-        if (!ok)
-            return cudaSuccess;
-    } else {
-        st->kept_counts[KEPT_NO_COPY]++;
-    }
-    sl->stamp = ++st->clock;
-    tkv_cuda_attn_params p = params_of(st, a);
-    p.blocks = (const struct tkv_cuda_kv_entry *)sl->t.dev;
-    p.vec16 = 1;
-    p.pdl = st->pdl;
-    const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);
-    TKV_CUDA_TRY(splits_ready(st, &p, part, s));
-    TKV_CUDA_TRY(tkv_cuda_attn_decode_views(&p, &v, s));
-    TKV_CUDA_TRY(cudaEventRecord(sl->t.used, s));
-    sl->t.pending = true;
-    *done = true;
-    return cudaSuccess;
-}
-
 /* Runs a decode call over inline runs; *done false when the view does not
  * fit them (nothing queued: the packed table serves the call). */
 static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s,
@@ -1028,10 +840,6 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         if (done)
             return cudaSuccess;
     }
-    bool kept;
-    TKV_CUDA_TRY(run_kept(st, a, n_sm, s, &kept));
-    if (kept)
-        return cudaSuccess;
     uint64_t total = 0;
     for (uint32_t g = 0; g < a->n_head_kv; g++)
         total += a->kv[g].n_blocks;

@@ -143,16 +143,10 @@ struct tkv_cuda_attn_runs {
  * [head_off[g], head_end[g]), bounded by p.head_cnt when set): the query
  * positions and the head ranges as a kernel parameter, so the call stages
  * nothing (attn-decode.cuh, tkv_cuda_attn_decode_views). */
-#define TKV_ATTN_VIEW_PATCHES 32u
 struct tkv_cuda_attn_views {
     int32_t q_pos[8];                      /* [n_q]         */
     uint32_t head_off[TKV_ATTN_RUNS_HEADS]; /* [n_head_kv]   */
     uint32_t head_end[TKV_ATTN_RUNS_HEADS]; /* [n_head_kv]   */
-    /* entries the device array holds stale (a decode table kept on the
-     * device between calls, attn.cu): entry patch_at[i] is patch[i] */
-    uint32_t n_patch;
-    uint32_t patch_at[TKV_ATTN_VIEW_PATCHES];
-    struct tkv_cuda_kv_entry patch[TKV_ATTN_VIEW_PATCHES];
 };
 
 /* Which kernel serves calls of more query rows (attn-prefill.cuh). */
@@ -212,12 +206,6 @@ bool tkv_cuda_attn_state_set_prefill_variant(struct tkv_cuda_attn_state *st, int
 /* "vN: ..." describing variant v (static), NULL past the last one. */
 const char *tkv_cuda_attn_prefill_variant_desc(int variant);
 
-/* How decode calls were served by the tables kept on the device
- * (TKV_CUDA_ATTN_CACHE=1; all 0 otherwise): counts[0] from a kept table
- * with no copy (the changed entries as parameters), [1] after refilling a
- * table, [2] by the packed path because the table's kernels had not ended. */
-void tkv_cuda_attn_state_kept_counts(const struct tkv_cuda_attn_state *st, uint64_t counts[3]);
-
 /* Packs a's block table (a->kv: host memory holding device pointers) as
  *     q_pos [n_q] i32 | head_off [n_head_kv + 1] u32 | entries [total]
  *     | kofs [total + 1 + 64] u32
@@ -227,10 +215,7 @@ void tkv_cuda_attn_state_kept_counts(const struct tkv_cuda_attn_state *st, uint6
  * validated a (head counts, supported head_dim, fewer than 2^31 blocks).
  * With a->kv_dev the entries are not packed: they stay in device memory,
  * kv[g].blocks being head g's (head_off / head_end point into them), and
- * the table holds q_pos and those offsets only. With TKV_CUDA_ATTN_CACHE=1
- * when the state was created, a decode call's entries may instead come
- * from a table kept on the device since an earlier call, the changed ones
- * as kernel parameters (attn.cu; the same bits).
+ * the table holds q_pos and those offsets only.
  * TKV_CUDA_ATTN_PACK=0 when the state is created: the prefill kernel walks
  * the refs one by one instead of packed 64-key tiles (attn-prefill.cuh). */
 cudaError_t tkv_cuda_attn_run(struct tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm,

@@ -2158,14 +2158,6 @@ extern "C" tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint3
     return TKV_OK;
 }
 
-extern "C" tkv_status tkv_cuda_backend_attn_kept_counts(struct tkv_backend *b, uint64_t counts[3])
-{
-    if (!b || (b->ops != &cuda_ops && b->ops != &cuda_prof_ops))
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: attention counts: not a CUDA backend");
-    tkv_cuda_attn_state_kept_counts(((struct cuda_backend *)b)->attn, counts);
-    return TKV_OK;
-}
-
 extern "C" const char *tkv_cuda_prefill_variant_desc(int variant)
 {
     return tkv_cuda_attn_prefill_variant_desc(variant);

@@ -34,9 +34,6 @@ tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint32_t weight_
 /* "vN: ..." describing variant N (static); NULL past the last one. */
 const char *tkv_cuda_prefill_variant_desc(int variant);
 
-/* tkv_backend_cuda_attn_kept_counts (runtime/backend.h). */
-tkv_status tkv_cuda_backend_attn_kept_counts(struct tkv_backend *b, uint64_t counts[3]);
-
 #ifdef __cplusplus
 }
 #endif

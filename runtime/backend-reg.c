@@ -41,16 +41,6 @@ tkv_status tkv_backend_cuda_quantize_act(struct tkv_backend *b, uint32_t weight_
 #endif
 }
 
-tkv_status tkv_backend_cuda_attn_kept_counts(struct tkv_backend *b, uint64_t counts[3])
-{
-#ifdef TKV_USE_CUDA
-    return tkv_cuda_backend_attn_kept_counts(b, counts);
-#else
-    (void)b, (void)counts;
-    return tkv_err(TKV_ERR_UNSUPPORTED, "attention counts: this build has no CUDA backend");
-#endif
-}
-
 const char *tkv_backend_cuda_prefill_variant_desc(int variant)
 {
 #ifdef TKV_USE_CUDA

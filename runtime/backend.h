@@ -566,12 +566,4 @@ tkv_status tkv_backend_cuda_quantize_act(struct tkv_backend *b, uint32_t weight_
  * without CUDA. */
 const char *tkv_backend_cuda_prefill_variant_desc(int variant);
 
-/* Tests: how the CUDA backend b served its decode attention calls with the
- * tables kept on the device (TKV_CUDA_ATTN_CACHE=1; docs/gpu.md): counts[0]
- * from a kept table with no copy, [1] after refilling a table, [2] by the
- * packed path because the table's kernels had not ended (all 0 with the
- * knob off). TKV_ERR_INVALID_ARG when b is not a CUDA backend,
- * TKV_ERR_UNSUPPORTED in a build without CUDA. */
-tkv_status tkv_backend_cuda_attn_kept_counts(struct tkv_backend *b, uint64_t counts[3]);
-
 #endif /* TKV_BACKEND_H */

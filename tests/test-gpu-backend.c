@@ -1096,128 +1096,6 @@ static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *tab
     return st == TKV_OK ? be : NULL;
 }
 
-/* A session's decode calls, as the engine makes them: step after step the
- * same blocks, each head's last block one row longer (a block more every B
- * steps), NL layers in turn, each with its own q. A backend created with
- * TKV_CUDA_ATTN_CACHE=1 keeps each call's block table on the device and
- * passes the entries that changed as kernel parameters (attn.cu, "decode
- * tables kept on the device"); it must give, bit for bit, what the default
- * backend gives (it packs and copies every table). Once with a
- * synchronization after each call, once with a whole pass queued first
- * (the kept tables' refills then wait for their earlier kernels or fall
- * back to the packed path); then a call whose table differs in more
- * entries than the parameters take. */
-static void test_attention_decode_steps(void)
-{
-    enum { NL = 3, STEPS = 10 };
-    const uint32_t H = 32, Hkv = 8, hd = 128, B = 64, n0 = 5 * B - 4; /* crosses a block at step 4 */
-    setenv("TKV_CUDA_ATTN_CACHE", "1", 1);
-    struct tkv_backend *kept = NULL, *packed = gpu;
-    const tkv_status cs = tkv_backend_create("cuda", 0, &kept);
-    unsetenv("TKV_CUDA_ATTN_CACHE");
-    REQUIRE_VOID(cs == TKV_OK);
-    struct kv_fixture f[NL];
-    float *dq[NL];
-    const size_t qn = (size_t)H * hd;
-    float *qh = malloc(qn * sizeof *qh);
-    for (int l = 0; l < NL; l++) {
-        kv_make(&f[l], Hkv, hd, B, n0 + STEPS, VIEW_ALL, 0);
-        fill(qh, qn, -1, 1);
-        dq[l] = dev_from(qh, qn * sizeof *qh);
-    }
-    /* refs[l][h][b]: fixture l's block b of head h, n rows as at the step */
-    struct tkv_kv_block_ref refs[NL][8][8];
-    struct tkv_kv_head_view views[NL][8];
-    float *want[STEPS][NL], *lwant[STEPS][NL];
-    float *dout[STEPS][NL], *dlse[STEPS][NL];
-    float *o = malloc(qn * sizeof *o), *lse = malloc(H * sizeof *lse);
-    int32_t pos[STEPS];
-    uint64_t c0[3], c1[3], c2[3], c3[3]; /* kept, refilled, fallen back: before each pass, at the end */
-    CHECK(tkv_backend_cuda_attn_kept_counts(packed, c0) == TKV_OK && c0[0] + c0[1] + c0[2] == 0,
-          "the default backend keeps no tables");
-    for (int pass = 0; pass < 3; pass++) {
-        if (pass == 1)
-            REQUIRE_VOID(tkv_backend_cuda_attn_kept_counts(kept, c0) == TKV_OK);
-        if (pass == 2)
-            REQUIRE_VOID(tkv_backend_cuda_attn_kept_counts(kept, c1) == TKV_OK);
-        for (int t = 0; t < STEPS; t++) {
-            const uint32_t n_tok = n0 + (uint32_t)t + 1, nb = (n_tok + B - 1) / B;
-            pos[t] = (int32_t)n_tok - 1;
-            for (int l = 0; l < NL; l++) {
-                for (uint32_t h = 0; h < Hkv; h++) {
-                    for (uint32_t b = 0; b < nb; b++) {
-                        refs[l][h][b] = f[l].dviews[h].blocks[b];
-                        refs[l][h][b].n = TKV_MIN(B, n_tok - b * B);
-                    }
-                    views[l][h] = (struct tkv_kv_head_view){.blocks = refs[l][h], .n_blocks = nb};
-                }
-                struct tkv_attn_args a = {.q = dq[l], .q_pos = &pos[t], .n_q = 1, .n_head = H, .n_head_kv = Hkv,
-                                          .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = views[l]};
-                if (pass == 0) { /* the packed path, each call on its own */
-                    want[t][l] = malloc(qn * sizeof(float)), lwant[t][l] = malloc(H * sizeof(float));
-                    attn_on(packed, &a, want[t][l], lwant[t][l]);
-                } else if (pass == 1) { /* kept tables, a synchronization after each call */
-                    attn_on(kept, &a, o, lse);
-                    CHECK(!memcmp(o, want[t][l], qn * sizeof *o) && !memcmp(lse, lwant[t][l], H * sizeof *lse),
-                          "decode step %d layer %d (tables kept, synchronized): %.3g from the packed path", t, l,
-                          max_err(o, want[t][l], qn));
-                } else { /* kept tables, the whole pass queued */
-                    dout[t][l] = dev_poisoned(qn), dlse[t][l] = dev_poisoned(H);
-                    a.out = dout[t][l], a.lse = dlse[t][l];
-                    CHECK(kept->ops->attention(kept, &a) == TKV_OK, "%s", tkv_last_error());
-                }
-            }
-        }
-    }
-    CHECK(kept->ops->synchronize(kept) == TKV_OK, "%s", tkv_last_error());
-    REQUIRE_VOID(tkv_backend_cuda_attn_kept_counts(kept, c2) == TKV_OK);
-    /* synchronized: every call from a kept table, most without a copy (a
-     * refill at each layer's first call and where a block was added);
-     * queued: every call one of the three */
-    CHECK(c1[0] - c0[0] + c1[1] - c0[1] == STEPS * NL && c1[2] == c0[2],
-          "synchronized pass: %llu calls kept, %llu refilled, %llu packed of %d", (unsigned long long)(c1[0] - c0[0]),
-          (unsigned long long)(c1[1] - c0[1]), (unsigned long long)(c1[2] - c0[2]), STEPS * NL);
-    CHECK(c1[0] - c0[0] >= (uint64_t)(STEPS - 2) * NL && c1[1] - c0[1] >= NL,
-          "synchronized pass: %llu calls without a copy, %llu refills", (unsigned long long)(c1[0] - c0[0]),
-          (unsigned long long)(c1[1] - c0[1]));
-    CHECK(c2[0] + c2[1] + c2[2] - c1[0] - c1[1] - c1[2] == STEPS * NL, "queued pass: %llu calls counted of %d",
-          (unsigned long long)(c2[0] + c2[1] + c2[2] - c1[0] - c1[1] - c1[2]), STEPS * NL);
-    for (int t = 0; t < STEPS; t++)
-        for (int l = 0; l < NL; l++) {
-            to_host(o, dout[t][l], qn * sizeof *o);
-            to_host(lse, dlse[t][l], H * sizeof *lse);
-            CHECK(!memcmp(o, want[t][l], qn * sizeof *o) && !memcmp(lse, lwant[t][l], H * sizeof *lse),
-                  "decode step %d layer %d (tables kept, queued): %.3g from the packed path", t, l,
-                  max_err(o, want[t][l], qn));
-            dev_free(dout[t][l]), dev_free(dlse[t][l]);
-        }
-    /* layer 0's first block with the other blocks of layer 1: more entries
-     * differ than the parameters take, so the kept table is refilled */
-    const uint32_t n_tok = n0 + STEPS, nb = (n_tok + B - 1) / B;
-    for (uint32_t h = 0; h < Hkv; h++)
-        for (uint32_t b = 1; b < nb; b++)
-            refs[0][h][b] = refs[1][h][b];
-    struct tkv_attn_args a = {.q = dq[0], .q_pos = &pos[STEPS - 1], .n_q = 1, .n_head = H, .n_head_kv = Hkv,
-                              .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = views[0]};
-    attn_on(packed, &a, want[0][0], lwant[0][0]);
-    attn_on(kept, &a, o, lse);
-    CHECK(!memcmp(o, want[0][0], qn * sizeof *o) && !memcmp(lse, lwant[0][0], H * sizeof *lse),
-          "decode, a table of many changed entries: %.3g from the packed path", max_err(o, want[0][0], qn));
-    REQUIRE_VOID(tkv_backend_cuda_attn_kept_counts(kept, c3) == TKV_OK);
-    CHECK(c3[1] == c2[1] + 1 && c3[0] == c2[0] && c3[2] == c2[2], "many changed entries: not one refill");
-    fprintf(stderr, "  decode steps: %d steps x %d layers, tables kept on the device = packed, bit for bit\n", STEPS,
-            NL);
-    for (int t = 0; t < STEPS; t++)
-        for (int l = 0; l < NL; l++)
-            free(want[t][l]), free(lwant[t][l]);
-    for (int l = 0; l < NL; l++) {
-        dev_free(dq[l]);
-        kv_free(&f[l]);
-    }
-    free(qh), free(o), free(lse);
-    kept->ops->free(kept);
-}
-
 static void test_attention(void)
 {
     gpu_attn_alt[0] = gpu_with_attn_env("0", "copy", "general", "1");
@@ -1267,7 +1145,6 @@ static void test_attention(void)
     test_attention_refs(32, 8, 128, 64, 16384, LENS_8, 12, 128, 16256, 4);    /* the bench's shape: all visible */
     test_attention_refs(32, 8, 64, 64, 6000, LENS_FULL, 60, 200, 4000, 8);    /* hd 64, many row tiles */
     fprintf(stderr, "attention, decode:\n");
-    test_attention_decode_steps();
     const uint32_t ctxs[] = {1, 63, 64, 65, 1000, 4097, 20000};
     for (size_t i = 0; i < sizeof ctxs / sizeof ctxs[0]; i++)
         test_attention_case(9, 3, 64, 64, ctxs[i], 1, VIEW_ALL, 0);
