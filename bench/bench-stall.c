@@ -6,7 +6,7 @@
  *   bench-stall [--ctx 131072] [--layers 32] [--heads 8] [--head-dim 16] [--block-tokens 64]
  *               [--compute-frac 0.5] [--read 0.10] [--fresh 0.25] [--host-read 0]
  *               [--steps 8] [--warmup 2] [--seed 1] [--evict-ref] [--walk-ref] [--device-crc]
- *               [--write-back]
+ *               [--write-back] [--evict-cycle]
  *
  * The compute tier is a "device": the CPU backend behind a wrapper that
  * says its memory is not host memory and queues block uploads (copied at
@@ -28,6 +28,8 @@
  * --host-read, that share of the needed host-tier blocks is read in place
  * (begin_layer_split, the heterogeneous path). --evict-ref: the store's
  * reference eviction (every slot scanned, the cut bucket sorted whole).
+ * --evict-cycle: eviction by the layer cycle alone (no stale blocks first;
+ * docs/kv-layout.md, "Eviction").
  * --write-back: tkv_kvs_write_back after the fill, as the engine does after
  * a prefill (the fill's blocks on the "device" get host copies, so that
  * evicting them writes nothing down; compare with --warmup 0).
@@ -132,11 +134,12 @@ int main(int argc, char **argv)
 {
     uint32_t ctx = 131072, L = 32, H = 8, hd = 16, B = 64, steps = 8, warmup = 2;
     double compute_frac = 0.5, read = 0.10, fresh = 0.25, host_read = 0;
-    bool evict_ref = false, walk_ref = false, device_crc = false, write_back = false;
+    bool evict_ref = false, walk_ref = false, device_crc = false, write_back = false, evict_cycle = false;
     for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
         if (!strcmp(a, "--evict-ref")) evict_ref = true, i--;
         else if (!strcmp(a, "--walk-ref")) walk_ref = true, i--;
+        else if (!strcmp(a, "--evict-cycle")) evict_cycle = true, i--;
         else if (!strcmp(a, "--device-crc")) device_crc = true, i--;
         else if (!strcmp(a, "--write-back")) write_back = true, i--;
         else if (!strcmp(a, "--ctx")) ctx = (uint32_t)atoi(v);
@@ -170,7 +173,7 @@ int main(int argc, char **argv)
     struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = hd, .block_tokens = B,
                                .max_tokens = MB * B, .compute_bytes = (uint64_t)(compute_frac * total) * S,
                                .host_bytes = total * S, .evict_ref = evict_ref,
-                               .walk_ref = walk_ref};
+                               .walk_ref = walk_ref, .evict_cycle = evict_cycle};
     struct tkv_kvs *s;
     if (tkv_kvs_init(&p, &d.base, &s) != TKV_OK)
         return die("init");
@@ -240,7 +243,7 @@ int main(int argc, char **argv)
            "(%llu slots), host tier below; read %.2f (fresh %.2f), host reads %.2f; eviction %s; uploads checked %s; "
            "fill %.2f s; write-back %u blocks in %.2f s; %u warm-up, %u steps\n\n",
            ctx, L, H, nb, S, B, compute_frac * 100, (unsigned long long)(compute_frac * total), read, fresh, host_read,
-           evict_ref ? "reference (full scan)" : "scoped", device_crc ? "by the device" : "on the CPU", fill_s, n_back,
+           evict_ref ? "reference (full scan)" : evict_cycle ? "scoped, by the layer cycle alone" : "scoped", device_crc ? "by the device" : "on the CPU", fill_s, n_back,
            back_s, warmup, steps);
     if (whole)
         printf("steps: whole-layer reads (no selection)%s\n\n", walk_ref ? ", every block walked (--walk-ref)" : "");

@@ -220,13 +220,19 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     }
 
     const bool on_host = s->be_host;
+    /* TKV_KV_EVICT=cycle: the KV store evicts by the layer cycle alone (no
+     * stale blocks first; for A/B runs, docs/kv-layout.md) */
+    const char *evict_env = getenv("TKV_KV_EVICT");
+    if (evict_env && strcmp(evict_env, "cycle") && strcmp(evict_env, "stale"))
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: TKV_KV_EVICT='%s' is not cycle or stale", evict_env);
     struct tkv_kvs_params kp = {.n_layer = hp->n_layer, .n_head_kv = hp->n_head_kv, .head_dim = hp->head_dim,
                                 .block_tokens = s->kv_block, .max_tokens = s->n_ctx, .compute_is_host = on_host,
                                 .compute_bytes = on_host ? p->host_kv_mem : p->gpu_kv_mem,
                                 .host_bytes = on_host ? 0 : p->host_kv_mem, .nvme_dir = p->nvme_dir,
                                 .nvme_bytes = p->nvme_kv_max,
                                 .pci_bus_id = s->be->ops->pci_bus_id ? s->be->ops->pci_bus_id(s->be) : NULL,
-                                .page_table = s->dev_table};
+                                .page_table = s->dev_table,
+                                .evict_cycle = evict_env && !strcmp(evict_env, "cycle")};
     TKV_TRY(tkv_kvs_init(&kp, s->be, &s->kv));
 
     struct tkv_policy_env env = {.n_layer = hp->n_layer, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv,

@@ -156,13 +156,16 @@ static void check_all(struct tkv_kvs *s, const char *when)
     }
 }
 
+static bool evict_cycle; /* make_store's stores evict by the layer cycle alone */
+
 static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks, uint32_t host_blocks, bool nvme)
 {
     const uint32_t S = 4 * B * HD;
     struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = HD, .block_tokens = B, .max_tokens = CTX,
                                .compute_is_host = compute_is_host, .compute_bytes = (uint64_t)compute_blocks * S,
                                .host_bytes = (uint64_t)host_blocks * S, .nvme_dir = nvme ? spill_dir : NULL,
-                               .upload_piece_bytes = 3 * S}; /* recalls in several pieces */
+                               .upload_piece_bytes = 3 * S, /* recalls in several pieces */
+                               .evict_cycle = evict_cycle};
     struct tkv_kvs *s = NULL;
     tkv_status st = tkv_kvs_init(&p, be, &s);
     CHECK(st == TKV_OK, "kvs_init: %s", tkv_last_error());
@@ -999,6 +1002,89 @@ static void test_host_checked_once(void)
     be = cpu_be;
 }
 
+/* The stale blocks go first. The compute tier (one layer's worth of
+ * blocks) holds each layer's selection, read at every step, and 14 more
+ * blocks of layer 1 read once; then layer 0 reads one block more. By the
+ * layer cycle alone the victim would be a block of layer 2 -- the farthest
+ * layer, whose resident blocks are its selection -- and layer 2 would
+ * recall it at its turn (so it goes with evict_cycle, the A/B switch); with
+ * blocks no read has touched for two steps evicted first, the victim is one
+ * of layer 1's unread blocks, and the step recalls just the new block. */
+static uint64_t stale_step(struct tkv_kvs *s, uint8_t (*need)[H * CTX], const uint32_t (*sel)[H][8], uint32_t n_sel)
+{
+    struct tkv_kvs_stats k0, k1;
+    tkv_kvs_get_stats(s, &k0);
+    for (uint32_t l = 0; l < L; l++) {
+        CHECK(tkv_kvs_begin_layer_sel(s, l, 0, 0, need[l]) == TKV_OK, "layer %u: %s", l, tkv_last_error());
+        for (uint32_t h = 0; h < H; h++) /* the selection's bytes */
+            for (uint32_t j = 0; j < n_sel; j++) {
+                const uint32_t b = sel[l][h][j];
+                const struct tkv_kv_block_ref *r = &tkv_kvs_view(s, l, h).blocks[b];
+                uint16_t k[B][HD];
+                be->ops->download(be, k, r->k, (size_t)r->n * HD * 2);
+                for (uint32_t r0 = 0; r0 < r->n; r0++)
+                    CHECK(!memcmp(k[r0], mirror[l][h][b * B + r0][0], HD * 2),
+                          "layer %u head %u block %u differs from the mirror", l, h, b);
+            }
+        tkv_kvs_end_layer(s, l);
+    }
+    tkv_kvs_get_stats(s, &k1);
+    return k1.stall.recalled_blocks - k0.stall.recalled_blocks;
+}
+
+static void test_evict_stale(bool cycle)
+{
+    evict_cycle = cycle;
+    struct tkv_kvs *s = make_store(false, H * NB, L * H * NB, false); /* one layer's blocks */
+    evict_cycle = false;
+    if (!s)
+        return;
+    fill_until_spilling(s);
+    for (uint32_t l = 0; l < L; l++) /* an empty compute tier */
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = 0; b < NB; b++)
+                CHECK(tkv_kvs_demote(s, l, h, b) == TKV_OK, "demote: %s", tkv_last_error());
+    const uint32_t MB = tkv_kvs_max_blocks(s), HOT = 3;
+    static uint8_t need[L][H * CTX];
+    uint32_t sel[L][H][8];
+    memset(need, 0, sizeof need);
+    for (uint32_t l = 0; l < L; l++) /* the selections: blocks 0, 1, 2 of every head */
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t j = 0; j < HOT; j++)
+                sel[l][h][j] = j, need[l][h * MB + j] = 1;
+    for (uint32_t h = 0; h < H; h++) /* step 0: layer 1 reads 7 more blocks per head */
+        for (uint32_t b = HOT; b < HOT + 7; b++)
+            need[1][h * MB + b] = 1;
+    const uint64_t r0 = stale_step(s, need, (const uint32_t (*)[H][8])sel, HOT);
+    for (uint32_t h = 0; h < H; h++)
+        for (uint32_t b = HOT; b < HOT + 7; b++)
+            need[1][h * MB + b] = 0;
+    uint64_t r[3];
+    for (int t = 0; t < 3; t++)
+        r[t] = stale_step(s, need, (const uint32_t (*)[H][8])sel, HOT);
+    need[0][NB - 1] = 1; /* head 0's last block, off the compute tier */
+    sel[0][0][HOT] = NB - 1;
+    CHECK(tkv_kvs_block_tier(s, 0, 0, NB - 1) != TKV_TIER_COMPUTE, "the new block is in already");
+    const uint64_t r4 = stale_step(s, need, (const uint32_t (*)[H][8])sel, HOT);
+    fprintf(stderr, "%s eviction: blocks recalled at steps 0-4: %llu %llu %llu %llu %llu\n",
+            cycle ? "layer-cycle" : "stale-first", (unsigned long long)r0, (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2],
+            (unsigned long long)r4);
+    CHECK(r0 == (uint64_t)L * H * HOT + H * 7 && r[0] + r[1] + r[2] == 0,
+          "the tier did not settle: %llu, then %llu %llu %llu blocks recalled", (unsigned long long)r0,
+          (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2]);
+    if (cycle) {
+        CHECK(r4 == 2, "by the layer cycle one new block cost %llu recalls, not 2", (unsigned long long)r4);
+    } else {
+        CHECK(r4 == 1, "one new block cost %llu recalls (a selection's block was evicted)", (unsigned long long)r4);
+        for (uint32_t l = 0; l < L; l++)
+            for (uint32_t h = 0; h < H; h++)
+                for (uint32_t j = 0; j < HOT; j++)
+                    CHECK(tkv_kvs_block_tier(s, l, h, j) == TKV_TIER_COMPUTE,
+                          "block (%u,%u,%u) of the selection left the compute tier", l, h, j);
+    }
+    tkv_kvs_free(s);
+}
+
 /* The backend's block uploads on their own: n scattered blocks from
  * registered host memory to device memory, in a random order, sizes that
  * take the gather kernel (multiples of 16) and the copy-engine path. */
@@ -1382,6 +1468,8 @@ int main(void)
     unsetenv("TKV_IO_FORCE_SYNC");
     test_faults();
     test_host_checked_once();
+    test_evict_stale(false);
+    test_evict_stale(true);
     test_import_n(true, 40, 0, "import_n host+nvme");
     test_import_n(false, 40, 40, "import_n device+host+nvme");
     test_write_back();

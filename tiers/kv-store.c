@@ -64,6 +64,12 @@ struct pool {
      * (never evicted). */
     uint64_t *lmap, *lsum;
     uint32_t words, sum_words;
+    /* Memory tiers: [n_layer] a lower bound of the LRU stamps (blk_lru) of
+     * each layer's blocks holding slots here, lowered as blocks take slots
+     * and made exact by every scan of the layer (layer_candidates). Stamps
+     * only grow, so while it is at or past stale_before the layer has no
+     * stale block here and its stale bucket need not be read. */
+    uint64_t *lmin;
     uint8_t **slab;          /* [cap / SLAB_SLOTS + 1] memory tiers    */
     struct tkv_host_mem *slab_host; /* host-memory slabs             */
     bool     host_memory;    /* slabs are host memory (else backend)  */
@@ -132,6 +138,13 @@ struct tkv_kvs {
     uint32_t n_blocks;       /* per head, covered by the page table   */
     uint32_t length;
     uint64_t clock;
+    /* Stale blocks (next_use_distance): begin_clock[] holds the clock of the
+     * last STALE_BEGINS(L) = 2L begin_layers (a ring, n_begins of them so
+     * far); a block whose LRU stamp is below stale_before, the oldest of
+     * them, was not read in those begins (two decode steps). */
+    uint64_t *begin_clock;
+    uint64_t n_begins;
+    uint64_t stale_before;
     struct blk *blk;         /* [layer][head][max_blocks]             */
     struct pool pool[TKV_TIER_COUNT];
     struct tkv_kv_block_ref *refs; /* [layer][head][max_blocks] views, each layer's as
@@ -197,8 +210,8 @@ struct tkv_kvs {
                                 memory tier (evicting compute may evict host) */
     uint32_t *lists;         /* [2 * head*max_blocks] recall and new-block lists */
     uint32_t *order_tmp;     /* [layer*head*max_blocks] eviction ordering     */
-    uint32_t *order_count;   /* [layer + 1]                                   */
-    uint32_t *grp_end;       /* [layer] collect_candidates: where each layer taken ends */
+    uint32_t *order_count;   /* [2 layer + 1]                                 */
+    uint32_t *grp_end;       /* [2 layer] collect_candidates: where each bucket taken ends */
     uint32_t n_grp;
     struct vkey *vkeys;      /* [head*max_blocks] eviction: one layer's candidates by LRU */
     uint8_t *run_below;      /* [max_blocks] import_n: run block j goes below compute */
@@ -320,9 +333,10 @@ static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uin
         pl->sum_words = (pl->words + 63) / 64;
         pl->lmap = calloc((size_t)n_layer * pl->words, sizeof *pl->lmap);
         pl->lsum = calloc((size_t)n_layer * pl->sum_words, sizeof *pl->lsum);
+        pl->lmin = calloc(n_layer, sizeof *pl->lmin);
     }
     if (!pl->free_list || !pl->owner || !pl->slot_layer || !pl->layer_used || !pl->slab || !pl->slab_host ||
-        (layer_maps && (!pl->lmap || !pl->lsum)))
+        (layer_maps && (!pl->lmap || !pl->lsum || !pl->lmin)))
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for a slot table");
     for (uint32_t i = 0; i < cap; i++) {
         pl->owner[i] = -1;
@@ -402,6 +416,7 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
         const uint32_t w = (uint32_t)slot / 64;
         pl->lmap[(size_t)layer * pl->words + w] |= 1ull << (slot % 64);
         pl->lsum[(size_t)layer * pl->sum_words + w / 64] |= 1ull << (w % 64);
+        pl->lmin[layer] = TKV_MIN(pl->lmin[layer], blk_lru(s, owner));
     }
     pl->used += s->S;
     pl->peak = TKV_MAX(pl->peak, pl->used);
@@ -450,6 +465,7 @@ static void pool_free(struct tkv_kvs *s, int t)
     free(pl->layer_used);
     free(pl->lmap);
     free(pl->lsum);
+    free(pl->lmin);
     free(pl->slab);
     free(pl->slab_host);
 }
@@ -714,12 +730,28 @@ static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t
 
 /* Layers are used in a cycle (0, 1, ..., L-1, 0, ...), so the block needed
  * last is the one whose layer comes furthest after the current one: evicting
- * in that order is Belady's optimal choice for the forward pass. Blocks of
- * one layer tie and fall back to least recently used. */
+ * in that order is Belady's optimal choice for the forward pass when every
+ * block is read at every step. A selection reads a few blocks per step, and
+ * mostly the same ones from one step to the next: a block it has not read
+ * for two steps (stale: its stamp below stale_before) is taken to be needed
+ * a cycle later than its layer's turn (distance + L), so the victims are
+ * first the stale blocks, farthest layer first, then the rest in layer
+ * order -- not the blocks a farther layer read this step while nearer
+ * layers hold blocks no step reads. The current layer's blocks are never
+ * stale: its reader may not have told the store which it reads (the device
+ * decode table selects on the GPU; docs/kv-layout.md), so they go last, as
+ * in the cycle. Dense reads leave nothing stale (the order is the cycle's). Distances are < 2L; blocks of one distance tie and
+ * fall back to least recently used. */
+static inline bool blk_stale(const struct tkv_kvs *s, uint32_t i)
+{
+    return blk_lru(s, i) < s->stale_before && s->blk[i].layer != s->cur_layer;
+}
+
 static inline uint32_t next_use_distance(const struct tkv_kvs *s, uint32_t i)
 {
     const uint32_t layer = s->blk[i].layer; /* both < n_layer */
-    return layer >= s->cur_layer ? layer - s->cur_layer : layer + s->p.n_layer - s->cur_layer;
+    const uint32_t d = layer >= s->cur_layer ? layer - s->cur_layer : layer + s->p.n_layer - s->cur_layer;
+    return blk_stale(s, i) ? d + s->p.n_layer : d;
 }
 
 static bool vkey_less(const struct vkey *a, const struct vkey *b)
@@ -853,19 +885,19 @@ static void order_cut(struct tkv_kvs *s, uint32_t *cand, const uint32_t *end, ui
  * would leave it as it is. */
 static void order_victims(struct tkv_kvs *s, uint32_t *cand, uint32_t n, uint32_t want, uint32_t exact)
 {
-    const uint32_t L = s->p.n_layer;
+    const uint32_t D = 2 * s->p.n_layer; /* distances */
     uint32_t *count = s->order_count, *tmp = s->order_tmp;
     if (s->p.evict_ref)
         exact = n;
-    memset(count, 0, (L + 1) * sizeof *count);
+    memset(count, 0, (D + 1) * sizeof *count);
     for (uint32_t j = 0; j < n; j++)
-        count[L - 1 - next_use_distance(s, cand[j]) + 1]++; /* bucket 0: farthest */
-    for (uint32_t d = 1; d <= L; d++)
+        count[D - 1 - next_use_distance(s, cand[j]) + 1]++; /* bucket 0: farthest */
+    for (uint32_t d = 1; d <= D; d++)
         count[d] += count[d - 1];
     for (uint32_t j = 0; j < n; j++)
-        tmp[count[L - 1 - next_use_distance(s, cand[j])]++] = cand[j];
+        tmp[count[D - 1 - next_use_distance(s, cand[j])]++] = cand[j];
     memcpy(cand, tmp, (size_t)n * sizeof *cand);
-    order_cut(s, cand, count, L, want, exact); /* count[d] is now the end of bucket d */
+    order_cut(s, cand, count, D, want, exact); /* count[d] is now the end of bucket d */
 }
 
 /* Whether block i, holding a slot on memory tier t, may be evicted now. */
@@ -878,11 +910,14 @@ static inline bool evictable(const struct tkv_kvs *s, int t, int32_t i, bool cle
 }
 
 /* Appends to cand the eviction candidates among the slots of memory tier t
- * held by `layer`, in slot order (the tier's layer map: only that layer's
- * slots are read); returns how many. */
-static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool clean_only, uint32_t *cand)
+ * held by `layer` that are stale (or not), in slot order (the tier's layer
+ * map: only that layer's slots are read); returns how many. */
+static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool clean_only, bool stale, uint32_t *cand)
 {
-    const struct pool *pl = &s->pool[t];
+    struct pool *pl = &s->pool[t];
+    if (stale && (layer == s->cur_layer || TKV_MAX(pl->lmin[layer], s->layer_lru[layer]) >= s->stale_before))
+        return 0; /* none is */
+    uint64_t lo = UINT64_MAX;
     const uint64_t *map = pl->lmap + (size_t)layer * pl->words, *sum = pl->lsum + (size_t)layer * pl->sum_words;
     uint32_t n = 0;
     for (uint32_t sw = 0; sw < pl->sum_words; sw++)
@@ -890,30 +925,37 @@ static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool 
             const uint32_t w = sw * 64 + (uint32_t)__builtin_ctzll(x);
             for (uint64_t y = map[w]; y; y &= y - 1) {
                 const int32_t i = pl->owner[w * 64 + (uint32_t)__builtin_ctzll(y)];
-                if (evictable(s, t, i, clean_only))
+                const uint64_t lru = blk_lru(s, (uint32_t)i);
+                lo = TKV_MIN(lo, lru);
+                if (evictable(s, t, i, clean_only) && (lru < s->stale_before && layer != s->cur_layer) == stale)
                     cand[n++] = (uint32_t)i;
             }
         }
+    pl->lmin[layer] = lo;
     STALL_COUNT(s, evict_scanned, pl->layer_used[layer]);
     return n;
 }
 
 /* Collects in s->cand[t] (returns their count) the eviction candidates of
  * memory tier t that the first k places of the victim order can come from:
- * all candidates of the layers farthest from the current one, as many
- * layers as hold k of them. The victim order puts a farther layer's blocks
- * first, so ordering these gives the full order's first k places. n_extra
- * more blocks of extra_layer (< n_layer; else none) count as candidates (the
- * caller appends them when *extra_in). Per layer the tier counts its slots
- * (pool.layer_used) and maps them (pool.lmap), so only the chosen layers'
- * slots are read.
+ * all candidates of the buckets farthest from the current layer, as many
+ * buckets as hold k of them -- a bucket is one layer's stale blocks
+ * (distances L .. 2L-1) or its others (0 .. L-1; next_use_distance). The
+ * victim order puts a farther bucket's blocks first, so ordering these
+ * gives the full order's first k places. n_extra more blocks of extra_layer
+ * (< n_layer; else none; blocks stamped now, so not stale) count as
+ * candidates (the caller appends them when *extra_in). Per layer the tier
+ * counts its slots (pool.layer_used) and maps them (pool.lmap), so only the
+ * chosen layers' slots are read; a layer read whole since stale_before has
+ * no stale bucket to read.
  *
- * Order: each layer's candidates come in slot order, layer after layer
- * (s->grp_end[d]: the end of the d-th layer taken, s->n_grp of them). The
+ * Order: each bucket's candidates come in slot order, bucket after bucket
+ * (s->grp_end[d]: the end of the d-th bucket taken, s->n_grp of them). The
  * victim order is a stable counting sort by next-use distance (one bucket
- * per layer), then by LRU with ties in list order, so only the order inside
- * a layer matters: it is the one a scan of every slot gives (evict_ref:
- * that scan, every layer taken, kept as the test's reference). */
+ * per distance), then by LRU with ties in list order, so only the order
+ * inside a bucket matters: it is the one a scan of every slot gives
+ * (evict_ref: that scan, every bucket taken, kept as the test's
+ * reference). */
 static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, uint64_t k, uint32_t extra_layer,
                                    uint32_t n_extra, bool *extra_in)
 {
@@ -932,15 +974,17 @@ static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, ui
     uint64_t bound = 0, target = k;
     uint32_t d = 0;
     for (;;) {
-        while (d < L && bound < target) { /* farthest first: distance L-1-d */
-            const uint32_t layer = (s->cur_layer + L - 1 - d) % L;
-            bound += pl->layer_used[layer] + (layer == extra_layer ? n_extra : 0);
-            extra = extra || layer == extra_layer;
-            n_cand += layer_candidates(s, t, layer, clean_only, cand + n_cand);
+        while (d < 2 * L && bound < target) { /* farthest first: distance 2L-1-d */
+            const bool stale = d < L;
+            const uint32_t layer = (s->cur_layer + L - 1 - d % L) % L;
+            const uint32_t got = layer_candidates(s, t, layer, clean_only, stale, cand + n_cand);
+            bound += (stale ? got : pl->layer_used[layer]) + (!stale && layer == extra_layer ? n_extra : 0);
+            extra = extra || (!stale && layer == extra_layer);
+            n_cand += got;
             s->grp_end[d++] = n_cand;
         }
         const uint64_t found = n_cand + (extra ? n_extra : 0);
-        if (found >= k || d == L)
+        if (found >= k || d == 2 * L)
             break;
         target = bound + (k - found); /* pinned or in-flight blocks filled the bound: take more layers */
     }
@@ -1574,8 +1618,9 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->cand[1] = malloc(total * sizeof *s->cand[1]);
     s->lists = malloc(2 * layer_blocks * sizeof *s->lists);
     s->order_tmp = malloc(total * sizeof *s->order_tmp);
-    s->order_count = malloc((p->n_layer + 1) * sizeof *s->order_count);
-    s->grp_end = malloc(p->n_layer * sizeof *s->grp_end);
+    s->order_count = malloc((2 * p->n_layer + 1) * sizeof *s->order_count);
+    s->grp_end = malloc(2 * p->n_layer * sizeof *s->grp_end);
+    s->begin_clock = calloc(2 * p->n_layer, sizeof *s->begin_clock);
     s->vkeys = malloc(layer_blocks * sizeof *s->vkeys);
     s->run_below = malloc(s->max_blocks);
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
@@ -1586,7 +1631,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->views_nb = calloc(p->n_layer, sizeof *s->views_nb);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->sel || !s->sel_n || !s->sparse_nb || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->grp_end || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->sel || !s->sel_n || !s->sparse_nb || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->grp_end || !s->begin_clock || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
         !s->views_nb || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
@@ -1764,6 +1809,7 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->inflight_reads);
     free(s->layer_pin);
     free(s->layer_lru);
+    free(s->begin_clock);
     free(s->layer_gen);
     free(s->views_gen);
     free(s->views_nb);
@@ -1898,6 +1944,11 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
         goto out;
     uint32_t n_missing = 0, n_host = 0;
     s->clock++;
+    { /* the ring of the last 2L begins' clocks: what is stale from here on */
+        const uint32_t R = 2 * s->p.n_layer;
+        s->begin_clock[s->n_begins++ % R] = s->clock;
+        s->stale_before = s->n_begins >= R && !s->p.evict_cycle ? s->begin_clock[s->n_begins % R] : 0;
+    }
     const uint32_t w0 = n_write ? write_pos / B : UINT32_MAX, w1 = n_write ? (write_pos + n_write - 1) / B : 0;
     /* left on the host tier: allowed, not about to be written, and its
      * current copy is there and not in the compute tier */

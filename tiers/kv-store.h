@@ -53,6 +53,9 @@ struct tkv_kvs_params {
                                  replaced; it must pick the same victims in the same order) */
     bool     page_table;      /* keep the device page table (tkv_kvs_page_table): 8 bytes of
                                  backend memory and ~14 of host memory per block */
+    bool     evict_cycle;     /* evict by the layer cycle alone: no stale blocks first
+                                 (docs/kv-layout.md, "Eviction"; the order before
+                                 session 30, for A/B runs) */
     bool     walk_ref;        /* test hook: begin_layer and end_layer walk every block of the
                                  layer, pinning and stamping each (the pass the whole-layer
                                  shortcut replaced; the views and every eviction must come
