@@ -1010,7 +1010,7 @@ static void test_host_checked_once(void)
  * recall it at its turn (so it goes with evict_cycle, the A/B switch); with
  * blocks no read has touched for two steps evicted first, the victim is one
  * of layer 1's unread blocks, and the step recalls just the new block. */
-static uint64_t stale_step(struct tkv_kvs *s, uint8_t (*need)[H * CTX], const uint32_t (*sel)[H][8], uint32_t n_sel)
+static uint64_t stale_step(struct tkv_kvs *s, uint8_t (*need)[H * CTX], uint32_t (*sel)[H][8], uint32_t n_sel)
 {
     struct tkv_kvs_stats k0, k1;
     tkv_kvs_get_stats(s, &k0);
@@ -1055,17 +1055,17 @@ static void test_evict_stale(bool cycle)
     for (uint32_t h = 0; h < H; h++) /* step 0: layer 1 reads 7 more blocks per head */
         for (uint32_t b = HOT; b < HOT + 7; b++)
             need[1][h * MB + b] = 1;
-    const uint64_t r0 = stale_step(s, need, (const uint32_t (*)[H][8])sel, HOT);
+    const uint64_t r0 = stale_step(s, need, sel, HOT);
     for (uint32_t h = 0; h < H; h++)
         for (uint32_t b = HOT; b < HOT + 7; b++)
             need[1][h * MB + b] = 0;
     uint64_t r[3];
     for (int t = 0; t < 3; t++)
-        r[t] = stale_step(s, need, (const uint32_t (*)[H][8])sel, HOT);
+        r[t] = stale_step(s, need, sel, HOT);
     need[0][NB - 1] = 1; /* head 0's last block, off the compute tier */
     sel[0][0][HOT] = NB - 1;
     CHECK(tkv_kvs_block_tier(s, 0, 0, NB - 1) != TKV_TIER_COMPUTE, "the new block is in already");
-    const uint64_t r4 = stale_step(s, need, (const uint32_t (*)[H][8])sel, HOT);
+    const uint64_t r4 = stale_step(s, need, sel, HOT);
     fprintf(stderr, "%s eviction: blocks recalled at steps 0-4: %llu %llu %llu %llu %llu\n",
             cycle ? "layer-cycle" : "stale-first", (unsigned long long)r0, (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2],
             (unsigned long long)r4);

@@ -139,9 +139,9 @@ struct tkv_kvs {
     uint32_t length;
     uint64_t clock;
     /* Stale blocks (next_use_distance): begin_clock[] holds the clock of the
-     * last STALE_BEGINS(L) = 2L begin_layers (a ring, n_begins of them so
-     * far); a block whose LRU stamp is below stale_before, the oldest of
-     * them, was not read in those begins (two decode steps). */
+     * last 2L begin_layers (a ring, n_begins of them so far; stale_advance);
+     * a block whose LRU stamp is below stale_before, the oldest of them, was
+     * not read in those begins (two decode steps). */
     uint64_t *begin_clock;
     uint64_t n_begins;
     uint64_t stale_before;
@@ -740,11 +740,26 @@ static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t
  * layers hold blocks no step reads. The current layer's blocks are never
  * stale: its reader may not have told the store which it reads (the device
  * decode table selects on the GPU; docs/kv-layout.md), so they go last, as
- * in the cycle. Dense reads leave nothing stale (the order is the cycle's). Distances are < 2L; blocks of one distance tie and
- * fall back to least recently used. */
+ * in the cycle. Dense reads leave nothing stale (the order is the cycle's).
+ * Distances are < 2L; blocks of one distance tie and fall back to least
+ * recently used. */
+static inline bool stale_stamp(const struct tkv_kvs *s, uint64_t lru, uint32_t layer)
+{
+    return lru < s->stale_before && layer != s->cur_layer;
+}
+
 static inline bool blk_stale(const struct tkv_kvs *s, uint32_t i)
 {
-    return blk_lru(s, i) < s->stale_before && s->blk[i].layer != s->cur_layer;
+    return stale_stamp(s, blk_lru(s, i), s->blk[i].layer);
+}
+
+/* A begin_layer at s->clock: the ring of the last 2L begins' clocks, and
+ * what is stale from here on (nothing with evict_cycle). */
+static void stale_advance(struct tkv_kvs *s)
+{
+    const uint32_t R = 2 * s->p.n_layer;
+    s->begin_clock[s->n_begins++ % R] = s->clock;
+    s->stale_before = s->n_begins >= R && !s->p.evict_cycle ? s->begin_clock[s->n_begins % R] : 0;
 }
 
 static inline uint32_t next_use_distance(const struct tkv_kvs *s, uint32_t i)
@@ -927,7 +942,7 @@ static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool 
                 const int32_t i = pl->owner[w * 64 + (uint32_t)__builtin_ctzll(y)];
                 const uint64_t lru = blk_lru(s, (uint32_t)i);
                 lo = TKV_MIN(lo, lru);
-                if (evictable(s, t, i, clean_only) && (lru < s->stale_before && layer != s->cur_layer) == stale)
+                if (evictable(s, t, i, clean_only) && stale_stamp(s, lru, layer) == stale)
                     cand[n++] = (uint32_t)i;
             }
         }
@@ -1944,11 +1959,7 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
         goto out;
     uint32_t n_missing = 0, n_host = 0;
     s->clock++;
-    { /* the ring of the last 2L begins' clocks: what is stale from here on */
-        const uint32_t R = 2 * s->p.n_layer;
-        s->begin_clock[s->n_begins++ % R] = s->clock;
-        s->stale_before = s->n_begins >= R && !s->p.evict_cycle ? s->begin_clock[s->n_begins % R] : 0;
-    }
+    stale_advance(s);
     const uint32_t w0 = n_write ? write_pos / B : UINT32_MAX, w1 = n_write ? (write_pos + n_write - 1) / B : 0;
     /* left on the host tier: allowed, not about to be written, and its
      * current copy is there and not in the compute tier */
