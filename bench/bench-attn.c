@@ -351,7 +351,6 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
             exit(1);
         }
         free(ov);
-        va.out = dout;
         tv = variants ? time_on_host(gpu, &va, reps, &tv_host) : time_on(gpu, &va, reps);
         printf("| attention, device views | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | %6.2f "
                "TFLOP/s | same bits |\n",

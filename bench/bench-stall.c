@@ -243,8 +243,10 @@ int main(int argc, char **argv)
            "(%llu slots), host tier below; read %.2f (fresh %.2f), host reads %.2f; eviction %s; uploads checked %s; "
            "fill %.2f s; write-back %u blocks in %.2f s; %u warm-up, %u steps\n\n",
            ctx, L, H, nb, S, B, compute_frac * 100, (unsigned long long)(compute_frac * total), read, fresh, host_read,
-           evict_ref ? "reference (full scan)" : evict_cycle ? "scoped, by the layer cycle alone" : "scoped", device_crc ? "by the device" : "on the CPU", fill_s, n_back,
-           back_s, warmup, steps);
+           evict_ref     ? "reference (full scan)"
+           : evict_cycle ? "scoped, by the layer cycle alone"
+                         : "scoped",
+           device_crc ? "by the device" : "on the CPU", fill_s, n_back, back_s, warmup, steps);
     if (whole)
         printf("steps: whole-layer reads (no selection)%s\n\n", walk_ref ? ", every block walked (--walk-ref)" : "");
     printf("| step ms | stall ms | settle | evict | verify | upload issue | upload wait | nvme | other | recalls | "

@@ -1002,14 +1002,9 @@ static void test_host_checked_once(void)
     be = cpu_be;
 }
 
-/* The stale blocks go first. The compute tier (one layer's worth of
- * blocks) holds each layer's selection, read at every step, and 14 more
- * blocks of layer 1 read once; then layer 0 reads one block more. By the
- * layer cycle alone the victim would be a block of layer 2 -- the farthest
- * layer, whose resident blocks are its selection -- and layer 2 would
- * recall it at its turn (so it goes with evict_cycle, the A/B switch); with
- * blocks no read has touched for two steps evicted first, the victim is one
- * of layer 1's unread blocks, and the step recalls just the new block. */
+/* One decode step of selective reads: layer l reads need[l], and the first
+ * n_sel blocks sel[l][h][] of each head are checked against the mirror;
+ * returns the blocks the step recalled. */
 static uint64_t stale_step(struct tkv_kvs *s, uint8_t (*need)[H * CTX], uint32_t (*sel)[H][8], uint32_t n_sel)
 {
     struct tkv_kvs_stats k0, k1;
@@ -1032,6 +1027,14 @@ static uint64_t stale_step(struct tkv_kvs *s, uint8_t (*need)[H * CTX], uint32_t
     return k1.stall.recalled_blocks - k0.stall.recalled_blocks;
 }
 
+/* The stale blocks go first. The compute tier (one layer's worth of
+ * blocks) holds each layer's selection, read at every step, and 14 more
+ * blocks of layer 1 read once; then layer 0 reads one block more. By the
+ * layer cycle alone the victim would be a block of layer 2 -- the farthest
+ * layer, whose resident blocks are its selection -- and layer 2 would
+ * recall it at its turn (so it goes with evict_cycle, the A/B switch); with
+ * blocks no read has touched for two steps evicted first, the victim is one
+ * of layer 1's unread blocks, and the step recalls just the new block. */
 static void test_evict_stale(bool cycle)
 {
     evict_cycle = cycle;

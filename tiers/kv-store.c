@@ -925,8 +925,11 @@ static inline bool evictable(const struct tkv_kvs *s, int t, int32_t i, bool cle
 }
 
 /* Appends to cand the eviction candidates among the slots of memory tier t
- * held by `layer` that are stale (or not), in slot order (the tier's layer
- * map: only that layer's slots are read); returns how many. */
+ * held by `layer` that are stale (or not: stale_stamp), in slot order (the
+ * tier's layer map: only that layer's slots are read); returns how many.
+ * Reading them makes the layer's pool.lmin exact. A stale list is known
+ * empty without a read for the current layer (never stale) and where lmin
+ * or the layer's whole-read stamp is at or past stale_before. */
 static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool clean_only, bool stale, uint32_t *cand)
 {
     struct pool *pl = &s->pool[t];
@@ -961,8 +964,8 @@ static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool 
  * (< n_layer; else none; blocks stamped now, so not stale) count as
  * candidates (the caller appends them when *extra_in). Per layer the tier
  * counts its slots (pool.layer_used) and maps them (pool.lmap), so only the
- * chosen layers' slots are read; a layer read whole since stale_before has
- * no stale bucket to read.
+ * chosen layers' slots are read, and a stale bucket only where
+ * layer_candidates cannot tell it is empty.
  *
  * Order: each bucket's candidates come in slot order, bucket after bucket
  * (s->grp_end[d]: the end of the d-th bucket taken, s->n_grp of them). The
@@ -1001,7 +1004,7 @@ static uint32_t collect_candidates(struct tkv_kvs *s, int t, bool clean_only, ui
         const uint64_t found = n_cand + (extra ? n_extra : 0);
         if (found >= k || d == 2 * L)
             break;
-        target = bound + (k - found); /* pinned or in-flight blocks filled the bound: take more layers */
+        target = bound + (k - found); /* pinned or in-flight blocks filled the bound: take more buckets */
     }
     *extra_in = extra;
     s->n_grp = d;
