@@ -150,6 +150,11 @@ __global__ void __launch_bounds__(KVT_THREADS)
         atomicAdd(&positions, len);
         atomicAdd(&touched, 1u);
     }
+    /* the read marks: a warp's 32 blocks are one word (KVT_THREADS is a
+     * multiple of 32, so a round's words are whole) */
+    const uint32_t touched_bits = __ballot_sync(0xffffffffu, cnt != 0);
+    if (p.marks && (threadIdx.x & 31) == 0 && b / 32 < (nb + 31) / 32)
+        p.marks[(size_t)h * p.mark_words + b / 32] = touched_bits;
     /* resident slices counted in the high word, missing ones in the low */
     unsigned long long off, total;
     Scan(scan_tmp).ExclusiveSum(e ? (unsigned long long)cnt << 32 : (unsigned long long)cnt, off, total);
@@ -249,6 +254,8 @@ cudaError_t tkv_cuda_kv_table(const struct tkv_kv_table_args *a, struct tkv_cuda
         if (g.miss)
             g.miss += (size_t)h0 * a->cap;
         g.counts += (size_t)h0 * 4;
+        if (g.marks)
+            g.marks += (size_t)h0 * a->mark_words;
         struct kvt_sel_n sel;
         memset(&sel, 0, sizeof sel);
         memcpy(sel.n, a->sel_n + h0, g.n_heads * sizeof *sel.n);

@@ -297,7 +297,13 @@ tkv_status tkv_rabitq_select_check_out(const struct tkv_rabitq_select_args *a, c
  *     of miss, the whole number even past cap: slices past cap are not
  *     written, and a count > cap tells the caller the table overflowed;
  *     counts[4h + 2] the positions read and counts[4h + 3] the blocks with
- *     at least one (resident or not: what the head's read touches).
+ *     at least one (resident or not: what the head's read touches);
+ *   - where marks is given, bit b % 32 of marks[h * mark_words + b / 32] is
+ *     set if block b is one of those touched, clear if not, for every
+ *     b < nb = ceil(n_past / B) -- words [0, ceil(nb / 32)) of each row are
+ *     written whole, the words past them left as they were (the KV store's
+ *     read marks: a block read in place on the device is not stale,
+ *     tkv_kvs_mark_reads).
  * The refs' layout is struct tkv_kv_block_ref's, as the attention op takes
  * it. Queued like the other ops; the caller downloads counts (and the short
  * miss lists) when it needs them. */
@@ -313,6 +319,8 @@ struct tkv_kv_table_args {
     struct tkv_kv_block_ref *miss; /* backend [n_heads][cap]                          */
     uint32_t cap;
     uint32_t *counts;              /* backend [n_heads][4]                            */
+    uint32_t *marks;               /* backend [n_heads][mark_words], or NULL          */
+    uint32_t mark_words;           /* >= ceil(ceil(n_past / block_tokens) / 32)       */
 };
 
 /* Checks a's shape and pointers (TKV_ERR_INVALID_ARG naming the field and

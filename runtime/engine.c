@@ -97,6 +97,7 @@ void tkv_session_free(tkv_session *s)
     free(s->dt_hmiss);
     free(s->dt_sel_n);
     free(s->dt_defer);
+    free(s->dt_marked);
     free(s->host_ok);
     free(s->het_heads);
     free(s->hviews);
@@ -289,21 +290,29 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         const size_t refs = (size_t)hp->n_head_kv * s->max_refs * sizeof(struct tkv_kv_block_ref);
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_refs));
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_miss));
+        /* the counts, then the read marks: one region each side, so that
+         * one copy brings down both (table_flush) */
         const size_t hcounts = (size_t)hp->n_layer * hp->n_head_kv * 4 * sizeof *s->dt_hcounts;
-        TKV_TRY(s->be->ops->alloc(s->be, hcounts, (void **)&s->dt_counts));
+        const size_t hmarks = (size_t)hp->n_layer * hp->n_head_kv * tkv_kvs_mark_words(s->kv) * sizeof *s->dt_hmarks;
+        TKV_TRY(s->be->ops->alloc(s->be, hcounts + hmarks, (void **)&s->dt_counts));
+        s->dt_marks = (uint32_t *)((char *)s->dt_counts + hcounts);
         s->dt_sel_n = malloc((size_t)hp->n_layer * hp->n_head_kv * sizeof *s->dt_sel_n);
         s->dt_defer = calloc(hp->n_layer, sizeof *s->dt_defer);
-        /* the miss lists, then the counts (one region: a page can be pinned once) */
+        s->dt_marked = calloc(hp->n_layer, sizeof *s->dt_marked);
+        /* the miss lists, the counts, the marks (one region: a page can be pinned once) */
         const size_t hmiss = (size_t)hp->n_head_kv * s->max_refs * sizeof *s->dt_hmiss;
-        s->dt_hmiss = malloc(hmiss + hcounts);
-        if (!s->dt_sel_n || !s->dt_hmiss || !s->dt_defer)
+        s->dt_hmiss = calloc(1, hmiss + hcounts + hmarks);
+        if (!s->dt_sel_n || !s->dt_hmiss || !s->dt_defer || !s->dt_marked)
             return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
         s->dt_hcounts = (uint32_t *)((char *)s->dt_hmiss + hmiss);
+        s->dt_hmarks = (uint32_t *)((char *)s->dt_hcounts + hcounts);
+        /* no marks yet (kv_table writes only the words of a context's blocks) */
+        TKV_TRY(s->be->ops->upload(s->be, s->dt_marks, s->dt_hmarks, hmarks));
         /* pinned where the backend can: the counts (every decode layer) and
          * the miss lists (one batch) come down as true async copies, not
          * through the driver's staging of pageable memory */
         s->dt_hmiss_pinned = s->be->ops->host_register && s->be->ops->host_unregister &&
-                             s->be->ops->host_register(s->be, s->dt_hmiss, hmiss + hcounts) == TKV_OK;
+                             s->be->ops->host_register(s->be, s->dt_hmiss, hmiss + hcounts + hmarks) == TKV_OK;
     }
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
         TKV_TRY(alloc_act(s, QD, &s->att_full));
@@ -706,6 +715,13 @@ static uint32_t *layer_sel_n(const tkv_session *s, uint32_t l)
     return s->dt_sel_n + (size_t)l * s->hp.n_head_kv;
 }
 
+/* Layer l's rows ([Hkv][mark_words]) of a read-marks array laid out as
+ * dt_marks ([layer][Hkv][mark_words]). */
+static uint32_t *layer_marks(const tkv_session *s, uint32_t *marks, uint32_t l)
+{
+    return marks + (size_t)l * s->hp.n_head_kv * tkv_kvs_mark_words(s->kv);
+}
+
 /* Layer l's decode table from the policy's selection (bitmap, words; NULL
  * when no head selects) and the store's page table, its counts brought
  * down into layer_hcounts -- unless `mapped` is given and the page table
@@ -723,11 +739,13 @@ static tkv_status table_build(tkv_session *s, uint32_t l, uint32_t n_past, const
                                         .ptab = tkv_kvs_page_table(s->kv, l), .ptab_stride = tkv_kvs_max_blocks(s->kv),
                                         .n_heads = Hkv, .block_tokens = s->kv_block, .head_dim = s->hp.head_dim,
                                         .n_past = n_past, .refs = s->dt_refs, .miss = s->dt_miss, .cap = s->max_refs,
-                                        .counts = counts};
+                                        .counts = counts, .marks = layer_marks(s, s->dt_marks, l),
+                                        .mark_words = tkv_kvs_mark_words(s->kv)};
     const double t0 = phase_edge(s);
     tkv_status st = s->be->ops->kv_table(s->be, &a);
     if (st != TKV_OK)
         return tkv_err_wrap(st, "device table: layer %u", l);
+    s->dt_marked[l] = s->dt_marks_due = true;
     if (mapped)
         *mapped = tkv_kvs_layer_mapped(s->kv, l);
     if (!mapped || !*mapped)
@@ -745,17 +763,28 @@ static void table_read(tkv_session *s, uint32_t l, uint32_t n_past, const uint32
         po->decode_table_read(s->policy->state, l, s->step, n_past, layer_sel_n(s, l), c);
 }
 
-/* The step's layers whose counts stayed on the backend (s->dt_defer),
- * brought down in one copy, accounted as reads of a context of n_past
- * tokens and told to the policy, at the end of a decode step. */
-static tkv_status counts_flush(tkv_session *s, uint32_t n_past)
+/* At the end of a decode step, in one copy: the counts of the layers
+ * whose counts stayed on the backend (s->dt_defer), accounted as reads of a
+ * context of n_past tokens and told to the policy; and the read marks of
+ * the layers whose table was built (s->dt_marked), handed to the KV store
+ * (tkv_kvs_mark_reads: the blocks the device read in place are in use,
+ * not stale). */
+static tkv_status table_flush(tkv_session *s, uint32_t n_past)
 {
-    if (!s->dt_n_defer)
+    if (!s->dt_n_defer && !s->dt_marks_due)
         return TKV_OK;
     const uint32_t L = s->hp.n_layer, Hkv = s->hp.n_head_kv;
-    /* (failed: the marks stay, and the next forward clears them) */
-    TKV_TRY(s->be->ops->download(s->be, s->dt_hcounts, s->dt_counts, (size_t)L * Hkv * 4 * sizeof *s->dt_hcounts));
-    for (uint32_t l = 0; l < L; l++) {
+    const size_t counts = (size_t)L * Hkv * 4 * sizeof *s->dt_hcounts;
+    const size_t marks = s->dt_marks_due ? (size_t)L * Hkv * tkv_kvs_mark_words(s->kv) * sizeof *s->dt_hmarks : 0;
+    /* (failed: the flags stay, and the next forward clears them) */
+    TKV_TRY(s->be->ops->download(s->be, s->dt_hcounts, s->dt_counts, counts + marks));
+    for (uint32_t l = 0; l < L && s->dt_marks_due; l++)
+        if (s->dt_marked[l]) {
+            TKV_TRY(tkv_kvs_mark_reads(s->kv, l, layer_marks(s, s->dt_hmarks, l)));
+            s->dt_marked[l] = false;
+        }
+    s->dt_marks_due = false;
+    for (uint32_t l = 0; l < L && s->dt_n_defer; l++) {
         if (!s->dt_defer[l])
             continue;
         const uint32_t *c = layer_hcounts(s, l);
@@ -889,7 +918,7 @@ static tkv_status table_bring(tkv_session *s, uint32_t l, uint32_t n, uint32_t n
  * their counts tells whether every selected block is resident -- unless
  * the store maps every block of the layer: then the attention reads the
  * counts where they are and the host goes on without waiting (the reads
- * accounted at the step's end, counts_flush). Where a block is missing,
+ * accounted at the step's end, table_flush). Where a block is missing,
  * table_bring recalls it or leaves it to the CPU and rebuilds the table.
  * Then the attention reads the resident lists where they are (kv_dev), the
  * CPU's part merged with it (hetero_attention): no ranges, views or block
@@ -1162,9 +1191,11 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
         s->pos[i] = (int32_t)(s->n_past + i);
     TKV_TRY(ops->get_rows(be, s->tok_embd, toks, n, s->x));
 
-    if (s->dt_n_defer) { /* left by a step that failed */
+    if (s->dt_n_defer || s->dt_marks_due) { /* left by a step that failed */
         memset(s->dt_defer, 0, hp->n_layer * sizeof *s->dt_defer);
+        memset(s->dt_marked, 0, hp->n_layer * sizeof *s->dt_marked);
         s->dt_n_defer = 0;
+        s->dt_marks_due = false;
     }
     const bool fuse = s->fuse;
     /* a layer's last add leaves the next norm's output in s->h: the next
@@ -1185,7 +1216,7 @@ static tkv_status forward(tkv_session *s, const tkv_token *toks, uint32_t n, boo
         TKV_TRY(ops->matmul(be, s->output, s->h, s->logits_dev, 1));
         TKV_TRY(ops->download(be, s->logits, s->logits_dev, (size_t)hp->n_vocab * sizeof(float)));
     }
-    return counts_flush(s, s->n_past + n); /* (the policy view's n_past) */
+    return table_flush(s, s->n_past + n); /* (the policy view's n_past) */
 }
 
 /* Runs one chunk: reserves KV, marks it valid, and rolls back on failure. */

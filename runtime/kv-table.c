@@ -2,6 +2,8 @@
  * the op's reference on host memory (the contract is in backend.h). */
 #include "backend.h"
 
+#include <string.h>
+
 tkv_status tkv_kv_table_check(const struct tkv_kv_table_args *a)
 {
     if (!a)
@@ -19,6 +21,9 @@ tkv_status tkv_kv_table_check(const struct tkv_kv_table_args *a)
     if (a->ptab_stride < nb)
         return tkv_err(TKV_ERR_INVALID_ARG, "kv_table: ptab_stride %u below the %u blocks of %u tokens",
                        a->ptab_stride, nb, a->n_past);
+    if (a->marks && a->mark_words < (nb + 31) / 32)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv_table: mark_words %u below the %u words of %u blocks", a->mark_words,
+                       (nb + 31) / 32, nb);
     for (uint32_t h = 0; h < a->n_heads; h++) {
         const uint32_t n = a->sel_n[h];
         if (n > a->n_past || (n > 0 && (!a->bitmap || (n + 31) / 32 > a->words)))
@@ -44,6 +49,9 @@ tkv_status tkv_kv_table_ref(const struct tkv_kv_table_args *a)
     for (uint32_t h = 0; h < a->n_heads; h++) {
         struct tkv_kv_block_ref *refs = a->refs ? a->refs + (size_t)h * a->cap : NULL;
         struct tkv_kv_block_ref *miss = a->miss ? a->miss + (size_t)h * a->cap : NULL;
+        uint32_t *marks = a->marks ? a->marks + (size_t)h * a->mark_words : NULL;
+        if (marks)
+            memset(marks, 0, (nb + 31) / 32 * sizeof *marks);
         uint32_t nr = 0, nm = 0, np = 0, nt = 0;
         for (uint32_t b = 0; b < nb; b++) {
             const uint32_t slices = nr + nm;
@@ -74,7 +82,11 @@ tkv_status tkv_kv_table_ref(const struct tkv_kv_table_args *a)
                     nm++;
                 }
             }
-            nt += nr + nm > slices;
+            if (nr + nm > slices) { /* the block is touched */
+                nt++;
+                if (marks)
+                    marks[b / 32] |= 1u << (b % 32);
+            }
         }
         a->counts[4 * h] = nr;
         a->counts[4 * h + 1] = nm;

@@ -131,16 +131,23 @@ struct tkv_session {
      * (table_layer), missing blocks recalled or attended on the CPU first */
     bool dev_table;
     struct tkv_kv_block_ref *dt_refs, *dt_miss; /* backend [Hkv][max_refs] */
-    uint32_t *dt_counts;                        /* backend [layer][Hkv][4]  */
+    uint32_t *dt_counts;                        /* backend [layer][Hkv][4], then dt_marks */
+    uint32_t *dt_marks;                         /* backend [layer][Hkv][mark_words]: kv_table's read marks,
+                                                   in dt_counts's allocation after the counts */
     uint32_t *dt_sel_n;                         /* host [L][Hkv]            */
     struct tkv_kv_block_ref *dt_hmiss;          /* host [Hkv][max_refs]: the heads' missing slices */
     uint32_t *dt_hcounts;                       /* host [layer][Hkv][4], in dt_hmiss's allocation, after it */
+    uint32_t *dt_hmarks;                        /* host: dt_marks's copy, in the same allocation after the counts */
     bool dt_hmiss_pinned;                       /* that allocation registered with the backend  */
     /* layers of this step attended with their counts left on the backend
      * (every block mapped: nothing to check first; table_layer), accounted
-     * at the step's end (counts_flush): dt_defer[l] set, dt_n_defer of them */
+     * at the step's end (table_flush): dt_defer[l] set, dt_n_defer of them */
     bool *dt_defer;                             /* host [layer] */
     uint32_t dt_n_defer;
+    /* layers whose table was built this step: their read marks go to the
+     * KV store at the step's end (table_flush; tkv_kvs_mark_reads) */
+    bool *dt_marked;                            /* host [layer] */
+    bool dt_marks_due;                          /* some dt_marked set */
     uint64_t dt_layers, dt_fallbacks;           /* decode layers attended from the table;
                                                    those that took the host path instead */
     uint64_t dt_brought;                        /* of dt_layers: missing blocks recalled or

@@ -24,7 +24,7 @@
  * block's entry. A different walk from tkv_kv_table_ref's (block by
  * block). Returns false when out of memory. */
 static bool kvt_oracle(const struct tkv_kv_table_args *a, struct tkv_kv_block_ref *refs, struct tkv_kv_block_ref *miss,
-                       uint32_t per_head, uint32_t *counts)
+                       uint32_t per_head, uint32_t *counts, uint32_t *marks)
 {
     uint32_t *rb = malloc(((size_t)a->n_past + 2) * sizeof *rb), *re = malloc(((size_t)a->n_past + 2) * sizeof *re);
     if (!rb || !re) {
@@ -54,7 +54,8 @@ static bool kvt_oracle(const struct tkv_kv_table_args *a, struct tkv_kv_block_re
             for (uint32_t p = rb[i]; p < re[i];) {
                 const uint32_t b = p / B, end = re[i] < (b + 1) * B ? re[i] : (b + 1) * B;
                 np += end - p;
-                nt += b != last;
+                if (b != last) /* a block touched: its read mark (rows of mark_words, zeroed by the caller) */
+                    nt++, marks[(size_t)h * a->mark_words + b / 32] |= 1u << (b % 32);
                 last = b;
                 const uint64_t e = a->ptab[(size_t)h * a->ptab_stride + b];
                 struct tkv_kv_block_ref r = {.pos0 = (int32_t)p, .n = end - p};
@@ -80,13 +81,19 @@ static bool kvt_ref_eq(const struct tkv_kv_block_ref *x, const struct tkv_kv_blo
 
 /* One random case on backend be: sel_mode 0 empty, 1 full, 2 sparse, 3 runs,
  * 4 dense; res_mode 0 none resident, 1 all, 2 half, 3 most; cap_mode 0 room
- * for everything, 1 a few entries (overflow). */
+ * for everything, 1 a few entries (overflow). The read marks are asked for
+ * in three cases of four, in rows longer than needed by 0-2 words (which
+ * must stay as they were). */
 static void kvt_case(struct tkv_backend *be, uint64_t *rng, uint32_t B, uint32_t hd, uint32_t n_past, uint32_t H,
                      int sel_mode, int res_mode, int cap_mode)
 {
     const uint32_t nb = (n_past + B - 1) / B, stride = nb + (uint32_t)(test_rand_u64(rng) % 3);
     const uint32_t words = (n_past + 31) / 32 + 1, per_head = n_past + nb + 1; /* the most slices a head can have */
     const uint32_t cap = cap_mode ? (uint32_t)(test_rand_u64(rng) % 4) : per_head;
+    const uint32_t mark_used = (nb + 31) / 32, mark_words = mark_used + (uint32_t)(test_rand_u64(rng) % 3);
+    const bool with_marks = test_rand_u64(rng) % 4 != 0;
+    uint32_t *o_marks = calloc((size_t)H * mark_words + 1, sizeof *o_marks);
+    uint32_t *d_marks = malloc(((size_t)H * mark_words + 1) * sizeof *d_marks);
     uint32_t *bitmap = calloc((size_t)H * words, sizeof *bitmap), *sel_n = malloc(H * sizeof *sel_n);
     uint64_t *ptab = malloc(((size_t)H * stride + 1) * sizeof *ptab);
     struct tkv_kv_block_ref *o_refs = calloc((size_t)H * per_head, sizeof *o_refs);
@@ -94,7 +101,8 @@ static void kvt_case(struct tkv_backend *be, uint64_t *rng, uint32_t B, uint32_t
     struct tkv_kv_block_ref *d_refs = malloc(((size_t)H * cap + 1) * sizeof *d_refs);
     struct tkv_kv_block_ref *d_miss = malloc(((size_t)H * cap + 1) * sizeof *d_miss);
     uint32_t *o_counts = malloc(4 * H * sizeof *o_counts), *d_counts = malloc(4 * H * sizeof *d_counts);
-    REQUIRE_VOID(bitmap && sel_n && ptab && o_refs && o_miss && d_refs && d_miss && o_counts && d_counts);
+    REQUIRE_VOID(bitmap && sel_n && ptab && o_refs && o_miss && d_refs && d_miss && o_counts && d_counts && o_marks &&
+                 d_marks);
     for (uint32_t h = 0; h < H; h++) {
         const uint64_t r = test_rand_u64(rng) % 6;
         sel_n[h] = r == 0 ? 0 : r == 1 ? n_past : r == 2 ? (n_past / 32) * 32 : (uint32_t)(test_rand_u64(rng) % (n_past + 1));
@@ -122,28 +130,35 @@ static void kvt_case(struct tkv_backend *be, uint64_t *rng, uint32_t B, uint32_t
     }
     struct tkv_kv_table_args a = {.bitmap = bitmap, .words = words, .sel_n = sel_n, .ptab = ptab,
                                   .ptab_stride = stride, .n_heads = H, .block_tokens = B, .head_dim = hd,
-                                  .n_past = n_past, .refs = NULL, .miss = NULL, .cap = cap, .counts = NULL};
-    REQUIRE_VOID(kvt_oracle(&a, o_refs, o_miss, per_head, o_counts));
+                                  .n_past = n_past, .refs = NULL, .miss = NULL, .cap = cap, .counts = NULL,
+                                  .marks = NULL, .mark_words = mark_words};
+    REQUIRE_VOID(kvt_oracle(&a, o_refs, o_miss, per_head, o_counts, o_marks));
 
     /* the same arguments in backend memory, the outputs poisoned first */
     const size_t bm_bytes = (size_t)H * words * sizeof *bitmap, pt_bytes = (size_t)H * stride * sizeof *ptab;
     const size_t out_bytes = ((size_t)H * cap + 1) * sizeof *d_refs, cnt_bytes = 4 * H * sizeof *d_counts;
-    void *b_bm = NULL, *b_pt = NULL, *b_refs = NULL, *b_miss = NULL, *b_cnt = NULL;
+    const size_t mark_bytes = ((size_t)H * mark_words + 1) * sizeof *d_marks;
+    void *b_bm = NULL, *b_pt = NULL, *b_refs = NULL, *b_miss = NULL, *b_cnt = NULL, *b_marks = NULL;
     REQUIRE_VOID(be->ops->alloc(be, bm_bytes, &b_bm) == TKV_OK && be->ops->alloc(be, pt_bytes, &b_pt) == TKV_OK &&
                  be->ops->alloc(be, out_bytes, &b_refs) == TKV_OK &&
-                 be->ops->alloc(be, out_bytes, &b_miss) == TKV_OK && be->ops->alloc(be, cnt_bytes, &b_cnt) == TKV_OK);
+                 be->ops->alloc(be, out_bytes, &b_miss) == TKV_OK && be->ops->alloc(be, cnt_bytes, &b_cnt) == TKV_OK &&
+                 be->ops->alloc(be, mark_bytes, &b_marks) == TKV_OK);
     memset(d_refs, 0xa5, out_bytes);
+    memset(d_marks, 0xa5, mark_bytes);
     CHECK(be->ops->upload(be, b_bm, bitmap, bm_bytes) == TKV_OK && be->ops->upload(be, b_pt, ptab, pt_bytes) == TKV_OK &&
               be->ops->upload(be, b_refs, d_refs, out_bytes) == TKV_OK &&
-              be->ops->upload(be, b_miss, d_refs, out_bytes) == TKV_OK,
+              be->ops->upload(be, b_miss, d_refs, out_bytes) == TKV_OK &&
+              be->ops->upload(be, b_marks, d_marks, mark_bytes) == TKV_OK,
           "%s: uploads: %s", be->ops->name, tkv_last_error());
     struct tkv_kv_table_args d = a;
     d.bitmap = b_bm, d.ptab = b_pt, d.refs = b_refs, d.miss = b_miss, d.counts = b_cnt;
+    d.marks = with_marks ? b_marks : NULL;
     const tkv_status st = be->ops->kv_table(be, &d);
     CHECK(st == TKV_OK, "%s: kv_table: %s", be->ops->name, tkv_last_error());
     CHECK(be->ops->download(be, d_refs, b_refs, out_bytes) == TKV_OK &&
               be->ops->download(be, d_miss, b_miss, out_bytes) == TKV_OK &&
-              be->ops->download(be, d_counts, b_cnt, cnt_bytes) == TKV_OK,
+              be->ops->download(be, d_counts, b_cnt, cnt_bytes) == TKV_OK &&
+              be->ops->download(be, d_marks, b_marks, mark_bytes) == TKV_OK,
           "%s: downloads: %s", be->ops->name, tkv_last_error());
     struct tkv_kv_block_ref poison;
     memset(&poison, 0xa5, sizeof poison);
@@ -172,14 +187,25 @@ static void kvt_case(struct tkv_backend *be, uint64_t *rng, uint32_t B, uint32_t
             }
         }
     }
+    /* the read marks: each row's words for the blocks as the oracle's, the
+     * rest (and everything without marks) as poisoned */
+    for (uint32_t h = 0; h < H && bad < 4; h++)
+        for (uint32_t w = 0; w < mark_words; w++) {
+            const uint32_t got = d_marks[(size_t)h * mark_words + w];
+            const uint32_t want = with_marks && w < mark_used ? o_marks[(size_t)h * mark_words + w] : 0xa5a5a5a5u;
+            CHECK(got == want, "%s B %u n_past %u sel %d res %d head %u: marks word %u of %u (%u used) %08x, want %08x",
+                  be->ops->name, B, n_past, sel_mode, res_mode, h, w, mark_words, with_marks ? mark_used : 0, got, want);
+            bad += got != want;
+        }
+    CHECK(d_marks[(size_t)H * mark_words] == 0xa5a5a5a5u, "%s: kv_table wrote past the marks", be->ops->name);
     /* the one past the last head's cap is never written */
     CHECK(!memcmp(&d_refs[(size_t)H * cap], &poison, sizeof poison) &&
               !memcmp(&d_miss[(size_t)H * cap], &poison, sizeof poison),
           "%s: kv_table wrote past the tables", be->ops->name);
     be->ops->release(be, b_bm), be->ops->release(be, b_pt), be->ops->release(be, b_refs);
-    be->ops->release(be, b_miss), be->ops->release(be, b_cnt);
+    be->ops->release(be, b_miss), be->ops->release(be, b_cnt), be->ops->release(be, b_marks);
     free(bitmap), free(sel_n), free(ptab), free(o_refs), free(o_miss), free(d_refs), free(d_miss);
-    free(o_counts), free(d_counts);
+    free(o_counts), free(d_counts), free(o_marks), free(d_marks);
 }
 
 /* table_write: random distinct stores into a table of n entries, in two

@@ -305,6 +305,7 @@ static tkv_status o_kv_table(struct tkv_backend *b, const struct tkv_kv_table_ar
         return tkv_kv_table_ref(a);
     struct tkv_kv_table_args c = *a;
     c.bitmap = U(a->bitmap), c.ptab = U(a->ptab), c.refs = U(a->refs), c.miss = U(a->miss), c.counts = U(a->counts);
+    c.marks = U(a->marks);
     TKV_TRY(tkv_kv_table_ref(&c));
     for (uint32_t h = 0; opaque_kv_table_skew && h < c.n_heads; h++)
         if (c.counts[4 * h] > 0 && c.refs[(size_t)h * c.cap].n > 1) {

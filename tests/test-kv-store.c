@@ -157,6 +157,7 @@ static void check_all(struct tkv_kvs *s, const char *when)
 }
 
 static bool evict_cycle; /* make_store's stores evict by the layer cycle alone */
+static bool page_table;  /* make_store's stores keep a device page table (and read marks) */
 
 static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks, uint32_t host_blocks, bool nvme)
 {
@@ -165,7 +166,7 @@ static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks,
                                .compute_is_host = compute_is_host, .compute_bytes = (uint64_t)compute_blocks * S,
                                .host_bytes = (uint64_t)host_blocks * S, .nvme_dir = nvme ? spill_dir : NULL,
                                .upload_piece_bytes = 3 * S, /* recalls in several pieces */
-                               .evict_cycle = evict_cycle};
+                               .evict_cycle = evict_cycle, .page_table = page_table};
     struct tkv_kvs *s = NULL;
     tkv_status st = tkv_kvs_init(&p, be, &s);
     CHECK(st == TKV_OK, "kvs_init: %s", tkv_last_error());
@@ -1088,6 +1089,83 @@ static void test_evict_stale(bool cycle)
     tkv_kvs_free(s);
 }
 
+/* Read marks (tkv_kvs_mark_reads): blocks read in place, as through the
+ * device decode table, with no begin_layer naming them. The compute tier
+ * holds each layer's selection (blocks 0-2 of every head) and 14 more
+ * blocks of layer 1, all brought in at step 0; at steps 1-3 every layer
+ * begins naming nothing and reads its selection in place, and layer 0
+ * then needs one block more. With the reads marked, the victim is one of
+ * layer 1's unread blocks and every selection block stays; without marks
+ * the selections look as stale as those blocks, and the farthest layer's
+ * selection goes first. */
+static void test_mark_reads(bool marks)
+{
+    page_table = true;
+    struct tkv_kvs *s = make_store(false, H * NB, L * H * NB, false); /* one layer's blocks */
+    page_table = false;
+    if (!s)
+        return;
+    fill_until_spilling(s);
+    for (uint32_t l = 0; l < L; l++) /* an empty compute tier */
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = 0; b < NB; b++)
+                CHECK(tkv_kvs_demote(s, l, h, b) == TKV_OK, "demote: %s", tkv_last_error());
+    const uint32_t MB = tkv_kvs_max_blocks(s), W = tkv_kvs_mark_words(s), HOT = 3;
+    static uint8_t need[L][H * CTX], none[H * CTX];
+    uint32_t rows[H][CTX / 32 + 1], sel[L][H][8];
+    REQUIRE_VOID(W == (MB + 31) / 32 && W <= CTX / 32 + 1);
+    memset(need, 0, sizeof need), memset(rows, 0, sizeof rows);
+    for (uint32_t l = 0; l < L; l++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t j = 0; j < HOT; j++)
+                sel[l][h][j] = j, need[l][h * MB + j] = 1;
+    for (uint32_t h = 0; h < H; h++) {
+        for (uint32_t b = HOT; b < HOT + 7; b++)
+            need[1][h * MB + b] = 1;
+        rows[h][0] = (1u << HOT) - 1; /* (rows of W words, [h][0] at h * W) */
+    }
+    uint32_t packed[H * (CTX / 32 + 1)];
+    for (uint32_t h = 0; h < H; h++)
+        memcpy(packed + (size_t)h * W, rows[h], W * sizeof *packed);
+    uint64_t r = stale_step(s, need, sel, HOT);
+    CHECK(r == (uint64_t)L * H * HOT + H * 7, "step 0 recalled %llu blocks", (unsigned long long)r);
+    for (int t = 1; t <= 3; t++) {
+        for (uint32_t l = 0; l < L; l++) {
+            CHECK(tkv_kvs_begin_layer_sel(s, l, 0, 0, none) == TKV_OK, "layer %u: %s", l, tkv_last_error());
+            for (uint32_t h = 0; h < H; h++)
+                for (uint32_t j = 0; j < HOT; j++)
+                    CHECK(tkv_kvs_block_tier(s, l, h, j) == TKV_TIER_COMPUTE, "step %d: block (%u,%u,%u) not in place",
+                          t, l, h, j);
+            tkv_kvs_end_layer(s, l);
+        }
+        for (uint32_t l = 0; marks && l < L; l++) /* at the step's end, as the engine */
+            CHECK(tkv_kvs_mark_reads(s, l, packed) == TKV_OK, "mark_reads: %s", tkv_last_error());
+    }
+    memset(need, 0, sizeof need);
+    need[0][NB - 1] = 1; /* head 0's last block, off the compute tier */
+    CHECK(tkv_kvs_begin_layer_sel(s, 0, 0, 0, need[0]) == TKV_OK, "%s", tkv_last_error());
+    tkv_kvs_end_layer(s, 0);
+    uint32_t left = 0;
+    for (uint32_t l = 0; l < L; l++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t j = 0; j < HOT; j++)
+                left += tkv_kvs_block_tier(s, l, h, j) != TKV_TIER_COMPUTE;
+    fprintf(stderr, "read marks %s: %u selection blocks left the compute tier\n", marks ? "given" : "not given", left);
+    if (marks)
+        CHECK(left == 0, "%u blocks read in place and marked were evicted", left);
+    else
+        CHECK(left == 1, "%u selection blocks evicted without marks, not 1 (the farthest layer's)", left);
+    CHECK(tkv_kvs_mark_reads(s, L, packed) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "layer"), "%s",
+          tkv_last_error());
+    tkv_kvs_free(s);
+    s = make_store(false, H * NB, L * H * NB, false); /* no page table: no marks */
+    if (s) {
+        CHECK(tkv_kvs_mark_reads(s, 0, packed) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "page table"),
+              "%s", tkv_last_error());
+        tkv_kvs_free(s);
+    }
+}
+
 /* The backend's block uploads on their own: n scattered blocks from
  * registered host memory to device memory, in a random order, sizes that
  * take the gather kernel (multiples of 16) and the copy-engine path. */
@@ -1473,6 +1551,8 @@ int main(void)
     test_host_checked_once();
     test_evict_stale(false);
     test_evict_stale(true);
+    test_mark_reads(true);
+    test_mark_reads(false);
     test_import_n(true, 40, 0, "import_n host+nvme");
     test_import_n(false, 40, 40, "import_n device+host+nvme");
     test_write_back();

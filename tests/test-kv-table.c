@@ -196,6 +196,14 @@ int main(void)
     CHECK(cpu->ops->kv_table(cpu, &a) == TKV_ERR_INVALID_ARG, "block_tokens 0 accepted");
     a.block_tokens = 8, a.counts = NULL;
     CHECK(cpu->ops->kv_table(cpu, &a) == TKV_ERR_INVALID_ARG, "NULL counts accepted");
+    uint32_t marks[2];
+    a.counts = counts, a.marks = marks, a.mark_words = 0; /* 12 tokens in blocks of 8: one word a head */
+    CHECK(cpu->ops->kv_table(cpu, &a) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "mark_words"), "%s",
+          tkv_last_error());
+    a.mark_words = 1;
+    CHECK(cpu->ops->kv_table(cpu, &a) == TKV_OK && marks[0] == 2u && marks[1] == 3u,
+          "marks %08x %08x: head 0 reads the tail [10, 12) in block 1, head 1 [5, 12) in blocks 0 and 1", marks[0],
+          marks[1]);
     CHECK(cpu->ops->kv_table(cpu, NULL) == TKV_ERR_INVALID_ARG, "NULL args accepted");
 
     store_traffic(cpu, true, "cpu");

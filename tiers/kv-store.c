@@ -145,6 +145,15 @@ struct tkv_kvs {
     uint64_t *begin_clock;
     uint64_t n_begins;
     uint64_t stale_before;
+    /* Read marks (tkv_kvs_mark_reads; with the page table only, else NULL):
+     * per layer two generations of [head][mark_words] bits, each stamped
+     * with the clock of the begin_layer it describes (mark_clock[2 layer +
+     * g], 0: none); a block marked in a generation at or past stale_before
+     * is not stale. layer_begun: each layer's last begin_layer clock. */
+    uint32_t *marks;         /* [2][layer][head][mark_words]          */
+    uint64_t *mark_clock;    /* [layer][2]                            */
+    uint64_t *layer_begun;   /* [layer]                               */
+    uint32_t mark_words;     /* ceil(max_blocks / 32)                 */
     struct blk *blk;         /* [layer][head][max_blocks]             */
     struct pool pool[TKV_TIER_COUNT];
     struct tkv_kv_block_ref *refs; /* [layer][head][max_blocks] views, each layer's as
@@ -737,20 +746,41 @@ static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t
  * a cycle later than its layer's turn (distance + L), so the victims are
  * first the stale blocks, farthest layer first, then the rest in layer
  * order -- not the blocks a farther layer read this step while nearer
- * layers hold blocks no step reads. The current layer's blocks are never
- * stale: its reader may not have told the store which it reads (the device
- * decode table selects on the GPU; docs/kv-layout.md), so they go last, as
- * in the cycle. Dense reads leave nothing stale (the order is the cycle's).
+ * layers hold blocks no step reads. A reader that reads blocks in place
+ * without a begin_layer naming them (the device decode table selects on the
+ * GPU; docs/kv-layout.md) tells the store afterwards (tkv_kvs_mark_reads);
+ * until it has, the current layer's blocks are never stale, so they go
+ * last, as in the cycle. Dense reads leave nothing stale (the order is the
+ * cycle's).
  * Distances are < 2L; blocks of one distance tie and fall back to least
  * recently used. */
-static inline bool stale_stamp(const struct tkv_kvs *s, uint64_t lru, uint32_t layer)
+static bool read_marked(const struct tkv_kvs *s, uint32_t i);
+
+/* Block i with LRU stamp lru (blk_lru's) is stale: not read in the last two
+ * steps by its stamp nor by its read marks. */
+static inline bool blk_stale_at(const struct tkv_kvs *s, uint32_t i, uint64_t lru)
 {
-    return lru < s->stale_before && layer != s->cur_layer;
+    return lru < s->stale_before && s->blk[i].layer != s->cur_layer && !read_marked(s, i);
 }
 
 static inline bool blk_stale(const struct tkv_kvs *s, uint32_t i)
 {
-    return stale_stamp(s, blk_lru(s, i), s->blk[i].layer);
+    return blk_stale_at(s, i, blk_lru(s, i));
+}
+
+/* Whether a read mark at or past stale_before names block i (the store's
+ * rows are blk's index, [layer][head] rows of max_blocks bits). */
+static bool read_marked(const struct tkv_kvs *s, uint32_t i)
+{
+    if (!s->marks)
+        return false;
+    const uint32_t row = i / s->max_blocks, b = i - row * s->max_blocks, layer = s->blk[i].layer;
+    const size_t gen_words = (size_t)s->p.n_layer * s->p.n_head_kv * s->mark_words;
+    for (uint32_t g = 0; g < 2; g++)
+        if (s->mark_clock[2 * layer + g] >= s->stale_before &&
+            (s->marks[g * gen_words + (size_t)row * s->mark_words + b / 32] >> (b % 32)) & 1u)
+            return true;
+    return false;
 }
 
 /* A begin_layer at s->clock: the ring of the last 2L begins' clocks, and
@@ -925,7 +955,7 @@ static inline bool evictable(const struct tkv_kvs *s, int t, int32_t i, bool cle
 }
 
 /* Appends to cand the eviction candidates among the slots of memory tier t
- * held by `layer` that are stale (or not: stale_stamp), in slot order (the
+ * held by `layer` that are stale (or not: blk_stale_at), in slot order (the
  * tier's layer map: only that layer's slots are read); returns how many.
  * Reading them makes the layer's pool.lmin exact. A stale list is known
  * empty without a read for the current layer (never stale) and where lmin
@@ -945,7 +975,7 @@ static uint32_t layer_candidates(struct tkv_kvs *s, int t, uint32_t layer, bool 
                 const int32_t i = pl->owner[w * 64 + (uint32_t)__builtin_ctzll(y)];
                 const uint64_t lru = blk_lru(s, (uint32_t)i);
                 lo = TKV_MIN(lo, lru);
-                if (evictable(s, t, i, clean_only) && stale_stamp(s, lru, layer) == stale)
+                if (evictable(s, t, i, clean_only) && blk_stale_at(s, (uint32_t)i, lru) == stale)
                     cand[n++] = (uint32_t)i;
             }
         }
@@ -1639,6 +1669,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->order_count = malloc((2 * p->n_layer + 1) * sizeof *s->order_count);
     s->grp_end = malloc(2 * p->n_layer * sizeof *s->grp_end);
     s->begin_clock = calloc(2 * p->n_layer, sizeof *s->begin_clock);
+    s->layer_begun = calloc(p->n_layer, sizeof *s->layer_begun);
     s->vkeys = malloc(layer_blocks * sizeof *s->vkeys);
     s->run_below = malloc(s->max_blocks);
     s->inflight_reads = calloc(p->n_layer, sizeof *s->inflight_reads);
@@ -1649,7 +1680,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->views_nb = calloc(p->n_layer, sizeof *s->views_nb);
     s->ops = calloc(IO_BATCH, sizeof *s->ops);
     s->results = calloc(IO_BATCH, sizeof *s->results);
-    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->sel || !s->sel_n || !s->sparse_nb || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->grp_end || !s->begin_clock || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
+    if (!s->blk || !s->refs || !s->host_refs || !s->hlist || !s->sel || !s->sel_n || !s->sparse_nb || !s->hdata || !s->hbad || !s->chk_idx || !s->chk_pos || !s->chk_data || !s->chk_bad || !s->cand[0] || !s->cand[1] || !s->lists || !s->order_tmp || !s->order_count || !s->grp_end || !s->begin_clock || !s->layer_begun || !s->vkeys || !s->run_below || !s->inflight_reads || !s->layer_pin || !s->layer_lru || !s->layer_gen || !s->views_gen ||
         !s->views_nb || !s->ops || !s->results) {
         st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the page table");
         goto fail;
@@ -1748,7 +1779,11 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         s->pt_queued = calloc(total, 1);
         s->pt_idx = malloc(layer_blocks * sizeof *s->pt_idx);
         s->pt_val = malloc(layer_blocks * sizeof *s->pt_val);
-        if (!s->pt_host || !s->pt_pend || !s->pt_pend_n || !s->pt_queued || !s->pt_idx || !s->pt_val) {
+        s->mark_words = (s->max_blocks + 31) / 32;
+        s->marks = calloc(2 * (size_t)p->n_layer * p->n_head_kv * s->mark_words, sizeof *s->marks);
+        s->mark_clock = calloc(2 * (size_t)p->n_layer, sizeof *s->mark_clock);
+        if (!s->pt_host || !s->pt_pend || !s->pt_pend_n || !s->pt_queued || !s->pt_idx || !s->pt_val || !s->marks ||
+            !s->mark_clock) {
             st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the device page table");
             goto fail;
         }
@@ -1828,6 +1863,9 @@ void tkv_kvs_free(struct tkv_kvs *s)
     free(s->layer_pin);
     free(s->layer_lru);
     free(s->begin_clock);
+    free(s->layer_begun);
+    free(s->marks);
+    free(s->mark_clock);
     free(s->layer_gen);
     free(s->views_gen);
     free(s->views_nb);
@@ -1963,6 +2001,7 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
     uint32_t n_missing = 0, n_host = 0;
     s->clock++;
     stale_advance(s);
+    s->layer_begun[layer] = s->clock;
     const uint32_t w0 = n_write ? write_pos / B : UINT32_MAX, w1 = n_write ? (write_pos + n_write - 1) / B : 0;
     /* left on the host tier: allowed, not about to be written, and its
      * current copy is there and not in the compute tier */
@@ -2330,6 +2369,23 @@ bool tkv_kvs_layer_mapped(const struct tkv_kvs *s, uint32_t layer)
      * with nothing pending each one's entry is its slot */
     const uint32_t B = s->p.block_tokens, nb = (s->length + B - 1) / B;
     return s->pool[TKV_TIER_COMPUTE].layer_used[layer] == (uint64_t)s->p.n_head_kv * nb && s->pt_pend_n[layer] == 0;
+}
+
+uint32_t tkv_kvs_mark_words(const struct tkv_kvs *s) { return s->mark_words; }
+
+tkv_status tkv_kvs_mark_reads(struct tkv_kvs *s, uint32_t layer, const uint32_t *rows)
+{
+    if (!s->marks)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: mark_reads: the store keeps no read marks (no page table)");
+    if (layer >= s->p.n_layer || !rows)
+        return tkv_err(TKV_ERR_INVALID_ARG, "kv-store: mark_reads: layer %u of %u, rows %p", layer, s->p.n_layer,
+                       (const void *)rows);
+    /* over the older generation */
+    const uint32_t g = s->mark_clock[2 * layer] <= s->mark_clock[2 * layer + 1] ? 0 : 1;
+    const size_t layer_words = (size_t)s->p.n_head_kv * s->mark_words;
+    memcpy(s->marks + (g * (size_t)s->p.n_layer + layer) * layer_words, rows, layer_words * sizeof *rows);
+    s->mark_clock[2 * layer + g] = s->layer_begun[layer];
+    return TKV_OK;
 }
 
 tkv_status tkv_kvs_page_table_sync(struct tkv_kvs *s, uint32_t layer, uint32_t *n_written)

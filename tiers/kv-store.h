@@ -226,6 +226,18 @@ const uint64_t *tkv_kvs_page_table(const struct tkv_kvs *s, uint32_t layer);
  * none). O(blocks that moved), not O(context). *n_written (may be NULL):
  * entries written. Any time, inside or outside begin/end. */
 tkv_status tkv_kvs_page_table_sync(struct tkv_kvs *s, uint32_t layer, uint32_t *n_written);
+/* Read marks (with params.page_table; docs/kv-layout.md, "Eviction"): a
+ * reader that reads blocks in place through the device page table, with no
+ * begin_layer naming them (backend.h's kv_table), tells the store which it
+ * read, so that eviction takes them for blocks in use, not stale ones.
+ * rows: [n_head_kv][tkv_kvs_mark_words()] words, bit b % 32 of word b / 32
+ * of head h's row set when block b was read at layer's latest begin_layer
+ * (kv_table's marks; words past those of the layer's blocks are ignored).
+ * Copied; call it after that begin and before the layer's next one. A block
+ * marked at one of the layer's last two begins is not stale. Without a
+ * page table: TKV_ERR_INVALID_ARG. */
+uint32_t tkv_kvs_mark_words(const struct tkv_kvs *s);
+tkv_status tkv_kvs_mark_reads(struct tkv_kvs *s, uint32_t layer, const uint32_t *rows);
 /* Whether layer's device page table, as of its last sync, maps every block
  * below the store's length (every head) -- a decode table built from it
  * misses nothing: each of those blocks holds a compute slot and no entry
