@@ -1028,6 +1028,38 @@ static uint64_t stale_step(struct tkv_kvs *s, uint8_t (*need)[H * CTX], uint32_t
     return k1.stall.recalled_blocks - k0.stall.recalled_blocks;
 }
 
+enum { HOT = 3, EXTRA = 7 }; /* the stale-block scenarios' selection, and layer 1's blocks read once */
+
+/* The stale-block scenarios' start: a store (evicting by the layer cycle
+ * alone with cycle, keeping a device page table with table) whose compute
+ * tier holds one layer's blocks, filled until it spills, then emptied; need
+ * and sel hold every layer's selection (blocks 0 .. HOT-1 of every head)
+ * and, for step 0, EXTRA more blocks of layer 1 per head. NULL when the
+ * store could not be made. */
+static struct tkv_kvs *selection_store(bool cycle, bool table, uint8_t (*need)[H * CTX], uint32_t (*sel)[H][8])
+{
+    evict_cycle = cycle, page_table = table;
+    struct tkv_kvs *s = make_store(false, H * NB, L * H * NB, false); /* one layer's blocks */
+    evict_cycle = page_table = false;
+    if (!s)
+        return NULL;
+    fill_until_spilling(s);
+    for (uint32_t l = 0; l < L; l++) /* an empty compute tier */
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = 0; b < NB; b++)
+                CHECK(tkv_kvs_demote(s, l, h, b) == TKV_OK, "demote: %s", tkv_last_error());
+    const uint32_t MB = tkv_kvs_max_blocks(s);
+    memset(need, 0, L * sizeof *need);
+    for (uint32_t l = 0; l < L; l++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t j = 0; j < HOT; j++)
+                sel[l][h][j] = j, need[l][h * MB + j] = 1;
+    for (uint32_t h = 0; h < H; h++)
+        for (uint32_t b = HOT; b < HOT + EXTRA; b++)
+            need[1][h * MB + b] = 1;
+    return s;
+}
+
 /* The stale blocks go first. The compute tier (one layer's worth of
  * blocks) holds each layer's selection, read at every step, and 14 more
  * blocks of layer 1 read once; then layer 0 reads one block more. By the
@@ -1038,30 +1070,15 @@ static uint64_t stale_step(struct tkv_kvs *s, uint8_t (*need)[H * CTX], uint32_t
  * of layer 1's unread blocks, and the step recalls just the new block. */
 static void test_evict_stale(bool cycle)
 {
-    evict_cycle = cycle;
-    struct tkv_kvs *s = make_store(false, H * NB, L * H * NB, false); /* one layer's blocks */
-    evict_cycle = false;
-    if (!s)
-        return;
-    fill_until_spilling(s);
-    for (uint32_t l = 0; l < L; l++) /* an empty compute tier */
-        for (uint32_t h = 0; h < H; h++)
-            for (uint32_t b = 0; b < NB; b++)
-                CHECK(tkv_kvs_demote(s, l, h, b) == TKV_OK, "demote: %s", tkv_last_error());
-    const uint32_t MB = tkv_kvs_max_blocks(s), HOT = 3;
     static uint8_t need[L][H * CTX];
     uint32_t sel[L][H][8];
-    memset(need, 0, sizeof need);
-    for (uint32_t l = 0; l < L; l++) /* the selections: blocks 0, 1, 2 of every head */
-        for (uint32_t h = 0; h < H; h++)
-            for (uint32_t j = 0; j < HOT; j++)
-                sel[l][h][j] = j, need[l][h * MB + j] = 1;
-    for (uint32_t h = 0; h < H; h++) /* step 0: layer 1 reads 7 more blocks per head */
-        for (uint32_t b = HOT; b < HOT + 7; b++)
-            need[1][h * MB + b] = 1;
+    struct tkv_kvs *s = selection_store(cycle, false, need, sel);
+    if (!s)
+        return;
+    const uint32_t MB = tkv_kvs_max_blocks(s);
     const uint64_t r0 = stale_step(s, need, sel, HOT);
     for (uint32_t h = 0; h < H; h++)
-        for (uint32_t b = HOT; b < HOT + 7; b++)
+        for (uint32_t b = HOT; b < HOT + EXTRA; b++)
             need[1][h * MB + b] = 0;
     uint64_t r[3];
     for (int t = 0; t < 3; t++)
@@ -1073,7 +1090,7 @@ static void test_evict_stale(bool cycle)
     fprintf(stderr, "%s eviction: blocks recalled at steps 0-4: %llu %llu %llu %llu %llu\n",
             cycle ? "layer-cycle" : "stale-first", (unsigned long long)r0, (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2],
             (unsigned long long)r4);
-    CHECK(r0 == (uint64_t)L * H * HOT + H * 7 && r[0] + r[1] + r[2] == 0,
+    CHECK(r0 == (uint64_t)L * H * HOT + H * EXTRA && r[0] + r[1] + r[2] == 0,
           "the tier did not settle: %llu, then %llu %llu %llu blocks recalled", (unsigned long long)r0,
           (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2]);
     if (cycle) {
@@ -1100,35 +1117,19 @@ static void test_evict_stale(bool cycle)
  * selection goes first. */
 static void test_mark_reads(bool marks)
 {
-    page_table = true;
-    struct tkv_kvs *s = make_store(false, H * NB, L * H * NB, false); /* one layer's blocks */
-    page_table = false;
+    static uint8_t need[L][H * CTX], none[H * CTX];
+    uint32_t sel[L][H][8];
+    struct tkv_kvs *s = selection_store(false, true, need, sel);
     if (!s)
         return;
-    fill_until_spilling(s);
-    for (uint32_t l = 0; l < L; l++) /* an empty compute tier */
-        for (uint32_t h = 0; h < H; h++)
-            for (uint32_t b = 0; b < NB; b++)
-                CHECK(tkv_kvs_demote(s, l, h, b) == TKV_OK, "demote: %s", tkv_last_error());
-    const uint32_t MB = tkv_kvs_max_blocks(s), W = tkv_kvs_mark_words(s), HOT = 3;
-    static uint8_t need[L][H * CTX], none[H * CTX];
-    uint32_t rows[H][CTX / 32 + 1], sel[L][H][8];
-    REQUIRE_VOID(W == (MB + 31) / 32 && W <= CTX / 32 + 1);
-    memset(need, 0, sizeof need), memset(rows, 0, sizeof rows);
-    for (uint32_t l = 0; l < L; l++)
-        for (uint32_t h = 0; h < H; h++)
-            for (uint32_t j = 0; j < HOT; j++)
-                sel[l][h][j] = j, need[l][h * MB + j] = 1;
-    for (uint32_t h = 0; h < H; h++) {
-        for (uint32_t b = HOT; b < HOT + 7; b++)
-            need[1][h * MB + b] = 1;
-        rows[h][0] = (1u << HOT) - 1; /* (rows of W words, [h][0] at h * W) */
-    }
-    uint32_t packed[H * (CTX / 32 + 1)];
+    const uint32_t W = tkv_kvs_mark_words(s);
+    uint32_t rows[H * (CTX / 32 + 1)]; /* [H][W]: the selection's bits */
+    REQUIRE_VOID(W == (tkv_kvs_max_blocks(s) + 31) / 32 && W <= CTX / 32 + 1);
+    memset(rows, 0, sizeof rows);
     for (uint32_t h = 0; h < H; h++)
-        memcpy(packed + (size_t)h * W, rows[h], W * sizeof *packed);
+        rows[h * W] = (1u << HOT) - 1;
     uint64_t r = stale_step(s, need, sel, HOT);
-    CHECK(r == (uint64_t)L * H * HOT + H * 7, "step 0 recalled %llu blocks", (unsigned long long)r);
+    CHECK(r == (uint64_t)L * H * HOT + H * EXTRA, "step 0 recalled %llu blocks", (unsigned long long)r);
     for (int t = 1; t <= 3; t++) {
         for (uint32_t l = 0; l < L; l++) {
             CHECK(tkv_kvs_begin_layer_sel(s, l, 0, 0, none) == TKV_OK, "layer %u: %s", l, tkv_last_error());
@@ -1139,7 +1140,7 @@ static void test_mark_reads(bool marks)
             tkv_kvs_end_layer(s, l);
         }
         for (uint32_t l = 0; marks && l < L; l++) /* at the step's end, as the engine */
-            CHECK(tkv_kvs_mark_reads(s, l, packed) == TKV_OK, "mark_reads: %s", tkv_last_error());
+            CHECK(tkv_kvs_mark_reads(s, l, rows) == TKV_OK, "mark_reads: %s", tkv_last_error());
     }
     memset(need, 0, sizeof need);
     need[0][NB - 1] = 1; /* head 0's last block, off the compute tier */
@@ -1155,12 +1156,12 @@ static void test_mark_reads(bool marks)
         CHECK(left == 0, "%u blocks read in place and marked were evicted", left);
     else
         CHECK(left == 1, "%u selection blocks evicted without marks, not 1 (the farthest layer's)", left);
-    CHECK(tkv_kvs_mark_reads(s, L, packed) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "layer"), "%s",
+    CHECK(tkv_kvs_mark_reads(s, L, rows) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "layer"), "%s",
           tkv_last_error());
     tkv_kvs_free(s);
     s = make_store(false, H * NB, L * H * NB, false); /* no page table: no marks */
     if (s) {
-        CHECK(tkv_kvs_mark_reads(s, 0, packed) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "page table"),
+        CHECK(tkv_kvs_mark_reads(s, 0, rows) == TKV_ERR_INVALID_ARG && strstr(tkv_last_error(), "page table"),
               "%s", tkv_last_error());
         tkv_kvs_free(s);
     }
