@@ -225,7 +225,7 @@ void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *o
         .cpu_tokens = s->het_cpu_tokens, .recall_heads = s->het_recall_heads,
         .recall_blocks = s->het_recall_blocks, .host_read_blocks = ks.host_read_blocks,
         .table_layers = s->dt_layers, .table_fallbacks = s->dt_fallbacks,
-        .table_brought = s->dt_brought, .store = ks.stall};
+        .table_brought = s->dt_brought, .table_marked = ks.marked_layers, .store = ks.stall};
 }
 
 void tkv_session_set_phase_sync(tkv_session *s, bool on)

@@ -109,6 +109,8 @@ struct tkv_step_counters {
                                                those that took the host path instead    */
     uint64_t table_brought;                 /* of table_layers: missing blocks recalled or
                                                attended on the CPU first                */
+    uint64_t table_marked;                  /* layers whose tables' read marks the store
+                                               took (one per table layer and step)      */
     struct tkv_kvs_stall store; /* store_s split into its parts, and the work behind them */
 };
 void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *out);

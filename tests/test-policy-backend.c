@@ -389,7 +389,7 @@ enum { NP = 96, NG = 24 };
 
 /* The session's device-table counters (tkv_session_step_counters). */
 struct dt_counts {
-    unsigned long long layers, brought, fallbacks;
+    unsigned long long layers, brought, fallbacks, marked;
 };
 
 /* tier: 0 flat; 1 a compute tier of 40 blocks over a host tier, the host's
@@ -432,7 +432,7 @@ static tkv_status run_tiered(tkv_model *m, const char *device, const char *polic
     if (dt) {
         struct tkv_step_counters c;
         tkv_session_step_counters(s, &c);
-        *dt = (struct dt_counts){c.table_layers, c.table_brought, c.table_fallbacks};
+        *dt = (struct dt_counts){c.table_layers, c.table_brought, c.table_fallbacks, c.table_marked};
     }
     tkv_session_free(s);
     return st;
@@ -484,8 +484,10 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
             struct dt_counts dt;
             tkv_status st = run_tiered(m, "opaque", specs[i], tier, prompt, t_off, l_off, &r_off, &dt);
             CHECK(st == TKV_OK, "%s, knob off: %s", specs[i], tkv_last_error());
-            CHECK(opaque_kv_table_calls == kt0 && opaque_attention_dev_calls == dv0 && dt.layers == 0,
-                  "%s: kv_table called, or the attention given device views, with the knob off", specs[i]);
+            CHECK(opaque_kv_table_calls == kt0 && opaque_attention_dev_calls == dv0 && dt.layers == 0 &&
+                      dt.marked == 0,
+                  "%s: kv_table called, the attention given device views or read marks taken with the knob off",
+                  specs[i]);
             setenv("TKV_RABITQ_DEVICE_TABLE", "1", 1);
             st = run_tiered(m, "opaque", specs[i], tier, prompt, t_on, l_on, &r_on, &dt);
             const uint64_t tables = opaque_kv_table_calls - kt0, from_table = opaque_attention_dev_calls - dv0;
@@ -499,6 +501,9 @@ static void test_device_table(tkv_model *m, const tkv_token *prompt)
                   "%s (%s): %llu kv_table calls, %llu attentions from the table; the session counted %llu layers, "
                   "%llu with blocks brought, %llu fallbacks", specs[i], tiers[tier], (unsigned long long)tables,
                   (unsigned long long)from_table, dt.layers, dt.brought, dt.fallbacks);
+            /* each table layer's read marks reach the store once, at its step's end */
+            CHECK(dt.marked == dt.layers, "%s (%s): the store took read marks of %llu layers, %llu from the table",
+                  specs[i], tiers[tier], dt.marked, dt.layers);
             /* flat, every block is mapped: no layer waits for its counts (the attention reads them in
              * backend memory); tiered, a layer with blocks missing does */
             CHECK(tier ? counted < from_table : counted == from_table,

@@ -154,6 +154,7 @@ struct tkv_kvs {
     uint64_t *mark_clock;    /* [layer][2]                            */
     uint64_t *layer_begun;   /* [layer]                               */
     uint32_t mark_words;     /* ceil(max_blocks / 32)                 */
+    uint64_t marked_layers;  /* tkv_kvs_mark_reads calls (stats)      */
     struct blk *blk;         /* [layer][head][max_blocks]             */
     struct pool pool[TKV_TIER_COUNT];
     struct tkv_kv_block_ref *refs; /* [layer][head][max_blocks] views, each layer's as
@@ -2385,6 +2386,7 @@ tkv_status tkv_kvs_mark_reads(struct tkv_kvs *s, uint32_t layer, const uint32_t 
     const size_t layer_words = (size_t)s->p.n_head_kv * s->mark_words;
     memcpy(s->marks + (g * (size_t)s->p.n_layer + layer) * layer_words, rows, layer_words * sizeof *rows);
     s->mark_clock[2 * layer + g] = s->layer_begun[layer];
+    s->marked_layers++;
     return TKV_OK;
 }
 
@@ -2809,6 +2811,7 @@ void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out)
     out->corrupt_blocks = s->corrupt;
     out->host_read_blocks = s->host_reads;
     out->bulk_blocks = s->bulk_blocks;
+    out->marked_layers = s->marked_layers;
     if (s->io) {
         struct tkv_io_info info;
         tkv_io_get_info(s->io, &info);

@@ -112,6 +112,7 @@ struct tkv_kvs_stats {
                                      verified once after it was written       */
     uint64_t bulk_blocks;         /* blocks stored by tkv_kvs_import_n's one-pass
                                      path (not one import each)               */
+    uint64_t marked_layers;       /* read marks taken (tkv_kvs_mark_reads)      */
     const char *io_engine;        /* "io_uring", "sync" or NULL without NVMe   */
     bool     nvme_direct;
 };
