@@ -738,37 +738,6 @@ static tkv_status spill_to_host(struct tkv_kvs *s, const uint32_t *idx, uint32_t
     return TKV_OK;
 }
 
-/* Layers are used in a cycle (0, 1, ..., L-1, 0, ...), so the block needed
- * last is the one whose layer comes furthest after the current one: evicting
- * in that order is Belady's optimal choice for the forward pass when every
- * block is read at every step. A selection reads a few blocks per step, and
- * mostly the same ones from one step to the next: a block it has not read
- * for two steps (stale: its stamp below stale_before) is taken to be needed
- * a cycle later than its layer's turn (distance + L), so the victims are
- * first the stale blocks, farthest layer first, then the rest in layer
- * order -- not the blocks a farther layer read this step while nearer
- * layers hold blocks no step reads. A reader that reads blocks in place
- * without a begin_layer naming them (the device decode table selects on the
- * GPU; docs/kv-layout.md) tells the store afterwards (tkv_kvs_mark_reads);
- * until it has, the current layer's blocks are never stale, so they go
- * last, as in the cycle. Dense reads leave nothing stale (the order is the
- * cycle's).
- * Distances are < 2L; blocks of one distance tie and fall back to least
- * recently used. */
-static bool read_marked(const struct tkv_kvs *s, uint32_t i);
-
-/* Block i with LRU stamp lru (blk_lru's) is stale: not read in the last two
- * steps by its stamp nor by its read marks. */
-static inline bool blk_stale_at(const struct tkv_kvs *s, uint32_t i, uint64_t lru)
-{
-    return lru < s->stale_before && s->blk[i].layer != s->cur_layer && !read_marked(s, i);
-}
-
-static inline bool blk_stale(const struct tkv_kvs *s, uint32_t i)
-{
-    return blk_stale_at(s, i, blk_lru(s, i));
-}
-
 /* Whether a read mark at or past stale_before names block i (the store's
  * rows are blk's index, [layer][head] rows of max_blocks bits). */
 static bool read_marked(const struct tkv_kvs *s, uint32_t i)
@@ -784,6 +753,18 @@ static bool read_marked(const struct tkv_kvs *s, uint32_t i)
     return false;
 }
 
+/* Block i with LRU stamp lru (blk_lru's) is stale: not read in the last two
+ * steps by its stamp nor by its read marks. */
+static inline bool blk_stale_at(const struct tkv_kvs *s, uint32_t i, uint64_t lru)
+{
+    return lru < s->stale_before && s->blk[i].layer != s->cur_layer && !read_marked(s, i);
+}
+
+static inline bool blk_stale(const struct tkv_kvs *s, uint32_t i)
+{
+    return blk_stale_at(s, i, blk_lru(s, i));
+}
+
 /* A begin_layer at s->clock: the ring of the last 2L begins' clocks, and
  * what is stale from here on (nothing with evict_cycle). */
 static void stale_advance(struct tkv_kvs *s)
@@ -793,6 +774,23 @@ static void stale_advance(struct tkv_kvs *s)
     s->stale_before = s->n_begins >= R && !s->p.evict_cycle ? s->begin_clock[s->n_begins % R] : 0;
 }
 
+/* Layers are used in a cycle (0, 1, ..., L-1, 0, ...), so the block needed
+ * last is the one whose layer comes furthest after the current one: evicting
+ * in that order is Belady's optimal choice for the forward pass when every
+ * block is read at every step. A selection reads a few blocks per step, and
+ * mostly the same ones from one step to the next: a block it has not read
+ * for two steps (stale: its stamp below stale_before) is taken to be needed
+ * a cycle later than its layer's turn (distance + L), so the victims are
+ * first the stale blocks, farthest layer first, then the rest in layer
+ * order -- not the blocks a farther layer read this step while nearer
+ * layers hold blocks no step reads. A reader that reads blocks in place
+ * without a begin_layer naming them (the device decode table selects on the
+ * GPU; docs/kv-layout.md) tells the store afterwards (tkv_kvs_mark_reads),
+ * so the current layer's blocks, whose reads may not be told yet, are never
+ * stale: they go last, as in the cycle. Dense reads leave nothing stale
+ * (the order is the cycle's).
+ * Distances are < 2L; blocks of one distance tie and fall back to least
+ * recently used. */
 static inline uint32_t next_use_distance(const struct tkv_kvs *s, uint32_t i)
 {
     const uint32_t layer = s->blk[i].layer; /* both < n_layer */
