@@ -1292,7 +1292,7 @@ static tkv_status cuda_rabitq_prepare(struct tkv_backend *b, const struct tkv_ra
         const uint32_t m = TKV_MIN(a->n - b0, (uint32_t)TKV_CUDA_RQ_PREP_GROUP);
         for (uint32_t i = 0; i < m; i++) {
             const struct tkv_rabitq_prepare_item *it = &a->items[b0 + i];
-            g.it[i] = (struct tkv_cuda_rq_prep){rq_index(it->ix), it->ix->cqck, it->head, 0};
+            g.it[i] = (struct tkv_cuda_rq_prep){rq_index(it->ix), it->ix->cqck, it->head, it->rows};
         }
         CU(op, tkv_cuda_rq_prepare(a->q, a->head_stride, &g, b0, m, a->eps0 == 0 ? TKV_RABITQ_EPS0 : a->eps0, a->out,
                                    a->bad, cb->pdl, cb->stream));

@@ -169,7 +169,7 @@ static __device__ __forceinline__ void rq_pick(float &v, uint32_t &i, float w, u
 }
 
 /* One warp per query (tkv_rabitq_query_prepare, runtime/rabitq/rabitq.c):
- * u = q - c_q zero-padded, |u|^2 and q . c_k summed in double in the
+ * q the item's row or the mean of its rows, u = q - c_q zero-padded, |u|^2 and q . c_k summed in double in the
  * host's order (lanes 0 and 1, one sum each, over products the whole warp
  * formed first; every product of two floats is exact in double, so the
  * host's contraction cannot change it), u rotated, lo / hi with the host's
@@ -191,10 +191,16 @@ __global__ void rq_prepare_kernel(const float *q, size_t head_stride, const __gr
     const struct tkv_cuda_rq_index &ix = items.it[gi].ix;
     const uint32_t D = ix.dim_pad, dim = ix.dim;
     const float *row = q + (size_t)items.it[gi].head * head_stride;
+    const uint32_t rows = items.it[gi].rows;
     float *y = ys[wp];
     bool fin = true;
     for (uint32_t i = lane; i < D; i += 32) {
-        const float x = i < dim ? row[i] : 0.0f;
+        float x = i < dim ? row[i] : 0.0f;
+        if (rows > 1 && i < dim) { /* a group query: tkv_rabitq_query_mean's sum in row order, one division */
+            for (uint32_t j = 1; j < rows; j++)
+                x = __fadd_rn(x, row[(size_t)j * head_stride + i]);
+            x = __fdiv_rn(x, (float)rows);
+        }
         fin &= isfinite(x);
         const float u = i < dim ? __fsub_rn(x, ix.cq[i]) : 0.0f;
         y[i] = u;

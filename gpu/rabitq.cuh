@@ -93,12 +93,14 @@ cudaError_t tkv_cuda_rq_encode(const struct tkv_cuda_rq_index *ix, const struct 
                                cudaStream_t s);
 
 /* One query to prepare (device memory, a table of n): query head `head`
- * of the call's q, for index ix (its rotation and centroids; cqck = c_q . c_k). */
+ * of the call's q (rows > 1: the mean of heads head .. head + rows - 1,
+ * tkv_rabitq_query_mean's bits), for index ix (its rotation and centroids;
+ * cqck = c_q . c_k). */
 struct tkv_cuda_rq_prep {
     struct tkv_cuda_rq_index ix;
     double cqck;
     uint32_t head;
-    uint32_t pad_;
+    uint32_t rows;
 };
 
 /* Items one launch of the prepare kernel takes: they travel as a kernel

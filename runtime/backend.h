@@ -164,10 +164,13 @@ struct tkv_rabitq_dev_query {
  * from the step's q in backend memory: item i is query head items[i].head,
  * f32 row q + head * head_stride (ix->dim values), prepared for index twin
  * items[i].ix as tkv_rabitq_query_prepare(host index, row, eps0) prepares it
- * (bit-identical), written to out[i]. */
+ * (bit-identical), written to out[i]. With rows > 1 the item is a group
+ * query: the mean of the rows of heads head .. head + rows - 1 as
+ * tkv_rabitq_query_mean forms it (runtime/rabitq/rabitq.h), prepared. */
 struct tkv_rabitq_prepare_item {
     const struct tkv_rabitq_dev *ix; /* the twin (its rotation, centroids, cqck) */
     uint32_t head;                   /* query head: the row of q                  */
+    uint32_t rows;                   /* 0 or 1: that row; > 1: the rows' mean     */
 };
 struct tkv_rabitq_prepare_args {
     const float *q;                             /* backend memory                        */

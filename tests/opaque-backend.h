@@ -263,7 +263,7 @@ static tkv_status o_rabitq_select(struct tkv_backend *b, const struct tkv_rabitq
 /* rabitq_prepare through the host reference, an item at a time (its twin
  * untagged): the queries stay in the opaque memory, so the policies'
  * device-prepared path runs here too. */
-static uint64_t opaque_prepare_calls;
+static uint64_t opaque_prepare_calls, opaque_prepare_groups; /* calls; items with rows > 1 */
 static tkv_status o_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabitq_prepare_args *a)
 {
     (void)b;
@@ -274,7 +274,8 @@ static tkv_status o_rabitq_prepare(struct tkv_backend *b, const struct tkv_rabit
     opaque_prepare_calls++;
     for (uint32_t i = 0; i < a->n; i++) {
         const struct tkv_rabitq_dev ix = untag_rabitq(a->items[i].ix);
-        const struct tkv_rabitq_prepare_item it = {&ix, a->items[i].head};
+        const struct tkv_rabitq_prepare_item it = {&ix, a->items[i].head, a->items[i].rows};
+        opaque_prepare_groups += it.rows > 1;
         uint32_t one_bad;
         const struct tkv_rabitq_prepare_args c = {.q = U(a->q), .head_stride = a->head_stride, .items = &it, .n = 1,
                                                   .eps0 = a->eps0, .out = U(a->out) + i, .bad = &one_bad};

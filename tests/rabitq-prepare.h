@@ -16,7 +16,9 @@
  * zeros after the rotation); q - c_q of two values, and one-hot (ties: every
  * rotated |u| equal, levels at exact halves); a NaN, a +inf, and a q whose
  * rotation overflows (1e37): refused by the host, so poisoned
- * (tkv_rabitq_query_poison's bytes) and *bad the first of them.
+ * (tkv_rabitq_query_poison's bytes) and *bad the first of them. The third
+ * index's items are group queries (rows 2-4: the rows' mean, formed here
+ * as the contract words it, then prepared), or single rows.
  * Then rabitq_select over the first index's keys, groups of G = 4 of its
  * items, with the prepared queries (q_dev) and, for the groups the host can
  * prepare, with the host's (q): the same bitmap, n_chosen and mass, bit for
@@ -115,8 +117,12 @@ static void check_prepare(struct tkv_backend *be, uint32_t D, enum tkv_rabitq_is
     }
     for (uint32_t i = 0; i < n_items; i++) {
         ix_of[i] = i < PREP_NH ? 0 : i < 2 * PREP_NH ? 1 : 2;
-        const uint32_t head = i < PREP_NH ? perm[i] : i < 2 * PREP_NH ? i - PREP_NH : (i * 7) % PREP_NH;
-        items[i] = (struct tkv_rabitq_prepare_item){tkv_rabitq_dev_arrays(dx[ix_of[i]]), head};
+        /* index 2's items are group queries of 1-4 rows (rows 0 and 1: one row) */
+        const uint32_t rows = i < 2 * PREP_NH ? 0 : i % 5;
+        const uint32_t head = i < PREP_NH       ? perm[i]
+                              : i < 2 * PREP_NH ? i - PREP_NH
+                                                : (i * 7) % (PREP_NH - TKV_MAX(rows, 1) + 1);
+        items[i] = (struct tkv_rabitq_prepare_item){tkv_rabitq_dev_arrays(dx[ix_of[i]]), head, rows};
     }
     float *q_dev = NULL;
     struct tkv_rabitq_dev_query *out_dev = NULL;
@@ -137,8 +143,19 @@ static void check_prepare(struct tkv_backend *be, uint32_t D, enum tkv_rabitq_is
     bool refused[2 * PREP_NH + 5];
     struct tkv_rabitq_query host_q[PREP_NH];
     for (uint32_t i = 0; i < n_items; i++) {
+        const float *row = q + items[i].head * stride;
+        float mean[TKV_RABITQ_MAX_DIM];
+        if (items[i].rows > 1) { /* a group query: the rows summed in order in f32, divided once */
+            for (uint32_t d = 0; d < D; d++) {
+                float sum = row[d];
+                for (uint32_t j = 1; j < items[i].rows; j++)
+                    sum += row[j * stride + d];
+                mean[d] = sum / (float)items[i].rows;
+            }
+            row = mean;
+        }
         struct tkv_rabitq_query qq;
-        refused[i] = tkv_rabitq_query_prepare(ix[ix_of[i]], q + items[i].head * stride, eps0, &qq) != TKV_OK;
+        refused[i] = tkv_rabitq_query_prepare(ix[ix_of[i]], row, eps0, &qq) != TKV_OK;
         if (refused[i]) {
             struct tkv_rabitq_arrays ar;
             tkv_rabitq_get_arrays(ix[ix_of[i]], &ar);
@@ -156,9 +173,9 @@ static void check_prepare(struct tkv_backend *be, uint32_t D, enum tkv_rabitq_is
             while (g[b] == w[b])
                 b++;
             if (n_diff++ < 4)
-                fprintf(stderr, "  D=%u %s item %u (index %u, head %u%s): first difference at byte %zu of %zu\n", D,
-                        tkv_rabitq_isa_name(isa), i, ix_of[i], items[i].head, refused[i] ? ", refused" : "", b,
-                        sizeof want);
+                fprintf(stderr, "  D=%u %s item %u (index %u, head %u, rows %u%s): first difference at byte %zu of %zu\n",
+                        D, tkv_rabitq_isa_name(isa), i, ix_of[i], items[i].head, items[i].rows,
+                        refused[i] ? ", refused" : "", b, sizeof want);
         }
     }
     CHECK(n_diff == 0, "D=%u %s: %u of %u prepared queries differ from tkv_rabitq_query_prepare's", D,

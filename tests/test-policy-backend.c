@@ -240,6 +240,44 @@ static bool drive(const struct pspec *ps, enum route r, struct tkv_backend *be, 
     return true;
 }
 
+/* mean=1 (GQA handling (b)): each KV head selects once with its group's
+ * mean query. On in's queries it selects otherwise than the union of the
+ * query heads' sets (mean=0); with every query head of a group given the
+ * same row, on a grid of 1/64 (so the sum of PG of them and its division
+ * by PG are exact: the mean is that row), the mean is each head's query and
+ * the union of PG equal sets is that set: the host route's selections must
+ * then equal mean=0's, word for word. */
+static void check_group_mean(const struct inputs *in)
+{
+    static const struct pspec union_spec = {"rabitq:p=0.8,sink=16,recent=32,batch=16,dense=1,whole=0,exact=1", R_NONE},
+                              mean_spec = {"rabitq:p=0.8,sink=16,recent=32,batch=16,dense=1,whole=0,exact=1,mean=1",
+                                           R_NONE};
+    struct log lu = {0}, lm = {0};
+    drive(&union_spec, HOST, NULL, in, &lu);
+    drive(&mean_spec, HOST, NULL, in, &lm);
+    CHECK(lu.n != lm.n || memcmp(lu.v, lm.v, lu.n * sizeof *lu.v),
+          "mean=1 selected exactly what the union of the query heads' sets does on distinct heads");
+    struct inputs eq = *in;
+    const size_t nq = (size_t)PL * PN * PQD;
+    eq.q = malloc(nq * sizeof *eq.q);
+    REQUIRE_VOID(eq.q);
+    for (size_t t = 0; t < (size_t)PL * PN; t++) /* (layer, position): copy head g*PG's row to its group */
+        for (uint32_t g = 0; g < PHKV; g++)
+            for (uint32_t hh = 0; hh < PG; hh++)
+                for (uint32_t c = 0; c < PHD; c++)
+                    eq.q[t * PQD + (g * PG + hh) * PHD + c] = roundf(in->q[t * PQD + g * PG * PHD + c] * 64) / 64;
+    lu.n = lm.n = 0;
+    drive(&union_spec, HOST, NULL, &eq, &lu);
+    drive(&mean_spec, HOST, NULL, &eq, &lm);
+    uint32_t restricted = 0;
+    for (size_t j = 0; j + 1 < lm.n; j += 2 + ((int)lm.v[j + 1] > 0 ? 2 * (size_t)lm.v[j + 1] : 0))
+        restricted += (int)lm.v[j + 1] >= 0;
+    CHECK(restricted > 0 && lu.n == lm.n && !memcmp(lu.v, lm.v, lu.n * sizeof *lu.v),
+          "equal query heads: mean=1's selections (%zu words, %u restricted) differ from the union's (%zu words)",
+          lm.n, restricted, lu.n);
+    free(eq.q), free(lu.v), free(lm.v);
+}
+
 static void test_routes(void)
 {
     static struct inputs in;
@@ -289,6 +327,8 @@ static void test_routes(void)
         {"rabitq:p=0.8,sink=16,recent=32,batch=16,dense=1,whole=0,exact=0", R_NONE},
         {"rabitq:p=0.8,safe=0,sink=16,recent=32,batch=16,dense=1,whole=16,exact=0", R_NONE},
         {"rabitq:p=0.9,safe=0,sink=8,recent=16,batch=8,dense=0,whole=1", R_NONE},
+        {"rabitq:p=0.8,sink=16,recent=32,batch=16,dense=1,whole=0,exact=1,mean=1", R_NONE},
+        {"entropy+rabitq:segment=128,block=8,threshold=128,base=64,dense=1,safe=0,whole=16,exact=0,mean=1", R_NONE},
         {"streaming:budget=200", R_NONE},
     };
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
@@ -301,7 +341,8 @@ static void test_routes(void)
         const bool reads_keys = p->ops->reads_keys; /* the engine refuses those on the opaque backend */
         tkv_policy_free(p);
         const uint64_t sel0 = opaque_select_calls, enc0 = opaque_encode_calls, spans0 = opaque_encode_spans,
-                       prep0 = opaque_prepare_calls, ks0 = opaque_key_sums_calls;
+                       prep0 = opaque_prepare_calls, ks0 = opaque_key_sums_calls,
+                       groups0 = opaque_prepare_groups;
         const bool rq = strstr(specs[i].spec, "rabitq") != NULL;
         /* the RaBitQ policies: a NaN in query head 1 (KV head 0, the Rigid
          * one) of layer 1 at decode step NAN_STEP, refused by the host's and
@@ -320,6 +361,10 @@ static void test_routes(void)
             CHECK(opaque_select_calls > sel0, "%s: rabitq_select was not used", specs[i].spec);
             /* ... with the queries prepared by rabitq_prepare from the opaque q */
             CHECK(opaque_prepare_calls > prep0, "%s: rabitq_prepare was not used", specs[i].spec);
+            /* mean=1: one group query of PG rows per KV head, and only then */
+            CHECK((opaque_prepare_groups > groups0) == (strstr(specs[i].spec, "mean=1") != NULL),
+                  "%s: %llu group queries prepared", specs[i].spec,
+                  (unsigned long long)(opaque_prepare_groups - groups0));
             /* the prompt's keys go to a twin in one encode call over its blocks, not one call per block */
             CHECK(opaque_encode_spans - spans0 > opaque_encode_calls - enc0,
                   "%s: %llu rabitq_encode calls carried %llu spans: one call per block", specs[i].spec,
@@ -376,6 +421,7 @@ static void test_routes(void)
         for (int r = 0; r < 5; r++)
             free(lg[r].v);
     }
+    check_group_mean(&in);
     opq->ops->release(opq, in.k_dev);
     opq->ops->release(opq, in.q_dev);
     opq->ops->free(opq);
@@ -642,6 +688,7 @@ static void test_engine(void)
         {"rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1", NULL},
         {"rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0",
          "rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=16,exact=0"},
+        {"rabitq:p=0.7,safe=0,sink=4,recent=8,batch=8,dense=0,whole=0,exact=1,mean=1", NULL},
         {"entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0",
          "entropy+rabitq:segment=16,block=8,threshold=16,base=16,sink=4,recent=8,batch=8,dense=0,whole=16,exact=0"},
     };

@@ -50,7 +50,12 @@
  * shortest prefix of the keys that meets p; 0: the top-p search's boundary
  * bin kept whole, tkv_rabitq_topp_params.coarse; not given: 0 where a
  * device selects, else 1), hold (16; 0 where the KV is paged) and wide
- * (0.75): a head whose selection kept more than `wide` of its indexed keys
+ * (0.75), mean (0; 1: each KV head selects once, with the mean of its
+ * group's queries -- GQA handling (b) of the spec, 3.7, formed as
+ * tkv_rabitq_query_mean forms it on every backend: G times fewer estimates
+ * and top-p passes and one set instead of a union of G, but top-p then
+ * holds p of the mass of the mean query's logits, the group-mean logit,
+ * not of each query head's): a head whose selection kept more than `wide` of its indexed keys
  * reads everything for the next `hold` steps without selecting, then
  * selects again (hold=0: never). Reading more only raises the kept mass;
  * where top-p keeps most keys anyway (safe mode on real text at a few
@@ -100,6 +105,7 @@ struct rabitq {
     uint32_t safe, sink, recent, batch, dense;
     uint32_t whole;         /* 0, or the positions of a group read whole */
     uint32_t exact;         /* 1: the shortest prefix; 0: the boundary bin whole */
+    uint32_t mean;          /* 1: one query per KV head, its group's mean; 0: each query head's */
     bool whole_auto;        /* whole not given: RQ_DEVICE_GROUP once a device selects */
     bool exact_auto;        /* exact not given: RQ_DEVICE_EXACT once a device selects */
     float wide;             /* a selection keeping more than this share of its keys ...   */
@@ -151,7 +157,7 @@ struct rabitq {
     uint32_t *bitmap_dev;                  /* backend [n_head_kv][words]                    */
 };
 
-#define RQ_KEYS "p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", "exact", "hold", "wide"
+#define RQ_KEYS "p", "safe", "eps", "sink", "recent", "batch", "dense", "whole", "exact", "hold", "wide", "mean"
 static const char *const rq_keys[] = {RQ_KEYS, NULL};
 
 static void rq_destroy(void *state)
@@ -202,7 +208,7 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     *out = NULL;
     struct rabitq p = {.env = *env, .p = 0.9f, .eps = TKV_RABITQ_EPS0, .safe = 1, .sink = 64, .recent = 64,
                        .batch = 64, .dense = 2, .whole = UINT32_MAX, .exact = UINT32_MAX, .hold = UINT32_MAX,
-                       .wide = 0.75f};
+                       .wide = 0.75f, .mean = 0};
     TKV_TRY(tkv_policy_arg_f32(name, args, "p", &p.p));
     TKV_TRY(tkv_policy_arg_u32(name, args, "safe", &p.safe));
     TKV_TRY(tkv_policy_arg_f32(name, args, "eps", &p.eps));
@@ -214,6 +220,7 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     TKV_TRY(tkv_policy_arg_u32(name, args, "exact", &p.exact));
     TKV_TRY(tkv_policy_arg_u32(name, args, "hold", &p.hold));
     TKV_TRY(tkv_policy_arg_f32(name, args, "wide", &p.wide));
+    TKV_TRY(tkv_policy_arg_u32(name, args, "mean", &p.mean));
     if (!(p.p > 0 && p.p <= 1))
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': p=%g must be in (0, 1]", name, (double)p.p);
     if (!(p.eps > 0))
@@ -232,6 +239,8 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
                        "above which it holds)", name, (double)p.wide);
     if (p.exact > 1)
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': exact is 0 or 1 (exact=%u)", name, p.exact);
+    if (p.mean > 1)
+        return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': mean is 0 or 1 (mean=%u)", name, p.mean);
     if (p.whole > 1u << 16)
         return tkv_err(TKV_ERR_INVALID_ARG, "policy '%s': whole=%u (0, 1: whole KV blocks, or a group of at most "
                        "65536 positions)", name, p.whole);
@@ -603,6 +612,26 @@ static uint32_t row_count(const uint32_t *row, uint32_t n)
 /* Whether v->q is in host memory (be NULL: everything is). */
 static bool q_in_host(const struct tkv_policy_view *v) { return v->q_host || !v->be; }
 
+/* Queries a KV head selects with: each of its group's query heads, or with
+ * mean the one group query. */
+static uint32_t sel_queries(const struct rabitq *r)
+{
+    return r->mean ? 1 : r->env.n_head / r->env.n_head_kv;
+}
+
+/* Query hh (< sel_queries) of KV head g, from q, the step's rows of every
+ * query head in host memory: query head g * G + hh's row, or with mean the
+ * group's mean, formed in buf ([head_dim]). */
+static const float *sel_query(const struct rabitq *r, const float *q, uint32_t g, uint32_t hh, float *buf)
+{
+    const uint32_t hd = r->env.head_dim, G = r->env.n_head / r->env.n_head_kv;
+    const float *row = q + (size_t)(g * G + hh) * hd;
+    if (!r->mean)
+        return row;
+    tkv_rabitq_query_mean(row, hd, G, hd, buf);
+    return buf;
+}
+
 /* The layer's selection on the device, one call for every KV head that
  * selects (rabitq_select): the queries prepared on the device from v->q
  * (rabitq_prepare, queued: no wait) where it is in backend memory, else
@@ -610,8 +639,9 @@ static bool q_in_host(const struct tkv_policy_view *v) { return v->q_host || !v-
  * Fills r->slot / sel_n. */
 static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
 {
-    const uint32_t H = r->env.n_head_kv, hd = r->env.head_dim, G = r->env.n_head / H;
+    const uint32_t H = r->env.n_head_kv, hd = r->env.head_dim, G = r->env.n_head / H, S = sel_queries(r);
     const size_t QD = (size_t)r->env.n_head * hd;
+    float buf[TKV_RABITQ_MAX_DIM];
     const float *q = v->q + (size_t)(v->n_q - 1) * QD; /* this step's query */
     const bool prep = r->dev_prep && !q_in_host(v);
     uint32_t ns = 0;
@@ -625,22 +655,22 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
         if (!head_plan(r, v, i, &n, forced, &nf))
             continue;
         bool ok = true;
-        for (uint32_t hh = 0; hh < G && ok; hh++)
+        for (uint32_t hh = 0; hh < S && ok; hh++)
             if (prep) /* (a refused query comes back poisoned: n_chosen = UINT32_MAX below) */
-                r->items[(size_t)ns * G + hh] = (struct tkv_rabitq_prepare_item){tkv_rabitq_dev_arrays(r->dx[i]),
-                                                                                 g * G + hh};
+                r->items[(size_t)ns * S + hh] = (struct tkv_rabitq_prepare_item){
+                    tkv_rabitq_dev_arrays(r->dx[i]), g * G + hh, r->mean ? G : 1};
             else
-                ok = tkv_rabitq_query_prepare(r->ix[i], q + (size_t)(g * G + hh) * hd, r->eps,
-                                              &r->qs[(size_t)ns * G + hh]) == TKV_OK;
+                ok = tkv_rabitq_query_prepare(r->ix[i], sel_query(r, q, g, hh, buf), r->eps,
+                                              &r->qs[(size_t)ns * S + hh]) == TKV_OK;
         if (!ok)
             continue; /* a non-finite query: read everything */
         struct tkv_rabitq_select_head *s = &r->sh[ns];
         memset(s, 0, sizeof *s);
         s->ix = tkv_rabitq_dev_arrays(r->dx[i]);
         if (prep)
-            s->q_dev = r->qd + (size_t)ns * G;
+            s->q_dev = r->qd + (size_t)ns * S;
         else
-            s->q = &r->qs[(size_t)ns * G];
+            s->q = &r->qs[(size_t)ns * S];
         s->n = n;
         s->n_forced = nf;
         s->row = g;
@@ -652,10 +682,10 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
     }
     if (ns == 0)
         return;
-    const struct tkv_rabitq_prepare_args pa = {.q = q, .head_stride = hd, .items = r->items, .n = ns * G,
+    const struct tkv_rabitq_prepare_args pa = {.q = q, .head_stride = hd, .items = r->items, .n = ns * S,
                                                .eps0 = r->eps, .out = r->qd};
     const struct tkv_rabitq_select_args a = {
-        .heads = r->sh, .n_heads = ns, .G = G, .p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
+        .heads = r->sh, .n_heads = ns, .G = S, .p = r->p, .scale = 1.0f / sqrtf((float)hd), .extra_lse = -INFINITY,
         .safe = r->safe != 0, .coarse = !r->exact, .whole = r->whole,
         .bitmap = r->bitmap_dev ? NULL : r->bitmap, .words = r->words, .bitmap_dev = r->bitmap_dev, .n_rows = H,
         .n_chosen = r->bitmap_dev ? NULL : r->n_chosen};
@@ -670,8 +700,8 @@ static void select_layer(struct rabitq *r, const struct tkv_policy_view *v)
      * device, or overflowing scalars): the head reads everything, as on the
      * host path */
     for (uint32_t g = 0; g < H; g++) {
-        for (uint32_t hh = 0; r->slot[g] >= 0 && hh < G; hh++)
-            if (r->n_chosen[(size_t)r->slot[g] * G + hh] == UINT32_MAX)
+        for (uint32_t hh = 0; r->slot[g] >= 0 && hh < S; hh++)
+            if (r->n_chosen[(size_t)r->slot[g] * S + hh] == UINT32_MAX)
                 r->slot[g] = -1;
         if (r->slot[g] >= 0)
             selected(r, (size_t)v->layer * H + g, v->step,
@@ -773,7 +803,7 @@ static void rq_table_read(void *state, uint32_t layer, uint32_t step, uint32_t n
 static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head, struct tkv_range *out, uint32_t cap)
 {
     struct rabitq *r = state;
-    const uint32_t hd = r->env.head_dim, G = r->env.n_head / r->env.n_head_kv;
+    const uint32_t hd = r->env.head_dim;
     const size_t i = (size_t)v->layer * r->env.n_head_kv + head, QD = (size_t)r->env.n_head * hd;
     if (v->n_q == 0)
         return -1;
@@ -793,10 +823,11 @@ static int rq_decode(void *state, const struct tkv_policy_view *v, uint32_t head
                                               .coarse = !r->exact};
     memset(r->mark, 0, n);
     const float *q = v->q + (size_t)(v->n_q - 1) * QD; /* this step's query */
-    for (uint32_t hh = 0; hh < G; hh++) {
+    float buf[TKV_RABITQ_MAX_DIM];
+    for (uint32_t hh = 0; hh < sel_queries(r); hh++) {
         struct tkv_rabitq_query qq;
         struct tkv_rabitq_topp_result res;
-        if (tkv_rabitq_query_prepare(ix, q + (size_t)(head * G + hh) * hd, r->eps, &qq) != TKV_OK ||
+        if (tkv_rabitq_query_prepare(ix, sel_query(r, q, head, hh, buf), r->eps, &qq) != TKV_OK ||
             estimate(r, i, &qq, n) != TKV_OK ||
             tkv_rabitq_select_topp(r->est, r->safe ? r->bound : NULL, n, &tp, r->work, r->work_bytes, r->pos, n,
                                    &res) != TKV_OK)

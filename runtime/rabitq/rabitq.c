@@ -468,6 +468,18 @@ void tkv_rabitq_query_poison(uint32_t dim_pad, float eps0, struct tkv_rabitq_dev
     out->dim_pad = dim_pad;
 }
 
+void tkv_rabitq_query_mean(const float *q, size_t stride, uint32_t n, uint32_t dim, float *out)
+{
+    memcpy(out, q, dim * sizeof *out);
+    if (n <= 1)
+        return;
+    for (uint32_t j = 1; j < n; j++)
+        for (uint32_t i = 0; i < dim; i++)
+            out[i] += q[(size_t)j * stride + i];
+    for (uint32_t i = 0; i < dim; i++)
+        out[i] /= (float)n;
+}
+
 tkv_status tkv_rabitq_host_prepare(const struct tkv_rabitq_prepare_args *a)
 {
     if (!a || (a->n && (!a->q || !a->items || !a->out)))
@@ -479,8 +491,14 @@ tkv_status tkv_rabitq_host_prepare(const struct tkv_rabitq_prepare_args *a)
     for (uint32_t i = 0; i < a->n; i++) {
         struct tkv_rabitq ix;
         TKV_TRY(host_view(a->items[i].ix, 0, &ix));
+        const float *row = a->q + (size_t)a->items[i].head * a->head_stride;
+        float mean[TKV_RABITQ_MAX_DIM];
+        if (a->items[i].rows > 1) {
+            tkv_rabitq_query_mean(row, a->head_stride, a->items[i].rows, ix.dim, mean);
+            row = mean;
+        }
         struct tkv_rabitq_query qq;
-        if (tkv_rabitq_query_prepare(&ix, a->q + (size_t)a->items[i].head * a->head_stride, a->eps0, &qq) == TKV_OK) {
+        if (tkv_rabitq_query_prepare(&ix, row, a->eps0, &qq) == TKV_OK) {
             tkv_rabitq_query_to_dev(&qq, &a->out[i]);
         } else {
             tkv_rabitq_query_poison(ix.dim_pad, a->eps0, &a->out[i]);

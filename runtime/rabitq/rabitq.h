@@ -190,6 +190,13 @@ tkv_status tkv_rabitq_encode_error(const struct tkv_rabitq_span *spans, uint32_t
 tkv_status tkv_rabitq_host_estimate(const struct tkv_rabitq_dev *d, const struct tkv_rabitq_query *q, uint32_t first,
                                     uint32_t n, float *est, float *bound);
 
+/* A group query (GQA handling (b) of the spec, 3.7): out[i] = the mean of
+ * the n rows' i-th values, row j at q + j * stride (dim values each),
+ * summed in row order in f32 (one rounding per add) and divided once by n
+ * (IEEE: correctly rounded, so rabitq_prepare on any backend forms the
+ * same bits). n <= 1 copies the first row. out may not alias q. */
+void tkv_rabitq_query_mean(const float *q, size_t stride, uint32_t n, uint32_t dim, float *out);
+
 /* The reference of the backend op rabitq_prepare (backend.h), on arrays and
  * queries in host memory: per item tkv_rabitq_query_prepare with the twin's
  * rotation and centroids, its first fields copied to out[i]; a refused
