@@ -371,6 +371,8 @@ int tkv_io_file_resize(struct tkv_io_file *f, uint64_t size)
         return -EINVAL;
     if (f->io->fault.resize_err)
         return -f->io->fault.resize_err;
+    if (f->io->fault.resize_max && size > f->io->fault.resize_max)
+        return -ENOSPC;
     if (size > f->size) {
         if (fallocate(f->fd, 0, (off_t)f->size, (off_t)(size - f->size)) < 0) {
             int err = errno;

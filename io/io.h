@@ -178,7 +178,9 @@ void  tkv_io_free_aligned(void *p);
  * for O_DIRECT files), and with op_err != 0 the op fails with -op_err once
  * short_bytes have been transferred (before any transfer if short_bytes is
  * 0): short + ENOSPC models a disk filling up mid-write. The open_* and
- * resize_err errnos make the next file opens / resizes fail at that step. */
+ * resize_err errnos make the next file opens / resizes fail at that step;
+ * resize_max > 0 makes every resize past that many bytes fail with ENOSPC
+ * (a disk with that much room for the file). */
 struct tkv_io_fault {
     uint32_t ops_skip, ops_count;
     int      op_err;           /* positive errno, or 0          */
@@ -186,6 +188,7 @@ struct tkv_io_fault {
     int      open_tmpfile_err; /* O_TMPFILE open fails (EOPNOTSUPP: take the mkstemp path) */
     int      open_direct_err;  /* O_DIRECT refused (EINVAL: like a file system without it)   */
     int      resize_err;       /* fallocate/ftruncate fail (ENOSPC)                          */
+    uint64_t resize_max;       /* resizes past this size fail with ENOSPC; 0: no limit       */
 };
 
 /* NULL clears every fault. */

@@ -772,6 +772,54 @@ static void fill_until_spilling(struct tkv_kvs *s)
     }
 }
 
+/* The spill file grows by doubling its reservation (a reserve, not a
+ * fallocate per block); a disk with room for the blocks but not for the
+ * doubled reserve must still take them (the growth falls back to what the
+ * slot needs), and one without room for the blocks fails with ENOSPC and
+ * loses nothing. The room needed is learnt from a first fill without a limit
+ * (a fill takes NVMe slots in order and frees none). */
+static void test_spill_room(void)
+{
+    const uint64_t S = 4 * B * HD;
+    struct tkv_kvs *s = make_store(true, 34, 0, true);
+    REQUIRE_VOID(s);
+    fill_until_spilling(s);
+    struct tkv_kvs_stats st;
+    tkv_kvs_get_stats(s, &st);
+    const uint64_t need = st.tier[TKV_TIER_NVME].peak_bytes, reserved = st.nvme_file_bytes;
+    tkv_kvs_free(s);
+    CHECK(need > 0 && need % S == 0 && reserved > need,
+          "the fill should spill whole blocks into a doubled reserve: %llu bytes used, %llu reserved",
+          (unsigned long long)need, (unsigned long long)reserved);
+
+    /* room for exactly the blocks: every one spills, the file stays within it */
+    s = make_store(true, 34, 0, true);
+    REQUIRE_VOID(s);
+    tkv_io_set_fault(tkv_kvs_io(s), &(struct tkv_io_fault){.resize_max = need});
+    fill_until_spilling(s);
+    tkv_kvs_get_stats(s, &st);
+    CHECK(length == CTX && st.nvme_file_bytes <= need,
+          "a disk with room for the blocks: %u of %u tokens stored, spill file %llu bytes of %llu",
+          length, CTX, (unsigned long long)st.nvme_file_bytes, (unsigned long long)need);
+    tkv_io_set_fault(tkv_kvs_io(s), NULL);
+    check_all(s, "spilled into a tight disk");
+    tkv_kvs_free(s);
+
+    /* one block short: ENOSPC, named, and what was stored is intact */
+    s = make_store(true, 34, 0, true);
+    REQUIRE_VOID(s);
+    tkv_io_set_fault(tkv_kvs_io(s), &(struct tkv_io_fault){.resize_max = need - S});
+    tkv_status rc = TKV_OK;
+    while (length < CTX && (rc = append(s, 32)) == TKV_OK) {
+    }
+    CHECK(rc == TKV_ERR_IO && strstr(tkv_last_error(), "space"),
+          "a disk one block short: expected TKV_ERR_IO naming the space, got %s (%s)", tkv_status_str(rc),
+          tkv_last_error());
+    tkv_io_set_fault(tkv_kvs_io(s), NULL);
+    check_all(s, "after the disk ran out");
+    tkv_kvs_free(s);
+}
+
 static void test_faults(void)
 {
     /* compute tier of 34 blocks (one layer is 32): most of the KV lives on NVMe */
@@ -1549,6 +1597,7 @@ int main(void)
     }
     unsetenv("TKV_IO_FORCE_SYNC");
     test_faults();
+    test_spill_room();
     test_host_checked_once();
     test_evict_stale(false);
     test_evict_stale(true);

@@ -387,8 +387,15 @@ static tkv_status pool_grow(struct tkv_kvs *s, int t, uint32_t want)
                 pl->slab[k] = p;
             }
         }
-        for (uint32_t i = 0; i < count; i++) /* lower slots handed out first */
-            pl->free_list[pl->n_free++] = (int32_t)(first + count - 1 - i);
+        /* lower slots handed out first: the new ones go under the slots
+         * already free (the list is a stack), so a fresh slot is taken only
+         * when every lower one is in use -- the NVMe tier's file then never
+         * needs more than its peak use, and no hole of free slots below the
+         * growth tells the disk to hold more */
+        memmove(pl->free_list + count, pl->free_list, pl->n_free * sizeof *pl->free_list);
+        for (uint32_t i = 0; i < count; i++)
+            pl->free_list[i] = (int32_t)(first + count - 1 - i);
+        pl->n_free += count;
         pl->n += count;
     }
     return TKV_OK;
@@ -596,6 +603,8 @@ static tkv_status nvme_slot(struct tkv_kvs *s, uint32_t i)
     if (end > s->file_size) { /* grow in large steps: a reserve, not per block */
         uint64_t want = TKV_MIN((uint64_t)s->pool[TKV_TIER_NVME].cap * s->S, TKV_MAX(end, s->file_size * 2));
         int rc = tkv_io_file_resize(s->file, want);
+        if (rc == -ENOSPC && want > end) /* the disk may hold the slot but not the doubled reserve */
+            rc = tkv_io_file_resize(s->file, want = end);
         if (rc < 0) {
             drop_copy(s, i, TKV_TIER_NVME);
             return tkv_io_status(rc, "kv-store: growing the spill file");
@@ -2797,6 +2806,7 @@ void tkv_kvs_get_stats(const struct tkv_kvs *s, struct tkv_kvs_stats *out)
         out->tier[t].peak_bytes = s->pool[t].peak;
     }
     out->stall_seconds = s->stall;
+    out->nvme_file_bytes = s->file_size;
     out->stall = s->sc;
     out->stall.settle_s = s->part_s[PART_SETTLE];
     out->stall.evict_s = s->part_s[PART_EVICT];

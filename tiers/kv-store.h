@@ -113,6 +113,7 @@ struct tkv_kvs_stats {
     uint64_t bulk_blocks;         /* blocks stored by tkv_kvs_import_n's one-pass
                                      path (not one import each)               */
     uint64_t marked_layers;       /* read marks taken (tkv_kvs_mark_reads)      */
+    uint64_t nvme_file_bytes;     /* the spill file's size (reserved on disk)   */
     const char *io_engine;        /* "io_uring", "sync" or NULL without NVMe   */
     bool     nvme_direct;
 };
