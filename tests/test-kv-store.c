@@ -166,6 +166,7 @@ static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks,
                                .compute_is_host = compute_is_host, .compute_bytes = (uint64_t)compute_blocks * S,
                                .host_bytes = (uint64_t)host_blocks * S, .nvme_dir = nvme ? spill_dir : NULL,
                                .upload_piece_bytes = 3 * S, /* recalls in several pieces */
+                               .staging_blocks = 3,         /* NVMe recalls cycle the staging halves */
                                .evict_cycle = evict_cycle, .page_table = page_table};
     struct tkv_kvs *s = NULL;
     tkv_status st = tkv_kvs_init(&p, be, &s);
@@ -936,6 +937,46 @@ static void test_faults(void)
             }
             tkv_kvs_free(s);
         }
+        be = saved;
+        dfr.no_checks = false;
+    }
+
+    /* 5b. an NVMe copy below a device compute tier goes up through the
+     * staging pipeline: checked by the device (the deferred backend), by the
+     * CPU (no_checks) or on the synchronous path (cpu); the flipped block
+     * is TKV_ERR_CORRUPT, and every other layer still reads back intact */
+    for (int bi = 0; bi < 3; bi++) {
+        struct tkv_backend *saved = be;
+        be = backends[bi];
+        dfr.no_checks = bi == 2;
+        s = make_store(false, 34, 32, true);
+        REQUIRE_VOID(s);
+        fill_until_spilling(s);
+        bad_b = NB;
+        for (uint32_t b = 0; b < NB && bad_b == NB; b++)
+            for (uint32_t l = 0; l < L && bad_b == NB; l++)
+                if (tkv_kvs_block_tier(s, l, 1, b) == TKV_TIER_NVME)
+                    bad_l = l, bad_h = 1, bad_b = b;
+        CHECK(bad_b < NB, "%s: no block was left on NVMe alone to corrupt", be->ops->name);
+        if (bad_b < NB) {
+            CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_NVME) == TKV_OK, "flip: %s",
+                  tkv_last_error());
+            st = tkv_kvs_begin_layer(s, bad_l, 0, 0);
+            CHECK(st == TKV_ERR_CORRUPT, "%s nvme bit flip below a device: expected TKV_ERR_CORRUPT, got %s",
+                  be->ops->name, tkv_status_str(st));
+            for (uint32_t l = 0; l < L; l++) {
+                if (l == bad_l)
+                    continue;
+                st = tkv_kvs_begin_layer(s, l, 0, 0);
+                CHECK(st == TKV_OK, "%s: after the corrupt recall, begin_layer(%u): %s", be->ops->name, l,
+                      tkv_last_error());
+                if (st == TKV_OK) {
+                    check_layer_views(s, l, "after a corrupt NVMe recall");
+                    tkv_kvs_end_layer(s, l);
+                }
+            }
+        }
+        tkv_kvs_free(s);
         be = saved;
         dfr.no_checks = false;
     }

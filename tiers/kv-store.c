@@ -213,7 +213,9 @@ struct tkv_kvs {
     struct tkv_io *io;
     struct tkv_io_file *file;
     uint64_t file_size;
-    uint8_t *staging;        /* IO_BATCH payloads, aligned: NVMe <-> GPU and export */
+    uint8_t *staging;        /* staging_blocks payloads, aligned: NVMe <-> GPU and export */
+    uint32_t staging_blocks; /* max(IO_BATCH, 2 * stage_n)                              */
+    uint32_t stage_n;        /* blocks per half of the NVMe -> GPU pipeline             */
 
     /* scratch sized at init: eviction candidates and I/O batches */
     uint32_t *cand[2];       /* [layer*head*max_blocks] eviction candidates per
@@ -1255,23 +1257,6 @@ static tkv_status prefetch_settle_layer(struct tkv_kvs *s, uint32_t layer)
     return prefetch_settle_n(s, n);
 }
 
-/* Queues the upload of n verified staged NVMe payloads (the lists of s->dm)
- * and marks them current on the compute tier. */
-static tkv_status upload_batch(struct tkv_kvs *s, uint32_t n)
-{
-    struct up_batch *ub = &s->dm;
-    const int prev = part_switch(s, PART_ISSUE);
-    STALL_COUNT(s, upload_calls, 1);
-    tkv_status st = s->be->ops->upload_blocks(s->be, ub->dst, ub->src, n, s->S, NULL, NULL, &ub->ticket);
-    part_switch(s, prev);
-    TKV_TRY(st);
-    for (uint32_t j = 0; j < n; j++)
-        s->blk[ub->idx[j]].valid |= BIT(TKV_TIER_COMPUTE);
-    s->st[TKV_TIER_NVME].bytes_out += (uint64_t)n * s->S;
-    s->st[TKV_TIER_COMPUTE].bytes_in += (uint64_t)n * s->S;
-    return TKV_OK;
-}
-
 /* A prefetch read finished: keep the block if it arrived intact; otherwise
  * drop the slot (begin_layer recalls it again and reports the error). */
 static void prefetch_complete(struct tkv_kvs *s, const struct tkv_io_cqe *c)
@@ -1491,10 +1476,98 @@ static tkv_status make_room_for_layer(struct tkv_kvs *s, uint32_t need)
     return make_room(s, TKV_TIER_COMPUTE, need);
 }
 
-/* NVMe -> GPU: blocks nv[0..n) through the staging buffer, IO_BATCH at a
- * time (read, verify, upload). */
+/* Waits for the upload of staging half h (its m blocks' lists at s->dm +
+ * h * s->stage_n, queued as `ticket`) and marks the blocks whose copies
+ * arrived intact current on the compute tier; the first corrupt one is the
+ * error (the others stay unmarked: recall drops their slots). */
+static tkv_status staged_settle(struct tkv_kvs *s, uint32_t h, uint32_t m, uint64_t ticket)
+{
+    struct up_batch *ub = &s->dm;
+    const uint32_t o = h * s->stage_n;
+    const int prev = part_switch(s, PART_WAIT);
+    STALL_COUNT(s, upload_waits, 1);
+    tkv_status st = s->be->ops->upload_wait(s->be, ticket, true, NULL);
+    part_switch(s, prev);
+    for (uint32_t j = 0; j < m && st == TKV_OK; j++) {
+        const uint32_t bi = ub->idx[o + j];
+        if (ub->bad[o + j]) {
+            st = corrupt_error(s, bi, TKV_TIER_NVME);
+            break;
+        }
+        s->blk[bi].valid |= BIT(TKV_TIER_COMPUTE);
+        s->st[TKV_TIER_NVME].bytes_out += s->S;
+        s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+    }
+    return st;
+}
+
+/* NVMe -> GPU through the registered staging buffer, a pipeline of its two
+ * halves of stage_n blocks: a half's NVMe reads, then its upload queued (the
+ * device checks each copy against its CRC where the backend can; else the
+ * CPU checks the half first), and while that upload is in flight the other
+ * half's reads. A half is read into again, and its blocks marked current,
+ * only once its upload is done. */
+static tkv_status recall_nvme_pipelined(struct tkv_kvs *s, const uint32_t *nv, uint32_t n)
+{
+    struct up_batch *ub = &s->dm;
+    const uint32_t B = s->stage_n;
+    uint32_t queued[2] = {0, 0}; /* blocks of each half in flight */
+    uint64_t ticket[2] = {0, 0};
+    tkv_status st = TKV_OK;
+    uint32_t h = 0;
+    for (uint32_t j0 = 0; j0 < n && st == TKV_OK; j0 += B, h ^= 1) {
+        if (queued[h]) {
+            st = staged_settle(s, h, queued[h], ticket[h]);
+            queued[h] = 0;
+            if (st != TKV_OK)
+                break;
+        }
+        const uint32_t m = TKV_MIN(B, n - j0), o = h * B;
+        for (uint32_t r = 0; r < m; r++)
+            s->ops[r] = (struct io_op){.blk = nv[j0 + r], .write = false, .buf = s->staging + (size_t)(o + r) * s->S};
+        int prev = part_switch(s, PART_NVME);
+        st = nvme_run(s, s->ops, m, s->results);
+        part_switch(s, prev);
+        if (st != TKV_OK)
+            break;
+        for (uint32_t r = 0; r < m; r++) {
+            const uint32_t bi = nv[j0 + r];
+            ub->idx[o + r] = bi;
+            ub->src[o + r] = s->ops[r].buf;
+            ub->dst[o + r] = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[bi].slot[TKV_TIER_COMPUTE]);
+            ub->crc[o + r] = s->blk[bi].crc;
+        }
+        prev = part_switch(s, PART_ISSUE);
+        STALL_COUNT(s, upload_calls, 1);
+        st = s->be->ops->upload_blocks(s->be, ub->dst + o, ub->src + o, m, s->S, ub->crc + o, ub->bad + o,
+                                       &ticket[h]);
+        part_switch(s, prev);
+        if (st == TKV_ERR_UNSUPPORTED) { /* the device cannot check this size: the CPU does, first */
+            verify_batch(s, ub->idx + o, ub->src + o, m, ub->bad + o);
+            prev = part_switch(s, PART_ISSUE);
+            st = s->be->ops->upload_blocks(s->be, ub->dst + o, ub->src + o, m, s->S, NULL, NULL, &ticket[h]);
+            part_switch(s, prev);
+        }
+        if (st == TKV_OK)
+            queued[h] = m;
+    }
+    for (uint32_t k = 0; k < 2; k++) { /* also after an error: what was queued lands before the buffer is reused */
+        const uint32_t hh = h ^ k;
+        if (queued[hh]) {
+            tkv_status f = staged_settle(s, hh, queued[hh], ticket[hh]);
+            st = st != TKV_OK ? st : f;
+        }
+    }
+    return st;
+}
+
+/* NVMe -> GPU: blocks nv[0..n) through the staging buffer: pipelined where
+ * the backend queues uploads from it (recall_nvme_pipelined), else IO_BATCH
+ * at a time, each block read, verified and uploaded in turn. */
 static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint32_t n)
 {
+    if (s->staging_async)
+        return recall_nvme_pipelined(s, nv, n);
     tkv_status st = TKV_OK;
     for (uint32_t j0 = 0; j0 < n && st == TKV_OK; j0 += IO_BATCH) {
         uint32_t m = TKV_MIN(IO_BATCH, n - j0);
@@ -1503,34 +1576,6 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
         const int prev = part_switch(s, PART_NVME);
         st = nvme_run(s, s->ops, m, s->results);
         part_switch(s, prev);
-        if (st != TKV_OK)
-            break;
-        if (s->staging_async) {
-            struct up_batch *ub = &s->dm;
-            uint32_t k = 0;
-            for (uint32_t r = 0; r < m; r++) {
-                ub->idx[r] = s->ops[r].blk;
-                ub->src[r] = s->ops[r].buf;
-            }
-            verify_batch(s, ub->idx, ub->src, m, ub->bad);
-            for (uint32_t r = 0; r < m; r++) {
-                uint32_t bi = s->ops[r].blk;
-                if (ub->bad[r]) {
-                    st = st == TKV_OK ? corrupt_error(s, bi, TKV_TIER_NVME) : st;
-                    continue;
-                }
-                ub->idx[k] = bi;
-                ub->src[k] = s->ops[r].buf;
-                ub->dst[k++] = slot_ptr(s, TKV_TIER_COMPUTE, s->blk[bi].slot[TKV_TIER_COMPUTE]);
-            }
-            tkv_status u = upload_batch(s, k);
-            const int prev = part_switch(s, PART_WAIT);
-            STALL_COUNT(s, upload_waits, 1);
-            tkv_status w = s->be->ops->upload_wait(s->be, ub->ticket, true, NULL); /* the staging buffer is reused */
-            part_switch(s, prev);
-            st = st != TKV_OK ? st : u != TKV_OK ? u : w;
-            continue;
-        }
         for (uint32_t r = 0; r < m && st == TKV_OK; r++) {
             uint32_t bi = s->ops[r].blk;
             if ((st = verify(s, bi, s->ops[r].buf, TKV_TIER_NVME)) == TKV_OK)
@@ -1649,6 +1694,8 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->be = backend;
     s->part = PART_NONE;
     s->S = 4u * p->block_tokens * p->head_dim;
+    s->stage_n = p->staging_blocks ? TKV_MIN(p->staging_blocks, (uint32_t)IO_BATCH) : IO_BATCH;
+    s->staging_blocks = TKV_MAX((uint32_t)IO_BATCH, 2 * s->stage_n);
     s->max_blocks = (p->max_tokens + p->block_tokens - 1) / p->block_tokens;
     const uint64_t total = (uint64_t)p->n_layer * p->n_head_kv * s->max_blocks;
     const uint64_t layer_blocks = (uint64_t)p->n_head_kv * s->max_blocks;
@@ -1743,13 +1790,13 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
             tkv_err_wrap(st, "--nvme-dir %s", p->nvme_dir);
             goto fail;
         }
-        s->staging = tkv_io_alloc_aligned((size_t)IO_BATCH * s->S);
+        s->staging = tkv_io_alloc_aligned((size_t)s->staging_blocks * s->S);
         if (!s->staging) {
             st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the staging buffer");
             goto fail;
         }
     } else if (!p->compute_is_host) {
-        s->staging = tkv_io_alloc_aligned((size_t)IO_BATCH * s->S);
+        s->staging = tkv_io_alloc_aligned((size_t)s->staging_blocks * s->S);
         if (!s->staging) {
             st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the staging buffer");
             goto fail;
@@ -1759,7 +1806,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->async_up = !p->compute_is_host && bo->upload_blocks && bo->upload_fence && bo->upload_wait;
     s->up_piece = TKV_MAX((p->upload_piece_bytes ? p->upload_piece_bytes : UP_PIECE_BYTES) / s->S, 1u);
     if (s->async_up) {
-        bool ok = up_batch_alloc(&s->dm, layer_blocks);
+        bool ok = up_batch_alloc(&s->dm, TKV_MAX(layer_blocks, 2 * s->stage_n));
         for (uint32_t j = 0; j < MAX_PREFETCH; j++)
             ok = up_batch_alloc(&s->pf[j], layer_blocks) && ok;
         if (!ok) {
@@ -1773,7 +1820,8 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
         if (n_crc > 1 && (st = tkv_pool_init(n_crc, &s->crc_pool)) != TKV_OK)
             goto fail;
         if (s->staging && bo->host_register) {
-            s->staging_registered = bo->host_register(backend, s->staging, (size_t)IO_BATCH * s->S) == TKV_OK;
+            s->staging_registered =
+                bo->host_register(backend, s->staging, (size_t)s->staging_blocks * s->S) == TKV_OK;
             if (!s->staging_registered)
                 TKV_LOG_W("kv-store: could not page-lock the staging buffer (%s); NVMe recalls copy block by block",
                           tkv_last_error());

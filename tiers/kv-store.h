@@ -48,6 +48,9 @@ struct tkv_kvs_params {
     const char *pci_bus_id;   /* GPU's bus id for NUMA placement, or NULL */
     uint32_t upload_piece_bytes; /* host -> GPU recalls are queued in pieces this
                                     large while the rest is prepared; 0 = 128 MiB */
+    uint32_t staging_blocks;  /* NVMe -> GPU recalls: blocks per half of the staging
+                                 pipeline (read one half while the other uploads);
+                                 0 = 32, at most 32 (tests take small ones) */
     bool     evict_ref;       /* test hook: every eviction scans every slot and orders the
                                  whole bucket it cuts (the full pass the scoped one
                                  replaced; it must pick the same victims in the same order) */
