@@ -169,8 +169,9 @@ static __device__ __forceinline__ void rq_pick(float &v, uint32_t &i, float w, u
 }
 
 /* One warp per query (tkv_rabitq_query_prepare, runtime/rabitq/rabitq.c):
- * q the item's row or the mean of its rows, u = q - c_q zero-padded, |u|^2 and q . c_k summed in double in the
- * host's order (lanes 0 and 1, one sum each, over products the whole warp
+ * q the item's row or the mean of its rows (tkv_rabitq_query_mean's
+ * operations), u = q - c_q zero-padded, |u|^2 and q . c_k summed in double
+ * in the host's order (lanes 0 and 1, one sum each, over products the whole warp
  * formed first; every product of two floats is exact in double, so the
  * host's contraction cannot change it), u rotated, lo / hi with the host's
  * choice among equal values, the levels floor((u - lo) / delta + 0.5) with

@@ -821,6 +821,19 @@ static void test_spill_room(void)
     tkv_kvs_free(s);
 }
 
+/* The first block of head h (in block order, then layer order, among the
+ * first nb blocks) whose copy of record is on tier t: *l, *b; false if none. */
+static bool first_block_on(struct tkv_kvs *s, uint32_t h, int t, uint32_t nb, uint32_t *l, uint32_t *b)
+{
+    for (uint32_t bb = 0; bb < nb; bb++)
+        for (uint32_t ll = 0; ll < L; ll++)
+            if (tkv_kvs_block_tier(s, ll, h, bb) == t) {
+                *l = ll, *b = bb;
+                return true;
+            }
+    return false;
+}
+
 static void test_faults(void)
 {
     /* compute tier of 34 blocks (one layer is 32): most of the KV lives on NVMe */
@@ -865,12 +878,8 @@ static void test_faults(void)
     check_all(s, "after ENOSPC");
 
     /* 4. a flipped bit in a spilled block: TKV_ERR_CORRUPT naming it, data never used */
-    uint32_t bad_l = 0, bad_h = 0, bad_b = NB;
-    for (uint32_t b = 0; b < (length + B - 1) / B && bad_b == NB; b++)
-        for (uint32_t l = 0; l < L && bad_b == NB; l++)
-            if (tkv_kvs_block_tier(s, l, 1, b) == TKV_TIER_NVME)
-                bad_l = l, bad_h = 1, bad_b = b;
-    REQUIRE_VOID(bad_b < NB);
+    uint32_t bad_l = 0, bad_h = 1, bad_b = NB;
+    REQUIRE_VOID(first_block_on(s, bad_h, TKV_TIER_NVME, (length + B - 1) / B, &bad_l, &bad_b));
     CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_NVME) == TKV_OK, "flip: %s", tkv_last_error());
     st = tkv_kvs_begin_layer(s, bad_l, 0, 0);
     CHECK(st == TKV_ERR_CORRUPT, "flipped bit: expected TKV_ERR_CORRUPT, got %s", tkv_status_str(st));
@@ -896,12 +905,8 @@ static void test_faults(void)
             s = make_store(false, 34, 40, true);
             REQUIRE_VOID(s);
             fill_until_spilling(s);
-            bad_b = NB;
-            for (uint32_t b = 0; b < NB && bad_b == NB; b++)
-                for (uint32_t l = 0; l < L && bad_b == NB; l++)
-                    if (tkv_kvs_block_tier(s, l, 0, b) == TKV_TIER_HOST)
-                        bad_l = l, bad_h = 0, bad_b = b;
-            if (bad_b < NB) {
+            bad_h = 0;
+            if (first_block_on(s, bad_h, TKV_TIER_HOST, NB, &bad_l, &bad_b)) {
                 CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_HOST) == TKV_OK, "flip: %s",
                       tkv_last_error());
                 if (via_prefetch) {
@@ -930,8 +935,6 @@ static void test_faults(void)
                 st = tkv_kvs_begin_layer(s, bad_l, 0, 0);
                 CHECK(st == TKV_ERR_CORRUPT, "%s host bit flip%s: expected TKV_ERR_CORRUPT, got %s", be->ops->name,
                       via_prefetch ? " (after a prefetch)" : "", tkv_status_str(st));
-                /* every other block of the layer still reads back intact */
-                bad_b = NB;
             } else {
                 CHECK(false, "no block was left on the host tier to corrupt");
             }
@@ -952,13 +955,10 @@ static void test_faults(void)
         s = make_store(false, 34, 32, true);
         REQUIRE_VOID(s);
         fill_until_spilling(s);
-        bad_b = NB;
-        for (uint32_t b = 0; b < NB && bad_b == NB; b++)
-            for (uint32_t l = 0; l < L && bad_b == NB; l++)
-                if (tkv_kvs_block_tier(s, l, 1, b) == TKV_TIER_NVME)
-                    bad_l = l, bad_h = 1, bad_b = b;
-        CHECK(bad_b < NB, "%s: no block was left on NVMe alone to corrupt", be->ops->name);
-        if (bad_b < NB) {
+        bad_h = 1;
+        const bool found = first_block_on(s, bad_h, TKV_TIER_NVME, NB, &bad_l, &bad_b);
+        CHECK(found, "%s: no block was left on NVMe alone to corrupt", be->ops->name);
+        if (found) {
             CHECK(tkv_kvs_test_flip_bit(s, bad_l, bad_h, bad_b, TKV_TIER_NVME) == TKV_OK, "flip: %s",
                   tkv_last_error());
             st = tkv_kvs_begin_layer(s, bad_l, 0, 0);

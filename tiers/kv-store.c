@@ -213,8 +213,8 @@ struct tkv_kvs {
     struct tkv_io *io;
     struct tkv_io_file *file;
     uint64_t file_size;
-    uint8_t *staging;        /* staging_blocks payloads, aligned: NVMe <-> GPU and export */
-    uint32_t staging_blocks; /* max(IO_BATCH, 2 * stage_n)                              */
+    uint8_t *staging;        /* staging_cap payloads, aligned: NVMe <-> GPU and export */
+    uint32_t staging_cap;    /* max(IO_BATCH, 2 * stage_n)                           */
     uint32_t stage_n;        /* blocks per half of the NVMe -> GPU pipeline             */
 
     /* scratch sized at init: eviction candidates and I/O batches */
@@ -1695,7 +1695,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     s->part = PART_NONE;
     s->S = 4u * p->block_tokens * p->head_dim;
     s->stage_n = p->staging_blocks ? TKV_MIN(p->staging_blocks, (uint32_t)IO_BATCH) : IO_BATCH;
-    s->staging_blocks = TKV_MAX((uint32_t)IO_BATCH, 2 * s->stage_n);
+    s->staging_cap = TKV_MAX((uint32_t)IO_BATCH, 2 * s->stage_n);
     s->max_blocks = (p->max_tokens + p->block_tokens - 1) / p->block_tokens;
     const uint64_t total = (uint64_t)p->n_layer * p->n_head_kv * s->max_blocks;
     const uint64_t layer_blocks = (uint64_t)p->n_head_kv * s->max_blocks;
@@ -1790,13 +1790,13 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
             tkv_err_wrap(st, "--nvme-dir %s", p->nvme_dir);
             goto fail;
         }
-        s->staging = tkv_io_alloc_aligned((size_t)s->staging_blocks * s->S);
+        s->staging = tkv_io_alloc_aligned((size_t)s->staging_cap * s->S);
         if (!s->staging) {
             st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the staging buffer");
             goto fail;
         }
     } else if (!p->compute_is_host) {
-        s->staging = tkv_io_alloc_aligned((size_t)s->staging_blocks * s->S);
+        s->staging = tkv_io_alloc_aligned((size_t)s->staging_cap * s->S);
         if (!s->staging) {
             st = tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for the staging buffer");
             goto fail;
@@ -1821,7 +1821,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
             goto fail;
         if (s->staging && bo->host_register) {
             s->staging_registered =
-                bo->host_register(backend, s->staging, (size_t)s->staging_blocks * s->S) == TKV_OK;
+                bo->host_register(backend, s->staging, (size_t)s->staging_cap * s->S) == TKV_OK;
             if (!s->staging_registered)
                 TKV_LOG_W("kv-store: could not page-lock the staging buffer (%s); NVMe recalls copy block by block",
                           tkv_last_error());

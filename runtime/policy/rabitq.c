@@ -50,12 +50,7 @@
  * shortest prefix of the keys that meets p; 0: the top-p search's boundary
  * bin kept whole, tkv_rabitq_topp_params.coarse; not given: 0 where a
  * device selects, else 1), hold (16; 0 where the KV is paged) and wide
- * (0.75), mean (0; 1: each KV head selects once, with the mean of its
- * group's queries -- GQA handling (b) of the spec, 3.7, formed as
- * tkv_rabitq_query_mean forms it on every backend: G times fewer estimates
- * and top-p passes and one set instead of a union of G, but top-p then
- * holds p of the mass of the mean query's logits, the group-mean logit,
- * not of each query head's): a head whose selection kept more than `wide` of its indexed keys
+ * (0.75): a head whose selection kept more than `wide` of its indexed keys
  * reads everything for the next `hold` steps without selecting, then
  * selects again (hold=0: never). Reading more only raises the kept mass;
  * where top-p keeps most keys anyway (safe mode on real text at a few
@@ -68,7 +63,12 @@
  * selection's sets come to the host (the host's top-p, a backend's
  * rabitq_select into a host bitmap) they are counted there; on the device
  * table path, where they never do, from the table's counts
- * (rq_table_read).
+ * (rq_table_read). mean (0; 1: each KV head selects once, with the mean of
+ * its group's queries -- GQA handling (b) of the spec, 3.7, formed as
+ * tkv_rabitq_query_mean forms it on every backend: G times fewer estimates
+ * and top-p passes and one set instead of a union of G, but top-p then
+ * holds p of the softmax of the group-mean logit, not of each query head's
+ * mass; docs/quality.md measures what that costs).
  */
 #include "policy.h"
 #include "../rabitq/rabitq.h"
@@ -208,7 +208,7 @@ static tkv_status rq_make(const char *name, const struct tkv_policy_env *env, co
     *out = NULL;
     struct rabitq p = {.env = *env, .p = 0.9f, .eps = TKV_RABITQ_EPS0, .safe = 1, .sink = 64, .recent = 64,
                        .batch = 64, .dense = 2, .whole = UINT32_MAX, .exact = UINT32_MAX, .hold = UINT32_MAX,
-                       .wide = 0.75f, .mean = 0};
+                       .wide = 0.75f};
     TKV_TRY(tkv_policy_arg_f32(name, args, "p", &p.p));
     TKV_TRY(tkv_policy_arg_u32(name, args, "safe", &p.safe));
     TKV_TRY(tkv_policy_arg_f32(name, args, "eps", &p.eps));
