@@ -98,6 +98,19 @@ static void log_sel(struct log *lg, uint32_t what, uint32_t l, uint32_t h, const
         log_put(lg, r[i].begin), log_put(lg, r[i].end);
 }
 
+/* Selections in lg that restricted something (m >= 0 ranges, not -1:
+ * "everything"). */
+static uint32_t log_restricted(const struct log *lg)
+{
+    uint32_t n = 0;
+    for (size_t j = 0; j + 1 < lg->n;) {
+        const int m = (int)lg->v[j + 1];
+        n += m >= 0;
+        j += 2 + (m > 0 ? 2 * (size_t)m : 0);
+    }
+    return n;
+}
+
 /* The old per-head code of critiprefill (fusion across layers) and
  * snapkv/adakv, from the direct functions. */
 struct replica {
@@ -269,9 +282,7 @@ static void check_group_mean(const struct inputs *in)
     lu.n = lm.n = 0;
     drive(&union_spec, HOST, NULL, &eq, &lu);
     drive(&mean_spec, HOST, NULL, &eq, &lm);
-    uint32_t restricted = 0;
-    for (size_t j = 0; j + 1 < lm.n; j += 2 + ((int)lm.v[j + 1] > 0 ? 2 * (size_t)lm.v[j + 1] : 0))
-        restricted += (int)lm.v[j + 1] >= 0;
+    const uint32_t restricted = log_restricted(&lm);
     CHECK(restricted > 0 && lu.n == lm.n && !memcmp(lu.v, lm.v, lu.n * sizeof *lu.v),
           "equal query heads: mean=1's selections (%zu words, %u restricted) differ from the union's (%zu words)",
           lm.n, restricted, lu.n);
@@ -408,12 +419,7 @@ static void test_routes(void)
                   r >= 3 ? extra_name[r - 3] : route_name[r], lg[r].n, lg[HOST].n);
         }
         /* the selections restrict something (a test of equal "everything" proves little) */
-        uint32_t restricted = 0;
-        for (size_t j = 0; j + 1 < lg[HOST].n;) {
-            const int m = (int)lg[HOST].v[j + 1];
-            restricted += m >= 0;
-            j += 2 + (m > 0 ? 2 * (size_t)m : 0);
-        }
+        const uint32_t restricted = log_restricted(&lg[HOST]);
         fprintf(stderr, "  %-88s %zu words, %u restricted selections, %llu op calls on the opaque backend\n",
                 specs[i].spec, lg[HOST].n, restricted,
                 (unsigned long long)(opaque_stats_calls + opaque_rabitq_calls - calls0));

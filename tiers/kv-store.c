@@ -1257,6 +1257,15 @@ static tkv_status prefetch_settle_layer(struct tkv_kvs *s, uint32_t layer)
     return prefetch_settle_n(s, n);
 }
 
+/* Block i's copy read from NVMe landed intact in its compute slot: current
+ * there, and counted on both tiers. */
+static void nvme_landed(struct tkv_kvs *s, uint32_t i)
+{
+    s->blk[i].valid |= BIT(TKV_TIER_COMPUTE);
+    s->st[TKV_TIER_NVME].bytes_out += s->S;
+    s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+}
+
 /* A prefetch read finished: keep the block if it arrived intact; otherwise
  * drop the slot (begin_layer recalls it again and reports the error). */
 static void prefetch_complete(struct tkv_kvs *s, const struct tkv_io_cqe *c)
@@ -1274,9 +1283,7 @@ static void prefetch_complete(struct tkv_kvs *s, const struct tkv_io_cqe *c)
     STALL_COUNT(s, verify_bytes, c->result == (int64_t)s->S ? s->S : 0);
     part_switch(s, prev);
     if (ok) {
-        k->valid |= BIT(TKV_TIER_COMPUTE);
-        s->st[TKV_TIER_NVME].bytes_out += s->S;
-        s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+        nvme_landed(s, i);
     } else {
         drop_copy(s, i, TKV_TIER_COMPUTE);
     }
@@ -1354,9 +1361,7 @@ static tkv_status nvme_stream_reads(struct tkv_kvs *s, const uint32_t *list, uin
             else
                 st = verify(s, i, data, TKV_TIER_NVME);
             if (st == TKV_OK) {
-                s->blk[i].valid |= BIT(TKV_TIER_COMPUTE);
-                s->st[TKV_TIER_NVME].bytes_out += s->S;
-                s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+                nvme_landed(s, i);
             } else if (first == TKV_OK) {
                 uint32_t l, h, b;
                 blk_coords(s, i, &l, &h, &b);
@@ -1494,9 +1499,7 @@ static tkv_status staged_settle(struct tkv_kvs *s, uint32_t h, uint32_t m, uint6
             st = corrupt_error(s, bi, TKV_TIER_NVME);
             break;
         }
-        s->blk[bi].valid |= BIT(TKV_TIER_COMPUTE);
-        s->st[TKV_TIER_NVME].bytes_out += s->S;
-        s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+        nvme_landed(s, bi);
     }
     return st;
 }
@@ -1581,9 +1584,7 @@ static tkv_status recall_nvme_staged(struct tkv_kvs *s, const uint32_t *nv, uint
             if ((st = verify(s, bi, s->ops[r].buf, TKV_TIER_NVME)) == TKV_OK)
                 st = host_to_compute(s, s->ops[r].buf, s->blk[bi].slot[TKV_TIER_COMPUTE]);
             if (st == TKV_OK) {
-                s->blk[bi].valid |= BIT(TKV_TIER_COMPUTE);
-                s->st[TKV_TIER_NVME].bytes_out += s->S;
-                s->st[TKV_TIER_COMPUTE].bytes_in += s->S;
+                nvme_landed(s, bi);
             }
         }
     }
