@@ -6,10 +6,13 @@
  *
  *   build/bench/bench-rabitq [--quick]   (--quick: 8K keys only, a smoke run)
  *   build/bench/bench-rabitq --gpu-select (CUDA: one layer's selection,
- *       8 KV heads x 4 query heads, D = 128, at 32K / 128K / 1M keys: the
- *       backend's rabitq_select against the per-head path it replaces --
- *       rabitq_estimate, download, host select_topp, union -- and the keys
- *       where the two unions differ)
+ *       8 KV heads x 4 query heads, D = 128, at 32K / 128K / 1M keys, by the
+ *       union of the query heads' and by their mean's (`mean=1`), exact and
+ *       coarse with groups of 16 (the policy's defaults on a GPU): the
+ *       backend's rabitq_select waited for and queued as the engine queues
+ *       it, against the per-head path it replaces -- rabitq_estimate,
+ *       download, host select_topp, union -- and the keys where the two
+ *       differ)
  *   build/bench/bench-rabitq --cpu-select [T] (the same on the CPU backend,
  *       its rabitq_select on T threads (0: all cores), at 32K and 128K keys)
  *
@@ -147,10 +150,29 @@ static int fail(const char *what)
     return 1;
 }
 
-/* --gpu-select and --cpu-select: see the top of the file. */
+/* One configuration of a select_bench row: how the KV head's G query heads
+ * select (their union, or once from their mean: `rabitq:mean=1`), and
+ * whether the boundary bin is cut exactly or kept whole and the kept keys
+ * widened to groups of 16 (the policy's defaults where the backend selects,
+ * docs/policies.md). */
+struct select_cfg {
+    const char *name;
+    bool mean, coarse;
+};
+
+/* --gpu-select and --cpu-select: see the top of the file. Per size, per
+ * configuration, plain and safe: the op as a caller that waits for the
+ * bitmaps times it (best of REPS calls), the op as the engine queues it
+ * (bitmaps left in backend memory, REPS calls back to back, one
+ * synchronize: its cost in the stream), and for the exact configurations
+ * the per-query-head path it replaces, whose union must be the op's. */
 static int select_bench(bool cuda, uint32_t threads)
 {
     enum { H = 8, G = 4, D = 128, REPS = 10 };
+    static const struct select_cfg cfgs[] = {
+        {"union", false, false}, {"union, coarse, whole=16", false, true},
+        {"mean", true, false},   {"mean, coarse, whole=16", true, true},
+    };
     struct tkv_backend *be = NULL;
     if ((cuda && tkv_backend_cuda_devices() == 0) || tkv_backend_create(cuda ? "cuda" : "cpu", threads, &be) != TKV_OK ||
         !be->ops->rabitq_select) {
@@ -158,13 +180,16 @@ static int select_bench(bool cuda, uint32_t threads)
         return 0;
     }
     printf("## One layer's RaBitQ selection on the %s (%d KV heads x %d query heads, D = %d, p = 0.9, sink 64, "
-           "recent 64), ms per layer\n\n", cuda ? "GPU" : "CPU backend", H, G, D);
+           "recent 64)\n\n", cuda ? "GPU" : "CPU backend", H, G, D);
     if (!cuda && threads)
-        printf("rabitq_select on %u threads; the other column is the policy's path without it, on one\n\n", threads);
+        printf("rabitq_select on %u threads; the per-head path without it on one\n\n", threads);
     else if (!cuda)
-        printf("rabitq_select on a thread per core; the other column is the policy's path without it, on one\n\n");
-    printf("| keys | mode | rabitq_select | estimate + download + host top-p | speedup | keys differing |\n");
-    printf("|---:|---|---:|---:|---:|---:|\n");
+        printf("rabitq_select on a thread per core; the per-head path without it on one\n\n");
+    printf("waited: one call and its bitmaps' download, ms (best of %d); queued: the engine's way, bitmaps left "
+           "in backend memory, %d calls back to back, us per call; per-head path: estimate, download, host "
+           "top-p, union (exact configurations only)\n\n", REPS, REPS);
+    printf("| keys | queries | mode | waited ms | queued us | per-head path ms | speedup | keys differing |\n");
+    printf("|---:|---|---|---:|---:|---:|---:|---:|\n");
     const uint32_t sizes[] = {32768, 131072, 1048576};
     for (int si = 0; si < (cuda ? 3 : 2); si++) {
         const uint32_t n = sizes[si], words = (n + 31) / 32;
@@ -182,68 +207,101 @@ static int select_bench(bool cuda, uint32_t threads)
         struct tkv_rabitq_dev_index *dx = NULL;
         uint16_t *k_dev = NULL;
         float *est_dev = NULL, *bound_dev = NULL;
+        uint32_t *bm_dev = NULL;
         if (tkv_rabitq_init(D, 11, &ix) || tkv_rabitq_set_centroids(ix, NULL, NULL) ||
             be->ops->alloc(be, (size_t)n * D * 2, (void **)&k_dev) || be->ops->upload(be, k_dev, k, (size_t)n * D * 2) ||
             tkv_rabitq_dev_create(be, ix, n, &dx) || tkv_rabitq_dev_append(dx, k_dev, D, n) ||
-            be->ops->alloc(be, (size_t)n * 4, (void **)&est_dev) || be->ops->alloc(be, (size_t)n * 4, (void **)&bound_dev))
+            be->ops->alloc(be, (size_t)n * 4, (void **)&est_dev) || be->ops->alloc(be, (size_t)n * 4, (void **)&bound_dev) ||
+            be->ops->alloc(be, (size_t)H * words * 4, (void **)&bm_dev))
             return fail("select: index");
-        static struct tkv_rabitq_query qq[H * G];
-        float q[D];
-        for (int j = 0; j < H * G; j++) {
-            for (int i = 0; i < D; i++)
-                q[i] = 2.0f * gauss();
-            if (tkv_rabitq_query_prepare(ix, q, 0, &qq[j]))
-                return fail("select: query");
+        /* per KV head its G query heads' queries and their mean's */
+        static struct tkv_rabitq_query qq[H * G], qm[H];
+        static float q[G][D], mq[D];
+        for (int h = 0; h < H; h++) {
+            for (int j = 0; j < G; j++) {
+                for (int i = 0; i < D; i++)
+                    q[j][i] = 2.0f * gauss();
+                if (tkv_rabitq_query_prepare(ix, q[j], 0, &qq[h * G + j]))
+                    return fail("select: query");
+            }
+            tkv_rabitq_query_mean(q[0], D, G, D, mq);
+            if (tkv_rabitq_query_prepare(ix, mq, 0, &qm[h]))
+                return fail("select: mean query");
         }
-        struct tkv_rabitq_select_head heads[H];
         const struct tkv_range forced[2] = {{0, 64}, {n - 64, n}};
-        for (int h = 0; h < H; h++) { /* (one index stands for the 8 heads' own: the same work) */
-            memset(&heads[h], 0, sizeof heads[h]);
-            heads[h].ix = tkv_rabitq_dev_arrays(dx), heads[h].q = &qq[h * G], heads[h].n = n, heads[h].n_forced = 2;
-            heads[h].forced[0].begin = 0, heads[h].forced[0].end = 64;
-            heads[h].forced[1].begin = n - 64, heads[h].forced[1].end = n;
-        }
-        for (int safe = 0; safe <= 1; safe++) {
-            const struct tkv_rabitq_select_args a = {.heads = heads, .n_heads = H, .G = G, .p = 0.9f,
-                                                     .scale = 1.0f / sqrtf((float)D), .extra_lse = -INFINITY,
-                                                     .safe = safe != 0, .bitmap = bm, .words = words};
-            double t_dev = 1e30, t_old = 1e30;
-            for (int r = 0; r < REPS + 1; r++) {
-                const double t0 = now();
-                if (be->ops->rabitq_select(be, &a))
-                    return fail("select: rabitq_select");
-                if (r)
-                    t_dev = fmin(t_dev, now() - t0);
+        for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++) {
+            const struct select_cfg *cf = &cfgs[ci];
+            const uint32_t g = cf->mean ? 1 : G;
+            struct tkv_rabitq_select_head heads[H];
+            for (int h = 0; h < H; h++) { /* (one index stands for the 8 heads' own: the same work) */
+                memset(&heads[h], 0, sizeof heads[h]);
+                heads[h].ix = tkv_rabitq_dev_arrays(dx), heads[h].q = cf->mean ? &qm[h] : &qq[h * G], heads[h].n = n;
+                heads[h].row = (uint32_t)h, heads[h].n_forced = 2;
+                heads[h].forced[0].begin = 0, heads[h].forced[0].end = 64;
+                heads[h].forced[1].begin = n - 64, heads[h].forced[1].end = n;
             }
-            const struct tkv_rabitq_topp_params tp = {.p = 0.9f, .scale = a.scale, .extra_lse = -INFINITY,
-                                                      .forced = forced, .n_forced = 2};
-            uint64_t differ = 0;
-            for (int r = 0; r < 3; r++) {
-                const double t0 = now();
-                for (int h = 0; h < H; h++) {
-                    memset(mark, 0, n);
-                    for (int j = 0; j < G; j++) {
-                        struct tkv_rabitq_topp_result res;
-                        if (tkv_rabitq_dev_estimate(dx, &qq[h * G + j], 0, n, est_dev, safe ? bound_dev : NULL) ||
-                            be->ops->download(be, est, est_dev, (size_t)n * 4) ||
-                            (safe && be->ops->download(be, bound, bound_dev, (size_t)n * 4)) ||
-                            tkv_rabitq_select_topp(est, safe ? bound : NULL, n, &tp, work, wb, pos, n, &res))
-                            return fail("select: old path");
-                        for (uint32_t x = 0; x < res.n_pos; x++)
-                            mark[pos[x]] = 1;
-                    }
-                    if (r == 0)
-                        for (uint32_t i = 0; i < n; i++)
-                            differ += mark[i] != (bm[(size_t)h * words + i / 32] >> (i % 32) & 1);
+            for (int safe = 0; safe <= 1; safe++) {
+                struct tkv_rabitq_select_args a = {.heads = heads, .n_heads = H, .G = g, .p = 0.9f,
+                                                   .scale = 1.0f / sqrtf((float)D), .extra_lse = -INFINITY,
+                                                   .safe = safe != 0, .coarse = cf->coarse,
+                                                   .whole = cf->coarse ? 16 : 0, .bitmap = bm, .words = words};
+                double t_dev = 1e30, t_old = 1e30, t_q = 1e30;
+                for (int r = 0; r < REPS + 1; r++) {
+                    const double t0 = now();
+                    if (be->ops->rabitq_select(be, &a))
+                        return fail("select: rabitq_select");
+                    if (r)
+                        t_dev = fmin(t_dev, now() - t0);
                 }
-                t_old = fmin(t_old, now() - t0);
+                struct tkv_rabitq_select_args aq = a;
+                aq.bitmap = NULL, aq.bitmap_dev = bm_dev, aq.n_rows = H;
+                for (int r = 0; r < 3; r++) { /* the first round warms up */
+                    const double t0 = now();
+                    for (int x = 0; x < REPS; x++)
+                        if (be->ops->rabitq_select(be, &aq))
+                            return fail("select: rabitq_select (queued)");
+                    if (be->ops->synchronize(be))
+                        return fail("select: synchronize");
+                    if (r)
+                        t_q = fmin(t_q, (now() - t0) / REPS);
+                }
+                if (cf->coarse) {
+                    printf("| %uK | %s | %s | %.3f | %.1f | - | - | - |\n", n / 1024, cf->name,
+                           safe ? "safe" : "plain", t_dev * 1e3, t_q * 1e6);
+                    continue;
+                }
+                const struct tkv_rabitq_topp_params tp = {.p = 0.9f, .scale = a.scale, .extra_lse = -INFINITY,
+                                                          .forced = forced, .n_forced = 2};
+                uint64_t differ = 0;
+                for (int r = 0; r < 3; r++) {
+                    const double t0 = now();
+                    for (int h = 0; h < H; h++) {
+                        memset(mark, 0, n);
+                        for (uint32_t j = 0; j < g; j++) {
+                            struct tkv_rabitq_topp_result res;
+                            if (tkv_rabitq_dev_estimate(dx, &heads[h].q[j], 0, n, est_dev, safe ? bound_dev : NULL) ||
+                                be->ops->download(be, est, est_dev, (size_t)n * 4) ||
+                                (safe && be->ops->download(be, bound, bound_dev, (size_t)n * 4)) ||
+                                tkv_rabitq_select_topp(est, safe ? bound : NULL, n, &tp, work, wb, pos, n, &res))
+                                return fail("select: old path");
+                            for (uint32_t x = 0; x < res.n_pos; x++)
+                                mark[pos[x]] = 1;
+                        }
+                        if (r == 0)
+                            for (uint32_t i = 0; i < n; i++)
+                                differ += mark[i] != (bm[(size_t)h * words + i / 32] >> (i % 32) & 1);
+                    }
+                    t_old = fmin(t_old, now() - t0);
+                }
+                printf("| %uK | %s | %s | %.3f | %.1f | %.3f | %.1fx | %llu of %u |\n", n / 1024, cf->name,
+                       safe ? "safe" : "plain", t_dev * 1e3, t_q * 1e6, t_old * 1e3, t_old / t_dev,
+                       (unsigned long long)differ, H * n);
             }
-            printf("| %uK | %s | %.3f | %.3f | %.1fx | %llu of %u |\n", n / 1024, safe ? "safe" : "plain", t_dev * 1e3,
-                   t_old * 1e3, t_old / t_dev, (unsigned long long)differ, H * n);
         }
         tkv_rabitq_dev_free(dx);
         tkv_rabitq_free(ix);
         be->ops->release(be, k_dev), be->ops->release(be, est_dev), be->ops->release(be, bound_dev);
+        be->ops->release(be, bm_dev);
         free(k), free(est), free(bound), free(bm), free(pos), free(mark), free(work);
     }
     be->ops->free(be);
