@@ -1476,7 +1476,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
                                         a->bitmap_dev ? a->bitmap_dev
                                                       : (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
-                                           a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words};
+                                           a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words, (uint32_t)cb->n_sm};
     CU(op, tkv_cuda_rqs_clear(&w, P, cb->pdl, cb->stream));
     struct tkv_cuda_rqs_heads hs; /* a group of heads a launch, in its parameters: nothing staged */
     for (uint32_t h0 = 0; h0 < H; h0 += TKV_CUDA_RQS_GROUP) {

@@ -304,11 +304,11 @@ static __device__ __forceinline__ bool rule(double lp, float p, double N, double
 }
 
 #define HIST_T   512
-#define HIST_SUB 4 /* HCHUNK-key sub-chunks one block of the hist kernel walks */
+#define HIST_SUB 4 /* at most this many HCHUNK-key sub-chunks a block of the hist kernel walks */
 #define HIST_BPT (NB / HIST_T) /* bins a thread of it folds */
 static_assert(NB % HIST_T == 0, "the hist kernel's threads fold whole bins");
 
-/* 2: grid (n_max / (HCHUNK HIST_SUB), P), HIST_T threads, dynamic shared
+/* 2: grid (n_max / (HCHUNK sub), P), HIST_T threads, dynamic shared
  * memory NB * 20 bytes. The block's bins hold each sum as two 32-bit sums
  * of the terms' low and high HALF bits (shared-memory atomics on 64 bits
  * are compare-and-swap loops on sm_90; these are native): HCHUNK terms
@@ -316,9 +316,11 @@ static_assert(NB % HIST_T == 0, "the hist kernel's threads fold whole bins");
  * marks the pair bad anyway. After each sub-chunk of HCHUNK keys every
  * thread folds its HIST_BPT bins into 64-bit sums in registers, which go to
  * the pair's state at the end: the units and the global atomics are paid
- * once per HIST_SUB sub-chunks. */
+ * once per `sub` (1 .. HIST_SUB) sub-chunks. The sums are integers, so
+ * the grid's shape does not change them. */
 __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp,
-                                                   const __grid_constant__ struct tkv_cuda_rqs_heads heads, struct tkv_cuda_rqs_work w)
+                                                   const __grid_constant__ struct tkv_cuda_rqs_heads heads, struct tkv_cuda_rqs_work w,
+                                                   uint32_t sub)
 {
     tkv_pdl_wait();
     tkv_pdl_trigger();
@@ -329,7 +331,7 @@ __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
     __shared__ struct rqs_units cs;
     __shared__ int2 bexp[NB]; /* bin_exps of every bin: El, Eu */
-    const uint32_t i0 = blockIdx.x * HCHUNK * HIST_SUB;
+    const uint32_t i0 = blockIdx.x * HCHUNK * sub;
     if (i0 >= hd.n)
         return;
     if (threadIdx.x == 0) /* the units once per block (doubles, logarithms) */
@@ -346,7 +348,7 @@ __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp
     __syncthreads();
     const struct rqs_forced fr = forced_of(hd);
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
-    const uint32_t iend = min(i0 + HCHUNK * HIST_SUB, hd.n);
+    const uint32_t iend = min(i0 + HCHUNK * sub, hd.n);
     const u64 lo_mask = (1ull << HALF) - 1;
     u64 nf = 0, al[HIST_BPT], au[HIST_BPT]; /* the thread's bins threadIdx.x + k HIST_T */
     uint32_t ac[HIST_BPT];
@@ -875,8 +877,14 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
     case 8: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<8>, gp, h, gw)); break;
     default: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<0>, gp, h, gw)); break;
     }
-    TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.n_max, HCHUNK * HIST_SUB), Pg), HIST_T, HIST_SMEM, s,
-                                 rqs_hist, gp, h, gw));
+    /* hist: HIST_SUB sub-chunks a block where that still gives every
+     * multiprocessor a block, fewer where it would not (short contexts;
+     * one query a head: a quarter of the pairs) */
+    uint32_t sub = HIST_SUB;
+    while (sub > 1 && (uint64_t)tkv_cuda_blocks(gp.n_max, HCHUNK * sub) * Pg < gp.n_sm)
+        sub /= 2;
+    TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.n_max, HCHUNK * sub), Pg), HIST_T, HIST_SMEM, s,
+                                 rqs_hist, gp, h, gw, sub));
     TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, SCAN_T, 0, s, rqs_scan, gp, gw));
     if (!gp.coarse) {
         TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(chunks, Pg), 512, 0, s, rqs_members, gp, h, gw));

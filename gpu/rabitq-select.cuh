@@ -48,6 +48,7 @@ struct tkv_cuda_rqs_params {
                                                  not run (tkv_rabitq_topp_params)     */
     uint32_t code_words;                      /* every head's ix.words (the estimate
                                                  kernel's template), 0: they differ  */
+    uint32_t n_sm;                            /* the device's multiprocessors (grid sizes) */
 };
 
 /* Device memory one call uses, all sized by tkv_cuda_rqs_bytes. */
