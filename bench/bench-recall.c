@@ -49,7 +49,9 @@
  * prefix and the recent tokens).
  * read tok / read blk: the share of the context's tokens / KV blocks decode
  * attention read, averaged over the timed steps, layers and KV heads (1 for
- * `full`). This is what the synthetic fill's concentration made the policy
+ * `full`); head max: a layer's largest KV head share of the tokens,
+ * averaged over the timed steps and layers (how unevenly a layer's heads
+ * read: its attention call lasts as long as its largest head takes). This is what the synthetic fill's concentration made the policy
  * read, not what a real model would: printed beside every row.
  * recall: bytes written into the compute tier per timed step (from host or
  * NVMe), their time at the measured link rate, the rate they reached over
@@ -176,6 +178,7 @@ struct row {
     double fill_s, warm_s;
     double step_s;                   /* mean timed step                        */
     double read_tok, read_blk;       /* shares read, timed steps              */
+    double head_max;                 /* a layer's largest head share, mean    */
     double recall_b, host_out_b, nvme_out_b; /* bytes per timed step          */
     double cpu_heads;                /* per timed step                        */
     double table_share;              /* decode layers attended from the device table, of those it
@@ -235,6 +238,7 @@ static void diff(const struct tkv_step_counters *a, const struct tkv_step_counte
         .cpu_attn_s = a->cpu_attn_s - b->cpu_attn_s, .store_s = a->store_s - b->store_s,
         .read_tokens = a->read_tokens - b->read_tokens, .read_blocks = a->read_blocks - b->read_blocks,
         .read_count = a->read_count - b->read_count, .recall_bytes = a->recall_bytes - b->recall_bytes,
+        .read_tokens_max = a->read_tokens_max - b->read_tokens_max, .read_layers = a->read_layers - b->read_layers,
         .host_out_bytes = a->host_out_bytes - b->host_out_bytes, .nvme_out_bytes = a->nvme_out_bytes - b->nvme_out_bytes,
         .cpu_heads = a->cpu_heads - b->cpu_heads, .table_layers = a->table_layers - b->table_layers,
         .table_fallbacks = a->table_fallbacks - b->table_fallbacks,
@@ -356,6 +360,7 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     r->step_s = d.decode_s / n;
     r->read_tok = d.read_count ? d.read_tokens / d.read_count : 1.0;
     r->read_blk = d.read_count ? d.read_blocks / d.read_count : 1.0;
+    r->head_max = d.read_layers ? d.read_tokens_max / d.read_layers : 1.0;
     r->recall_b = d.recall_bytes / n;
     r->host_out_b = d.host_out_bytes / n;
     r->nvme_out_b = d.nvme_out_bytes / n;
@@ -543,10 +548,10 @@ int main(int argc, char **argv)
            "%u split steps\n", kv_per_token / 1e3, o.kv_block, tiers, synth, o.seed, o.warmup, o.steps, o.split_steps);
     if (cuda)
         printf("link: pinned host -> GPU %.1f GB/s (64 MiB copies, best of 5)\n", link);
-    printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | hot blk | split step ms | rest ms | "
+    printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | head max | hot blk | split step ms | rest ms | "
            "attn ms | select ms | cpu attn ms | stall ms | recall MB/step | recall ms @link | PCIe GB/s | PCIe util "
            "| from table (brought first) | = ref |\n");
-    printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+    printf("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
     fflush(stdout);
 
     int rc = 0;
@@ -607,10 +612,10 @@ int main(int argc, char **argv)
             if (r.table_share >= 0)
                 snprintf(table, sizeof table, "%.1f%% (%.0f%% brought)", 100.0 * r.table_share,
                          100.0 * r.brought_share);
-            printf("| %u | %s | %s | %.2f | %.3f | %s | %.4f | %.4f | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | "
-                   "%s | %.2f | %s | %s | %s |\n",
+            printf("| %u | %s | %s | %.2f | %.3f | %s | %.4f | %.4f | %.4f | %.4f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | "
+                   "%.2f | %s | %.2f | %s | %s | %s |\n",
                    ctx, o.policies[p], row_tiers, 1.0 / r.step_s, r.step_s * 1e3, ratio, r.read_tok, r.read_blk,
-                   r.hot_share, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3, r.select_s * 1e3, r.cpu_attn_s * 1e3,
+                   r.head_max, r.hot_share, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3, r.select_s * 1e3, r.cpu_attn_s * 1e3,
                    r.stall_s * 1e3, r.recall_b / 1e6, at_link, pcie, util, table, same);
             fflush(stdout);
             if (json) {
@@ -620,7 +625,7 @@ int main(int argc, char **argv)
                         "\"fits\": true, \"fill\": \"%s\", "
                         "\"real_tokens\": %u, \"natural_logit_sd\": %.4f, \"hot_block_share\": %.5f, \"fill_s\": %.3f, \"warmup_s\": %.3f, \"steps\": %u, "
                         "\"step_ms\": %.4f, \"tok_s\": %.3f, \"x_full\": %.4f, \"read_tokens\": %.6f, "
-                        "\"read_blocks\": %.6f, \"split_steps\": %u, \"split_step_ms\": %.4f, \"rest_ms\": %.4f, "
+                        "\"read_blocks\": %.6f, \"head_max_tokens\": %.6f, \"split_steps\": %u, \"split_step_ms\": %.4f, \"rest_ms\": %.4f, "
                         "\"attn_ms\": %.4f, \"select_ms\": %.4f, \"cpu_attn_ms\": %.4f, \"stall_ms\": %.4f, "
                         "\"recall_bytes_per_step\": %.0f, \"host_out_bytes_per_step\": %.0f, "
                         "\"nvme_out_bytes_per_step\": %.0f, \"cpu_heads_per_step\": %.2f, \"link_gbs\": %.3f, "
@@ -629,7 +634,7 @@ int main(int argc, char **argv)
                         base, wb.matrix_type, o.device, ctx, o.kv_block, o.seed, o.policies[p], row_tiers, synth, r.real,
                         r.natural_sd, r.hot_share, r.fill_s,
                         r.warm_s, o.steps, r.step_s * 1e3, 1.0 / r.step_s, full_s > 0 ? full_s / r.step_s : 0.0,
-                        r.read_tok, r.read_blk, o.split_steps, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3,
+                        r.read_tok, r.read_blk, r.head_max, o.split_steps, r.split_step_s * 1e3, rest * 1e3, r.attn_s * 1e3,
                         r.select_s * 1e3, r.cpu_attn_s * 1e3, r.stall_s * 1e3, r.recall_b, r.host_out_b,
                         r.nvme_out_b, r.cpu_heads, link, pcie, same, commit, r.table_share, r.brought_share);
                 const struct tkv_kvs_stall *t = &r.stall;

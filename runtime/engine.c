@@ -453,18 +453,30 @@ static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, const struct 
 /* Accounts one KV head's read at a decode step of `tokens` positions in
  * `blocks` blocks of a context of n tokens; all_in: the store brought every
  * block in. */
-static void account_counts(tkv_session *s, uint32_t tokens, uint32_t blocks, uint32_t n, bool all_in)
+static void account_counts(tkv_session *s, uint32_t h, uint32_t tokens, uint32_t blocks, uint32_t n, bool all_in)
 {
     const uint32_t nb = (n + s->kv_block - 1) / s->kv_block;
-    s->read_tokens += n ? (double)tokens / n : 1.0;
+    const double share = n ? (double)tokens / n : 1.0;
+    s->read_tokens += share;
     s->read_blocks += all_in || !nb ? 1.0 : (double)blocks / nb;
     s->read_count++;
+    /* a layer's heads are accounted together, head 0 first: the sum of the
+     * layers' largest shares grows by what each head adds to its layer's */
+    if (h == 0) {
+        s->read_layers++;
+        s->read_tokens_max += share;
+        s->head_max = share;
+    } else if (share > s->head_max) {
+        s->read_tokens_max += share - s->head_max;
+        s->head_max = share;
+    }
 }
 
 /* Accounts one KV head's read at a decode step: refs[nr] (ascending slices,
  * none across a block boundary) of a context of n tokens; all_in: the store
  * brought every block in. */
-static void account_read(tkv_session *s, const struct tkv_kv_block_ref *refs, uint32_t nr, uint32_t n, bool all_in)
+static void account_read(tkv_session *s, uint32_t h, const struct tkv_kv_block_ref *refs, uint32_t nr, uint32_t n,
+                         bool all_in)
 {
     uint32_t tokens = 0, blocks = 0, last = UINT32_MAX;
     for (uint32_t i = 0; i < nr; i++) {
@@ -473,7 +485,7 @@ static void account_read(tkv_session *s, const struct tkv_kv_block_ref *refs, ui
         blocks += b != last;
         last = b;
     }
-    account_counts(s, tokens, blocks, n, all_in);
+    account_counts(s, h, tokens, blocks, n, all_in);
 }
 
 /* Whether layer_forward copies a decode step's query to s->q_step for the
@@ -525,7 +537,7 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
         const bool whole = m < 0;
         if (whole) {
             if (decode)
-                account_read(s, NULL, 0, 0, true);
+                account_read(s, h, NULL, 0, 0, true);
             if (!s->hsplit)
                 continue;
             /* read whole, part of it on the host tier: one range, split below */
@@ -544,7 +556,7 @@ static bool select_views(tkv_session *s, uint32_t layer, uint32_t n, const int *
                                      s->hp.head_dim, refs, s->max_refs, s->ref_host);
         restricted = true;
         if (decode && !whole)
-            account_read(s, refs, nr, v.n_past, all_in);
+            account_read(s, h, refs, nr, v.n_past, all_in);
         if (s->hsplit) { /* the device's slices stay in refs, the host's go to hrefs (both in order) */
             struct tkv_kv_block_ref *hrefs = s->hrefs + (size_t)h * s->max_refs;
             uint32_t nd = 0, nh = 0;
@@ -789,7 +801,7 @@ static tkv_status table_flush(tkv_session *s, uint32_t n_past)
             continue;
         const uint32_t *c = layer_hcounts(s, l);
         for (uint32_t h = 0; h < Hkv; h++)
-            account_counts(s, c[4 * h + 2], c[4 * h + 3], n_past, false);
+            account_counts(s, h, c[4 * h + 2], c[4 * h + 3], n_past, false);
         table_read(s, l, n_past, c);
         s->dt_defer[l] = false;
     }
@@ -971,7 +983,7 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
             s->views[h] = (struct tkv_kv_head_view){.blocks = s->dt_refs + (size_t)h * cap,
                                                     .n_blocks = mapped ? cap : c[4 * h]};
             if (!mapped)
-                account_counts(s, c[4 * h + 2], c[4 * h + 3], v.n_past, false);
+                account_counts(s, h, c[4 * h + 2], c[4 * h + 3], v.n_past, false);
         }
         if (mapped) {
             s->dt_n_defer += !s->dt_defer[l];

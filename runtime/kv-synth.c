@@ -220,6 +220,7 @@ void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *o
         .decode_steps = s->decode_tokens, .decode_s = s->decode_seconds, .select_s = s->ph_select,
         .attn_s = s->ph_attn, .cpu_attn_s = s->ph_cpu_attn, .store_s = ks.stall_seconds,
         .read_tokens = s->read_tokens, .read_blocks = s->read_blocks, .read_count = s->read_count,
+        .read_tokens_max = s->read_tokens_max, .read_layers = s->read_layers,
         .recall_bytes = ks.tier[TKV_TIER_COMPUTE].bytes_in, .host_out_bytes = ks.tier[TKV_TIER_HOST].bytes_out,
         .nvme_out_bytes = ks.tier[TKV_TIER_NVME].bytes_out, .cpu_heads = s->het_cpu_heads,
         .cpu_tokens = s->het_cpu_tokens, .recall_heads = s->het_recall_heads,

@@ -102,6 +102,9 @@ struct tkv_step_counters {
     double   read_tokens, read_blocks; /* sums over (step, layer, KV head) of the share of
                                           the context's tokens / blocks attention read    */
     uint64_t read_count;     /* (step, layer, KV head) triples in those sums              */
+    double   read_tokens_max; /* sum over (step, layer) of its largest KV head's share of
+                                 the tokens (how unevenly a layer's heads read)           */
+    uint64_t read_layers;    /* (step, layer) pairs in that sum                           */
     uint64_t recall_bytes;   /* written into the compute tier (recalls; imports too)      */
     uint64_t host_out_bytes, nvme_out_bytes; /* read back from the host / NVMe tier       */
     uint64_t cpu_heads, cpu_tokens, recall_heads, recall_blocks, host_read_blocks; /* hetero */

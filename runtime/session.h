@@ -93,9 +93,11 @@ struct tkv_session {
     double mass_sum;
     uint64_t mass_count;
     /* what decode attention read (select_views): sums over (step, layer,
-     * KV head) of the share of the context's tokens and blocks */
-    double read_tokens, read_blocks;
-    uint64_t read_count;
+     * KV head) of the share of the context's tokens and blocks; over (step,
+     * layer) of its largest head's share of the tokens (head_max: the
+     * current layer's so far) */
+    double read_tokens, read_blocks, read_tokens_max, head_max;
+    uint64_t read_count, read_layers;
     /* heterogeneous decode (hetero.h; docs/rabitq.md): selected blocks in
      * the host tier below a device attended on the CPU where they are */
     struct tkv_backend *be_cpu;      /* a CPU backend for that; NULL: never (no host tier below a

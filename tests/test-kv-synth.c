@@ -170,6 +170,7 @@ static void decode_run(const tkv_model *m, const char *policy, bool capped, cons
     c->decode_steps -= c0.decode_steps, c->decode_s -= c0.decode_s, c->select_s -= c0.select_s;
     c->attn_s -= c0.attn_s, c->cpu_attn_s -= c0.cpu_attn_s, c->store_s -= c0.store_s;
     c->read_tokens -= c0.read_tokens, c->read_count -= c0.read_count;
+    c->read_tokens_max -= c0.read_tokens_max, c->read_layers -= c0.read_layers;
     c->recall_bytes -= c0.recall_bytes;
     tkv_session_free(s);
 }
@@ -197,6 +198,16 @@ static void test_decode(const tkv_model *m, const tkv_token *toks)
     const double share1 = c_p1.read_tokens / c_p1.read_count, share01 = c_p01.read_tokens / c_p01.read_count;
     CHECK(share1 > 0.99 && share1 <= 1.0, "p=1.0 read %.4f of the tokens", share1);
     CHECK(share01 > 0 && share01 < share1, "p=0.1 read %.4f of the tokens (p=1.0: %.4f)", share01, share1);
+    /* a layer's largest head share: one per (step, layer), between the
+     * mean share and 1 */
+    const struct tkv_step_counters *sel[] = {&c_p1, &c_p01};
+    for (int i = 0; i < 2; i++) {
+        const struct tkv_step_counters *c = sel[i];
+        const double mean = c->read_tokens / c->read_count, hmax = c->read_tokens_max / c->read_layers;
+        CHECK(c->read_layers == (uint64_t)STEPS * L && hmax >= mean - 1e-12 && hmax <= 1.0 + 1e-12,
+              "head max %.4f over %llu layers, mean share %.4f", hmax, (unsigned long long)c->read_layers, mean);
+    }
+    CHECK(c_full.read_layers == 0, "full: %llu layers read", (unsigned long long)c_full.read_layers);
     CHECK(c_p1.recall_bytes > 0, "nothing was recalled under the cap");
 }
 
