@@ -3,7 +3,8 @@
  * backend interface (host clock around ops->synchronize; many calls per
  * timing so launch gaps are amortized as in a real forward pass).
  *
- *   bench-attn [-r reps] [-s all|decode|decode-short|prefill|prefill-long|prefill-sparse|matmul] [-V 0,1,..]
+ *   bench-attn [-r reps] [-s all|decode|decode-short|decode-sparse|prefill|prefill-long|prefill-sparse|matmul]
+ *              [-V 0,1,..]
  *              [-j out.json] [-x]
  *
  * -x [ctx]: only decode attention at ctx keys (default 131072; 32/8/128), 3
@@ -32,6 +33,11 @@
  *            beside it the host time of the op call itself (in the same
  *            back-to-back loop, and once on an idle GPU: table packing and
  *            copy, launches, which overlap the GPU's work of earlier calls)
+ *   decode-sparse  n_q = 1 over a selection's slices (groups of 16 keys
+ *            kept with probability 0.1 / 0.25, one entry per run inside a
+ *            block, as kv_table cuts them) of 128K and 1M keys, 32/8 and
+ *            28/4 heads, head_dim 128, beside the same number of keys read
+ *            as whole blocks: what the slices cost beyond their bytes
  *   decode-short  n_q = 1 over 4K, 8K, 16K, 32K and 128K keys (32/8/128), the
  *            default path and device views only (TKV_CUDA_ATTN_DECODE_SPLITS=N in the
  *            environment fixes its splits per KV head: the split-count sweep)
@@ -112,6 +118,26 @@ static void die_if(tkv_status st)
         fprintf(stderr, "bench-attn: %s\n", tkv_last_error());
         exit(1);
     }
+}
+
+/* KV pool: random f16 values tiled over the KV (generating gigabytes one
+ * value at a time would take longer than the benchmark). */
+#define POOL_HALVES ((size_t)16 << 20)
+
+/* elems f16 values of device memory, the KV of a benchmark: a random pool
+ * (made once) tiled over them */
+static uint16_t *kv_random_dev(size_t elems)
+{
+    static uint16_t *pool;
+    if (!pool) {
+        pool = malloc(POOL_HALVES * 2);
+        for (size_t i = 0; i < POOL_HALVES; i++)
+            pool[i] = tkv_fp32_to_fp16(frand());
+    }
+    uint16_t *dkv = dalloc(elems * 2);
+    for (size_t o = 0; o < elems; o += POOL_HALVES)
+        die_if(gpu->ops->upload(gpu, dkv + o, pool, (elems - o < POOL_HALVES ? elems - o : POOL_HALVES) * 2));
+    return dkv;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -249,9 +275,6 @@ static void run_to(struct tkv_backend *be, struct tkv_attn_args *a, float *dout,
     die_if(gpu->ops->download(gpu, host, dout, n * 4));
 }
 
-/* KV pool: random f16 values tiled over the KV (generating gigabytes one
- * value at a time would take longer than the benchmark). */
-#define POOL_HALVES ((size_t)16 << 20)
 
 static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t ctx, uint32_t n_q, int reps,
                             bool variants)
@@ -513,15 +536,7 @@ static void bench_prefill_sparse(uint32_t n_q, int reps)
     const uint32_t H = 32, Hkv = 8, hd = 128, B = 64, ctx = 32768, nb = ctx / B, n_sel = 256, L = 8;
     const uint32_t chunk0 = ctx - n_q, slots = chunk0 / L; /* 8-row slots before the chunk */
     const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half, qn = (size_t)n_q * H * hd;
-    static uint16_t *pool;
-    if (!pool) {
-        pool = malloc(POOL_HALVES * 2);
-        for (size_t i = 0; i < POOL_HALVES; i++)
-            pool[i] = tkv_fp32_to_fp16(frand());
-    }
-    uint16_t *dkv = dalloc(elems * 2);
-    for (size_t o = 0; o < elems; o += POOL_HALVES)
-        die_if(gpu->ops->upload(gpu, dkv + o, pool, (elems - o < POOL_HALVES ? elems - o : POOL_HALVES) * 2));
+    uint16_t *dkv = kv_random_dev(elems);
     float *q = malloc(qn * 4), *ref = malloc(qn * 4), *cur = malloc(qn * 4);
     for (size_t i = 0; i < qn; i++)
         q[i] = frand();
@@ -667,6 +682,97 @@ static struct tkv_backend *gpu_per_ref(void)
     return be;
 }
 
+/* decode-sparse: one decode call (n_q = 1) over a selection's slices against
+ * the same number of keys read densely. The KV of ctx keys per head lies in
+ * blocks of 64 as the store's slots hold them; the selection keeps each
+ * aligned group of 16 keys with probability `share` (the policy's groups of
+ * 16 on a GPU) and cuts them as kv_table does -- one entry per maximal run
+ * inside a block -- while the dense call reads whole blocks from the start
+ * until it has as many keys per head. Both go as the engine's calls go
+ * (device views), both are checked against the general kernel; the rate
+ * is the keys' K and V bytes over the time. What the slices cost beyond
+ * their bytes (entries, short runs, scattered pages) is the ratio. */
+static void bench_sparse_decode(uint32_t H, uint32_t Hkv, uint32_t ctx, double share, int reps)
+{
+    const uint32_t hd = 128, B = 64, nb = ctx / B;
+    const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half;
+    uint16_t *dkv = kv_random_dev(elems);
+    struct tkv_kv_block_ref *sr = malloc((size_t)Hkv * nb * 2 * sizeof *sr), *dr = malloc((size_t)Hkv * nb * sizeof *dr);
+    uint32_t ns[64], nd[64];
+    uint64_t keys = 0, entries = 0;
+    for (uint32_t h = 0; h < Hkv; h++) {
+        struct tkv_kv_block_ref *r = sr + (size_t)h * nb * 2;
+        uint32_t n = 0, k = 0;
+        for (uint32_t b = 0; b < nb; b++) {
+            const size_t o = ((size_t)h * nb + b) * 2 * half;
+            bool in = false; /* a run of kept groups inside block b */
+            for (uint32_t g = 0; g < B / 16; g++) {
+                const bool keep = (frand() + 1.0f) * 0.5f < share || (b == nb - 1 && g == B / 16 - 1); /* (the tail) */
+                if (keep && in) {
+                    r[n - 1].n += 16;
+                } else if (keep) {
+                    const size_t row = (size_t)g * 16 * hd;
+                    r[n++] = (struct tkv_kv_block_ref){dkv + o + row, dkv + o + half + row, (int32_t)(b * B + g * 16), 16};
+                }
+                in = keep;
+                k += keep ? 16 : 0;
+            }
+        }
+        ns[h] = n;
+        entries += n;
+        /* dense: whole blocks from the start, as many keys (the last block cut) */
+        uint32_t m = 0;
+        for (uint32_t b = 0, left = k; left > 0; b++, m++) {
+            const size_t o = ((size_t)h * nb + b) * 2 * half;
+            const uint32_t take = left < B ? left : B;
+            dr[(size_t)h * nb + m] = (struct tkv_kv_block_ref){dkv + o, dkv + o + half, (int32_t)(b * B), take};
+            left -= take;
+        }
+        nd[h] = m;
+        keys += k;
+    }
+    /* the refs in device memory, as the engine's tables are */
+    struct tkv_kv_block_ref *dsr = dalloc((size_t)Hkv * nb * 2 * sizeof *dsr), *ddr = dalloc((size_t)Hkv * nb * sizeof *ddr);
+    die_if(gpu->ops->upload(gpu, dsr, sr, (size_t)Hkv * nb * 2 * sizeof *dsr));
+    die_if(gpu->ops->upload(gpu, ddr, dr, (size_t)Hkv * nb * sizeof *ddr));
+    struct tkv_kv_head_view sv[64], dv[64];
+    for (uint32_t h = 0; h < Hkv; h++) {
+        sv[h] = (struct tkv_kv_head_view){dsr + (size_t)h * nb * 2, ns[h]};
+        dv[h] = (struct tkv_kv_head_view){ddr + (size_t)h * nb, nd[h]};
+    }
+    const size_t qn = (size_t)H * hd;
+    float *q = malloc(qn * 4), *o1 = malloc(qn * 4), *o2 = malloc(qn * 4);
+    for (size_t i = 0; i < qn; i++)
+        q[i] = frand();
+    int32_t pos = (int32_t)ctx - 1;
+    float *dq = dalloc(qn * 4), *dout = dalloc(qn * 4);
+    die_if(gpu->ops->upload(gpu, dq, q, qn * 4));
+    struct tkv_attn_args a = {.q = dq, .q_pos = &pos, .n_q = 1, .n_head = H, .n_head_kv = Hkv, .head_dim = hd,
+                              .scale = 1.0f / sqrtf((float)hd), .kv_dev = true};
+    double t[2];
+    for (int v = 0; v < 2; v++) {
+        a.kv = v ? dv : sv;
+        if (gpu_general) { /* the general kernel over the same device views */
+            run_to(gpu, &a, dout, o1, qn);
+            run_to(gpu_general, &a, dout, o2, qn);
+            const double e = max_abs(o1, o2, qn);
+            if (!(e <= 1e-4)) {
+                fprintf(stderr, "bench-attn: decode-sparse (%s) differs from the general kernel: %.3g\n",
+                        v ? "dense" : "slices", e);
+                exit(1);
+            }
+        }
+        a.out = dout;
+        t[v] = time_on(gpu, &a, reps);
+    }
+    const double bytes = (double)keys * hd * 2 * 2;
+    printf("| %u/%u | %uK | %.2f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", H, Hkv, ctx / 1024,
+           (double)keys / ((double)Hkv * ctx), (double)keys / (double)entries, t[0] * 1e6, bytes / t[0] / 1e9, t[1] * 1e6, bytes / t[1] / 1e9, t[0] / t[1]);
+    gpu->ops->release(gpu, dkv), gpu->ops->release(gpu, dsr), gpu->ops->release(gpu, ddr);
+    gpu->ops->release(gpu, dq), gpu->ops->release(gpu, dout);
+    free(sr), free(dr), free(q), free(o1), free(o2);
+}
+
 int main(int argc, char **argv)
 {
     int reps = 50, profile = 0;
@@ -686,7 +792,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "-V") && i + 1 < argc)
             variants = argv[++i];
         else {
-            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|decode-short|prefill|prefill-long|prefill-sparse|matmul] "
+            fprintf(stderr, "usage: bench-attn [-r reps] [-s all|decode|decode-short|decode-sparse|prefill|prefill-long|prefill-sparse|matmul] "
                             "[-V 0,1,..] [-j out.json] [-x [ctx]]\n");
             return 2;
         }
@@ -736,6 +842,18 @@ int main(int argc, char **argv)
         for (int i = 0; i < 3; i++)
             bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, true);
         dec_rows_print();
+    }
+    if (!strcmp(section, "decode-sparse")) {
+        alt[0] = gpu_with_attn_env(alt_env[0].decode, alt_env[0].table, "general");
+        printf("| heads | keys | share read | keys per entry | slices us | GB/s | dense us | GB/s | slices / dense |\n");
+        printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        const uint32_t ctxs[] = {131072, 1048576};
+        const double shares[] = {0.1, 0.25};
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 2; j++) {
+                bench_sparse_decode(32, 8, ctxs[i], shares[j], reps);
+                bench_sparse_decode(28, 4, ctxs[i], shares[j], reps);
+            }
     }
     if (!strcmp(section, "decode-short")) { /* the default path only, short to long (split-count sweeps) */
         const uint32_t ctxs[] = {4096, 8192, 16384, 32768, 131072};

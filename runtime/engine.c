@@ -450,9 +450,9 @@ static uint32_t ranges_to_refs(const struct tkv_kv_head_view *all, const struct 
     return m;
 }
 
-/* Accounts one KV head's read at a decode step of `tokens` positions in
+/* Accounts KV head h's read at a decode step of `tokens` positions in
  * `blocks` blocks of a context of n tokens; all_in: the store brought every
- * block in. */
+ * block in. A layer's heads come one after another, head 0 first. */
 static void account_counts(tkv_session *s, uint32_t h, uint32_t tokens, uint32_t blocks, uint32_t n, bool all_in)
 {
     const uint32_t nb = (n + s->kv_block - 1) / s->kv_block;
@@ -472,7 +472,7 @@ static void account_counts(tkv_session *s, uint32_t h, uint32_t tokens, uint32_t
     }
 }
 
-/* Accounts one KV head's read at a decode step: refs[nr] (ascending slices,
+/* Accounts KV head h's read at a decode step: refs[nr] (ascending slices,
  * none across a block boundary) of a context of n tokens; all_in: the store
  * brought every block in. */
 static void account_read(tkv_session *s, uint32_t h, const struct tkv_kv_block_ref *refs, uint32_t nr, uint32_t n,
