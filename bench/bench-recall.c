@@ -229,33 +229,6 @@ static bool is_full(const char *policy) { return !strncmp(policy, "full", 4) && 
  * (TKV_SESSION_NO_SELECTION_PREFETCH), to set beside the row with it. */
 #define NO_PREFETCH ";no-prefetch"
 
-/* d = a - b over the sums that matter */
-static void diff(const struct tkv_step_counters *a, const struct tkv_step_counters *b, struct tkv_step_counters *d)
-{
-    *d = (struct tkv_step_counters){
-        .decode_steps = a->decode_steps - b->decode_steps, .decode_s = a->decode_s - b->decode_s,
-        .select_s = a->select_s - b->select_s, .attn_s = a->attn_s - b->attn_s,
-        .cpu_attn_s = a->cpu_attn_s - b->cpu_attn_s, .store_s = a->store_s - b->store_s,
-        .read_tokens = a->read_tokens - b->read_tokens, .read_blocks = a->read_blocks - b->read_blocks,
-        .read_count = a->read_count - b->read_count, .recall_bytes = a->recall_bytes - b->recall_bytes,
-        .read_tokens_max = a->read_tokens_max - b->read_tokens_max, .read_layers = a->read_layers - b->read_layers,
-        .host_out_bytes = a->host_out_bytes - b->host_out_bytes, .nvme_out_bytes = a->nvme_out_bytes - b->nvme_out_bytes,
-        .cpu_heads = a->cpu_heads - b->cpu_heads, .table_layers = a->table_layers - b->table_layers,
-        .table_fallbacks = a->table_fallbacks - b->table_fallbacks,
-        .table_brought = a->table_brought - b->table_brought};
-    const struct tkv_kvs_stall *x = &a->store, *y = &b->store;
-    d->store = (struct tkv_kvs_stall){
-        .settle_s = x->settle_s - y->settle_s, .evict_s = x->evict_s - y->evict_s,
-        .verify_s = x->verify_s - y->verify_s, .upload_issue_s = x->upload_issue_s - y->upload_issue_s,
-        .upload_wait_s = x->upload_wait_s - y->upload_wait_s, .nvme_s = x->nvme_s - y->nvme_s,
-        .other_s = x->other_s - y->other_s, .layers = x->layers - y->layers,
-        .recalled_blocks = x->recalled_blocks - y->recalled_blocks, .evict_passes = x->evict_passes - y->evict_passes,
-        .evict_scanned = x->evict_scanned - y->evict_scanned, .evicted_blocks = x->evicted_blocks - y->evicted_blocks,
-        .spilled_blocks = x->spilled_blocks - y->spilled_blocks,
-        .upload_calls = x->upload_calls - y->upload_calls, .upload_waits = x->upload_waits - y->upload_waits,
-        .verify_bytes = x->verify_bytes - y->verify_bytes};
-}
-
 /* TKV_CUDA_PROFILE=1: the op profile of a row's timed steps, to stderr. */
 static void timed_profile(tkv_session *s, uint32_t ctx, const char *policy, uint32_t steps)
 {
@@ -355,7 +328,7 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     }
     hetero_rates(s, r);
     tkv_session_free(s);
-    diff(&c1, &c0, &d);
+    tkv_step_counters_since(&c1, &c0, &d);
     const double n = d.decode_steps ? (double)d.decode_steps : 1;
     r->step_s = d.decode_s / n;
     r->read_tok = d.read_count ? d.read_tokens / d.read_count : 1.0;
@@ -372,7 +345,7 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
     r->stall = d.store; /* the timed steps', unless split steps follow */
     r->stall_steps = n;
     if (o->split_steps) {
-        diff(&c2, &c1, &d);
+        tkv_step_counters_since(&c2, &c1, &d);
         const double k = d.decode_steps ? (double)d.decode_steps : 1;
         r->split_step_s = d.decode_s / k;
         r->select_s = d.select_s / k;

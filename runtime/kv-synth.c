@@ -229,6 +229,35 @@ void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *o
         .table_brought = s->dt_brought, .table_marked = ks.marked_layers, .store = ks.stall};
 }
 
+void tkv_step_counters_since(const struct tkv_step_counters *now, const struct tkv_step_counters *then,
+                             struct tkv_step_counters *out)
+{
+    const struct tkv_step_counters *a = now, *b = then;
+    const struct tkv_kvs_stall *x = &a->store, *y = &b->store;
+    *out = (struct tkv_step_counters){
+        .decode_steps = a->decode_steps - b->decode_steps, .decode_s = a->decode_s - b->decode_s,
+        .select_s = a->select_s - b->select_s, .attn_s = a->attn_s - b->attn_s,
+        .cpu_attn_s = a->cpu_attn_s - b->cpu_attn_s, .store_s = a->store_s - b->store_s,
+        .read_tokens = a->read_tokens - b->read_tokens, .read_blocks = a->read_blocks - b->read_blocks,
+        .read_count = a->read_count - b->read_count, .read_tokens_max = a->read_tokens_max - b->read_tokens_max,
+        .read_layers = a->read_layers - b->read_layers, .recall_bytes = a->recall_bytes - b->recall_bytes,
+        .host_out_bytes = a->host_out_bytes - b->host_out_bytes, .nvme_out_bytes = a->nvme_out_bytes - b->nvme_out_bytes,
+        .cpu_heads = a->cpu_heads - b->cpu_heads, .cpu_tokens = a->cpu_tokens - b->cpu_tokens,
+        .recall_heads = a->recall_heads - b->recall_heads, .recall_blocks = a->recall_blocks - b->recall_blocks,
+        .host_read_blocks = a->host_read_blocks - b->host_read_blocks, .table_layers = a->table_layers - b->table_layers,
+        .table_fallbacks = a->table_fallbacks - b->table_fallbacks, .table_brought = a->table_brought - b->table_brought,
+        .table_marked = a->table_marked - b->table_marked,
+        .store = {.settle_s = x->settle_s - y->settle_s, .evict_s = x->evict_s - y->evict_s,
+                  .verify_s = x->verify_s - y->verify_s, .upload_issue_s = x->upload_issue_s - y->upload_issue_s,
+                  .upload_wait_s = x->upload_wait_s - y->upload_wait_s, .nvme_s = x->nvme_s - y->nvme_s,
+                  .other_s = x->other_s - y->other_s, .layers = x->layers - y->layers,
+                  .recalled_blocks = x->recalled_blocks - y->recalled_blocks,
+                  .evict_passes = x->evict_passes - y->evict_passes, .evict_scanned = x->evict_scanned - y->evict_scanned,
+                  .evicted_blocks = x->evicted_blocks - y->evicted_blocks,
+                  .spilled_blocks = x->spilled_blocks - y->spilled_blocks, .upload_calls = x->upload_calls - y->upload_calls,
+                  .upload_waits = x->upload_waits - y->upload_waits, .verify_bytes = x->verify_bytes - y->verify_bytes}};
+}
+
 void tkv_session_set_phase_sync(tkv_session *s, bool on)
 {
     if (on)

@@ -117,6 +117,9 @@ struct tkv_step_counters {
     struct tkv_kvs_stall store; /* store_s split into its parts, and the work behind them */
 };
 void tkv_session_step_counters(const tkv_session *s, struct tkv_step_counters *out);
+/* out = now - then, every sum (the counters of the steps between two reads) */
+void tkv_step_counters_since(const struct tkv_step_counters *now, const struct tkv_step_counters *then,
+                             struct tkv_step_counters *out);
 
 /* Phase timing with backend synchronizations at the phases' edges
  * (TKV_SESSION_PHASE_SYNC, runtime/session.h): on a GPU the phases' times

@@ -166,12 +166,9 @@ static void decode_run(const tkv_model *m, const char *policy, bool capped, cons
         CHECK(tkv_decode(s, tok) == TKV_OK, "decode '%s': %s", policy, tkv_last_error());
         out[i] = tok = tkv_argmax(tkv_logits(s), V);
     }
-    tkv_session_step_counters(s, c);
-    c->decode_steps -= c0.decode_steps, c->decode_s -= c0.decode_s, c->select_s -= c0.select_s;
-    c->attn_s -= c0.attn_s, c->cpu_attn_s -= c0.cpu_attn_s, c->store_s -= c0.store_s;
-    c->read_tokens -= c0.read_tokens, c->read_count -= c0.read_count;
-    c->read_tokens_max -= c0.read_tokens_max, c->read_layers -= c0.read_layers;
-    c->recall_bytes -= c0.recall_bytes;
+    struct tkv_step_counters c1;
+    tkv_session_step_counters(s, &c1);
+    tkv_step_counters_since(&c1, &c0, c);
     tkv_session_free(s);
 }
 

@@ -255,6 +255,9 @@ struct tkv_kvs {
     struct tkv_pool *crc_pool; /* NULL: verify on the calling thread        */
     bool     staging_registered; /* page-locked by us (unregister at free)   */
     bool     staging_async;  /* NVMe recalls go up with upload_blocks         */
+    bool     dev_crc_no;     /* the backend refused to check blocks of this size
+                                (TKV_ERR_UNSUPPORTED, once): the CPU checks them,
+                                the device is not asked again                  */
 };
 
 /* ---- small helpers ------------------------------------------------------------ */
@@ -1396,9 +1399,10 @@ static tkv_status up_send(struct tkv_kvs *s, struct up_batch *ub, uint32_t n)
     STALL_COUNT(s, upload_calls, 1);
     tkv_status st = TKV_ERR_UNSUPPORTED;
     uint64_t ticket = 0;
-    if (first == 0 || ub->on_device)
+    if (!s->dev_crc_no && (first == 0 || ub->on_device))
         st = s->be->ops->upload_blocks(s->be, ub->dst + first, ub->src + first, n - first, s->S, ub->crc + first,
                                        ub->bad + first, &ticket);
+    s->dev_crc_no |= st == TKV_ERR_UNSUPPORTED && first == 0;
     if (first == 0)
         ub->on_device = st == TKV_OK;
     if (st == TKV_ERR_UNSUPPORTED) /* this size: the CPU checks them in up_finish */
@@ -1542,8 +1546,10 @@ static tkv_status recall_nvme_pipelined(struct tkv_kvs *s, const uint32_t *nv, u
         }
         prev = part_switch(s, PART_ISSUE);
         STALL_COUNT(s, upload_calls, 1);
-        st = s->be->ops->upload_blocks(s->be, ub->dst + o, ub->src + o, m, s->S, ub->crc + o, ub->bad + o,
-                                       &ticket[h]);
+        st = s->dev_crc_no ? TKV_ERR_UNSUPPORTED
+                           : s->be->ops->upload_blocks(s->be, ub->dst + o, ub->src + o, m, s->S, ub->crc + o,
+                                                       ub->bad + o, &ticket[h]);
+        s->dev_crc_no |= st == TKV_ERR_UNSUPPORTED;
         part_switch(s, prev);
         if (st == TKV_ERR_UNSUPPORTED) { /* the device cannot check this size: the CPU does, first */
             verify_batch(s, ub->idx + o, ub->src + o, m, ub->bad + o);
