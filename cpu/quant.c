@@ -785,11 +785,15 @@ static inline float dot_float_avx2(uint32_t type, const void *w, const float *a,
     for (; i + 8 <= n; i += 8)
         s0 = _mm256_fmadd_ps(wload8(type, w, i), _mm256_loadu_ps(a + i), s0);
     float t = hsum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-    for (; i < n; i++) {
-        const uint16_t *h = w;
-        const float wi = type == TKV_TYPE_F16    ? _cvtsh_ss(h[i])
-                         : type == TKV_TYPE_BF16 ? tkv_bf16_to_fp32(h[i])
-                                                 : ((const float *)w)[i];
+    for (; i < n; i++) { /* (w need not be aligned to its element: loads by memcpy) */
+        float wi;
+        if (type == TKV_TYPE_F16 || type == TKV_TYPE_BF16) {
+            uint16_t h;
+            memcpy(&h, (const uint16_t *)w + i, 2);
+            wi = type == TKV_TYPE_F16 ? _cvtsh_ss(h) : tkv_bf16_to_fp32(h);
+        } else {
+            memcpy(&wi, (const float *)w + i, 4);
+        }
         t += wi * a[i];
     }
     return t;
