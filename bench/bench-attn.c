@@ -34,10 +34,14 @@
  *            back-to-back loop, and once on an idle GPU: table packing and
  *            copy, launches, which overlap the GPU's work of earlier calls)
  *   decode-sparse  n_q = 1 over a selection's slices (groups of 16 keys
- *            kept with probability 0.1 / 0.25, one entry per run inside a
+ *            kept with probability 0.1 / 0.25 in every head, or 0.9 / 0.5
+ *            in head 0 and 0.1 in the others; one entry per run inside a
  *            block, as kv_table cuts them) of 128K and 1M keys, 32/8 and
- *            28/4 heads, head_dim 128, beside the same number of keys read
- *            as whole blocks: what the slices cost beyond their bytes
+ *            28/4 heads, head_dim 128, the counts in device memory as the
+ *            engine's tables have them, beside the same number of keys read
+ *            as whole blocks: what the slices cost beyond their bytes, and
+ *            what the kernel's pool (CTAs shared by the heads' keys) gains
+ *            over equal splits per head (TKV_CUDA_ATTN_POOL=0)
  *   decode-short  n_q = 1 over 4K, 8K, 16K, 32K and 128K keys (32/8/128), the
  *            default path and device views only (TKV_CUDA_ATTN_DECODE_SPLITS=N in the
  *            environment fixes its splits per KV head: the split-count sweep)
@@ -685,29 +689,36 @@ static struct tkv_backend *gpu_per_ref(void)
 /* decode-sparse: one decode call (n_q = 1) over a selection's slices against
  * the same number of keys read densely. The KV of ctx keys per head lies in
  * blocks of 64 as the store's slots hold them; the selection keeps each
- * aligned group of 16 keys with probability `share` (the policy's groups of
- * 16 on a GPU) and cuts them as kv_table does -- one entry per maximal run
- * inside a block -- while the dense call reads whole blocks from the start
- * until it has as many keys per head. Both go as the engine's calls go
- * (device views), both are checked against the general kernel; the rate
- * is the keys' K and V bytes over the time. What the slices cost beyond
- * their bytes (entries, short runs, scattered pages) is the ratio. */
-static void bench_sparse_decode(uint32_t H, uint32_t Hkv, uint32_t ctx, double share, int reps)
+ * aligned group of 16 keys of head 0 with probability share0, of the other
+ * heads with probability share (the policy's groups of 16 on a GPU), and
+ * cuts them as kv_table does -- one entry per maximal run inside a block --
+ * while the dense call reads whole blocks from the start until it has as
+ * many keys per head. Both go as the engine's calls over a decode table go
+ * (device views, their entry and key counts in device memory), both are
+ * checked against the general kernel; the rate is the keys' K and V bytes
+ * over the time. Timed on the default backend (the kernel's CTAs a pool
+ * the heads share by their keys) and on `plain` (TKV_CUDA_ATTN_POOL=0:
+ * the same splits for every head): what the slices cost beyond their bytes
+ * (entries, short runs, scattered pages) is slices / dense; what sharing
+ * the GPU by keys gains where the heads read unevenly, plain / pool. */
+static void bench_sparse_decode(struct tkv_backend *plain, uint32_t H, uint32_t Hkv, uint32_t ctx, double share0,
+                                double share, int reps)
 {
     const uint32_t hd = 128, B = 64, nb = ctx / B;
     const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half;
     uint16_t *dkv = kv_random_dev(elems);
     struct tkv_kv_block_ref *sr = malloc((size_t)Hkv * nb * 2 * sizeof *sr), *dr = malloc((size_t)Hkv * nb * sizeof *dr);
-    uint32_t ns[64], nd[64];
+    uint32_t cnt[2][64][2]; /* [slices, dense][head]: entries, keys (the engine's counts' layout, stride 2) */
     uint64_t keys = 0, entries = 0;
     for (uint32_t h = 0; h < Hkv; h++) {
         struct tkv_kv_block_ref *r = sr + (size_t)h * nb * 2;
+        const double sh = h == 0 ? share0 : share;
         uint32_t n = 0, k = 0;
         for (uint32_t b = 0; b < nb; b++) {
             const size_t o = ((size_t)h * nb + b) * 2 * half;
             bool in = false; /* a run of kept groups inside block b */
             for (uint32_t g = 0; g < B / 16; g++) {
-                const bool keep = (frand() + 1.0f) * 0.5f < share || (b == nb - 1 && g == B / 16 - 1); /* (the tail) */
+                const bool keep = (frand() + 1.0f) * 0.5f < sh || (b == nb - 1 && g == B / 16 - 1); /* (the tail) */
                 if (keep && in) {
                     r[n - 1].n += 16;
                 } else if (keep) {
@@ -718,7 +729,7 @@ static void bench_sparse_decode(uint32_t H, uint32_t Hkv, uint32_t ctx, double s
                 k += keep ? 16 : 0;
             }
         }
-        ns[h] = n;
+        cnt[0][h][0] = n, cnt[0][h][1] = k;
         entries += n;
         /* dense: whole blocks from the start, as many keys (the last block cut) */
         uint32_t m = 0;
@@ -728,17 +739,20 @@ static void bench_sparse_decode(uint32_t H, uint32_t Hkv, uint32_t ctx, double s
             dr[(size_t)h * nb + m] = (struct tkv_kv_block_ref){dkv + o, dkv + o + half, (int32_t)(b * B), take};
             left -= take;
         }
-        nd[h] = m;
+        cnt[1][h][0] = m, cnt[1][h][1] = k;
         keys += k;
     }
-    /* the refs in device memory, as the engine's tables are */
+    /* the refs and counts in device memory, as the engine's tables are; the
+     * views' n_blocks are bounds, as the engine's are */
     struct tkv_kv_block_ref *dsr = dalloc((size_t)Hkv * nb * 2 * sizeof *dsr), *ddr = dalloc((size_t)Hkv * nb * sizeof *ddr);
+    uint32_t *dcnt = dalloc(sizeof cnt);
     die_if(gpu->ops->upload(gpu, dsr, sr, (size_t)Hkv * nb * 2 * sizeof *dsr));
     die_if(gpu->ops->upload(gpu, ddr, dr, (size_t)Hkv * nb * sizeof *ddr));
+    die_if(gpu->ops->upload(gpu, dcnt, cnt, sizeof cnt));
     struct tkv_kv_head_view sv[64], dv[64];
     for (uint32_t h = 0; h < Hkv; h++) {
-        sv[h] = (struct tkv_kv_head_view){dsr + (size_t)h * nb * 2, ns[h]};
-        dv[h] = (struct tkv_kv_head_view){ddr + (size_t)h * nb, nd[h]};
+        sv[h] = (struct tkv_kv_head_view){dsr + (size_t)h * nb * 2, nb * 2};
+        dv[h] = (struct tkv_kv_head_view){ddr + (size_t)h * nb, nb};
     }
     const size_t qn = (size_t)H * hd;
     float *q = malloc(qn * 4), *o1 = malloc(qn * 4), *o2 = malloc(qn * 4);
@@ -748,28 +762,35 @@ static void bench_sparse_decode(uint32_t H, uint32_t Hkv, uint32_t ctx, double s
     float *dq = dalloc(qn * 4), *dout = dalloc(qn * 4);
     die_if(gpu->ops->upload(gpu, dq, q, qn * 4));
     struct tkv_attn_args a = {.q = dq, .q_pos = &pos, .n_q = 1, .n_head = H, .n_head_kv = Hkv, .head_dim = hd,
-                              .scale = 1.0f / sqrtf((float)hd), .kv_dev = true};
-    double t[2];
+                              .scale = 1.0f / sqrtf((float)hd), .kv_dev = true, .kv_dev_n_stride = 2};
+    double t[2][2]; /* [slices, dense][pool, plain] */
     for (int v = 0; v < 2; v++) {
         a.kv = v ? dv : sv;
-        if (gpu_general) { /* the general kernel over the same device views */
-            run_to(gpu, &a, dout, o1, qn);
-            run_to(gpu_general, &a, dout, o2, qn);
-            const double e = max_abs(o1, o2, qn);
-            if (!(e <= 1e-4)) {
-                fprintf(stderr, "bench-attn: decode-sparse (%s) differs from the general kernel: %.3g\n",
-                        v ? "dense" : "slices", e);
-                exit(1);
+        a.kv_dev_n = dcnt + (size_t)v * 64 * 2;
+        a.kv_dev_keys = a.kv_dev_n + 1;
+        struct tkv_backend *be[2] = {gpu, plain};
+        for (int w = 0; w < 2; w++) {
+            if (gpu_general) { /* the general kernel over the same device views */
+                run_to(be[w], &a, dout, o1, qn);
+                run_to(gpu_general, &a, dout, o2, qn);
+                const double e = max_abs(o1, o2, qn);
+                if (!(e <= 1e-4)) {
+                    fprintf(stderr, "bench-attn: decode-sparse (%s, %s) differs from the general kernel: %.3g\n",
+                            v ? "dense" : "slices", w ? "plain" : "pool", e);
+                    exit(1);
+                }
             }
+            a.out = dout;
+            t[v][w] = time_on(be[w], &a, reps);
         }
-        a.out = dout;
-        t[v] = time_on(gpu, &a, reps);
     }
     const double bytes = (double)keys * hd * 2 * 2;
-    printf("| %u/%u | %uK | %.2f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f |\n", H, Hkv, ctx / 1024,
-           (double)keys / ((double)Hkv * ctx), (double)keys / (double)entries, t[0] * 1e6, bytes / t[0] / 1e9, t[1] * 1e6, bytes / t[1] / 1e9, t[0] / t[1]);
+    printf("| %u/%u | %uK | %.2f / %.2f | %.1f | %.1f | %.1f | %.0f | %.1f | %.2f | %.2f |\n", H, Hkv, ctx / 1024,
+           (double)cnt[0][0][1] / ctx, Hkv > 1 ? (double)(keys - cnt[0][0][1]) / ((double)(Hkv - 1) * ctx) : 0.0,
+           (double)keys / (double)entries, t[0][1] * 1e6, t[0][0] * 1e6, bytes / t[0][0] / 1e9, t[1][0] * 1e6,
+           t[0][0] / t[1][0], t[0][1] / t[0][0]);
     gpu->ops->release(gpu, dkv), gpu->ops->release(gpu, dsr), gpu->ops->release(gpu, ddr);
-    gpu->ops->release(gpu, dq), gpu->ops->release(gpu, dout);
+    gpu->ops->release(gpu, dcnt), gpu->ops->release(gpu, dq), gpu->ops->release(gpu, dout);
     free(sr), free(dr), free(q), free(o1), free(o2);
 }
 
@@ -845,15 +866,21 @@ int main(int argc, char **argv)
     }
     if (!strcmp(section, "decode-sparse")) {
         alt[0] = gpu_with_attn_env(alt_env[0].decode, alt_env[0].table, "general");
-        printf("| heads | keys | share read | keys per entry | slices us | GB/s | dense us | GB/s | slices / dense |\n");
-        printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        setenv("TKV_CUDA_ATTN_POOL", "0", 1);
+        struct tkv_backend *plain = NULL;
+        die_if(tkv_backend_create("cuda", 0, &plain));
+        unsetenv("TKV_CUDA_ATTN_POOL");
+        printf("| heads | keys | share read (head 0 / others) | keys per entry | slices, plain us | slices, pool us | "
+               "GB/s | dense, pool us | slices / dense | plain / pool |\n");
+        printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         const uint32_t ctxs[] = {131072, 1048576};
-        const double shares[] = {0.1, 0.25};
+        const double shares[][2] = {{0.1, 0.1}, {0.25, 0.25}, {0.9, 0.1}, {0.5, 0.1}};
         for (int i = 0; i < 2; i++)
-            for (int j = 0; j < 2; j++) {
-                bench_sparse_decode(32, 8, ctxs[i], shares[j], reps);
-                bench_sparse_decode(28, 4, ctxs[i], shares[j], reps);
+            for (int j = 0; j < 4; j++) {
+                bench_sparse_decode(plain, 32, 8, ctxs[i], shares[j][0], shares[j][1], reps);
+                bench_sparse_decode(plain, 28, 4, ctxs[i], shares[j][0], shares[j][1], reps);
             }
+        plain->ops->free(plain);
     }
     if (!strcmp(section, "decode-short")) { /* the default path only, short to long (split-count sweeps) */
         const uint32_t ctxs[] = {4096, 8192, 16384, 32768, 131072};

@@ -247,15 +247,16 @@ __device__ __forceinline__ chunk_meta issue_chunk(const chunk_src &c, uint4 *kst
     return m;
 }
 
-/* Merges the n_split partials of KV head g (decode layout) into out / lse.
- * All NT threads; smem: 2 * n_split * MERGE_DR + 2 * MERGE_DR floats. The
- * loads of each phase are independent, so they are in flight together. */
-__device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, float *smem)
+/* Merges the S partials of KV head g (decode layout; the partials' arrays
+ * sized for p.n_split) into out / lse. All NT threads; smem: 2 * S *
+ * MERGE_DR + 2 * MERGE_DR floats. The loads of each phase are independent,
+ * so they are in flight together. */
+__device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, int S, float *smem)
 {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, n_rows = p.n_q * p.n_head;
-    const int R = (int)(p.n_q * G), S = (int)p.n_split;
-    const float *po = p.part, *pml = p.part + (size_t)S * n_rows * hd;
+    const int R = (int)(p.n_q * G);
+    const float *po = p.part, *pml = p.part + (size_t)p.n_split * n_rows * hd;
     float *ms = smem, *ls = ms + (size_t)S * MERGE_DR, *Mr = ls + (size_t)S * MERGE_DR, *Lr = Mr + MERGE_DR;
     for (int i = tid; i < S * R; i += NT) {
         const int s = i / R, r = i % R;
@@ -312,11 +313,51 @@ __device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, float *sme
     }
 }
 
-/* One CTA of the decode kernel: KV head blockIdx.x, split blockIdx.y, its
- * chunks walked by cur (positioned at the CTA's first chunk); q_pos [n_q]
- * (device or parameter memory). */
+/* Which part of the call a CTA computes: split `split` of the n splits of
+ * KV head g (n <= p.n_split, the partials' arrays are sized for p.n_split;
+ * the last of the n CTAs to finish merges them). */
+struct dec_part {
+    uint32_t g, split, n;
+};
+
+/* The plain grid: KV head blockIdx.x, split blockIdx.y of p.n_split. */
+__device__ __forceinline__ dec_part grid_part(const tkv_cuda_attn_params &p)
+{
+    return dec_part{blockIdx.x, blockIdx.y, p.n_split};
+}
+
+/* The pool (p.head_keys): the call's p.n_split CTAs (a 1-D grid) shared
+ * among the H heads by their keys k_g, head g taking 1 + (T - H) k_g / K of
+ * the T (K = the sum; one each where K = 0) in head order, so a head that
+ * reads most of the keys gets most of the GPU where equal splits per head
+ * would leave the CTAs of the others idle and that head's few running
+ * long. At most H - 1 CTAs are left over; false for them. Equal keys give
+ * every head T / H splits: the plain grid's (the caller makes T a multiple
+ * of H). The shares depend on the counts only: the same bits each run. */
+__device__ __forceinline__ bool pool_part(const tkv_cuda_attn_params &p, dec_part *part)
+{
+    const uint32_t H = p.n_head_kv, T = p.n_split, c = blockIdx.x;
+    uint64_t K = 0;
+    for (uint32_t g = 0; g < H; g++)
+        K += __ldg(&p.head_keys[(size_t)g * p.head_cnt_stride]);
+    for (uint32_t g = 0, first = 0; g < H; g++) {
+        const uint64_t k = __ldg(&p.head_keys[(size_t)g * p.head_cnt_stride]);
+        const uint32_t n = 1 + (K ? (uint32_t)((uint64_t)(T - H) * k / K) : 0);
+        if (c < first + n) {
+            *part = dec_part{g, c - first, n};
+            return true;
+        }
+        first += n;
+    }
+    return false;
+}
+
+/* One CTA of the decode kernel: part's split, its chunks walked by cur
+ * (positioned at the CTA's first chunk); q_pos [n_q] (device or parameter
+ * memory). */
 template <class C, class Walk>
-__device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &cur, const int32_t *q_pos)
+__device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, const dec_part part, Walk &cur,
+                                           const int32_t *q_pos)
 {
     constexpr int HD = C::HD, DR = C::DR, U = C::U, NS = C::NS, LPK = C::LPK, NG = C::NG, V = C::V, NF = C::NF,
                   W = C::W, SLOTS = C::SLOTS;
@@ -328,7 +369,7 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int sub = lane / LPK, dl = lane % LPK, slot = warp * NG + sub;
-    const uint32_t g = blockIdx.x, split = blockIdx.y;
+    const uint32_t g = part.g, split = part.split;
     const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, ld = p.n_head * hd;
     const int R = (int)(p.n_q * G);
     const bool dim_ok = dl * 8 < (int)hd;
@@ -498,7 +539,7 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
                 }
         }
         const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
-        if (p.n_split == 1) {
+        if (part.n == 1) {
             p.out[(size_t)row * hd + d] = L > 0.0f ? O / L : 0.0f;
             if (p.lse && d == 0)
                 p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2f : -INFINITY;
@@ -511,7 +552,7 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
             }
         }
     }
-    if (p.n_split == 1 || p.decode_mode == TKV_ATTN_DECODE_MERGE)
+    if (part.n == 1 || p.decode_mode == TKV_ATTN_DECODE_MERGE)
         return;
 
     /* ---- the last CTA of this KV head to finish merges the head's splits */
@@ -519,7 +560,7 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
     __syncthreads(); /* ... for every thread, before the count goes up */
     if (tid == 0) {
         const unsigned done = atomicAdd(&p.counters[g], 1u);
-        const int last = done == p.n_split - 1;
+        const int last = done == part.n - 1;
         if (last)
             atomicExch(&p.counters[g], 0u); /* ready for the next call */
         *flag = last;
@@ -527,17 +568,17 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, Walk &
     __syncthreads();
     if (*flag) {
         __threadfence();
-        merge_head(p, g, (float *)smem);
+        merge_head(p, g, (int)part.n, (float *)smem);
     }
 }
 
-/* A CTA over the packed table in device memory: its split of KV head g's
- * entries [hb, he) (blockIdx.x = g); q_pos [n_q]. */
+/* A CTA over the packed table in device memory: part's split of KV head
+ * part.g's entries [hb, he); q_pos [n_q]. */
 template <class C>
-__device__ __forceinline__ void decode_table(const tkv_cuda_attn_params &p, const int32_t *q_pos, uint32_t hb,
-                                             uint32_t he)
+__device__ __forceinline__ void decode_table(const tkv_cuda_attn_params &p, const dec_part part,
+                                             const int32_t *q_pos, uint32_t hb, uint32_t he)
 {
-    const uint32_t split = blockIdx.y, G = p.n_head / p.n_head_kv;
+    const uint32_t split = part.split, G = p.n_head / p.n_head_kv;
     const int R = (int)(p.n_q * G);
     int32_t pos_max = INT_MIN;
 #pragma unroll
@@ -555,8 +596,8 @@ __device__ __forceinline__ void decode_table(const tkv_cuda_attn_params &p, cons
     cur.e.pos0 = 0;
     cur.e.n = 0;
     cur.en = cur.e;
-    cur.b = hb + (uint32_t)((uint64_t)nbh * split / p.n_split);
-    cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / p.n_split);
+    cur.b = hb + (uint32_t)((uint64_t)nbh * split / part.n);
+    cur.b_end = hb + (uint32_t)((uint64_t)nbh * (split + 1) / part.n);
     cur.j = 0;
     if (cur.b < cur.b_end) {
         cur.e = load_entry(p.blocks, cur.b);
@@ -565,7 +606,7 @@ __device__ __forceinline__ void decode_table(const tkv_cuda_attn_params &p, cons
             cur.b = cur.b_end;
     }
     w.template advance<C::CH>((int)(threadIdx.x >> 5));
-    decode_cta<C>(p, w, q_pos);
+    decode_cta<C>(p, part, w, q_pos);
 }
 
 /* The decode kernel over the packed table in device memory. Under a
@@ -575,21 +616,25 @@ template <class C> __global__ void __launch_bounds__(NT, 2) attn_decode_kernel(c
 {
     tkv_pdl_trigger();
     tkv_pdl_wait();
-    const uint32_t g = blockIdx.x;
-    decode_table<C>(p, p.q_pos, p.head_off[g], tkv_cuda_head_end(p, g));
+    const dec_part part = grid_part(p);
+    decode_table<C>(p, part, p.q_pos, p.head_off[part.g], tkv_cuda_head_end(p, part.g));
 }
 
 /* The same over device views whose positions and head ranges travel in the
- * parameters (tkv_cuda_attn_views): nothing staged before it. */
+ * parameters (tkv_cuda_attn_views): nothing staged before it. With
+ * p.head_keys a pool (pool_part), else the plain grid. */
 template <class C>
 __global__ void __launch_bounds__(NT, 2)
     attn_decode_views_kernel(const tkv_cuda_attn_params p, const __grid_constant__ tkv_cuda_attn_views v)
 {
     tkv_pdl_trigger();
     tkv_pdl_wait();
-    const uint32_t g = blockIdx.x, hb = v.head_off[g];
+    dec_part part = grid_part(p);
+    if (p.head_keys && !pool_part(p, &part))
+        return;
+    const uint32_t g = part.g, hb = v.head_off[g];
     const uint32_t he = p.head_cnt ? min(v.head_end[g], hb + p.head_cnt[(size_t)g * p.head_cnt_stride]) : v.head_end[g];
-    decode_table<C>(p, v.q_pos, hb, he);
+    decode_table<C>(p, part, v.q_pos, hb, he);
 }
 
 /* 4 KiB: the parameter space every driver takes (CUDA 12.1 raised it to
@@ -618,13 +663,13 @@ __global__ void __launch_bounds__(NT, 2)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    decode_cta<C>(p, w, rp.q_pos);
+    decode_cta<C>(p, grid_part(p), w, rp.q_pos);
 }
 
 __global__ void __launch_bounds__(NT) attn_decode_merge_kernel(const tkv_cuda_attn_params p)
 {
     extern __shared__ __align__(16) unsigned char smem[];
-    merge_head(p, blockIdx.x, (float *)smem);
+    merge_head(p, blockIdx.x, (int)p.n_split, (float *)smem);
 }
 
 /* The launches, each for the configuration C that by_shape picks; pdl:
@@ -645,8 +690,8 @@ struct launch_views {
     cudaStream_t s;
     template <class C> cudaError_t go() const
     {
-        return tkv_cuda_launch(p->pdl != 0, dim3(p->n_head_kv, p->n_split), NT, C::SMEM, s,
-                               attn_decode_views_kernel<C>, *p, *v);
+        const dim3 grid = p->head_keys ? dim3(p->n_split) : dim3(p->n_head_kv, p->n_split);
+        return tkv_cuda_launch(p->pdl != 0, grid, NT, C::SMEM, s, attn_decode_views_kernel<C>, *p, *v);
     }
 };
 struct launch_runs {

@@ -452,6 +452,9 @@ struct tkv_cuda_attn_state {
                                       TKV_CUDA_ATTN_WS_PINGPONG=0            */
     uint32_t decode_splits;        /* TKV_CUDA_ATTN_DECODE_SPLITS: the decode kernel's
                                       splits per KV head (at most the blocks); 0: the plan's */
+    bool pool;                     /* the decode kernel over device views with their
+                                      keys as a pool (run_device_views); 0 with
+                                      TKV_CUDA_ATTN_POOL=0, for A/B measurements */
 };
 
 void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
@@ -499,6 +502,8 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     st->prefill_pack = !(pack && !strcmp(pack, "0"));
     const char *pp = getenv("TKV_CUDA_ATTN_WS_PINGPONG");
     st->ws_pingpong = !(pp && !strcmp(pp, "0"));
+    const char *pool = getenv("TKV_CUDA_ATTN_POOL");
+    st->pool = !(pool && !strcmp(pool, "0"));
     st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
                                                     : TKV_ATTN_PREFILL_SPLIT;
@@ -765,7 +770,16 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
         for (uint32_t g = 0; g < H; g++)
             if (!range(g, &v.head_off[g], &v.head_end[g]))
                 return cudaErrorInvalidValue;
-        const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);
+        size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);
+        if (a->kv_dev_n && a->kv_dev_keys && st->pool && p.n_split > 1 && p.decode_mode != TKV_ATTN_DECODE_MERGE &&
+            (uint64_t)H * p.n_split <= TKV_ATTN_DECODE_MAX_SPLIT) {
+            /* the plan's T = H x n_split CTAs as one pool the heads share by
+             * their keys (attn-decode.cu, pool_part; equal keys give the
+             * plan's splits), each head's partials sized for T */
+            p.n_split *= H;
+            p.head_keys = a->kv_dev_keys;
+            part = (size_t)p.n_split * p.n_q * p.n_head * (p.head_dim + 2);
+        }
         TKV_CUDA_TRY(splits_ready(st, &p, part, s));
         return tkv_cuda_attn_decode_views(&p, &v, s);
     }

@@ -65,6 +65,13 @@ struct tkv_cuda_attn_params {
                                                wrote; the host's bound in
                                                head_end)                         */
     uint32_t head_cnt_stride;
+    const uint32_t *head_keys;              /* with head_cnt, or NULL: head g's
+                                               keys at head_keys[g
+                                               head_cnt_stride], a hint: the
+                                               decode kernel over device views
+                                               then runs as a pool of n_split
+                                               CTAs shared among the heads by
+                                               their keys (attn-decode.cu)      */
     const uint32_t *kofs;                   /* [head_off[n_head_kv] + 65]: key
                                                offsets (below), or NULL          */
     float *part;                            /* [n_split][n_q*n_head][hd + 2]    */

@@ -59,6 +59,12 @@ struct tkv_attn_args {
      * of kv[g].blocks addressable. Every backend honours it. */
     const uint32_t *kv_dev_n;
     uint32_t kv_dev_n_stride;
+    /* kv_dev_keys (with kv_dev_n, or NULL): head g's key count at
+     * kv_dev_keys[g * kv_dev_n_stride] (BACKEND memory, like kv_dev_n), a
+     * hint for sharing the call's work among the heads by their keys (the
+     * CUDA decode kernel's pool, docs/gpu.md); what the call computes never
+     * depends on it, and a backend may ignore it. */
+    const uint32_t *kv_dev_keys;
 };
 
 /* KV head g's entry count in a: kv[g].n_blocks, or the count kv_dev_n

@@ -994,7 +994,8 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
                                           .scale = 1.0f / sqrtf((float)s->hp.head_dim), .kv = s->views,
                                           .kv_dev = true,
                                           .kv_dev_n = mapped ? s->dt_counts + (size_t)l * Hkv * 4 : NULL,
-                                          .kv_dev_n_stride = 4};
+                                          .kv_dev_n_stride = 4,
+                                          .kv_dev_keys = mapped ? s->dt_counts + (size_t)l * Hkv * 4 + 2 : NULL};
         if (s->hsplit) {
             st = hetero_attention(s, &att);
         } else {

@@ -867,6 +867,32 @@ static void attn_device_views(const struct kv_fixture *f, const struct tkv_attn_
     fprintf(stderr, ", counts on the device vs ref %.1e %.1e", co, cl);
     CHECK(co <= 1e-4 && cl <= 1e-4, "attention (device views, device counts) %s: out err %.3g lse err %.3g", label,
           co, cl);
+    /* with the heads' keys beside the counts (kv_dev_keys, a hint: the
+     * decode kernel then shares its CTAs among the heads by them): equal
+     * keys give the equal splits' bits; the heads' own keys, and keys all
+     * on one head (the others one CTA each), the reference's output */
+    float *o2 = malloc(qn * sizeof *o2), *l2 = malloc(ln * sizeof *l2);
+    REQUIRE_VOID(o2 && l2);
+    d.kv_dev_keys = dcnt + 1;
+    for (int hint = 0; hint < 3; hint++) {
+        for (uint32_t h = 0; h < Hkv; h++) {
+            uint32_t k = 0;
+            for (uint32_t i = 0; i < f->dviews[h].n_blocks; i++)
+                k += f->dviews[h].blocks[i].n;
+            cnt[3 * h + 1] = hint == 0 ? 7 : hint == 1 ? k : h == Hkv / 2 ? 1000000 : 0;
+        }
+        REQUIRE_VOID(gpu->ops->upload(gpu, dcnt, cnt, (size_t)Hkv * 3 * sizeof *cnt) == TKV_OK);
+        attn_on(gpu, &d, o2, l2);
+        const double po = max_err(o2, o_ref, qn), pl = max_err(l2, l_ref, ln);
+        const double eq = max_err(o2, o, qn) + max_err(l2, l, ln);
+        static const char *const hints[] = {"equal", "the heads' own", "all on one head"};
+        fprintf(stderr, ", keys %s vs ref %.1e %.1e", hints[hint], po, pl);
+        CHECK(po <= 1e-4 && pl <= 1e-4, "attention (device views, device counts, keys %s) %s: out err %.3g lse err %.3g",
+              hints[hint], label, po, pl);
+        CHECK(hint != 0 || eq == 0, "attention (device views, device counts, equal keys) %s: %.3g from equal splits",
+              label, eq);
+    }
+    free(o2), free(l2);
     dev_free(dcnt);
     free(cnt);
     dev_free(darr);
