@@ -59,12 +59,14 @@ template <int HD_, int DR_, int U_, int NS_> struct dec_cfg {
                   "the merge's arrays must fit");
 };
 
-/* The configuration: chunks of 8 loads (4 for 8 rows, for registers), 3
- * stages. Measured on the H200 (docs/gpu.md), 32/8/128 at 32K-1M keys:
- * chunks of 4 loads with 6 stages (5/6 of the same buffer in flight) were
- * 3-11% slower, and 4 loads x 4 stages (3 CTAs per SM) 8-42% slower: the
- * per-chunk work (butterfly, softmax update, cursor) counts. */
-template <int HD, int DR> using cfg0 = dec_cfg<HD, DR, DR <= 4 ? 8 : 4, 3>;
+/* The configuration: chunks of 8 loads, 3 stages. Measured on the H200
+ * (docs/gpu.md), 32/8/128 at 32K-1M keys: chunks of 4 loads with 6 stages
+ * (5/6 of the same buffer in flight) were 3-11% slower, and 4 loads x 4
+ * stages (3 CTAs per SM) 8-42% slower: the per-chunk work (butterfly,
+ * softmax update, cursor) counts. With 5-8 rows too (session 34, H100,
+ * 28/4/128: 1M keys 6-11% faster than chunks of 4 loads, 128K within 2%;
+ * 255 registers either way, no spills). */
+template <int HD, int DR> using cfg0 = dec_cfg<HD, DR, 8, 3>;
 
 __device__ __forceinline__ void h8_to_f32(const uint4 r, float f[8])
 {
