@@ -330,21 +330,28 @@ __device__ __forceinline__ dec_part grid_part(const tkv_cuda_attn_params &p)
 
 /* The pool (p.head_keys): the call's p.n_split CTAs (a 1-D grid) shared
  * among the H heads by their keys k_g, head g taking 1 + (T - H) k_g / K of
- * the T (K = the sum; one each where K = 0) in head order, so a head that
- * reads most of the keys gets most of the GPU where equal splits per head
- * would leave the CTAs of the others idle and that head's few running
- * long. At most H - 1 CTAs are left over; false for them. Equal keys give
- * every head T / H splits: the plain grid's (the caller makes T a multiple
- * of H). The shares depend on the counts only: the same bits each run. */
+ * the T (K = the sum) in head order, so a head that reads most of the keys
+ * gets most of the GPU where equal splits per head would leave the CTAs of
+ * the others idle and that head's few running long. At most H - 1 CTAs are
+ * left over; false for them. Heads reading (nearly) alike, K = 0 among
+ * them, get T / H each: the plain grid's splits (the caller makes T a
+ * multiple of H). The shares depend on the counts only: the same bits
+ * each run. */
 __device__ __forceinline__ bool pool_part(const tkv_cuda_attn_params &p, dec_part *part)
 {
     const uint32_t H = p.n_head_kv, T = p.n_split, c = blockIdx.x;
-    uint64_t K = 0;
-    for (uint32_t g = 0; g < H; g++)
-        K += __ldg(&p.head_keys[(size_t)g * p.head_cnt_stride]);
+    uint64_t K = 0, kmax = 0;
+    for (uint32_t g = 0; g < H; g++) {
+        const uint64_t k = __ldg(&p.head_keys[(size_t)g * p.head_cnt_stride]);
+        K += k;
+        kmax = max(kmax, k);
+    }
+    /* heads within 1/16 of reading alike: the equal splits (shares a CTA
+     * or two off them measured slower there, docs/rabitq.md "Session 34") */
+    const bool even = kmax * H * 16 <= K * 17;
     for (uint32_t g = 0, first = 0; g < H; g++) {
         const uint64_t k = __ldg(&p.head_keys[(size_t)g * p.head_cnt_stride]);
-        const uint32_t n = 1 + (K ? (uint32_t)((uint64_t)(T - H) * k / K) : 0);
+        const uint32_t n = even ? T / H : 1 + (uint32_t)((uint64_t)(T - H) * k / K);
         if (c < first + n) {
             *part = dec_part{g, c - first, n};
             return true;
