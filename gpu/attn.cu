@@ -356,6 +356,13 @@ cudaError_t tkv_cuda_attn_init(void)
     return cudaSuccess;
 }
 
+/* Floats of a call's split-K partials, [n_split][n_q*n_head][hd + 2]; 0
+ * unsplit. */
+static size_t part_floats(const tkv_cuda_attn_params *p)
+{
+    return p->n_split > 1 ? (size_t)p->n_split * p->n_q * p->n_head * (p->head_dim + 2) : 0;
+}
+
 size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, uint32_t max_tiles, int n_sm)
 {
     const int cls = hd_class(p->head_dim), ci = cls == 64 ? 0 : cls == 128 ? 1 : 2;
@@ -389,7 +396,7 @@ size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, uint32_t
         const uint32_t per = (max_blocks + p->n_split - 1) / p->n_split;
         p->n_split = (max_blocks + per - 1) / per;
     }
-    return p->n_split > 1 ? (size_t)p->n_split * p->n_q * p->n_head * (p->head_dim + 2) : 0;
+    return part_floats(p);
 }
 
 cudaError_t tkv_cuda_attention(const tkv_cuda_attn_params *p, cudaStream_t s)
@@ -778,7 +785,7 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
              * plan's splits), each head's partials sized for T */
             p.n_split *= H;
             p.head_keys = a->kv_dev_keys;
-            part = (size_t)p.n_split * p.n_q * p.n_head * (p.head_dim + 2);
+            part = part_floats(&p);
         }
         TKV_CUDA_TRY(splits_ready(st, &p, part, s));
         return tkv_cuda_attn_decode_views(&p, &v, s);
@@ -828,15 +835,7 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     n_split = n_split < max_chunks ? n_split : max_chunks;
     n_split = n_split < TKV_ATTN_DECODE_MAX_SPLIT ? n_split : TKV_ATTN_DECODE_MAX_SPLIT;
     p.n_split = n_split > 0 ? n_split : 1;
-    if (p.n_split > 1) {
-        const size_t part = (size_t)p.n_split * p.n_q * p.n_head * (p.head_dim + 2);
-        TKV_CUDA_TRY(grow((void **)&st->part, &st->part_cap, part, sizeof(float), false, s));
-        p.part = st->part;
-        size_t cap = st->counters_cap;
-        TKV_CUDA_TRY(grow((void **)&st->counters, &cap, a->n_head_kv, sizeof(uint32_t), true, s));
-        st->counters_cap = (uint32_t)cap;
-        p.counters = st->counters;
-    }
+    TKV_CUDA_TRY(splits_ready(st, &p, part_floats(&p), s));
     TKV_CUDA_TRY(tkv_cuda_attn_decode_runs(&p, &st->runs, st->pdl || st->decode_mode == TKV_ATTN_DECODE_PDL, s));
     *done = true;
     return cudaSuccess;
@@ -918,7 +917,7 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         uint32_t n = st->decode_splits < max_blocks ? st->decode_splits : max_blocks;
         n = n < (uint32_t)TKV_ATTN_DECODE_MAX_SPLIT ? n : (uint32_t)TKV_ATTN_DECODE_MAX_SPLIT;
         p.n_split = n > 0 ? n : 1;
-        part = p.n_split > 1 ? (size_t)p.n_split * p.n_q * p.n_head * (p.head_dim + 2) : 0;
+        part = part_floats(&p);
     }
     TKV_CUDA_TRY(splits_ready(st, &p, part, s));
     TKV_CUDA_TRY(tkv_cuda_attention(&p, s));
