@@ -8,7 +8,7 @@
  *                [--gpu-kv-mem SIZE] [--host-kv-mem SIZE] [--nvme-dir DIR] [--nvme-kv-max SIZE]
  *                [--hetero auto|recall|cpu] [--kv-block N] [-t threads] [--real 512] [--seed S]
  *                [--hot-spread 4] [--cold-spread 0.25] [--hot-every 64] [--recent-blocks 2] [--uniform]
- *                [-j out.jsonl]
+ *                [--forced] [-j out.jsonl]
  *
  * A separate program from bench-decode (whose table is the roofline of
  * `full` with the whole KV in the compute tier): here every row is a
@@ -59,7 +59,14 @@
  * (cuda): pinned host -> device copies of 64 MiB through the backend, best
  * of 5; on the CPU there is no link (the compute tier is host memory; the
  * recalls come from NVMe) and the util column is "-".
- * = ref: timed-step tokens equal to the context's first row's (greedy).
+ * = ref: timed-step tokens equal to the context's first row's (greedy:
+ * the steps before the first that differs).
+ * --forced: every step decodes the next of a fixed random token sequence
+ * (from the context and --seed) instead of the greedy token, so every row
+ * of a context decodes the same tokens: an A/B of two builds or knobs then
+ * compares the same steps, where greedy tokens part at the first last-bit
+ * difference and with them the selections; = ref then counts the steps
+ * whose greedy prediction is the first row's, wherever they are.
  *
  * A second table splits the stall (tkv_kvs_stats.stall, per split step:
  * settle, evict, verify, upload issue / wait, nvme, other, summing to the
@@ -90,7 +97,7 @@ static void usage(void)
             "                    [--gpu-kv-mem SIZE] [--host-kv-mem SIZE] [--nvme-dir DIR] [--nvme-kv-max SIZE]\n"
             "                    [--hetero auto|recall|cpu] [--kv-block N] [-t threads] [--real 512] [--seed S]\n"
             "                    [--hot-spread 4] [--cold-spread 0.25] [--hot-every 64] [--recent-blocks 2] [--uniform]\n"
-            "                    [-j out.jsonl]\n");
+            "                    [--forced] [-j out.jsonl]\n");
 }
 
 static int die(const char *what)
@@ -166,7 +173,7 @@ struct opts {
     uint32_t n_policies, steps, warmup, split_steps, threads, kv_block, seed;
     uint64_t gpu_kv, host_kv, nvme_max;
     enum tkv_hetero hetero;
-    bool cap_full;
+    bool cap_full, forced;
     struct tkv_synth_params synth;
 };
 
@@ -237,6 +244,14 @@ static void timed_profile(tkv_session *s, uint32_t ctx, const char *policy, uint
     bench_profile_print(tkv_session_backend(s), label, steps);
 }
 
+/* --forced: the token decode step i takes, the same for every row of a
+ * context. */
+static tkv_token forced_token(const struct opts *o, uint32_t ctx, uint32_t i, uint32_t n_vocab)
+{
+    const uint64_t key = 0xD1B54A32D192ED03ull ^ ((uint64_t)ctx << 32) ^ o->seed;
+    return (tkv_token)(bench_mix64(key + i) % n_vocab);
+}
+
 static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const char *policy, struct row *r)
 {
     struct tkv_model_info info;
@@ -295,7 +310,7 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
         tkv_session_free(s);
         return die(policy);
     }
-    tkv_token tok = tkv_argmax(tkv_logits(s), info.n_vocab);
+    tkv_token tok = o->forced ? forced_token(o, ctx, 0, info.n_vocab) : tkv_argmax(tkv_logits(s), info.n_vocab);
     struct tkv_step_counters c0, c1, c2, d;
     const double w0 = now();
     for (uint32_t i = 0; i < o->warmup + o->steps + o->split_steps && st == TKV_OK; i++) {
@@ -313,9 +328,10 @@ static int run_row(const tkv_model *m, const struct opts *o, uint32_t ctx, const
         }
         if ((st = tkv_decode(s, tok)) != TKV_OK)
             break;
-        tok = tkv_argmax(tkv_logits(s), info.n_vocab);
+        const tkv_token next = tkv_argmax(tkv_logits(s), info.n_vocab);
         if (i >= o->warmup && i < o->warmup + o->steps)
-            r->toks_out[i - o->warmup] = tok;
+            r->toks_out[i - o->warmup] = next; /* (forced: the prediction, what = ref compares) */
+        tok = o->forced ? forced_token(o, ctx, i + 1, info.n_vocab) : next;
     }
     if (st != TKV_OK) {
         tkv_session_free(s);
@@ -402,6 +418,10 @@ int main(int argc, char **argv)
         const char *a = argv[i];
         if (!strcmp(a, "--cap-full")) {
             o.cap_full = true;
+            continue;
+        }
+        if (!strcmp(a, "--forced")) {
+            o.forced = true;
             continue;
         }
         if (!strcmp(a, "--uniform")) {
@@ -518,7 +538,8 @@ int main(int argc, char **argv)
     printf("bench-recall: %s (%u layers, %u/%u heads, head_dim %u, matrices %s), device %s, commit %s\n", base,
            info.n_layer, info.n_head, info.n_head_kv, info.head_dim, wb.matrix_type, o.device, commit);
     printf("KV %.1f KB per token, blocks of %u tokens; capped rows: %s; fill: %s, token seed %u; %u warm-up, %u timed, "
-           "%u split steps\n", kv_per_token / 1e3, o.kv_block, tiers, synth, o.seed, o.warmup, o.steps, o.split_steps);
+           "%u split steps; decode tokens %s\n", kv_per_token / 1e3, o.kv_block, tiers, synth, o.seed, o.warmup, o.steps,
+           o.split_steps, o.forced ? "forced (--forced)" : "greedy");
     if (cuda)
         printf("link: pinned host -> GPU %.1f GB/s (64 MiB copies, best of 5)\n", link);
     printf("\n| ctx | policy | KV tiers | tok/s | step ms | x full | read tok | read blk | head max | hot blk | split step ms | rest ms | "
@@ -561,9 +582,11 @@ int main(int argc, char **argv)
                 ref = r.toks_out;
                 r.toks_out = NULL;
             } else {
+                /* greedy: the steps until the first that differs (the
+                 * tokens part there); forced: every step that agrees */
                 uint32_t eq = 0;
-                while (eq < o.steps && r.toks_out[eq] == ref[eq])
-                    eq++;
+                for (uint32_t i = 0; i < o.steps && (o.forced || eq == i); i++)
+                    eq += r.toks_out[i] == ref[i];
                 snprintf(same, sizeof same, "%u/%u", eq, o.steps);
             }
             char ratio[32] = "-", util[32] = "-", at_link[32] = "-";

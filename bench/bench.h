@@ -33,6 +33,15 @@ static inline uint64_t rnd(void)
     return bench_rng_state * 0x2545F4914F6CDD1Dull;
 }
 
+/* splitmix64's finalizer: x mixed into a uniform 64-bit value, so draw i
+ * of a stream keyed k is bench_mix64(k + i) (no state to keep). */
+static inline uint64_t bench_mix64(uint64_t x)
+{
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
 /* `git describe --always --dirty` of the source tree, "unknown" outside a
  * checkout (bench targets define TKV_SOURCE_DIR). */
 static inline void build_commit(char *out, size_t cap)

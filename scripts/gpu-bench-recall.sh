@@ -37,7 +37,8 @@
 # prebuilt bench-recall and tierkv, e.g. sm_90 binaries built on the CPU
 # machine and carried: nothing is configured or built), DEVICE, L8_SHAPE, QW_SHAPE,
 # CTX_SHORT (default 32768,131072), CTX_512K, CTX_128K, CTX_1M, GPU_KV, HOST_KV_512K,
-# HOST_KV_1M, NVME_DIR, STEPS_SHORT/STEPS_LONG ("warmup,steps,split"), e.g. on
+# HOST_KV_1M, NVME_DIR, STEPS_SHORT/STEPS_LONG ("warmup,steps,split"), BR_ARGS (more
+# bench-recall options for every row, e.g. --forced for A/B runs), e.g. on
 # the CPU build machine:
 #   TKV_BUILD=build/rel DEVICE=cpu L8_SHAPE=custom:4,1024,8,2,2816,2048 CTX_SHORT=4096 \
 #       GPU_KV=16M OUT=/tmp/br bash scripts/gpu-bench-recall.sh l8-f16
@@ -114,7 +115,8 @@ run() {
     fi
     IFS=, read -r w s x <<< "$st"
     log "bench-recall $name (limit $l s): $*"
-    timeout "$l" "$br" --device "$DEVICE" --warmup "$w" --steps "$s" --split-steps "$x" "$@" \
+    # shellcheck disable=SC2086
+    timeout "$l" "$br" --device "$DEVICE" --warmup "$w" --steps "$s" --split-steps "$x" "$@" ${BR_ARGS:-} \
         -j "$OUT/$name.jsonl" > "$OUT/$name.md" 2> "$OUT/$name.err"
     local rc=$?
     grep -E '^(bench-recall|KV|link)' "$OUT/$name.md"
