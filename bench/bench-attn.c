@@ -129,8 +129,8 @@ static void die_if(tkv_status st)
 #define POOL_HALVES ((size_t)16 << 20)
 
 /* elems f16 values of device memory, the KV of a benchmark: a random pool
- * (made once) tiled over them */
-static uint16_t *kv_random_dev(size_t elems)
+ * (made once) tiled over them; host, when given, gets the same [elems] */
+static uint16_t *kv_random_dev(size_t elems, uint16_t *host)
 {
     static uint16_t *pool;
     if (!pool) {
@@ -139,8 +139,12 @@ static uint16_t *kv_random_dev(size_t elems)
             pool[i] = tkv_fp32_to_fp16(frand());
     }
     uint16_t *dkv = dalloc(elems * 2);
-    for (size_t o = 0; o < elems; o += POOL_HALVES)
-        die_if(gpu->ops->upload(gpu, dkv + o, pool, (elems - o < POOL_HALVES ? elems - o : POOL_HALVES) * 2));
+    for (size_t o = 0; o < elems; o += POOL_HALVES) {
+        const size_t n = elems - o < POOL_HALVES ? elems - o : POOL_HALVES;
+        die_if(gpu->ops->upload(gpu, dkv + o, pool, n * 2));
+        if (host)
+            memcpy(host + o, pool, n * 2);
+    }
     return dkv;
 }
 
@@ -279,7 +283,6 @@ static void run_to(struct tkv_backend *be, struct tkv_attn_args *a, float *dout,
     die_if(gpu->ops->download(gpu, host, dout, n * 4));
 }
 
-
 static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, uint32_t ctx, uint32_t n_q, int reps,
                             bool variants)
 {
@@ -287,19 +290,7 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
     const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half;
     const bool check_cpu = (double)n_q * ctx <= 512.0 * 32768 && ctx <= 131072;
     const bool decode = n_q * (H / Hkv) <= 8; /* the decode kernel's calls (TKV_ATTN_DECODE_ROWS) */
-    static uint16_t *pool;
-    if (!pool) {
-        pool = malloc(POOL_HALVES * 2);
-        for (size_t i = 0; i < POOL_HALVES; i++)
-            pool[i] = tkv_fp32_to_fp16(frand());
-    }
-    uint16_t *dkv = dalloc(elems * 2), *kv = check_cpu ? malloc(elems * 2) : NULL;
-    for (size_t o = 0; o < elems; o += POOL_HALVES) {
-        const size_t n = elems - o < POOL_HALVES ? elems - o : POOL_HALVES;
-        die_if(gpu->ops->upload(gpu, dkv + o, pool, n * 2));
-        if (kv)
-            memcpy(kv + o, pool, n * 2);
-    }
+    uint16_t *kv = check_cpu ? malloc(elems * 2) : NULL, *dkv = kv_random_dev(elems, kv);
     struct tkv_kv_block_ref *hr = malloc((size_t)Hkv * nb * sizeof *hr), *dr = malloc((size_t)Hkv * nb * sizeof *dr);
     struct tkv_kv_head_view hv[64], dv[64];
     for (uint32_t h = 0; h < Hkv; h++) {
@@ -540,7 +531,7 @@ static void bench_prefill_sparse(uint32_t n_q, int reps)
     const uint32_t H = 32, Hkv = 8, hd = 128, B = 64, ctx = 32768, nb = ctx / B, n_sel = 256, L = 8;
     const uint32_t chunk0 = ctx - n_q, slots = chunk0 / L; /* 8-row slots before the chunk */
     const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half, qn = (size_t)n_q * H * hd;
-    uint16_t *dkv = kv_random_dev(elems);
+    uint16_t *dkv = kv_random_dev(elems, NULL);
     float *q = malloc(qn * 4), *ref = malloc(qn * 4), *cur = malloc(qn * 4);
     for (size_t i = 0; i < qn; i++)
         q[i] = frand();
@@ -706,7 +697,7 @@ static void bench_sparse_decode(struct tkv_backend *plain, uint32_t H, uint32_t 
 {
     const uint32_t hd = 128, B = 64, nb = ctx / B;
     const size_t half = (size_t)B * hd, elems = (size_t)Hkv * nb * 2 * half;
-    uint16_t *dkv = kv_random_dev(elems);
+    uint16_t *dkv = kv_random_dev(elems, NULL);
     struct tkv_kv_block_ref *sr = malloc((size_t)Hkv * nb * 2 * sizeof *sr), *dr = malloc((size_t)Hkv * nb * sizeof *dr);
     uint32_t cnt[2][64][2]; /* [slices, dense][head]: entries, keys (the engine's counts' layout, stride 2) */
     uint64_t keys = 0, entries = 0;

@@ -51,7 +51,7 @@
  * attention read, averaged over the timed steps, layers and KV heads (1 for
  * `full`); head max: a layer's largest KV head share of the tokens,
  * averaged over the timed steps and layers (how unevenly a layer's heads
- * read: its attention call lasts as long as its largest head takes). This is what the synthetic fill's concentration made the policy
+ * read). This is what the synthetic fill's concentration made the policy
  * read, not what a real model would: printed beside every row.
  * recall: bytes written into the compute tier per timed step (from host or
  * NVMe), their time at the measured link rate, the rate they reached over

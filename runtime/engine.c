@@ -460,8 +460,8 @@ static void account_counts(tkv_session *s, uint32_t h, uint32_t tokens, uint32_t
     s->read_tokens += share;
     s->read_blocks += all_in || !nb ? 1.0 : (double)blocks / nb;
     s->read_count++;
-    /* a layer's heads are accounted together, head 0 first: the sum of the
-     * layers' largest shares grows by what each head adds to its layer's */
+    /* the sum of the layers' largest shares grows by what each head adds
+     * to its layer's */
     if (h == 0) {
         s->read_layers++;
         s->read_tokens_max += share;
@@ -989,13 +989,13 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
             s->dt_n_defer += !s->dt_defer[l];
             s->dt_defer[l] = true;
         }
+        const uint32_t *dev_counts = mapped ? s->dt_counts + (size_t)l * Hkv * 4 : NULL; /* [Hkv][4] */
         const struct tkv_attn_args att = {.q = s->q, .q_pos = s->pos, .out = s->att, .n_q = n,
                                           .n_head = s->hp.n_head, .n_head_kv = Hkv, .head_dim = s->hp.head_dim,
                                           .scale = 1.0f / sqrtf((float)s->hp.head_dim), .kv = s->views,
                                           .kv_dev = true,
-                                          .kv_dev_n = mapped ? s->dt_counts + (size_t)l * Hkv * 4 : NULL,
-                                          .kv_dev_n_stride = 4,
-                                          .kv_dev_keys = mapped ? s->dt_counts + (size_t)l * Hkv * 4 + 2 : NULL};
+                                          .kv_dev_n = dev_counts, .kv_dev_n_stride = 4,
+                                          .kv_dev_keys = dev_counts ? dev_counts + 2 : NULL};
         if (s->hsplit) {
             st = hetero_attention(s, &att);
         } else {
