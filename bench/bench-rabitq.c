@@ -5,10 +5,12 @@
  * the KV blocks, [n, head_dim] f16); also encoding and top-p selection.
  *
  *   build/bench/bench-rabitq [--quick]   (--quick: 8K keys only, a smoke run)
- *   build/bench/bench-rabitq --gpu-select (CUDA: one layer's selection,
- *       8 KV heads x 4 query heads, D = 128, at 32K / 128K / 1M keys, by the
+ *   build/bench/bench-rabitq --gpu-select [HxG [KEYS [C]]] (CUDA: one layer's
+ *       selection, 8 KV heads x 4 query heads unless HxG says (qwen2.5-7b:
+ *       4x7), D = 128, at 32K / 128K / 1M keys (or KEYS), by the
  *       union of the query heads' and by their mean's (`mean=1`), exact and
- *       coarse with groups of 16 (the policy's defaults on a GPU): the
+ *       coarse with groups of 16 (the policy's defaults on a GPU; C = 1 .. 4
+ *       runs only that one of the four, e.g. under a profiler): the
  *       backend's rabitq_select waited for and queued as the engine queues
  *       it, against the per-head path it replaces -- rabitq_estimate,
  *       download, host select_topp, union -- and the keys where the two
@@ -166,9 +168,9 @@ struct select_cfg {
  * (bitmaps left in backend memory, REPS calls back to back, one
  * synchronize: its cost in the stream), and for the exact configurations
  * the per-query-head path it replaces, whose union must be the op's. */
-static int select_bench(bool cuda, uint32_t threads)
+static int select_bench(bool cuda, uint32_t threads, uint32_t H, uint32_t G, uint32_t only_n, int only_cfg)
 {
-    enum { H = 8, G = 4, D = 128, REPS = 10 };
+    enum { H_MAX = 32, D = 128, REPS = 10 };
     static const struct select_cfg cfgs[] = {
         {"union", false, false}, {"union, coarse, whole=16", false, true},
         {"mean", true, false},   {"mean, coarse, whole=16", true, true},
@@ -179,7 +181,7 @@ static int select_bench(bool cuda, uint32_t threads)
         printf("no %s backend with rabitq_select: nothing to time\n", cuda ? "CUDA" : "CPU");
         return 0;
     }
-    printf("## One layer's RaBitQ selection on the %s (%d KV heads x %d query heads, D = %d, p = 0.9, sink 64, "
+    printf("## One layer's RaBitQ selection on the %s (%u KV heads x %u query heads, D = %d, p = 0.9, sink 64, "
            "recent 64)\n\n", cuda ? "GPU" : "CPU backend", H, G, D);
     if (!cuda && threads)
         printf("rabitq_select on %u threads; the per-head path without it on one\n\n", threads);
@@ -192,7 +194,9 @@ static int select_bench(bool cuda, uint32_t threads)
     printf("|---:|---|---|---:|---:|---:|---:|---:|\n");
     const uint32_t sizes[] = {32768, 131072, 1048576};
     for (int si = 0; si < (cuda ? 3 : 2); si++) {
-        const uint32_t n = sizes[si], words = (n + 31) / 32;
+        const uint32_t n = only_n ? only_n : sizes[si], words = (n + 31) / 32;
+        if (only_n && si)
+            break;
         uint16_t *k = malloc((size_t)n * D * sizeof *k);
         float *est = malloc((size_t)n * 4), *bound = malloc((size_t)n * 4);
         uint32_t *bm = malloc((size_t)H * words * 4), *pos = malloc((size_t)n * 4);
@@ -215,10 +219,10 @@ static int select_bench(bool cuda, uint32_t threads)
             be->ops->alloc(be, (size_t)H * words * 4, (void **)&bm_dev))
             return fail("select: index");
         /* per KV head its G query heads' queries and their mean's */
-        static struct tkv_rabitq_query qq[H * G], qm[H];
-        static float q[G][D], mq[D];
-        for (int h = 0; h < H; h++) {
-            for (int j = 0; j < G; j++) {
+        static struct tkv_rabitq_query qq[H_MAX * TKV_RABITQ_SELECT_MAX_G], qm[H_MAX];
+        static float q[TKV_RABITQ_SELECT_MAX_G][D], mq[D];
+        for (uint32_t h = 0; h < H; h++) {
+            for (uint32_t j = 0; j < G; j++) {
                 for (int i = 0; i < D; i++)
                     q[j][i] = 2.0f * gauss();
                 if (tkv_rabitq_query_prepare(ix, q[j], 0, &qq[h * G + j]))
@@ -231,9 +235,11 @@ static int select_bench(bool cuda, uint32_t threads)
         const struct tkv_range forced[2] = {{0, 64}, {n - 64, n}};
         for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++) {
             const struct select_cfg *cf = &cfgs[ci];
+            if (only_cfg >= 0 && (size_t)only_cfg != ci)
+                continue;
             const uint32_t g = cf->mean ? 1 : G;
-            struct tkv_rabitq_select_head heads[H];
-            for (int h = 0; h < H; h++) { /* (one index stands for the 8 heads' own: the same work) */
+            struct tkv_rabitq_select_head heads[H_MAX];
+            for (uint32_t h = 0; h < H; h++) { /* (one index stands for every head's own: the same work) */
                 memset(&heads[h], 0, sizeof heads[h]);
                 heads[h].ix = tkv_rabitq_dev_arrays(dx), heads[h].q = cf->mean ? &qm[h] : &qq[h * G], heads[h].n = n;
                 heads[h].row = (uint32_t)h, heads[h].n_forced = 2;
@@ -275,7 +281,7 @@ static int select_bench(bool cuda, uint32_t threads)
                 uint64_t differ = 0;
                 for (int r = 0; r < 3; r++) {
                     const double t0 = now();
-                    for (int h = 0; h < H; h++) {
+                    for (uint32_t h = 0; h < H; h++) {
                         memset(mark, 0, n);
                         for (uint32_t j = 0; j < g; j++) {
                             struct tkv_rabitq_topp_result res;
@@ -310,10 +316,28 @@ static int select_bench(bool cuda, uint32_t threads)
 
 int main(int argc, char **argv)
 {
-    if (argc > 1 && !strcmp(argv[1], "--gpu-select"))
-        return select_bench(true, 0);
+    if (argc > 1 && !strcmp(argv[1], "--gpu-select")) {
+        /* optional: HxG (KV heads x query heads, 8x4 by default) and a number of keys (all three sizes by default) */
+        uint32_t H = 8, G = 4, n = 0;
+        if (argc > 2 && (sscanf(argv[2], "%ux%u", &H, &G) != 2 || H < 1 || H > 32 || G < 1 ||
+                         G > TKV_RABITQ_SELECT_MAX_G)) {
+            fprintf(stderr, "bench-rabitq: --gpu-select %s: want HxG, 1 <= H <= 32, 1 <= G <= %d\n", argv[2],
+                    TKV_RABITQ_SELECT_MAX_G);
+            return 2;
+        }
+        if (argc > 3 && (sscanf(argv[3], "%u", &n) != 1 || n < 256 || n > (1u << 23))) {
+            fprintf(stderr, "bench-rabitq: --gpu-select %s %s: want 256 .. 2^23 keys\n", argv[2], argv[3]);
+            return 2;
+        }
+        int cfg = -1; /* optional: 1 .. 4, one configuration of the table's (for a profiler) */
+        if (argc > 4 && (sscanf(argv[4], "%d", &cfg) != 1 || cfg < 1 || cfg > 4)) {
+            fprintf(stderr, "bench-rabitq: --gpu-select ... %s: want a configuration 1 .. 4\n", argv[4]);
+            return 2;
+        }
+        return select_bench(true, 0, H, G, n, cfg > 0 ? cfg - 1 : -1);
+    }
     if (argc > 1 && !strcmp(argv[1], "--cpu-select"))
-        return select_bench(false, argc > 2 ? (uint32_t)atoi(argv[2]) : 0);
+        return select_bench(false, argc > 2 ? (uint32_t)atoi(argv[2]) : 0, 8, 4, 0, -1);
     const int quick = argc > 1 && !strcmp(argv[1], "--quick");
     const uint32_t sizes[] = {8192, 131072, 1048576}, dims[] = {64, 128};
     const int n_sizes = quick ? 1 : 3;

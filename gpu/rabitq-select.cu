@@ -21,7 +21,8 @@
  *               is "taken first", ties by position), 8 bits a pass, keeping the
  *               invariant "the rule fails at the region's start and holds at its
  *               end", down to the last key taken
- *   6 output    kept = forced, or a bin before the boundary, or in it with a
+ *   6 output    kept = forced, or a bin before the boundary (g at or above
+ *               the scan's threshold, bin_threshold), or in it with a
  *               key >= the last one taken; ORed over the G pairs, a ballot per
  *               32 positions (and widened to groups of `whole` positions
  *               there when whole divides 32)
@@ -86,6 +87,8 @@ struct rqs_state {
                                       dropped after it (rounded up)                     */
     u64 kstar;                     /* the last member of the boundary bin taken          */
     float M, gmax;
+    float thr;                     /* bin_threshold(the boundary, gmax): g >= thr is in a
+                                      bin before it                                      */
     u64 hl[NB], hu[NB];            /* per bin, in the bin's own units (bin_exps)         */
     uint32_t hc[NB];
 };
@@ -140,6 +143,55 @@ static __device__ __forceinline__ uint32_t bin_of(float g, float gmax)
     return (uint32_t)(int32_t)(d > 0 ? d : 0);
 }
 
+/* The least g with bin_of(g, gmax) < B, as a float: NaN where no g has it,
+ * -inf where every g does. bin_of does not increase with g (each of its
+ * roundings is monotone), so {g : bin_of(g, gmax) < B} is {g : g >= thr}:
+ * the output kernel compares g with thr where it would compute g's bin.
+ * The search runs over the floats in order (ord_f) from gmax - B / BPN,
+ * a few ulps from the answer: doubling steps until it is bracketed, then
+ * bisection (a handful of bin_of calls; once a pair, on the scan's
+ * critical path, where a bisection over all floats cost ~2 us). */
+static __device__ float bin_threshold(uint32_t B, float gmax)
+{
+    if (B == 0 || !(bin_of(INFINITY, gmax) < B))
+        return nanf("");
+    if (bin_of(-INFINITY, gmax) < B)
+        return -INFINITY;
+    const unsigned o_min = ord_f(-INFINITY), o_max = ord_f(INFINITY); /* below B: not at o_min, at o_max */
+    const float c = __fsub_rn(gmax, (float)B / BPN);
+    const unsigned o = isfinite(c) ? ord_f(c) : o_min;
+    unsigned lo = o_min, hi = o_max;
+    if (bin_of(unord_f(o), gmax) < B) {
+        hi = o;
+        for (u64 d = 1;; d *= 2) { /* (64 bits: d passes every distance before it could wrap) */
+            const unsigned x = o - o_min > d ? o - (unsigned)d : o_min;
+            if (!(bin_of(unord_f(x), gmax) < B)) {
+                lo = x;
+                break;
+            }
+            hi = x;
+        }
+    } else {
+        lo = o;
+        for (u64 d = 1;; d *= 2) {
+            const unsigned x = o_max - o > d ? o + (unsigned)d : o_max;
+            if (bin_of(unord_f(x), gmax) < B) {
+                hi = x;
+                break;
+            }
+            lo = x;
+        }
+    }
+    while (hi - lo > 1) {
+        const unsigned mid = lo + (hi - lo) / 2;
+        if (bin_of(unord_f(mid), gmax) < B)
+            hi = mid;
+        else
+            lo = mid;
+    }
+    return unord_f(hi);
+}
+
 /* A head's forced ranges in registers: read through the head's reference,
  * each use would load them again after every global store the compiler
  * cannot tell apart from them. */
@@ -163,6 +215,16 @@ static __device__ __forceinline__ bool is_forced(const struct rqs_forced &f, uin
         x |= r < f.n && i >= f.fb[r] && i < f.fe[r];
     return x;
 }
+/* whether any forced range meets positions [lo, hi): where none does (most
+ * of a long head), a kernel skips is_forced for a whole run of keys */
+static __device__ __forceinline__ bool any_forced(const struct rqs_forced &f, uint32_t lo, uint32_t hi)
+{
+    bool x = false;
+#pragma unroll
+    for (uint32_t r = 0; r < TKV_CUDA_RQS_MAX_FORCED; r++)
+        x |= r < f.n && f.fb[r] < hi && f.fe[r] > lo;
+    return x;
+}
 
 /* the scalar topp_weights of the host (runtime/rabitq/rabitq.c), from the stored s and d */
 static __device__ __forceinline__ void key_lu(float s, float d, float M, bool safe, float *l, float *u)
@@ -181,60 +243,86 @@ static __device__ __forceinline__ struct rqs_ptrs pair_ptrs(const struct tkv_cud
     return {w.scratch + off, w.scratch + P * pp.n_max + off, w.scratch + 2 * P * pp.n_max + off};
 }
 
-#define RQS_EST_T 256
+#define RQS_EST_T   256
+#define RQS_EST_KPT 4 /* keys a thread of the estimate kernel takes on long heads */
 
-/* 1: grid (keys / RQS_EST_T, n_heads). W > 0: every head's codes are W words
- * (pp.code_words), held in registers; 0: any width, through local memory. */
-template <int W>
-__global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const __grid_constant__ struct tkv_cuda_rqs_heads heads,
-                             struct tkv_cuda_rqs_work w)
+/* 1: grid (keys / (RQS_EST_T KPT), n_heads); a thread takes the KPT keys
+ * i0 + k RQS_EST_T. W > 0: every head's codes are W words (pp.code_words),
+ * held in registers; 0: any width, through local memory (KPT 1). SAFE is
+ * pp.safe. Several keys a thread share each query's loads from shared
+ * memory and the pair's warp reductions: at 1M keys the kernel was bound by
+ * the instructions it issued (ncu: 161 a key and query head), not by its
+ * bytes. The maxima are order-free and every key's arithmetic is the same,
+ * so the outputs do not depend on KPT. */
+template <int W, bool SAFE, int KPT>
+__global__ void __launch_bounds__(RQS_EST_T) rqs_estimate(struct tkv_cuda_rqs_params pp,
+                                                          const __grid_constant__ struct tkv_cuda_rqs_heads heads,
+                                                          struct tkv_cuda_rqs_work w)
 {
+    static_assert(W > 0 || KPT == 1, "codes of any width: one key a thread");
     __shared__ struct tkv_rabitq_dev_query q[TKV_CUDA_RQS_MAX_G];
     __shared__ unsigned red[RQS_EST_T / 32][TKV_CUDA_RQS_MAX_G][4]; /* per warp and pair: go, uo, lo, bad */
     tkv_pdl_wait(); /* (common.cuh's contract, in every kernel here: before any read of the stream's data) */
-    const uint32_t h = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t h = blockIdx.y, i0 = blockIdx.x * RQS_EST_T * KPT + threadIdx.x;
     const struct tkv_cuda_rqs_head &hd = heads.h[h];
     for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
         ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
     __syncthreads();
-    const bool valid = i < hd.n, forced = valid && is_forced(forced_of(hd), i);
+    const struct rqs_forced fr = forced_of(hd);
     const struct tkv_cuda_rq_index &ix = hd.ix;
     const uint32_t words = W > 0 ? (uint32_t)W : ix.words;
-    uint64_t cw[W > 0 ? W : TKV_CUDA_RQ_MAX_WORDS];
-    float a = 0, e = 0, t = 0;
-    int32_t xb = 0;
-    if (valid) {
+    uint64_t cw[KPT][W > 0 ? W : TKV_CUDA_RQ_MAX_WORDS];
+    float a[KPT], e[KPT], t[KPT];
+    int32_t xb[KPT];
+    bool valid[KPT], forced[KPT];
 #pragma unroll
-        for (uint32_t x = 0; x < words; x++)
-            cw[x] = ix.code[(size_t)i * words + x];
-        a = ix.a[i], e = ix.e[i], t = ix.t[i];
-        xb = 2 * (int32_t)ix.pc[i] - (int32_t)ix.dim_pad;
+    for (int k = 0; k < KPT; k++) { /* every key's loads in flight before any is used */
+        const uint32_t i = i0 + k * RQS_EST_T;
+        valid[k] = i < hd.n;
+        forced[k] = valid[k] && is_forced(fr, i);
+        a[k] = e[k] = t[k] = 0, xb[k] = 0;
+        if (valid[k]) {
+#pragma unroll
+            for (uint32_t x = 0; x < words; x++)
+                cw[k][x] = ix.code[(size_t)i * words + x];
+            a[k] = ix.a[i], t[k] = ix.t[i];
+            if (SAFE)
+                e[k] = ix.e[i];
+            xb[k] = 2 * (int32_t)ix.pc[i] - (int32_t)ix.dim_pad;
+        }
     }
     for (uint32_t j = 0; j < pp.G; j++) {
-        const uint32_t pair = h * pp.G + j;
+        const struct tkv_rabitq_dev_query &qq = q[j];
+        const struct rqs_ptrs pt = pair_ptrs(pp, w, h * pp.G + j);
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
-        if (valid) {
-            const struct tkv_rabitq_dev_query &qq = q[j];
-            const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est<W>(cw, words, qq, xb, a, t));
-            const float d = pp.safe ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a, e, qq)) : 0.0f;
+#pragma unroll
+        for (int k = 0; k < KPT; k++) {
+            if (!valid[k])
+                continue;
+            const uint32_t i = i0 + k * RQS_EST_T;
+            const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est<W>(cw[k], words, qq, xb[k], a[k], t[k]));
+            const float d = SAFE ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a[k], e[k], qq)) : 0.0f;
             const float sd = __fadd_rn(s, d);
-            bad = isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || sd == INFINITY;
-            const float g = pp.safe
-                                ? __fadd_rn(sd, logf(__fadd_rn(pp.p, __fmul_rn(1.0f - pp.p, expf(__fmul_rn(-2.0f, d))))))
-                                : s;
-            const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
+            const bool bk = isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || sd == INFINITY;
+            const float g = SAFE ? __fadd_rn(sd, logf(__fadd_rn(pp.p, __fmul_rn(1.0f - pp.p, expf(__fmul_rn(-2.0f, d))))))
+                                 : s;
             pt.g[i] = g;
-            if (pp.safe) {
+            if (SAFE) {
                 pt.s[i] = s;
                 pt.d[i] = d;
             }
-            uo = bad ? 0 : ord_f(sd);
-            lo = bad ? 0 : ord_f(__fsub_rn(s, d));
-            go = bad || forced ? 0 : ord_f(g);
+            bad |= bk;
+            if (!bk) {
+                uo = max(uo, ord_f(sd));
+                if (SAFE)
+                    lo = max(lo, ord_f(__fsub_rn(s, d)));
+                if (!forced[k])
+                    go = max(go, ord_f(g));
+            }
         }
         go = __reduce_max_sync(0xffffffffu, go);
         uo = __reduce_max_sync(0xffffffffu, uo);
-        lo = pp.safe ? __reduce_max_sync(0xffffffffu, lo) : uo; /* plain: d = 0, s - d = s + d */
+        lo = SAFE ? __reduce_max_sync(0xffffffffu, lo) : uo; /* plain: d = 0, s - d = s + d */
         bad = __reduce_or_sync(0xffffffffu, bad);
         if (threadIdx.x % 32 == 0) {
             unsigned *r = red[threadIdx.x / 32][j];
@@ -254,6 +342,26 @@ __global__ void rqs_estimate(struct tkv_cuda_rqs_params pp, const __grid_constan
         if (x)
             atomicMax(v == 0 ? &st->gmax_o : v == 1 ? &st->umax_o : v == 2 ? &st->lo_o : &st->bad, x);
     }
+}
+
+/* The estimate's grid and instance: KPT keys a thread where that still
+ * leaves every multiprocessor two blocks or more. */
+template <int W, bool SAFE>
+static cudaError_t rqs_estimate_launch(const struct tkv_cuda_rqs_params &gp, const struct tkv_cuda_rqs_heads &h,
+                                       uint32_t n, const struct tkv_cuda_rqs_work &gw, bool pdl, cudaStream_t s)
+{
+    const uint32_t wide = tkv_cuda_blocks(gp.n_max, RQS_EST_T * RQS_EST_KPT);
+    if (W > 0 && (uint64_t)wide * n >= 2ull * gp.n_sm)
+        return tkv_cuda_launch(pdl, dim3(wide, n), RQS_EST_T, 0, s, rqs_estimate<W, SAFE, (W > 0 ? RQS_EST_KPT : 1)>, gp,
+                               h, gw);
+    return tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.n_max, RQS_EST_T), n), RQS_EST_T, 0, s,
+                           rqs_estimate<W, SAFE, 1>, gp, h, gw);
+}
+template <int W>
+static cudaError_t rqs_estimate_launch(const struct tkv_cuda_rqs_params &gp, const struct tkv_cuda_rqs_heads &h,
+                                       uint32_t n, const struct tkv_cuda_rqs_work &gw, bool pdl, cudaStream_t s)
+{
+    return gp.safe ? rqs_estimate_launch<W, true>(gp, h, n, gw, pdl, s) : rqs_estimate_launch<W, false>(gp, h, n, gw, pdl, s);
 }
 
 /* M and gmax of a pair, as the host computes them */
@@ -317,7 +425,18 @@ static_assert(NB % HIST_T == 0, "the hist kernel's threads fold whole bins");
  * thread folds its HIST_BPT bins into 64-bit sums in registers, which go to
  * the pair's state at the end: the units and the global atomics are paid
  * once per `sub` (1 .. HIST_SUB) sub-chunks. The sums are integers, so
- * the grid's shape does not change them. */
+ * the grid's shape does not change them.
+ *
+ * Plain mode (SAFE false) takes a shorter way to the same sums: there l = u
+ * and, in a bin whose l and u units agree (El = Eu: every bin but, where
+ * the float rounding of Lref falls just so, the first), tl and tu are the
+ * same value rounded down and up, so they differ by one unit where it is
+ * not an integer number of units and not at all where it is (every term
+ * of a bin but the last: u >= 2^(E-3), whose ulp is >= 2^(E-26), one unit
+ * being 2^(E-40)). Such a bin sums tu and counts the keys where tl = tu - 1
+ * (in hl_lo; hl_hi stays 0): its l sum is the u sum less that count. Three
+ * shared atomics a key where there were five. */
+template <bool SAFE>
 __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp,
                                                    const __grid_constant__ struct tkv_cuda_rqs_heads heads, struct tkv_cuda_rqs_work w,
                                                    uint32_t sub)
@@ -358,14 +477,15 @@ __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp
     bool over = false;
     for (uint32_t c0 = i0; c0 < iend; c0 += HCHUNK) {
         const uint32_t i1 = min(c0 + HCHUNK, iend);
+        const bool some_forced = any_forced(fr, c0, i1);
         for (uint32_t i = c0 + threadIdx.x; i < i1; i += HU * blockDim.x) {
             float g[HU], s[HU], d[HU]; /* HU keys' loads in flight before any is used */
 #pragma unroll
             for (int x = 0; x < HU; x++) {
                 const uint32_t k = i + x * blockDim.x;
                 g[x] = k < i1 ? pt.g[k] : 0.0f;
-                s[x] = pp.safe && k < i1 ? pt.s[k] : g[x];
-                d[x] = pp.safe && k < i1 ? pt.d[k] : 0.0f;
+                s[x] = SAFE && k < i1 ? pt.s[k] : g[x];
+                d[x] = SAFE && k < i1 ? pt.d[k] : 0.0f;
             }
 #pragma unroll
             for (int x = 0; x < HU; x++) {
@@ -373,19 +493,31 @@ __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp
                 if (k >= i1)
                     break;
                 float l, u;
-                key_lu(s[x], d[x], c.M, pp.safe, &l, &u);
-                if (is_forced(fr, k)) {
+                key_lu(s[x], d[x], c.M, SAFE, &l, &u);
+                if (some_forced && is_forced(fr, k)) {
                     nf += fx_down(l, c.Ef, &over);
+                    continue;
+                }
+                const uint32_t b = bin_of(g[x], c.gmax);
+                const int2 E = bexp[b];
+                u64 tl, tu;
+                if (!SAFE && E.x == E.y) { /* fx_down and fx_up of the same product */
+                    const double v = __dmul_rn((double)u, pow2(FX_BITS - E.y));
+                    over |= !(v <= (double)(1ull << FX_BITS));
+                    tl = __double2ull_rz(v), tu = __double2ull_ru(v);
                 } else {
-                    const uint32_t b = bin_of(g[x], c.gmax);
-                    const int2 E = bexp[b];
-                    const u64 tl = fx_down(l, E.x, &over), tu = fx_up(u, E.y, &over);
-                    over |= ((tl | tu) >> (2 * HALF)) != 0;
+                    tl = fx_down(l, E.x, &over), tu = fx_up(u, E.y, &over);
+                }
+                over |= ((tl | tu) >> (2 * HALF)) != 0;
+                atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
+                atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
+                atomicAdd(&hc[b], 1u);
+                if (!SAFE && E.x == E.y) { /* l = u: tl is tu or tu - 1 */
+                    if (tl != tu)
+                        atomicAdd(&hl_lo[b], 1u);
+                } else {
                     atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
                     atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
-                    atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
-                    atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
-                    atomicAdd(&hc[b], 1u);
                 }
             }
         }
@@ -393,7 +525,10 @@ __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp
 #pragma unroll
         for (int k = 0; k < HIST_BPT; k++) {
             const uint32_t b = threadIdx.x + k * HIST_T;
-            al[k] += ((u64)hl_hi[b] << HALF) + hl_lo[b], au[k] += ((u64)hu_hi[b] << HALF) + hu_lo[b];
+            const u64 su = ((u64)hu_hi[b] << HALF) + hu_lo[b];
+            const int2 E = bexp[b];
+            al[k] += !SAFE && E.x == E.y ? su - hl_lo[b] : ((u64)hl_hi[b] << HALF) + hl_lo[b];
+            au[k] += su;
             ac[k] += hc[b];
             hl_lo[b] = hl_hi[b] = hu_lo[b] = hu_hi[b] = hc[b] = 0;
         }
@@ -492,6 +627,7 @@ __global__ void rqs_scan(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work
     if (none) {
         if (t == 0) {
             st->bstar = 0, st->partial = 0, st->cnt = 0, st->N = nf, st->C = ctot, st->M = un.M, st->gmax = un.gmax;
+            st->thr = bin_threshold(0, un.gmax);
             if (pp.coarse)
                 whole_bins_out(st, w, blockIdx.x);
         }
@@ -509,6 +645,7 @@ __global__ void rqs_scan(struct tkv_cuda_rqs_params pp, struct tkv_cuda_rqs_work
         } else {
             st->bstar = bmin, st->partial = 1, st->cnt = cb, st->N = mN, st->C = mC;
         }
+        st->thr = bin_threshold(st->bstar, un.gmax);
     }
 }
 
@@ -759,27 +896,35 @@ __global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_para
                                                         const __grid_constant__ struct tkv_cuda_rqs_heads heads,
                                                         struct tkv_cuda_rqs_work w)
 {
-    /* the G pairs' boundaries, read once per block */
+    /* the G pairs' boundaries, read once per block: a key is kept by pair
+     * j where g >= thr (a bin before the boundary) or, in the boundary bin
+     * cut key by key, where its key is >= the last one taken (such a key's
+     * g is in a bin up to the boundary: its own, or an earlier one) */
     __shared__ struct {
         u64 kstar;
-        float gmax;
-        uint32_t bstar, partial, bad;
+        float thr;
+        uint32_t partial;
     } ps[TKV_CUDA_RQS_MAX_G];
+    __shared__ uint32_t any_bad;
     const uint32_t h = blockIdx.y, G = pp.G, lane = threadIdx.x % 32;
     tkv_pdl_wait();
     tkv_pdl_trigger();
     const struct tkv_cuda_rqs_head &hd = heads.h[h];
+    if (threadIdx.x == 0)
+        any_bad = 0;
+    __syncthreads();
     if (threadIdx.x < G) {
         const struct rqs_state *st = (const struct rqs_state *)w.state + h * G + threadIdx.x;
-        ps[threadIdx.x].kstar = st->kstar, ps[threadIdx.x].gmax = st->gmax, ps[threadIdx.x].bstar = st->bstar;
-        ps[threadIdx.x].partial = st->partial, ps[threadIdx.x].bad = st->bad;
+        ps[threadIdx.x].kstar = st->kstar, ps[threadIdx.x].thr = st->thr, ps[threadIdx.x].partial = st->partial;
+        if (st->bad)
+            any_bad = 1;
     }
     __syncthreads();
     const uint32_t n = hd.n, W = pp.whole;
     const struct rqs_forced fr = forced_of(hd);
     const float *const g0 = pair_ptrs(pp, w, h * G).g; /* pair (h, j)'s: g0 + j n_max */
     uint32_t *const row = w.bitmap + (size_t)hd.row * pp.words;
-    const bool widen = W > 1 && 32 % W == 0;
+    const bool widen = W > 1 && 32 % W == 0, all = any_bad != 0; /* a bad pair reads the head whole */
     const uint32_t warps = gridDim.x * (blockDim.x / 32);
     for (uint32_t wd = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wd < pp.words; wd += warps) {
         const uint32_t i = wd * 32 + lane;
@@ -789,14 +934,12 @@ __global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_para
 #pragma unroll
             for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++)
                 g[j] = j < G ? g0[(size_t)j * pp.n_max + i] : 0.0f;
-            kept = is_forced(fr, i);
+            kept = all || (any_forced(fr, wd * 32, wd * 32 + 32) && is_forced(fr, i));
 #pragma unroll
             for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++) {
                 if (j >= G)
                     break;
-                const uint32_t b = bin_of(g[j], ps[j].gmax);
-                kept |= ps[j].bad || b < ps[j].bstar ||
-                        (ps[j].partial && b == ps[j].bstar && key_of(g[j], i) >= ps[j].kstar);
+                kept |= g[j] >= ps[j].thr || (ps[j].partial && key_of(g[j], i) >= ps[j].kstar);
             }
         }
         const unsigned bits = __ballot_sync(0xffffffffu, kept);
@@ -842,7 +985,8 @@ __global__ void rqs_whole(struct tkv_cuda_rqs_params pp, const __grid_constant__
 
 cudaError_t tkv_cuda_rqs_init(void)
 {
-    TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)HIST_SMEM));
+    TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)HIST_SMEM));
+    TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)HIST_SMEM));
     return cudaFuncSetAttribute(rqs_refine, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)REF_SMEM);
 }
 
@@ -869,13 +1013,12 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
                                          w->bitmap};
     const struct tkv_cuda_rqs_heads &h = *hs;
     const uint32_t Pg = n * gp.G, chunks = tkv_cuda_blocks(gp.n_max, CHUNK);
-    const dim3 eg(tkv_cuda_blocks(gp.n_max, RQS_EST_T), n);
     switch (gp.code_words) { /* dim_pad / 64, dim_pad a power of two */
-    case 1: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<1>, gp, h, gw)); break;
-    case 2: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<2>, gp, h, gw)); break;
-    case 4: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<4>, gp, h, gw)); break;
-    case 8: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<8>, gp, h, gw)); break;
-    default: TKV_CUDA_TRY(tkv_cuda_launch(pdl, eg, RQS_EST_T, 0, s, rqs_estimate<0>, gp, h, gw)); break;
+    case 1: TKV_CUDA_TRY(rqs_estimate_launch<1>(gp, h, n, gw, pdl, s)); break;
+    case 2: TKV_CUDA_TRY(rqs_estimate_launch<2>(gp, h, n, gw, pdl, s)); break;
+    case 4: TKV_CUDA_TRY(rqs_estimate_launch<4>(gp, h, n, gw, pdl, s)); break;
+    case 8: TKV_CUDA_TRY(rqs_estimate_launch<8>(gp, h, n, gw, pdl, s)); break;
+    default: TKV_CUDA_TRY(rqs_estimate_launch<0>(gp, h, n, gw, pdl, s)); break;
     }
     /* hist: HIST_SUB sub-chunks a block where that still gives every
      * multiprocessor a block, fewer where it would not (short contexts;
@@ -883,8 +1026,9 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
     uint32_t sub = HIST_SUB;
     while (sub > 1 && (uint64_t)tkv_cuda_blocks(gp.n_max, HCHUNK * sub) * Pg < gp.n_sm)
         sub /= 2;
-    TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.n_max, HCHUNK * sub), Pg), HIST_T, HIST_SMEM, s,
-                                 rqs_hist, gp, h, gw, sub));
+    const dim3 hg(tkv_cuda_blocks(gp.n_max, HCHUNK * sub), Pg);
+    TKV_CUDA_TRY(gp.safe ? tkv_cuda_launch(pdl, hg, HIST_T, HIST_SMEM, s, rqs_hist<true>, gp, h, gw, sub)
+                         : tkv_cuda_launch(pdl, hg, HIST_T, HIST_SMEM, s, rqs_hist<false>, gp, h, gw, sub));
     TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, SCAN_T, 0, s, rqs_scan, gp, gw));
     if (!gp.coarse) {
         TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(chunks, Pg), 512, 0, s, rqs_members, gp, h, gw));
