@@ -110,6 +110,10 @@ struct cuda_backend {
     int gemv;                      /* decode matmul: GEMV_AUTO, or TKV_CUDA_GEMV=fast|ref|cublas|u8 */
     bool pdl;                      /* the decode path's kernels as programmatic
                                       dependent launches (TKV_CUDA_PDL=0: not) */
+    bool rqs_mma;                  /* rabitq_select's popcounts of 128-bit codes on the
+                                      tensor cores (sm_80 and later, and built for it;
+                                      TKV_CUDA_RQS_MMA=0: the scalar kernel, for A/B
+                                      measurements) */
     float *fuse_work;              /* [fuse_work_cap bytes] matmul_swiglu's up product off the GEMV path */
     size_t fuse_work_cap;
     /* rope_qk's positions: the last ones uploaded (host copy, pos_n of them)
@@ -1476,7 +1480,8 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
                                         a->bitmap_dev ? a->bitmap_dev
                                                       : (uint32_t *)(out + (size_t)P * (sizeof(double) + sizeof(uint32_t)))};
     const struct tkv_cuda_rqs_params pp = {H, G, n_max, a->words, a->whole, a->p, a->scale, a->extra_lse,
-                                           a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words, (uint32_t)cb->n_sm};
+                                           a->safe ? 1 : 0, a->coarse ? 1 : 0, code_words, (uint32_t)cb->n_sm,
+                                           cb->rqs_mma ? 1u : 0u};
     CU(op, tkv_cuda_rqs_clear(&w, P, cb->pdl, cb->stream));
     struct tkv_cuda_rqs_heads hs; /* a group of heads a launch, in its parameters: nothing staged */
     for (uint32_t h0 = 0; h0 < H; h0 += TKV_CUDA_RQS_GROUP) {
@@ -2077,6 +2082,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     CU(op, cudaGetDeviceProperties(&prop, cb->device));
     cb->n_sm = prop.multiProcessorCount;
     cb->pdl = cb->pdl && prop.major >= 9; /* griddepcontrol is sm_90's */
+    cb->rqs_mma = cb->rqs_mma && prop.major >= 8; /* mma with b1 operands */
     if (cudaDeviceGetPCIBusId(cb->pci_bus_id, sizeof cb->pci_bus_id, cb->device) != cudaSuccess) {
         (void)cudaGetLastError();
         cb->pci_bus_id[0] = 0;
@@ -2099,7 +2105,9 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     if ((s = cublasSetStream(cb->blas, cb->stream)) != CUBLAS_STATUS_SUCCESS)
         return blas_fail(s, op);
     CU(op, tkv_cuda_attn_init());
-    CU(op, tkv_cuda_rqs_init());
+    bool mma_built;
+    CU(op, tkv_cuda_rqs_init(&mma_built));
+    cb->rqs_mma = cb->rqs_mma && mma_built;
     const char *dec = getenv("TKV_CUDA_ATTN_DECODE");
     const int attn_mode = dec && !strcmp(dec, "0")       ? TKV_ATTN_DECODE_OFF
                           : dec && !strcmp(dec, "merge") ? TKV_ATTN_DECODE_MERGE
@@ -2196,6 +2204,8 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
                                                           : PAIRS_AUTO;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
+    const char *rqs_mma = getenv("TKV_CUDA_RQS_MMA");
+    cb->rqs_mma = !(rqs_mma && !strcmp(rqs_mma, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");
     tkv_status st = cuda_init(cb);
     if (st == TKV_OK && prof && !strcmp(prof, "1")) {

@@ -5,9 +5,11 @@
  * (0 in plain mode), l = e^(s-d-M), u = e^(s+d-M) and the log-value
  * g = s + d + log(p + (1-p) e^(-2d)) (= s in plain mode) of
  * tkv_rabitq_select_topp, the kernels run in stream order:
- *   1 estimate  one thread per key, the code loaded once for the G queries:
- *               s, d, g to scratch; the largest g of the candidates (keys not
- *               forced) and the largest s + d of all keys per pair
+ *   1 estimate  a thread per key (or 4), the code loaded once for the G
+ *               queries (128-bit codes: the popcounts on the tensor cores,
+ *               rqs_estimate_mma): s, d, g to scratch; the largest g of the
+ *               candidates (keys not forced) and the largest s + d of all keys
+ *               per pair
  *   2 hist      the forced keys' l summed; the candidates' l, u and count in
  *               the host's bins of 1/TKV_RABITQ_TOPP_BPN nat below the largest g
  *               (backend.h: 1024 of 1/16 nat)
@@ -147,41 +149,16 @@ static __device__ __forceinline__ uint32_t bin_of(float g, float gmax)
  * -inf where every g does. bin_of does not increase with g (each of its
  * roundings is monotone), so {g : bin_of(g, gmax) < B} is {g : g >= thr}:
  * the output kernel compares g with thr where it would compute g's bin.
- * The search runs over the floats in order (ord_f) from gmax - B / BPN,
- * a few ulps from the answer: doubling steps until it is bracketed, then
- * bisection (a handful of bin_of calls; once a pair, on the scan's
- * critical path, where a bisection over all floats cost ~2 us). */
+ * Bisection over the floats in order (ord_f): 32 steps, once a pair (a
+ * search started at gmax - B / BPN, a few ulps off, was measured no
+ * faster in the call: session 35). */
 static __device__ float bin_threshold(uint32_t B, float gmax)
 {
     if (B == 0 || !(bin_of(INFINITY, gmax) < B))
         return nanf("");
     if (bin_of(-INFINITY, gmax) < B)
         return -INFINITY;
-    const unsigned o_min = ord_f(-INFINITY), o_max = ord_f(INFINITY); /* below B: not at o_min, at o_max */
-    const float c = __fsub_rn(gmax, (float)B / BPN);
-    const unsigned o = isfinite(c) ? ord_f(c) : o_min;
-    unsigned lo = o_min, hi = o_max;
-    if (bin_of(unord_f(o), gmax) < B) {
-        hi = o;
-        for (u64 d = 1;; d *= 2) { /* (64 bits: d passes every distance before it could wrap) */
-            const unsigned x = o - o_min > d ? o - (unsigned)d : o_min;
-            if (!(bin_of(unord_f(x), gmax) < B)) {
-                lo = x;
-                break;
-            }
-            hi = x;
-        }
-    } else {
-        lo = o;
-        for (u64 d = 1;; d *= 2) {
-            const unsigned x = o_max - o > d ? o + (unsigned)d : o_max;
-            if (bin_of(unord_f(x), gmax) < B) {
-                hi = x;
-                break;
-            }
-            lo = x;
-        }
-    }
+    unsigned lo = ord_f(-INFINITY), hi = ord_f(INFINITY); /* below B: not at lo, at hi */
     while (hi - lo > 1) {
         const unsigned mid = lo + (hi - lo) / 2;
         if (bin_of(unord_f(mid), gmax) < B)
@@ -244,16 +221,75 @@ static __device__ __forceinline__ struct rqs_ptrs pair_ptrs(const struct tkv_cud
 }
 
 #define RQS_EST_T   256
-#define RQS_EST_KPT 4 /* keys a thread of the estimate kernel takes on long heads */
+#define RQS_EST_KPT 4 /* keys a thread of the estimate kernels takes on long heads (the tensor-core
+                         kernel: groups of 32 a warp) */
+
+/* One key's outputs for one pair, from its scaled estimate s: g (and, safe,
+ * s and d) to scratch, and the thread's running maxima (go over candidates,
+ * uo of s + d, lo of s - d) and bad flag. Both estimate kernels use it. */
+template <bool SAFE>
+static __device__ __forceinline__ void rqs_key_out(const struct tkv_cuda_rqs_params &pp, const struct rqs_ptrs &pt,
+                                                   uint32_t i, float s, float d, bool forced, unsigned &go,
+                                                   unsigned &uo, unsigned &lo, unsigned &bad)
+{
+    const float sd = __fadd_rn(s, d);
+    const bool bk = isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || sd == INFINITY;
+    const float g = SAFE ? __fadd_rn(sd, logf(__fadd_rn(pp.p, __fmul_rn(1.0f - pp.p, expf(__fmul_rn(-2.0f, d))))))
+                         : s;
+    pt.g[i] = g;
+    if (SAFE) {
+        pt.s[i] = s;
+        pt.d[i] = d;
+    }
+    bad |= bk;
+    if (!bk) {
+        uo = max(uo, ord_f(sd));
+        if (SAFE)
+            lo = max(lo, ord_f(__fsub_rn(s, d)));
+        if (!forced)
+            go = max(go, ord_f(g));
+    }
+}
+
+/* A warp's maxima of a pair to the block's table; after the last pair, the
+ * block's to the pair's state, one atomic per (pair, value): the warps'
+ * would queue thousands deep on the same few words. */
+template <bool SAFE>
+static __device__ __forceinline__ void rqs_warp_max(unsigned (*red)[TKV_CUDA_RQS_MAX_G][4], uint32_t j, unsigned go,
+                                                    unsigned uo, unsigned lo, unsigned bad)
+{
+    go = __reduce_max_sync(0xffffffffu, go);
+    uo = __reduce_max_sync(0xffffffffu, uo);
+    lo = SAFE ? __reduce_max_sync(0xffffffffu, lo) : uo; /* plain: d = 0, s - d = s + d */
+    bad = __reduce_or_sync(0xffffffffu, bad);
+    if (threadIdx.x % 32 == 0) {
+        unsigned *r = red[threadIdx.x / 32][j];
+        r[0] = go, r[1] = uo, r[2] = lo, r[3] = bad;
+    }
+}
+static __device__ __forceinline__ void rqs_block_max(const struct tkv_cuda_rqs_params &pp,
+                                                     unsigned (*red)[TKV_CUDA_RQS_MAX_G][4],
+                                                     const struct tkv_cuda_rqs_work &w, uint32_t h)
+{
+    tkv_pdl_trigger(); /* late: the hist kernel's CTAs would otherwise sit on the slots this grid's later waves need */
+    __syncthreads();
+    if (threadIdx.x < 4 * pp.G) {
+        const uint32_t j = threadIdx.x / 4, v = threadIdx.x % 4;
+        unsigned x = 0;
+        for (uint32_t k = 0; k < RQS_EST_T / 32; k++)
+            x = v == 3 ? x | red[k][j][v] : max(x, red[k][j][v]);
+        struct rqs_state *st = (struct rqs_state *)w.state + h * pp.G + j;
+        if (x)
+            atomicMax(v == 0 ? &st->gmax_o : v == 1 ? &st->umax_o : v == 2 ? &st->lo_o : &st->bad, x);
+    }
+}
 
 /* 1: grid (keys / (RQS_EST_T KPT), n_heads); a thread takes the KPT keys
  * i0 + k RQS_EST_T. W > 0: every head's codes are W words (pp.code_words),
  * held in registers; 0: any width, through local memory (KPT 1). SAFE is
  * pp.safe. Several keys a thread share each query's loads from shared
- * memory and the pair's warp reductions: at 1M keys the kernel was bound by
- * the instructions it issued (ncu: 161 a key and query head), not by its
- * bytes. The maxima are order-free and every key's arithmetic is the same,
- * so the outputs do not depend on KPT. */
+ * memory and the pair's warp reductions. The maxima are order-free and
+ * every key's arithmetic is the same, so the outputs do not depend on KPT. */
 template <int W, bool SAFE, int KPT>
 __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate(struct tkv_cuda_rqs_params pp,
                                                           const __grid_constant__ struct tkv_cuda_rqs_heads heads,
@@ -296,66 +332,119 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate(struct tkv_cuda_rqs_pa
         const struct rqs_ptrs pt = pair_ptrs(pp, w, h * pp.G + j);
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
 #pragma unroll
-        for (int k = 0; k < KPT; k++) {
-            if (!valid[k])
-                continue;
-            const uint32_t i = i0 + k * RQS_EST_T;
-            const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est<W>(cw[k], words, qq, xb[k], a[k], t[k]));
-            const float d = SAFE ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a[k], e[k], qq)) : 0.0f;
-            const float sd = __fadd_rn(s, d);
-            const bool bk = isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || sd == INFINITY;
-            const float g = SAFE ? __fadd_rn(sd, logf(__fadd_rn(pp.p, __fmul_rn(1.0f - pp.p, expf(__fmul_rn(-2.0f, d))))))
-                                 : s;
-            pt.g[i] = g;
-            if (SAFE) {
-                pt.s[i] = s;
-                pt.d[i] = d;
+        for (int k = 0; k < KPT; k++)
+            if (valid[k]) {
+                const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est<W>(cw[k], words, qq, xb[k], a[k], t[k]));
+                const float d = SAFE ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a[k], e[k], qq)) : 0.0f;
+                rqs_key_out<SAFE>(pp, pt, i0 + k * RQS_EST_T, s, d, forced[k], go, uo, lo, bad);
             }
-            bad |= bk;
-            if (!bk) {
-                uo = max(uo, ord_f(sd));
-                if (SAFE)
-                    lo = max(lo, ord_f(__fsub_rn(s, d)));
-                if (!forced[k])
-                    go = max(go, ord_f(g));
-            }
-        }
-        go = __reduce_max_sync(0xffffffffu, go);
-        uo = __reduce_max_sync(0xffffffffu, uo);
-        lo = SAFE ? __reduce_max_sync(0xffffffffu, lo) : uo; /* plain: d = 0, s - d = s + d */
-        bad = __reduce_or_sync(0xffffffffu, bad);
-        if (threadIdx.x % 32 == 0) {
-            unsigned *r = red[threadIdx.x / 32][j];
-            r[0] = go, r[1] = uo, r[2] = lo, r[3] = bad;
-        }
+        rqs_warp_max<SAFE>(red, j, go, uo, lo, bad);
     }
-    /* the block's maxima, one atomic per (pair, value): the warps' would
-     * queue thousands deep on the same few words */
-    tkv_pdl_trigger(); /* late: the hist kernel's CTAs would otherwise sit on the slots this grid's later waves need */
-    __syncthreads();
-    if (threadIdx.x < 4 * pp.G) {
-        const uint32_t j = threadIdx.x / 4, v = threadIdx.x % 4;
-        unsigned x = 0;
-        for (uint32_t k = 0; k < RQS_EST_T / 32; k++)
-            x = v == 3 ? x | red[k][j][v] : max(x, red[k][j][v]);
-        struct rqs_state *st = (struct rqs_state *)w.state + h * pp.G + j;
-        if (x)
-            atomicMax(v == 0 ? &st->gmax_o : v == 1 ? &st->umax_o : v == 2 ? &st->lo_o : &st->bad, x);
-    }
+    rqs_block_max(pp, red, w, h);
 }
 
-/* The estimate's grid and instance: KPT keys a thread where that still
- * leaves every multiprocessor two blocks or more. */
+/* 1 on the tensor cores, for 128-bit codes (dim_pad 128, pp.code_words 2)
+ * on sm_80 and later: the 16 popcounts a key and query head cost the
+ * scalar kernel one cycle of its multiprocessor's popcount unit (16 a cycle:
+ * ncu put that unit at 84% busy at 1M keys), where one
+ * mma.m16n8k256.b1.and.popc counts 32 keys x 4 planes of a query (H100:
+ * 37x the scalar rate, session 35). A warp takes GROUPS groups of 32 keys:
+ * row r of A holds the codes of keys r (k < 128) and 16 + r (k >= 128) of
+ * the group, column n of B plane n of the query against the first half
+ * (n < 4) or plane n - 4 against the second, so D[r][n] is popcount(code &
+ * plane) of one key and plane. Lane (g, t) = (lane / 4, lane % 4) holds
+ * columns 2t, 2t + 1 of rows g and g + 8: two planes of one key per row;
+ * it keeps the key of row g + 8 (t & 1) in half t / 2 and takes the other
+ * two planes of it from lane ^ 1. The integers are the scalar kernel's,
+ * so every output is. */
+template <bool SAFE, int GROUPS>
+__global__ void __launch_bounds__(RQS_EST_T) rqs_estimate_mma(struct tkv_cuda_rqs_params pp,
+                                                              const __grid_constant__ struct tkv_cuda_rqs_heads heads,
+                                                              struct tkv_cuda_rqs_work w)
+{
+#if __CUDA_ARCH__ >= 800
+    __shared__ struct tkv_rabitq_dev_query q[TKV_CUDA_RQS_MAX_G];
+    __shared__ unsigned red[RQS_EST_T / 32][TKV_CUDA_RQS_MAX_G][4];
+    tkv_pdl_wait();
+    const uint32_t h = blockIdx.y, lane = threadIdx.x % 32, gr = lane / 4, tg = lane % 4;
+    const struct tkv_cuda_rqs_head &hd = heads.h[h];
+    for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
+        ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
+    __syncthreads();
+    const struct rqs_forced fr = forced_of(hd);
+    const struct tkv_cuda_rq_index &ix = hd.ix;
+    const uint32_t *code = (const uint32_t *)ix.code; /* 4 words a key */
+    const uint32_t base = (blockIdx.x * (RQS_EST_T / 32) + threadIdx.x / 32) * 32 * GROUPS;
+    const uint32_t mine = (tg / 2) * 16 + gr + 8 * (tg & 1); /* this lane's key in a group */
+    uint32_t A[GROUPS][4];
+    float a[GROUPS], e[GROUPS], t[GROUPS];
+    int32_t xb[GROUPS];
+    bool valid[GROUPS], forced[GROUPS];
+#pragma unroll
+    for (int k = 0; k < GROUPS; k++) {
+        const uint32_t kb = base + k * 32, i = kb + mine;
+#pragma unroll
+        for (int r = 0; r < 4; r++) { /* rows gr, gr + 8 of the first half, then of the second */
+            const uint32_t key = kb + gr + 8 * (r & 1) + 16 * (r >> 1);
+            A[k][r] = key < hd.n ? code[(size_t)key * 4 + tg] : 0u;
+        }
+        valid[k] = i < hd.n;
+        forced[k] = valid[k] && is_forced(fr, i);
+        a[k] = e[k] = t[k] = 0, xb[k] = 0;
+        if (valid[k]) {
+            a[k] = ix.a[i], t[k] = ix.t[i];
+            if (SAFE)
+                e[k] = ix.e[i];
+            xb[k] = 2 * (int32_t)ix.pc[i] - (int32_t)ix.dim_pad;
+        }
+    }
+    for (uint32_t j = 0; j < pp.G; j++) {
+        const struct tkv_rabitq_dev_query &qq = q[j];
+        const uint32_t *plane = (const uint32_t *)qq.plane; /* plane p's word tg at p 2 QW + tg */
+        const uint32_t b0 = gr < 4 ? plane[gr * 2 * TKV_RABITQ_DEV_QUERY_WORDS + tg] : 0u;
+        const uint32_t b1 = gr >= 4 ? plane[(gr - 4) * 2 * TKV_RABITQ_DEV_QUERY_WORDS + tg] : 0u;
+        const struct rqs_ptrs pt = pair_ptrs(pp, w, h * pp.G + j);
+        unsigned go = 0, uo = 0, lo = 0, bad = 0;
+#pragma unroll
+        for (int k = 0; k < GROUPS; k++) {
+            int c0, c1, c2, c3;
+            asm("mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                "{%8, %9}, {%10, %10, %10, %10};"
+                : "=r"(c0), "=r"(c1), "=r"(c2), "=r"(c3)
+                : "r"(A[k][0]), "r"(A[k][1]), "r"(A[k][2]), "r"(A[k][3]), "r"(b0), "r"(b1), "r"(0));
+            const uint32_t sh = 2 * (tg & 1); /* planes 0, 1 (tg even) or 2, 3 (odd) */
+            const uint32_t row_g = ((uint32_t)c0 + 2u * (uint32_t)c1) << sh, row_g8 = ((uint32_t)c2 + 2u * (uint32_t)c3) << sh;
+            const uint32_t ip = ((tg & 1) ? row_g8 : row_g) + __shfl_xor_sync(0xffffffffu, (tg & 1) ? row_g : row_g8, 1);
+            if (valid[k]) {
+                const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est_ip(ip, qq, xb[k], a[k], t[k]));
+                const float d = SAFE ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a[k], e[k], qq)) : 0.0f;
+                rqs_key_out<SAFE>(pp, pt, base + k * 32 + mine, s, d, forced[k], go, uo, lo, bad);
+            }
+        }
+        rqs_warp_max<SAFE>(red, j, go, uo, lo, bad);
+    }
+    rqs_block_max(pp, red, w, h);
+#endif
+}
+
+/* The estimate's grid and instance: KPT keys a thread (or GROUPS of 32 a
+ * warp) where that still leaves every multiprocessor 8 blocks or more
+ * (measured: at 128K keys x 4 heads, 512 blocks of 4 keys a thread took
+ * longer than 2048 of one); 128-bit codes on the tensor cores where the
+ * device has them (pp.mma). */
 template <int W, bool SAFE>
 static cudaError_t rqs_estimate_launch(const struct tkv_cuda_rqs_params &gp, const struct tkv_cuda_rqs_heads &h,
                                        uint32_t n, const struct tkv_cuda_rqs_work &gw, bool pdl, cudaStream_t s)
 {
-    const uint32_t wide = tkv_cuda_blocks(gp.n_max, RQS_EST_T * RQS_EST_KPT);
-    if (W > 0 && (uint64_t)wide * n >= 2ull * gp.n_sm)
+    const uint32_t wide = tkv_cuda_blocks(gp.n_max, RQS_EST_T * RQS_EST_KPT), one = tkv_cuda_blocks(gp.n_max, RQS_EST_T);
+    const bool many = (uint64_t)wide * n >= 8ull * gp.n_sm;
+    if (W == 2 && gp.mma)
+        return many ? tkv_cuda_launch(pdl, dim3(wide, n), RQS_EST_T, 0, s, rqs_estimate_mma<SAFE, RQS_EST_KPT>, gp, h, gw)
+                    : tkv_cuda_launch(pdl, dim3(one, n), RQS_EST_T, 0, s, rqs_estimate_mma<SAFE, 1>, gp, h, gw);
+    if (W > 0 && many)
         return tkv_cuda_launch(pdl, dim3(wide, n), RQS_EST_T, 0, s, rqs_estimate<W, SAFE, (W > 0 ? RQS_EST_KPT : 1)>, gp,
                                h, gw);
-    return tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.n_max, RQS_EST_T), n), RQS_EST_T, 0, s,
-                           rqs_estimate<W, SAFE, 1>, gp, h, gw);
+    return tkv_cuda_launch(pdl, dim3(one, n), RQS_EST_T, 0, s, rqs_estimate<W, SAFE, 1>, gp, h, gw);
 }
 template <int W>
 static cudaError_t rqs_estimate_launch(const struct tkv_cuda_rqs_params &gp, const struct tkv_cuda_rqs_heads &h,
@@ -983,8 +1072,14 @@ __global__ void rqs_whole(struct tkv_cuda_rqs_params pp, const __grid_constant__
 #define HIST_SMEM (NB * 5 * sizeof(uint32_t))
 #define REF_SMEM  (3 * RCAP * sizeof(u64))
 
-cudaError_t tkv_cuda_rqs_init(void)
+cudaError_t tkv_cuda_rqs_init(bool *mma)
 {
+    /* the tensor-core estimate has a body only where compiled for sm_80 or
+     * later: a build for older targets JIT-compiled on a newer device has
+     * an empty one, which must not run */
+    cudaFuncAttributes fa;
+    *mma = cudaFuncGetAttributes(&fa, rqs_estimate_mma<false, 1>) == cudaSuccess && fa.ptxVersion >= 80;
+    (void)cudaGetLastError();
     TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)HIST_SMEM));
     TKV_CUDA_TRY(cudaFuncSetAttribute(rqs_hist<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)HIST_SMEM));
     return cudaFuncSetAttribute(rqs_refine, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)REF_SMEM);

@@ -49,6 +49,9 @@ struct tkv_cuda_rqs_params {
     uint32_t code_words;                      /* every head's ix.words (the estimate
                                                  kernel's template), 0: they differ  */
     uint32_t n_sm;                            /* the device's multiprocessors (grid sizes) */
+    uint32_t mma;                             /* 128-bit codes' popcounts on the tensor
+                                                 cores (tkv_cuda_rqs_init's *mma, unless
+                                                 TKV_CUDA_RQS_MMA=0)                 */
 };
 
 /* Device memory one call uses, all sized by tkv_cuda_rqs_bytes. */
@@ -63,8 +66,9 @@ struct tkv_cuda_rqs_work {
 };
 
 /* Once per process and device, before tkv_cuda_rqs_run: the kernels'
- * shared-memory limits. */
-cudaError_t tkv_cuda_rqs_init(void);
+ * shared-memory limits; *mma: whether this build's tensor-core estimate
+ * can run (compiled for sm_80 or later; tkv_cuda_rqs_params.mma). */
+cudaError_t tkv_cuda_rqs_init(bool *mma);
 
 /* Bytes of the per-pair state (P pairs). */
 size_t tkv_cuda_rqs_state_bytes(uint32_t P);

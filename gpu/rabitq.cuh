@@ -48,7 +48,18 @@ static_assert(TKV_RABITQ_DEV_QUERY_WORDS == TKV_CUDA_RQ_MAX_WORDS, "query planes
 /* One key's estimate and error bound, as tkv_rabitq_estimate computes them
  * (the same products and roundings: bit for bit): cw the key's code words,
  * xb = 2 popcount(code) - dim_pad, a and t its scalars (e for the bound).
- * rq_estimate_kernel and the selection's estimate kernel both use these. */
+ * rq_estimate_kernel and the selection's estimate kernels use these;
+ * tkv_cuda_rq_est_ip is the part after the popcounts, for an
+ * ip = sum_j 2^j popcount(code & plane j) counted elsewhere (on the tensor
+ * cores: rabitq-select.cu). */
+__device__ __forceinline__ float tkv_cuda_rq_est_ip(uint32_t ip, const struct tkv_rabitq_dev_query &q, int32_t xb,
+                                                    float a, float t)
+{
+    const int32_t xa = 2 * (int32_t)ip - q.sum_q;
+    const float x = fmaf(q.delta, (float)xa, __fmul_rn(q.vl, (float)xb));
+    return fmaf(a, x, __fadd_rn(t, q.add));
+}
+
 template <int W = 0> /* W > 0: words == W, known here (cw then fits in registers) */
 __device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t words,
                                                  const struct tkv_rabitq_dev_query &q, int32_t xb, float a, float t)
@@ -63,9 +74,7 @@ __device__ __forceinline__ float tkv_cuda_rq_est(const uint64_t *cw, uint32_t wo
             s += (uint32_t)__popcll(cw[w] & q.plane[j][w]);
         ip += s << j;
     }
-    const int32_t xa = 2 * (int32_t)ip - q.sum_q;
-    const float x = fmaf(q.delta, (float)xa, __fmul_rn(q.vl, (float)xb));
-    return fmaf(a, x, __fadd_rn(t, q.add));
+    return tkv_cuda_rq_est_ip(ip, q, xb, a, t);
 }
 
 __device__ __forceinline__ float tkv_cuda_rq_bound(float a, float e, const struct tkv_rabitq_dev_query &q)
