@@ -193,10 +193,8 @@ static int select_bench(bool cuda, uint32_t threads, uint32_t H, uint32_t G, uin
     printf("| keys | queries | mode | waited ms | queued us | per-head path ms | speedup | keys differing |\n");
     printf("|---:|---|---|---:|---:|---:|---:|---:|\n");
     const uint32_t sizes[] = {32768, 131072, 1048576};
-    for (int si = 0; si < (cuda ? 3 : 2); si++) {
+    for (int si = 0; si < (only_n ? 1 : cuda ? 3 : 2); si++) {
         const uint32_t n = only_n ? only_n : sizes[si], words = (n + 31) / 32;
-        if (only_n && si)
-            break;
         uint16_t *k = malloc((size_t)n * D * sizeof *k);
         float *est = malloc((size_t)n * 4), *bound = malloc((size_t)n * 4);
         uint32_t *bm = malloc((size_t)H * words * 4), *pos = malloc((size_t)n * 4);

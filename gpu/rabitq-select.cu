@@ -284,6 +284,15 @@ static __device__ __forceinline__ void rqs_block_max(const struct tkv_cuda_rqs_p
     }
 }
 
+/* The head's G prepared queries into shared memory (then a barrier). */
+static __device__ __forceinline__ void rqs_load_queries(struct tkv_rabitq_dev_query *q, const struct tkv_cuda_rqs_head &hd,
+                                                        uint32_t G)
+{
+    for (uint32_t x = threadIdx.x; x < G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
+        ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
+    __syncthreads();
+}
+
 /* 1: grid (keys / (RQS_EST_T KPT), n_heads); a thread takes the KPT keys
  * i0 + k RQS_EST_T. W > 0: every head's codes are W words (pp.code_words),
  * held in registers; 0: any width, through local memory (KPT 1). SAFE is
@@ -301,9 +310,7 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate(struct tkv_cuda_rqs_pa
     tkv_pdl_wait(); /* (common.cuh's contract, in every kernel here: before any read of the stream's data) */
     const uint32_t h = blockIdx.y, i0 = blockIdx.x * RQS_EST_T * KPT + threadIdx.x;
     const struct tkv_cuda_rqs_head &hd = heads.h[h];
-    for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
-        ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
-    __syncthreads();
+    rqs_load_queries(q, hd, pp.G);
     const struct rqs_forced fr = forced_of(hd);
     const struct tkv_cuda_rq_index &ix = hd.ix;
     const uint32_t words = W > 0 ? (uint32_t)W : ix.words;
@@ -368,9 +375,7 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate_mma(struct tkv_cuda_rq
     tkv_pdl_wait();
     const uint32_t h = blockIdx.y, lane = threadIdx.x % 32, gr = lane / 4, tg = lane % 4;
     const struct tkv_cuda_rqs_head &hd = heads.h[h];
-    for (uint32_t x = threadIdx.x; x < pp.G * sizeof(struct tkv_rabitq_dev_query) / 4; x += blockDim.x)
-        ((uint32_t *)q)[x] = ((const uint32_t *)hd.q)[x];
-    __syncthreads();
+    rqs_load_queries(q, hd, pp.G);
     const struct rqs_forced fr = forced_of(hd);
     const struct tkv_cuda_rq_index &ix = hd.ix;
     const uint32_t *code = (const uint32_t *)ix.code; /* 4 words a key */
