@@ -2082,7 +2082,6 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     CU(op, cudaGetDeviceProperties(&prop, cb->device));
     cb->n_sm = prop.multiProcessorCount;
     cb->pdl = cb->pdl && prop.major >= 9; /* griddepcontrol is sm_90's */
-    cb->rqs_mma = cb->rqs_mma && prop.major >= 8; /* mma with b1 operands */
     if (cudaDeviceGetPCIBusId(cb->pci_bus_id, sizeof cb->pci_bus_id, cb->device) != cudaSuccess) {
         (void)cudaGetLastError();
         cb->pci_bus_id[0] = 0;
@@ -2105,7 +2104,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     if ((s = cublasSetStream(cb->blas, cb->stream)) != CUBLAS_STATUS_SUCCESS)
         return blas_fail(s, op);
     CU(op, tkv_cuda_attn_init());
-    bool mma_built;
+    bool mma_built; /* (for sm_80 or later, so the device is too: it runs the kernel) */
     CU(op, tkv_cuda_rqs_init(&mma_built));
     cb->rqs_mma = cb->rqs_mma && mma_built;
     const char *dec = getenv("TKV_CUDA_ATTN_DECODE");

@@ -393,6 +393,9 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate_mma(struct tkv_cuda_rq
             const uint32_t key = kb + gr + 8 * (r & 1) + 16 * (r >> 1);
             A[k][r] = key < hd.n ? code[(size_t)key * 4 + tg] : 0u;
         }
+        /* (a key's scalars loaded as the scalar kernel loads them: a helper
+         * shared by the two changed ptxas's register counts of the safe
+         * instances, which were measured as they are; session 35) */
         valid[k] = i < hd.n;
         forced[k] = valid[k] && is_forced(fr, i);
         a[k] = e[k] = t[k] = 0, xb[k] = 0;

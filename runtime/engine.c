@@ -989,7 +989,9 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
             s->dt_n_defer += !s->dt_defer[l];
             s->dt_defer[l] = true;
         }
-        const uint32_t *dev_counts = mapped ? s->dt_counts + (size_t)l * Hkv * 4 : NULL; /* [Hkv][4] */
+        /* kv_table's counts, [Hkv][4] (backend.h): slices, misses, positions
+         * read, blocks touched; the positions are the heads' keys */
+        const uint32_t *dev_counts = mapped ? s->dt_counts + (size_t)l * Hkv * 4 : NULL;
         const struct tkv_attn_args att = {.q = s->q, .q_pos = s->pos, .out = s->att, .n_q = n,
                                           .n_head = s->hp.n_head, .n_head_kv = Hkv, .head_dim = s->hp.head_dim,
                                           .scale = 1.0f / sqrtf((float)s->hp.head_dim), .kv = s->views,
