@@ -220,32 +220,51 @@ static __device__ __forceinline__ struct rqs_ptrs pair_ptrs(const struct tkv_cud
     return {w.scratch + off, w.scratch + P * pp.n_max + off, w.scratch + 2 * P * pp.n_max + off};
 }
 
+/* The estimate kernels' rows of a pair: plain mode's one row (g) offset by
+ * the thread's first key i0, so its stores index from there; safe mode's
+ * three at their starts (three offset bases cost the safe instances the
+ * registers of a block per multiprocessor: session 36) */
+static __device__ __forceinline__ struct rqs_ptrs pair_rows(const struct tkv_cuda_rqs_params &pp,
+                                                            const struct tkv_cuda_rqs_work &w, uint32_t pair, uint32_t i0)
+{
+    const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
+    return {pt.g + i0, pt.s, pt.d};
+}
+
 #define RQS_EST_T   256
 #define RQS_EST_KPT 4 /* keys a thread of the estimate kernels takes on long heads (the tensor-core
                          kernel: groups of 32 a warp) */
 
 /* One key's outputs for one pair, from its scaled estimate s: g (and, safe,
- * s and d) to scratch, and the thread's running maxima (go over candidates,
+ * s and d) to scratch at index i of pt (pair_rows), and the thread's running maxima (go over candidates,
  * uo of s + d, lo of s - d) and bad flag. Both estimate kernels use it. */
 template <bool SAFE>
 static __device__ __forceinline__ void rqs_key_out(const struct tkv_cuda_rqs_params &pp, const struct rqs_ptrs &pt,
                                                    uint32_t i, float s, float d, bool forced, unsigned &go,
                                                    unsigned &uo, unsigned &lo, unsigned &bad)
 {
+    if (!SAFE) { /* d = 0: s + d = s - d = g = s (ord_f takes -0 as +0, as the sum did) */
+        const bool bk = isnan(s) || s == INFINITY;
+        pt.g[i] = s;
+        bad |= bk;
+        if (!bk) {
+            const unsigned o = ord_f(s);
+            uo = max(uo, o);
+            if (!forced)
+                go = max(go, o);
+        }
+        return;
+    }
     const float sd = __fadd_rn(s, d);
     const bool bk = isnan(s) || s == INFINITY || !(d >= 0) || d == INFINITY || sd == INFINITY;
-    const float g = SAFE ? __fadd_rn(sd, logf(__fadd_rn(pp.p, __fmul_rn(1.0f - pp.p, expf(__fmul_rn(-2.0f, d))))))
-                         : s;
+    const float g = __fadd_rn(sd, logf(__fadd_rn(pp.p, __fmul_rn(1.0f - pp.p, expf(__fmul_rn(-2.0f, d))))));
     pt.g[i] = g;
-    if (SAFE) {
-        pt.s[i] = s;
-        pt.d[i] = d;
-    }
+    pt.s[i] = s;
+    pt.d[i] = d;
     bad |= bk;
     if (!bk) {
         uo = max(uo, ord_f(sd));
-        if (SAFE)
-            lo = max(lo, ord_f(__fsub_rn(s, d)));
+        lo = max(lo, ord_f(__fsub_rn(s, d)));
         if (!forced)
             go = max(go, ord_f(g));
     }
@@ -336,14 +355,14 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate(struct tkv_cuda_rqs_pa
     }
     for (uint32_t j = 0; j < pp.G; j++) {
         const struct tkv_rabitq_dev_query &qq = q[j];
-        const struct rqs_ptrs pt = pair_ptrs(pp, w, h * pp.G + j);
+        const struct rqs_ptrs pk = pair_rows(pp, w, h * pp.G + j, SAFE ? 0 : i0);
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
 #pragma unroll
         for (int k = 0; k < KPT; k++)
             if (valid[k]) {
                 const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est<W>(cw[k], words, qq, xb[k], a[k], t[k]));
                 const float d = SAFE ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a[k], e[k], qq)) : 0.0f;
-                rqs_key_out<SAFE>(pp, pt, i0 + k * RQS_EST_T, s, d, forced[k], go, uo, lo, bad);
+                rqs_key_out<SAFE>(pp, pk, (SAFE ? i0 : 0) + k * RQS_EST_T, s, d, forced[k], go, uo, lo, bad);
             }
         rqs_warp_max<SAFE>(red, j, go, uo, lo, bad);
     }
@@ -411,7 +430,8 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate_mma(struct tkv_cuda_rq
         const uint32_t *plane = (const uint32_t *)qq.plane; /* plane p's word tg at p 2 QW + tg */
         const uint32_t b0 = gr < 4 ? plane[gr * 2 * TKV_RABITQ_DEV_QUERY_WORDS + tg] : 0u;
         const uint32_t b1 = gr >= 4 ? plane[(gr - 4) * 2 * TKV_RABITQ_DEV_QUERY_WORDS + tg] : 0u;
-        const struct rqs_ptrs pt = pair_ptrs(pp, w, h * pp.G + j);
+        const uint32_t i0 = base + mine; /* this lane's key of group k: i0 + 32 k */
+        const struct rqs_ptrs pk = pair_rows(pp, w, h * pp.G + j, SAFE ? 0 : i0);
         unsigned go = 0, uo = 0, lo = 0, bad = 0;
 #pragma unroll
         for (int k = 0; k < GROUPS; k++) {
@@ -426,7 +446,7 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate_mma(struct tkv_cuda_rq
             if (valid[k]) {
                 const float s = __fmul_rn(pp.scale, tkv_cuda_rq_est_ip(ip, qq, xb[k], a[k], t[k]));
                 const float d = SAFE ? __fmul_rn(pp.scale, tkv_cuda_rq_bound(a[k], e[k], qq)) : 0.0f;
-                rqs_key_out<SAFE>(pp, pt, base + k * 32 + mine, s, d, forced[k], go, uo, lo, bad);
+                rqs_key_out<SAFE>(pp, pk, (SAFE ? i0 : 0) + k * 32, s, d, forced[k], go, uo, lo, bad);
             }
         }
         rqs_warp_max<SAFE>(red, j, go, uo, lo, bad);
@@ -508,6 +528,57 @@ static __device__ __forceinline__ bool rule(double lp, float p, double N, double
     return __dmul_rd(lp, N) >= __dmul_ru((double)p, C);
 }
 
+/* A key's terms (l rounded down, u up, in bin b's units) into the block's
+ * bins: each sum as two 32-bit sums of the terms' low and high HALF bits */
+static __device__ __forceinline__ void hist_add(uint32_t b, u64 tl, u64 tu, uint32_t *hl_lo, uint32_t *hl_hi,
+                                                uint32_t *hu_lo, uint32_t *hu_hi, uint32_t *hc, bool *over)
+{
+    const u64 lo_mask = (1ull << HALF) - 1;
+    *over |= ((tl | tu) >> (2 * HALF)) != 0;
+    atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
+    atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
+    atomicAdd(&hc[b], 1u);
+    atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
+    atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
+}
+
+/* A plain-mode key's term (l = u) into the block's bins. In a bin whose l
+ * and u units agree (El = Eu) the sums are u's, rounded up, and the count
+ * of keys where rounding down gives one unit less (hl_lo; the fold takes
+ * l's sum as u's less that count); elsewhere hist_add's. sc: the bin's
+ * 2^(FX_BITS - E) as a float (bscale), or 0. The common case is done in
+ * float arithmetic: u sc is u in units, exact (a power of two), and where
+ * it is at least 2^23 (every term of every bin but the last, which are
+ * >= 2^37 units) it is an integer, so both roundings are it; its 20-bit
+ * halves come from adding 2^23 (the sums are those of the double path,
+ * which takes the rest). */
+static __device__ __forceinline__ void hist_add_plain(uint32_t b, float u, float sc, int2 E, uint32_t *hl_lo,
+                                                      uint32_t *hl_hi, uint32_t *hu_lo, uint32_t *hu_hi, uint32_t *hc,
+                                                      bool *over)
+{
+    static_assert(HALF == 20 && FX_BITS == 40, "the halves below");
+    const float v = __fmul_rn(u, sc);
+    if (v >= 0x1p23f && v < 0x1p40f) { /* an integer below 2^(2 HALF): tl = tu = v */
+        const float t = __fadd_rd(__fmul_rn(v, 0x1p-20f), 0x1p23f); /* 2^23 + floor(v / 2^20), exactly */
+        const float lo = __fmaf_rn(-__fsub_rn(t, 0x1p23f), 0x1p20f, v); /* v mod 2^20, exactly */
+        atomicAdd(&hu_lo[b], __float_as_uint(__fadd_rn(lo, 0x1p23f)) - 0x4b000000u);
+        atomicAdd(&hu_hi[b], __float_as_uint(t) - 0x4b000000u);
+        atomicAdd(&hc[b], 1u);
+        return;
+    }
+    const u64 tl = fx_down(u, E.x, over), tu = fx_up(u, E.y, over);
+    if (E.x != E.y) {
+        hist_add(b, tl, tu, hl_lo, hl_hi, hu_lo, hu_hi, hc, over);
+        return;
+    }
+    *over |= (tu >> (2 * HALF)) != 0;
+    atomicAdd(&hu_lo[b], (uint32_t)(tu & ((1ull << HALF) - 1)));
+    atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
+    atomicAdd(&hc[b], 1u);
+    if (tl != tu)
+        atomicAdd(&hl_lo[b], 1u);
+}
+
 #define HIST_T   512
 #define HIST_SUB 4 /* at most this many HCHUNK-key sub-chunks a block of the hist kernel walks */
 #define HIST_BPT (NB / HIST_T) /* bins a thread of it folds */
@@ -532,21 +603,26 @@ static_assert(NB % HIST_T == 0, "the hist kernel's threads fold whole bins");
  * of a bin but the last: u >= 2^(E-3), whose ulp is >= 2^(E-26), one unit
  * being 2^(E-40)). Such a bin sums tu and counts the keys where tl = tu - 1
  * (in hl_lo; hl_hi stays 0): its l sum is the u sum less that count. Three
- * shared atomics a key where there were five. */
+ * shared atomics a key where there were five, and one product (the bin's
+ * scale, 2^(FX_BITS - E), from a table). Its thread takes 4 consecutive
+ * keys in one 16-byte load. (Session 36: the keys' loads, the units' two
+ * products and the forced test had made ~70 instructions a key of this
+ * issue-bound kernel.) */
 template <bool SAFE>
-__global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp,
+__global__ void __launch_bounds__(HIST_T, 3) rqs_hist(struct tkv_cuda_rqs_params pp,
                                                    const __grid_constant__ struct tkv_cuda_rqs_heads heads, struct tkv_cuda_rqs_work w,
                                                    uint32_t sub)
 {
     tkv_pdl_wait();
     tkv_pdl_trigger();
-    extern __shared__ uint32_t sh[];
+    extern __shared__ uint32_t sh[]; /* HIST_SMEM: one base for every table the keys index */
     uint32_t *hl_lo = sh, *hl_hi = sh + NB, *hu_lo = sh + 2 * NB, *hu_hi = sh + 3 * NB, *hc = sh + 4 * NB;
+    int2 *bexp = (int2 *)(sh + 5 * NB); /* bin_exps of every bin: El, Eu */
+    float *bscale = (float *)(sh + 7 * NB); /* plain: 2^(FX_BITS - E) where El = Eu = E and it is a float, else 0 */
     const uint32_t pair = blockIdx.y, h = pair / pp.G;
     const struct tkv_cuda_rqs_head &hd = heads.h[h];
     struct rqs_state *st = (struct rqs_state *)w.state + pair;
     __shared__ struct rqs_units cs;
-    __shared__ int2 bexp[NB]; /* bin_exps of every bin: El, Eu */
     const uint32_t i0 = blockIdx.x * HCHUNK * sub;
     if (i0 >= hd.n)
         return;
@@ -560,12 +636,13 @@ __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp
         int El, Eu;
         bin_exps(c, b, &El, &Eu);
         bexp[b] = make_int2(El, Eu);
+        if (!SAFE)
+            bscale[b] = El == Eu && FX_BITS - Eu <= 127 ? (float)pow2(FX_BITS - Eu) : 0.0f;
     }
     __syncthreads();
     const struct rqs_forced fr = forced_of(hd);
     const struct rqs_ptrs pt = pair_ptrs(pp, w, pair);
     const uint32_t iend = min(i0 + HCHUNK * sub, hd.n);
-    const u64 lo_mask = (1ull << HALF) - 1;
     u64 nf = 0, al[HIST_BPT], au[HIST_BPT]; /* the thread's bins threadIdx.x + k HIST_T */
     uint32_t ac[HIST_BPT];
 #pragma unroll
@@ -575,47 +652,63 @@ __global__ void __launch_bounds__(HIST_T) rqs_hist(struct tkv_cuda_rqs_params pp
     for (uint32_t c0 = i0; c0 < iend; c0 += HCHUNK) {
         const uint32_t i1 = min(c0 + HCHUNK, iend);
         const bool some_forced = any_forced(fr, c0, i1);
-        for (uint32_t i = c0 + threadIdx.x; i < i1; i += HU * blockDim.x) {
-            float g[HU], s[HU], d[HU]; /* HU keys' loads in flight before any is used */
+        if (SAFE)
+            for (uint32_t i = c0 + threadIdx.x; i < i1; i += HU * blockDim.x) {
+                float g[HU], s[HU], d[HU]; /* HU keys' loads in flight before any is used */
 #pragma unroll
-            for (int x = 0; x < HU; x++) {
-                const uint32_t k = i + x * blockDim.x;
-                g[x] = k < i1 ? pt.g[k] : 0.0f;
-                s[x] = SAFE && k < i1 ? pt.s[k] : g[x];
-                d[x] = SAFE && k < i1 ? pt.d[k] : 0.0f;
+                for (int x = 0; x < HU; x++) {
+                    const uint32_t k = i + x * blockDim.x;
+                    g[x] = k < i1 ? pt.g[k] : 0.0f;
+                    s[x] = k < i1 ? pt.s[k] : 0.0f;
+                    d[x] = k < i1 ? pt.d[k] : 0.0f;
+                }
+#pragma unroll
+                for (int x = 0; x < HU; x++) {
+                    const uint32_t k = i + x * blockDim.x;
+                    if (k >= i1)
+                        break;
+                    float l, u;
+                    key_lu(s[x], d[x], c.M, true, &l, &u);
+                    if (some_forced && is_forced(fr, k)) {
+                        nf += fx_down(l, c.Ef, &over);
+                        continue;
+                    }
+                    const uint32_t b = bin_of(g[x], c.gmax);
+                    hist_add(b, fx_down(l, bexp[b].x, &over), fx_up(u, bexp[b].y, &over), hl_lo, hl_hi, hu_lo, hu_hi,
+                             hc, &over);
+                }
             }
-#pragma unroll
-            for (int x = 0; x < HU; x++) {
-                const uint32_t k = i + x * blockDim.x;
-                if (k >= i1)
-                    break;
-                float l, u;
-                key_lu(s[x], d[x], c.M, SAFE, &l, &u);
+        else { /* 4 consecutive keys a thread (one 16-byte load: pp.n_max is a multiple of 4), 2 such in flight */
+            auto key = [&](float g, uint32_t k) {
+                const float u = expf(__fsub_rn(g, c.M)); /* key_lu's l = u (plain: d = 0) */
                 if (some_forced && is_forced(fr, k)) {
-                    nf += fx_down(l, c.Ef, &over);
-                    continue;
+                    nf += fx_down(u, c.Ef, &over);
+                    return;
                 }
-                const uint32_t b = bin_of(g[x], c.gmax);
-                const int2 E = bexp[b];
-                u64 tl, tu;
-                if (!SAFE && E.x == E.y) { /* fx_down and fx_up of the same product */
-                    const double v = __dmul_rn((double)u, pow2(FX_BITS - E.y));
-                    over |= !(v <= (double)(1ull << FX_BITS));
-                    tl = __double2ull_rz(v), tu = __double2ull_ru(v);
-                } else {
-                    tl = fx_down(l, E.x, &over), tu = fx_up(u, E.y, &over);
+                const uint32_t b = bin_of(g, c.gmax);
+                hist_add_plain(b, u, bscale[b], bexp[b], hl_lo, hl_hi, hu_lo, hu_hi, hc, &over);
+            };
+            for (uint32_t i = c0 + 4 * threadIdx.x; i < i1; i += 2 * 4 * HIST_T) {
+                float4 g4[2];
+#pragma unroll
+                for (int x = 0; x < 2; x++) {
+                    const uint32_t k = i + x * 4 * HIST_T;
+                    g4[x] = k < i1 ? *(const float4 *)(pt.g + k) : make_float4(0, 0, 0, 0);
                 }
-                over |= ((tl | tu) >> (2 * HALF)) != 0;
-                atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
-                atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
-                atomicAdd(&hc[b], 1u);
-                if (!SAFE && E.x == E.y) { /* l = u: tl is tu or tu - 1 */
-                    if (tl != tu)
-                        atomicAdd(&hl_lo[b], 1u);
-                } else {
-                    atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
-                    atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
-                }
+                if (i + 4 * HIST_T + 4 <= i1) /* both whole (all but a head's last sub-chunk) */
+#pragma unroll
+                    for (int x = 0; x < 2; x++) {
+                        const uint32_t k = i + x * 4 * HIST_T;
+                        key(g4[x].x, k), key(g4[x].y, k + 1), key(g4[x].z, k + 2), key(g4[x].w, k + 3);
+                    }
+                else
+#pragma unroll
+                    for (int x = 0; x < 2; x++) {
+                        const uint32_t k = i + x * 4 * HIST_T;
+                        const float gx[4] = {g4[x].x, g4[x].y, g4[x].z, g4[x].w};
+                        for (int e = 0; e < 4 && k + e < i1; e++)
+                            key(gx[e], k + e);
+                    }
             }
         }
         __syncthreads(); /* the sub-chunk's bins complete: fold mine, empty them */
@@ -981,14 +1074,17 @@ static __device__ __forceinline__ unsigned widen_word(unsigned bits, uint32_t W,
     return base >= n ? 0u : n - base >= 32 ? out : out & ((1u << (n - base)) - 1);
 }
 
-#define RQS_OUT_T   256
-#define RQS_OUT_WPW 4 /* bitmap words a warp of the output kernel writes (the grid strides over them) */
+#define RQS_OUT_T 256
+#define RQS_OUT_K 128 /* keys a warp of the output kernel takes at a time: 4 consecutive a lane */
 
-/* 6: grid (words / (RQS_OUT_T / 32 RQS_OUT_WPW), n_heads): bit i of head h
- * = any of its G pairs keeps i; widened here to groups of pp.whole when
- * whole divides 32 (else kernel 7 widens). Each warp walks words
- * wd, wd + the grid's warps, ...: the pairs' boundaries, the forced ranges
- * and the widening mask are set up once per thread, not once per word. */
+/* 6: grid (words / (RQS_OUT_T / 32 * 4), n_heads): bit i of head h = any of
+ * its G pairs keeps i; widened here to groups of pp.whole when whole
+ * divides 32 (else kernel 7 widens). A warp takes RQS_OUT_K keys (4 bitmap
+ * words) at a time, a lane 4 consecutive keys of a pair in one 16-byte
+ * load (pp.n_max is a multiple of 4), and walks spans sp, sp + the grid's
+ * warps, ...: the pairs' boundaries, the forced ranges and the widening
+ * mask are set up once per thread. (Session 36: a key a lane and a ballot
+ * per word had made the kernel bound by its instructions.) */
 __global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_params pp,
                                                         const __grid_constant__ struct tkv_cuda_rqs_heads heads,
                                                         struct tkv_cuda_rqs_work w)
@@ -1002,46 +1098,70 @@ __global__ void __launch_bounds__(RQS_OUT_T) rqs_output(struct tkv_cuda_rqs_para
         float thr;
         uint32_t partial;
     } ps[TKV_CUDA_RQS_MAX_G];
-    __shared__ uint32_t any_bad;
+    __shared__ uint32_t any_bad, any_partial;
     const uint32_t h = blockIdx.y, G = pp.G, lane = threadIdx.x % 32;
     tkv_pdl_wait();
     tkv_pdl_trigger();
     const struct tkv_cuda_rqs_head &hd = heads.h[h];
     if (threadIdx.x == 0)
-        any_bad = 0;
+        any_bad = 0, any_partial = 0;
     __syncthreads();
     if (threadIdx.x < G) {
         const struct rqs_state *st = (const struct rqs_state *)w.state + h * G + threadIdx.x;
         ps[threadIdx.x].kstar = st->kstar, ps[threadIdx.x].thr = st->thr, ps[threadIdx.x].partial = st->partial;
         if (st->bad)
             any_bad = 1;
+        if (st->partial)
+            any_partial = 1;
     }
     __syncthreads();
     const uint32_t n = hd.n, W = pp.whole;
     const struct rqs_forced fr = forced_of(hd);
     const float *const g0 = pair_ptrs(pp, w, h * G).g; /* pair (h, j)'s: g0 + j n_max */
     uint32_t *const row = w.bitmap + (size_t)hd.row * pp.words;
-    const bool widen = W > 1 && 32 % W == 0, all = any_bad != 0; /* a bad pair reads the head whole */
-    const uint32_t warps = gridDim.x * (blockDim.x / 32);
-    for (uint32_t wd = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wd < pp.words; wd += warps) {
-        const uint32_t i = wd * 32 + lane;
-        bool kept = false;
+    /* a bad pair reads the head whole; key_of only where a boundary bin was cut */
+    const bool widen = W > 1 && 32 % W == 0, all = any_bad != 0, cut = any_partial != 0;
+    const uint32_t warps = gridDim.x * (blockDim.x / 32), spans = (pp.words + RQS_OUT_K / 32 - 1) / (RQS_OUT_K / 32);
+    for (uint32_t sp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; sp < spans; sp += warps) {
+        const uint32_t i = sp * RQS_OUT_K + 4 * lane; /* keys i .. i + 3 */
+        unsigned nib = 0;                             /* bit e: key i + e kept */
         if (i < n) {
-            float g[TKV_CUDA_RQS_MAX_G]; /* the G pairs' loads in flight at once (estimate wrote every key's) */
+            float4 g[TKV_CUDA_RQS_MAX_G]; /* the G pairs' loads in flight at once (estimate wrote every key's) */
 #pragma unroll
             for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++)
-                g[j] = j < G ? g0[(size_t)j * pp.n_max + i] : 0.0f;
-            kept = all || (any_forced(fr, wd * 32, wd * 32 + 32) && is_forced(fr, i));
+                g[j] = j < G ? *(const float4 *)(g0 + (size_t)j * pp.n_max + i) : make_float4(0, 0, 0, 0);
 #pragma unroll
             for (uint32_t j = 0; j < TKV_CUDA_RQS_MAX_G; j++) {
                 if (j >= G)
                     break;
-                kept |= g[j] >= ps[j].thr || (ps[j].partial && key_of(g[j], i) >= ps[j].kstar);
+                const float t = ps[j].thr;
+                nib |= (unsigned)(g[j].x >= t) | (unsigned)(g[j].y >= t) << 1 | (unsigned)(g[j].z >= t) << 2 |
+                       (unsigned)(g[j].w >= t) << 3;
+                if (cut && ps[j].partial) {
+                    const u64 ks = ps[j].kstar;
+                    nib |= (unsigned)(key_of(g[j].x, i) >= ks) | (unsigned)(key_of(g[j].y, i + 1) >= ks) << 1 |
+                           (unsigned)(key_of(g[j].z, i + 2) >= ks) << 2 | (unsigned)(key_of(g[j].w, i + 3) >= ks) << 3;
+                }
             }
+            if (any_forced(fr, i, i + 4))
+                for (uint32_t e = 0; e < 4; e++)
+                    nib |= (unsigned)is_forced(fr, i + e) << e;
+            if (all)
+                nib = 0xfu;
+            if (n - i < 4) /* keys past n: none */
+                nib &= (1u << (n - i)) - 1;
         }
-        const unsigned bits = __ballot_sync(0xffffffffu, kept);
-        if (lane == 0)
-            row[wd] = widen ? widen_word(bits, W, wd * 32, n) : bits;
+        /* word q of the span: lanes 8q .. 8q + 7, 4 bits each; lane q < 4 writes it */
+        const unsigned part = nib << (4 * (lane % 8));
+        unsigned mine = 0;
+#pragma unroll
+        for (uint32_t q = 0; q < 4; q++) {
+            const unsigned wq = __reduce_or_sync(0xffffffffu, lane / 8 == q ? part : 0u);
+            mine = lane == q ? wq : mine;
+        }
+        const uint32_t wd = sp * 4 + lane;
+        if (lane < 4 && wd < pp.words)
+            row[wd] = widen ? widen_word(mine, W, wd * 32, n) : mine;
     }
 }
 
@@ -1077,7 +1197,7 @@ __global__ void rqs_whole(struct tkv_cuda_rqs_params pp, const __grid_constant__
 
 /* dynamic shared memory: rqs_hist's bins (hl and hu as two 32-bit halves
  * each, hc), rqs_refine's member cache (set once: tkv_cuda_rqs_init) */
-#define HIST_SMEM (NB * 5 * sizeof(uint32_t))
+#define HIST_SMEM (NB * 8 * sizeof(uint32_t))
 #define REF_SMEM  (3 * RCAP * sizeof(u64))
 
 cudaError_t tkv_cuda_rqs_init(bool *mma)
@@ -1101,7 +1221,7 @@ cudaError_t tkv_cuda_rqs_clear(const struct tkv_cuda_rqs_work *w, uint32_t P, bo
 cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_heads *hs, uint32_t h0,
                              uint32_t n, const struct tkv_cuda_rqs_work *w, bool pdl, cudaStream_t s)
 {
-    if (pp->n_heads == 0 || pp->G == 0 || pp->G > TKV_CUDA_RQS_MAX_G || pp->n_max == 0 ||
+    if (pp->n_heads == 0 || pp->G == 0 || pp->G > TKV_CUDA_RQS_MAX_G || pp->n_max == 0 || pp->n_max % 4 ||
         pp->words * 32ull < pp->n_max || n == 0 || n > TKV_CUDA_RQS_GROUP || h0 + n > pp->n_heads)
         return cudaErrorInvalidValue;
     /* the group's pairs are the call's [base, base + Pg): its own slices of the work */
@@ -1137,7 +1257,7 @@ cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct 
         TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(chunks, Pg), 512, 0, s, rqs_members, gp, h, gw));
         TKV_CUDA_TRY(tkv_cuda_launch(pdl, Pg, REF_T, REF_SMEM, s, rqs_refine, gp, gw));
     }
-    TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.words, RQS_OUT_T / 32 * RQS_OUT_WPW), n), RQS_OUT_T, 0,
+    TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(gp.words, RQS_OUT_T / 32 * (RQS_OUT_K / 32)), n), RQS_OUT_T, 0,
                                  s, rqs_output, gp, h, gw));
     if (gp.whole > 1 && 32 % gp.whole) /* (groups that divide 32: done by rqs_output) */
         TKV_CUDA_TRY(tkv_cuda_launch(pdl, dim3(tkv_cuda_blocks(tkv_cuda_blocks(gp.n_max, gp.whole), 256), n), 256, 0, s,

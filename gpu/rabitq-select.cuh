@@ -41,7 +41,9 @@ struct tkv_cuda_rqs_heads {
 };
 
 struct tkv_cuda_rqs_params {
-    uint32_t n_heads, G, n_max, words, whole; /* n_max: the largest n; words: bitmap row */
+    uint32_t n_heads, G, n_max, words, whole; /* n_max: the largest n rounded up to a multiple of
+                                                 4 (the pairs' rows of scratch 16-byte aligned);
+                                                 words: bitmap row                    */
     float p, scale, extra_lse;
     int safe;
     int coarse;                               /* the boundary bin whole: kernels 4 and 5
