@@ -30,6 +30,7 @@
  * exponential and lse = (m + log2 l) * ln 2, as in attn.cu.
  */
 #include "attn-decode.cuh"
+#include "attn-prefill-walk.cuh" /* the PTX wrappers of the tensor-core kernels (ldmatrix, mma, f16 hi/lo) */
 
 namespace {
 
@@ -38,7 +39,8 @@ constexpr int NW = NT / 32;  /* warps per CTA   */
 constexpr float LN2f = 0.693147180559945309f;
 constexpr int MERGE_DR = 8;  /* row stride of the merge's arrays */
 
-template <int HD_, int DR_, int U_, int NS_> struct dec_cfg {
+template <int HD_, int DR_, int U_, int NS_, bool MMA_ = false> struct dec_cfg {
+    static constexpr bool MMA = MMA_;           /* scores and P.V on the tensor cores (decode_cta_mma) */
     static constexpr int HD = HD_;              /* head_dim class                                   */
     static constexpr int DR = DR_;              /* query rows (registers)                           */
     static constexpr int U = U_;                /* 16-byte loads of K (and of V) per lane per chunk */
@@ -67,6 +69,9 @@ template <int HD_, int DR_, int U_, int NS_> struct dec_cfg {
  * 28/4/128: 1M keys 6-11% faster than chunks of 4 loads, 128K within 2%;
  * 255 registers either way, no spills). */
 template <int HD, int DR> using cfg0 = dec_cfg<HD, DR, 8, 3>;
+/* The tensor-core instance (decode_cta_mma): head_dim class 128, the same
+ * chunks (16 keys a warp), so a plan is the same for both. */
+template <int DR> using cfg_mma = dec_cfg<128, DR, 8, 3, true>;
 
 __device__ __forceinline__ void h8_to_f32(const uint4 r, float f[8])
 {
@@ -231,6 +236,10 @@ template <class C>
 __device__ __forceinline__ chunk_meta issue_chunk(const chunk_src &c, uint4 *kst, uint4 *vst, int lane, int sub,
                                                   int dl, uint32_t hd)
 {
+    /* key kk's 16-byte unit dl at kk * LPK + dl (the lane's own slot,
+     * u * 32 + lane); the tensor-core instance swizzles the unit by the
+     * key (dl ^ kk % 8), so the 8 rows an ldmatrix reads lie in different
+     * banks */
     chunk_meta m;
     m.nvalid = c.nvalid;
     m.kpos0 = c.kpos0;
@@ -241,8 +250,9 @@ __device__ __forceinline__ chunk_meta issue_chunk(const chunk_src &c, uint4 *kst
             const int kk = u * C::NG + sub;
             const bool ok = dim_ok && kk < c.nvalid;
             const size_t off = ok ? (size_t)kk * hd + (size_t)dl * 8 : 0;
-            tkv_cp_async16(kst + u * 32 + lane, c.k + off, ok);
-            tkv_cp_async16(vst + u * 32 + lane, c.v + off, ok);
+            const int at = C::MMA ? kk * C::LPK + (dl ^ (kk & 7)) : u * 32 + lane;
+            tkv_cp_async16(kst + at, c.k + off, ok);
+            tkv_cp_async16(vst + at, c.v + off, ok);
         }
     }
     tkv_cp_async_commit();
@@ -361,12 +371,77 @@ __device__ __forceinline__ bool pool_part(const tkv_cuda_attn_params &p, dec_par
     return false;
 }
 
-/* One CTA of the decode kernel: part's split, its chunks walked by cur
- * (positioned at the CTA's first chunk); q_pos [n_q] (device or parameter
- * memory). */
+/* The end of a CTA, after its lane groups' results are in shared memory
+ * (so [SLOTS][DR][HD] over the pipeline, cm and cl [SLOTS][DR]; a group's
+ * row with l = 0 is skipped) and a barrier: they are combined into the
+ * output (one split), or into this split's partial and, by the last CTA of
+ * the KV head to finish, the merge. */
+template <class C> __device__ __forceinline__ void decode_finish(const tkv_cuda_attn_params &p, const dec_part part)
+{
+    constexpr int HD = C::HD, DR = C::DR, SLOTS = C::SLOTS;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const float *so = (const float *)smem;
+    float *cm = (float *)(smem + C::PIPE) + NW * C::NG * C::PSTRIDE, *cl = cm + SLOTS * DR;
+    int *flag = (int *)(cl + SLOTS * DR);
+    const int tid = threadIdx.x;
+    const uint32_t g = part.g, split = part.split, G = p.n_head / p.n_head_kv, hd = p.head_dim;
+    const int R = (int)(p.n_q * G);
+    const uint32_t n_rows = p.n_q * p.n_head;
+    for (int i = tid; i < R * (int)hd; i += NT) {
+        const int r = i / (int)hd, d = i % (int)hd;
+        float M = -INFINITY;
+#pragma unroll
+        for (int sl = 0; sl < SLOTS; sl++)
+            if (cl[sl * DR + r] > 0.0f)
+                M = fmaxf(M, cm[sl * DR + r]);
+        float L = 0.0f, O = 0.0f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int sl = 0; sl < SLOTS; sl++)
+                if (cl[sl * DR + r] > 0.0f) {
+                    const float w = exp2f(cm[sl * DR + r] - M);
+                    L += cl[sl * DR + r] * w;
+                    O += so[((size_t)sl * DR + r) * HD + d] * w;
+                }
+        }
+        const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
+        if (part.n == 1) {
+            p.out[(size_t)row * hd + d] = L > 0.0f ? O / L : 0.0f;
+            if (p.lse && d == 0)
+                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2f : -INFINITY;
+        } else {
+            p.part[((size_t)split * n_rows + row) * hd + d] = O;
+            if (d == 0) {
+                float *ml = p.part + (size_t)p.n_split * n_rows * hd + ((size_t)split * n_rows + row) * 2;
+                ml[0] = M;
+                ml[1] = L;
+            }
+        }
+    }
+    if (part.n == 1 || p.decode_mode == TKV_ATTN_DECODE_MERGE)
+        return;
+
+    /* ---- the last CTA of this KV head to finish merges the head's splits */
+    __threadfence(); /* this thread's partials are visible device-wide ... */
+    __syncthreads(); /* ... for every thread, before the count goes up */
+    if (tid == 0) {
+        const unsigned done = atomicAdd(&p.counters[g], 1u);
+        const int last = done == part.n - 1;
+        if (last)
+            atomicExch(&p.counters[g], 0u); /* ready for the next call */
+        *flag = last;
+    }
+    __syncthreads();
+    if (*flag) {
+        __threadfence();
+        merge_head(p, g, (int)part.n, (float *)smem);
+    }
+}
+
+/* decode_cta's work on the CUDA cores (the module comment at the top). */
 template <class C, class Walk>
-__device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, const dec_part part, Walk &cur,
-                                           const int32_t *q_pos)
+__device__ __forceinline__ void decode_cta_cores(const tkv_cuda_attn_params &p, const dec_part part, Walk &cur,
+                                                 const int32_t *q_pos)
 {
     constexpr int HD = C::HD, DR = C::DR, U = C::U, NS = C::NS, LPK = C::LPK, NG = C::NG, V = C::V, NF = C::NF,
                   W = C::W, SLOTS = C::SLOTS;
@@ -374,11 +449,10 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, const 
     uint4 *pipe = (uint4 *)smem;
     float *pbuf = (float *)(smem + C::PIPE);
     float *cm = pbuf + NW * NG * C::PSTRIDE, *cl = cm + SLOTS * DR;
-    int *flag = (int *)(cl + SLOTS * DR);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int sub = lane / LPK, dl = lane % LPK, slot = warp * NG + sub;
-    const uint32_t g = part.g, split = part.split;
+    const uint32_t g = part.g;
     const uint32_t G = p.n_head / p.n_head_kv, hd = p.head_dim, ld = p.n_head * hd;
     const int R = (int)(p.n_q * G);
     const bool dim_ok = dl * 8 < (int)hd;
@@ -529,56 +603,206 @@ __device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, const 
         cl[slot * DR + r_own] = l_own;
     }
     __syncthreads();
-    const uint32_t n_rows = p.n_q * p.n_head;
-    for (int i = tid; i < R * (int)hd; i += NT) {
-        const int r = i / (int)hd, d = i % (int)hd;
-        float M = -INFINITY;
-#pragma unroll
-        for (int sl = 0; sl < SLOTS; sl++)
-            if (cl[sl * DR + r] > 0.0f)
-                M = fmaxf(M, cm[sl * DR + r]);
-        float L = 0.0f, O = 0.0f;
-        if (M != -INFINITY) {
-#pragma unroll
-            for (int sl = 0; sl < SLOTS; sl++)
-                if (cl[sl * DR + r] > 0.0f) {
-                    const float w = exp2f(cm[sl * DR + r] - M);
-                    L += cl[sl * DR + r] * w;
-                    O += so[((size_t)sl * DR + r) * HD + d] * w;
-                }
-        }
-        const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
-        if (part.n == 1) {
-            p.out[(size_t)row * hd + d] = L > 0.0f ? O / L : 0.0f;
-            if (p.lse && d == 0)
-                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2f : -INFINITY;
-        } else {
-            p.part[((size_t)split * n_rows + row) * hd + d] = O;
-            if (d == 0) {
-                float *ml = p.part + (size_t)p.n_split * n_rows * hd + ((size_t)split * n_rows + row) * 2;
-                ml[0] = M;
-                ml[1] = L;
-            }
-        }
-    }
-    if (part.n == 1 || p.decode_mode == TKV_ATTN_DECODE_MERGE)
-        return;
+    decode_finish<C>(p, part);
+}
 
-    /* ---- the last CTA of this KV head to finish merges the head's splits */
-    __threadfence(); /* this thread's partials are visible device-wide ... */
-    __syncthreads(); /* ... for every thread, before the count goes up */
-    if (tid == 0) {
-        const unsigned done = atomicAdd(&p.counters[g], 1u);
-        const int last = done == part.n - 1;
-        if (last)
-            atomicExch(&p.counters[g], 0u); /* ready for the next call */
-        *flag = last;
+/* The transpose of an 8x8 matrix of 16-bit values, a row pair a lane (lane
+ * 4r + c holds elements 2c, 2c + 1 of row r, before and after) */
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x)
+{
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+/* decode_cta's work on the tensor cores (C::MMA: head_dim class 128, up
+ * to 8 rows; sm_80 and later). The chunks are decode_cta's (16 keys a warp,
+ * K and V [key][128] f16 in the stage, each row's 16-byte units swizzled by
+ * the key: issue_chunk), the arithmetic per chunk a warp's:
+ *   S^T [16 keys x 8 rows] = K Q^T   8 m16n8k16 (A = K by ldmatrix, B = Q^T
+ *                                    from registers), twice: Q as f16 hi +
+ *                                    lo (what hi left out), so the scores
+ *                                    are those of the f32 query to ~2^-22;
+ *   online softmax per row           a lane holds rows 2t, 2t + 1 of keys g,
+ *                                    g + 8 (g = lane / 4, t = lane % 4): the
+ *                                    row max over 3 shuffles, the sum per
+ *                                    lane until the end;
+ *   O^T [128 x 8 rows] += V^T P^T    8 m16n8k16 (A = V^T by ldmatrix.trans,
+ *                                    B = P^T: S^T's accumulators as f16 hi
+ *                                    and lo, transposed by movmatrix), twice.
+ * Where decode_cta's CUDA cores spend ~1300 instructions a chunk of 16 keys
+ * and 8 rows, this spends ~150. The warp's (m, l, O) go to its first slot
+ * of so / cm / cl (the other with l = 0), then decode_finish. */
+template <class C, class Walk>
+__device__ __forceinline__ void decode_cta_mma(const tkv_cuda_attn_params &p, const dec_part part, Walk &cur,
+                                               const int32_t *q_pos)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using tkv_pf::ldsm_x4, tkv_pf::ldsm_x4_t, tkv_pf::mma16816, tkv_pf::smem_u32, tkv_pf::split_h2;
+    constexpr int HD = C::HD, DR = C::DR, U = C::U, NS = C::NS, LPK = C::LPK, NG = C::NG;
+    static_assert(HD == 128 && LPK == 16 && NG == 2 && U == 8 && DR <= 8, "16 keys of 128 dims a chunk, 8 rows");
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4 *pipe = (uint4 *)smem;
+    float *cm = (float *)(smem + C::PIPE) + NW * NG * C::PSTRIDE, *cl = cm + C::SLOTS * DR;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane / LPK, dl = lane % LPK, gq = lane >> 2, tq = lane & 3;
+    const uint32_t g = part.g, G = p.n_head / p.n_head_kv, hd = p.head_dim, ld = p.n_head * hd;
+    const int R = (int)(p.n_q * G);
+
+    /* Q^T's B fragments: row gq, dims 16c + 2tq (+1) and 16c + 2tq + 8 (+9),
+     * in log2 units, f16 hi and lo; rows past R and dims past hd zero */
+    uint32_t qh[8][2], ql[8][2];
+    {
+        const bool row_ok = gq < R;
+        const uint32_t t = row_ok ? (uint32_t)gq / G : 0, h = g * G + (row_ok ? (uint32_t)gq % G : 0);
+        const float *qr = p.q + (size_t)t * ld + (size_t)h * hd;
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+#pragma unroll
+            for (int x = 0; x < 2; x++) {
+                const uint32_t d = 16 * c + 2 * tq + 8 * x;
+                const bool ok = row_ok && d < hd; /* (hd is a multiple of 8) */
+                split_h2(ok ? qr[d] * p.scale_log2 : 0.0f, ok ? qr[d + 1] * p.scale_log2 : 0.0f, qh[c][x], ql[c][x]);
+            }
     }
+    /* the positions of this lane's rows 2tq, 2tq + 1 (past R: none visible) */
+    int32_t qp[2];
+#pragma unroll
+    for (int x = 0; x < 2; x++)
+        qp[x] = 2 * tq + x < R ? q_pos[(uint32_t)(2 * tq + x) / G] : INT_MIN;
+
+    float o[8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.0f;
+
+    uint4 *wpipe = pipe + (size_t)warp * NS * 2 * U * 32; /* [NS][K|V][16 keys][16 units] */
+    /* ldmatrix row addresses: K (A = 16 keys x 16 dims): matrices (keys 0-7 |
+     * 8-15) x (units 2c | 2c + 1); V (A = V^T, 16 dims x 16 keys, .trans):
+     * (keys 0-7, 2c), (0-7, 2c + 1), (8-15, 2c), (8-15, 2c + 1) */
+    const int krow = (lane & 7) + ((lane >> 3) & 1) * 8, kcol = lane >> 4;
+    const int vrow = (lane & 7) + (lane >> 4) * 8, vcol = (lane >> 3) & 1;
+
+    chunk_meta meta[NS];
+#pragma unroll
+    for (int st = 0; st < NS - 1; st++) {
+        meta[st] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (st * 2) * U * 32,
+                                  wpipe + (st * 2 + 1) * U * 32, lane, sub, dl, hd);
+        cur.template advance<C::CH>(NW);
+    }
+    for (int it = 0;; it++) {
+        const int sc = it % NS, sn = (it + NS - 1) % NS;
+        __syncwarp(); /* every lane's reads of the stage refilled below are done */
+        meta[NS - 1] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (sn * 2) * U * 32,
+                                      wpipe + (sn * 2 + 1) * U * 32, lane, sub, dl, hd);
+        cur.template advance<C::CH>(NW);
+        tkv_cp_async_wait<NS - 1>();
+        __syncwarp(); /* ... and every lane's copies of chunk `it`: ldmatrix reads the others' */
+        const chunk_meta mc = meta[0];
+#pragma unroll
+        for (int st = 0; st < NS - 1; st++)
+            meta[st] = meta[st + 1];
+        if (mc.nvalid < 0)
+            break;
+        const uint32_t ks = smem_u32(wpipe + (sc * 2) * U * 32), vs = smem_u32(wpipe + (sc * 2 + 1) * U * 32);
+
+        /* ---- S^T = K Q^T: s[0], s[1] key gq, rows 2tq, 2tq + 1; s[2], s[3] key gq + 8 */
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            uint32_t a[4];
+            const int u = 2 * c + kcol;
+            ldsm_x4(ks + (uint32_t)(krow * 16 + (u ^ (krow & 7))) * 16, a[0], a[1], a[2], a[3]);
+            mma16816(s, a, qh[c][0], qh[c][1]);
+            mma16816(s, a, ql[c][0], ql[c][1]);
+        }
+        /* ---- mask; the rows' max over the chunk; online softmax */
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int kk = gq + 8 * (x >> 1);
+            s[x] = kk < mc.nvalid && mc.kpos0 + kk <= qp[x & 1] ? s[x] : -INFINITY;
+        }
+        float corr[2], mu[2];
+#pragma unroll
+        for (int x = 0; x < 2; x++) {
+            float mx = fmaxf(s[x], s[x + 2]);
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1)
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float mn = fmaxf(m[x], mx);
+            mu[x] = mn == -INFINITY ? 0.0f : mn;
+            corr[x] = exp2f(m[x] - mu[x]); /* 0 when m was -inf */
+            m[x] = mn;
+        }
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+            s[x] = exp2f(s[x] - mu[x & 1]); /* 0 for masked keys */
+        l[0] = l[0] * corr[0] + s[0] + s[2];
+        l[1] = l[1] * corr[1] + s[1] + s[3];
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+                o[c][x] *= corr[x & 1];
+        /* ---- O^T += V^T P^T: P^T's B fragments (keys 2tq.., row gq) by transposing S^T's */
+        uint32_t ph0, pl0, ph1, pl1;
+        split_h2(s[0], s[1], ph0, pl0);
+        split_h2(s[2], s[3], ph1, pl1);
+        const uint32_t bh0 = movmatrix_t(ph0), bh1 = movmatrix_t(ph1), bl0 = movmatrix_t(pl0), bl1 = movmatrix_t(pl1);
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            uint32_t a[4];
+            const int u = 2 * c + vcol;
+            ldsm_x4_t(vs + (uint32_t)(vrow * 16 + (u ^ (vrow & 7))) * 16, a[0], a[1], a[2], a[3]);
+            mma16816(o[c], a, bh0, bh1);
+            mma16816(o[c], a, bl0, bl1);
+        }
+    }
+    tkv_cp_async_wait_all();
+
+    /* ---- the warp's rows: l summed over its lanes; (m, l, O) to its first slot */
+#pragma unroll
+    for (int x = 0; x < 2; x++)
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1)
+            l[x] += __shfl_xor_sync(0xffffffffu, l[x], off);
+    __syncthreads(); /* every warp is done with pipe: so[] reuses it */
+    float *so = (float *)smem; /* [SLOTS][DR][HD] */
+    const int slot = warp * NG;
+#pragma unroll
+    for (int x = 0; x < 2; x++) {
+        const int r = 2 * tq + x;
+        if (r < DR) {
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                so[((size_t)slot * DR + r) * HD + 16 * c + gq] = o[c][x];
+                so[((size_t)slot * DR + r) * HD + 16 * c + gq + 8] = o[c][2 + x];
+            }
+            if (gq == 0)
+                cm[slot * DR + r] = m[x], cl[slot * DR + r] = l[x];
+        }
+    }
+    if (lane < DR)
+#pragma unroll
+        for (int sl = 1; sl < NG; sl++)
+            cm[(slot + sl) * DR + lane] = -INFINITY, cl[(slot + sl) * DR + lane] = 0.0f;
     __syncthreads();
-    if (*flag) {
-        __threadfence();
-        merge_head(p, g, (int)part.n, (float *)smem);
-    }
+    decode_finish<C>(p, part);
+#endif
+}
+
+/* One CTA of the decode kernel: part's split, its chunks walked by cur
+ * (positioned at the CTA's first chunk); q_pos [n_q] (device or parameter
+ * memory). */
+template <class C, class Walk>
+__device__ __forceinline__ void decode_cta(const tkv_cuda_attn_params &p, const dec_part part, Walk &cur,
+                                           const int32_t *q_pos)
+{
+    if constexpr (C::MMA)
+        decode_cta_mma<C>(p, part, cur, q_pos);
+    else
+        decode_cta_cores<C>(p, part, cur, q_pos);
 }
 
 /* A CTA over the packed table in device memory: part's split of KV head
@@ -733,29 +957,42 @@ template <class C> cudaError_t init_decode(int *ctas)
 
 int hd_index(uint32_t hd) { return hd <= 64 ? 0 : hd <= 128 ? 1 : 2; }
 
-/* CTAs per SM of each instance: [head_dim class][rows <= 4, <= 8] */
-int g_ctas[3][2];
+/* CTAs per SM of each instance: [head_dim class][rows <= 4, <= 8], and of
+ * the tensor-core ones (head_dim class 128) */
+int g_ctas[3][2], g_ctas_mma[2];
+bool g_mma_built; /* the tensor-core instances have a body (compiled for sm_80 or later) */
 
-template <template <int, int> class CF> cudaError_t init_all(int ctas[3][2])
+cudaError_t init_all(void)
 {
-    TKV_CUDA_TRY((init_decode<CF<64, 4>>(&ctas[0][0])));
-    TKV_CUDA_TRY((init_decode<CF<64, 8>>(&ctas[0][1])));
-    TKV_CUDA_TRY((init_decode<CF<128, 4>>(&ctas[1][0])));
-    TKV_CUDA_TRY((init_decode<CF<128, 8>>(&ctas[1][1])));
-    TKV_CUDA_TRY((init_decode<CF<256, 4>>(&ctas[2][0])));
-    TKV_CUDA_TRY((init_decode<CF<256, 8>>(&ctas[2][1])));
+    TKV_CUDA_TRY((init_decode<cfg0<64, 4>>(&g_ctas[0][0])));
+    TKV_CUDA_TRY((init_decode<cfg0<64, 8>>(&g_ctas[0][1])));
+    TKV_CUDA_TRY((init_decode<cfg0<128, 4>>(&g_ctas[1][0])));
+    TKV_CUDA_TRY((init_decode<cfg0<128, 8>>(&g_ctas[1][1])));
+    TKV_CUDA_TRY((init_decode<cfg0<256, 4>>(&g_ctas[2][0])));
+    TKV_CUDA_TRY((init_decode<cfg0<256, 8>>(&g_ctas[2][1])));
+    TKV_CUDA_TRY((init_decode<cfg_mma<4>>(&g_ctas_mma[0])));
+    TKV_CUDA_TRY((init_decode<cfg_mma<8>>(&g_ctas_mma[1])));
+    /* a build for older targets JIT-compiled on a newer device has an empty
+     * body, which must not run */
+    cudaFuncAttributes fa;
+    g_mma_built = cudaFuncGetAttributes(&fa, attn_decode_kernel<cfg_mma<8>>) == cudaSuccess && fa.ptxVersion >= 80;
     return cudaSuccess;
 }
 
-/* f.go<C>() for the configuration C of CF that serves head_dim hd and
- * `rows` query rows per KV head */
-template <template <int, int> class CF, class F> auto by_shape(uint32_t hd, uint32_t rows, const F &f)
+/* whether a call runs the tensor-core instance */
+bool use_mma(uint32_t hd, bool mma) { return mma && g_mma_built && hd_index(hd) == 1; }
+
+/* f.go<C>() for the configuration C that serves head_dim hd and `rows`
+ * query rows per KV head (mma: the tensor-core one where it serves hd) */
+template <class F> auto by_shape(uint32_t hd, uint32_t rows, bool mma, const F &f)
 {
     const bool small = rows <= 4;
+    if (use_mma(hd, mma))
+        return small ? f.template go<cfg_mma<4>>() : f.template go<cfg_mma<8>>();
     switch (hd_index(hd)) {
-    case 0: return small ? f.template go<CF<64, 4>>() : f.template go<CF<64, 8>>();
-    case 1: return small ? f.template go<CF<128, 4>>() : f.template go<CF<128, 8>>();
-    default: return small ? f.template go<CF<256, 4>>() : f.template go<CF<256, 8>>();
+    case 0: return small ? f.template go<cfg0<64, 4>>() : f.template go<cfg0<64, 8>>();
+    case 1: return small ? f.template go<cfg0<128, 4>>() : f.template go<cfg0<128, 8>>();
+    default: return small ? f.template go<cfg0<256, 4>>() : f.template go<cfg0<256, 8>>();
     }
 }
 
@@ -776,37 +1013,39 @@ cudaError_t merge_after(const tkv_cuda_attn_params *p, cudaStream_t s)
 
 uint32_t tkv_cuda_attn_decode_chunk_keys(uint32_t head_dim, uint32_t rows)
 {
-    return by_shape<cfg0>(head_dim, rows, chunk_keys_of{});
+    static_assert(cfg_mma<4>::CH == cfg0<128, 4>::CH && cfg_mma<8>::CH == cfg0<128, 8>::CH,
+                  "the tensor-core instances chunk as the others do: one plan for both");
+    return by_shape(head_dim, rows, false, chunk_keys_of{});
 }
 
 cudaError_t tkv_cuda_attn_decode_runs(const struct tkv_cuda_attn_params *p, const struct tkv_cuda_attn_runs *r, bool pdl,
                                       cudaStream_t s)
 {
-    TKV_CUDA_TRY(by_shape<cfg0>(p->head_dim, rows_of(p), launch_runs{p, r, pdl, s}));
+    TKV_CUDA_TRY(by_shape(p->head_dim, rows_of(p), p->decode_mma != 0, launch_runs{p, r, pdl, s}));
     TKV_CUDA_LAUNCHED();
     return cudaSuccess;
 }
 
 cudaError_t tkv_cuda_attn_decode_init(void)
 {
-    return init_all<cfg0>(g_ctas);
+    return init_all();
 }
 
-int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows)
+int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows, bool mma)
 {
-    const int c = g_ctas[hd_index(head_dim)][rows <= 4 ? 0 : 1];
+    const int c = use_mma(head_dim, mma) ? g_ctas_mma[rows <= 4 ? 0 : 1] : g_ctas[hd_index(head_dim)][rows <= 4 ? 0 : 1];
     return c > 0 ? c : 1;
 }
 
 cudaError_t tkv_cuda_attn_decode(const struct tkv_cuda_attn_params *p, cudaStream_t s)
 {
-    TKV_CUDA_TRY(by_shape<cfg0>(p->head_dim, rows_of(p), launch_table{p, s}));
+    TKV_CUDA_TRY(by_shape(p->head_dim, rows_of(p), p->decode_mma != 0, launch_table{p, s}));
     return merge_after(p, s);
 }
 
 cudaError_t tkv_cuda_attn_decode_views(const struct tkv_cuda_attn_params *p, const struct tkv_cuda_attn_views *v,
                                        cudaStream_t s)
 {
-    TKV_CUDA_TRY(by_shape<cfg0>(p->head_dim, rows_of(p), launch_views{p, v, s}));
+    TKV_CUDA_TRY(by_shape(p->head_dim, rows_of(p), p->decode_mma != 0, launch_views{p, v, s}));
     return merge_after(p, s);
 }

@@ -40,8 +40,9 @@
 /* Once per process and device: shared-memory limits, occupancy. */
 cudaError_t tkv_cuda_attn_decode_init(void);
 
-/* CTAs of the kernel that serves (head_dim, rows) resident per SM. */
-int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows);
+/* CTAs of the kernel that serves (head_dim, rows) resident per SM (mma:
+ * tkv_cuda_attn_params.decode_mma). */
+int tkv_cuda_attn_decode_ctas_per_sm(uint32_t head_dim, uint32_t rows, bool mma);
 
 /* Runs the decode kernel (and the merge kernel in TKV_ATTN_DECODE_MERGE
  * mode). Needs p->vec16 and n_q * G <= TKV_ATTN_DECODE_ROWS. */

@@ -371,7 +371,7 @@ size_t tkv_cuda_attn_plan(tkv_cuda_attn_params *p, uint32_t max_blocks, uint32_t
     if (use_decode(p)) { /* one CTA per (KV head, split) */
         items = p->n_head_kv;
         target = (uint32_t)(n_sm > 0 ? n_sm : 1) *
-                 (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows);
+                 (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(p->head_dim, rows, p->decode_mma != 0);
         cap = TKV_ATTN_DECODE_MAX_SPLIT;
     } else if (tkv_cuda_attn_prefill_ok(p)) {
         const uint32_t R = tkv_cuda_attn_prefill_rows(p);
@@ -462,6 +462,8 @@ struct tkv_cuda_attn_state {
     bool pool;                     /* the decode kernel over device views with their
                                       keys as a pool (run_device_views); 0 with
                                       TKV_CUDA_ATTN_POOL=0, for A/B measurements */
+    bool decode_mma;               /* tkv_cuda_attn_params.decode_mma; 0 with
+                                      TKV_CUDA_ATTN_DECODE_MMA=0 (the CUDA-core kernel) */
 };
 
 void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
@@ -511,6 +513,8 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     st->ws_pingpong = !(pp && !strcmp(pp, "0"));
     const char *pool = getenv("TKV_CUDA_ATTN_POOL");
     st->pool = !(pool && !strcmp(pool, "0"));
+    const char *dmma = getenv("TKV_CUDA_ATTN_DECODE_MMA");
+    st->decode_mma = !(dmma && !strcmp(dmma, "0"));
     st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
                                                     : TKV_ATTN_PREFILL_SPLIT;
@@ -681,6 +685,7 @@ static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struc
     p.head_dim = a->head_dim;
     p.scale_log2 = a->scale * 1.44269504088896341f;
     p.decode_mode = st->decode_mode;
+    p.decode_mma = st->decode_mma;
     return p;
 }
 
@@ -830,7 +835,7 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     /* one full wave: every CTA slot of the device busy, each split of a head
      * the same number of chunks to one */
     const uint32_t slots = (uint32_t)(n_sm > 0 ? n_sm : 1) *
-                           (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(a->head_dim, rows);
+                           (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(a->head_dim, rows, p.decode_mma != 0);
     uint32_t n_split = (slots + a->n_head_kv - 1) / a->n_head_kv;
     n_split = n_split < max_chunks ? n_split : max_chunks;
     n_split = n_split < TKV_ATTN_DECODE_MAX_SPLIT ? n_split : TKV_ATTN_DECODE_MAX_SPLIT;

@@ -80,6 +80,10 @@ struct tkv_cuda_attn_params {
     float scale_log2;                       /* scale * log2(e)                  */
     int vec16;                              /* all K/V rows 16-byte aligned     */
     int decode_mode;                        /* enum tkv_cuda_attn_decode_mode   */
+    int decode_mma;                         /* the decode kernel's scores and P.V on
+                                               the tensor cores where it has them
+                                               (head_dim class 128, sm_80+); 0 with
+                                               TKV_CUDA_ATTN_DECODE_MMA=0        */
     int prefill_mode;                       /* enum tkv_cuda_attn_prefill_mode  */
     int prefill_pack;                       /* prefill kernel: packed tiles when
                                                kofs is set (else per ref)       */

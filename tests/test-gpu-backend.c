@@ -690,12 +690,14 @@ static void test_profile(void)
  * (TKV_CUDA_ATTN_PACK=0), and the decode kernel reading the view as strided
  * runs from its launch parameters (TKV_CUDA_ATTN_DECODE=runs; views of too
  * many runs fall back to the packed table), also as a programmatic dependent
- * launch (=pdl). */
-#define N_ATTN_ALT 7
+ * launch (=pdl). The default decode kernel at head_dim 65..128 is the
+ * tensor-core instance; TKV_CUDA_ATTN_DECODE_MMA=0 runs the CUDA-core one
+ * ("decode-cores"). */
+#define N_ATTN_ALT 8
 static struct tkv_backend *gpu_attn_alt[N_ATTN_ALT]; /* [0]: the general kernel */
 static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "table-main", "mma16",
-                                                       "per-ref", "runs",  "pdl"};
-static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4};
+                                                       "per-ref", "runs",  "pdl",        "decode-cores"};
+static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4, 1e-4};
 
 /* The tensor-core prefill kernel's variants (v1: 128-row tiles, v2: wgmma, v3: wgmma with specialized warps;
  * set by tkv_backend_cuda_set_prefill_variant) are run in-process on three backends
@@ -1134,6 +1136,9 @@ static void test_attention(void)
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
     gpu_attn_alt[5] = gpu_with_attn_env("runs", "copy", "mma", "1");
     gpu_attn_alt[6] = gpu_with_attn_env("pdl", "copy", "mma", "1");
+    setenv("TKV_CUDA_ATTN_DECODE_MMA", "0", 1);
+    gpu_attn_alt[7] = gpu_with_attn_env("1", "copy", "mma", "1");
+    unsetenv("TKV_CUDA_ATTN_DECODE_MMA");
     gpu_pf_var[0] = gpu_with_attn_env("1", "copy", "mma", "1");
     gpu_pf_var[1] = gpu_with_attn_env("1", "copy", "mma16", "1");
     gpu_pf_var[2] = gpu_with_attn_env("1", "copy", "mma", "0");
@@ -1175,6 +1180,7 @@ static void test_attention(void)
     for (size_t i = 0; i < sizeof ctxs / sizeof ctxs[0]; i++)
         test_attention_case(9, 3, 64, 64, ctxs[i], 1, VIEW_ALL, 0);
     test_attention_case(32, 8, 128, 32, 5000, 1, VIEW_SPARSE, 0);
+    test_attention_case(28, 4, 128, 64, 6000, 1, VIEW_SPARSE, 0);  /* qwen2.5-7b's heads: 7 rows of 8 */
     test_attention_case(32, 4, 72, 256, 3001, 1, VIEW_ALL, 0);    /* G = 8, hd 72, B 256 */
     test_attention_case(8, 8, 80, 8, 777, 1, VIEW_WINDOW, 0);
     test_attention_case(16, 2, 256, 64, 3000, 1, VIEW_SPARSE, 0);
