@@ -371,6 +371,53 @@ __device__ __forceinline__ bool pool_part(const tkv_cuda_attn_params &p, dec_par
     return false;
 }
 
+/* A warp's NS-stage cp.async pipeline over the chunks its cursor walks:
+ * the constructor puts NS - 1 chunks in flight; next() refills the stage
+ * computed last (every lane's reads of it done: __syncwarp), waits for the
+ * oldest chunk's copies and returns it (nvalid < 0: the walk is over), its
+ * K and V at k, v. The tensor-core instance reads other lanes' copies
+ * (ldmatrix): a second __syncwarp after the wait. */
+template <class C, class Walk> struct dec_pipe {
+    static constexpr int NS = C::NS, STAGE = C::U * 32; /* uint4 of K (or V) a stage */
+    Walk &cur;
+    uint4 *wpipe; /* [NS][K|V][STAGE] */
+    int lane, sub, dl, it = 0;
+    uint32_t hd;
+    chunk_meta meta[NS];
+    const uint4 *k = nullptr, *v = nullptr;
+
+    __device__ __forceinline__ dec_pipe(Walk &c, uint4 *w, int lane_, int sub_, int dl_, uint32_t hd_)
+        : cur(c), wpipe(w), lane(lane_), sub(sub_), dl(dl_), hd(hd_)
+    {
+#pragma unroll
+        for (int st = 0; st < NS - 1; st++)
+            meta[st] = issue(st);
+    }
+    __device__ __forceinline__ chunk_meta issue(int st)
+    {
+        const chunk_meta m = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (st * 2) * STAGE,
+                                            wpipe + (st * 2 + 1) * STAGE, lane, sub, dl, hd);
+        cur.template advance<C::CH>(NW);
+        return m;
+    }
+    __device__ __forceinline__ chunk_meta next()
+    {
+        const int sc = it % NS, sn = (it + NS - 1) % NS;
+        it++;
+        __syncwarp();
+        meta[NS - 1] = issue(sn);
+        tkv_cp_async_wait<NS - 1>(); /* this thread's copies of the chunk have landed */
+        if (C::MMA)
+            __syncwarp();
+        const chunk_meta mc = meta[0];
+#pragma unroll
+        for (int st = 0; st < NS - 1; st++)
+            meta[st] = meta[st + 1];
+        k = wpipe + (sc * 2) * STAGE, v = wpipe + (sc * 2 + 1) * STAGE;
+        return mc;
+    }
+};
+
 /* The end of a CTA, after its lane groups' results are in shared memory
  * (so [SLOTS][DR][HD] over the pipeline, cm and cl [SLOTS][DR]; a group's
  * row with l = 0 is skipped) and a barrier: they are combined into the
@@ -480,34 +527,14 @@ __device__ __forceinline__ void decode_cta_cores(const tkv_cuda_attn_params &p, 
     }
     float m_own = -INFINITY, l_own = 0.0f;
 
-    uint4 *wpipe = pipe + (size_t)warp * NS * 2 * U * 32; /* [NS][K|V][U][32] */
     float *pb = pbuf + (size_t)(warp * NG + sub) * C::PSTRIDE;
 
-    /* prologue: NS - 1 chunks in flight */
-    chunk_meta meta[NS];
-#pragma unroll
-    for (int st = 0; st < NS - 1; st++) {
-        meta[st] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (st * 2) * U * 32,
-                                  wpipe + (st * 2 + 1) * U * 32, lane, sub, dl, hd);
-        cur.template advance<C::CH>(NW);
-    }
-
-    for (int it = 0;; it++) {
-        const int sc = it % NS, sn = (it + NS - 1) % NS;
-        /* refill the stage computed in the previous iteration (its reads of
-         * that stage are ordered before the copies) */
-        __syncwarp();
-        meta[NS - 1] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (sn * 2) * U * 32,
-                                      wpipe + (sn * 2 + 1) * U * 32, lane, sub, dl, hd);
-        cur.template advance<C::CH>(NW);
-        tkv_cp_async_wait<NS - 1>(); /* this thread's copies of chunk `it` have landed */
-        const chunk_meta mc = meta[0];
-#pragma unroll
-        for (int st = 0; st < NS - 1; st++)
-            meta[st] = meta[st + 1];
+    dec_pipe<C, Walk> pl(cur, pipe + (size_t)warp * NS * 2 * U * 32, lane, sub, dl, hd);
+    for (;;) {
+        const chunk_meta mc = pl.next();
         if (mc.nvalid < 0) /* warp-uniform: every lane walks the same cursor */
             break;
-        const uint4 *ks = wpipe + (sc * 2) * U * 32, *vs = wpipe + (sc * 2 + 1) * U * 32;
+        const uint4 *ks = pl.k, *vs = pl.v;
 
         /* ---- partial scores: s[r*U + u] over this lane's 8 dims */
         float s[V];
@@ -677,35 +704,19 @@ __device__ __forceinline__ void decode_cta_mma(const tkv_cuda_attn_params &p, co
     for (int c = 0; c < 8; c++)
         o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.0f;
 
-    uint4 *wpipe = pipe + (size_t)warp * NS * 2 * U * 32; /* [NS][K|V][16 keys][16 units] */
     /* ldmatrix row addresses: K (A = 16 keys x 16 dims): matrices (keys 0-7 |
      * 8-15) x (units 2c | 2c + 1); V (A = V^T, 16 dims x 16 keys, .trans):
      * (keys 0-7, 2c), (0-7, 2c + 1), (8-15, 2c), (8-15, 2c + 1) */
     const int krow = (lane & 7) + ((lane >> 3) & 1) * 8, kcol = lane >> 4;
     const int vrow = (lane & 7) + (lane >> 4) * 8, vcol = (lane >> 3) & 1;
 
-    chunk_meta meta[NS];
-#pragma unroll
-    for (int st = 0; st < NS - 1; st++) {
-        meta[st] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (st * 2) * U * 32,
-                                  wpipe + (st * 2 + 1) * U * 32, lane, sub, dl, hd);
-        cur.template advance<C::CH>(NW);
-    }
-    for (int it = 0;; it++) {
-        const int sc = it % NS, sn = (it + NS - 1) % NS;
-        __syncwarp(); /* every lane's reads of the stage refilled below are done */
-        meta[NS - 1] = issue_chunk<C>(cur.template src<C::CH>(hd), wpipe + (sn * 2) * U * 32,
-                                      wpipe + (sn * 2 + 1) * U * 32, lane, sub, dl, hd);
-        cur.template advance<C::CH>(NW);
-        tkv_cp_async_wait<NS - 1>();
-        __syncwarp(); /* ... and every lane's copies of chunk `it`: ldmatrix reads the others' */
-        const chunk_meta mc = meta[0];
-#pragma unroll
-        for (int st = 0; st < NS - 1; st++)
-            meta[st] = meta[st + 1];
+    /* a stage: [K|V][16 keys][16 units] */
+    dec_pipe<C, Walk> pl(cur, pipe + (size_t)warp * NS * 2 * U * 32, lane, sub, dl, hd);
+    for (;;) {
+        const chunk_meta mc = pl.next();
         if (mc.nvalid < 0)
             break;
-        const uint32_t ks = smem_u32(wpipe + (sc * 2) * U * 32), vs = smem_u32(wpipe + (sc * 2 + 1) * U * 32);
+        const uint32_t ks = smem_u32(pl.k), vs = smem_u32(pl.v);
 
         /* ---- S^T = K Q^T: s[0], s[1] key gq, rows 2tq, 2tq + 1; s[2], s[3] key gq + 8 */
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
