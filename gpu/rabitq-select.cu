@@ -236,8 +236,9 @@ static __device__ __forceinline__ struct rqs_ptrs pair_rows(const struct tkv_cud
                          kernel: groups of 32 a warp) */
 
 /* One key's outputs for one pair, from its scaled estimate s: g (and, safe,
- * s and d) to scratch at index i of pt (pair_rows), and the thread's running maxima (go over candidates,
- * uo of s + d, lo of s - d) and bad flag. Both estimate kernels use it. */
+ * s and d) to scratch at index i of pt (pair_rows), and the thread's
+ * running maxima (go over candidates, uo of s + d, lo of s - d) and bad
+ * flag. Both estimate kernels use it. */
 template <bool SAFE>
 static __device__ __forceinline__ void rqs_key_out(const struct tkv_cuda_rqs_params &pp, const struct rqs_ptrs &pt,
                                                    uint32_t i, float s, float d, bool forced, unsigned &go,
