@@ -633,15 +633,6 @@ __device__ __forceinline__ void decode_cta_cores(const tkv_cuda_attn_params &p, 
     decode_finish<C>(p, part);
 }
 
-/* The transpose of an 8x8 matrix of 16-bit values, a row pair a lane (lane
- * 4r + c holds elements 2c, 2c + 1 of row r, before and after) */
-__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x)
-{
-    uint32_t y;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-    return y;
-}
-
 /* decode_cta's work on the tensor cores (C::MMA: head_dim class 128, up
  * to 8 rows; sm_80 and later). The chunks are decode_cta's (16 keys a warp,
  * K and V [key][128] f16 in the stage, each row's 16-byte units swizzled by
@@ -665,7 +656,7 @@ __device__ __forceinline__ void decode_cta_mma(const tkv_cuda_attn_params &p, co
                                                const int32_t *q_pos)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    using tkv_pf::ldsm_x4, tkv_pf::ldsm_x4_t, tkv_pf::mma16816, tkv_pf::smem_u32, tkv_pf::split_h2;
+    using tkv_pf::ldsm_x4, tkv_pf::ldsm_x4_t, tkv_pf::mma16816, tkv_pf::movmatrix_t, tkv_pf::smem_u32, tkv_pf::split_h2;
     constexpr int HD = C::HD, DR = C::DR, U = C::U, NS = C::NS, LPK = C::LPK, NG = C::NG;
     static_assert(HD == 128 && LPK == 16 && NG == 2 && U == 8 && DR <= 8, "16 keys of 128 dims a chunk, 8 rows");
     extern __shared__ __align__(16) unsigned char smem[];

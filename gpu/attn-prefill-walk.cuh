@@ -2,7 +2,7 @@
  * attn-prefill-walk.cuh -- the device pieces the tensor-core prefill kernels
  * share (internal to gpu/attn-prefill*.cu, whose PTX wrappers and f16 hi/lo
  * split the decode kernel's tensor-core instance in gpu/attn-decode.cu also
- * takes): PTX wrappers (ldmatrix, mma.sync m16n8k16, cp.async), f16 hi/lo
+ * takes): PTX wrappers (ldmatrix, movmatrix, mma.sync m16n8k16, cp.async), f16 hi/lo
  * splitting, and the two K/V walks that fill one 64-key shared-memory
  * stage: the packed walk (fill_packed: tile t of a split = keys [64t, 64t +
  * 64) of the concatenation of the head's refs) and the per-ref walk
@@ -57,6 +57,15 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t &r0, uint32_t 
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(addr));
+}
+
+/* The transpose of an 8x8 matrix of 16-bit values, a row pair a lane (lane
+ * 4r + c holds elements 2c, 2c + 1 of row r, before and after; sm_75+) */
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x)
+{
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
 }
 
 /* d += a b, m16n8k16, f16 inputs, f32 accumulators */

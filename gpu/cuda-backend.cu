@@ -1423,7 +1423,7 @@ static tkv_status cuda_rabitq_select(struct tkv_backend *b, const struct tkv_rab
     ALIVE(op);
     uint32_t n_max;
     TKV_TRY(tkv_rabitq_select_check(a, "cuda: rabitq_select", &n_max));
-    n_max = (n_max + 3) & ~3u; /* the kernels' rows (tkv_cuda_rqs_params): within words * 32, a multiple of 32 */
+    n_max = tkv_cuda_rqs_row_len(n_max);
     if (a->n_heads == 0)
         return TKV_OK;
     static_assert(TKV_CUDA_RQS_MAX_G == TKV_RABITQ_SELECT_MAX_G &&

@@ -414,8 +414,12 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate_mma(struct tkv_cuda_rq
             A[k][r] = key < hd.n ? code[(size_t)key * 4 + tg] : 0u;
         }
         /* (a key's scalars loaded as the scalar kernel loads them: a helper
-         * shared by the two changed ptxas's register counts of the safe
-         * instances, which were measured as they are; session 35) */
+         * shared by the two changed ptxas's register counts of measured
+         * instances -- session 36, by reference, force-inlined: the safe
+         * tensor-core one 60 -> 64, the scalar safe ones 48 -> 62 (W 1, 4
+         * keys a thread: 5 -> 4 blocks a multiprocessor) and 32 -> 40 (W 4,
+         * one key: 8 -> 6) -- and no device time was left to re-measure
+         * them; sessions 35, 36) */
         valid[k] = i < hd.n;
         forced[k] = valid[k] && is_forced(fr, i);
         a[k] = e[k] = t[k] = 0, xb[k] = 0;
@@ -1222,7 +1226,8 @@ cudaError_t tkv_cuda_rqs_clear(const struct tkv_cuda_rqs_work *w, uint32_t P, bo
 cudaError_t tkv_cuda_rqs_run(const struct tkv_cuda_rqs_params *pp, const struct tkv_cuda_rqs_heads *hs, uint32_t h0,
                              uint32_t n, const struct tkv_cuda_rqs_work *w, bool pdl, cudaStream_t s)
 {
-    if (pp->n_heads == 0 || pp->G == 0 || pp->G > TKV_CUDA_RQS_MAX_G || pp->n_max == 0 || pp->n_max % 4 ||
+    if (pp->n_heads == 0 || pp->G == 0 || pp->G > TKV_CUDA_RQS_MAX_G || pp->n_max == 0 ||
+        pp->n_max != tkv_cuda_rqs_row_len(pp->n_max) ||
         pp->words * 32ull < pp->n_max || n == 0 || n > TKV_CUDA_RQS_GROUP || h0 + n > pp->n_heads)
         return cudaErrorInvalidValue;
     /* the group's pairs are the call's [base, base + Pg): its own slices of the work */

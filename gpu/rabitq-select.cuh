@@ -41,8 +41,7 @@ struct tkv_cuda_rqs_heads {
 };
 
 struct tkv_cuda_rqs_params {
-    uint32_t n_heads, G, n_max, words, whole; /* n_max: the largest n rounded up to a multiple of
-                                                 4 (the pairs' rows of scratch 16-byte aligned);
+    uint32_t n_heads, G, n_max, words, whole; /* n_max: tkv_cuda_rqs_row_len(the largest n);
                                                  words: bitmap row                    */
     float p, scale, extra_lse;
     int safe;
@@ -55,6 +54,12 @@ struct tkv_cuda_rqs_params {
                                                  cores (tkv_cuda_rqs_init's *mma, unless
                                                  TKV_CUDA_RQS_MMA=0)                 */
 };
+
+/* The length of each pair's rows of scratch and list for a call whose
+ * largest head has n keys (tkv_cuda_rqs_params.n_max): n rounded up to a
+ * multiple of 4, so every row starts 16-byte aligned (the hist and output
+ * kernels load 4 keys at once); within a bitmap row's words * 32. */
+static inline uint32_t tkv_cuda_rqs_row_len(uint32_t n) { return (n + 3) & ~3u; }
 
 /* Device memory one call uses, all sized by tkv_cuda_rqs_bytes. */
 struct tkv_cuda_rqs_work {
