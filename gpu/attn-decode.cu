@@ -52,6 +52,8 @@ template <int HD_, int DR_, int U_, int NS_, bool MMA_ = false> struct dec_cfg {
     static constexpr int NF = V / LPK;          /* full sums per lane after the butterfly           */
     static constexpr int W = LPK / DR;          /* lanes sharing one row's scores                   */
     static constexpr int SLOTS = NW * NG;       /* lane groups per CTA                              */
+    static constexpr int SLOT_STEP = MMA ? NG : 1; /* slots holding a result: the tensor-core body
+                                                      fills a warp's first only                     */
     static constexpr size_t PIPE = (size_t)NW * NS * 2 * U * 32 * 16;
     static constexpr int PSTRIDE = V + 4;       /* floats per lane group in pbuf (bank offset)      */
     static constexpr size_t SMEM = PIPE + (size_t)NW * NG * PSTRIDE * 4 + 2 * (size_t)SLOTS * DR * 4 + 16;
@@ -419,10 +421,10 @@ template <class C, class Walk> struct dec_pipe {
 };
 
 /* The end of a CTA, after its lane groups' results are in shared memory
- * (so [SLOTS][DR][HD] over the pipeline, cm and cl [SLOTS][DR]; a group's
- * row with l = 0 is skipped) and a barrier: they are combined into the
- * output (one split), or into this split's partial and, by the last CTA of
- * the KV head to finish, the merge. */
+ * (so [SLOTS][DR][HD] over the pipeline, cm and cl [SLOTS][DR]: the slots
+ * 0, SLOT_STEP, ...; a group's row with l = 0 is skipped) and a barrier:
+ * they are combined into the output (one split), or into this split's
+ * partial and, by the last CTA of the KV head to finish, the merge. */
 template <class C> __device__ __forceinline__ void decode_finish(const tkv_cuda_attn_params &p, const dec_part part)
 {
     constexpr int HD = C::HD, DR = C::DR, SLOTS = C::SLOTS;
@@ -438,13 +440,13 @@ template <class C> __device__ __forceinline__ void decode_finish(const tkv_cuda_
         const int r = i / (int)hd, d = i % (int)hd;
         float M = -INFINITY;
 #pragma unroll
-        for (int sl = 0; sl < SLOTS; sl++)
+        for (int sl = 0; sl < SLOTS; sl += C::SLOT_STEP)
             if (cl[sl * DR + r] > 0.0f)
                 M = fmaxf(M, cm[sl * DR + r]);
         float L = 0.0f, O = 0.0f;
         if (M != -INFINITY) {
 #pragma unroll
-            for (int sl = 0; sl < SLOTS; sl++)
+            for (int sl = 0; sl < SLOTS; sl += C::SLOT_STEP)
                 if (cl[sl * DR + r] > 0.0f) {
                     const float w = exp2f(cm[sl * DR + r] - M);
                     L += cl[sl * DR + r] * w;
@@ -650,7 +652,7 @@ __device__ __forceinline__ void decode_cta_cores(const tkv_cuda_attn_params &p, 
  *                                    and lo, transposed by movmatrix), twice.
  * Where decode_cta's CUDA cores spend ~1300 instructions a chunk of 16 keys
  * and 8 rows, this spends ~150. The warp's (m, l, O) go to its first slot
- * of so / cm / cl (the other with l = 0), then decode_finish. */
+ * of so / cm / cl (SLOT_STEP), then decode_finish. */
 template <class C, class Walk>
 __device__ __forceinline__ void decode_cta_mma(const tkv_cuda_attn_params &p, const dec_part part, Walk &cur,
                                                const int32_t *q_pos)
@@ -785,10 +787,6 @@ __device__ __forceinline__ void decode_cta_mma(const tkv_cuda_attn_params &p, co
                 cm[slot * DR + r] = m[x], cl[slot * DR + r] = l[x];
         }
     }
-    if (lane < DR)
-#pragma unroll
-        for (int sl = 1; sl < NG; sl++)
-            cm[(slot + sl) * DR + lane] = -INFINITY, cl[(slot + sl) * DR + lane] = 0.0f;
     __syncthreads();
     decode_finish<C>(p, part);
 #endif

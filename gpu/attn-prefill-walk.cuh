@@ -1,10 +1,10 @@
 /*
- * attn-prefill-walk.cuh -- the device pieces the tensor-core prefill kernels
- * share (internal to gpu/attn-prefill*.cu, whose PTX wrappers and f16 hi/lo
- * split the decode kernel's tensor-core instance in gpu/attn-decode.cu also
- * takes): PTX wrappers (ldmatrix, movmatrix, mma.sync m16n8k16, cp.async), f16 hi/lo
- * splitting, and the two K/V walks that fill one 64-key shared-memory
- * stage: the packed walk (fill_packed: tile t of a split = keys [64t, 64t +
+ * attn-prefill-walk.cuh -- the device pieces the tensor-core kernels share
+ * (internal to gpu/): PTX wrappers (ldmatrix, movmatrix, mma.sync m16n8k16,
+ * cp.async) and f16 hi/lo splitting, which the decode kernel's tensor-core
+ * instance (attn-decode.cu) takes too; and the prefill kernels' two K/V
+ * walks (attn-prefill*.cu) that fill one 64-key shared-memory stage: the
+ * packed walk (fill_packed: tile t of a split = keys [64t, 64t +
  * 64) of the concatenation of the head's refs) and the per-ref walk
  * (fill_tile). Both are run by NT = 128 threads, 4 warps
  * each filling 16 rows of the stage: the whole CTA of v0 and v1, the first

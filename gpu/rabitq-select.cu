@@ -533,6 +533,15 @@ static __device__ __forceinline__ bool rule(double lp, float p, double N, double
     return __dmul_rd(lp, N) >= __dmul_ru((double)p, C);
 }
 
+/* A key's u term, as its low and high HALF bits, and its count into bin b */
+static __device__ __forceinline__ void hist_add_u(uint32_t b, uint32_t lo, uint32_t hi, uint32_t *hu_lo,
+                                                  uint32_t *hu_hi, uint32_t *hc)
+{
+    atomicAdd(&hu_lo[b], lo);
+    atomicAdd(&hu_hi[b], hi);
+    atomicAdd(&hc[b], 1u);
+}
+
 /* A key's terms (l rounded down, u up, in bin b's units) into the block's
  * bins: each sum as two 32-bit sums of the terms' low and high HALF bits */
 static __device__ __forceinline__ void hist_add(uint32_t b, u64 tl, u64 tu, uint32_t *hl_lo, uint32_t *hl_hi,
@@ -540,9 +549,7 @@ static __device__ __forceinline__ void hist_add(uint32_t b, u64 tl, u64 tu, uint
 {
     const u64 lo_mask = (1ull << HALF) - 1;
     *over |= ((tl | tu) >> (2 * HALF)) != 0;
-    atomicAdd(&hu_lo[b], (uint32_t)(tu & lo_mask));
-    atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
-    atomicAdd(&hc[b], 1u);
+    hist_add_u(b, (uint32_t)(tu & lo_mask), (uint32_t)(tu >> HALF), hu_lo, hu_hi, hc);
     atomicAdd(&hl_lo[b], (uint32_t)(tl & lo_mask));
     atomicAdd(&hl_hi[b], (uint32_t)(tl >> HALF));
 }
@@ -566,9 +573,8 @@ static __device__ __forceinline__ void hist_add_plain(uint32_t b, float u, float
     if (v >= 0x1p23f && v < 0x1p40f) { /* an integer below 2^(2 HALF): tl = tu = v */
         const float t = __fadd_rd(__fmul_rn(v, 0x1p-20f), 0x1p23f); /* 2^23 + floor(v / 2^20), exactly */
         const float lo = __fmaf_rn(-__fsub_rn(t, 0x1p23f), 0x1p20f, v); /* v mod 2^20, exactly */
-        atomicAdd(&hu_lo[b], __float_as_uint(__fadd_rn(lo, 0x1p23f)) - 0x4b000000u);
-        atomicAdd(&hu_hi[b], __float_as_uint(t) - 0x4b000000u);
-        atomicAdd(&hc[b], 1u);
+        hist_add_u(b, __float_as_uint(__fadd_rn(lo, 0x1p23f)) - 0x4b000000u, __float_as_uint(t) - 0x4b000000u, hu_lo,
+                   hu_hi, hc);
         return;
     }
     const u64 tl = fx_down(u, E.x, over), tu = fx_up(u, E.y, over);
@@ -577,9 +583,7 @@ static __device__ __forceinline__ void hist_add_plain(uint32_t b, float u, float
         return;
     }
     *over |= (tu >> (2 * HALF)) != 0;
-    atomicAdd(&hu_lo[b], (uint32_t)(tu & ((1ull << HALF) - 1)));
-    atomicAdd(&hu_hi[b], (uint32_t)(tu >> HALF));
-    atomicAdd(&hc[b], 1u);
+    hist_add_u(b, (uint32_t)(tu & ((1ull << HALF) - 1)), (uint32_t)(tu >> HALF), hu_lo, hu_hi, hc);
     if (tl != tu)
         atomicAdd(&hl_lo[b], 1u);
 }
