@@ -506,6 +506,10 @@ __device__ __forceinline__ void decode_cta_cores(const tkv_cuda_attn_params &p, 
     const int R = (int)(p.n_q * G);
     const bool dim_ok = dl * 8 < (int)hd;
 
+    /* the first chunks' copies go out before the query is read: its round
+     * trip overlaps theirs */
+    dec_pipe<C, Walk> pl(cur, pipe + (size_t)warp * NS * 2 * U * 32, lane, sub, dl, hd);
+
     /* the rows' queries (8 dims of this lane), in log2 units */
     float q[DR][8];
 #pragma unroll
@@ -531,7 +535,6 @@ __device__ __forceinline__ void decode_cta_cores(const tkv_cuda_attn_params &p, 
 
     float *pb = pbuf + (size_t)(warp * NG + sub) * C::PSTRIDE;
 
-    dec_pipe<C, Walk> pl(cur, pipe + (size_t)warp * NS * 2 * U * 32, lane, sub, dl, hd);
     for (;;) {
         const chunk_meta mc = pl.next();
         if (mc.nvalid < 0) /* warp-uniform: every lane walks the same cursor */
@@ -670,6 +673,10 @@ __device__ __forceinline__ void decode_cta_mma(const tkv_cuda_attn_params &p, co
     const uint32_t g = part.g, G = p.n_head / p.n_head_kv, hd = p.head_dim, ld = p.n_head * hd;
     const int R = (int)(p.n_q * G);
 
+    /* the first chunks' copies go out before the query is read: its round
+     * trip overlaps theirs. A stage: [K|V][16 keys][16 units] */
+    dec_pipe<C, Walk> pl(cur, pipe + (size_t)warp * NS * 2 * U * 32, lane, sub, dl, hd);
+
     /* Q^T's B fragments: row gq, dims 16c + 2tq (+1) and 16c + 2tq + 8 (+9),
      * in log2 units, f16 hi and lo; rows past R and dims past hd zero */
     uint32_t qh[8][2], ql[8][2];
@@ -703,8 +710,6 @@ __device__ __forceinline__ void decode_cta_mma(const tkv_cuda_attn_params &p, co
     const int krow = (lane & 7) + ((lane >> 3) & 1) * 8, kcol = lane >> 4;
     const int vrow = (lane & 7) + (lane >> 4) * 8, vcol = (lane >> 3) & 1;
 
-    /* a stage: [K|V][16 keys][16 units] */
-    dec_pipe<C, Walk> pl(cur, pipe + (size_t)warp * NS * 2 * U * 32, lane, sub, dl, hd);
     for (;;) {
         const chunk_meta mc = pl.next();
         if (mc.nvalid < 0)
