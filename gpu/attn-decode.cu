@@ -436,30 +436,43 @@ template <class C> __device__ __forceinline__ void decode_finish(const tkv_cuda_
     const uint32_t g = part.g, split = part.split, G = p.n_head / p.n_head_kv, hd = p.head_dim;
     const int R = (int)(p.n_q * G);
     const uint32_t n_rows = p.n_q * p.n_head;
-    for (int i = tid; i < R * (int)hd; i += NT) {
-        const int r = i / (int)hd, d = i % (int)hd;
+    /* a thread per (row, 4 dims): the row's max and weights once for the 4,
+     * so[]'s 4 in one 16-byte read (hd is a multiple of 8 on these calls);
+     * each dim's sums in the slots' order, as one dim a thread did */
+    const int nd4 = (int)hd / 4;
+    for (int i = tid; i < R * nd4; i += NT) {
+        const int r = i / nd4, d = 4 * (i % nd4);
         float M = -INFINITY;
 #pragma unroll
         for (int sl = 0; sl < SLOTS; sl += C::SLOT_STEP)
             if (cl[sl * DR + r] > 0.0f)
                 M = fmaxf(M, cm[sl * DR + r]);
-        float L = 0.0f, O = 0.0f;
+        float L = 0.0f;
+        float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (M != -INFINITY) {
 #pragma unroll
             for (int sl = 0; sl < SLOTS; sl += C::SLOT_STEP)
                 if (cl[sl * DR + r] > 0.0f) {
                     const float w = exp2f(cm[sl * DR + r] - M);
+                    const float4 v = *(const float4 *)&so[((size_t)sl * DR + r) * HD + d];
                     L += cl[sl * DR + r] * w;
-                    O += so[((size_t)sl * DR + r) * HD + d] * w;
+                    O.x += v.x * w;
+                    O.y += v.y * w;
+                    O.z += v.z * w;
+                    O.w += v.w * w;
                 }
         }
         const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
         if (part.n == 1) {
-            p.out[(size_t)row * hd + d] = L > 0.0f ? O / L : 0.0f;
+            float *out = p.out + (size_t)row * hd + d;
+            out[0] = L > 0.0f ? O.x / L : 0.0f;
+            out[1] = L > 0.0f ? O.y / L : 0.0f;
+            out[2] = L > 0.0f ? O.z / L : 0.0f;
+            out[3] = L > 0.0f ? O.w / L : 0.0f;
             if (p.lse && d == 0)
                 p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2f : -INFINITY;
         } else {
-            p.part[((size_t)split * n_rows + row) * hd + d] = O;
+            *(float4 *)&p.part[((size_t)split * n_rows + row) * hd + d] = O; /* (16-byte aligned: hd % 4 == 0) */
             if (d == 0) {
                 float *ml = p.part + (size_t)p.n_split * n_rows * hd + ((size_t)split * n_rows + row) * 2;
                 ml[0] = M;
