@@ -419,7 +419,9 @@ __global__ void __launch_bounds__(RQS_EST_T) rqs_estimate_mma(struct tkv_cuda_rq
          * tensor-core one 60 -> 64, the scalar safe ones 48 -> 62 (W 1, 4
          * keys a thread: 5 -> 4 blocks a multiprocessor) and 32 -> 40 (W 4,
          * one key: 8 -> 6) -- and no device time was left to re-measure
-         * them; sessions 35, 36) */
+         * them; sessions 35, 36. Session 38: returning the scalars by value
+         * in a struct changed them too -- the scalar safe W 1 instance 48 ->
+         * 56, the plain tensor-core one 62 -> 48 -- and the SASS) */
         valid[k] = i < hd.n;
         forced[k] = valid[k] && is_forced(fr, i);
         a[k] = e[k] = t[k] = 0, xb[k] = 0;
