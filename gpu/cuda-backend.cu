@@ -76,6 +76,7 @@ struct stage_slot {
 struct cuda_backend {
     struct tkv_backend base;       /* first: ops dispatch on &base */
     int device, n_sm;
+    uint32_t smem_sm;              /* shared memory per SM (the quantized GEMV's plan) */
     char pci_bus_id[32];           /* "0000:3b:00.0"                          */
     cudaStream_t stream;
     cublasHandle_t blas;
@@ -779,7 +780,7 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     struct tkv_cuda_qgemv g;
     group_build(&g, &w, 1, &y);
     g.pair = qgemv_pairs(cb, &w, 1);
-    CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
+    CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -880,7 +881,8 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
         struct tkv_cuda_qgemv g;
         group_build(&g, w, nw, y);
         g.pair = qgemv_pairs(cb, w, nw);
-        CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
+        CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl,
+                              cb->stream));
         return TKV_OK;
     }
     if (path == GROUP_SEQ) {
@@ -914,7 +916,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
         group_build(&g, &wg, 1, &out);
         g.wu = wu->wq;
         g.swiglu = true;
-        CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
+        CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
         return TKV_OK;
     }
     if (path == GROUP_F16) {
@@ -2082,6 +2084,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     tkv_cuda_current = cb->device;
     CU(op, cudaGetDeviceProperties(&prop, cb->device));
     cb->n_sm = prop.multiProcessorCount;
+    cb->smem_sm = (uint32_t)prop.sharedMemPerMultiprocessor;
     cb->pdl = cb->pdl && prop.major >= 9; /* griddepcontrol is sm_90's */
     if (cudaDeviceGetPCIBusId(cb->pci_bus_id, sizeof cb->pci_bus_id, cb->device) != cudaSuccess) {
         (void)cudaGetLastError();

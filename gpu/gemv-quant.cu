@@ -205,11 +205,23 @@ __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, cons
  * two rows' groups through the stage and use each activation load for both. */
 enum { MODE_PLAIN, MODE_SWIGLU, MODE_PAIR };
 
+/* CTAs of QG_THREADS_MAX threads an SM must hold at once, by registers
+ * (0: no bound; an explicit 1 would move ptxas's choices for the others).
+ * The one-token row-pair instance with 32 lanes a unit, Q4_0 and Q4_1, at
+ * QG_PAIR32_REGS registers where Q4_0's would take 150: with one stage
+ * (plan) 4 of its 4-warp CTAs then fit an SM, which puts the Llama-3-8B
+ * `down` (4096 x 14336, 2048 pairs) in one wave. Q8_0's would spill. */
+constexpr int QG_PAIR32_REGS = 128;
+constexpr int qg_min_ctas(int qt, int mode, int nt, int l)
+{
+    return qt != QT_Q8_0 && mode == MODE_PAIR && nt == 1 && l == 32 ? 65536 / (QG_THREADS_MAX * QG_PAIR32_REGS) : 0;
+}
+
 /* L threads per unit (8 .. 256); blockDim.x / L units per CTA; nstage 1 or
  * 2 stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
  * the reduction's part[warps][NM][NT]. */
 template <int QT, int NT, int L, int MODE>
-__global__ void __launch_bounds__(QG_THREADS_MAX)
+__global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
     qgemv_kernel(const struct tkv_cuda_qgemv g, const int8_t *__restrict__ aq,
                  const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in, uint32_t nstage)
 {
@@ -308,9 +320,11 @@ uint32_t smem_bytes(int qt, uint32_t warps, bool two, uint32_t nstage, uint32_t 
 }
 
 /* Threads per unit L, warps per CTA and stages for `units` units of n_in
- * (two: a unit streams two rows). */
-void plan(int qt, uint32_t n_in, uint32_t units, uint32_t n_sm, bool two, uint32_t *L_out, uint32_t *warps_out,
-          uint32_t *nstage_out)
+ * (two: a unit streams two rows; pair1: they are row pairs of one token,
+ * Q4_0 or Q4_1, whose 32-lane instance has the register bound above;
+ * smem_sm: the device's shared memory per SM, 0 if unknown). */
+void plan(int qt, uint32_t n_in, uint32_t units, uint32_t n_sm, uint32_t smem_sm, bool two, bool pair1,
+          uint32_t *L_out, uint32_t *warps_out, uint32_t *nstage_out)
 {
     const uint32_t gpr = n_in / (32 * group_blocks(qt));
     uint32_t L = 8;
@@ -323,15 +337,37 @@ void plan(int qt, uint32_t n_in, uint32_t units, uint32_t n_sm, bool two, uint32
     while (L < 128 && ctas(L, 8) < 2ull * n_sm && 2 * L <= gpr &&
            smem_bytes(qt, wmin(2 * L), two, 1, 8) <= QG_SMEM_MAX)
         L *= 2;
+    /* warps a CTA for a stage count: the most whose stages fit, then smaller
+     * CTAs while the grid does not fill the GPU twice over */
+    auto warps_for = [&](uint32_t nstage) {
+        uint32_t w = 8;
+        while (w > wmin(L) && smem_bytes(qt, w, two, nstage, 8) > QG_SMEM_MAX)
+            w /= 2;
+        while (w > 2 && w > wmin(L) && ctas(L, w) < 2ull * n_sm)
+            w /= 2;
+        return w;
+    };
     /* a second stage (the next round's copies in flight during this one's
      * arithmetic) where a unit takes several rounds */
-    const uint32_t nstage = gpr > L && smem_bytes(qt, wmin(L), two, 2, 8) <= QG_SMEM_MAX ? 2 : 1;
-    uint32_t w = 8;
-    while (w > wmin(L) && smem_bytes(qt, w, two, nstage, 8) > QG_SMEM_MAX)
-        w /= 2;
-    /* then smaller CTAs while the grid does not fill the GPU twice over */
-    while (w > 2 && w > wmin(L) && ctas(L, w) < 2ull * n_sm)
-        w /= 2;
+    uint32_t nstage = gpr > L && smem_bytes(qt, wmin(L), two, 2, 8) <= QG_SMEM_MAX ? 2 : 1;
+    uint32_t w = warps_for(nstage);
+    /* but one stage where that puts the grid in one wave and two do not:
+     * a second part-wave starts only as the first ends, which costs more
+     * than the overlap of the second stage (session 39: the Q4_0 `down`,
+     * 1024 CTAs of 2 warps and 6 an SM with two stages, 1.29 waves, against
+     * 512 CTAs of 4 warps in one wave with one: 21.4 -> 19.7 µs on an
+     * H100). Residency by shared memory (1 KB reserved a CTA) and by the
+     * registers of the bounded instance. */
+    if (pair1 && L == 32 && nstage == 2 && smem_sm) {
+        auto resident = [&](uint32_t w_, uint32_t ns) {
+            const uint64_t by_smem = smem_sm / (smem_bytes(qt, w_, two, ns, 1) + 1024u);
+            const uint64_t by_regs = 65536u / ((uint32_t)QG_PAIR32_REGS * 32u * w_);
+            return (by_smem < by_regs ? by_smem : by_regs) * n_sm;
+        };
+        const uint32_t w1 = warps_for(1);
+        if (ctas(L, w1) <= resident(w1, 1) && ctas(L, w) > resident(w, 2))
+            nstage = 1, w = w1;
+    }
     *L_out = L;
     *warps_out = w;
     *nstage_out = nstage;
@@ -509,11 +545,11 @@ void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n
 {
     uint32_t nstage;
     const int qt = qt_of(type);
-    plan(qt < 0 ? QT_Q4_0 : qt, n_in, rows, n_sm, false, threads_per_row, warps, &nstage);
+    plan(qt < 0 ? QT_Q4_0 : qt, n_in, rows, n_sm, 0, false, false, threads_per_row, warps, &nstage);
 }
 
 cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
-                           uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s)
+                           uint32_t n, uint32_t n_sm, uint32_t smem_sm, bool pdl, cudaStream_t s)
 {
     const int qt = qt_of(type);
     if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && g->nw != 1) ||
@@ -531,7 +567,8 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
     const int mode = g->swiglu ? MODE_SWIGLU : pair ? MODE_PAIR : MODE_PLAIN;
     const uint32_t units = pair ? rows / 2 : rows;
     uint32_t L, warps, nstage;
-    plan(qt, n_in, units, n_sm, mode != MODE_PLAIN, &L, &warps, &nstage);
+    plan(qt, n_in, units, n_sm, smem_sm, mode != MODE_PLAIN, mode == MODE_PAIR && n == 1 && qt != QT_Q8_0, &L, &warps,
+         &nstage);
     switch (qt) {
     case QT_Q4_0: return qgemv_pick_mode<QT_Q4_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
     case QT_Q4_1: return qgemv_pick_mode<QT_Q4_1>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
