@@ -206,7 +206,8 @@ __device__ __forceinline__ void group_dot(const uint4 *g0, const uint4 *g1, cons
 enum { MODE_PLAIN, MODE_SWIGLU, MODE_PAIR };
 
 /* CTAs of QG_THREADS_MAX threads an SM must hold at once, by registers
- * (0: no bound; an explicit 1 would move ptxas's choices for the others).
+ * (0: no bound; an explicit 1 would move ptxas's choices for the others);
+ * plan() counts the residency of a bounded instance from it.
  * The one-token row-pair instance with 32 lanes a unit, Q4_0 and Q4_1, at
  * QG_PAIR32_REGS registers where Q4_0's would take 150: with one stage
  * (plan) 4 of its 4-warp CTAs then fit an SM, which puts the Llama-3-8B
@@ -320,12 +321,12 @@ uint32_t smem_bytes(int qt, uint32_t warps, bool two, uint32_t nstage, uint32_t 
 }
 
 /* Threads per unit L, warps per CTA and stages for `units` units of n_in
- * (two: a unit streams two rows; pair1: they are row pairs of one token,
- * Q4_0 or Q4_1, whose 32-lane instance has the register bound above;
- * smem_sm: the device's shared memory per SM, 0 if unknown). */
-void plan(int qt, uint32_t n_in, uint32_t units, uint32_t n_sm, uint32_t smem_sm, bool two, bool pair1,
+ * of n tokens in `mode` (smem_sm: the device's shared memory per SM, 0 if
+ * unknown). */
+void plan(int qt, int mode, uint32_t n, uint32_t n_in, uint32_t units, uint32_t n_sm, uint32_t smem_sm,
           uint32_t *L_out, uint32_t *warps_out, uint32_t *nstage_out)
 {
+    const bool two = mode != MODE_PLAIN; /* a unit streams two rows */
     const uint32_t gpr = n_in / (32 * group_blocks(qt));
     uint32_t L = 8;
     while (L < 32 && 2 * L <= gpr) /* every lane of a row a group, where rows are long enough */
@@ -357,11 +358,13 @@ void plan(int qt, uint32_t n_in, uint32_t units, uint32_t n_sm, uint32_t smem_sm
      * 1024 CTAs of 2 warps and 6 an SM with two stages, 1.29 waves, against
      * 512 CTAs of 4 warps in one wave with one: 21.4 -> 19.7 µs on an
      * H100). Residency by shared memory (1 KB reserved a CTA) and by the
-     * registers of the bounded instance. */
-    if (pair1 && L == 32 && nstage == 2 && smem_sm) {
+     * registers, known only for an instance that qg_min_ctas bounds. */
+    const int min_ctas = qg_min_ctas(qt, mode, (int)n, (int)L);
+    if (min_ctas > 0 && nstage == 2 && smem_sm) {
+        const uint32_t regs = 65536u / (QG_THREADS_MAX * min_ctas); /* a thread's, at most */
         auto resident = [&](uint32_t w_, uint32_t ns) {
-            const uint64_t by_smem = smem_sm / (smem_bytes(qt, w_, two, ns, 1) + 1024u);
-            const uint64_t by_regs = 65536u / ((uint32_t)QG_PAIR32_REGS * 32u * w_);
+            const uint64_t by_smem = smem_sm / (smem_bytes(qt, w_, two, ns, n) + 1024u);
+            const uint64_t by_regs = 65536u / (regs * 32u * w_);
             return (by_smem < by_regs ? by_smem : by_regs) * n_sm;
         };
         const uint32_t w1 = warps_for(1);
@@ -545,7 +548,7 @@ void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n
 {
     uint32_t nstage;
     const int qt = qt_of(type);
-    plan(qt < 0 ? QT_Q4_0 : qt, n_in, rows, n_sm, 0, false, false, threads_per_row, warps, &nstage);
+    plan(qt < 0 ? QT_Q4_0 : qt, MODE_PLAIN, 1, n_in, rows, n_sm, 0, threads_per_row, warps, &nstage);
 }
 
 cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
@@ -567,8 +570,7 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
     const int mode = g->swiglu ? MODE_SWIGLU : pair ? MODE_PAIR : MODE_PLAIN;
     const uint32_t units = pair ? rows / 2 : rows;
     uint32_t L, warps, nstage;
-    plan(qt, n_in, units, n_sm, smem_sm, mode != MODE_PLAIN, mode == MODE_PAIR && n == 1 && qt != QT_Q8_0, &L, &warps,
-         &nstage);
+    plan(qt, mode, n, n_in, units, n_sm, smem_sm, &L, &warps, &nstage);
     switch (qt) {
     case QT_Q4_0: return qgemv_pick_mode<QT_Q4_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
     case QT_Q4_1: return qgemv_pick_mode<QT_Q4_1>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
