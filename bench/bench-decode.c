@@ -288,8 +288,9 @@ static int skip_parse(const char *list)
 static struct {
     const struct tkv_backend_ops *real;
     int mask;
-    uint32_t matmuls_per_step; /* 2 per layer + the output */
+    uint32_t matmuls_per_step; /* 2 per layer + the output; 1 with matmul_add */
     uint64_t matmul_calls;     /* since the patch, which starts at a step */
+    uint64_t matmul_add_calls; /* wo, down, wo, ... (the backend's matmul_add) */
 } skip;
 
 static tkv_status skip_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
@@ -297,6 +298,12 @@ static tkv_status skip_matmul(struct tkv_backend *b, const struct tkv_bweight *w
     const uint64_t k = skip.matmul_calls++ % skip.matmuls_per_step;
     const int role = k + 1 == skip.matmuls_per_step ? SKIP_OUTPUT : k % 2 ? SKIP_DOWN : SKIP_WO;
     return skip.mask & role ? TKV_OK : skip.real->matmul(b, w, x, y, n);
+}
+static tkv_status skip_matmul_add(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y,
+                                  uint32_t n)
+{
+    const int role = skip.matmul_add_calls++ % 2 ? SKIP_DOWN : SKIP_WO;
+    return skip.mask & role ? TKV_OK : skip.real->matmul_add(b, w, x, y, n);
 }
 static tkv_status skip_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y,
                                uint32_t n, uint32_t dim, float eps)
@@ -354,11 +361,13 @@ static int skip_patch(struct tkv_backend *be, int mask, uint32_t n_layer, struct
     }
     skip.real = o;
     skip.mask = mask;
-    skip.matmuls_per_step = 2 * n_layer + 1;
-    skip.matmul_calls = 0;
+    skip.matmuls_per_step = o->matmul_add ? 1 : 2 * n_layer + 1;
+    skip.matmul_calls = skip.matmul_add_calls = 0;
     *patched = *o;
     if (mask & (SKIP_WO | SKIP_DOWN | SKIP_OUTPUT))
         patched->matmul = skip_matmul;
+    if (o->matmul_add && (mask & (SKIP_WO | SKIP_DOWN)))
+        patched->matmul_add = skip_matmul_add;
     if (mask & SKIP_NORM)
         patched->rmsnorm = skip_rmsnorm, patched->add_rmsnorm = skip_add_rmsnorm;
     if (mask & SKIP_ROPE)

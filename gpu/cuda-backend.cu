@@ -126,6 +126,21 @@ struct cuda_backend {
     int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
+    /* A decode norm's output quantized in its own grid (cuda_rmsnorm): the
+     * planes in q8_work hold x [n][n_in] in block order gb when the op that
+     * wrote them (number op) is the one just before the reader's; ops
+     * counts every op (ALIVE). The norm learns gb from the last reader of
+     * its output that had to quantize it (norm_out, norm_gb for norm_dim). */
+    uint64_t ops;
+    struct {
+        const float *x;
+        uint32_t n, n_in, gb;
+        uint64_t op;
+    } q8_memo;
+    const float *norm_out;
+    uint32_t norm_dim, norm_gb;
+    uint64_t norm_q8_reads;        /* q8_prepare calls that found the planes ready */
+    bool norm_q8;                  /* TKV_CUDA_NORM_Q8=0: never (for A/B measurements) */
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
 };
 
@@ -236,6 +251,7 @@ static thread_local int tkv_cuda_current = -1;
  * again; otherwise the backend's device becomes current on this thread. */
 #define ALIVE(op)                                                                                               \
     do {                                                                                                        \
+        cb->ops++;                                                                                              \
         if (cb->failed)                                                                                         \
             return tkv_err(TKV_ERR_DEVICE, "cuda: %s: the device failed earlier (%s); create a new backend", op, \
                            cb->failed_msg);                                                                     \
@@ -735,9 +751,18 @@ static int qgemv_path(const struct cuda_backend *cb, const struct tkv_bweight *w
 static tkv_status q8_prepare(struct cuda_backend *cb, uint32_t type, const float *x, uint32_t n, uint32_t n_in,
                              struct tkv_cuda_q8_act *a, const char *op)
 {
+    const uint32_t gb = tkv_cuda_q8_order(type, n_in);
+    const bool ready = cb->q8_memo.op + 1 == cb->ops && cb->q8_memo.x == x && cb->q8_memo.n == n &&
+                       cb->q8_memo.n_in == n_in && cb->q8_memo.gb == gb;
+    cb->q8_memo.x = NULL;
+    if (x == cb->norm_out && n_in == cb->norm_dim) /* the next norm quantizes in this order */
+        cb->norm_gb = gb;
     TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, n_in), op));
-    *a = tkv_cuda_q8_act_at(cb->q8_work, n, n_in, tkv_cuda_q8_order(type, n_in));
-    CU(op, tkv_cuda_q8_quantize(x, n, n_in, *a, cb->pdl, cb->stream));
+    *a = tkv_cuda_q8_act_at(cb->q8_work, n, n_in, gb);
+    if (ready)
+        cb->norm_q8_reads++;
+    else
+        CU(op, tkv_cuda_q8_quantize(x, n, n_in, *a, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -768,8 +793,9 @@ static bool qgemv_pairs(const struct cuda_backend *cb, const struct tkv_bweight 
     return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && bytes >= QGEMV_PAIR_MIN_BYTES);
 }
 
+/* y = x . w^T on the quantized path (add: y += it; the fast kernel only) */
 static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
-                               uint32_t n, int path, const char *op)
+                               uint32_t n, int path, bool add, const char *op)
 {
     struct tkv_cuda_q8_act a;
     TKV_TRY(q8_prepare(cb, w->t->type, x, n, w->n_in, &a, op));
@@ -780,19 +806,28 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     struct tkv_cuda_qgemv g;
     group_build(&g, &w, 1, &y);
     g.pair = qgemv_pairs(cb, &w, 1);
+    g.acc = add;
     CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
-static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+/* matmul and matmul_add: y = x . w^T, or y += it (add). The fast GEMVs (f16
+ * and quantized) add in their epilogue, y + x rounded once as the add
+ * kernel does; every other path multiplies into a work buffer, then adds. */
+static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
+                             uint32_t n, bool add, const char *op)
 {
-    struct cuda_backend *cb = cuda_of(b);
-    const char *op = "matmul";
-    ALIVE(op);
-    if (w->is_vec)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
-    if (n == 0)
+    const int qpath = w->w32 ? QGEMV_OFF : qgemv_path(cb, w, n);
+    const bool epilogue = qpath == QGEMV_FAST ||
+                          (qpath == QGEMV_OFF && !w->w32 && cb->gemv != GEMV_CUBLAS && cb->gemv != GEMV_REF &&
+                           tkv_cuda_gemv_ok(w->w16, x, w->n_in, n));
+    if (add && !epilogue) {
+        const size_t count = (size_t)n * w->n_out;
+        TKV_TRY(work_reserve(cb, (void **)&cb->fuse_work, &cb->fuse_work_cap, count * sizeof(float), op));
+        TKV_TRY(matmul_run(cb, w, x, cb->fuse_work, n, false, op));
+        CU(op, tkv_cuda_add(y, cb->fuse_work, count, cb->stream));
         return TKV_OK;
+    }
     const float one = 1.0f, zero = 0.0f;
     cublasStatus_t s;
     if (w->w32) { /* validation mode: plain f32 (the handle's default math mode has no TF32) */
@@ -801,17 +836,17 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
                          CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT);
         return s == CUBLAS_STATUS_SUCCESS ? TKV_OK : blas_fail(s, op);
     }
-    const int qpath = qgemv_path(cb, w, n);
     if (qpath != QGEMV_OFF)
-        return qgemv_matmul(cb, w, x, y, n, qpath, op);
+        return qgemv_matmul(cb, w, x, y, n, qpath, add, op);
     if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
         if (cb->gemv == GEMV_REF)
             CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
         else if (gemv_u8_for(cb->gemv, w))
-            CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
+            CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, add, cb->pdl,
                                         cb->stream));
         else
-            CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, cb->pdl, cb->stream));
+            CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, add, cb->pdl,
+                                     cb->stream));
         return TKV_OK;
     }
     const size_t count = (size_t)n * w->n_in;
@@ -824,6 +859,27 @@ static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w
     if (s != CUBLAS_STATUS_SUCCESS)
         return blas_fail(s, op);
     return TKV_OK;
+}
+
+static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "matmul";
+    ALIVE(op);
+    if (w->is_vec)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul: %s is not a matrix", w->t->name);
+    return n == 0 ? TKV_OK : matmul_run(cb, w, x, y, n, false, op);
+}
+
+static tkv_status cuda_matmul_add(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y,
+                                  uint32_t n)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "matmul_add";
+    ALIVE(op);
+    if (w->is_vec)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: matmul_add: %s is not a matrix", w->t->name);
+    return n == 0 ? TKV_OK : matmul_run(cb, w, x, y, n, true, op);
 }
 
 /* ---- fused decode ops (optional members; docs/gpu.md "Fused decode ops") ---- */
@@ -1007,6 +1063,25 @@ static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const stru
         return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rmsnorm weight %s must be a vector [%u]", w->t->name, dim);
     if (dim == 0)
         return TKV_OK;
+    /* a decode step's norm whose output a quantized GEMV read last time:
+     * quantized here, in the order that GEMV took (q8_prepare) */
+    if (cb->norm_q8 && y == cb->norm_out && dim == cb->norm_dim && cb->norm_gb && n <= TKV_CUDA_GEMV_MAX_N &&
+        x != y && dim % 32 == 0 && (dim / 32) % cb->norm_gb == 0) {
+        TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, dim), "rmsnorm"));
+        const struct tkv_cuda_q8_act a = tkv_cuda_q8_act_at(cb->q8_work, n, dim, cb->norm_gb);
+        CU("rmsnorm", tkv_cuda_rmsnorm_q8(x, w->v32, y, n, dim, eps, a, cb->pdl, cb->stream));
+        cb->q8_memo.x = y;
+        cb->q8_memo.n = n;
+        cb->q8_memo.n_in = dim;
+        cb->q8_memo.gb = cb->norm_gb;
+        cb->q8_memo.op = cb->ops;
+        return TKV_OK;
+    }
+    if (y != cb->norm_out || dim != cb->norm_dim) {
+        cb->norm_out = y;
+        cb->norm_dim = dim;
+        cb->norm_gb = 0;
+    }
     CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -1776,18 +1851,31 @@ static uint32_t group_path_row(const struct cuda_backend *cb, const struct tkv_b
     const int p = group_path(cb, w, nw, x, n);
     return p == GROUP_QUANT ? qgemv_path_row(QGEMV_FAST, w[0]) : p == GROUP_F16 ? 0u : 1u;
 }
+/* The matmul_path_name row of matmul_run's path for w, x and n tokens. */
+static uint32_t matmul_path_row(const struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, uint32_t n)
+{
+    const int qpath = qgemv_path(cb, w, n); /* QGEMV_OFF for vectors */
+    return w->w32 ? 3u : qpath != QGEMV_OFF ? qgemv_path_row(qpath, w)
+                         : n <= TKV_CUDA_GEMV_MAX_N && cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
+                             ? (cb->gemv == GEMV_REF ? 1u : gemv_u8_for(cb->gemv, w) ? 4u : 0u)
+                             : 2u;
+}
 static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
-    struct cuda_backend *cb_ = cuda_of(b);
-    const int qpath = qgemv_path(cb_, w, n); /* QGEMV_OFF for vectors */
-    const uint32_t path = w->w32 ? 3u : qpath != QGEMV_OFF ? qgemv_path_row(qpath, w)
-                                    : n <= TKV_CUDA_GEMV_MAX_N && cb_->gemv != GEMV_CUBLAS &&
-                                                tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
-                                            ? (cb_->gemv == GEMV_REF ? 1u : gemv_u8_for(cb_->gemv, w) ? 4u : 0u)
-                                            : 2u;
+    const uint32_t path = matmul_path_row(cuda_of(b), w, x, n);
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
     PROF("matmul", prof_row(cb->prof, "matmul", true, w->n_out, w->n_in, path, fmt), cuda_matmul(b, w, x, y, n));
+}
+/* the product's path (paths without an epilogue add also run the add) */
+static tkv_status pw_matmul_add(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y,
+                                uint32_t n)
+{
+    const uint32_t path = matmul_path_row(cuda_of(b), w, x, n);
+    char fmt[48];
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
+    PROF("matmul_add", prof_row(cb->prof, "matmul_add", true, w->n_out, w->n_in, path, fmt),
+         cuda_matmul_add(b, w, x, y, n));
 }
 /* the fused ops: a row per shape (total rows x n_in) and path ("gemv" when
  * one fused kernel runs, "seq" when the op runs the plain sequence) */
@@ -2005,6 +2093,7 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.matmul_group = cuda_matmul_group;
     o.matmul_swiglu = cuda_matmul_swiglu;
     o.add_rmsnorm = cuda_add_rmsnorm;
+    o.matmul_add = cuda_matmul_add;
     o.rope_qk = cuda_rope_qk;
     o.attention = cuda_attention;
     o.attn_stats = cuda_attn_stats;
@@ -2045,6 +2134,7 @@ static struct tkv_backend_ops cuda_make_prof_ops(void)
     o.matmul_group = pw_matmul_group;
     o.matmul_swiglu = pw_matmul_swiglu;
     o.add_rmsnorm = pw_add_rmsnorm;
+    o.matmul_add = pw_matmul_add;
     o.rope_qk = pw_rope_qk;
     o.attention = pw_attention;
     o.attn_stats = pw_attn_stats;
@@ -2169,6 +2259,11 @@ extern "C" tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint3
     return TKV_OK;
 }
 
+extern "C" uint64_t tkv_cuda_backend_norm_q8_reads(struct tkv_backend *b)
+{
+    return b && (b->ops == &cuda_ops || b->ops == &cuda_prof_ops) ? cuda_of(b)->norm_q8_reads : 0;
+}
+
 extern "C" const char *tkv_cuda_prefill_variant_desc(int variant)
 {
     return tkv_cuda_attn_prefill_variant_desc(variant);
@@ -2207,6 +2302,8 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
                                                           : PAIRS_AUTO;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
+    const char *norm_q8 = getenv("TKV_CUDA_NORM_Q8");
+    cb->norm_q8 = !(norm_q8 && !strcmp(norm_q8, "0"));
     const char *rqs_mma = getenv("TKV_CUDA_RQS_MMA");
     cb->rqs_mma = !(rqs_mma && !strcmp(rqs_mma, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");

@@ -304,9 +304,17 @@ __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
         return;
     const uint32_t i = L <= 32 ? t : lane, n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
     float *y = g.y[seg] + (size_t)i * n_out + local;
-    y[0] = SW ? v0 / (1.0f + expf(-v0)) * v1 : v0;
-    if (MODE == MODE_PAIR)
-        y[1] = v1;
+    if (SW) {
+        y[0] = v0 / (1.0f + expf(-v0)) * v1;
+    } else if (g.acc) { /* the residual add: y + x, as add_rmsnorm_kernel adds */
+        y[0] = y[0] + v0;
+        if (MODE == MODE_PAIR)
+            y[1] = y[1] + v1;
+    } else {
+        y[0] = v0;
+        if (MODE == MODE_PAIR)
+            y[1] = v1;
+    }
 }
 
 /* two: a unit streams two rows (MODE_SWIGLU, MODE_PAIR) */
@@ -555,7 +563,7 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
                            uint32_t n, uint32_t n_sm, uint32_t smem_sm, bool pdl, cudaStream_t s)
 {
     const int qt = qt_of(type);
-    if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && g->nw != 1) ||
+    if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && (g->nw != 1 || g->acc)) ||
         a.gb != group_blocks(qt))
         return cudaErrorInvalidValue;
     for (uint32_t i = 0; i < g->nw; i++)

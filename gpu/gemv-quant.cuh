@@ -64,8 +64,9 @@ bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in);
  * y[0] = silu(x . w[0]^T) * (x . wu^T) with swiglu's formula. With pair set
  * (and not swiglu), the lanes of a row take two adjacent rows, each
  * activation load serving both (as swiglu's gate and up rows share them);
- * ignored unless every end[i] is even. Same results either way. Travels as
- * a kernel parameter. */
+ * ignored unless every end[i] is even. Same results either way. With acc
+ * set (not with swiglu), y[i] += the product: y + x rounded once, as
+ * tkv_cuda_add_rmsnorm adds a residual. Travels as a kernel parameter. */
 #define TKV_CUDA_QGEMV_MAX 8
 struct tkv_cuda_qgemv {
     const void *w[TKV_CUDA_QGEMV_MAX];
@@ -75,6 +76,7 @@ struct tkv_cuda_qgemv {
     const void *wu;
     bool swiglu;
     bool pair;
+    bool acc; /* y[i] += the product instead of = (not with swiglu) */
 };
 
 /* The fast kernel, 1 <= n <= 8 tokens, activations in the type's block

@@ -42,6 +42,33 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_
         yr[d] = xr[d] * scale * w[d];
 }
 
+/* rmsnorm_kernel and the activations' quantization (q8_quantize_kernel,
+ * gemv-quant.cu) in one grid, for a decode step's norm whose output feeds a
+ * quantized GEMV: CTA (c, t) has rmsnorm_kernel's threads, so it sums token
+ * t's squares in that kernel's order and gets its scale bit for bit, then
+ * normalizes blocks [c W, c W + W) of the row (W = its warps, a warp a
+ * 32-element block), writes them to y and quantizes them into a. Every CTA
+ * reads the whole row and writes only its blocks: y must not alias x. */
+__global__ void rmsnorm_q8_kernel(const float *__restrict__ x, const float *__restrict__ w, float *__restrict__ y,
+                                  uint32_t dim, float eps, struct tkv_cuda_q8_act a)
+{
+    __shared__ double partial[32];
+    tkv_pdl_trigger();
+    tkv_pdl_wait(); /* x is the previous kernel's output; a may still be read by it */
+    const float *xr = x + (size_t)blockIdx.y * dim;
+    double ss = 0;
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
+        ss += (double)xr[d] * xr[d];
+    const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
+    const uint32_t nb = dim / 32, kb = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (kb >= nb)
+        return;
+    const uint32_t d = kb * 32 + lane;
+    const float v = xr[d] * scale * w[d];
+    y[(size_t)blockIdx.y * dim + d] = v;
+    tkv_q8_block_put(tkv_q8_block_of(v), lane, a, (size_t)blockIdx.y * nb + tkv_q8_pos(kb, nb, a.gb));
+}
+
 /* ---- RoPE: one thread per (token, head, rotated pair) -------------------------------- */
 
 /* Item i = (token, head, rotated pair), pairs fastest: a decode step's
@@ -299,7 +326,7 @@ __device__ __forceinline__ void gemv2_row2(const uint4 *wa, const uint4 *wb, con
 template <int NT, int S, int U>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv2_kernel(const __half *__restrict__ w, const float *__restrict__ x, float *__restrict__ y, uint32_t n_in,
-                 uint32_t n_out)
+                 uint32_t n_out, bool add)
 {
     constexpr int ROWS = GEMV_WARPS / S;
     constexpr uint32_t T = 32 * S; /* threads on one row */
@@ -320,44 +347,46 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if (row < n_out) /* no early return: the CTA meets at the barrier in tkv_row_reduce */
         gemv2_row<NT, T, U>(w8, x, n_in, n8, t, first, acc);
     float v;
-    if (tkv_row_reduce<NT, T>(acc, &part[0][0], warp, lane, &v) && row < n_out)
-        y[(size_t)lane * n_out + row] = v;
+    if (tkv_row_reduce<NT, T>(acc, &part[0][0], warp, lane, &v) && row < n_out) {
+        float *yr = y + (size_t)lane * n_out + row;
+        *yr = add ? *yr + v : v; /* y + x, as the add kernel adds */
+    }
 }
 
 template <int NT, int S, int U>
-cudaError_t gemv2_launch(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, bool pdl,
-                         cudaStream_t s)
+cudaError_t gemv2_launch(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, bool add,
+                         bool pdl, cudaStream_t s)
 {
     return tkv_cuda_launch(pdl, tkv_cuda_blocks(n_out, GEMV_WARPS / S), GEMV_WARPS * 32, 0, s,
-                           gemv2_kernel<NT, S, U>, w, x, y, n_in, n_out);
+                           gemv2_kernel<NT, S, U>, w, x, y, n_in, n_out, add);
 }
 
 template <int NT, int U>
 cudaError_t gemv2_pick(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t S,
-                       bool pdl, cudaStream_t s)
+                       bool add, bool pdl, cudaStream_t s)
 {
     switch (S) {
-    case 1: return gemv2_launch<NT, 1, U>(w, x, y, n_in, n_out, pdl, s);
-    case 2: return gemv2_launch<NT, 2, U>(w, x, y, n_in, n_out, pdl, s);
-    case 4: return gemv2_launch<NT, 4, U>(w, x, y, n_in, n_out, pdl, s);
-    case 8: return gemv2_launch<NT, 8, U>(w, x, y, n_in, n_out, pdl, s);
+    case 1: return gemv2_launch<NT, 1, U>(w, x, y, n_in, n_out, add, pdl, s);
+    case 2: return gemv2_launch<NT, 2, U>(w, x, y, n_in, n_out, add, pdl, s);
+    case 4: return gemv2_launch<NT, 4, U>(w, x, y, n_in, n_out, add, pdl, s);
+    case 8: return gemv2_launch<NT, 8, U>(w, x, y, n_in, n_out, add, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
 
 template <int U>
 cudaError_t gemv2_n(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n, uint32_t S,
-                    bool pdl, cudaStream_t s)
+                    bool add, bool pdl, cudaStream_t s)
 {
     switch (n) {
-    case 1: return gemv2_pick<1, U>(w, x, y, n_in, n_out, S, pdl, s);
-    case 2: return gemv2_pick<2, U>(w, x, y, n_in, n_out, S, pdl, s);
-    case 3: return gemv2_pick<3, U>(w, x, y, n_in, n_out, S, pdl, s);
-    case 4: return gemv2_pick<4, U>(w, x, y, n_in, n_out, S, pdl, s);
-    case 5: return gemv2_pick<5, U>(w, x, y, n_in, n_out, S, pdl, s);
-    case 6: return gemv2_pick<6, U>(w, x, y, n_in, n_out, S, pdl, s);
-    case 7: return gemv2_pick<7, U>(w, x, y, n_in, n_out, S, pdl, s);
-    case 8: return gemv2_pick<8, U>(w, x, y, n_in, n_out, S, pdl, s);
+    case 1: return gemv2_pick<1, U>(w, x, y, n_in, n_out, S, add, pdl, s);
+    case 2: return gemv2_pick<2, U>(w, x, y, n_in, n_out, S, add, pdl, s);
+    case 3: return gemv2_pick<3, U>(w, x, y, n_in, n_out, S, add, pdl, s);
+    case 4: return gemv2_pick<4, U>(w, x, y, n_in, n_out, S, add, pdl, s);
+    case 5: return gemv2_pick<5, U>(w, x, y, n_in, n_out, S, add, pdl, s);
+    case 6: return gemv2_pick<6, U>(w, x, y, n_in, n_out, S, add, pdl, s);
+    case 7: return gemv2_pick<7, U>(w, x, y, n_in, n_out, S, add, pdl, s);
+    case 8: return gemv2_pick<8, U>(w, x, y, n_in, n_out, S, add, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -575,6 +604,18 @@ cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t 
     return tkv_cuda_launch(pdl, n, threads, 0, s, rmsnorm_kernel, x, w, y, dim, eps);
 }
 
+cudaError_t tkv_cuda_rmsnorm_q8(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
+                                struct tkv_cuda_q8_act a, bool pdl, cudaStream_t s)
+{
+    if (dim % 32 || x == y)
+        return cudaErrorInvalidValue;
+    if (n == 0 || dim == 0)
+        return cudaSuccess;
+    const unsigned threads = dim >= 1024 ? 1024 : dim; /* as tkv_cuda_rmsnorm */
+    const dim3 grid((dim / 32 + threads / 32 - 1) / (threads / 32), n);
+    return tkv_cuda_launch(pdl, grid, threads, 0, s, rmsnorm_q8_kernel, x, w, y, dim, eps, a);
+}
+
 cudaError_t tkv_cuda_rope(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim,
                           const int32_t *pos, float theta_scale, float freq_scale, cudaStream_t s)
 {
@@ -708,11 +749,11 @@ uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
 }
 
 cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n,
-                              uint32_t n_sm, bool pdl, cudaStream_t s)
+                              uint32_t n_sm, bool add, bool pdl, cudaStream_t s)
 {
     if (n_out == 0)
         return cudaSuccess;
-    return gemv2_n<GEMV2_U>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), pdl, s);
+    return gemv2_n<GEMV2_U>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split(n_in, n_out, n_sm), add, pdl, s);
 }
 
 uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
@@ -727,11 +768,11 @@ uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm)
 }
 
 cudaError_t tkv_cuda_gemv_f16_u8(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
-                                 uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s)
+                                 uint32_t n, uint32_t n_sm, bool add, bool pdl, cudaStream_t s)
 {
     if (n_out == 0)
         return cudaSuccess;
-    return gemv2_n<8>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split_u8(n_in, n_out, n_sm), pdl, s);
+    return gemv2_n<8>(w, x, y, n_in, n_out, n, tkv_cuda_gemv_split_u8(n_in, n_out, n_sm), add, pdl, s);
 }
 
 cudaError_t tkv_cuda_gemv_f16_ref(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,

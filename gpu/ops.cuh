@@ -23,6 +23,12 @@
 cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,
                              cudaStream_t s);
 
+/* tkv_cuda_rmsnorm (the same bits in y) and tkv_cuda_q8_quantize of y into a
+ * (gemv-quant.cuh) in one launch of several CTAs a row, each summing the
+ * row's squares itself. dim % 32 == 0; y must not alias x. */
+cudaError_t tkv_cuda_rmsnorm_q8(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
+                                struct tkv_cuda_q8_act a, bool pdl, cudaStream_t s);
+
 /* In place on x[n, n_heads*head_dim], positions pos[n] (device). The angle of
  * pair i is pos * theta_scale^i * freq_scale with theta_scale^i built by i
  * successive float multiplies, exactly as cpu_rope does (so angles match
@@ -77,9 +83,10 @@ cudaError_t tkv_cuda_f32_to_f16(const float *x, __half *y, size_t count, cudaStr
 bool tkv_cuda_gemv_ok(const __half *w, const float *x, uint32_t n_in, uint32_t n);
 /* The fast kernel: U = 4 independent 16-byte weight loads per lane in flight,
  * a row split over S warps (tkv_cuda_gemv_split) when n_out is small for
- * the n_sm SMs. Sums in another order than the reference (below). */
+ * the n_sm SMs. Sums in another order than the reference (below). With add,
+ * y += the product (y + x rounded once, as tkv_cuda_add). */
 cudaError_t tkv_cuda_gemv_f16(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out, uint32_t n,
-                              uint32_t n_sm, bool pdl, cudaStream_t s);
+                              uint32_t n_sm, bool add, bool pdl, cudaStream_t s);
 /* Warps per row the fast kernel uses (1, 2, 4 or 8). */
 uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
 /* The fast kernel with U = 8 loads per lane in flight (TKV_CUDA_GEMV=u8), a
@@ -87,7 +94,7 @@ uint32_t tkv_cuda_gemv_split(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
  * instead of two); its split is tkv_cuda_gemv_split_u8. Same arithmetic per
  * chunk, other summation order. */
 cudaError_t tkv_cuda_gemv_f16_u8(const __half *w, const float *x, float *y, uint32_t n_in, uint32_t n_out,
-                                 uint32_t n, uint32_t n_sm, bool pdl, cudaStream_t s);
+                                 uint32_t n, uint32_t n_sm, bool add, bool pdl, cudaStream_t s);
 uint32_t tkv_cuda_gemv_split_u8(uint32_t n_in, uint32_t n_out, uint32_t n_sm);
 /* The reference: one warp per row, one 16-byte load per lane at a time
  * (TKV_CUDA_GEMV=ref). */

@@ -430,6 +430,11 @@ struct tkv_backend_ops {
      *   not overlap x.
      * add_rmsnorm: y += x, then h = rmsnorm(y) * w (rmsnorm's formula) over
      *   n rows of dim, = add then rmsnorm; h may alias x, not y.
+     * matmul_add: y[n, n_out] += x[n, n_in] . w^T, = matmul into a buffer
+     *   then add (each sum rounded, then y + it); y does not overlap x. With
+     *   it the engine's residual adds move into the wo and down products and
+     *   the norms after them are plain rmsnorm calls (which a backend may
+     *   then run as one grid with the next product's input preparation).
      * rope_qk: rope of q[n, n_head*head_dim] and k[n, n_head_kv*head_dim] at
      *   the same host positions pos[n], = two rope calls; a backend may keep
      *   the last positions it was given on the device (a decode step's 32
@@ -440,6 +445,8 @@ struct tkv_backend_ops {
                                 const struct tkv_bweight *w_up, const float *x, float *out, uint32_t n);
     tkv_status (*add_rmsnorm)(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w,
                               float *h, uint32_t n, uint32_t dim, float eps);
+    tkv_status (*matmul_add)(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y,
+                             uint32_t n);
     tkv_status (*rope_qk)(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head,
                           uint32_t n_head_kv, uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base,
                           float freq_scale);
@@ -578,6 +585,12 @@ tkv_status tkv_backend_cuda_set_prefill_variant(struct tkv_backend *b, int varia
  * TKV_ERR_UNSUPPORTED in a build without CUDA. */
 tkv_status tkv_backend_cuda_quantize_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
                                          uint32_t n_in, void *dst);
+
+/* Tests: how many quantized GEMV calls of the CUDA backend b read
+ * activations a norm quantized in its own launch (rmsnorm, docs/gpu.md
+ * "Fused decode ops") instead of quantizing them; 0 for any other backend
+ * or without CUDA. */
+uint64_t tkv_backend_cuda_norm_q8_reads(struct tkv_backend *b);
 
 /* "vN: <tile shape>" (static) for variant N; NULL past the last one or
  * without CUDA. */

@@ -1074,11 +1074,17 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
         tkv_kvs_end_layer(s->kv, l);
         TKV_TRY(st);
     }
-    TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
-    /* feed-forward block */
-    if (fuse && ops->add_rmsnorm) {
+    /* feed-forward block; with matmul_add the residual adds happen in the
+     * wo and down products (backend.h) */
+    const bool add_in_matmul = fuse && ops->matmul_add;
+    if (add_in_matmul) {
+        TKV_TRY(ops->matmul_add(be, w->wo, s->att, s->x, n));
+        TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
+    } else if (fuse && ops->add_rmsnorm) {
+        TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
         TKV_TRY(ops->add_rmsnorm(be, s->x, s->h, w->ffn_norm, s->h, n, E, hp->rms_eps));
     } else {
+        TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
         TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
         TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
     }
@@ -1088,6 +1094,14 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
         TKV_TRY(ops->matmul(be, w->w_gate, s->h, s->gate, n));
         TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
         TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
+    }
+    if (add_in_matmul) {
+        TKV_TRY(ops->matmul_add(be, w->w_down, s->gate, s->x, n));
+        if (next_norm) {
+            TKV_TRY(ops->rmsnorm(be, s->x, next_norm, s->h, n, E, hp->rms_eps));
+            *h_ready = true;
+        }
+        return TKV_OK;
     }
     TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
     if (fuse && ops->add_rmsnorm && next_norm) {

@@ -2070,6 +2070,141 @@ static void test_quant(void)
     }
 }
 
+/* ---- matmul_add: y += x . w^T ----------------------------------------------------------
+ *
+ * On each path (the fast f16 GEMVs and the quantized one add in their
+ * epilogue; the reference GEMVs, cuBLAS and the quantized reference
+ * multiply into a work buffer and add) it must give the bits of the same
+ * backend's matmul followed by add. */
+static void matmul_add_case(struct tkv_backend *be, const char *label, uint32_t type, uint32_t n_in, uint32_t n_out,
+                            uint32_t n)
+{
+    struct test_weight tw;
+    weight_make(&tw, type, n_in, n_out, 2);
+    struct tkv_bweight *w = NULL;
+    CHECK(be->ops->weight_init(be, &tw.t, &w) == TKV_OK, "%s", tkv_last_error());
+    const size_t cx = (size_t)n * n_in, cy = (size_t)n * n_out;
+    float *x = malloc(cx * sizeof *x), *y0 = malloc(cy * sizeof *y0);
+    float *ya = malloc(cy * sizeof *ya), *yb = malloc(cy * sizeof *yb);
+    fill(x, cx, -1, 1);
+    fill(y0, cy, -3, 3);
+    float *dx = dev_from(x, cx * sizeof *x), *dya = dev_from(y0, cy * sizeof *y0), *dyb = dev_from(y0, cy * sizeof *y0);
+    float *dp = dev_poisoned(cy);
+    CHECK(be->ops->matmul_add(be, w, dx, dya, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(be->ops->matmul(be, w, dx, dp, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(be->ops->add(be, dyb, dp, cy) == TKV_OK, "%s", tkv_last_error());
+    to_host(ya, dya, cy * sizeof *ya);
+    to_host(yb, dyb, cy * sizeof *yb);
+    size_t differ = 0, moved = 0;
+    for (size_t i = 0; i < cy; i++) {
+        differ += memcmp(&ya[i], &yb[i], sizeof *ya) != 0;
+        moved += ya[i] != y0[i];
+    }
+    fprintf(stderr, "  matmul_add %s %s %ux%u n=%u: %zu of %zu outputs differ from matmul + add (%zu moved)\n", label,
+            tkv_type_name(type), n_out, n_in, n, differ, cy, moved);
+    CHECK(differ == 0, "matmul_add %s %s %ux%u n=%u: %zu outputs differ from matmul + add", label,
+          tkv_type_name(type), n_out, n_in, n, differ);
+    CHECK(moved > cy / 2, "matmul_add %s: y barely changed (%zu of %zu)", label, moved, cy);
+    dev_free(dx), dev_free(dya), dev_free(dyb), dev_free(dp);
+    be->ops->weight_free(be, w);
+    weight_free(&tw);
+    free(x), free(y0), free(ya), free(yb);
+}
+
+/* rmsnorm followed by a quantized matmul of its output, three times, on
+ * gpu_q (from the second time on the norm quantizes the activations in its
+ * own launch and the matmul reads them) and on `plain` (TKV_CUDA_NORM_Q8=0):
+ * h and y bit for bit; then an add into h between the two, after which the
+ * matmul must quantize h again. */
+static void norm_q8_case(struct tkv_backend *plain, uint32_t type, uint32_t dim, uint32_t n_out, uint32_t n)
+{
+    struct tkv_backend *be[2] = {gpu_q, plain};
+    struct test_weight tw, tn;
+    weight_make(&tw, type, dim, n_out, 2);
+    weight_make(&tn, TKV_TYPE_F32, dim, 1, 1);
+    struct tkv_bweight *w[2] = {NULL, NULL}, *g[2] = {NULL, NULL};
+    for (int b = 0; b < 2; b++)
+        CHECK(be[b]->ops->weight_init(be[b], &tw.t, &w[b]) == TKV_OK &&
+                  be[b]->ops->weight_init(be[b], &tn.t, &g[b]) == TKV_OK,
+              "%s", tkv_last_error());
+    const size_t cx = (size_t)n * dim, cy = (size_t)n * n_out;
+    float *x = malloc(cx * sizeof *x), *ha = malloc(cx * sizeof *ha), *hb = malloc(cx * sizeof *hb);
+    float *ya = malloc(cy * sizeof *ya), *yb = malloc(cy * sizeof *yb);
+    float *dx[2], *dh[2], *dy[2]; /* the same buffers every round, as the engine's */
+    for (int b = 0; b < 2; b++)
+        dx[b] = dev_poisoned(cx), dh[b] = dev_poisoned(cx), dy[b] = dev_poisoned(cy);
+    const uint64_t reads0 = tkv_backend_cuda_norm_q8_reads(gpu_q);
+    bool same = true;
+    for (int round = 0; round < 4; round++) {
+        fill(x, cx, -2, 2);
+        for (int b = 0; b < 2; b++) {
+            const struct tkv_backend_ops *o = be[b]->ops;
+            CHECK(o->upload(be[b], dx[b], x, cx * sizeof *x) == TKV_OK, "%s", tkv_last_error());
+            CHECK(o->rmsnorm(be[b], dx[b], g[b], dh[b], n, dim, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+            if (round == 3) /* h changes after the norm: its planes are stale */
+                CHECK(o->add(be[b], dh[b], dx[b], cx) == TKV_OK, "%s", tkv_last_error());
+            CHECK(o->matmul(be[b], w[b], dh[b], dy[b], n) == TKV_OK, "%s", tkv_last_error());
+        }
+        to_host(ha, dh[0], cx * sizeof *ha), to_host(hb, dh[1], cx * sizeof *hb);
+        to_host(ya, dy[0], cy * sizeof *ya), to_host(yb, dy[1], cy * sizeof *yb);
+        same = same && !memcmp(ha, hb, cx * sizeof *ha) && !memcmp(ya, yb, cy * sizeof *ya);
+    }
+    for (int b = 0; b < 2; b++)
+        dev_free(dx[b]), dev_free(dh[b]), dev_free(dy[b]);
+    const uint64_t reads = tkv_backend_cuda_norm_q8_reads(gpu_q) - reads0;
+    fprintf(stderr, "  rmsnorm + matmul %s %ux%u n=%u, 4 rounds: %s the plain sequence; %llu matmuls read the "
+                    "norm's planes (want 2)\n", tkv_type_name(type), n_out, dim, n,
+            same ? "bit-identical to" : "DIFFER from", (unsigned long long)reads);
+    CHECK(same, "rmsnorm with its planes %s dim %u n %u: differs from the plain sequence", tkv_type_name(type), dim,
+          n);
+    CHECK(reads == 2, "rmsnorm + matmul %s dim %u: %llu matmuls read the norm's planes, want 2",
+          tkv_type_name(type), dim, (unsigned long long)reads);
+    for (int b = 0; b < 2; b++)
+        be[b]->ops->weight_free(be[b], w[b]), be[b]->ops->weight_free(be[b], g[b]);
+    weight_free(&tw), weight_free(&tn);
+    free(x), free(ha), free(hb), free(ya), free(yb);
+}
+
+static void test_matmul_add(void)
+{
+    fprintf(stderr, "matmul_add:\n");
+    REQUIRE_VOID(gpu->ops->matmul_add && !cpu->ops->matmul_add);
+    const uint32_t ns[] = {1, 3, 9}; /* 9: past the GEMVs (cuBLAS) */
+    for (size_t i = 0; i < 3; i++) {
+        matmul_add_case(gpu, "f16-gemv", TKV_TYPE_F16, 4096, 1024, ns[i]);
+        matmul_add_case(gpu_gemv_u8, "f16-u8", TKV_TYPE_F16, 8192, 512, ns[i]);
+        matmul_add_case(gpu_gemv_ref, "f16-ref", TKV_TYPE_F16, 1024, 300, ns[i]);
+        matmul_add_case(gpu_gemv_blas, "cublas", TKV_TYPE_F16, 1024, 300, ns[i]);
+        matmul_add_case(gpu_q, "quant", TKV_TYPE_Q4_0, 4096, 1024, ns[i]);
+        matmul_add_case(gpu_q, "quant-pairs", TKV_TYPE_Q4_0, 14336, 4096, ns[i]);
+        matmul_add_case(gpu_q, "quant", TKV_TYPE_Q4_1, 2048, 512, ns[i]);
+        matmul_add_case(gpu_q, "quant", TKV_TYPE_Q8_0, 1024, 256, ns[i]);
+        matmul_add_case(gpu_q_ref, "quant-ref", TKV_TYPE_Q4_0, 1024, 300, ns[i]);
+        matmul_add_case(gpu_q, "quant-odd", TKV_TYPE_Q4_0, 576, 192, ns[i]); /* n_in % 256: the reference kernel */
+    }
+    struct tkv_backend *plain = NULL;
+    setenv("TKV_CUDA_NORM_Q8", "0", 1);
+    tkv_status st = tkv_backend_create("cuda", 0, &plain);
+    unsetenv("TKV_CUDA_NORM_Q8");
+    CHECK(st == TKV_OK, "%s", tkv_last_error());
+    if (st == TKV_OK) {
+        norm_q8_case(plain, TKV_TYPE_Q4_0, 4096, 1024, 1); /* Llama-3-8B's width: 4 CTAs a row */
+        norm_q8_case(plain, TKV_TYPE_Q4_1, 2048, 512, 3);
+        norm_q8_case(plain, TKV_TYPE_Q8_0, 1280, 256, 8);  /* 2 CTAs, the second with 8 of its 32 warps */
+        norm_q8_case(plain, TKV_TYPE_Q4_1, 576, 192, 2);   /* SmolLM2: 576 threads, the reference GEMV */
+        plain->ops->free(plain);
+    }
+    struct test_weight tv;
+    weight_make(&tv, TKV_TYPE_F32, 64, 1, 1);
+    struct tkv_bweight *v = NULL;
+    CHECK(gpu->ops->weight_init(gpu, &tv.t, &v) == TKV_OK, "%s", tkv_last_error());
+    float *d = dev_poisoned(64);
+    CHECK(gpu->ops->matmul_add(gpu, v, d, d, 1) == TKV_ERR_INVALID_ARG, "matmul_add of a vector accepted");
+    dev_free(d);
+    gpu->ops->weight_free(gpu, v);
+    weight_free(&tv);
+}
+
 /* ---- programmatic dependent launches (TKV_CUDA_PDL=1) ------------------------------------
  *
  * A decode step's op chain, queued back to back with no synchronization,
@@ -2082,7 +2217,7 @@ static void test_quant(void)
 struct pdl_model {
     uint32_t E, H, Hkv, hd, F, V, B, nb;
     struct test_weight wq, wk, wv, wo, wg, wu, wd, out, norm;
-    struct tkv_bweight *w[2][9]; /* per backend: q k v o gate up down output norm */
+    struct tkv_bweight *w[3][9]; /* per backend: q k v o gate up down output norm */
 };
 
 struct pdl_state {
@@ -2106,9 +2241,11 @@ static void pdl_state_free(struct pdl_state *st)
 }
 
 /* n_layers layers at positions pos, pos+1, ... (one layer's weights and KV
- * reused), then the output norm and matmul: the engine's fused sequence. */
+ * reused), then the output norm and matmul: the engine's fused sequence;
+ * with add_in_matmul, its sequence on a backend with matmul_add (the
+ * residual added by wo and down, the norms plain rmsnorm calls). */
 static void pdl_chain(struct tkv_backend *be, const struct pdl_model *m, struct tkv_bweight *const *w,
-                      struct pdl_state *st, int32_t pos, uint32_t n_layers)
+                      struct pdl_state *st, int32_t pos, uint32_t n_layers, bool add_in_matmul)
 {
     const struct tkv_backend_ops *ops = be->ops;
     const uint32_t E = m->E, H = m->H, Hkv = m->Hkv, hd = m->hd, B = m->B;
@@ -2140,6 +2277,14 @@ static void pdl_chain(struct tkv_backend *be, const struct pdl_model *m, struct 
         struct tkv_attn_args a = {.q = st->q, .q_pos = &pos, .out = st->att, .lse = NULL, .n_q = 1, .n_head = H,
                                   .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = views};
         CHECK(ops->attention(be, &a) == TKV_OK, "%s", tkv_last_error());
+        if (add_in_matmul) {
+            CHECK(ops->matmul_add(be, w[3], st->att, st->x, 1) == TKV_OK, "%s", tkv_last_error());
+            CHECK(ops->rmsnorm(be, st->x, w[8], st->h, 1, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+            CHECK(ops->matmul_swiglu(be, w[4], w[5], st->h, st->gate, 1) == TKV_OK, "%s", tkv_last_error());
+            CHECK(ops->matmul_add(be, w[6], st->gate, st->x, 1) == TKV_OK, "%s", tkv_last_error());
+            CHECK(ops->rmsnorm(be, st->x, w[8], st->h, 1, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
+            continue;
+        }
         CHECK(ops->matmul(be, w[3], st->att, st->hb, 1) == TKV_OK, "%s", tkv_last_error());
         CHECK(ops->add_rmsnorm(be, st->x, st->hb, w[8], st->h, 1, E, 1e-5f) == TKV_OK, "%s", tkv_last_error());
         CHECK(ops->matmul_swiglu(be, w[4], w[5], st->h, st->gate, 1) == TKV_OK, "%s", tkv_last_error());
@@ -2160,17 +2305,28 @@ static bool dev_equal(const void *a, const void *b, size_t bytes)
 }
 
 /* The chain with matrices of wtype on `plain` (no PDL) and on a
- * TKV_CUDA_PDL=1 backend (quantized GEMV on: Q4_0 matrices take it). */
+ * TKV_CUDA_PDL=1 backend (quantized GEMV on: Q4_0 matrices take it), and
+ * the matmul_add sequence on a third: TKV_CUDA_PDL=1, and for Q4_0 the
+ * norms quantizing the next product's activations in their own launch
+ * (rmsnorm's fused path, whose outputs and planes must be the plain
+ * sequence's bits: TKV_CUDA_NORM_Q8=0 on `plain`). */
 static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
 {
-    struct tkv_backend *be[2] = {plain, NULL};
+    enum { NB = 3 };
+    struct tkv_backend *be[NB] = {plain, NULL, NULL};
     setenv("TKV_CUDA_PDL", "1", 1);
     setenv("TKV_CUDA_GEMV", "fast", 1); /* the reference's GEMV: the bits must match */
     tkv_status cst = tkv_backend_create("cuda", 0, &be[1]);
+    if (cst == TKV_OK)
+        cst = tkv_backend_create("cuda", 0, &be[2]);
     unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV");
     CHECK(cst == TKV_OK, "TKV_CUDA_PDL=1: %s", tkv_last_error());
-    if (cst != TKV_OK)
+    if (cst != TKV_OK) {
+        if (be[1])
+            be[1]->ops->free(be[1]);
         return;
+    }
+    REQUIRE_VOID(be[2]->ops->matmul_add);
     /* Llama-3-8B's widths over 2 (the GEMVs take S = 1, 2 and 4 warps per
      * row), 16 query heads on 4 KV heads, 20 positions past 1000 keys */
     struct pdl_model m = {.E = 2048, .H = 16, .Hkv = 4, .hd = 128, .F = 5632, .V = 8000, .B = 64};
@@ -2187,7 +2343,7 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
     weight_make(&m.out, wtype, m.E, m.V, 2);
     weight_make(&m.norm, TKV_TYPE_F32, m.E, 1, 1);
     const struct test_weight *tw[9] = {&m.wq, &m.wk, &m.wv, &m.wo, &m.wg, &m.wu, &m.wd, &m.out, &m.norm};
-    for (int b = 0; b < 2; b++)
+    for (int b = 0; b < NB; b++)
         for (int i = 0; i < 9; i++) {
             m.w[b][i] = NULL;
             CHECK(be[b]->ops->weight_init(be[b], &tw[i]->t, &m.w[b][i]) == TKV_OK, "%s", tkv_last_error());
@@ -2198,14 +2354,15 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
         kv0[i] = tkv_fp32_to_fp16(test_rand_f32(&rng, -2, 2));
     float *x0 = malloc(m.E * sizeof *x0);
     fill(x0, m.E, -1, 1);
-    struct pdl_state st[2];
-    for (int b = 0; b < 2; b++)
+    struct pdl_state st[NB];
+    for (int b = 0; b < NB; b++)
         pdl_state_make(&st[b], &m, x0, kv0);
     /* each backend queues all its steps before anyone waits */
-    for (int b = 0; b < 2; b++)
+    const uint64_t reads0 = tkv_backend_cuda_norm_q8_reads(be[2]);
+    for (int b = 0; b < NB; b++)
         for (uint32_t s = 0; s < steps; s++)
-            pdl_chain(be[b], &m, m.w[b], &st[b], pos0 + (int32_t)(s * layers), layers);
-    for (int b = 0; b < 2; b++)
+            pdl_chain(be[b], &m, m.w[b], &st[b], pos0 + (int32_t)(s * layers), layers, b == 2);
+    for (int b = 0; b < NB; b++)
         CHECK(be[b]->ops->synchronize(be[b]) == TKV_OK, "%s", tkv_last_error());
     const bool x_same = dev_equal(st[0].x, st[1].x, m.E * sizeof(float));
     const bool l_same = dev_equal(st[0].logits, st[1].logits, m.V * sizeof(float));
@@ -2222,7 +2379,23 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
             kv_same ? "bit-identical" : "DIFFER", a_same ? "bit-identical" : "DIFFER", finite, m.V);
     CHECK(x_same && l_same && kv_same && a_same, "TKV_CUDA_PDL=1 changed the decode chain's results");
     CHECK(finite == m.V, "non-finite logits (%zu of %u finite)", finite, m.V);
-    for (int b = 0; b < 2; b++) {
+    /* the matmul_add sequence: every norm after the first of a step hands
+     * its planes to the product after it (q/k/v, gate/up, the output) on
+     * the quantized path; the first norm of the run learns their order */
+    const bool ax = dev_equal(st[0].x, st[2].x, m.E * sizeof(float));
+    const bool al = dev_equal(st[0].logits, st[2].logits, m.V * sizeof(float));
+    const bool ak = dev_equal(st[0].kv, st[2].kv, kv_elems * sizeof(uint16_t));
+    const bool aa = dev_equal(st[0].att, st[2].att, m.H * m.hd * sizeof(float));
+    const uint64_t reads = tkv_backend_cuda_norm_q8_reads(be[2]) - reads0;
+    const uint64_t want = wtype == TKV_TYPE_Q4_0 ? (uint64_t)steps * (2 * layers + 1) - 1 : 0;
+    fprintf(stderr, "  %s: matmul_add + rmsnorm vs plain: x %s, logits %s, K/V %s, attention %s; %llu products "
+                    "read a norm's planes (want %llu)\n", tkv_type_name(wtype), ax ? "bit-identical" : "DIFFER",
+            al ? "bit-identical" : "DIFFER", ak ? "bit-identical" : "DIFFER", aa ? "bit-identical" : "DIFFER",
+            (unsigned long long)reads, (unsigned long long)want);
+    CHECK(ax && al && ak && aa, "matmul_add + rmsnorm changed the decode chain's results");
+    CHECK(reads == want, "%llu products read a norm's planes, want %llu", (unsigned long long)reads,
+          (unsigned long long)want);
+    for (int b = 0; b < NB; b++) {
         pdl_state_free(&st[b]);
         for (int i = 0; i < 9; i++)
             be[b]->ops->weight_free(be[b], m.w[b][i]);
@@ -2230,6 +2403,7 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
     for (int i = 0; i < 9; i++)
         weight_free((struct test_weight *)tw[i]);
     be[1]->ops->free(be[1]);
+    be[2]->ops->free(be[2]);
     free(kv0), free(x0), free(lg);
 }
 
@@ -2242,8 +2416,9 @@ static void test_pdl(void)
     struct tkv_backend *qplain = NULL;
     setenv("TKV_CUDA_PDL", "0", 1);
     setenv("TKV_CUDA_GEMV", "fast", 1);
+    setenv("TKV_CUDA_NORM_Q8", "0", 1);
     tkv_status st = tkv_backend_create("cuda", 0, &qplain);
-    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV");
+    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV"), unsetenv("TKV_CUDA_NORM_Q8");
     CHECK(st == TKV_OK, "%s", tkv_last_error());
     if (st == TKV_OK) {
         pdl_case(TKV_TYPE_Q4_0, qplain);
@@ -2357,6 +2532,7 @@ int main(void)
     SECTION("kv_write", test_kv_write_heads);
     SECTION("fused", test_fused);
     SECTION("quant", test_quant);
+    SECTION("matmul_add", test_matmul_add);
     SECTION("pdl", test_pdl);
     SECTION("profile", test_profile);
     SECTION("attention", test_attention);
