@@ -74,10 +74,13 @@ static void *dev_alloc(size_t bytes)
     return p;
 }
 
+/* Uploaded through gpu and waited for: other backends (other streams) may
+ * read it next, and an upload from pageable memory can return before its
+ * copy has landed. */
 static void *dev_from(const void *host, size_t bytes)
 {
     void *p = dev_alloc(bytes);
-    if (gpu->ops->upload(gpu, p, host, bytes) != TKV_OK) {
+    if (gpu->ops->upload(gpu, p, host, bytes) != TKV_OK || gpu->ops->synchronize(gpu) != TKV_OK) {
         fprintf(stderr, "upload: %s\n", tkv_last_error());
         exit(1);
     }
