@@ -126,11 +126,12 @@ struct cuda_backend {
     int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
-    /* A decode norm's output quantized in its own grid (cuda_rmsnorm): the
-     * planes in q8_work hold x [n][n_in] in block order gb when the op that
-     * wrote them (number op) is the one just before the reader's; ops
-     * counts every op (ALIVE). The norm learns gb from the last reader of
-     * its output that had to quantize it (norm_out, norm_gb for norm_dim). */
+    /* The quantized activations a decode norm left in q8_work (cuda_rmsnorm
+     * through rmsnorm_q8_kernel): x [n][n_in] in block order gb, valid only
+     * for the op right after op number `op` (ops counts every op: ALIVE).
+     * The norm takes the order from the last GEMV that had to quantize the
+     * norm's output itself (q8_prepare sets norm_gb for the output norm_out
+     * of norm_dim columns). */
     uint64_t ops;
     struct {
         const float *x;

@@ -1101,14 +1101,14 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
             TKV_TRY(ops->rmsnorm(be, s->x, next_norm, s->h, n, E, hp->rms_eps));
             *h_ready = true;
         }
-        return TKV_OK;
-    }
-    TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
-    if (fuse && ops->add_rmsnorm && next_norm) {
-        TKV_TRY(ops->add_rmsnorm(be, s->x, s->h, next_norm, s->h, n, E, hp->rms_eps));
-        *h_ready = true;
     } else {
-        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+        TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
+        if (fuse && ops->add_rmsnorm && next_norm) {
+            TKV_TRY(ops->add_rmsnorm(be, s->x, s->h, next_norm, s->h, n, E, hp->rms_eps));
+            *h_ready = true;
+        } else {
+            TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+        }
     }
     return TKV_OK;
 }
