@@ -306,15 +306,12 @@ __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
     float *y = g.y[seg] + (size_t)i * n_out + local;
     if (SW) {
         y[0] = v0 / (1.0f + expf(-v0)) * v1;
-    } else if (g.acc) { /* the residual add: y + x, as add_rmsnorm_kernel adds */
-        y[0] = y[0] + v0;
-        if (MODE == MODE_PAIR)
-            y[1] = y[1] + v1;
-    } else {
-        y[0] = v0;
-        if (MODE == MODE_PAIR)
-            y[1] = v1;
+        return;
     }
+    /* with acc, the residual add: y + x, as add_rmsnorm_kernel adds */
+    y[0] = g.acc ? y[0] + v0 : v0;
+    if (MODE == MODE_PAIR)
+        y[1] = g.acc ? y[1] + v1 : v1;
 }
 
 /* two: a unit streams two rows (MODE_SWIGLU, MODE_PAIR) */

@@ -26,6 +26,20 @@ __device__ double row_sum(double v, double *partial)
     return partial[0];
 }
 
+/* 1 / sqrt(mean(xr^2) + eps) of a row of dim, the squares summed in double
+ * in the same order by every CTA of the same blockDim (rmsnorm_kernel and
+ * rmsnorm_q8_kernel: the same bits). Every thread of the CTA calls it. */
+__device__ float rms_scale(const float *xr, uint32_t dim, float eps, double *partial)
+{
+    double ss = 0;
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
+        ss += (double)xr[d] * xr[d];
+    return 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
+}
+
+/* threads a CTA of the rmsnorm kernels has for rows of dim */
+static unsigned rmsnorm_threads(uint32_t dim) { return dim >= 1024 ? 1024 : (dim + 31) / 32 * 32; }
+
 __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_t dim, float eps)
 {
     __shared__ double partial[32];
@@ -33,10 +47,7 @@ __global__ void rmsnorm_kernel(const float *x, const float *w, float *y, uint32_
     tkv_pdl_wait();
     const float *xr = x + (size_t)blockIdx.x * dim;
     float *yr = y + (size_t)blockIdx.x * dim;
-    double ss = 0;
-    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
-        ss += (double)xr[d] * xr[d];
-    const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
+    const float scale = rms_scale(xr, dim, eps, partial);
     /* each thread reads x[d] before writing y[d]: y may alias x */
     for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
         yr[d] = xr[d] * scale * w[d];
@@ -56,10 +67,7 @@ __global__ void rmsnorm_q8_kernel(const float *__restrict__ x, const float *__re
     tkv_pdl_trigger();
     tkv_pdl_wait(); /* x is the previous kernel's output; a may still be read by it */
     const float *xr = x + (size_t)blockIdx.y * dim;
-    double ss = 0;
-    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
-        ss += (double)xr[d] * xr[d];
-    const float scale = 1.0f / sqrtf((float)(row_sum(ss, partial) / dim) + eps);
+    const float scale = rms_scale(xr, dim, eps, partial);
     const uint32_t nb = dim / 32, kb = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (kb >= nb)
         return;
@@ -580,8 +588,7 @@ cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float
 {
     if (n == 0)
         return cudaSuccess;
-    unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32; /* as tkv_cuda_rmsnorm */
-    return tkv_cuda_launch(pdl, n, threads, 0, s, add_rmsnorm_kernel, y, x, w, h, dim, eps);
+    return tkv_cuda_launch(pdl, n, rmsnorm_threads(dim), 0, s, add_rmsnorm_kernel, y, x, w, h, dim, eps);
 }
 
 cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,
@@ -600,8 +607,7 @@ cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t 
 {
     if (n == 0)
         return cudaSuccess;
-    unsigned threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    return tkv_cuda_launch(pdl, n, threads, 0, s, rmsnorm_kernel, x, w, y, dim, eps);
+    return tkv_cuda_launch(pdl, n, rmsnorm_threads(dim), 0, s, rmsnorm_kernel, x, w, y, dim, eps);
 }
 
 cudaError_t tkv_cuda_rmsnorm_q8(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps,
@@ -611,7 +617,7 @@ cudaError_t tkv_cuda_rmsnorm_q8(const float *x, const float *w, float *y, uint32
         return cudaErrorInvalidValue;
     if (n == 0 || dim == 0)
         return cudaSuccess;
-    const unsigned threads = dim >= 1024 ? 1024 : dim; /* as tkv_cuda_rmsnorm */
+    const unsigned threads = rmsnorm_threads(dim); /* rmsnorm_kernel's: its sums' order */
     const dim3 grid((dim / 32 + threads / 32 - 1) / (threads / 32), n);
     return tkv_cuda_launch(pdl, grid, threads, 0, s, rmsnorm_q8_kernel, x, w, y, dim, eps, a);
 }
