@@ -1017,13 +1017,35 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
     return st;
 }
 
+/* A residual product of layer_forward: x += in . W^T, then with norm
+ * s->h = rmsnorm(x) * norm. fuse: in one call with the backend's
+ * matmul_add (then the norm), or the product into s->h and add_rmsnorm;
+ * else (and as the reference) matmul into s->h, add, rmsnorm. */
+static tkv_status residual_product(tkv_session *s, uint32_t n, bool fuse, const struct tkv_bweight *W, const float *in,
+                                   const struct tkv_bweight *norm)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    struct tkv_backend *be = s->be;
+    const uint32_t E = s->hp.n_embd;
+    const float eps = s->hp.rms_eps;
+    if (fuse && ops->matmul_add) {
+        TKV_TRY(ops->matmul_add(be, W, in, s->x, n));
+    } else {
+        TKV_TRY(ops->matmul(be, W, in, s->h, n));
+        if (norm && fuse && ops->add_rmsnorm)
+            return ops->add_rmsnorm(be, s->x, s->h, norm, s->h, n, E, eps);
+        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
+    }
+    return norm ? ops->rmsnorm(be, s->x, norm, s->h, n, E, eps) : TKV_OK;
+}
+
 /* One transformer layer on the chunk in s->x: brings the layer's KV in (all
  * of it, or at decode what the policy selects), runs it, lets the KV go.
  * fuse: use the backend's fused ops where it has them (backend.h; the
  * plain sequence is their reference). *h_ready: on entry, s->h already
  * holds rmsnorm(x) * attn_norm (the previous layer's fused add made it);
  * next_norm (fuse only): the norm after this layer, whose output the final
- * residual add then leaves in s->h, setting *h_ready. */
+ * residual product then leaves in s->h, setting *h_ready. */
 static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fuse, const struct tkv_bweight *next_norm,
                                 bool *h_ready)
 {
@@ -1074,20 +1096,8 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
         tkv_kvs_end_layer(s->kv, l);
         TKV_TRY(st);
     }
-    /* feed-forward block; with matmul_add the residual adds happen in the
-     * wo and down products (backend.h) */
-    const bool add_in_matmul = fuse && ops->matmul_add;
-    if (add_in_matmul) {
-        TKV_TRY(ops->matmul_add(be, w->wo, s->att, s->x, n));
-        TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
-    } else if (fuse && ops->add_rmsnorm) {
-        TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
-        TKV_TRY(ops->add_rmsnorm(be, s->x, s->h, w->ffn_norm, s->h, n, E, hp->rms_eps));
-    } else {
-        TKV_TRY(ops->matmul(be, w->wo, s->att, s->h, n));
-        TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
-        TKV_TRY(ops->rmsnorm(be, s->x, w->ffn_norm, s->h, n, E, hp->rms_eps));
-    }
+    /* feed-forward block */
+    TKV_TRY(residual_product(s, n, fuse, w->wo, s->att, w->ffn_norm));
     if (fuse && ops->matmul_swiglu) {
         TKV_TRY(ops->matmul_swiglu(be, w->w_gate, w->w_up, s->h, s->gate, n));
     } else {
@@ -1095,21 +1105,9 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
         TKV_TRY(ops->matmul(be, w->w_up, s->h, s->up, n));
         TKV_TRY(ops->swiglu(be, s->gate, s->up, s->gate, (size_t)n * F));
     }
-    if (add_in_matmul) {
-        TKV_TRY(ops->matmul_add(be, w->w_down, s->gate, s->x, n));
-        if (next_norm) {
-            TKV_TRY(ops->rmsnorm(be, s->x, next_norm, s->h, n, E, hp->rms_eps));
-            *h_ready = true;
-        }
-    } else {
-        TKV_TRY(ops->matmul(be, w->w_down, s->gate, s->h, n));
-        if (fuse && ops->add_rmsnorm && next_norm) {
-            TKV_TRY(ops->add_rmsnorm(be, s->x, s->h, next_norm, s->h, n, E, hp->rms_eps));
-            *h_ready = true;
-        } else {
-            TKV_TRY(ops->add(be, s->x, s->h, (size_t)n * E));
-        }
-    }
+    const struct tkv_bweight *norm = fuse ? next_norm : NULL;
+    TKV_TRY(residual_product(s, n, fuse, w->w_down, s->gate, norm));
+    *h_ready = norm != NULL;
     return TKV_OK;
 }
 
