@@ -343,6 +343,14 @@ static tkv_status skip_matmul_group(struct tkv_backend *b, const struct tkv_bwei
     (void)b, (void)w, (void)nw, (void)x, (void)y, (void)n;
     return TKV_OK;
 }
+static tkv_status skip_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_bweight *const *w, const float *x,
+                                       float *q, float *k, float *v, uint32_t n, uint32_t head_dim, uint32_t rot_dim,
+                                       const int32_t *pos, float base, float freq_scale)
+{
+    (void)b, (void)w, (void)x, (void)q, (void)k, (void)v, (void)n, (void)head_dim, (void)rot_dim, (void)pos;
+    (void)base, (void)freq_scale;
+    return TKV_OK;
+}
 static tkv_status skip_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweight *w_gate,
                                      const struct tkv_bweight *w_up, const float *x, float *out, uint32_t n)
 {
@@ -376,8 +384,8 @@ static int skip_patch(struct tkv_backend *be, int mask, uint32_t n_layer, struct
         patched->kv_write_heads = skip_kv_write_heads;
     if (mask & SKIP_ATTN)
         patched->attention = skip_attention;
-    if (mask & SKIP_QKV)
-        patched->matmul_group = skip_matmul_group;
+    if (mask & SKIP_QKV) /* with matmul_qkv_rope, the rotation goes with the products */
+        patched->matmul_group = skip_matmul_group, patched->matmul_qkv_rope = skip_matmul_qkv_rope;
     if (mask & SKIP_FFN)
         patched->matmul_swiglu = skip_matmul_swiglu;
     be->ops = patched;

@@ -121,6 +121,14 @@ struct cuda_backend {
      * stay in pos_dev, so the layers of one chunk upload them once */
     int32_t *pos_dev, *pos_last;
     uint32_t pos_n, pos_cap;
+    /* matmul_qkv_rope's angles of the positions in pos_dev (rope_table):
+     * [rope_n][rope_pairs] (cos, sin) for the constants rope_ts, rope_fs;
+     * rope_ok is cleared whenever pos_dev changes */
+    float2 *rope_tab;
+    size_t rope_tab_cap;
+    uint32_t rope_n, rope_pairs;
+    float rope_ts, rope_fs;
+    bool rope_ok;
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
     int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
@@ -142,6 +150,8 @@ struct cuda_backend {
     uint32_t norm_dim, norm_gb;
     uint64_t norm_q8_reads;        /* q8_prepare calls that found the planes ready */
     bool norm_q8;                  /* TKV_CUDA_NORM_Q8=0: never (for A/B measurements) */
+    bool qkv_rope;                 /* matmul_qkv_rope rotates in the GEMV's epilogue
+                                      (TKV_CUDA_QKV_ROPE=0: the two ops, for A/B) */
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
 };
 
@@ -1011,6 +1021,7 @@ static tkv_status pos_upload(struct cuda_backend *cb, const int32_t *pos, uint32
     if (cb->pos_n == n && !memcmp(cb->pos_last, pos, (size_t)n * sizeof *pos))
         return TKV_OK;
     cb->pos_n = 0; /* unknown until the copy is queued */
+    cb->rope_ok = false;
     if (n > cb->pos_cap) {
         const uint32_t cap = TKV_MAX(n, TKV_MAX(2 * cb->pos_cap, 256u));
         CU(op, cudaStreamSynchronize(cb->stream)); /* kernels may still read the old buffer */
@@ -1035,6 +1046,22 @@ static tkv_status pos_upload(struct cuda_backend *cb, const int32_t *pos, uint32
     return TKV_OK;
 }
 
+/* Makes rope_tab hold the angles of pos_dev's n positions for n_pairs
+ * pairs (tkv_cuda_rope_table), computed again only when they change. */
+static tkv_status rope_table(struct cuda_backend *cb, uint32_t n, uint32_t n_pairs, float theta_scale, float freq_scale,
+                             const char *op)
+{
+    if (cb->rope_ok && cb->rope_n == n && cb->rope_pairs == n_pairs && cb->rope_ts == theta_scale &&
+        cb->rope_fs == freq_scale)
+        return TKV_OK;
+    cb->rope_ok = false;
+    TKV_TRY(work_reserve(cb, (void **)&cb->rope_tab, &cb->rope_tab_cap, (size_t)n * n_pairs * sizeof(float2), op));
+    CU(op, tkv_cuda_rope_table(cb->pos_dev, n, n_pairs, theta_scale, freq_scale, cb->rope_tab, cb->pdl, cb->stream));
+    cb->rope_n = n, cb->rope_pairs = n_pairs, cb->rope_ts = theta_scale, cb->rope_fs = freq_scale;
+    cb->rope_ok = true;
+    return TKV_OK;
+}
+
 static tkv_status cuda_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head,
                                uint32_t n_head_kv, uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base,
                                float freq_scale)
@@ -1053,6 +1080,48 @@ static tkv_status cuda_rope_qk(struct tkv_backend *b, float *q, float *k, uint32
     CU(op, tkv_cuda_rope_qk(q, k, n, n_head, n_head_kv, head_dim, rot_dim, cb->pos_dev, theta_scale, freq_scale,
                             cb->pdl, cb->stream));
     return TKV_OK;
+}
+
+/* matmul_group over {q, k, v} then rope_qk: one quantized GEMV rotating q
+ * and k in its epilogue (tkv_cuda_qgemv's rope) where the group takes the
+ * quantized path; else the two ops. */
+static tkv_status cuda_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_bweight *const *w, const float *x,
+                                       float *q, float *k, float *v, uint32_t n, uint32_t head_dim, uint32_t rot_dim,
+                                       const int32_t *pos, float base, float freq_scale)
+{
+    struct cuda_backend *cb = cuda_of(b);
+    const char *op = "matmul_qkv_rope";
+    ALIVE(op);
+    if (head_dim == 0 || rot_dim > head_dim || rot_dim % 2 || rot_dim > 1024)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: %s: rope dimension %u invalid for head_dim %u", op, rot_dim,
+                       head_dim);
+    for (int i = 0; i < 3; i++)
+        if (w[i]->is_vec || w[i]->n_in != w[0]->n_in || (i < 2 && w[i]->n_out % head_dim))
+            return tkv_err(TKV_ERR_INVALID_ARG, "cuda: %s: %s is not a matrix of %u columns%s", op, w[i]->t->name,
+                           w[0]->n_in, i < 2 ? " and whole heads" : "");
+    if (n == 0)
+        return TKV_OK;
+    float *const y[3] = {q, k, v};
+    if (cb->qkv_rope && rot_dim > 0 && group_path(cb, w, 3, x, n) == GROUP_QUANT) {
+        const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* as cuda_rope */
+        TKV_TRY(pos_upload(cb, pos, n, op));
+        TKV_TRY(rope_table(cb, n, rot_dim / 2, theta_scale, freq_scale, op));
+        struct tkv_cuda_q8_act a;
+        TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
+        struct tkv_cuda_qgemv g;
+        group_build(&g, w, 3, y);
+        g.pair = qgemv_pairs(cb, w, 3);
+        g.rope = cb->rope_tab;
+        g.rope_segs = 2;
+        g.head_dim = head_dim;
+        g.n_pairs = rot_dim / 2;
+        CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl,
+                              cb->stream));
+        return TKV_OK;
+    }
+    TKV_TRY(cuda_matmul_group(b, w, 3, x, y, n));
+    return cuda_rope_qk(b, q, k, n, w[0]->n_out / head_dim, w[1]->n_out / head_dim, head_dim, rot_dim, pos, base,
+                        freq_scale);
 }
 
 static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y,
@@ -1902,6 +1971,17 @@ static tkv_status pw_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweig
     PROF("matmul_swiglu", prof_row(cb->prof, "matmul_swiglu", true, 2 * wg->n_out, wg->n_in, path, fmt),
          cuda_matmul_swiglu(b, wg, wu, x, out, n));
 }
+static tkv_status pw_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_bweight *const *w, const float *x,
+                                     float *q, float *k, float *v, uint32_t n, uint32_t head_dim, uint32_t rot_dim,
+                                     const int32_t *pos, float base, float freq_scale)
+{
+    const uint32_t rows = w[0]->n_out + w[1]->n_out + w[2]->n_out;
+    const uint32_t path = group_path_row(cuda_of(b), w, 3, x, n);
+    char fmt[48];
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
+    PROF("matmul_qkv_rope", prof_row(cb->prof, "matmul_qkv_rope", true, rows, w[0]->n_in, path, fmt),
+         cuda_matmul_qkv_rope(b, w, x, q, k, v, n, head_dim, rot_dim, pos, base, freq_scale));
+}
 static tkv_status pw_add_rmsnorm(struct tkv_backend *b, float *y, const float *x, const struct tkv_bweight *w, float *h,
                                  uint32_t n, uint32_t dim, float eps)
 {
@@ -2095,6 +2175,7 @@ static struct tkv_backend_ops cuda_make_ops(void)
     o.matmul_swiglu = cuda_matmul_swiglu;
     o.add_rmsnorm = cuda_add_rmsnorm;
     o.matmul_add = cuda_matmul_add;
+    o.matmul_qkv_rope = cuda_matmul_qkv_rope;
     o.rope_qk = cuda_rope_qk;
     o.attention = cuda_attention;
     o.attn_stats = cuda_attn_stats;
@@ -2136,6 +2217,7 @@ static struct tkv_backend_ops cuda_make_prof_ops(void)
     o.matmul_swiglu = pw_matmul_swiglu;
     o.add_rmsnorm = pw_add_rmsnorm;
     o.matmul_add = pw_matmul_add;
+    o.matmul_qkv_rope = pw_matmul_qkv_rope;
     o.rope_qk = pw_rope_qk;
     o.attention = pw_attention;
     o.attn_stats = pw_attn_stats;
@@ -2305,6 +2387,8 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *norm_q8 = getenv("TKV_CUDA_NORM_Q8");
     cb->norm_q8 = !(norm_q8 && !strcmp(norm_q8, "0"));
+    const char *qkv_rope = getenv("TKV_CUDA_QKV_ROPE");
+    cb->qkv_rope = !(qkv_rope && !strcmp(qkv_rope, "0"));
     const char *rqs_mma = getenv("TKV_CUDA_RQS_MMA");
     cb->rqs_mma = !(rqs_mma && !strcmp(rqs_mma, "0"));
     const char *prof = getenv("TKV_CUDA_PROFILE");

@@ -96,6 +96,35 @@ static __device__ __forceinline__ void tkv_q8_block_put(const struct tkv_q8_bloc
     }
 }
 
+/* ---- RoPE's angles and rotation --------------------------------------------------------
+ *
+ * ops.cu's rope kernels and the quantized GEMV's epilogue (which rotates
+ * q and k as it writes them) share these, so that all give the same bits. */
+
+/* cos and sin (x, y) of rotated pair p's angle at position pos: pos *
+ * theta_scale^p * freq_scale, theta_scale^p by p successive multiplies as
+ * cpu_rope computes it (the angles match the CPU's bit for bit; sincosf
+ * may differ from glibc's by an ulp). */
+static __device__ __forceinline__ float2 tkv_rope_cs(int32_t pos, uint32_t p, float theta_scale, float freq_scale)
+{
+    float theta = (float)pos;
+    for (uint32_t k = 0; k < p; k++)
+        theta *= theta_scale;
+    const float th = theta * freq_scale;
+    float2 c;
+    sincosf(th, &c.y, &c.x);
+    return c;
+}
+
+/* (x0, x1) rotated by the angle whose cos and sin are c, every product and
+ * sum rounded alone (nvcc cannot contract them, so each kernel that rotates
+ * gets the same bits). */
+static __device__ __forceinline__ void tkv_rope_rotate(float x0, float x1, float2 c, float *y0, float *y1)
+{
+    *y0 = __fsub_rn(__fmul_rn(x0, c.x), __fmul_rn(x1, c.y));
+    *y1 = __fadd_rn(__fmul_rn(x0, c.y), __fmul_rn(x1, c.x));
+}
+
 /* ---- a row's sums over its threads ------------------------------------------------------
  *
  * L threads share a row and each holds acc[i], its part of token i's dot

@@ -300,10 +300,24 @@ __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
     const bool out = tkv_row_reduce<NT, L>(acc, part, warp, lane, &v0);
     if (TWO)
         tkv_row_reduce<NT, L>(acc2, part + warps * NT, warp, lane, &v1);
+    /* RoPE's partner of this row: the pair's other row (v1), or the next or
+     * previous unit's sum, L lanes away in the same warp (L <= 16) */
+    constexpr bool CAN_ROPE = MODE == MODE_PAIR || (MODE == MODE_PLAIN && L <= 16);
+    float partner = v1;
+    if (MODE == MODE_PLAIN && L <= 16 && g.rope)
+        partner = __shfl_xor_sync(0xffffffffu, v0, L);
     if (!out || !live)
         return;
     const uint32_t i = L <= 32 ? t : lane, n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
     float *y = g.y[seg] + (size_t)i * n_out + local;
+    if (CAN_ROPE && g.rope && seg < g.rope_segs && local % g.head_dim / 2 < g.n_pairs) {
+        const float2 c = g.rope[(size_t)i * g.n_pairs + local % g.head_dim / 2];
+        const bool first = local % 2 == 0; /* always, in pairs */
+        float r0, r1;
+        tkv_rope_rotate(first ? v0 : partner, first ? partner : v0, c, &r0, &r1);
+        v0 = first ? r0 : r1;
+        v1 = r1;
+    }
     if (SW) {
         y[0] = v0 / (1.0f + expf(-v0)) * v1;
         return;
@@ -563,6 +577,14 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
     if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && (g->nw != 1 || g->acc)) ||
         a.gb != group_blocks(qt))
         return cudaErrorInvalidValue;
+    if (g->rope) {
+        if (g->swiglu || g->acc || g->head_dim == 0 || g->head_dim % 2 || g->n_pairs > g->head_dim / 2 ||
+            g->rope_segs > g->nw)
+            return cudaErrorInvalidValue;
+        for (uint32_t i = 0; i < g->rope_segs; i++)
+            if ((g->end[i] - (i ? g->end[i - 1] : 0)) % g->head_dim)
+                return cudaErrorInvalidValue;
+    }
     for (uint32_t i = 0; i < g->nw; i++)
         if (!tkv_cuda_qgemv_fast_ok(type, g->w[i], n_in) || (g->swiglu && !tkv_cuda_qgemv_fast_ok(type, g->wu, n_in)))
             return cudaErrorInvalidValue;
@@ -572,10 +594,18 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
     bool pair = g->pair && !g->swiglu;
     for (uint32_t i = 0; i < g->nw; i++)
         pair = pair && g->end[i] % 2 == 0; /* a pair never straddles two weights */
-    const int mode = g->swiglu ? MODE_SWIGLU : pair ? MODE_PAIR : MODE_PLAIN;
-    const uint32_t units = pair ? rows / 2 : rows;
+    int mode = g->swiglu ? MODE_SWIGLU : pair ? MODE_PAIR : MODE_PLAIN;
+    uint32_t units = pair ? rows / 2 : rows;
     uint32_t L, warps, nstage;
     plan(qt, mode, n, n_in, units, n_sm, smem_sm, &L, &warps, &nstage);
+    if (g->rope && mode == MODE_PLAIN && L > 16) { /* a pair's rows in different warps: take them together */
+        for (uint32_t i = 0; i < g->nw; i++)
+            if (g->end[i] % 2)
+                return cudaErrorInvalidValue;
+        mode = MODE_PAIR;
+        units = rows / 2;
+        plan(qt, mode, n, n_in, units, n_sm, smem_sm, &L, &warps, &nstage);
+    }
     switch (qt) {
     case QT_Q4_0: return qgemv_pick_mode<QT_Q4_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
     case QT_Q4_1: return qgemv_pick_mode<QT_Q4_1>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);

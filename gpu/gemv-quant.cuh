@@ -66,7 +66,11 @@ bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in);
  * activation load serving both (as swiglu's gate and up rows share them);
  * ignored unless every end[i] is even. Same results either way. With acc
  * set (not with swiglu), y[i] += the product: y + x rounded once, as
- * tkv_cuda_add_rmsnorm adds a residual. Travels as a kernel parameter. */
+ * tkv_cuda_add_rmsnorm adds a residual. With rope set, the roped outputs
+ * are those of the product followed by tkv_cuda_rope, bit for bit (rows in
+ * pairs where one row a unit would put a pair's rows more than a warp
+ * apart; every roped weight's rows a multiple of head_dim). Travels as a
+ * kernel parameter. */
 #define TKV_CUDA_QGEMV_MAX 8
 struct tkv_cuda_qgemv {
     const void *w[TKV_CUDA_QGEMV_MAX];
@@ -77,6 +81,12 @@ struct tkv_cuda_qgemv {
     bool swiglu;
     bool pair;
     bool acc; /* y[i] += the product instead of = (not with swiglu) */
+    /* RoPE in the epilogue (not with swiglu or acc; NULL: none): the first
+     * rope_segs weights' outputs, heads of head_dim, rotated as
+     * tkv_cuda_rope rotates them, pairs p < n_pairs of token i at the
+     * angles rope[i][p] (tkv_cuda_rope_table) */
+    const float2 *rope;
+    uint32_t rope_segs, head_dim, n_pairs;
 };
 
 /* The fast kernel, 1 <= n <= 8 tokens, activations in the type's block

@@ -82,24 +82,28 @@ __global__ void rmsnorm_q8_kernel(const float *__restrict__ x, const float *__re
 /* Item i = (token, head, rotated pair), pairs fastest: a decode step's
  * query is n_heads x n_pairs threads (2048 for Llama-3-8B) rather than
  * n_pairs threads each walking every head (64 threads: 11 us per call on an
- * H200). Each thread derives its angle by the CPU's sequence of roundings,
- * so the result is bit-identical to the per-pair loop it replaced.
- * rope_kernel and rope_qk_kernel both rotate through it. */
+ * H200). Each thread derives its angle by the CPU's sequence of roundings
+ * (tkv_rope_cs, gemv-common.cuh) and rotates with tkv_rope_rotate, as the
+ * quantized GEMV's epilogue does. rope_kernel and rope_qk_kernel both
+ * rotate through it. */
 __device__ __forceinline__ void rope_item(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs, size_t i,
                                           const int32_t *pos, float theta_scale, float freq_scale)
 {
     const uint32_t p = (uint32_t)(i % n_pairs), h = (uint32_t)(i / n_pairs % n_heads);
     const uint32_t t = (uint32_t)(i / n_pairs / n_heads);
-    float theta = (float)pos[t];
-    for (uint32_t k = 0; k < p; k++) /* the CPU's sequence of roundings */
-        theta *= theta_scale;
-    const float th = theta * freq_scale;
-    float sn, cs;
-    sincosf(th, &sn, &cs);
     float *v = x + ((size_t)t * n_heads + h) * head_dim + 2 * p;
-    const float x0 = v[0], x1 = v[1];
-    v[0] = x0 * cs - x1 * sn;
-    v[1] = x0 * sn + x1 * cs;
+    tkv_rope_rotate(v[0], v[1], tkv_rope_cs(pos[t], p, theta_scale, freq_scale), &v[0], &v[1]);
+}
+
+/* table[t][p] = tkv_rope_cs(pos[t], p, ...) for t < n, p < n_pairs */
+__global__ void rope_table_kernel(const int32_t *pos, uint32_t n, uint32_t n_pairs, float theta_scale,
+                                  float freq_scale, float2 *table)
+{
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    tkv_pdl_trigger();
+    tkv_pdl_wait(); /* the table may still be read by the kernels before */
+    if (i < (size_t)n * n_pairs)
+        table[i] = tkv_rope_cs(pos[i / n_pairs], (uint32_t)(i % n_pairs), theta_scale, freq_scale);
 }
 
 __global__ void rope_kernel(float *x, uint32_t n, uint32_t n_heads, uint32_t head_dim, uint32_t n_pairs,
@@ -348,6 +352,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     uint4 first[U];
     gemv2_load<T, U>(w8, row < n_out ? n8 : 0, t, first);
     tkv_pdl_wait(); /* x is the previous kernel's output; y may be read by it */
+    /* with add, the thread that writes y[lane][row] (tkv_row_reduce: lane <
+     * NT of the row's first warp) reads it now, not after the row's sum */
+    float *yr = y + (size_t)lane * n_out + row;
+    const float y_old = add && row < n_out && warp % S == 0 && lane < (uint32_t)NT ? *yr : 0.0f;
     float acc[NT];
 #pragma unroll
     for (int i = 0; i < NT; i++)
@@ -355,10 +363,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if (row < n_out) /* no early return: the CTA meets at the barrier in tkv_row_reduce */
         gemv2_row<NT, T, U>(w8, x, n_in, n8, t, first, acc);
     float v;
-    if (tkv_row_reduce<NT, T>(acc, &part[0][0], warp, lane, &v) && row < n_out) {
-        float *yr = y + (size_t)lane * n_out + row;
-        *yr = add ? *yr + v : v; /* y + x, as the add kernel adds */
-    }
+    if (tkv_row_reduce<NT, T>(acc, &part[0][0], warp, lane, &v) && row < n_out)
+        *yr = add ? y_old + v : v; /* y + x, as the add kernel adds */
 }
 
 template <int NT, int S, int U>
@@ -600,6 +606,16 @@ cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, ui
         return cudaSuccess;
     return tkv_cuda_launch(pdl, tkv_cuda_blocks(items, TB), TB, 0, s, rope_qk_kernel, q, k, n, n_head, n_head_kv,
                            head_dim, rot_dim / 2, pos, theta_scale, freq_scale);
+}
+
+cudaError_t tkv_cuda_rope_table(const int32_t *pos, uint32_t n, uint32_t n_pairs, float theta_scale, float freq_scale,
+                                float2 *table, bool pdl, cudaStream_t s)
+{
+    const size_t items = (size_t)n * n_pairs;
+    if (items == 0)
+        return cudaSuccess;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(items, TB), TB, 0, s, rope_table_kernel, pos, n, n_pairs, theta_scale,
+                           freq_scale, table);
 }
 
 cudaError_t tkv_cuda_rmsnorm(const float *x, const float *w, float *y, uint32_t n, uint32_t dim, float eps, bool pdl,

@@ -132,6 +132,12 @@ cudaError_t tkv_cuda_gemv_swiglu(const __half *wg, const __half *wu, const float
 cudaError_t tkv_cuda_add_rmsnorm(float *y, const float *x, const float *w, float *h, uint32_t n, uint32_t dim,
                                  float eps, bool pdl, cudaStream_t s);
 
+/* table[t][p] = (cos, sin) of rotated pair p's angle at position pos[t]
+ * (device memory), for t < n, p < n_pairs: the angles tkv_cuda_rope takes,
+ * for the quantized GEMV's epilogue (tkv_cuda_qgemv, rope). */
+cudaError_t tkv_cuda_rope_table(const int32_t *pos, uint32_t n, uint32_t n_pairs, float theta_scale, float freq_scale,
+                                float2 *table, bool pdl, cudaStream_t s);
+
 /* tkv_cuda_rope on q [n, n_head*hd] and k [n, n_head_kv*hd] in one launch,
  * positions pos[n] in device memory. */
 cudaError_t tkv_cuda_rope_qk(float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim,

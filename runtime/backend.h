@@ -435,6 +435,9 @@ struct tkv_backend_ops {
      *   it the engine's residual adds move into the wo and down products and
      *   the norms after them are plain rmsnorm calls (which a backend may
      *   then run as one grid with the next product's input preparation).
+     * matmul_qkv_rope: matmul_group(w, 3, x, {q, k, v}, n) then rope_qk(q,
+     *   k, n, w[0]'s rows / head_dim, w[1]'s rows / head_dim, head_dim, ...)
+     *   (a backend may rotate q and k as its product writes them).
      * rope_qk: rope of q[n, n_head*head_dim] and k[n, n_head_kv*head_dim] at
      *   the same host positions pos[n], = two rope calls; a backend may keep
      *   the last positions it was given on the device (a decode step's 32
@@ -447,6 +450,9 @@ struct tkv_backend_ops {
                               float *h, uint32_t n, uint32_t dim, float eps);
     tkv_status (*matmul_add)(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y,
                              uint32_t n);
+    tkv_status (*matmul_qkv_rope)(struct tkv_backend *b, const struct tkv_bweight *const *w, const float *x,
+                                  float *q, float *k, float *v, uint32_t n, uint32_t head_dim, uint32_t rot_dim,
+                                  const int32_t *pos, float base, float freq_scale);
     tkv_status (*rope_qk)(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head,
                           uint32_t n_head_kv, uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base,
                           float freq_scale);

@@ -1058,20 +1058,24 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
     if (!*h_ready)
         TKV_TRY(ops->rmsnorm(be, s->x, w->attn_norm, s->h, n, E, hp->rms_eps));
     *h_ready = false;
-    if (fuse && ops->matmul_group) {
-        const struct tkv_bweight *qkv[3] = {w->wq, w->wk, w->wv};
-        float *out[3] = {s->q, s->k, s->v};
-        TKV_TRY(ops->matmul_group(be, qkv, 3, s->h, out, n));
+    const struct tkv_bweight *qkv[3] = {w->wq, w->wk, w->wv};
+    float *out[3] = {s->q, s->k, s->v};
+    if (fuse && ops->matmul_qkv_rope) { /* the products and the rotation in one */
+        TKV_TRY(ops->matmul_qkv_rope(be, qkv, s->h, s->q, s->k, s->v, n, hd, hp->rope_dim, s->pos, hp->rope_base,
+                                     hp->rope_scale));
     } else {
-        TKV_TRY(ops->matmul(be, w->wq, s->h, s->q, n));
-        TKV_TRY(ops->matmul(be, w->wk, s->h, s->k, n));
-        TKV_TRY(ops->matmul(be, w->wv, s->h, s->v, n));
-    }
-    if (fuse && ops->rope_qk) {
-        TKV_TRY(ops->rope_qk(be, s->q, s->k, n, H, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
-    } else {
-        TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
-        TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+        if (fuse && ops->matmul_group) {
+            TKV_TRY(ops->matmul_group(be, qkv, 3, s->h, out, n));
+        } else {
+            for (int i = 0; i < 3; i++)
+                TKV_TRY(ops->matmul(be, qkv[i], s->h, out[i], n));
+        }
+        if (fuse && ops->rope_qk) {
+            TKV_TRY(ops->rope_qk(be, s->q, s->k, n, H, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+        } else {
+            TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+            TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+        }
     }
     if (query_to_host(s)) /* the policy reads the query on the host */
         TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));

@@ -1,10 +1,10 @@
 /*
  * test-fuse.c -- Description: the engine's use of the backend's optional
  * fused decode ops (matmul_group, matmul_swiglu, add_rmsnorm, rope_qk,
- * matmul_add; runtime/backend.h) on the CPU. A test backend is the CPU
- * backend with the first four members added ("fused"; "fused-add" has
- * matmul_add too, which moves the residual adds into the wo and down
- * products), each running the plain op sequence it stands for (so the fused
+ * matmul_add, matmul_qkv_rope; runtime/backend.h) on the CPU. A test
+ * backend is the CPU backend with the first four members added ("fused";
+ * "fused-add" has the last two too: the residual adds move into the wo and
+ * down products, and q/k/v and their rotation are one call), each running the plain op sequence it stands for (so the fused
  * path must give the plain path's logits bit for bit, and any wrong buffer,
  * weight or skipped norm in the engine's fused wiring shows): sessions on
  * the tiny model (prefill in chunks, then decode) on "cpu", on both fused
@@ -77,6 +77,19 @@ static tkv_status f_matmul_add(struct tkv_backend *b, const struct tkv_bweight *
 }
 
 static tkv_status f_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv,
+                            uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base, float freq_scale);
+
+/* The group, then rope_qk (counted as one call of each). */
+static tkv_status f_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_bweight *const *w, const float *x,
+                                    float *q, float *k, float *v, uint32_t n, uint32_t head_dim, uint32_t rot_dim,
+                                    const int32_t *pos, float base, float freq_scale)
+{
+    float *y[3] = {q, k, v};
+    TKV_TRY(f_matmul_group(b, w, 3, x, y, n));
+    return f_rope_qk(b, q, k, n, H, HKV, head_dim, rot_dim, pos, base, freq_scale);
+}
+
+static tkv_status f_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv,
                             uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base, float freq_scale)
 {
     n_rope++;
@@ -102,6 +115,7 @@ static tkv_status fused_create(const char *device, uint32_t n_threads, struct tk
     fused_ops.add_rmsnorm = f_add_rmsnorm;
     fused_ops.rope_qk = f_rope_qk;
     fused_ops.matmul_add = add ? f_matmul_add : NULL;
+    fused_ops.matmul_qkv_rope = add ? f_matmul_qkv_rope : NULL;
     be->ops = &fused_ops;
     *out = be;
     return TKV_OK;

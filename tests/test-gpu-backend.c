@@ -2168,6 +2168,56 @@ static void norm_q8_case(struct tkv_backend *plain, uint32_t type, uint32_t dim,
     free(x), free(ha), free(hb), free(ya), free(yb);
 }
 
+/* matmul_qkv_rope against matmul_group + rope_qk on the same backend: the
+ * same bits (the quantized GEMV rotates in its epilogue, with one row a
+ * unit or rows in pairs; other paths run the two ops). */
+static void qkv_rope_case(struct tkv_backend *be, const char *label, uint32_t type, uint32_t n_in, uint32_t hq,
+                          uint32_t hk, uint32_t hd, uint32_t rot, uint32_t n, int32_t pos0)
+{
+    const uint32_t rows[3] = {hq * hd, hk * hd, hk * hd};
+    struct test_weight tw[3];
+    struct tkv_bweight *w[3] = {NULL, NULL, NULL};
+    for (int i = 0; i < 3; i++) {
+        weight_make(&tw[i], type, n_in, rows[i], 2);
+        CHECK(be->ops->weight_init(be, &tw[i].t, &w[i]) == TKV_OK, "%s", tkv_last_error());
+    }
+    float *x = malloc((size_t)n * n_in * sizeof *x);
+    fill(x, (size_t)n * n_in, -1, 1);
+    int32_t *pos = malloc(n * sizeof *pos);
+    for (uint32_t t = 0; t < n; t++)
+        pos[t] = pos0 + (int32_t)t;
+    float *dx = dev_from(x, (size_t)n * n_in * sizeof *x), *ya[3], *yb[3];
+    for (int i = 0; i < 3; i++)
+        ya[i] = dev_poisoned((size_t)n * rows[i]), yb[i] = dev_poisoned((size_t)n * rows[i]);
+    const struct tkv_bweight *const *wc = (const struct tkv_bweight *const *)w;
+    CHECK(be->ops->matmul_qkv_rope(be, wc, dx, ya[0], ya[1], ya[2], n, hd, rot, pos, 500000.0f, 1.0f) == TKV_OK, "%s",
+          tkv_last_error());
+    CHECK(be->ops->matmul_group(be, wc, 3, dx, yb, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(be->ops->rope_qk(be, yb[0], yb[1], n, hq, hk, hd, rot, pos, 500000.0f, 1.0f) == TKV_OK, "%s",
+          tkv_last_error());
+    size_t differ = 0, total = 0;
+    for (int i = 0; i < 3; i++) {
+        const size_t c = (size_t)n * rows[i];
+        float *a = malloc(c * sizeof *a), *b = malloc(c * sizeof *b);
+        to_host(a, ya[i], c * sizeof *a);
+        to_host(b, yb[i], c * sizeof *b);
+        for (size_t j = 0; j < c; j++)
+            differ += memcmp(&a[j], &b[j], sizeof *a) != 0 || isnan(a[j]);
+        total += c;
+        free(a), free(b);
+        dev_free(ya[i]), dev_free(yb[i]);
+    }
+    fprintf(stderr, "  matmul_qkv_rope %s %s %u -> %u/%u/%u heads of %u (rot %u) n=%u pos %d: %zu of %zu outputs "
+                    "differ from matmul_group + rope_qk\n", label, tkv_type_name(type), n_in, hq, hk, hk, hd, rot, n,
+            pos0, differ, total);
+    CHECK(differ == 0, "matmul_qkv_rope %s %s n_in %u n %u: %zu outputs differ", label, tkv_type_name(type), n_in, n,
+          differ);
+    dev_free(dx);
+    for (int i = 0; i < 3; i++)
+        be->ops->weight_free(be, w[i]), weight_free(&tw[i]);
+    free(x), free(pos);
+}
+
 static void test_matmul_add(void)
 {
     fprintf(stderr, "matmul_add:\n");
@@ -2196,6 +2246,16 @@ static void test_matmul_add(void)
         norm_q8_case(plain, TKV_TYPE_Q8_0, 1280, 256, 8);  /* 2 CTAs, the second with 8 of its 32 warps */
         norm_q8_case(plain, TKV_TYPE_Q4_1, 576, 192, 2);   /* SmolLM2: 576 threads, the reference GEMV */
         plain->ops->free(plain);
+    }
+    fprintf(stderr, "matmul_qkv_rope:\n");
+    REQUIRE_VOID(gpu_q->ops->matmul_qkv_rope && !cpu->ops->matmul_qkv_rope);
+    for (size_t i = 0; i < 3; i++) {
+        qkv_rope_case(gpu_q, "quant", TKV_TYPE_Q4_0, 4096, 32, 8, 128, 128, ns[i], 4096); /* Llama-3-8B: 16 lanes a row */
+        qkv_rope_case(gpu_q, "quant-pairs", TKV_TYPE_Q4_0, 16384, 8, 2, 128, 128, ns[i], 77); /* 32 lanes: pairs */
+        qkv_rope_case(gpu_q, "quant", TKV_TYPE_Q4_1, 2048, 16, 4, 64, 32, ns[i], 1 << 20); /* partial rotation */
+        qkv_rope_case(gpu_q, "quant", TKV_TYPE_Q8_0, 1024, 8, 2, 128, 128, ns[i], 5);
+        qkv_rope_case(gpu_q, "quant-ref", TKV_TYPE_Q4_1, 576, 9, 3, 64, 64, ns[i], 300); /* SmolLM2: the two ops */
+        qkv_rope_case(gpu, "f16", TKV_TYPE_F16, 2048, 16, 4, 128, 128, ns[i], 1000);
     }
     struct test_weight tv;
     weight_make(&tv, TKV_TYPE_F32, 64, 1, 1);
@@ -2245,8 +2305,9 @@ static void pdl_state_free(struct pdl_state *st)
 
 /* n_layers layers at positions pos, pos+1, ... (one layer's weights and KV
  * reused), then the output norm and matmul: the engine's fused sequence;
- * with add_in_matmul, its sequence on a backend with matmul_add (the
- * residual added by wo and down, the norms plain rmsnorm calls). */
+ * with add_in_matmul, its sequence on a backend with matmul_add and
+ * matmul_qkv_rope (the residual added by wo and down, the norms plain
+ * rmsnorm calls, q/k/v and their rotation one call). */
 static void pdl_chain(struct tkv_backend *be, const struct pdl_model *m, struct tkv_bweight *const *w,
                       struct pdl_state *st, int32_t pos, uint32_t n_layers, bool add_in_matmul)
 {
@@ -2259,9 +2320,15 @@ static void pdl_chain(struct tkv_backend *be, const struct pdl_model *m, struct 
     for (uint32_t l = 0; l < n_layers; l++, pos++) {
         const struct tkv_bweight *qkv[3] = {w[0], w[1], w[2]};
         float *outs[3] = {st->q, st->k, st->v};
-        CHECK(ops->matmul_group(be, qkv, 3, st->h, outs, 1) == TKV_OK, "%s", tkv_last_error());
-        CHECK(ops->rope_qk(be, st->q, st->k, 1, H, Hkv, hd, hd, &pos, 500000.0f, 1.0f) == TKV_OK, "%s",
-              tkv_last_error());
+        if (add_in_matmul) {
+            CHECK(ops->matmul_qkv_rope(be, qkv, st->h, st->q, st->k, st->v, 1, hd, hd, &pos, 500000.0f, 1.0f) ==
+                      TKV_OK,
+                  "%s", tkv_last_error());
+        } else {
+            CHECK(ops->matmul_group(be, qkv, 3, st->h, outs, 1) == TKV_OK, "%s", tkv_last_error());
+            CHECK(ops->rope_qk(be, st->q, st->k, 1, H, Hkv, hd, hd, &pos, 500000.0f, 1.0f) == TKV_OK, "%s",
+                  tkv_last_error());
+        }
         const uint32_t nblk = (uint32_t)pos / B + 1;
         for (uint32_t g = 0; g < Hkv; g++) {
             uint16_t *base = st->kv + (size_t)g * m->nb * 2 * B * hd;
@@ -2329,7 +2396,7 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
             be[1]->ops->free(be[1]);
         return;
     }
-    REQUIRE_VOID(be[2]->ops->matmul_add);
+    REQUIRE_VOID(be[2]->ops->matmul_add && be[2]->ops->matmul_qkv_rope);
     /* Llama-3-8B's widths over 2 (the GEMVs take S = 1, 2 and 4 warps per
      * row), 16 query heads on 4 KV heads, 20 positions past 1000 keys */
     struct pdl_model m = {.E = 2048, .H = 16, .Hkv = 4, .hd = 128, .F = 5632, .V = 8000, .B = 64};
@@ -2391,11 +2458,11 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
     const bool aa = dev_equal(st[0].att, st[2].att, m.H * m.hd * sizeof(float));
     const uint64_t reads = tkv_backend_cuda_norm_q8_reads(be[2]) - reads0;
     const uint64_t want = wtype == TKV_TYPE_Q4_0 ? (uint64_t)steps * (2 * layers + 1) - 1 : 0;
-    fprintf(stderr, "  %s: matmul_add + rmsnorm vs plain: x %s, logits %s, K/V %s, attention %s; %llu products "
+    fprintf(stderr, "  %s: matmul_add + rmsnorm + matmul_qkv_rope vs plain: x %s, logits %s, K/V %s, attention %s; %llu products "
                     "read a norm's planes (want %llu)\n", tkv_type_name(wtype), ax ? "bit-identical" : "DIFFER",
             al ? "bit-identical" : "DIFFER", ak ? "bit-identical" : "DIFFER", aa ? "bit-identical" : "DIFFER",
             (unsigned long long)reads, (unsigned long long)want);
-    CHECK(ax && al && ak && aa, "matmul_add + rmsnorm changed the decode chain's results");
+    CHECK(ax && al && ak && aa, "matmul_add + rmsnorm + matmul_qkv_rope changed the decode chain's results");
     CHECK(reads == want, "%llu products read a norm's planes, want %llu", (unsigned long long)reads,
           (unsigned long long)want);
     for (int b = 0; b < NB; b++) {
