@@ -2096,6 +2096,7 @@ static void matmul_add_case(struct tkv_backend *be, const char *label, uint32_t 
     CHECK(be->ops->matmul_add(be, w, dx, dya, n) == TKV_OK, "%s", tkv_last_error());
     CHECK(be->ops->matmul(be, w, dx, dp, n) == TKV_OK, "%s", tkv_last_error());
     CHECK(be->ops->add(be, dyb, dp, cy) == TKV_OK, "%s", tkv_last_error());
+    settle(be); /* be's kernels end before gpu's stream copies their outputs down */
     to_host(ya, dya, cy * sizeof *ya);
     to_host(yb, dyb, cy * sizeof *yb);
     size_t differ = 0, moved = 0;
@@ -2195,6 +2196,7 @@ static void qkv_rope_case(struct tkv_backend *be, const char *label, uint32_t ty
     CHECK(be->ops->matmul_group(be, wc, 3, dx, yb, n) == TKV_OK, "%s", tkv_last_error());
     CHECK(be->ops->rope_qk(be, yb[0], yb[1], n, hq, hk, hd, rot, pos, 500000.0f, 1.0f) == TKV_OK, "%s",
           tkv_last_error());
+    settle(be); /* be's kernels end before gpu's stream copies their outputs down */
     size_t differ = 0, total = 0;
     for (int i = 0; i < 3; i++) {
         const size_t c = (size_t)n * rows[i];
