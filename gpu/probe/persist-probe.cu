@@ -133,9 +133,14 @@ __device__ __forceinline__ void issue(const step &st, const cursor &c, uint32_t 
     commit();
 }
 
+/* Where chunk c (16 activations) of group gi lies in shared memory: the
+ * group's 16 chunks rotated by gi, so the 8 lanes of a 16-byte load phase
+ * (consecutive groups, the same c) read 8 different bank quads. */
+__device__ __forceinline__ uint32_t act_chunk(uint32_t c, uint32_t gi) { return gi * 16 + ((c + gi) & 15); }
+
 /* One Q4_0 group (8 blocks, 144 bytes read as 36 words) against its 256
  * int8 activations and their 8 scales. */
-__device__ __forceinline__ float group_dot(const uint4 *wg, const int8_t *a, const float *as)
+__device__ __forceinline__ float group_dot(const uint4 *wg, const int4 *a4, uint32_t gi, const float *as)
 {
     uint32_t w[36];
 #pragma unroll
@@ -153,8 +158,7 @@ __device__ __forceinline__ float group_dot(const uint4 *wg, const int8_t *a, con
         const int b = 18 * j, wi = b / 4;
         const uint32_t dbits = (b % 4) ? (w[wi] >> 16) : (w[wi] & 0xffffu);
         const float d = __half2float(__ushort_as_half((unsigned short)dbits));
-        const int4 *ab = (const int4 *)(a + 32 * j);
-        const int4 lo = ab[0], hi = ab[1]; /* activations 0-15 and 16-31 */
+        const int4 lo = a4[act_chunk(2 * j, gi)], hi = a4[act_chunk(2 * j + 1, gi)]; /* activations 0-15, 16-31 */
         const int alo[4] = {lo.x, lo.y, lo.z, lo.w}, ahi[4] = {hi.x, hi.y, hi.z, hi.w};
         int isum = 0, asum = 0;
 #pragma unroll
@@ -223,7 +227,7 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
             grid_barrier(st.barrier, o * gridDim.x);
         const op &op_ = st.ops[o];
         for (uint32_t i = threadIdx.x; i < op_.K / 16; i += blockDim.x)
-            ((int4 *)act)[i] = __ldcg((const int4 *)op_.act + i);
+            ((int4 *)act)[act_chunk(i % 16, i / 16)] = __ldcg((const int4 *)op_.act + i);
         for (uint32_t i = threadIdx.x; i < op_.K / 32; i += blockDim.x)
             as[i] = st.ascale[i];
         __syncthreads();
@@ -240,7 +244,7 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
             const uint32_t row = unit * p.RPS + lane / p.L, gi = pass * p.L + lane % p.L;
             if (gi < p.G)
                 acc += group_dot((const uint4 *)(ring + (consumed % S) * 32 * GROUP_BYTES + lane * GROUP_BYTES),
-                                 act + (size_t)gi * GROUP_W, as + gi * 8);
+                                 (const int4 *)act, gi, as + gi * 8);
             __syncwarp();
             consumed++;
             if (pass == p.NP - 1) {
