@@ -1046,6 +1046,18 @@ static tkv_status pos_upload(struct cuda_backend *cb, const int32_t *pos, uint32
     return TKV_OK;
 }
 
+/* The rotation dimension every rope op accepts, and theta_scale, the ratio
+ * of successive pairs' frequencies (the CPU's value, bit for bit). */
+static tkv_status rope_check(uint32_t rot_dim, uint32_t head_dim)
+{
+    if (rot_dim > head_dim || rot_dim % 2)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u invalid for head_dim %u", rot_dim, head_dim);
+    if (rot_dim > 1024)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u too large", rot_dim);
+    return TKV_OK;
+}
+static float rope_theta_scale(float base, uint32_t rot_dim) { return powf(base, -2.0f / (float)rot_dim); }
+
 /* Makes rope_tab hold the angles of pos_dev's n positions for n_pairs
  * pairs (tkv_cuda_rope_table), computed again only when they change. */
 static tkv_status rope_table(struct cuda_backend *cb, uint32_t n, uint32_t n_pairs, float theta_scale, float freq_scale,
@@ -1069,13 +1081,10 @@ static tkv_status cuda_rope_qk(struct tkv_backend *b, float *q, float *k, uint32
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "rope_qk";
     ALIVE(op);
-    if (rot_dim > head_dim || rot_dim % 2)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u invalid for head_dim %u", rot_dim, head_dim);
-    if (rot_dim > 1024)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u too large", rot_dim);
+    TKV_TRY(rope_check(rot_dim, head_dim));
     if (n == 0 || rot_dim == 0 || n_head + n_head_kv == 0)
         return TKV_OK;
-    const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* as cuda_rope */
+    const float theta_scale = rope_theta_scale(base, rot_dim);
     TKV_TRY(pos_upload(cb, pos, n, op));
     CU(op, tkv_cuda_rope_qk(q, k, n, n_head, n_head_kv, head_dim, rot_dim, cb->pos_dev, theta_scale, freq_scale,
                             cb->pdl, cb->stream));
@@ -1092,9 +1101,9 @@ static tkv_status cuda_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_b
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "matmul_qkv_rope";
     ALIVE(op);
-    if (head_dim == 0 || rot_dim > head_dim || rot_dim % 2 || rot_dim > 1024)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: %s: rope dimension %u invalid for head_dim %u", op, rot_dim,
-                       head_dim);
+    if (head_dim == 0)
+        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: %s: head_dim 0", op);
+    TKV_TRY(rope_check(rot_dim, head_dim));
     for (int i = 0; i < 3; i++)
         if (w[i]->is_vec || w[i]->n_in != w[0]->n_in || (i < 2 && w[i]->n_out % head_dim))
             return tkv_err(TKV_ERR_INVALID_ARG, "cuda: %s: %s is not a matrix of %u columns%s", op, w[i]->t->name,
@@ -1103,7 +1112,7 @@ static tkv_status cuda_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_b
         return TKV_OK;
     float *const y[3] = {q, k, v};
     if (cb->qkv_rope && rot_dim > 0 && group_path(cb, w, 3, x, n) == GROUP_QUANT) {
-        const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* as cuda_rope */
+        const float theta_scale = rope_theta_scale(base, rot_dim);
         TKV_TRY(pos_upload(cb, pos, n, op));
         TKV_TRY(rope_table(cb, n, rot_dim / 2, theta_scale, freq_scale, op));
         struct tkv_cuda_q8_act a;
@@ -1162,13 +1171,10 @@ static tkv_status cuda_rope(struct tkv_backend *b, float *x, uint32_t n, uint32_
     struct cuda_backend *cb = cuda_of(b);
     const char *op = "rope";
     ALIVE(op);
-    if (rot_dim > head_dim || rot_dim % 2)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u invalid for head_dim %u", rot_dim, head_dim);
-    if (rot_dim > 1024)
-        return tkv_err(TKV_ERR_INVALID_ARG, "cuda: rope dimension %u too large", rot_dim);
+    TKV_TRY(rope_check(rot_dim, head_dim));
     if (n == 0 || rot_dim == 0 || n_heads == 0)
         return TKV_OK;
-    const float theta_scale = powf(base, -2.0f / (float)rot_dim); /* the CPU's value, bit for bit */
+    const float theta_scale = rope_theta_scale(base, rot_dim);
     struct stage_slot *sl;
     TKV_TRY(stage_take(cb, (size_t)n * sizeof(int32_t), &sl, op));
     memcpy(sl->host, pos, (size_t)n * sizeof(int32_t));

@@ -1039,6 +1039,33 @@ static tkv_status residual_product(tkv_session *s, uint32_t n, bool fuse, const 
     return norm ? ops->rmsnorm(be, s->x, norm, s->h, n, E, eps) : TKV_OK;
 }
 
+/* layer_forward's attention input: s->q, s->k, s->v = s->h . w^T for wq,
+ * wk, wv, then q and k rotated at s->pos. fuse: as one call with the
+ * backend's matmul_qkv_rope, or its matmul_group and rope_qk where it has
+ * them; else (and as the reference) three matmuls and two ropes. */
+static tkv_status qkv_product(tkv_session *s, uint32_t n, bool fuse, const struct layer_weights *w)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    struct tkv_backend *be = s->be;
+    const struct tkv_model_info *hp = &s->hp;
+    const uint32_t H = hp->n_head, Hkv = hp->n_head_kv, hd = hp->head_dim;
+    const struct tkv_bweight *qkv[3] = {w->wq, w->wk, w->wv};
+    float *out[3] = {s->q, s->k, s->v};
+    if (fuse && ops->matmul_qkv_rope)
+        return ops->matmul_qkv_rope(be, qkv, s->h, s->q, s->k, s->v, n, hd, hp->rope_dim, s->pos, hp->rope_base,
+                                    hp->rope_scale);
+    if (fuse && ops->matmul_group) {
+        TKV_TRY(ops->matmul_group(be, qkv, 3, s->h, out, n));
+    } else {
+        for (int i = 0; i < 3; i++)
+            TKV_TRY(ops->matmul(be, qkv[i], s->h, out[i], n));
+    }
+    if (fuse && ops->rope_qk)
+        return ops->rope_qk(be, s->q, s->k, n, H, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale);
+    TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
+    return ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale);
+}
+
 /* One transformer layer on the chunk in s->x: brings the layer's KV in (all
  * of it, or at decode what the policy selects), runs it, lets the KV go.
  * fuse: use the backend's fused ops where it has them (backend.h; the
@@ -1058,25 +1085,7 @@ static tkv_status layer_forward(tkv_session *s, uint32_t l, uint32_t n, bool fus
     if (!*h_ready)
         TKV_TRY(ops->rmsnorm(be, s->x, w->attn_norm, s->h, n, E, hp->rms_eps));
     *h_ready = false;
-    const struct tkv_bweight *qkv[3] = {w->wq, w->wk, w->wv};
-    float *out[3] = {s->q, s->k, s->v};
-    if (fuse && ops->matmul_qkv_rope) { /* the products and the rotation in one */
-        TKV_TRY(ops->matmul_qkv_rope(be, qkv, s->h, s->q, s->k, s->v, n, hd, hp->rope_dim, s->pos, hp->rope_base,
-                                     hp->rope_scale));
-    } else {
-        if (fuse && ops->matmul_group) {
-            TKV_TRY(ops->matmul_group(be, qkv, 3, s->h, out, n));
-        } else {
-            for (int i = 0; i < 3; i++)
-                TKV_TRY(ops->matmul(be, qkv[i], s->h, out[i], n));
-        }
-        if (fuse && ops->rope_qk) {
-            TKV_TRY(ops->rope_qk(be, s->q, s->k, n, H, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
-        } else {
-            TKV_TRY(ops->rope(be, s->q, n, H, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
-            TKV_TRY(ops->rope(be, s->k, n, Hkv, hd, hp->rope_dim, s->pos, hp->rope_base, hp->rope_scale));
-        }
-    }
+    TKV_TRY(qkv_product(s, n, fuse, w));
     if (query_to_host(s)) /* the policy reads the query on the host */
         TKV_TRY(ops->download(be, s->q_step, s->q, (size_t)H * hd * sizeof(float)));
     bool done;

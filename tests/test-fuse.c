@@ -4,7 +4,8 @@
  * matmul_add, matmul_qkv_rope; runtime/backend.h) on the CPU. A test
  * backend is the CPU backend with the first four members added ("fused";
  * "fused-add" has the last two too: the residual adds move into the wo and
- * down products, and q/k/v and their rotation are one call), each running the plain op sequence it stands for (so the fused
+ * down products, and q/k/v and their rotation are one call), each running
+ * the plain op sequence it stands for (so the fused
  * path must give the plain path's logits bit for bit, and any wrong buffer,
  * weight or skipped norm in the engine's fused wiring shows): sessions on
  * the tiny model (prefill in chunks, then decode) on "cpu", on both fused

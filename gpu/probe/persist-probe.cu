@@ -25,11 +25,11 @@
  * the backend's Q8 planes). Both variants compute every row with the same
  * lanes in the same order, so their outputs must agree bit for bit (checked).
  *
- * Build: nvcc -O3 -arch=sm_90 -o persist-probe gpu/probe/persist-probe.cu
+ * Build: nvcc -O3 -arch=sm_90 -o persist-probe gpu/probe/persist-probe.cu (from the
+ *        project root)
  * Run:   ./persist-probe [-w warps] [-s stages] [-l layers] [-r reps]
  */
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
+#include "../common.cuh" /* the CUDA headers, cp.async and PDL wrappers */
 
 #include <algorithm>
 #include <stdint.h>
@@ -87,14 +87,6 @@ __device__ __forceinline__ plan plan_of(const op &o, uint32_t gw, uint32_t W)
     return p;
 }
 
-__device__ __forceinline__ void cp16(void *dst, const void *src)
-{
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 /* A cursor over a warp's stages, op by op. */
 struct cursor {
     uint32_t o, s, n; /* op, stage in it, its stage count */
@@ -127,10 +119,10 @@ __device__ __forceinline__ void issue(const step &st, const cursor &c, uint32_t 
             const uint32_t ch = i * 32 + lane, gl = ch / GROUP_CHUNKS, cc = ch % GROUP_CHUNKS;
             const uint32_t row = unit * p.RPS + gl / p.L, gi = pass * p.L + gl % p.L;
             if (gi < p.G)
-                cp16(slot + ch * 16, o.w + row * row_bytes + (size_t)gi * GROUP_BYTES + cc * 16);
+                tkv_cp_async16(slot + ch * 16, o.w + row * row_bytes + (size_t)gi * GROUP_BYTES + cc * 16, true);
         }
     }
-    commit();
+    tkv_cp_async_commit();
 }
 
 /* Where chunk c (16 activations) of group gi lies in shared memory: the
@@ -219,8 +211,8 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
         issue(st, ci, o_end, gw, W, ring + (issued % S) * 32 * GROUP_BYTES, lane);
         ci.s++, issued++;
     }
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    tkv_pdl_trigger();
+    tkv_pdl_wait();
     uint32_t consumed = 0;
     for (uint32_t o = o_begin; o < o_end; o++) {
         if (persist && o > o_begin)
@@ -238,7 +230,7 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
             cursor_settle(ci, st, o_end, gw, W);
             issue(st, ci, o_end, gw, W, ring + (issued % S) * 32 * GROUP_BYTES, lane);
             ci.s++, issued++;
-            wait_groups<S - 1>();
+            tkv_cp_async_wait<S - 1>();
             __syncwarp();
             const uint32_t unit = p.u0 + s / p.NP, pass = s % p.NP;
             const uint32_t row = unit * p.RPS + lane / p.L, gi = pass * p.L + lane % p.L;
@@ -258,7 +250,7 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
             }
         }
     }
-    wait_groups<0>();
+    tkv_cp_async_wait<0>();
 }
 
 __global__ void fill_kernel(uint8_t *w, size_t n_blocks, uint32_t seed)
