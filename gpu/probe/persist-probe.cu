@@ -19,7 +19,11 @@
  *   persist  one launch for the step, a grid barrier between GEMVs, each
  *            warp's ring of stages running ahead across the barriers;
  * and reports each step's time against the weights' bytes at the copy rate
- * measured in the same run (cudaMemcpy device to device). The attention,
+ * measured in the same run (cudaMemcpy device to device). Two more rows
+ * bound what is left: persist without the grid barriers (each GEMV reads
+ * whatever its activations hold: the step if no op waited for another) and
+ * persist without the arithmetic (the weights streamed through the same
+ * rings and waits, no dot products: the loads alone). The attention,
  * norms and activation quantization are left out; the GEMV's activations
  * are the previous GEMV's int8 outputs (the same dependency and bytes as
  * the backend's Q8 planes). Both variants compute every row with the same
@@ -27,7 +31,8 @@
  *
  * Build: nvcc -O3 -arch=sm_90 -o persist-probe gpu/probe/persist-probe.cu (from the
  *        project root)
- * Run:   ./persist-probe [-w warps] [-s stages] [-l layers] [-r reps]
+ * Run:   ./persist-probe [-w warps] [-s stages] [-l layers] [-r reps] [-x shape]
+ *        (-x 0..3: every op of that shape, q/k/v, wo, gate/up, down)
  */
 #include "../common.cuh" /* the CUDA headers, cp.async and PDL wrappers */
 
@@ -188,10 +193,14 @@ __device__ void grid_barrier(unsigned *count, unsigned target)
     __syncthreads();
 }
 
-/* Ops [o_begin, o_end) of the step: persist = grid barriers between them;
- * else one op, after griddepcontrol.wait. */
+/* step_kernel's modes */
+enum { PERSIST = 1, NO_BARRIER = 2, NO_DOT = 4 };
+
+/* Ops [o_begin, o_end) of the step: PERSIST = grid barriers between them
+ * (unless NO_BARRIER); else one op, after griddepcontrol.wait. NO_DOT: the
+ * stages are waited for and skipped. */
 template <int S>
-__global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_begin, uint32_t o_end, bool persist)
+__global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_begin, uint32_t o_end, unsigned mode)
 {
     extern __shared__ __align__(16) uint8_t smem[];
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -215,7 +224,7 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
     tkv_pdl_wait();
     uint32_t consumed = 0;
     for (uint32_t o = o_begin; o < o_end; o++) {
-        if (persist && o > o_begin)
+        if ((mode & PERSIST) && !(mode & NO_BARRIER) && o > o_begin)
             grid_barrier(st.barrier, o * gridDim.x);
         const op &op_ = st.ops[o];
         for (uint32_t i = threadIdx.x; i < op_.K / 16; i += blockDim.x)
@@ -234,7 +243,7 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
             __syncwarp();
             const uint32_t unit = p.u0 + s / p.NP, pass = s % p.NP;
             const uint32_t row = unit * p.RPS + lane / p.L, gi = pass * p.L + lane % p.L;
-            if (gi < p.G)
+            if (gi < p.G && !(mode & NO_DOT))
                 acc += group_dot((const uint4 *)(ring + (consumed % S) * 32 * GROUP_BYTES + lane * GROUP_BYTES),
                                  (const int4 *)act, gi, as + gi * 8);
             __syncwarp();
@@ -269,16 +278,17 @@ __global__ void fill_kernel(uint8_t *w, size_t n_blocks, uint32_t seed)
 
 int main(int argc, char **argv)
 {
-    uint32_t warps = 12, stages = 3, layers = 32, reps = 10;
+    uint32_t warps = 12, stages = 3, layers = 32, reps = 10, shape = 4;
     for (int i = 1; i + 1 < argc; i += 2) {
         const uint32_t v = (uint32_t)atoi(argv[i + 1]);
         if (!strcmp(argv[i], "-w")) warps = v;
         else if (!strcmp(argv[i], "-s")) stages = v;
         else if (!strcmp(argv[i], "-l")) layers = v;
         else if (!strcmp(argv[i], "-r")) reps = v;
-        else { fprintf(stderr, "usage: persist-probe [-w warps] [-s stages 2..4] [-l layers] [-r reps]\n"); return 2; }
+        else if (!strcmp(argv[i], "-x")) shape = v;
+        else { fprintf(stderr, "usage: persist-probe [-w warps] [-s stages 2..4] [-l layers] [-r reps] [-x 0..3]\n"); return 2; }
     }
-    if (stages < 2 || stages > 4 || warps < 1 || warps > 16 || layers < 1) {
+    if (stages < 2 || stages > 4 || warps < 1 || warps > 16 || layers < 1 || shape > 4) {
         fprintf(stderr, "persist-probe: bad arguments\n");
         return 2;
     }
@@ -289,9 +299,10 @@ int main(int argc, char **argv)
     CK(cudaGetDeviceProperties(&prop, dev));
 
     const uint32_t shapes[4][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+    auto shape_of = [&](uint32_t i) { return shapes[shape < 4 ? shape : i % 4]; }; /* op i's */
     size_t layer_bytes = 0;
-    for (auto &s : shapes)
-        layer_bytes += (size_t)s[0] * (s[1] / 32) * 18;
+    for (uint32_t i = 0; i < 4; i++)
+        layer_bytes += (size_t)shape_of(i)[0] * (shape_of(i)[1] / 32) * 18;
     const size_t w_bytes = layer_bytes * layers;
     uint8_t *w;
     CK(cudaMalloc(&w, w_bytes));
@@ -319,8 +330,8 @@ int main(int argc, char **argv)
     size_t off = 0;
     for (uint32_t i = 0; i < n_ops; i++) {
         op &o = hops[i];
-        o.rows = shapes[i % 4][0];
-        o.K = shapes[i % 4][1];
+        o.rows = shape_of(i)[0];
+        o.K = shape_of(i)[1];
         o.w = w + off;
         off += (size_t)o.rows * (o.K / 32) * 18;
         o.act = i ? outs + (size_t)(i - 1) * 28672 : input;
@@ -332,7 +343,7 @@ int main(int argc, char **argv)
     CK(cudaMemcpy(dops, hops.data(), n_ops * sizeof(op), cudaMemcpyHostToDevice));
 
     const size_t smem = (size_t)warps * stages * 32 * GROUP_BYTES + K_MAX + K_MAX / 32 * sizeof(float);
-    void (*kern)(const step, uint32_t, uint32_t, bool) =
+    void (*kern)(const step, uint32_t, uint32_t, unsigned) =
         stages == 2 ? step_kernel<2> : stages == 3 ? step_kernel<3> : step_kernel<4>;
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int per_sm = 0;
@@ -347,7 +358,7 @@ int main(int argc, char **argv)
 
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    auto launch = [&](uint32_t b, uint32_t e, bool persist, bool pdl) {
+    auto launch = [&](uint32_t b, uint32_t e, unsigned mode, bool pdl) {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(grid);
         cfg.blockDim = dim3(warps * 32);
@@ -358,15 +369,16 @@ int main(int argc, char **argv)
         at[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
         cfg.attrs = at;
         cfg.numAttrs = 1;
-        CK(cudaLaunchKernelEx(&cfg, kern, st, b, e, persist));
+        CK(cudaLaunchKernelEx(&cfg, kern, st, b, e, mode));
     };
-    auto run = [&](int mode) { /* 0 chain (PDL), 1 chain (no PDL), 2 persist */
-        if (mode == 2) {
+    /* 0 chain (PDL), 1 chain (no PDL), 2 persist, 3 persist without barriers, 4 persist without arithmetic */
+    auto run = [&](int variant) {
+        if (variant >= 2) {
             CK(cudaMemsetAsync(barrier, 0, sizeof(unsigned), s));
-            launch(0, n_ops, true, false);
+            launch(0, n_ops, PERSIST | (variant == 3 ? NO_BARRIER : 0) | (variant == 4 ? NO_DOT : 0), false);
         } else {
             for (uint32_t o = 0; o < n_ops; o++)
-                launch(o, o + 1, false, mode == 0);
+                launch(o, o + 1, 0, variant == 0);
         }
     };
 
@@ -406,16 +418,17 @@ int main(int argc, char **argv)
     for (uint32_t i = 0; i < n_ops; i++)
         differ += memcmp(&ref[(size_t)i * 28672], &got[(size_t)i * 28672], hops[i].rows * sizeof(float)) != 0;
 
-    const char *names[3] = {"chain, PDL", "chain, no PDL", "persist"};
+    const char *names[5] = {"chain, PDL", "chain, no PDL", "persist", "persist, no barriers (wrong sums)",
+                            "persist, no arithmetic"};
     const double roof_ms = w_bytes / (copy_gbs * 1e9) * 1e3;
     printf("| %s, %d SMs | %u CTAs x %u warps, %u stages, %zu B smem | weights %.3f GB, %u layers | copy %.0f GB/s |\n",
            prop.name, n_sm, grid, warps, stages, smem, w_bytes / 1e9, layers, copy_gbs);
     printf("| variant | step ms | us a layer | GB/s | x roofline |\n|---|---:|---:|---:|---:|\n");
     printf("| roofline | %.3f | %.2f | %.0f | 1.00 |\n", roof_ms, roof_ms * 1e3 / layers, copy_gbs);
-    for (int mode = 0; mode < 3; mode++) {
-        const float ms = time_it([&] { run(mode); });
-        printf("| %s | %.3f | %.2f | %.0f | %.2f |\n", names[mode], ms, ms * 1e3 / layers, w_bytes / (ms * 1e-3) / 1e9,
-               ms / roof_ms);
+    for (int variant = 0; variant < 5; variant++) {
+        const float ms = time_it([&] { run(variant); });
+        printf("| %s | %.3f | %.2f | %.0f | %.2f |\n", names[variant], ms, ms * 1e3 / layers,
+               w_bytes / (ms * 1e-3) / 1e9, ms / roof_ms);
     }
     printf("ops whose outputs differ between chain and persist: %zu of %u\n", differ, n_ops);
     return differ ? 1 : 0;
