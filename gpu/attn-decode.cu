@@ -261,6 +261,23 @@ __device__ __forceinline__ chunk_meta issue_chunk(const chunk_src &c, uint4 *kst
     return m;
 }
 
+/* Elements d .. d + 3 of output row `row` (o): quantized into the planes
+ * p.q8 (block order p.q8.gb) as the quantized GEMV would quantize p.out.
+ * Warp-collective: every lane of the warp calls it, on items i = (row, d /
+ * 4) with i consecutive across the lanes, so that the 8 lanes of an aligned
+ * group hold one 32-element block (head_dim % 32 == 0); ok false (a whole
+ * group past the last item): nothing stored. */
+__device__ __forceinline__ void q8_out(const tkv_cuda_attn_params &p, uint32_t row, uint32_t d, float4 o, bool ok)
+{
+    const float v[4] = {o.x, o.y, o.z, o.w};
+    const tkv_q8_part<4> b = tkv_q8_part_of<4>(v);
+    if (!ok)
+        return;
+    const uint32_t nb = p.n_head * p.head_dim / 32, t = row / p.n_head;
+    const uint32_t c = row % p.n_head * p.head_dim + d; /* the column in the token's row */
+    tkv_q8_part_put<4>(b, c % 32, p.q8, (size_t)t * nb + tkv_q8_pos(c / 32, nb, p.q8.gb));
+}
+
 /* Merges the S partials of KV head g (decode layout; the partials' arrays
  * sized for p.n_split) into out / lse. All NT threads; smem: 2 * S *
  * MERGE_DR + 2 * MERGE_DR floats. The loads of each phase are independent,
@@ -301,29 +318,37 @@ __device__ void merge_head(const tkv_cuda_attn_params &p, uint32_t g, int S, flo
     }
     __syncthreads();
     const int nd4 = (int)hd / 4;
-    for (int i = tid; i < R * nd4; i += NT) {
-        const int r = i / nd4, d4 = i % nd4;
+    /* a thread per (row, 4 dims); whole warps at a time (q8_out) */
+    for (int i0 = tid - lane; i0 < R * nd4; i0 += NT) {
+        const int i = i0 + lane, r = i / nd4, d4 = i % nd4;
+        const bool ok = i < R * nd4;
         const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
-        const float4 *src = (const float4 *)(po + (size_t)row * hd) + d4;
-        const size_t stride4 = (size_t)n_rows * hd / 4; /* one split, in float4 */
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (ok) {
+            const float4 *src = (const float4 *)(po + (size_t)row * hd) + d4;
+            const size_t stride4 = (size_t)n_rows * hd / 4; /* one split, in float4 */
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 16
-        for (int s = 0; s < S; s++) {
-            const float w = ms[s * MERGE_DR + r];
-            const float4 v = __ldcg(src + (size_t)s * stride4);
-            acc.x += w * v.x;
-            acc.y += w * v.y;
-            acc.z += w * v.z;
-            acc.w += w * v.w;
+            for (int s = 0; s < S; s++) {
+                const float w = ms[s * MERGE_DR + r];
+                const float4 v = __ldcg(src + (size_t)s * stride4);
+                acc.x += w * v.x;
+                acc.y += w * v.y;
+                acc.z += w * v.z;
+                acc.w += w * v.w;
+            }
+            const float L = Lr[r], inv = L > 0.0f ? 1.0f / L : 0.0f;
+            o = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+            float *out = p.out + (size_t)row * hd + 4 * d4;
+            out[0] = o.x;
+            out[1] = o.y;
+            out[2] = o.z;
+            out[3] = o.w;
+            if (p.lse && d4 == 0)
+                p.lse[row] = L > 0.0f ? (Mr[r] + log2f(L)) * LN2f : -INFINITY;
         }
-        const float L = Lr[r], inv = L > 0.0f ? 1.0f / L : 0.0f;
-        float *out = p.out + (size_t)row * hd + 4 * d4;
-        out[0] = acc.x * inv;
-        out[1] = acc.y * inv;
-        out[2] = acc.z * inv;
-        out[3] = acc.w * inv;
-        if (p.lse && d4 == 0)
-            p.lse[row] = L > 0.0f ? (Mr[r] + log2f(L)) * LN2f : -INFINITY;
+        if (p.q8.q)
+            q8_out(p, row, 4 * d4, o, ok);
     }
 }
 
@@ -439,46 +464,54 @@ template <class C> __device__ __forceinline__ void decode_finish(const tkv_cuda_
     /* a thread per (row, 4 dims): the row's max and weights once for the 4,
      * so[]'s 4 in one 16-byte read (hd is a multiple of 8 on these calls);
      * each dim's sums in the slots' order, as one dim a thread did */
-    const int nd4 = (int)hd / 4;
-    for (int i = tid; i < R * nd4; i += NT) {
-        const int r = i / nd4, d = 4 * (i % nd4);
-        float M = -INFINITY;
-#pragma unroll
-        for (int sl = 0; sl < SLOTS; sl += C::SLOT_STEP)
-            if (cl[sl * DR + r] > 0.0f)
-                M = fmaxf(M, cm[sl * DR + r]);
-        float L = 0.0f;
-        float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (M != -INFINITY) {
+    const int nd4 = (int)hd / 4, lane = tid & 31;
+    for (int i0 = tid - lane; i0 < R * nd4; i0 += NT) { /* whole warps at a time (q8_out) */
+        const int i = i0 + lane, r = i / nd4, d = 4 * (i % nd4);
+        const bool ok = i < R * nd4;
+        const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
+        float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f); /* the output (one split) */
+        if (ok) {
+            float M = -INFINITY;
 #pragma unroll
             for (int sl = 0; sl < SLOTS; sl += C::SLOT_STEP)
-                if (cl[sl * DR + r] > 0.0f) {
-                    const float w = exp2f(cm[sl * DR + r] - M);
-                    const float4 v = *(const float4 *)&so[((size_t)sl * DR + r) * HD + d];
-                    L += cl[sl * DR + r] * w;
-                    O.x += v.x * w;
-                    O.y += v.y * w;
-                    O.z += v.z * w;
-                    O.w += v.w * w;
+                if (cl[sl * DR + r] > 0.0f)
+                    M = fmaxf(M, cm[sl * DR + r]);
+            float L = 0.0f;
+            float4 O = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (M != -INFINITY) {
+#pragma unroll
+                for (int sl = 0; sl < SLOTS; sl += C::SLOT_STEP)
+                    if (cl[sl * DR + r] > 0.0f) {
+                        const float w = exp2f(cm[sl * DR + r] - M);
+                        const float4 v = *(const float4 *)&so[((size_t)sl * DR + r) * HD + d];
+                        L += cl[sl * DR + r] * w;
+                        O.x += v.x * w;
+                        O.y += v.y * w;
+                        O.z += v.z * w;
+                        O.w += v.w * w;
+                    }
+            }
+            if (part.n == 1) {
+                if (L > 0.0f)
+                    o = make_float4(O.x / L, O.y / L, O.z / L, O.w / L);
+                float *out = p.out + (size_t)row * hd + d;
+                out[0] = o.x;
+                out[1] = o.y;
+                out[2] = o.z;
+                out[3] = o.w;
+                if (p.lse && d == 0)
+                    p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2f : -INFINITY;
+            } else {
+                *(float4 *)&p.part[((size_t)split * n_rows + row) * hd + d] = O; /* (16-byte aligned: hd % 4 == 0) */
+                if (d == 0) {
+                    float *ml = p.part + (size_t)p.n_split * n_rows * hd + ((size_t)split * n_rows + row) * 2;
+                    ml[0] = M;
+                    ml[1] = L;
                 }
-        }
-        const uint32_t row = (uint32_t)r / G * p.n_head + g * G + (uint32_t)r % G;
-        if (part.n == 1) {
-            float *out = p.out + (size_t)row * hd + d;
-            out[0] = L > 0.0f ? O.x / L : 0.0f;
-            out[1] = L > 0.0f ? O.y / L : 0.0f;
-            out[2] = L > 0.0f ? O.z / L : 0.0f;
-            out[3] = L > 0.0f ? O.w / L : 0.0f;
-            if (p.lse && d == 0)
-                p.lse[row] = L > 0.0f ? (M + log2f(L)) * LN2f : -INFINITY;
-        } else {
-            *(float4 *)&p.part[((size_t)split * n_rows + row) * hd + d] = O; /* (16-byte aligned: hd % 4 == 0) */
-            if (d == 0) {
-                float *ml = p.part + (size_t)p.n_split * n_rows * hd + ((size_t)split * n_rows + row) * 2;
-                ml[0] = M;
-                ml[1] = L;
             }
         }
+        if (part.n == 1 && p.q8.q)
+            q8_out(p, row, d, o, ok);
     }
     if (part.n == 1 || p.decode_mode == TKV_ATTN_DECODE_MERGE)
         return;

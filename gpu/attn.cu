@@ -464,6 +464,8 @@ struct tkv_cuda_attn_state {
                                       TKV_CUDA_ATTN_POOL=0, for A/B measurements */
     bool decode_mma;               /* tkv_cuda_attn_params.decode_mma; 0 with
                                       TKV_CUDA_ATTN_DECODE_MMA=0 (the CUDA-core kernel) */
+    struct tkv_cuda_q8_act q8;     /* this call's planes to quantize out into (q8.q NULL: none) */
+    bool q8_done;                  /* this call's kernels quantize out (launched) */
 };
 
 void tkv_cuda_attn_state_free(tkv_cuda_attn_state *st)
@@ -686,7 +688,18 @@ static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struc
     p.scale_log2 = a->scale * 1.44269504088896341f;
     p.decode_mode = st->decode_mode;
     p.decode_mma = st->decode_mma;
+    if (a->head_dim % 32 == 0) /* the planes' blocks: whole lane groups (q8_out) */
+        p.q8 = st->q8;
     return p;
+}
+
+/* Right before p's launch: only the decode kernels quantize out (p->q8);
+ * notes whether these will. */
+static void q8_settle(tkv_cuda_attn_state *st, tkv_cuda_attn_params *p)
+{
+    if (!use_decode(p))
+        p->q8.q = NULL;
+    st->q8_done = p->q8.q != NULL;
 }
 
 /* A table buffer of at least `bytes` whose last kernels have finished
@@ -793,6 +806,7 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
             part = part_floats(&p);
         }
         TKV_CUDA_TRY(splits_ready(st, &p, part, s));
+        q8_settle(st, &p);
         return tkv_cuda_attn_decode_views(&p, &v, s);
     }
     const size_t off_h = ((size_t)a->n_q * sizeof(int32_t) + 7) & ~(size_t)7;
@@ -813,6 +827,7 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
     p.head_end = (const uint32_t *)((uint8_t *)t->dev + off_e);
     const size_t part = tkv_cuda_attn_plan(&p, max_blocks, max_blocks, n_sm);
     TKV_CUDA_TRY(splits_ready(st, &p, part, s));
+    q8_settle(st, &p);
     TKV_CUDA_TRY(tkv_cuda_attention(&p, s));
     TKV_CUDA_TRY(cudaEventRecord(t->used, s));
     return cudaSuccess;
@@ -841,12 +856,14 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     n_split = n_split < TKV_ATTN_DECODE_MAX_SPLIT ? n_split : TKV_ATTN_DECODE_MAX_SPLIT;
     p.n_split = n_split > 0 ? n_split : 1;
     TKV_CUDA_TRY(splits_ready(st, &p, part_floats(&p), s));
+    q8_settle(st, &p);
     TKV_CUDA_TRY(tkv_cuda_attn_decode_runs(&p, &st->runs, st->pdl || st->decode_mode == TKV_ATTN_DECODE_PDL, s));
     *done = true;
     return cudaSuccess;
 }
 
-cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s)
+/* tkv_cuda_attn_run with the quantization request in st->q8 */
+static cudaError_t run_call(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s)
 {
     if (a->n_q == 0)
         return cudaSuccess;
@@ -925,7 +942,21 @@ cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_arg
         part = part_floats(&p);
     }
     TKV_CUDA_TRY(splits_ready(st, &p, part, s));
+    q8_settle(st, &p);
     TKV_CUDA_TRY(tkv_cuda_attention(&p, s));
     TKV_CUDA_TRY(cudaEventRecord(t->used, s));
     return cudaSuccess;
+}
+
+cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, const struct tkv_cuda_q8_act *q8,
+                              int n_sm, cudaStream_t s, bool *q8_done)
+{
+    if (q8)
+        st->q8 = *q8;
+    else
+        memset(&st->q8, 0, sizeof st->q8);
+    st->q8_done = false;
+    const cudaError_t e = run_call(st, a, n_sm, s);
+    *q8_done = e == cudaSuccess && st->q8_done;
+    return e;
 }

@@ -39,6 +39,7 @@
 #define TKV_GPU_ATTN_CUH
 
 #include "common.cuh"
+#include "gemv-common.cuh"
 
 struct tkv_cuda_kv_entry {
     const uint16_t *k; /* [B, head_dim] f16 */
@@ -97,6 +98,12 @@ struct tkv_cuda_attn_params {
                                                dependent launch (common.cuh)    */
     int ws_pingpong;                        /* prefill v3's consumer warpgroups
                                                take turns (attn-prefill-ws.cu)  */
+    struct tkv_cuda_q8_act q8;              /* q8.q != NULL (decode kernels only,
+                                               head_dim % 32 == 0): out is also
+                                               quantized into these planes of
+                                               n_q rows of n_head*head_dim, as
+                                               the quantized GEMV that reads out
+                                               next would (gemv-common.cuh)     */
 };
 
 /* The end of KV head g's entries in p.blocks. */
@@ -229,7 +236,11 @@ const char *tkv_cuda_attn_prefill_variant_desc(int variant);
  * the table holds q_pos and those offsets only.
  * TKV_CUDA_ATTN_PACK=0 when the state is created: the prefill kernel walks
  * the refs one by one instead of packed 64-key tiles (attn-prefill.cuh). */
-cudaError_t tkv_cuda_attn_run(struct tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm,
-                              cudaStream_t s);
+/* q8: NULL, or planes for n_q rows of n_head*head_dim that the decode
+ * kernels also quantize out into (tkv_cuda_attn_params.q8; head_dim % 32
+ * == 0, else ignored); *q8_done says whether the call's kernels did (a
+ * call the decode kernels do not serve leaves them untouched). */
+cudaError_t tkv_cuda_attn_run(struct tkv_cuda_attn_state *st, const struct tkv_attn_args *a,
+                              const struct tkv_cuda_q8_act *q8, int n_sm, cudaStream_t s, bool *q8_done);
 
 #endif

@@ -73,6 +73,14 @@ struct stage_slot {
     bool pending;
 };
 
+/* An op whose output a quantized GEMV may read next: that output (out, dim
+ * columns) and the block order gb the GEMV quantized it in last time (0:
+ * not yet), so that the op can quantize in its own launch (q8_target). */
+struct q8_producer {
+    const float *out;
+    uint32_t dim, gb;
+};
+
 struct cuda_backend {
     struct tkv_backend base;       /* first: ops dispatch on &base */
     int device, n_sm;
@@ -134,22 +142,22 @@ struct cuda_backend {
     int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
-    /* The quantized activations a decode norm left in q8_work (cuda_rmsnorm
-     * through rmsnorm_q8_kernel): x [n][n_in] in block order gb, valid only
-     * for the op right after op number `op` (ops counts every op: ALIVE).
-     * The norm takes the order from the last GEMV that had to quantize the
-     * norm's output itself (q8_prepare sets norm_gb for the output norm_out
-     * of norm_dim columns). */
+    /* The quantized activations an op left in q8_work beside its output (a
+     * decode norm, rmsnorm_q8_kernel; the decode attention, attn-decode.cu
+     * q8_out): x [n][n_in] in block order gb, valid only for the op right
+     * after op number `op` (ops counts every op: ALIVE). Each such op takes
+     * the order from the last GEMV that had to quantize its output itself
+     * (q8_prepare sets gb of the producer whose out and dim it read). */
     uint64_t ops;
     struct {
         const float *x;
         uint32_t n, n_in, gb;
         uint64_t op;
     } q8_memo;
-    const float *norm_out;
-    uint32_t norm_dim, norm_gb;
-    uint64_t norm_q8_reads;        /* q8_prepare calls that found the planes ready */
+    struct q8_producer norm_next, attn_next;
+    uint64_t q8_reads;             /* q8_prepare calls that found the planes ready */
     bool norm_q8;                  /* TKV_CUDA_NORM_Q8=0: never (for A/B measurements) */
+    bool attn_q8;                  /* TKV_CUDA_ATTN_Q8=0: never (for A/B measurements) */
     bool qkv_rope;                 /* matmul_qkv_rope rotates in the GEMV's epilogue
                                       (TKV_CUDA_QKV_ROPE=0: the two ops, for A/B) */
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
@@ -766,15 +774,46 @@ static tkv_status q8_prepare(struct cuda_backend *cb, uint32_t type, const float
     const bool ready = cb->q8_memo.op + 1 == cb->ops && cb->q8_memo.x == x && cb->q8_memo.n == n &&
                        cb->q8_memo.n_in == n_in && cb->q8_memo.gb == gb;
     cb->q8_memo.x = NULL;
-    if (x == cb->norm_out && n_in == cb->norm_dim) /* the next norm quantizes in this order */
-        cb->norm_gb = gb;
+    struct q8_producer *const prod[2] = {&cb->norm_next, &cb->attn_next};
+    for (int i = 0; i < 2; i++)
+        if (x == prod[i]->out && n_in == prod[i]->dim) /* it quantizes in this order next time */
+            prod[i]->gb = gb;
     TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, n_in), op));
     *a = tkv_cuda_q8_act_at(cb->q8_work, n, n_in, gb);
     if (ready)
-        cb->norm_q8_reads++;
+        cb->q8_reads++;
     else
         CU(op, tkv_cuda_q8_quantize(x, n, n_in, *a, cb->pdl, cb->stream));
     return TKV_OK;
+}
+
+/* Whether producer p, about to write y [n][dim], should also quantize it:
+ * *on, with the planes in *a, when a quantized GEMV read p's output of this
+ * shape last time and n fits the GEMVs; a new output or shape starts over. */
+static tkv_status q8_target(struct cuda_backend *cb, struct q8_producer *p, const float *y, uint32_t n, uint32_t dim,
+                            struct tkv_cuda_q8_act *a, bool *on, const char *op)
+{
+    *on = false;
+    if (y != p->out || dim != p->dim) {
+        p->out = y, p->dim = dim, p->gb = 0;
+        return TKV_OK;
+    }
+    if (!p->gb || n > TKV_CUDA_GEMV_MAX_N || dim % 32 || (dim / 32) % p->gb)
+        return TKV_OK;
+    TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, dim), op));
+    *a = tkv_cuda_q8_act_at(cb->q8_work, n, dim, p->gb);
+    *on = true;
+    return TKV_OK;
+}
+
+/* After a producer's launch that quantized y into a: the very next op may read the planes. */
+static void q8_memo_set(struct cuda_backend *cb, const float *y, uint32_t n, uint32_t dim, uint32_t gb)
+{
+    cb->q8_memo.x = y;
+    cb->q8_memo.n = n;
+    cb->q8_memo.n_in = dim;
+    cb->q8_memo.gb = gb;
+    cb->q8_memo.op = cb->ops;
 }
 
 /* One descriptor for the grouped GEMVs' grid over the rows of w[0 .. nw-1]
@@ -1144,22 +1183,14 @@ static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const stru
         return TKV_OK;
     /* a decode step's norm whose output a quantized GEMV read last time:
      * quantized here, in the order that GEMV took (q8_prepare) */
-    if (cb->norm_q8 && y == cb->norm_out && dim == cb->norm_dim && cb->norm_gb && n <= TKV_CUDA_GEMV_MAX_N &&
-        x != y && dim % 32 == 0 && (dim / 32) % cb->norm_gb == 0) {
-        TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, dim), "rmsnorm"));
-        const struct tkv_cuda_q8_act a = tkv_cuda_q8_act_at(cb->q8_work, n, dim, cb->norm_gb);
+    struct tkv_cuda_q8_act a;
+    bool q8 = false;
+    if (cb->norm_q8 && x != y)
+        TKV_TRY(q8_target(cb, &cb->norm_next, y, n, dim, &a, &q8, "rmsnorm"));
+    if (q8) {
         CU("rmsnorm", tkv_cuda_rmsnorm_q8(x, w->v32, y, n, dim, eps, a, cb->pdl, cb->stream));
-        cb->q8_memo.x = y;
-        cb->q8_memo.n = n;
-        cb->q8_memo.n_in = dim;
-        cb->q8_memo.gb = cb->norm_gb;
-        cb->q8_memo.op = cb->ops;
+        q8_memo_set(cb, y, n, dim, a.gb);
         return TKV_OK;
-    }
-    if (y != cb->norm_out || dim != cb->norm_dim) {
-        cb->norm_out = y;
-        cb->norm_dim = dim;
-        cb->norm_gb = 0;
     }
     CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->pdl, cb->stream));
     return TKV_OK;
@@ -1259,7 +1290,16 @@ static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_ar
         total += a->kv[g].n_blocks;
     if (total > UINT32_MAX / 2)
         return tkv_err(TKV_ERR_INVALID_ARG, "attention: %llu KV blocks in one call", (unsigned long long)total);
-    CU(op, tkv_cuda_attn_run(cb->attn, a, cb->n_sm, cb->stream));
+    /* a decode step's attention whose output a quantized GEMV (wo) read
+     * last time: the decode kernels quantize it as they write it */
+    const uint32_t dim = a->n_head * a->head_dim;
+    struct tkv_cuda_q8_act qa;
+    bool q8 = false, q8_done = false;
+    if (cb->attn_q8)
+        TKV_TRY(q8_target(cb, &cb->attn_next, a->out, a->n_q, dim, &qa, &q8, op));
+    CU(op, tkv_cuda_attn_run(cb->attn, a, q8 ? &qa : NULL, cb->n_sm, cb->stream, &q8_done));
+    if (q8_done)
+        q8_memo_set(cb, a->out, a->n_q, dim, qa.gb);
     return TKV_OK;
 }
 
@@ -2348,9 +2388,9 @@ extern "C" tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint3
     return TKV_OK;
 }
 
-extern "C" uint64_t tkv_cuda_backend_norm_q8_reads(struct tkv_backend *b)
+extern "C" uint64_t tkv_cuda_backend_q8_reads(struct tkv_backend *b)
 {
-    return b && (b->ops == &cuda_ops || b->ops == &cuda_prof_ops) ? cuda_of(b)->norm_q8_reads : 0;
+    return b && (b->ops == &cuda_ops || b->ops == &cuda_prof_ops) ? cuda_of(b)->q8_reads : 0;
 }
 
 extern "C" const char *tkv_cuda_prefill_variant_desc(int variant)
@@ -2393,6 +2433,8 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *norm_q8 = getenv("TKV_CUDA_NORM_Q8");
     cb->norm_q8 = !(norm_q8 && !strcmp(norm_q8, "0"));
+    const char *attn_q8 = getenv("TKV_CUDA_ATTN_Q8");
+    cb->attn_q8 = !(attn_q8 && !strcmp(attn_q8, "0"));
     const char *qkv_rope = getenv("TKV_CUDA_QKV_ROPE");
     cb->qkv_rope = !(qkv_rope && !strcmp(qkv_rope, "0"));
     const char *rqs_mma = getenv("TKV_CUDA_RQS_MMA");

@@ -53,47 +53,83 @@ static __device__ __forceinline__ float tkv_round_away(float x)
 /* One 32-element block, quantized as cpu/quant-ref.c's q8_block_ref does:
  * amax, d = amax / 127, id = d ? 1 / d : 0, q = roundf(x * id), every
  * operation rounded alone (__fdiv_rn, __fmul_rn: nvcc cannot contract or
- * approximate them). */
-struct tkv_q8_block {
-    int q;     /* this lane's quant */
+ * approximate them). The block lies on 32 / E consecutive lanes of a warp,
+ * E consecutive elements a lane (E = 1: a warp a block; E = 4: a lane's
+ * float4, 8 lanes a block). amax (a max) and sum (of integers) do not
+ * depend on the order they are taken in, so every E gives the same bits. */
+template <int E> struct tkv_q8_part {
+    int q[E];  /* this lane's quants */
     float d;   /* the block's scale (f32, before the f16 rounding) */
     int sum;   /* the exact sum of the block's 32 quants (every lane) */
 };
+typedef struct tkv_q8_part<1> tkv_q8_block;
 
-/* Warp-collective: every lane of a full warp calls it with element `lane`
- * of one block in v; all get the block. */
-static __device__ __forceinline__ struct tkv_q8_block tkv_q8_block_of(float v)
+/* Warp-collective: every lane of a full warp calls it, each with its E
+ * elements of its block in v (lanes 32 / E apart hold different blocks);
+ * every lane gets its block's scale and sum and its own quants. */
+template <int E> static __device__ __forceinline__ struct tkv_q8_part<E> tkv_q8_part_of(const float (&v)[E])
 {
-    float amax = fabsf(v);
+    static_assert(E == 1 || E == 2 || E == 4 || E == 8, "a block on 32 / E lanes");
+    float amax = fabsf(v[0]);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { /* TKV_MAX(amax, .): order-free for every non-NaN input */
+    for (int e = 1; e < E; e++) /* TKV_MAX(amax, .): order-free for every non-NaN input */
+        amax = fabsf(v[e]) > amax ? fabsf(v[e]) : amax;
+#pragma unroll
+    for (int o = 16 / E; o > 0; o >>= 1) {
         const float other = __shfl_xor_sync(0xffffffffu, amax, o);
         amax = other > amax ? other : amax;
     }
-    struct tkv_q8_block b;
+    struct tkv_q8_part<E> b;
     b.d = __fdiv_rn(amax, 127.0f);
     const float id = b.d != 0.0f ? __fdiv_rn(1.0f, b.d) : 0.0f;
-    b.q = (int)tkv_round_away(__fmul_rn(v, id));
-    b.sum = b.q;
+    b.sum = 0;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
+    for (int e = 0; e < E; e++) {
+        b.q[e] = (int)tkv_round_away(__fmul_rn(v[e], id));
+        b.sum += b.q[e];
+    }
+#pragma unroll
+    for (int o = 16 / E; o > 0; o >>= 1)
         b.sum += __shfl_xor_sync(0xffffffffu, b.sum, o);
     return b;
 }
 
-/* Stores block b at plane position pos of a: lane j its quant, lane 0 the
- * meta (d and s rounded to f16 as tkv_block_q8_1 stores them). */
-static __device__ __forceinline__ void tkv_q8_block_put(const struct tkv_q8_block &b, uint32_t lane,
-                                                        struct tkv_cuda_q8_act a, size_t pos)
+/* The warp-a-block case: element `lane` of the block in v. */
+static __device__ __forceinline__ tkv_q8_block tkv_q8_block_of(float v)
 {
-    a.q[pos * 32 + lane] = (int8_t)b.q;
-    if (lane == 0) {
+    const float e[1] = {v};
+    return tkv_q8_part_of<1>(e);
+}
+
+/* Stores the quants of part b (elements at E at of the block at plane
+ * position pos of a, at % E == 0) and, from the lane holding element 0,
+ * the meta (d and s rounded to f16 as tkv_block_q8_1 stores them). */
+template <int E>
+static __device__ __forceinline__ void tkv_q8_part_put(const struct tkv_q8_part<E> &b, uint32_t at,
+                                                       struct tkv_cuda_q8_act a, size_t pos)
+{
+    if constexpr (E == 4) { /* one 4-byte store (at % 4 == 0) */
+        *(char4 *)(a.q + pos * 32 + at) = make_char4((signed char)b.q[0], (signed char)b.q[1], (signed char)b.q[2],
+                                                     (signed char)b.q[3]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; e++)
+            a.q[pos * 32 + at + e] = (int8_t)b.q[e];
+    }
+    if (at == 0) {
         struct tkv_cuda_q8_meta m;
         m.d = __float2half_rn(b.d);
         m.s = __float2half_rn(__fmul_rn((float)b.sum, b.d));
         m.sum = b.sum;
         a.meta[pos] = m;
     }
+}
+
+/* Stores block b at plane position pos of a: lane j its quant, lane 0 the meta. */
+static __device__ __forceinline__ void tkv_q8_block_put(const tkv_q8_block &b, uint32_t lane, struct tkv_cuda_q8_act a,
+                                                        size_t pos)
+{
+    tkv_q8_part_put<1>(b, lane, a, pos);
 }
 
 /* ---- RoPE's angles and rotation --------------------------------------------------------

@@ -55,7 +55,7 @@ __global__ void q8_quantize_kernel(const float *__restrict__ x, uint32_t n_block
     if (blk >= n_blocks)
         return;
     /* rows are n_in = 32 * nb long, so block blk of the [n][nb] blocks starts at 32 * blk */
-    const struct tkv_q8_block b = tkv_q8_block_of(x[(size_t)blk * 32 + lane]);
+    const tkv_q8_block b = tkv_q8_block_of(x[(size_t)blk * 32 + lane]);
     tkv_q8_block_put(b, lane, a, (size_t)(blk / nb) * nb + tkv_q8_pos(blk % nb, nb, a.gb));
 }
 

@@ -31,8 +31,8 @@ tkv_status tkv_cuda_backend_set_prefill_variant(struct tkv_backend *b, int varia
 tkv_status tkv_cuda_backend_quantize_act(struct tkv_backend *b, uint32_t weight_type, const float *x, uint32_t n,
                                          uint32_t n_in, void *dst);
 
-/* tkv_backend_cuda_norm_q8_reads (runtime/backend.h). */
-uint64_t tkv_cuda_backend_norm_q8_reads(struct tkv_backend *b);
+/* tkv_backend_cuda_q8_reads (runtime/backend.h). */
+uint64_t tkv_cuda_backend_q8_reads(struct tkv_backend *b);
 
 /* "vN: ..." describing variant N (static); NULL past the last one. */
 const char *tkv_cuda_prefill_variant_desc(int variant);

@@ -41,10 +41,10 @@ tkv_status tkv_backend_cuda_quantize_act(struct tkv_backend *b, uint32_t weight_
 #endif
 }
 
-uint64_t tkv_backend_cuda_norm_q8_reads(struct tkv_backend *b)
+uint64_t tkv_backend_cuda_q8_reads(struct tkv_backend *b)
 {
 #ifdef TKV_USE_CUDA
-    return tkv_cuda_backend_norm_q8_reads(b);
+    return tkv_cuda_backend_q8_reads(b);
 #else
     (void)b;
     return 0;

@@ -593,10 +593,10 @@ tkv_status tkv_backend_cuda_quantize_act(struct tkv_backend *b, uint32_t weight_
                                          uint32_t n_in, void *dst);
 
 /* Tests: how many quantized GEMV calls of the CUDA backend b read
- * activations a norm quantized in its own launch (rmsnorm, docs/gpu.md
- * "Fused decode ops") instead of quantizing them; 0 for any other backend
- * or without CUDA. */
-uint64_t tkv_backend_cuda_norm_q8_reads(struct tkv_backend *b);
+ * activations the op before them quantized in its own launch (a decode
+ * norm or attention, docs/gpu.md "Fused decode ops") instead of quantizing
+ * them; 0 for any other backend or without CUDA. */
+uint64_t tkv_backend_cuda_q8_reads(struct tkv_backend *b);
 
 /* "vN: <tile shape>" (static) for variant N; NULL past the last one or
  * without CUDA. */

@@ -2137,7 +2137,7 @@ static void norm_q8_case(struct tkv_backend *plain, uint32_t type, uint32_t dim,
     float *dx[2], *dh[2], *dy[2]; /* the same buffers every round, as the engine's */
     for (int b = 0; b < 2; b++)
         dx[b] = dev_poisoned(cx), dh[b] = dev_poisoned(cx), dy[b] = dev_poisoned(cy);
-    const uint64_t reads0 = tkv_backend_cuda_norm_q8_reads(gpu_q);
+    const uint64_t reads0 = tkv_backend_cuda_q8_reads(gpu_q);
     bool same = true;
     for (int round = 0; round < 4; round++) {
         fill(x, cx, -2, 2);
@@ -2155,7 +2155,7 @@ static void norm_q8_case(struct tkv_backend *plain, uint32_t type, uint32_t dim,
     }
     for (int b = 0; b < 2; b++)
         dev_free(dx[b]), dev_free(dh[b]), dev_free(dy[b]);
-    const uint64_t reads = tkv_backend_cuda_norm_q8_reads(gpu_q) - reads0;
+    const uint64_t reads = tkv_backend_cuda_q8_reads(gpu_q) - reads0;
     fprintf(stderr, "  rmsnorm + matmul %s %ux%u n=%u, 4 rounds: %s the plain sequence; %llu matmuls read the "
                     "norm's planes (want 2)\n", tkv_type_name(type), n_out, dim, n,
             same ? "bit-identical to" : "DIFFER from", (unsigned long long)reads);
@@ -2167,6 +2167,164 @@ static void norm_q8_case(struct tkv_backend *plain, uint32_t type, uint32_t dim,
         be[b]->ops->weight_free(be[b], w[b]), be[b]->ops->weight_free(be[b], g[b]);
     weight_free(&tw), weight_free(&tn);
     free(x), free(ha), free(hb), free(ya), free(yb);
+}
+
+/* The views of fixture f in a call's kinds: 0 the host arrays (the packed
+ * table, or inline runs), 1 one array in device memory (kv_dev), 2 that
+ * with the counts and keys on the device (kv_dev_n, kv_dev_keys: the
+ * decode kernel's pool of CTAs). *darr and *dcnt: what to free. */
+static void attn_views_of(const struct kv_fixture *f, int kind, struct tkv_attn_args *a,
+                          struct tkv_kv_head_view *views, struct tkv_kv_block_ref **darr, uint32_t **dcnt)
+{
+    *darr = NULL, *dcnt = NULL;
+    a->kv = f->dviews;
+    if (kind == 0)
+        return;
+    size_t total = 0;
+    for (uint32_t h = 0; h < f->Hkv; h++)
+        total += f->dviews[h].n_blocks;
+    struct tkv_kv_block_ref *arr = malloc(total * sizeof *arr);
+    uint32_t *cnt = malloc((size_t)f->Hkv * 2 * sizeof *cnt);
+    REQUIRE_VOID(arr && cnt);
+    size_t at = 0;
+    for (uint32_t h = 0; h < f->Hkv; h++) {
+        memcpy(arr + at, f->dviews[h].blocks, f->dviews[h].n_blocks * sizeof *arr);
+        views[h] = (struct tkv_kv_head_view){.blocks = NULL, .n_blocks = f->dviews[h].n_blocks};
+        cnt[2 * h] = f->dviews[h].n_blocks;
+        cnt[2 * h + 1] = 0;
+        for (uint32_t i = 0; i < f->dviews[h].n_blocks; i++)
+            cnt[2 * h + 1] += f->dviews[h].blocks[i].n;
+        at += f->dviews[h].n_blocks;
+    }
+    *darr = dev_from(arr, total * sizeof *arr);
+    for (uint32_t h = 0, o = 0; h < f->Hkv; o += views[h].n_blocks, h++)
+        views[h].blocks = *darr + o;
+    a->kv = views;
+    a->kv_dev = true;
+    if (kind == 2) {
+        *dcnt = dev_from(cnt, (size_t)f->Hkv * 2 * sizeof *cnt);
+        a->kv_dev_n = *dcnt, a->kv_dev_keys = *dcnt + 1, a->kv_dev_n_stride = 2;
+    }
+    free(arr), free(cnt);
+}
+
+/* attention, then matmul_add of its output by a Q4_0 wo, four rounds on be
+ * (from the second round on, the decode kernels quantize the output for wo
+ * as they write it) and on plain (TKV_CUDA_ATTN_Q8=0): out and y bit for
+ * bit. In the last round an add into out comes between the two, after
+ * which wo must quantize out itself. want_reads: 2, or 0 where the decode
+ * kernels do not serve the call (more than 8 rows per KV head) or the
+ * heads are not whole 32-element blocks. kind: attn_views_of's. */
+static void attn_q8_case(struct tkv_backend *be, struct tkv_backend *plain, const char *label, int kind, uint32_t H,
+                         uint32_t Hkv, uint32_t hd, uint32_t n_q, uint32_t n_ctx, uint64_t want_reads)
+{
+    struct kv_fixture f;
+    kv_make(&f, Hkv, hd, 64, n_ctx, VIEW_ALL, 0);
+    const uint32_t dim = H * hd, n_out = 256;
+    struct test_weight tw;
+    weight_make(&tw, TKV_TYPE_Q4_0, dim, n_out, 2);
+    struct tkv_backend *bes[2] = {be, plain};
+    struct tkv_bweight *w[2] = {NULL, NULL};
+    for (int b = 0; b < 2; b++)
+        CHECK(bes[b]->ops->weight_init(bes[b], &tw.t, &w[b]) == TKV_OK, "%s", tkv_last_error());
+    int32_t pos[8];
+    for (uint32_t t = 0; t < n_q; t++)
+        pos[t] = (int32_t)(n_ctx - n_q + t); /* the last query sees every key */
+    const size_t cq = (size_t)n_q * dim, cy = (size_t)n_q * n_out;
+    float *q = malloc(cq * sizeof *q), *y0 = malloc(cy * sizeof *y0), *oa = malloc(cq * sizeof *oa);
+    float *ob = malloc(cq * sizeof *ob), *ya = malloc(cy * sizeof *ya), *yb = malloc(cy * sizeof *yb);
+    fill(y0, cy, -1, 1);
+    float *dq[2], *dout[2], *dy[2];
+    for (int b = 0; b < 2; b++)
+        dq[b] = dev_poisoned(cq), dout[b] = dev_poisoned(cq), dy[b] = dev_poisoned(cy);
+    struct tkv_kv_head_view views[64];
+    struct tkv_kv_block_ref *darr;
+    uint32_t *dcnt;
+    struct tkv_attn_args a = {.q_pos = pos, .lse = NULL, .n_q = n_q, .n_head = H, .n_head_kv = Hkv,
+                              .head_dim = hd, .scale = 1.0f / sqrtf((float)hd)};
+    REQUIRE_VOID(Hkv <= 64 && n_q <= 8);
+    attn_views_of(&f, kind, &a, views, &darr, &dcnt);
+    const uint64_t reads0 = tkv_backend_cuda_q8_reads(be);
+    bool same = true;
+    for (int round = 0; round < 4; round++) {
+        fill(q, cq, -1, 1);
+        for (int b = 0; b < 2; b++) {
+            const struct tkv_backend_ops *o = bes[b]->ops;
+            CHECK(o->upload(bes[b], dq[b], q, cq * sizeof *q) == TKV_OK, "%s", tkv_last_error());
+            CHECK(o->upload(bes[b], dy[b], y0, cy * sizeof *y0) == TKV_OK, "%s", tkv_last_error());
+            a.q = dq[b], a.out = dout[b];
+            CHECK(o->attention(bes[b], &a) == TKV_OK, "%s", tkv_last_error());
+            if (round == 3) /* out changes after the attention: its planes are stale */
+                CHECK(o->add(bes[b], dout[b], dq[b], cq) == TKV_OK, "%s", tkv_last_error());
+            CHECK(o->matmul_add(bes[b], w[b], dout[b], dy[b], n_q) == TKV_OK, "%s", tkv_last_error());
+        }
+        to_host(oa, dout[0], cq * sizeof *oa), to_host(ob, dout[1], cq * sizeof *ob);
+        to_host(ya, dy[0], cy * sizeof *ya), to_host(yb, dy[1], cy * sizeof *yb);
+        same = same && !memcmp(oa, ob, cq * sizeof *oa) && !memcmp(ya, yb, cy * sizeof *ya);
+    }
+    const uint64_t reads = tkv_backend_cuda_q8_reads(be) - reads0;
+    static const char *const kinds[] = {"host views", "device views", "device views + counts"};
+    fprintf(stderr, "  attention + matmul_add %s, %s: %u/%u heads of %u, n_q %u, %u keys, 4 rounds: %s the plain "
+                    "sequence; %llu matmuls read the attention's planes (want %llu)\n", label, kinds[kind], H, Hkv, hd,
+            n_q, n_ctx, same ? "bit-identical to" : "DIFFER from", (unsigned long long)reads,
+            (unsigned long long)want_reads);
+    CHECK(same, "attention with its planes %s (%s) H %u hd %u n_q %u keys %u: differs from the plain sequence", label,
+          kinds[kind], H, hd, n_q, n_ctx);
+    CHECK(reads == want_reads, "attention + matmul_add %s (%s) H %u hd %u n_q %u: %llu matmuls read the planes, want %llu",
+          label, kinds[kind], H, hd, n_q, (unsigned long long)reads, (unsigned long long)want_reads);
+    for (int b = 0; b < 2; b++) {
+        dev_free(dq[b]), dev_free(dout[b]), dev_free(dy[b]);
+        bes[b]->ops->weight_free(bes[b], w[b]);
+    }
+    if (darr)
+        dev_free(darr);
+    if (dcnt)
+        dev_free(dcnt);
+    weight_free(&tw);
+    kv_free(&f);
+    free(q), free(y0), free(oa), free(ob), free(ya), free(yb);
+}
+
+static struct tkv_backend *gpu_with_env(const char *name, const char *value)
+{
+    struct tkv_backend *be = NULL;
+    setenv(name, value, 1);
+    const tkv_status st = tkv_backend_create("cuda", 0, &be);
+    unsetenv(name);
+    CHECK(st == TKV_OK, "%s=%s: %s", name, value, tkv_last_error());
+    return st == TKV_OK ? be : NULL;
+}
+
+/* The decode attention quantizing its output for the next quantized GEMV
+ * (docs/gpu.md "Fused decode ops"), in every decode kernel and table kind,
+ * against TKV_CUDA_ATTN_Q8=0. */
+static void test_attn_q8(void)
+{
+    fprintf(stderr, "attention quantizing wo's activations:\n");
+    REQUIRE_VOID(gpu_q->ops->matmul_add);
+    struct tkv_backend *plain = gpu_with_env("TKV_CUDA_ATTN_Q8", "0");
+    struct tkv_backend *merge = gpu_with_env("TKV_CUDA_ATTN_DECODE", "merge");
+    struct tkv_backend *runs = gpu_with_env("TKV_CUDA_ATTN_DECODE", "runs");
+    struct tkv_backend *cores = gpu_with_env("TKV_CUDA_ATTN_DECODE_MMA", "0");
+    if (plain && merge && runs && cores) {
+        for (int kind = 0; kind < 3; kind++) {
+            /* Llama-3-8B's heads: split, the last CTA of a head merges */
+            attn_q8_case(gpu_q, plain, "fused merge", kind, 32, 8, 128, 1, 3000, 2);
+            attn_q8_case(gpu_q, plain, "one split", kind, 32, 8, 128, 1, 50, 2); /* no merge */
+            attn_q8_case(cores, plain, "CUDA cores", kind, 32, 8, 128, 1, 3000, 2);
+        }
+        attn_q8_case(merge, plain, "merge kernel", 0, 32, 8, 128, 1, 3000, 2);
+        attn_q8_case(runs, plain, "inline runs", 0, 32, 8, 128, 2, 3000, 2);
+        attn_q8_case(gpu_q, plain, "2 tokens", 0, 16, 4, 64, 2, 700, 2);      /* 8 rows a KV head */
+        attn_q8_case(gpu_q, plain, "head_dim 256", 2, 8, 2, 256, 1, 900, 2);
+        attn_q8_case(gpu_q, plain, "one split", 1, 9, 3, 64, 1, 40, 2);       /* SmolLM2's heads */
+        attn_q8_case(gpu_q, plain, "12 rows", 0, 16, 4, 64, 3, 700, 0);       /* not the decode kernels */
+        attn_q8_case(gpu_q, plain, "head_dim 96", 0, 8, 2, 96, 1, 700, 0);    /* 3 blocks a head: no */
+    }
+    struct tkv_backend *all[4] = {plain, merge, runs, cores};
+    for (int i = 0; i < 4; i++)
+        if (all[i])
+            all[i]->ops->free(all[i]);
 }
 
 /* matmul_qkv_rope against matmul_group + rope_qk on the same backend: the
@@ -2430,7 +2588,7 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
     for (int b = 0; b < NB; b++)
         pdl_state_make(&st[b], &m, x0, kv0);
     /* each backend queues all its steps before anyone waits */
-    const uint64_t reads0 = tkv_backend_cuda_norm_q8_reads(be[2]);
+    const uint64_t reads0 = tkv_backend_cuda_q8_reads(be[2]);
     for (int b = 0; b < NB; b++)
         for (uint32_t s = 0; s < steps; s++)
             pdl_chain(be[b], &m, m.w[b], &st[b], pos0 + (int32_t)(s * layers), layers, b == 2);
@@ -2453,19 +2611,21 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
     CHECK(finite == m.V, "non-finite logits (%zu of %u finite)", finite, m.V);
     /* the matmul_add sequence: every norm after the first of a step hands
      * its planes to the product after it (q/k/v, gate/up, the output) on
-     * the quantized path; the first norm of the run learns their order */
+     * the quantized path, and every attention but the first to wo; the
+     * first norm and the first attention of the run learn their order */
     const bool ax = dev_equal(st[0].x, st[2].x, m.E * sizeof(float));
     const bool al = dev_equal(st[0].logits, st[2].logits, m.V * sizeof(float));
     const bool ak = dev_equal(st[0].kv, st[2].kv, kv_elems * sizeof(uint16_t));
     const bool aa = dev_equal(st[0].att, st[2].att, m.H * m.hd * sizeof(float));
-    const uint64_t reads = tkv_backend_cuda_norm_q8_reads(be[2]) - reads0;
-    const uint64_t want = wtype == TKV_TYPE_Q4_0 ? (uint64_t)steps * (2 * layers + 1) - 1 : 0;
+    const uint64_t reads = tkv_backend_cuda_q8_reads(be[2]) - reads0;
+    const uint64_t want =
+        wtype == TKV_TYPE_Q4_0 ? (uint64_t)steps * (2 * layers + 1) - 1 + (uint64_t)steps * layers - 1 : 0;
     fprintf(stderr, "  %s: matmul_add + rmsnorm + matmul_qkv_rope vs plain: x %s, logits %s, K/V %s, attention %s; %llu products "
-                    "read a norm's planes (want %llu)\n", tkv_type_name(wtype), ax ? "bit-identical" : "DIFFER",
+                    "read the planes of a norm or attention (want %llu)\n", tkv_type_name(wtype), ax ? "bit-identical" : "DIFFER",
             al ? "bit-identical" : "DIFFER", ak ? "bit-identical" : "DIFFER", aa ? "bit-identical" : "DIFFER",
             (unsigned long long)reads, (unsigned long long)want);
     CHECK(ax && al && ak && aa, "matmul_add + rmsnorm + matmul_qkv_rope changed the decode chain's results");
-    CHECK(reads == want, "%llu products read a norm's planes, want %llu", (unsigned long long)reads,
+    CHECK(reads == want, "%llu products read the planes of a norm or attention, want %llu", (unsigned long long)reads,
           (unsigned long long)want);
     for (int b = 0; b < NB; b++) {
         pdl_state_free(&st[b]);
@@ -2489,8 +2649,9 @@ static void test_pdl(void)
     setenv("TKV_CUDA_PDL", "0", 1);
     setenv("TKV_CUDA_GEMV", "fast", 1);
     setenv("TKV_CUDA_NORM_Q8", "0", 1);
+    setenv("TKV_CUDA_ATTN_Q8", "0", 1);
     tkv_status st = tkv_backend_create("cuda", 0, &qplain);
-    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV"), unsetenv("TKV_CUDA_NORM_Q8");
+    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV"), unsetenv("TKV_CUDA_NORM_Q8"), unsetenv("TKV_CUDA_ATTN_Q8");
     CHECK(st == TKV_OK, "%s", tkv_last_error());
     if (st == TKV_OK) {
         pdl_case(TKV_TYPE_Q4_0, qplain);
@@ -2605,6 +2766,7 @@ int main(void)
     SECTION("fused", test_fused);
     SECTION("quant", test_quant);
     SECTION("matmul_add", test_matmul_add);
+    SECTION("attn_q8", test_attn_q8);
     SECTION("pdl", test_pdl);
     SECTION("profile", test_profile);
     SECTION("attention", test_attention);
