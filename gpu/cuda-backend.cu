@@ -861,16 +861,51 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     return TKV_OK;
 }
 
+/* The ways matmul_run multiplies, in the order of the op profile's rows
+ * (matmul_path_name). */
+enum matmul_path {
+    MP_GEMV,       /* the f16 GEMV (gemv2_kernel)                  */
+    MP_GEMV_REF,   /* its reference (TKV_CUDA_GEMV=ref)             */
+    MP_CUBLAS,     /* x to f16, then cublasGemmEx                   */
+    MP_CUBLAS_F32, /* the f32 validation mode                       */
+    MP_GEMV_U8,    /* the f16 GEMV with 8 loads a lane              */
+    MP_GEMV_Q4_0,  /* the quantized GEMV, by weight type ...        */
+    MP_GEMV_Q4_1,
+    MP_GEMV_Q8_0,
+    MP_GEMV_QREF,  /* ... and its reference                         */
+};
+
+/* The quantized GEMV's path for w's type. */
+static enum matmul_path qgemv_fast_path(const struct tkv_bweight *w)
+{
+    return w->t->type == TKV_TYPE_Q4_0 ? MP_GEMV_Q4_0 : w->t->type == TKV_TYPE_Q4_1 ? MP_GEMV_Q4_1 : MP_GEMV_Q8_0;
+}
+
+/* matmul_run's path for w, x and n tokens. */
+static enum matmul_path matmul_path(const struct cuda_backend *cb, const struct tkv_bweight *w, const float *x,
+                                    uint32_t n)
+{
+    if (w->w32)
+        return MP_CUBLAS_F32;
+    switch (qgemv_path(cb, w, n)) { /* QGEMV_OFF for vectors */
+    case QGEMV_FAST: return qgemv_fast_path(w);
+    case QGEMV_REF: return MP_GEMV_QREF;
+    default: break;
+    }
+    if (cb->gemv == GEMV_CUBLAS || !tkv_cuda_gemv_ok(w->w16, x, w->n_in, n))
+        return MP_CUBLAS;
+    return cb->gemv == GEMV_REF ? MP_GEMV_REF : gemv_u8_for(cb->gemv, w) ? MP_GEMV_U8 : MP_GEMV;
+}
+
 /* matmul and matmul_add: y = x . w^T, or y += it (add). The fast GEMVs (f16
  * and quantized) add in their epilogue, y + x rounded once as the add
  * kernel does; every other path multiplies into a work buffer, then adds. */
 static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
                              uint32_t n, bool add, const char *op)
 {
-    const int qpath = w->w32 ? QGEMV_OFF : qgemv_path(cb, w, n);
-    const bool epilogue = qpath == QGEMV_FAST ||
-                          (qpath == QGEMV_OFF && !w->w32 && cb->gemv != GEMV_CUBLAS && cb->gemv != GEMV_REF &&
-                           tkv_cuda_gemv_ok(w->w16, x, w->n_in, n));
+    const enum matmul_path path = matmul_path(cb, w, x, n);
+    const bool epilogue = path == MP_GEMV || path == MP_GEMV_U8 || path == MP_GEMV_Q4_0 || path == MP_GEMV_Q4_1 ||
+                          path == MP_GEMV_Q8_0;
     if (add && !epilogue) {
         const size_t count = (size_t)n * w->n_out;
         TKV_TRY(work_reserve(cb, (void **)&cb->fuse_work, &cb->fuse_work_cap, count * sizeof(float), op));
@@ -880,35 +915,33 @@ static tkv_status matmul_run(struct cuda_backend *cb, const struct tkv_bweight *
     }
     const float one = 1.0f, zero = 0.0f;
     cublasStatus_t s;
-    if (w->w32) { /* validation mode: plain f32 (the handle's default math mode has no TF32) */
+    switch (path) {
+    case MP_CUBLAS_F32: /* plain f32 (the handle's default math mode has no TF32) */
         s = cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->n_out, (int)n, (int)w->n_in, &one, w->w32,
                          CUDA_R_32F, (int)w->n_in, x, CUDA_R_32F, (int)w->n_in, &zero, y, CUDA_R_32F, (int)w->n_out,
                          CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT);
         return s == CUBLAS_STATUS_SUCCESS ? TKV_OK : blas_fail(s, op);
-    }
-    if (qpath != QGEMV_OFF)
-        return qgemv_matmul(cb, w, x, y, n, qpath, add, op);
-    if (cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)) {
-        if (cb->gemv == GEMV_REF)
-            CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream));
-        else if (gemv_u8_for(cb->gemv, w))
-            CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, add, cb->pdl,
-                                        cb->stream));
-        else
-            CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, add, cb->pdl,
-                                     cb->stream));
+    case MP_GEMV_QREF: return qgemv_matmul(cb, w, x, y, n, QGEMV_REF, add, op);
+    case MP_GEMV_Q4_0:
+    case MP_GEMV_Q4_1:
+    case MP_GEMV_Q8_0: return qgemv_matmul(cb, w, x, y, n, QGEMV_FAST, add, op);
+    case MP_GEMV_REF: CU(op, tkv_cuda_gemv_f16_ref(w->w16, x, y, w->n_in, w->n_out, n, cb->stream)); return TKV_OK;
+    case MP_GEMV_U8:
+        CU(op, tkv_cuda_gemv_f16_u8(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, add, cb->pdl, cb->stream));
         return TKV_OK;
+    case MP_GEMV:
+        CU(op, tkv_cuda_gemv_f16(w->w16, x, y, w->n_in, w->n_out, n, (uint32_t)cb->n_sm, add, cb->pdl, cb->stream));
+        return TKV_OK;
+    case MP_CUBLAS: break;
     }
     const size_t count = (size_t)n * w->n_in;
     TKV_TRY(work_reserve(cb, (void **)&cb->act16, &cb->act16_cap, count * sizeof(__half), op));
     CU(op, tkv_cuda_f32_to_f16(x, cb->act16, count, cb->stream));
     /* column-major view: y^T[n_out, n] = W[n_in, n_out]^T . x^T[n_in, n] */
-    s = cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->n_out, (int)n, (int)w->n_in, &one,
-                                    w->w16, CUDA_R_16F, (int)w->n_in, cb->act16, CUDA_R_16F, (int)w->n_in, &zero, y,
-                                    CUDA_R_32F, (int)w->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    if (s != CUBLAS_STATUS_SUCCESS)
-        return blas_fail(s, op);
-    return TKV_OK;
+    s = cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->n_out, (int)n, (int)w->n_in, &one, w->w16,
+                     CUDA_R_16F, (int)w->n_in, cb->act16, CUDA_R_16F, (int)w->n_in, &zero, y, CUDA_R_32F,
+                     (int)w->n_out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    return s == CUBLAS_STATUS_SUCCESS ? TKV_OK : blas_fail(s, op);
 }
 
 static tkv_status cuda_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
@@ -1950,35 +1983,20 @@ static tkv_status pw_get_rows(struct tkv_backend *b, const struct tkv_bweight *w
 {
     PROF("get_rows", prof_row(cb->prof, "get_rows", true), cuda_get_rows(b, w, ids, n, out));
 }
-/* matmul rows by weight shape (n_out x n_in) and path */
+/* matmul rows by weight shape (n_out x n_in) and path (enum matmul_path) */
 static const char *const matmul_path_name[] = {"gemv",      "gemv-ref",  "cublas",    "cublas-f32", "gemv-u8",
                                                 "gemv-q4_0", "gemv-q4_1", "gemv-q8_0", "gemv-q-ref"};
-/* The quantized GEMV's row name for w: "gemv-q4_0" ... (fast), "gemv-q-ref" */
-static uint32_t qgemv_path_row(int qpath, const struct tkv_bweight *w)
-{
-    if (qpath == QGEMV_REF)
-        return 8u;
-    return w->t->type == TKV_TYPE_Q4_0 ? 5u : w->t->type == TKV_TYPE_Q4_1 ? 6u : 7u;
-}
-/* A grouped op's row: 0 the f16 group kernel, 1 the sequence, 5..7 the quantized one */
+/* A grouped op's row: MP_GEMV the f16 group kernel, MP_GEMV_REF ("seq")
+ * the sequence, the quantized one by type */
 static uint32_t group_path_row(const struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw,
                                const float *x, uint32_t n)
 {
     const int p = group_path(cb, w, nw, x, n);
-    return p == GROUP_QUANT ? qgemv_path_row(QGEMV_FAST, w[0]) : p == GROUP_F16 ? 0u : 1u;
-}
-/* The matmul_path_name row of matmul_run's path for w, x and n tokens. */
-static uint32_t matmul_path_row(const struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, uint32_t n)
-{
-    const int qpath = qgemv_path(cb, w, n); /* QGEMV_OFF for vectors */
-    return w->w32 ? 3u : qpath != QGEMV_OFF ? qgemv_path_row(qpath, w)
-                         : n <= TKV_CUDA_GEMV_MAX_N && cb->gemv != GEMV_CUBLAS && tkv_cuda_gemv_ok(w->w16, x, w->n_in, n)
-                             ? (cb->gemv == GEMV_REF ? 1u : gemv_u8_for(cb->gemv, w) ? 4u : 0u)
-                             : 2u;
+    return p == GROUP_QUANT ? qgemv_fast_path(w[0]) : p == GROUP_F16 ? MP_GEMV : MP_GEMV_REF;
 }
 static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
-    const uint32_t path = matmul_path_row(cuda_of(b), w, x, n);
+    const uint32_t path = matmul_path(cuda_of(b), w, x, n);
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
     PROF("matmul", prof_row(cb->prof, "matmul", true, w->n_out, w->n_in, path, fmt), cuda_matmul(b, w, x, y, n));
@@ -1987,7 +2005,7 @@ static tkv_status pw_matmul(struct tkv_backend *b, const struct tkv_bweight *w, 
 static tkv_status pw_matmul_add(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y,
                                 uint32_t n)
 {
-    const uint32_t path = matmul_path_row(cuda_of(b), w, x, n);
+    const uint32_t path = matmul_path(cuda_of(b), w, x, n);
     char fmt[48];
     snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", matmul_path_name[path]);
     PROF("matmul_add", prof_row(cb->prof, "matmul_add", true, w->n_out, w->n_in, path, fmt),
@@ -2003,7 +2021,7 @@ static tkv_status pw_matmul_group(struct tkv_backend *b, const struct tkv_bweigh
         rows += w[i]->n_out;
     const uint32_t path = group_path_row(cuda_of(b), w, nw, x, n);
     char fmt[48];
-    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == MP_GEMV_REF ? "seq" : matmul_path_name[path]);
     PROF("matmul_group", prof_row(cb->prof, "matmul_group", true, rows, nw ? w[0]->n_in : 0, path, fmt),
          cuda_matmul_group(b, w, nw, x, y, n));
 }
@@ -2013,7 +2031,7 @@ static tkv_status pw_matmul_swiglu(struct tkv_backend *b, const struct tkv_bweig
     const struct tkv_bweight *const gu[2] = {wg, wu};
     const uint32_t path = group_path_row(cuda_of(b), gu, 2, x, n);
     char fmt[48];
-    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == MP_GEMV_REF ? "seq" : matmul_path_name[path]);
     PROF("matmul_swiglu", prof_row(cb->prof, "matmul_swiglu", true, 2 * wg->n_out, wg->n_in, path, fmt),
          cuda_matmul_swiglu(b, wg, wu, x, out, n));
 }
@@ -2024,7 +2042,7 @@ static tkv_status pw_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_bwe
     const uint32_t rows = w[0]->n_out + w[1]->n_out + w[2]->n_out;
     const uint32_t path = group_path_row(cuda_of(b), w, 3, x, n);
     char fmt[48];
-    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == 1 ? "seq" : matmul_path_name[path]);
+    snprintf(fmt, sizeof fmt, "%%s %%ux%%u %s", path == MP_GEMV_REF ? "seq" : matmul_path_name[path]);
     PROF("matmul_qkv_rope", prof_row(cb->prof, "matmul_qkv_rope", true, rows, w[0]->n_in, path, fmt),
          cuda_matmul_qkv_rope(b, w, x, q, k, v, n, head_dim, rot_dim, pos, base, freq_scale));
 }
