@@ -2296,46 +2296,62 @@ static void attn_q8_case(struct tkv_backend *be, struct tkv_backend *plain, cons
     free(q), free(y0), free(oa), free(ob), free(ya), free(yb);
 }
 
-static struct tkv_backend *gpu_with_env(const char *name, const char *value)
+/* A CUDA backend created with name=value (NULL: none) and, where q8off,
+ * TKV_CUDA_ATTN_Q8=0 in the environment. */
+static struct tkv_backend *gpu_with_env(const char *name, const char *value, bool q8off)
 {
     struct tkv_backend *be = NULL;
-    setenv(name, value, 1);
+    if (name)
+        setenv(name, value, 1);
+    if (q8off)
+        setenv("TKV_CUDA_ATTN_Q8", "0", 1);
     const tkv_status st = tkv_backend_create("cuda", 0, &be);
-    unsetenv(name);
-    CHECK(st == TKV_OK, "%s=%s: %s", name, value, tkv_last_error());
+    if (name)
+        unsetenv(name);
+    unsetenv("TKV_CUDA_ATTN_Q8");
+    CHECK(st == TKV_OK, "%s=%s%s: %s", name ? name : "", name ? value : "", q8off ? " TKV_CUDA_ATTN_Q8=0" : "",
+          tkv_last_error());
     return st == TKV_OK ? be : NULL;
 }
 
 /* The decode attention quantizing its output for the next quantized GEMV
  * (docs/gpu.md "Fused decode ops"), in every decode kernel and table kind,
- * against TKV_CUDA_ATTN_Q8=0. */
+ * against the same kernel with TKV_CUDA_ATTN_Q8=0 (the kernels differ in
+ * their sums' order, so each has its own reference). */
 static void test_attn_q8(void)
 {
     fprintf(stderr, "attention quantizing wo's activations:\n");
     REQUIRE_VOID(gpu_q->ops->matmul_add);
-    struct tkv_backend *plain = gpu_with_env("TKV_CUDA_ATTN_Q8", "0");
-    struct tkv_backend *merge = gpu_with_env("TKV_CUDA_ATTN_DECODE", "merge");
-    struct tkv_backend *runs = gpu_with_env("TKV_CUDA_ATTN_DECODE", "runs");
-    struct tkv_backend *cores = gpu_with_env("TKV_CUDA_ATTN_DECODE_MMA", "0");
-    if (plain && merge && runs && cores) {
+    static const char *const var[4][2] = {
+        {NULL, NULL}, {"TKV_CUDA_ATTN_DECODE", "merge"}, {"TKV_CUDA_ATTN_DECODE", "runs"}, {"TKV_CUDA_ATTN_DECODE_MMA", "0"}};
+    struct tkv_backend *on[4], *off[4];
+    bool ok = true;
+    for (int i = 0; i < 4; i++) {
+        on[i] = i ? gpu_with_env(var[i][0], var[i][1], false) : gpu_q;
+        off[i] = gpu_with_env(var[i][0], var[i][1], true);
+        ok = ok && on[i] && off[i];
+    }
+    if (ok) {
         for (int kind = 0; kind < 3; kind++) {
             /* Llama-3-8B's heads: split, the last CTA of a head merges */
-            attn_q8_case(gpu_q, plain, "fused merge", kind, 32, 8, 128, 1, 3000, 2);
-            attn_q8_case(gpu_q, plain, "one split", kind, 32, 8, 128, 1, 50, 2); /* no merge */
-            attn_q8_case(cores, plain, "CUDA cores", kind, 32, 8, 128, 1, 3000, 2);
+            attn_q8_case(on[0], off[0], "fused merge", kind, 32, 8, 128, 1, 3000, 2);
+            attn_q8_case(on[0], off[0], "one split", kind, 32, 8, 128, 1, 50, 2); /* no merge */
+            attn_q8_case(on[3], off[3], "CUDA cores", kind, 32, 8, 128, 1, 3000, 2);
         }
-        attn_q8_case(merge, plain, "merge kernel", 0, 32, 8, 128, 1, 3000, 2);
-        attn_q8_case(runs, plain, "inline runs", 0, 32, 8, 128, 2, 3000, 2);
-        attn_q8_case(gpu_q, plain, "2 tokens", 0, 16, 4, 64, 2, 700, 2);      /* 8 rows a KV head */
-        attn_q8_case(gpu_q, plain, "head_dim 256", 2, 8, 2, 256, 1, 900, 2);
-        attn_q8_case(gpu_q, plain, "one split", 1, 9, 3, 64, 1, 40, 2);       /* SmolLM2's heads */
-        attn_q8_case(gpu_q, plain, "12 rows", 0, 16, 4, 64, 3, 700, 0);       /* not the decode kernels */
-        attn_q8_case(gpu_q, plain, "head_dim 96", 0, 8, 2, 96, 1, 700, 2);    /* 3 blocks a head, each in one */
+        attn_q8_case(on[1], off[1], "merge kernel", 0, 32, 8, 128, 1, 3000, 2);
+        attn_q8_case(on[2], off[2], "inline runs", 0, 32, 8, 128, 2, 3000, 2);
+        attn_q8_case(on[0], off[0], "2 tokens", 0, 16, 4, 64, 2, 700, 2);      /* 8 rows a KV head */
+        attn_q8_case(on[0], off[0], "head_dim 256", 2, 8, 2, 256, 1, 900, 2);
+        attn_q8_case(on[0], off[0], "one split", 1, 9, 3, 64, 1, 40, 2);       /* SmolLM2's heads */
+        attn_q8_case(on[0], off[0], "12 rows", 0, 16, 4, 64, 3, 700, 0);       /* not the decode kernels */
+        attn_q8_case(on[0], off[0], "head_dim 96", 0, 8, 2, 96, 1, 700, 2);    /* 3 blocks a head, each in one */
     }
-    struct tkv_backend *all[4] = {plain, merge, runs, cores};
-    for (int i = 0; i < 4; i++)
-        if (all[i])
-            all[i]->ops->free(all[i]);
+    for (int i = 0; i < 4; i++) {
+        if (i && on[i])
+            on[i]->ops->free(on[i]);
+        if (off[i])
+            off[i]->ops->free(off[i]);
+    }
 }
 
 /* matmul_qkv_rope against matmul_group + rope_qk on the same backend: the
