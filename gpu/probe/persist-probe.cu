@@ -31,8 +31,10 @@
  *
  * Build: nvcc -O3 -arch=sm_90 -o persist-probe gpu/probe/persist-probe.cu (from the
  *        project root)
- * Run:   ./persist-probe [-w warps] [-s stages] [-l layers] [-r reps] [-x shape]
- *        (-x 0..3: every op of that shape, q/k/v, wo, gate/up, down)
+ * Run:   ./persist-probe [-w warps] [-s stages] [-l layers] [-r reps] [-x shape] [-p ahead]
+ *        (-x 0..3: every op of that shape, q/k/v, wo, gate/up, down; -p N: each
+ *        warp prefetches into L2 the stage N past the one it copies, across
+ *        the barriers, and in a chain into the next op's first stages)
  */
 #include "../common.cuh" /* the CUDA headers, cp.async and PDL wrappers */
 
@@ -71,6 +73,8 @@ struct step {
     const float *ascale; /* K_MAX / 32 activation scales (every op the same) */
     unsigned *barrier;   /* persist: CTAs arrived, summed over the barriers */
     uint32_t warps, stages;
+    uint32_t ahead;      /* a warp prefetches into L2 the stage this many past the one it
+                            copies into its ring (0: none); in a chain, into the next op */
 };
 
 /* A warp's share of op o: units of 32 / L rows (L lanes a row), each unit
@@ -128,6 +132,20 @@ __device__ __forceinline__ void issue(const step &st, const cursor &c, uint32_t 
         }
     }
     tkv_cp_async_commit();
+}
+
+/* Prefetches stage c.s of op c.o into L2: each of the stage's RPS row
+ * pieces (L groups of a row, contiguous) as one bulk prefetch. */
+__device__ __forceinline__ void prefetch(const step &st, const cursor &c, uint32_t gw, uint32_t W, uint32_t lane)
+{
+    const op &o = st.ops[c.o];
+    const plan p = plan_of(o, gw, W);
+    if (lane >= p.RPS)
+        return;
+    const uint32_t unit = p.u0 + c.s / p.NP, pass = c.s % p.NP, row = unit * p.RPS + lane, g0 = pass * p.L;
+    const uint32_t ng = min(p.L, p.G - g0);
+    const uint8_t *src = o.w + row * (size_t)(o.K / 32) * 18 + (size_t)g0 * GROUP_BYTES;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(ng * GROUP_BYTES) : "memory");
 }
 
 /* Where chunk c (16 activations) of group gi lies in shared memory: the
@@ -220,6 +238,20 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
         issue(st, ci, o_end, gw, W, ring + (issued % S) * 32 * GROUP_BYTES, lane);
         ci.s++, issued++;
     }
+    /* the prefetch cursor: stage `pf` of the warp's sequence, up to the next op in a chain */
+    const uint32_t o_pf_end = min(st.n_ops, o_end + 1);
+    cursor cp = ci;
+    uint32_t pf = issued;
+    auto prefetch_to = [&](uint32_t target) {
+        for (; pf < target; pf++, cp.s++) {
+            cursor_settle(cp, st, o_pf_end, gw, W);
+            if (cp.o >= o_pf_end)
+                return;
+            prefetch(st, cp, gw, W, lane);
+        }
+    };
+    if (st.ahead)
+        prefetch_to(issued + st.ahead);
     tkv_pdl_trigger();
     tkv_pdl_wait();
     uint32_t consumed = 0;
@@ -239,6 +271,8 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
             cursor_settle(ci, st, o_end, gw, W);
             issue(st, ci, o_end, gw, W, ring + (issued % S) * 32 * GROUP_BYTES, lane);
             ci.s++, issued++;
+            if (st.ahead)
+                prefetch_to(issued + st.ahead);
             tkv_cp_async_wait<S - 1>();
             __syncwarp();
             const uint32_t unit = p.u0 + s / p.NP, pass = s % p.NP;
@@ -278,7 +312,7 @@ __global__ void fill_kernel(uint8_t *w, size_t n_blocks, uint32_t seed)
 
 int main(int argc, char **argv)
 {
-    uint32_t warps = 12, stages = 3, layers = 32, reps = 10, shape = 4;
+    uint32_t warps = 12, stages = 3, layers = 32, reps = 10, shape = 4, ahead = 0;
     for (int i = 1; i + 1 < argc; i += 2) {
         const uint32_t v = (uint32_t)atoi(argv[i + 1]);
         if (!strcmp(argv[i], "-w")) warps = v;
@@ -286,7 +320,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "-l")) layers = v;
         else if (!strcmp(argv[i], "-r")) reps = v;
         else if (!strcmp(argv[i], "-x")) shape = v;
-        else { fprintf(stderr, "usage: persist-probe [-w warps] [-s stages 2..4] [-l layers] [-r reps] [-x 0..3]\n"); return 2; }
+        else if (!strcmp(argv[i], "-p")) ahead = v;
+        else { fprintf(stderr, "usage: persist-probe [-w warps] [-s stages 2..4] [-l layers] [-r reps] [-x 0..3] [-p stages]\n"); return 2; }
     }
     if (stages < 2 || stages > 4 || warps < 1 || warps > 16 || layers < 1 || shape > 4) {
         fprintf(stderr, "persist-probe: bad arguments\n");
@@ -354,7 +389,7 @@ int main(int argc, char **argv)
         return 1;
     }
     const uint32_t grid = (uint32_t)n_sm * (uint32_t)per_sm; /* all resident: the barrier needs it */
-    const step st{dops, n_ops, ascale, barrier, warps, stages};
+    const step st{dops, n_ops, ascale, barrier, warps, stages, ahead};
 
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -421,8 +456,9 @@ int main(int argc, char **argv)
     const char *names[5] = {"chain, PDL", "chain, no PDL", "persist", "persist, no barriers (wrong sums)",
                             "persist, no arithmetic"};
     const double roof_ms = w_bytes / (copy_gbs * 1e9) * 1e3;
-    printf("| %s, %d SMs | %u CTAs x %u warps, %u stages, %zu B smem | weights %.3f GB, %u layers | copy %.0f GB/s |\n",
-           prop.name, n_sm, grid, warps, stages, smem, w_bytes / 1e9, layers, copy_gbs);
+    printf("| %s, %d SMs | %u CTAs x %u warps, %u stages, %zu B smem, L2 prefetch %u stages ahead | weights %.3f GB, %u "
+           "layers | copy %.0f GB/s |\n",
+           prop.name, n_sm, grid, warps, stages, smem, ahead, w_bytes / 1e9, layers, copy_gbs);
     printf("| variant | step ms | us a layer | GB/s | x roofline |\n|---|---:|---:|---:|---:|\n");
     printf("| roofline | %.3f | %.2f | %.0f | 1.00 |\n", roof_ms, roof_ms * 1e3 / layers, copy_gbs);
     for (int variant = 0; variant < 5; variant++) {
