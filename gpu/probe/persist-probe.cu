@@ -23,7 +23,9 @@
  * bound what is left: persist without the grid barriers (each GEMV reads
  * whatever its activations hold: the step if no op waited for another) and
  * persist without the arithmetic (the weights streamed through the same
- * rings and waits, no dot products: the loads alone). The attention,
+ * rings and waits, no dot products: the loads alone), and persist without
+ * barriers whose CTAs load activations once (no per-GEMV reload and CTA
+ * sync: the weights' stream alone). The attention,
  * norms and activation quantization are left out; the GEMV's activations
  * are the previous GEMV's int8 outputs (the same dependency and bytes as
  * the backend's Q8 planes). Both variants compute every row with the same
@@ -212,11 +214,12 @@ __device__ void grid_barrier(unsigned *count, unsigned target)
 }
 
 /* step_kernel's modes */
-enum { PERSIST = 1, NO_BARRIER = 2, NO_DOT = 4 };
+enum { PERSIST = 1, NO_BARRIER = 2, NO_DOT = 4, NO_ACT = 8 };
 
 /* Ops [o_begin, o_end) of the step: PERSIST = grid barriers between them
  * (unless NO_BARRIER); else one op, after griddepcontrol.wait. NO_DOT: the
- * stages are waited for and skipped. */
+ * stages are waited for and skipped. NO_ACT: each CTA loads activations
+ * for the first op only (no per-op reload and __syncthreads). */
 template <int S>
 __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_begin, uint32_t o_end, unsigned mode)
 {
@@ -259,11 +262,14 @@ __global__ void __launch_bounds__(512, 1) step_kernel(const step st, uint32_t o_
         if ((mode & PERSIST) && !(mode & NO_BARRIER) && o > o_begin)
             grid_barrier(st.barrier, o * gridDim.x);
         const op &op_ = st.ops[o];
-        for (uint32_t i = threadIdx.x; i < op_.K / 16; i += blockDim.x)
-            ((int4 *)act)[act_chunk(i % 16, i / 16)] = __ldcg((const int4 *)op_.act + i);
-        for (uint32_t i = threadIdx.x; i < op_.K / 32; i += blockDim.x)
-            as[i] = st.ascale[i];
-        __syncthreads();
+        if (!(mode & NO_ACT) || o == o_begin) {
+            const uint32_t K = (mode & NO_ACT) ? K_MAX : op_.K; /* NO_ACT: enough for every op */
+            for (uint32_t i = threadIdx.x; i < K / 16; i += blockDim.x)
+                ((int4 *)act)[act_chunk(i % 16, i / 16)] = i < op_.K / 16 ? __ldcg((const int4 *)op_.act + i) : int4{};
+            for (uint32_t i = threadIdx.x; i < K / 32; i += blockDim.x)
+                as[i] = st.ascale[i];
+            __syncthreads();
+        }
         const plan p = plan_of(op_, gw, W);
         const uint32_t n = (p.u1 - p.u0) * p.NP;
         float acc = 0.0f;
@@ -406,11 +412,13 @@ int main(int argc, char **argv)
         cfg.numAttrs = 1;
         CK(cudaLaunchKernelEx(&cfg, kern, st, b, e, mode));
     };
-    /* 0 chain (PDL), 1 chain (no PDL), 2 persist, 3 persist without barriers, 4 persist without arithmetic */
+    /* 0 chain (PDL), 1 chain (no PDL), 2 persist, 3 persist without barriers, 4 persist without arithmetic,
+     * 5 persist without barriers or activation reloads */
+    const unsigned persist_mode[6] = {0, 0, PERSIST, PERSIST | NO_BARRIER, PERSIST | NO_DOT, PERSIST | NO_BARRIER | NO_ACT};
     auto run = [&](int variant) {
         if (variant >= 2) {
             CK(cudaMemsetAsync(barrier, 0, sizeof(unsigned), s));
-            launch(0, n_ops, PERSIST | (variant == 3 ? NO_BARRIER : 0) | (variant == 4 ? NO_DOT : 0), false);
+            launch(0, n_ops, persist_mode[variant], false);
         } else {
             for (uint32_t o = 0; o < n_ops; o++)
                 launch(o, o + 1, 0, variant == 0);
@@ -453,15 +461,15 @@ int main(int argc, char **argv)
     for (uint32_t i = 0; i < n_ops; i++)
         differ += memcmp(&ref[(size_t)i * 28672], &got[(size_t)i * 28672], hops[i].rows * sizeof(float)) != 0;
 
-    const char *names[5] = {"chain, PDL", "chain, no PDL", "persist", "persist, no barriers (wrong sums)",
-                            "persist, no arithmetic"};
+    const char *names[6] = {"chain, PDL", "chain, no PDL", "persist", "persist, no barriers (wrong sums)",
+                            "persist, no arithmetic", "persist, no barriers, one activation load (wrong sums)"};
     const double roof_ms = w_bytes / (copy_gbs * 1e9) * 1e3;
     printf("| %s, %d SMs | %u CTAs x %u warps, %u stages, %zu B smem, L2 prefetch %u stages ahead | weights %.3f GB, %u "
            "layers | copy %.0f GB/s |\n",
            prop.name, n_sm, grid, warps, stages, smem, ahead, w_bytes / 1e9, layers, copy_gbs);
     printf("| variant | step ms | us a layer | GB/s | x roofline |\n|---|---:|---:|---:|---:|\n");
     printf("| roofline | %.3f | %.2f | %.0f | 1.00 |\n", roof_ms, roof_ms * 1e3 / layers, copy_gbs);
-    for (int variant = 0; variant < 5; variant++) {
+    for (int variant = 0; variant < 6; variant++) {
         const float ms = time_it([&] { run(variant); });
         printf("| %s | %.3f | %.2f | %.0f | %.2f |\n", names[variant], ms, ms * 1e3 / layers,
                w_bytes / (ms * 1e-3) / 1e9, ms / roof_ms);
