@@ -20,6 +20,7 @@
 
 #define SLAB_SLOTS 64  /* slots per memory slab                       */
 #define IO_BATCH   32  /* blocks per batch of NVMe reads or writes    */
+#define SEL_AHEAD  16  /* begin_layer: records prefetched this many listed blocks ahead */
 #define UP_PIECE_BYTES (128u << 20) /* default upload_piece_bytes: on the H200 (bench-tiers
                                       --piece-kib) 8 MiB pieces cost more in launches than they
                                       hid; with two prefetches in flight 128 MiB beat 32 MiB */
@@ -2105,40 +2106,51 @@ tkv_status tkv_kvs_begin_layer_split(struct tkv_kvs *s, uint32_t layer, uint32_t
 #define HOST_READ(h, b, k)                                                                                        \
     (split && n_host < max_host && host_ok[(size_t)(h) * s->max_blocks + (b)] && !((b) >= w0 && (b) <= w1) &&     \
      !((k)->valid & BIT(TKV_TIER_COMPUTE)) && ((k)->valid & BIT(TKV_TIER_HOST)))
-    for (uint32_t h = 0; h < H; h++)
-        for (uint32_t b = b0; b < nb; b++) {
-            /* a selection's blocks are scattered (each record a cache miss):
-             * ask for the record of a block needed 16 places on */
-            if (need && b + 16 < nb && need[(size_t)h * s->max_blocks + b + 16])
-                __builtin_prefetch(&s->blk[blk_index(s, layer, h, b + 16)], 1);
+    /* A selective read lists its blocks first (sel, in (head, block)
+     * order): a selection's records are scattered, each a cache miss, and
+     * the list lets the loop below ask for the record SEL_AHEAD blocks on,
+     * whatever lies between them. Other reads walk every block in order. */
+    if (listed)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = b0; b < nb; b++)
+                if (NEEDED(h, b))
+                    sel[n_sel++] = h * s->max_blocks + b; /* blk_index(s, layer, h, b) - base */
+    const uint32_t n_visit = listed ? n_sel : H * (nb - b0);
+    for (uint32_t j = 0, h = 0, b = b0; j < n_visit; j++) {
+        if (listed) {
+            if (j + SEL_AHEAD < n_sel)
+                __builtin_prefetch(&s->blk[base + sel[j + SEL_AHEAD]], 1);
+            h = sel[j] / s->max_blocks, b = sel[j] % s->max_blocks;
+        } else {
+            if (j > 0 && ++b == nb) /* the next (head, block) */
+                b = b0, h++;
             if (!NEEDED(h, b))
                 continue;
-            uint32_t i = blk_index(s, layer, h, b);
-            struct blk *k = &s->blk[i];
-            if (listed)
-                sel[n_sel++] = i - (uint32_t)base;
-            if (!whole) {
-                k->lru = s->clock;
-                if (HOST_READ(h, b, k)) { /* pinned on the host tier before anything can spill into it */
-                    k->hpinned = 1;
-                    s->hlist[n_host] = i;
-                    s->hdata[n_host] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
-                    if (listed) /* its host slot stays (pinned there) */
-                        s->host_refs[i - base] = block_ref(s, b, (uint8_t *)s->hdata[n_host]);
-                    n_host++;
-                    continue;
-                }
-                k->pinned = 1;
-            }
-            if (k->valid & BIT(TKV_TIER_COMPUTE)) {
-                s->st[TKV_TIER_COMPUTE].hits++;
-                if (listed) /* its compute slot stays (pinned); the missing ones' views come below */
-                    refs[i - base] = block_ref(s, b, slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]));
-            } else {
-                s->st[TKV_TIER_COMPUTE].misses++;
-                s->lists[n_missing++] = i;
-            }
         }
+        uint32_t i = blk_index(s, layer, h, b);
+        struct blk *k = &s->blk[i];
+        if (!whole) {
+            k->lru = s->clock;
+            if (HOST_READ(h, b, k)) { /* pinned on the host tier before anything can spill into it */
+                k->hpinned = 1;
+                s->hlist[n_host] = i;
+                s->hdata[n_host] = slot_ptr(s, TKV_TIER_HOST, k->slot[TKV_TIER_HOST]);
+                if (listed) /* its host slot stays (pinned there) */
+                    s->host_refs[i - base] = block_ref(s, b, (uint8_t *)s->hdata[n_host]);
+                n_host++;
+                continue;
+            }
+            k->pinned = 1;
+        }
+        if (k->valid & BIT(TKV_TIER_COMPUTE)) {
+            s->st[TKV_TIER_COMPUTE].hits++;
+            if (listed) /* its compute slot stays (pinned); the missing ones' views come below */
+                refs[i - base] = block_ref(s, b, slot_ptr(s, TKV_TIER_COMPUTE, k->slot[TKV_TIER_COMPUTE]));
+        } else {
+            s->st[TKV_TIER_COMPUTE].misses++;
+            s->lists[n_missing++] = i;
+        }
+    }
     if (listed) { /* before anything can fail: views_clear's lists of what holds pointers */
         s->sel_n[layer] = n_sel;
         s->n_hlist = n_host;
