@@ -999,6 +999,26 @@ static int group_path(const struct cuda_backend *cb, const struct tkv_bweight *c
     return quant ? (qfast ? GROUP_QUANT : GROUP_SEQ) : fast ? GROUP_F16 : GROUP_SEQ;
 }
 
+/* group_path's GROUP_QUANT: the quantized GEMV over w[0 .. nw-1] into
+ * y[i], rows in pairs as qgemv_pairs says. rope (NULL: none): the angle
+ * table (rope_table) with which the epilogue rotates the first two
+ * weights' outputs (q and k: heads of head_dim, n_pairs pairs each). */
+static tkv_status group_qgemv(struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw,
+                              const float *x, float *const *y, uint32_t n, const float2 *rope, uint32_t head_dim,
+                              uint32_t n_pairs, const char *op)
+{
+    struct tkv_cuda_q8_act a;
+    TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
+    struct tkv_cuda_qgemv g;
+    group_build(&g, w, nw, y);
+    g.pair = qgemv_pairs(cb, w, nw);
+    if (rope)
+        g.rope = rope, g.rope_segs = 2, g.head_dim = head_dim, g.n_pairs = n_pairs;
+    CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl,
+                          cb->stream));
+    return TKV_OK;
+}
+
 static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
                                     const float *x, float *const *y, uint32_t n)
 {
@@ -1014,16 +1034,8 @@ static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bwei
     if (n == 0)
         return TKV_OK;
     const int path = group_path(cb, w, nw, x, n);
-    if (path == GROUP_QUANT) {
-        struct tkv_cuda_q8_act a;
-        TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
-        struct tkv_cuda_qgemv g;
-        group_build(&g, w, nw, y);
-        g.pair = qgemv_pairs(cb, w, nw);
-        CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl,
-                              cb->stream));
-        return TKV_OK;
-    }
+    if (path == GROUP_QUANT)
+        return group_qgemv(cb, w, nw, x, y, n, NULL, 0, 0, op);
     if (path == GROUP_SEQ) {
         for (uint32_t i = 0; i < nw; i++)
             TKV_TRY(cuda_matmul(b, w[i], x, y[i], n));
@@ -1187,18 +1199,7 @@ static tkv_status cuda_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_b
         const float theta_scale = rope_theta_scale(base, rot_dim);
         TKV_TRY(pos_upload(cb, pos, n, op));
         TKV_TRY(rope_table(cb, n, rot_dim / 2, theta_scale, freq_scale, op));
-        struct tkv_cuda_q8_act a;
-        TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
-        struct tkv_cuda_qgemv g;
-        group_build(&g, w, 3, y);
-        g.pair = qgemv_pairs(cb, w, 3);
-        g.rope = cb->rope_tab;
-        g.rope_segs = 2;
-        g.head_dim = head_dim;
-        g.n_pairs = rot_dim / 2;
-        CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl,
-                              cb->stream));
-        return TKV_OK;
+        return group_qgemv(cb, w, 3, x, y, n, cb->rope_tab, head_dim, rot_dim / 2, op);
     }
     TKV_TRY(cuda_matmul_group(b, w, 3, x, y, n));
     return cuda_rope_qk(b, q, k, n, w[0]->n_out / head_dim, w[1]->n_out / head_dim, head_dim, rot_dim, pos, base,

@@ -78,7 +78,12 @@ static tkv_status f_matmul_add(struct tkv_backend *b, const struct tkv_bweight *
 }
 
 static tkv_status f_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv,
-                            uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base, float freq_scale);
+                            uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base, float freq_scale)
+{
+    n_rope++;
+    TKV_TRY(cpu_ops->rope(b, q, n, n_head, head_dim, rot_dim, pos, base, freq_scale));
+    return cpu_ops->rope(b, k, n, n_head_kv, head_dim, rot_dim, pos, base, freq_scale);
+}
 
 /* The group, then rope_qk (counted as one call of each). */
 static tkv_status f_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_bweight *const *w, const float *x,
@@ -88,14 +93,6 @@ static tkv_status f_matmul_qkv_rope(struct tkv_backend *b, const struct tkv_bwei
     float *y[3] = {q, k, v};
     TKV_TRY(f_matmul_group(b, w, 3, x, y, n));
     return f_rope_qk(b, q, k, n, H, HKV, head_dim, rot_dim, pos, base, freq_scale);
-}
-
-static tkv_status f_rope_qk(struct tkv_backend *b, float *q, float *k, uint32_t n, uint32_t n_head, uint32_t n_head_kv,
-                            uint32_t head_dim, uint32_t rot_dim, const int32_t *pos, float base, float freq_scale)
-{
-    n_rope++;
-    TKV_TRY(cpu_ops->rope(b, q, n, n_head, head_dim, rot_dim, pos, base, freq_scale));
-    return cpu_ops->rope(b, k, n, n_head_kv, head_dim, rot_dim, pos, base, freq_scale);
 }
 
 /* "fused": a CPU backend whose table has the fused members (its own

@@ -1109,22 +1109,32 @@ static void test_attention_refs(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t 
     kv_free(&f);
 }
 
+/* A CUDA backend created with env (name, value, name, value, ..., NULL;
+ * a NULL value: the name is skipped) in the environment; NULL on failure. */
+static struct tkv_backend *gpu_with_env(const char *const *env)
+{
+    char desc[256] = "";
+    for (const char *const *e = env; e[0]; e += 2)
+        if (e[1]) {
+            setenv(e[0], e[1], 1);
+            snprintf(desc + strlen(desc), sizeof desc - strlen(desc), "%s=%s ", e[0], e[1]);
+        }
+    struct tkv_backend *be = NULL;
+    const tkv_status st = tkv_backend_create("cuda", 0, &be);
+    for (const char *const *e = env; e[0]; e += 2)
+        unsetenv(e[0]);
+    CHECK(st == TKV_OK, "%s: %s", desc, tkv_last_error());
+    return st == TKV_OK ? be : NULL;
+}
+
 /* A CUDA backend created with these attention settings in the environment
  * (NULL on failure). */
 static struct tkv_backend *gpu_with_attn_env(const char *decode, const char *table, const char *prefill,
                                              const char *pack)
 {
-    struct tkv_backend *be = NULL;
-    setenv("TKV_CUDA_ATTN_DECODE", decode, 1);
-    setenv("TKV_CUDA_ATTN_TABLE", table, 1);
-    setenv("TKV_CUDA_ATTN_PREFILL", prefill, 1);
-    setenv("TKV_CUDA_ATTN_PACK", pack, 1);
-    tkv_status st = tkv_backend_create("cuda", 0, &be);
-    unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_TABLE"), unsetenv("TKV_CUDA_ATTN_PREFILL");
-    unsetenv("TKV_CUDA_ATTN_PACK");
-    CHECK(st == TKV_OK, "TKV_CUDA_ATTN_DECODE=%s TABLE=%s PREFILL=%s PACK=%s: %s", decode, table, prefill, pack,
-          tkv_last_error());
-    return st == TKV_OK ? be : NULL;
+    const char *const env[] = {"TKV_CUDA_ATTN_DECODE", decode,  "TKV_CUDA_ATTN_TABLE", table,
+                               "TKV_CUDA_ATTN_PREFILL", prefill, "TKV_CUDA_ATTN_PACK", pack, NULL};
+    return gpu_with_env(env);
 }
 
 static void test_attention(void)
@@ -2296,24 +2306,6 @@ static void attn_q8_case(struct tkv_backend *be, struct tkv_backend *plain, cons
     free(q), free(y0), free(oa), free(ob), free(ya), free(yb);
 }
 
-/* A CUDA backend created with name=value (NULL: none) and, where q8off,
- * TKV_CUDA_ATTN_Q8=0 in the environment. */
-static struct tkv_backend *gpu_with_env(const char *name, const char *value, bool q8off)
-{
-    struct tkv_backend *be = NULL;
-    if (name)
-        setenv(name, value, 1);
-    if (q8off)
-        setenv("TKV_CUDA_ATTN_Q8", "0", 1);
-    const tkv_status st = tkv_backend_create("cuda", 0, &be);
-    if (name)
-        unsetenv(name);
-    unsetenv("TKV_CUDA_ATTN_Q8");
-    CHECK(st == TKV_OK, "%s=%s%s: %s", name ? name : "", name ? value : "", q8off ? " TKV_CUDA_ATTN_Q8=0" : "",
-          tkv_last_error());
-    return st == TKV_OK ? be : NULL;
-}
-
 /* The decode attention quantizing its output for the next quantized GEMV
  * (docs/gpu.md "Fused decode ops"), in every decode kernel and table kind,
  * against the same kernel with TKV_CUDA_ATTN_Q8=0 (the kernels differ in
@@ -2323,12 +2315,17 @@ static void test_attn_q8(void)
     fprintf(stderr, "attention quantizing wo's activations:\n");
     REQUIRE_VOID(gpu_q->ops->matmul_add);
     static const char *const var[4][2] = {
-        {NULL, NULL}, {"TKV_CUDA_ATTN_DECODE", "merge"}, {"TKV_CUDA_ATTN_DECODE", "runs"}, {"TKV_CUDA_ATTN_DECODE_MMA", "0"}};
+        {"TKV_CUDA_ATTN_DECODE", NULL}, /* the default kernels */
+        {"TKV_CUDA_ATTN_DECODE", "merge"},
+        {"TKV_CUDA_ATTN_DECODE", "runs"},
+        {"TKV_CUDA_ATTN_DECODE_MMA", "0"}};
     struct tkv_backend *on[4], *off[4];
     bool ok = true;
     for (int i = 0; i < 4; i++) {
-        on[i] = i ? gpu_with_env(var[i][0], var[i][1], false) : gpu_q;
-        off[i] = gpu_with_env(var[i][0], var[i][1], true);
+        const char *const env_on[] = {var[i][0], var[i][1], NULL};
+        const char *const env_off[] = {var[i][0], var[i][1], "TKV_CUDA_ATTN_Q8", "0", NULL};
+        on[i] = i ? gpu_with_env(env_on) : gpu_q;
+        off[i] = gpu_with_env(env_off);
         ok = ok && on[i] && off[i];
     }
     if (ok) {
