@@ -925,6 +925,27 @@ __global__ void __launch_bounds__(NT, 2)
  * 32 KiB on Volta and later; larger parameters also cost more per launch). */
 static_assert(sizeof(tkv_cuda_attn_params) + sizeof(tkv_cuda_attn_runs) <= 4096, "kernel parameters");
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+/* Asks L2 for the K and V of the walk's next n chunks of this warp (a copy
+ * of the walk: the caller's is unchanged). A hint only: L2 is where every
+ * SM's reads and writes meet, so a prefetch issued while an earlier kernel
+ * may still write those rows (the step's own K/V row) cannot make a later
+ * read stale; it reads nothing into registers or shared memory. Chunk rows
+ * are whole 16-byte units (vec16), as the bulk prefetch needs. */
+template <class C> __device__ __forceinline__ void prefetch_chunks(run_walk w, uint32_t n, uint32_t hd)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        const chunk_src c = w.template src<C::CH>(hd);
+        if (!c.k)
+            return;
+        const uint32_t bytes = (uint32_t)c.nvalid * hd * (uint32_t)sizeof(uint16_t);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c.k), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c.v), "r"(bytes) : "memory");
+        w.template advance<C::CH>(NW);
+    }
+}
+#endif
+
 /* The decode kernel over inline runs. Before griddepcontrol.wait it reads
  * only its parameters: under a programmatic dependent launch that part
  * overlaps the previous kernel's drain, and no global memory the previous
@@ -945,6 +966,8 @@ __global__ void __launch_bounds__(NT, 2)
     w.template start<C::CH>(rp.run_off[g], rp.run_off[g + 1]);
     w.template advance<C::CH>((int)(threadIdx.x >> 5));
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (p.prefetch && (threadIdx.x & 31) == 0)
+        prefetch_chunks<C>(w, p.prefetch, p.head_dim);
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     decode_cta<C>(p, grid_part(p), w, rp.q_pos);

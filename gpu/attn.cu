@@ -464,6 +464,8 @@ struct tkv_cuda_attn_state {
                                       TKV_CUDA_ATTN_POOL=0, for A/B measurements */
     bool decode_mma;               /* tkv_cuda_attn_params.decode_mma; 0 with
                                       TKV_CUDA_ATTN_DECODE_MMA=0 (the CUDA-core kernel) */
+    uint32_t prefetch;             /* tkv_cuda_attn_params.prefetch: TKV_CUDA_ATTN_PREFETCH
+                                      (chunks a warp; unset: 0) */
     struct tkv_cuda_q8_act q8;     /* this call's planes to quantize out into (q8.q NULL: none) */
     bool q8_done;                  /* this call's kernels quantize out (launched) */
 };
@@ -517,6 +519,8 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     st->pool = !(pool && !strcmp(pool, "0"));
     const char *dmma = getenv("TKV_CUDA_ATTN_DECODE_MMA");
     st->decode_mma = !(dmma && !strcmp(dmma, "0"));
+    const char *pfch = getenv("TKV_CUDA_ATTN_PREFETCH");
+    st->prefetch = pfch ? (uint32_t)strtoul(pfch, NULL, 10) : 0;
     st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
                                                     : TKV_ATTN_PREFILL_SPLIT;
@@ -688,6 +692,7 @@ static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struc
     p.scale_log2 = a->scale * 1.44269504088896341f;
     p.decode_mode = st->decode_mode;
     p.decode_mma = st->decode_mma;
+    p.prefetch = st->prefetch;
     if (a->head_dim % 32 == 0) /* the planes' blocks: whole lane groups (q8_out) */
         p.q8 = st->q8;
     return p;

@@ -98,6 +98,11 @@ struct tkv_cuda_attn_params {
                                                dependent launch (common.cuh)    */
     int ws_pingpong;                        /* prefill v3's consumer warpgroups
                                                take turns (attn-prefill-ws.cu)  */
+    uint32_t prefetch;                      /* the decode kernel over inline runs:
+                                               each warp asks L2 for the K/V of
+                                               its first `prefetch` chunks before
+                                               its dependency wait (sm_90; 0:
+                                               none; TKV_CUDA_ATTN_PREFETCH)    */
     struct tkv_cuda_q8_act q8;              /* q8.q != NULL (decode kernels only,
                                                head_dim % 32 == 0): out is also
                                                quantized into these planes of

@@ -693,7 +693,8 @@ static void test_profile(void)
  * (TKV_CUDA_ATTN_PACK=0), and the decode kernel reading the view as strided
  * runs from its launch parameters (TKV_CUDA_ATTN_DECODE=runs; views of too
  * many runs fall back to the packed table), also as a programmatic dependent
- * launch (=pdl). The default decode kernel at head_dim 65..128 is the
+ * launch asking L2 for each warp's first 3 chunks before its dependency wait
+ * (=pdl, TKV_CUDA_ATTN_PREFETCH=3: runs' bits exactly). The default decode kernel at head_dim 65..128 is the
  * tensor-core instance; TKV_CUDA_ATTN_DECODE_MMA=0 runs the CUDA-core one
  * ("decode-cores"). */
 #define N_ATTN_ALT 8
@@ -937,10 +938,20 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
 
     /* the general (reference) kernel and the other paths, on the same inputs */
     double worst_o = 0, worst_l = 0;
+    float *o_runs = malloc(qn * sizeof *o_runs), *l_runs = malloc(ln * sizeof *l_runs);
+    bool have_runs = false;
     for (int i = 0; i < N_ATTN_ALT; i++) {
         if (!gpu_attn_alt[i])
             continue;
         attn_on(gpu_attn_alt[i], &a, o_x, l_x);
+        if (i == 5) {
+            memcpy(o_runs, o_x, qn * sizeof *o_x);
+            memcpy(l_runs, l_x, ln * sizeof *l_x);
+            have_runs = true;
+        } else if (i == 6 && have_runs) {
+            CHECK(!memcmp(o_runs, o_x, qn * sizeof *o_x) && !memcmp(l_runs, l_x, ln * sizeof *l_x),
+                  "attention H=%u Hkv=%u hd=%u %s: pdl with the L2 prefetch differs from runs", H, Hkv, hd, label);
+        }
         const double xo = max_err(o_x, o_ref, qn), xl = max_err(l_x, l_ref, ln);
         const double fo = max_err(o_gpu, o_x, qn), fl = max_err(l_gpu, l_x, ln), tol = attn_alt_tol[i];
         if (i == 0)
@@ -958,6 +969,7 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
         CHECK(fo <= tol && fl <= tol, "attention: default vs %s: out %.3g lse %.3g", attn_alt_names[i], fo, fl);
     }
     fprintf(stderr, ", general/merge/table-main/per-ref/runs/pdl vs ref %.1e %.1e", worst_o, worst_l);
+    free(o_runs), free(l_runs);
 
     /* the prefill kernel's variants, where the call reaches it (more than 8
      * rows per KV head, head_dim 64 or 128) */
@@ -1148,7 +1160,9 @@ static void test_attention(void)
         CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
     gpu_attn_alt[5] = gpu_with_attn_env("runs", "copy", "mma", "1");
+    setenv("TKV_CUDA_ATTN_PREFETCH", "3", 1); /* a hint: runs' bits (below) */
     gpu_attn_alt[6] = gpu_with_attn_env("pdl", "copy", "mma", "1");
+    unsetenv("TKV_CUDA_ATTN_PREFETCH");
     setenv("TKV_CUDA_ATTN_DECODE_MMA", "0", 1);
     gpu_attn_alt[7] = gpu_with_attn_env("1", "copy", "mma", "1");
     unsetenv("TKV_CUDA_ATTN_DECODE_MMA");
