@@ -21,13 +21,15 @@
  * Sections:
  *   decode   n_q = 1 over 32K, 128K and 1M keys, Llama-3-8B heads (32/8,
  *            head_dim 128, KV blocks of 64): the default kernel (decode
- *            kernel, fused merge), the same over device views (the block
- *            arrays already in device memory, as the engine's decode calls
- *            come: nothing packed or copied per call; required to give the
- *            packed table's bits) and the other paths (alt_env: the general
- *            kernel, a separate merge kernel, the table copied on the
- *            compute stream, the table as inline runs in the launch
- *            parameters, that as a programmatic dependent launch), each
+ *            kernel, fused merge, the view as inline runs in the launch
+ *            parameters, PDL, the first K/V asked of L2 before the
+ *            dependency wait), the same over device views (the block
+ *            arrays already in device memory, as the engine's calls from a
+ *            device table come: nothing packed or copied per call; required
+ *            to give the packed table's bits) and the other paths (alt_env:
+ *            the general kernel, a separate merge kernel, the packed table
+ *            copied on the compute stream, the packed table, the default
+ *            without the L2 prefetch), each
  *            checked against the general kernel (and the CPU up to 128K);
  *            then a summary table of every path: device time per call, and
  *            beside it the host time of the op call itself (in the same
@@ -78,18 +80,21 @@
 #include <string.h>
 #include <time.h>
 
-static struct tkv_backend *gpu, *cpu;
+/* gpu_packed: the decode kernel over the packed block table always
+ * (TKV_CUDA_ATTN_DECODE=fused), whose bits the device views must give */
+static struct tkv_backend *gpu, *gpu_packed, *cpu;
 /* the decode section's other paths: backends created with these attention
- * settings (TKV_CUDA_ATTN_DECODE, _TABLE); [0] is the general kernel */
+ * settings (TKV_CUDA_ATTN_DECODE, _TABLE, _PREFETCH where set); [0] is the
+ * general kernel */
 #define N_ALT 5
 static const struct {
-    const char *name, *decode, *table;
+    const char *name, *decode, *table, *prefetch;
 } alt_env[N_ALT] = {
-    {"general kernel", "0", "copy"},
-    {"separate merge", "merge", "copy"},
-    {"table copied on the compute stream", "1", "main"},
-    {"inline runs (TKV_CUDA_ATTN_DECODE=runs)", "runs", "copy"},
-    {"inline runs + PDL (TKV_CUDA_ATTN_DECODE=pdl)", "pdl", "copy"},
+    {"general kernel", "0", "copy", NULL},
+    {"separate merge", "merge", "copy", NULL},
+    {"packed table copied on the compute stream", "fused", "main", NULL},
+    {"packed table (TKV_CUDA_ATTN_DECODE=fused; the default before session 44)", "fused", "copy", NULL},
+    {"inline runs without the L2 prefetch (TKV_CUDA_ATTN_PREFETCH=0)", "1", "copy", "0"},
 };
 static struct tkv_backend *alt[N_ALT];
 #define gpu_general alt[0]
@@ -362,24 +367,26 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
         struct tkv_attn_args va = ga;
         va.kv = vv;
         va.kv_dev = true;
-        float *ov = malloc(qn * sizeof *ov);
+        float *ov = malloc(qn * sizeof *ov), *op = malloc(qn * sizeof *op);
         run_to(gpu, &va, dout, ov, qn);
-        if (memcmp(ov, og, qn * sizeof *og)) {
-            fprintf(stderr, "bench-attn: device views differ from the packed table (%.3g)\n", max_abs(ov, og, qn));
+        run_to(gpu_packed, &ga, dout, op, qn);
+        if (memcmp(ov, op, qn * sizeof *op)) {
+            fprintf(stderr, "bench-attn: device views differ from the packed table (%.3g)\n", max_abs(ov, op, qn));
             exit(1);
         }
-        free(ov);
+        free(ov), free(op);
         tv = variants ? time_on_host(gpu, &va, reps, &tv_host) : time_on(gpu, &va, reps);
         printf("| attention, device views | H=%u Hkv=%u hd=%u B=%u | ctx %7u, n_q %3u | %9.1f us | %7.1f GB/s | %6.2f "
                "TFLOP/s | same bits |\n",
                H, Hkv, hd, B, ctx, n_q, tv * 1e6, kv_bytes / tv / 1e9, flops / tv / 1e12);
         if (variants)
-            dec_row("device views (the engine's decode path)", ctx, tv, tv_host, host_time(gpu, &va), kv_bytes);
+            dec_row("device views (the engine's decode path from a device table)", ctx, tv, tv_host, host_time(gpu, &va), kv_bytes);
         gpu->ops->release(gpu, drd);
     }
     if (variants) {
         const double th = host_time(gpu, &ga);
-        dec_row("default (decode kernel, fused merge, packed table)", ctx, t, t_host, th, kv_bytes);
+        dec_row("default (inline runs, PDL, L2 prefetch where the view fits, else the packed table)", ctx, t, t_host,
+                th, kv_bytes);
         double ta[N_ALT];
         for (int i = 0; i < N_ALT; i++) {
             ta[i] = -1e-6;
@@ -819,6 +826,7 @@ int main(int argc, char **argv)
     unsetenv("TKV_CUDA_ATTN_DECODE"), unsetenv("TKV_CUDA_ATTN_TABLE"), unsetenv("TKV_CUDA_ATTN_PREFILL");
     unsetenv("TKV_CUDA_ATTN_PACK");
     die_if(tkv_backend_create("cuda", 0, &gpu));
+    gpu_packed = gpu_with_attn_env("fused", "copy", "mma");
     die_if(tkv_backend_create("cpu", 0, &cpu));
     while (n_variants < 32 && tkv_backend_cuda_prefill_variant_desc(n_variants))
         n_variants++;
@@ -842,14 +850,18 @@ int main(int argc, char **argv)
     printf("| --- | --- | --- | ---: | ---: | ---: | --- |\n");
     if (profile) {
         bench_attention(32, 8, 128, 64, (uint32_t)profile, 1, 1, false);
-        gpu->ops->free(gpu);
+        gpu->ops->free(gpu), gpu_packed->ops->free(gpu_packed);
         cpu->ops->free(cpu);
         return 0;
     }
     const bool all = !strcmp(section, "all");
     if (all || !strcmp(section, "decode")) {
-        for (int i = 0; i < N_ALT; i++)
+        for (int i = 0; i < N_ALT; i++) {
+            if (alt_env[i].prefetch)
+                setenv("TKV_CUDA_ATTN_PREFETCH", alt_env[i].prefetch, 1);
             alt[i] = gpu_with_attn_env(alt_env[i].decode, alt_env[i].table, i == 0 ? "general" : "mma");
+            unsetenv("TKV_CUDA_ATTN_PREFETCH");
+        }
         const uint32_t ctxs[] = {32768, 131072, 1048576};
         for (int i = 0; i < 3; i++)
             bench_attention(32, 8, 128, 64, ctxs[i], 1, reps, true);
@@ -923,7 +935,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < N_ALT; i++)
         if (alt[i])
             alt[i]->ops->free(alt[i]);
-    gpu->ops->free(gpu);
+    gpu->ops->free(gpu), gpu_packed->ops->free(gpu_packed);
     cpu->ops->free(cpu);
     if (variant_failed)
         fprintf(stderr, "bench-attn: a prefill variant failed its check (CHECK FAILED rows)\n");

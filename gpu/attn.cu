@@ -425,6 +425,12 @@ cudaError_t tkv_cuda_attention(const tkv_cuda_attn_params *p, cudaStream_t s)
 /* ---- the attention op's host side ----------------------------------------------- */
 
 #define N_TABLES 4 /* block tables in flight */
+/* Chunks of K/V a warp of the decode kernel over inline runs asks L2 for
+ * before its dependency wait. Measured (H100, session 44, llama3-8b Q4_0
+ * step, docs/benchmarks.md): 2 gained 1% at 4K and 0.7-2.7% at 32K over
+ * none; 8 the same at 4K and nothing at 32K (there a call's first 8 chunks
+ * a warp are 68 MB, more than the H100's 50 MB of L2). */
+#define ATTN_PREFETCH_DEFAULT 2u
 /* kofs: entries past the last one, UINT32_MAX (the packed walk's windows
  * read kofs[i .. i+64] for any entry i) */
 #define KOFS_PAD 64u
@@ -465,7 +471,7 @@ struct tkv_cuda_attn_state {
     bool decode_mma;               /* tkv_cuda_attn_params.decode_mma; 0 with
                                       TKV_CUDA_ATTN_DECODE_MMA=0 (the CUDA-core kernel) */
     uint32_t prefetch;             /* tkv_cuda_attn_params.prefetch: TKV_CUDA_ATTN_PREFETCH
-                                      (chunks a warp; unset: 0) */
+                                      (chunks a warp; unset: ATTN_PREFETCH_DEFAULT) */
     struct tkv_cuda_q8_act q8;     /* this call's planes to quantize out into (q8.q NULL: none) */
     bool q8_done;                  /* this call's kernels quantize out (launched) */
 };
@@ -520,7 +526,7 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     const char *dmma = getenv("TKV_CUDA_ATTN_DECODE_MMA");
     st->decode_mma = !(dmma && !strcmp(dmma, "0"));
     const char *pfch = getenv("TKV_CUDA_ATTN_PREFETCH");
-    st->prefetch = pfch ? (uint32_t)strtoul(pfch, NULL, 10) : 0;
+    st->prefetch = pfch ? (uint32_t)strtoul(pfch, NULL, 10) : ATTN_PREFETCH_DEFAULT;
     st->prefill_mode = pf && !strcmp(pf, "general") ? TKV_ATTN_PREFILL_GENERAL
                        : pf && !strcmp(pf, "mma16") ? TKV_ATTN_PREFILL_F16
                                                     : TKV_ATTN_PREFILL_SPLIT;
@@ -571,7 +577,7 @@ static cudaError_t grow(void **buf, size_t *cap, size_t n, size_t el, bool zero,
     return cudaSuccess;
 }
 
-/* ---- decode over inline runs (TKV_ATTN_DECODE_RUNS, _PDL) ---- */
+/* ---- decode over inline runs (TKV_ATTN_DECODE_RUNS) ---- */
 
 /* The run being built for one KV head. */
 struct run_builder {
@@ -862,7 +868,7 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     p.n_split = n_split > 0 ? n_split : 1;
     TKV_CUDA_TRY(splits_ready(st, &p, part_floats(&p), s));
     q8_settle(st, &p);
-    TKV_CUDA_TRY(tkv_cuda_attn_decode_runs(&p, &st->runs, st->pdl || st->decode_mode == TKV_ATTN_DECODE_PDL, s));
+    TKV_CUDA_TRY(tkv_cuda_attn_decode_runs(&p, &st->runs, st->pdl, s));
     *done = true;
     return cudaSuccess;
 }
@@ -874,7 +880,7 @@ static cudaError_t run_call(tkv_cuda_attn_state *st, const struct tkv_attn_args 
         return cudaSuccess;
     if (a->kv_dev)
         return run_device_views(st, a, n_sm, s);
-    if (st->decode_mode == TKV_ATTN_DECODE_RUNS || st->decode_mode == TKV_ATTN_DECODE_PDL) {
+    if (st->decode_mode == TKV_ATTN_DECODE_RUNS) {
         bool done;
         TKV_CUDA_TRY(run_inline(st, a, n_sm, s, &done));
         if (done)

@@ -122,14 +122,15 @@ __device__ __forceinline__ uint32_t tkv_cuda_head_end(const tkv_cuda_attn_params
 enum tkv_cuda_attn_decode_mode {
     TKV_ATTN_DECODE_OFF = 0,   /* the general kernel (the reference)                */
     TKV_ATTN_DECODE_MERGE = 1, /* the decode kernel, then a merge kernel            */
-    TKV_ATTN_DECODE_FUSED = 2, /* the decode kernel; the last CTA of a head merges  */
+    TKV_ATTN_DECODE_FUSED = 2, /* the decode kernel over the packed block table;
+                                  the last CTA of a head merges                */
     TKV_ATTN_DECODE_RUNS = 3,  /* FUSED, the block table as strided runs in the
                                   kernel's parameters (no table copy) where the
-                                  view fits (tkv_cuda_attn_runs), else FUSED    */
-    TKV_ATTN_DECODE_PDL = 4,   /* RUNS, launched as a programmatic dependent
-                                  launch (sm_90: starts while the previous
-                                  kernel drains, waits for it before any
-                                  global memory access)                          */
+                                  view fits (tkv_cuda_attn_runs), else FUSED;
+                                  under PDL the kernel reads only its
+                                  parameters and asks L2 for its first K/V
+                                  (prefetch) before its dependency wait: the
+                                  default                                      */
 };
 
 /* ---- the decode kernel's inline block table ------------------------------------
@@ -215,9 +216,7 @@ struct tkv_cuda_attn_state;
  * measured the table's copy stream, TKV_CUDA_ATTN_TABLE=main (copy the
  * block table on the compute stream instead). */
 /* pdl: launch the decode kernel (packed table or inline runs) as a
- * programmatic dependent launch in every decode mode that uses it
- * (TKV_CUDA_PDL=1, cuda-backend.cu; TKV_ATTN_DECODE_PDL implies it for the
- * runs). */
+ * programmatic dependent launch (the backend's TKV_CUDA_PDL, cuda-backend.cu). */
 cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, struct tkv_cuda_attn_state **out);
 void tkv_cuda_attn_state_free(struct tkv_cuda_attn_state *st); /* NULL is a no-op */
 

@@ -1296,12 +1296,12 @@ static tkv_status cuda_kv_write_heads(struct tkv_backend *b, const float *k, con
 
 /* Attention: validated here, run by attn.cu (block table, plan, kernels).
  * TKV_CUDA_ATTN_DECODE in the environment when the backend is created picks
- * the kernels of calls with at most 8 query rows per KV head: unset or "1"
- * the decode kernel with its fused merge, "merge" the decode kernel and a
- * separate merge kernel, "0" the general (reference) kernel, "runs" the
- * decode kernel with the block table as strided runs in its launch
- * parameters where the view fits them (attn.cuh), "pdl" that launched as a
- * programmatic dependent launch. */
+ * the kernels of calls with at most 8 query rows per KV head: unset (or "1",
+ * "runs", "pdl") the decode kernel with its fused merge over the view as
+ * strided runs in its launch parameters where the view fits them (attn.cuh),
+ * else over the packed block table; "fused" always the packed table;
+ * "merge" the decode kernel and a separate merge kernel; "0" the general
+ * (reference) kernel. */
 static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -2352,9 +2352,8 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     const char *dec = getenv("TKV_CUDA_ATTN_DECODE");
     const int attn_mode = dec && !strcmp(dec, "0")       ? TKV_ATTN_DECODE_OFF
                           : dec && !strcmp(dec, "merge") ? TKV_ATTN_DECODE_MERGE
-                          : dec && !strcmp(dec, "runs")  ? TKV_ATTN_DECODE_RUNS
-                          : dec && !strcmp(dec, "pdl")   ? TKV_ATTN_DECODE_PDL
-                                                         : TKV_ATTN_DECODE_FUSED;
+                          : dec && !strcmp(dec, "fused") ? TKV_ATTN_DECODE_FUSED
+                                                         : TKV_ATTN_DECODE_RUNS;
     CU(op, tkv_cuda_attn_state_create(attn_mode, cb->pdl, &cb->attn));
     for (int i = 0; i < N_STAGE; i++) {
         struct stage_slot *sl = &cb->stage[i];

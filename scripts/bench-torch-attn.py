@@ -153,7 +153,7 @@ def main():
         return min(ts) if ts else None
 
     print()
-    # ours: the packed table copied per call (bench-attn's default row); ours
+    # ours: bench-attn's default row (inline runs, PDL, L2 prefetch where the view fits); ours
     # views: the engine's decode path (block arrays in device memory)
     print("| keys | KV MB | ours us | ours GB/s | ours % of copy | ours views us | views % of copy "
           "| torch f16 best us | GB/s | % of copy | torch bf16 best us | GB/s | ours / torch f16 time |")

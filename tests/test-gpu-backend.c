@@ -681,26 +681,29 @@ static void test_profile(void)
 /* ---- attention -------------------------------------------------------------------------- */
 
 /* Every case runs on several CUDA backends: the default one (for <= 8 query
- * rows per KV head the decode kernel with its fused merge, for more the
- * tensor-core kernel in split precision where head_dim is 64 or 128, walking
- * packed 64-key tiles), the general kernel (TKV_CUDA_ATTN_DECODE=0
+ * rows per KV head the decode kernel with its fused merge, reading the view
+ * as strided runs from its launch parameters and asking L2 for each warp's
+ * first K/V chunks before its dependency wait; views of too many runs fall
+ * back to the packed block table; for more rows the tensor-core kernel in
+ * split precision where head_dim is 64 or 128, walking packed 64-key
+ * tiles), the general kernel (TKV_CUDA_ATTN_DECODE=0
  * TKV_CUDA_ATTN_PREFILL=general: the reference the fast kernels are checked
  * against), the decode kernel with a separate merge kernel
- * (TKV_CUDA_ATTN_DECODE=merge), the block table copied on the compute stream
- * (TKV_CUDA_ATTN_TABLE=main), the tensor-core kernel with f16 Q and P
- * (TKV_CUDA_ATTN_PREFILL=mma16, as FlashAttention: held to 2e-3 instead of
- * 1e-4), the tensor-core kernel walking the refs one by one
- * (TKV_CUDA_ATTN_PACK=0), and the decode kernel reading the view as strided
- * runs from its launch parameters (TKV_CUDA_ATTN_DECODE=runs; views of too
- * many runs fall back to the packed table), also as a programmatic dependent
- * launch asking L2 for each warp's first 3 chunks before its dependency wait
- * (=pdl, TKV_CUDA_ATTN_PREFETCH=3: runs' bits exactly). The default decode kernel at head_dim 65..128 is the
- * tensor-core instance; TKV_CUDA_ATTN_DECODE_MMA=0 runs the CUDA-core one
+ * (TKV_CUDA_ATTN_DECODE=merge), the packed table copied on the compute
+ * stream (TKV_CUDA_ATTN_DECODE=fused TKV_CUDA_ATTN_TABLE=main), the
+ * tensor-core kernel with f16 Q and P (TKV_CUDA_ATTN_PREFILL=mma16, as
+ * FlashAttention: held to 2e-3 instead of 1e-4), the tensor-core kernel
+ * walking the refs one by one (TKV_CUDA_ATTN_PACK=0), the default without
+ * the L2 prefetch (TKV_CUDA_ATTN_PREFETCH=0: the default's bits exactly),
+ * and the decode kernel over the packed table always
+ * (TKV_CUDA_ATTN_DECODE=fused: the bits the device views must give). The
+ * decode kernel at head_dim 65..128 is the tensor-core instance;
+ * TKV_CUDA_ATTN_DECODE_MMA=0 runs the CUDA-core one over the packed table
  * ("decode-cores"). */
 #define N_ATTN_ALT 8
 static struct tkv_backend *gpu_attn_alt[N_ATTN_ALT]; /* [0]: the general kernel */
-static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge", "table-main", "mma16",
-                                                       "per-ref", "runs",  "pdl",        "decode-cores"};
+static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge",       "table-main", "mma16",
+                                                       "per-ref", "no-prefetch", "packed",     "decode-cores"};
 static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4, 1e-4};
 
 /* The tensor-core prefill kernel's variants (v1: 128-row tiles, v2: wgmma, v3: wgmma with specialized warps;
@@ -934,24 +937,23 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
           eo, el);
     CHECK(eoc <= 1e-4 && elc <= 1e-4, "attention vs cpu backend: out %.3g lse %.3g", eoc, elc);
 
-    attn_device_views(f, &a, o_gpu, l_gpu, o_ref, l_ref, label);
+    /* the device views give the packed table's bits in decode calls (the
+     * same kernel, walk and plan; the default's inline runs cut other splits) */
+    if (gpu_attn_alt[6]) {
+        attn_on(gpu_attn_alt[6], &a, o_x, l_x);
+        attn_device_views(f, &a, o_x, l_x, o_ref, l_ref, label);
+    }
 
     /* the general (reference) kernel and the other paths, on the same inputs */
     double worst_o = 0, worst_l = 0;
-    float *o_runs = malloc(qn * sizeof *o_runs), *l_runs = malloc(ln * sizeof *l_runs);
-    bool have_runs = false;
     for (int i = 0; i < N_ATTN_ALT; i++) {
         if (!gpu_attn_alt[i])
             continue;
         attn_on(gpu_attn_alt[i], &a, o_x, l_x);
-        if (i == 5) {
-            memcpy(o_runs, o_x, qn * sizeof *o_x);
-            memcpy(l_runs, l_x, ln * sizeof *l_x);
-            have_runs = true;
-        } else if (i == 6 && have_runs) {
-            CHECK(!memcmp(o_runs, o_x, qn * sizeof *o_x) && !memcmp(l_runs, l_x, ln * sizeof *l_x),
-                  "attention H=%u Hkv=%u hd=%u %s: pdl with the L2 prefetch differs from runs", H, Hkv, hd, label);
-        }
+        if (i == 5) /* the L2 prefetch is a hint */
+            CHECK(!memcmp(o_gpu, o_x, qn * sizeof *o_x) && !memcmp(l_gpu, l_x, ln * sizeof *l_x),
+                  "attention H=%u Hkv=%u hd=%u %s: the default differs from itself without the L2 prefetch", H,
+                  Hkv, hd, label);
         const double xo = max_err(o_x, o_ref, qn), xl = max_err(l_x, l_ref, ln);
         const double fo = max_err(o_gpu, o_x, qn), fl = max_err(l_gpu, l_x, ln), tol = attn_alt_tol[i];
         if (i == 0)
@@ -968,8 +970,7 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
               attn_alt_names[i], H, Hkv, hd, label, xo, xl);
         CHECK(fo <= tol && fl <= tol, "attention: default vs %s: out %.3g lse %.3g", attn_alt_names[i], fo, fl);
     }
-    fprintf(stderr, ", general/merge/table-main/per-ref/runs/pdl vs ref %.1e %.1e", worst_o, worst_l);
-    free(o_runs), free(l_runs);
+    fprintf(stderr, ", general/merge/table-main/per-ref/no-prefetch/packed vs ref %.1e %.1e", worst_o, worst_l);
 
     /* the prefill kernel's variants, where the call reaches it (more than 8
      * rows per KV head, head_dim 64 or 128) */
@@ -1153,18 +1154,18 @@ static void test_attention(void)
 {
     gpu_attn_alt[0] = gpu_with_attn_env("0", "copy", "general", "1");
     gpu_attn_alt[1] = gpu_with_attn_env("merge", "copy", "mma", "1");
-    gpu_attn_alt[2] = gpu_with_attn_env("1", "main", "mma", "1");
+    gpu_attn_alt[2] = gpu_with_attn_env("fused", "main", "mma", "1");
     gpu_attn_alt[3] = gpu_with_attn_env("1", "copy", "mma16", "1");
     /* f16 runs v3 (compute capability 9.0) or v1 by default; v0 here, the variants below are each checked */
     if (gpu_attn_alt[3])
         CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
-    gpu_attn_alt[5] = gpu_with_attn_env("runs", "copy", "mma", "1");
-    setenv("TKV_CUDA_ATTN_PREFETCH", "3", 1); /* a hint: runs' bits (below) */
-    gpu_attn_alt[6] = gpu_with_attn_env("pdl", "copy", "mma", "1");
+    setenv("TKV_CUDA_ATTN_PREFETCH", "0", 1);
+    gpu_attn_alt[5] = gpu_with_attn_env("1", "copy", "mma", "1");
     unsetenv("TKV_CUDA_ATTN_PREFETCH");
+    gpu_attn_alt[6] = gpu_with_attn_env("fused", "copy", "mma", "1");
     setenv("TKV_CUDA_ATTN_DECODE_MMA", "0", 1);
-    gpu_attn_alt[7] = gpu_with_attn_env("1", "copy", "mma", "1");
+    gpu_attn_alt[7] = gpu_with_attn_env("fused", "copy", "mma", "1");
     unsetenv("TKV_CUDA_ATTN_DECODE_MMA");
     gpu_pf_var[0] = gpu_with_attn_env("1", "copy", "mma", "1");
     gpu_pf_var[1] = gpu_with_attn_env("1", "copy", "mma16", "1");
@@ -2329,16 +2330,16 @@ static void test_attn_q8(void)
     fprintf(stderr, "attention quantizing wo's activations:\n");
     REQUIRE_VOID(gpu_q->ops->matmul_add);
     static const char *const var[4][2] = {
-        {"TKV_CUDA_ATTN_DECODE", NULL}, /* the default kernels */
+        {"TKV_CUDA_ATTN_DECODE", "fused"}, /* the packed table (device views: their own kernel) */
         {"TKV_CUDA_ATTN_DECODE", "merge"},
-        {"TKV_CUDA_ATTN_DECODE", "runs"},
+        {"TKV_CUDA_ATTN_DECODE", NULL}, /* the default: inline runs where the view fits */
         {"TKV_CUDA_ATTN_DECODE_MMA", "0"}};
     struct tkv_backend *on[4], *off[4];
     bool ok = true;
     for (int i = 0; i < 4; i++) {
         const char *const env_on[] = {var[i][0], var[i][1], NULL};
         const char *const env_off[] = {var[i][0], var[i][1], "TKV_CUDA_ATTN_Q8", "0", NULL};
-        on[i] = i ? gpu_with_env(env_on) : gpu_q;
+        on[i] = i == 2 ? gpu_q : gpu_with_env(env_on);
         off[i] = gpu_with_env(env_off);
         ok = ok && on[i] && off[i];
     }
@@ -2358,7 +2359,7 @@ static void test_attn_q8(void)
         attn_q8_case(on[0], off[0], "head_dim 96", 0, 8, 2, 96, 1, 700, 2);    /* 3 blocks a head, each in one */
     }
     for (int i = 0; i < 4; i++) {
-        if (i && on[i])
+        if (i != 2 && on[i])
             on[i]->ops->free(on[i]);
         if (off[i])
             off[i]->ops->free(off[i]);
