@@ -226,6 +226,11 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     const char *evict_env = getenv("TKV_KV_EVICT");
     if (evict_env && strcmp(evict_env, "cycle") && strcmp(evict_env, "stale"))
         return tkv_err(TKV_ERR_INVALID_ARG, "session: TKV_KV_EVICT='%s' is not cycle or stale", evict_env);
+    /* TKV_KV_HOMES=0: no home slots (the compute tier's layout before
+     * session 44, for A/B runs, docs/kv-layout.md) */
+    const char *homes_env = getenv("TKV_KV_HOMES");
+    if (homes_env && strcmp(homes_env, "0") && strcmp(homes_env, "1"))
+        return tkv_err(TKV_ERR_INVALID_ARG, "session: TKV_KV_HOMES='%s' is not 0 or 1", homes_env);
     struct tkv_kvs_params kp = {.n_layer = hp->n_layer, .n_head_kv = hp->n_head_kv, .head_dim = hp->head_dim,
                                 .block_tokens = s->kv_block, .max_tokens = s->n_ctx, .compute_is_host = on_host,
                                 .compute_bytes = on_host ? p->host_kv_mem : p->gpu_kv_mem,
@@ -233,7 +238,8 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
                                 .nvme_bytes = p->nvme_kv_max,
                                 .pci_bus_id = s->be->ops->pci_bus_id ? s->be->ops->pci_bus_id(s->be) : NULL,
                                 .page_table = s->dev_table,
-                                .evict_cycle = evict_env && !strcmp(evict_env, "cycle")};
+                                .evict_cycle = evict_env && !strcmp(evict_env, "cycle"),
+                                .no_homes = homes_env && !strcmp(homes_env, "0")};
     TKV_TRY(tkv_kvs_init(&kp, s->be, &s->kv));
 
     struct tkv_policy_env env = {.n_layer = hp->n_layer, .n_head = hp->n_head, .n_head_kv = hp->n_head_kv,

@@ -191,6 +191,7 @@ static struct deferred {
     uint32_t n;
     uint64_t queued, fences, seq, downloads; /* downloads: download_blocks calls */
     bool fail_uploads; /* upload_blocks fails (a device error) */
+    uint32_t refuse_allocs; /* the next this many allocs fail (out of device memory) */
     bool no_checks;    /* upload_blocks refuses checksums (TKV_ERR_UNSUPPORTED): the store checks on the CPU */
 } dfr;
 
@@ -210,7 +211,15 @@ static void dfr_flush(uint64_t upto)
     dfr.n = keep;
 }
 static void dfr_free(struct tkv_backend *b) { (void)b; }
-static tkv_status dfr_alloc(struct tkv_backend *b, size_t n, void **out) { (void)b; return dfr.inner->ops->alloc(dfr.inner, n, out); }
+static tkv_status dfr_alloc(struct tkv_backend *b, size_t n, void **out)
+{
+    (void)b;
+    if (dfr.refuse_allocs) {
+        dfr.refuse_allocs--;
+        return tkv_err(TKV_ERR_NOMEM, "deferred: %zu bytes refused (a test's out of memory)", n);
+    }
+    return dfr.inner->ops->alloc(dfr.inner, n, out);
+}
 static void dfr_release(struct tkv_backend *b, void *p) { (void)b; dfr.inner->ops->release(dfr.inner, p); }
 static tkv_status dfr_upload(struct tkv_backend *b, void *dst, const void *src, size_t n)
 {
@@ -1566,6 +1575,85 @@ static void test_evict_scoped(bool compute_is_host, const char *name)
     tkv_kvs_free(st[1]);
 }
 
+/* Home slots (docs/kv-layout.md): a compute tier that holds the whole
+ * context gives each head's blocks one stride within each home segment,
+ * whatever order they are written in -- a prompt reserved at once and
+ * written in chunks through every layer, then tokens one at a time with
+ * the engine's reservation ahead -- and the bytes stay the mirror's.
+ * Without homes (no_homes), or when a segment's allocation fails, the same
+ * writes interleave the heads' blocks and nothing else changes. Returns
+ * the blocks (of all heads) not at one block's stride after their
+ * predecessor, over the first 13 blocks a head (the writes stop there:
+ * past them this tier, exactly the context, has no room for a third
+ * segment, as each segment's allocation is rounded up to whole slabs, and
+ * the last blocks take the leftover slots). */
+static uint32_t homes_run(bool compute_is_host, bool homes, const char *name)
+{
+    const uint32_t S = 4 * B * HD;
+    struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = HD, .block_tokens = B, .max_tokens = CTX,
+                               .compute_is_host = compute_is_host, .compute_bytes = (uint64_t)L * H * NB * S,
+                               .no_homes = !homes};
+    struct tkv_kvs *s = NULL;
+    const tkv_status st = tkv_kvs_init(&p, be, &s);
+    CHECK(st == TKV_OK, "%s: kvs_init: %s", name, tkv_last_error());
+    if (st != TKV_OK)
+        return 0;
+    length = 0;
+    const uint32_t prompt = 100, ahead = 32;
+    CHECK(tkv_kvs_reserve(s, prompt) == TKV_OK, "%s: %s", name, tkv_last_error());
+    while (length < prompt)
+        CHECK(append(s, TKV_MIN(24u, prompt - length)) == TKV_OK, "%s: %s", name, tkv_last_error());
+    const uint32_t nb = 13;
+    while (length < nb * B) {
+        CHECK(tkv_kvs_reserve(s, TKV_MIN((uint32_t)CTX, length + 1 + ahead)) == TKV_OK, "%s: %s", name,
+              tkv_last_error());
+        CHECK(append(s, 1) == TKV_OK, "%s: %s", name, tkv_last_error());
+    }
+    check_all(s, name);
+    uint32_t breaks = 0;
+    for (uint32_t l = 0; l < L; l++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t b = 0; b + 1 < nb; b++) {
+                const uint64_t a0 = tkv_kvs_test_compute_addr(s, l, h, b), a1 = tkv_kvs_test_compute_addr(s, l, h, b + 1);
+                CHECK(a0 && a1, "%s: block %u of (%u, %u) has no compute slot", name, a0 ? b + 1 : b, l, h);
+                breaks += a1 != a0 + S;
+            }
+    tkv_kvs_free(s);
+    fprintf(stderr, "%s: %u of %u blocks off their head's stride\n", name, breaks, L * H * (nb - 1));
+    return breaks;
+}
+
+static void test_homes(void)
+{
+    /* the prompt's 7 blocks get a segment of 8 a head (HOME_MIN_W), the
+     * first decode reserve past it one of what the tier has left (5 a head:
+     * 96 slots, the first segment's 48 rounded up to 64): each head's 13
+     * blocks in two runs, one break a head */
+    CHECK(homes_run(true, true, "home slots, host compute tier") == L * H, "home slots: not one break a head");
+    CHECK(homes_run(false, true, "home slots, device compute tier") == L * H, "home slots: not one break a head");
+    const uint32_t plain = homes_run(true, false, "no home slots (no_homes)");
+    CHECK(plain > 2 * L * H, "no_homes: %u breaks; the chunked writes should interleave the heads", plain);
+    /* a segment's allocation fails: plain slabs, the same bytes */
+    struct tkv_backend *cpu_be = be;
+    be = deferred_backend(cpu_be);
+    dfr.refuse_allocs = 1; /* the first: the prompt's segment */
+    CHECK(homes_run(false, true, "home slots, the segment's allocation refused") == plain,
+          "a refused segment did not fall back to the plain layout");
+    CHECK(dfr.refuse_allocs == 0, "the segment's allocation was not asked for");
+    be = cpu_be;
+    /* the randomized operations on stores whose compute tier holds the context */
+    struct tkv_kvs *s = make_store(true, L * H * NB, 0, true);
+    if (s) {
+        random_ops(s, 1500, "homes host+nvme");
+        tkv_kvs_free(s);
+    }
+    s = make_store(false, L * H * NB, 0, true);
+    if (s) {
+        random_ops(s, 1500, "homes device+nvme");
+        tkv_kvs_free(s);
+    }
+}
+
 static void test_crc32c(void)
 {
     static uint8_t buf[70000];
@@ -1651,6 +1739,7 @@ int main(void)
     test_import_n(false, 40, 40, "import_n device (late uploads)+host+nvme");
     be = cpu_be;
     test_import_n_faults();
+    test_homes();
     test_evict_scoped(true, "scoped eviction host+nvme");
     test_evict_scoped(false, "scoped eviction device+host+nvme");
     be = deferred_backend(cpu_be);

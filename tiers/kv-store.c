@@ -21,6 +21,8 @@
 #define SLAB_SLOTS 64  /* slots per memory slab                       */
 #define IO_BATCH   32  /* blocks per batch of NVMe reads or writes    */
 #define SEL_AHEAD  16  /* begin_layer: records prefetched this many listed blocks ahead */
+#define MAX_HOME_SEGS 32 /* home segments (below) a store makes at most          */
+#define HOME_MIN_W 8     /* blocks a head a home segment covers at least         */
 #define UP_PIECE_BYTES (128u << 20) /* default upload_piece_bytes: on the H200 (bench-tiers
                                       --piece-kib) 8 MiB pieces cost more in launches than they
                                       hid; with two prefetches in flight 128 MiB beat 32 MiB */
@@ -72,7 +74,10 @@ struct pool {
      * stale block here and its stale bucket need not be read. */
     uint64_t *lmin;
     uint8_t **slab;          /* [cap / SLAB_SLOTS + 1] memory tiers    */
-    struct tkv_host_mem *slab_host; /* host-memory slabs             */
+    bool    *slab_head;      /* [cap / SLAB_SLOTS + 1] slab k begins its allocation
+                                (a home segment's slabs share one)      */
+    struct tkv_host_mem *slab_host; /* host-memory slabs (at the heads)  */
+    int32_t *free_at;        /* [cap] a free slot's index in free_list, else -1 */
     bool     host_memory;    /* slabs are host memory (else backend)  */
     uint64_t used, peak;     /* bytes                                 */
 };
@@ -158,6 +163,22 @@ struct tkv_kvs {
     uint64_t marked_layers;  /* tkv_kvs_mark_reads calls (stats)      */
     struct blk *blk;         /* [layer][head][max_blocks]             */
     struct pool pool[TKV_TIER_COUNT];
+    /* Home slots (docs/kv-layout.md, "Home slots"): while the compute tier
+     * can hold every block of the context, each reserve past the blocks the
+     * homes cover adds a segment of compute slots allocated in one piece, w
+     * blocks for every (layer, head), head after head: block b of (layer,
+     * head), b0 <= b < b0 + w, has slot first + (layer * H + head) * w + b -
+     * b0 as its home and takes it whenever it takes a compute slot while the
+     * home is free. So a head's blocks lie at one stride within a segment,
+     * whatever order they are written in: the decode attention reads them as
+     * a few strided runs (gpu/attn.cuh) instead of a table. */
+    struct home_seg {
+        uint32_t b0, w, first;
+    } homes[MAX_HOME_SEGS];
+    uint32_t n_homes;        /* segments made                                   */
+    uint32_t homes_end;      /* blocks a head the segments cover                */
+    bool     homes_off;      /* no more segments (params.no_homes, or the tier
+                                cannot hold the context, or MAX_HOME_SEGS made)  */
     struct tkv_kv_block_ref *refs; /* [layer][head][max_blocks] views, each layer's as
                                       its last begin_layer left them            */
     struct tkv_kv_block_ref *host_refs; /* [head][max_blocks] the current layer's blocks read
@@ -343,7 +364,9 @@ static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uin
     pl->slot_layer = malloc((size_t)cap * sizeof *pl->slot_layer);
     pl->layer_used = calloc(n_layer, sizeof *pl->layer_used);
     pl->slab = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab);
+    pl->slab_head = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab_head);
     pl->slab_host = calloc(cap / SLAB_SLOTS + 1, sizeof *pl->slab_host);
+    pl->free_at = malloc((size_t)cap * sizeof *pl->free_at);
     if (layer_maps) { /* n_layer * cap bits: 1 MiB for 32 layers of 262K slots */
         pl->words = (cap + 63) / 64;
         pl->sum_words = (pl->words + 63) / 64;
@@ -351,13 +374,60 @@ static tkv_status pool_init(struct pool *pl, uint32_t cap, bool host_memory, uin
         pl->lsum = calloc((size_t)n_layer * pl->sum_words, sizeof *pl->lsum);
         pl->lmin = calloc(n_layer, sizeof *pl->lmin);
     }
-    if (!pl->free_list || !pl->owner || !pl->slot_layer || !pl->layer_used || !pl->slab || !pl->slab_host ||
+    if (!pl->free_list || !pl->owner || !pl->slot_layer || !pl->layer_used || !pl->slab || !pl->slab_head ||
+        !pl->slab_host || !pl->free_at ||
         (layer_maps && (!pl->lmap || !pl->lsum || !pl->lmin)))
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory for a slot table");
     for (uint32_t i = 0; i < cap; i++) {
         pl->owner[i] = -1;
         pl->slot_layer[i] = (uint16_t)n_layer;
+        pl->free_at[i] = -1;
     }
+    return TKV_OK;
+}
+
+/* Makes slots [first, first + count) free: under the slots already free
+ * (the list is a stack), lowest first, so a fresh slot is taken only when
+ * every lower one is in use -- the NVMe tier's file then never needs more
+ * than its peak use, and no hole of free slots below the growth tells the
+ * disk to hold more. */
+static void pool_add_free(struct pool *pl, uint32_t first, uint32_t count)
+{
+    memmove(pl->free_list + count, pl->free_list, pl->n_free * sizeof *pl->free_list);
+    for (uint32_t j = count; j < count + pl->n_free; j++)
+        pl->free_at[pl->free_list[j]] = (int32_t)j;
+    for (uint32_t i = 0; i < count; i++) {
+        pl->free_list[i] = (int32_t)(first + count - 1 - i);
+        pl->free_at[first + count - 1 - i] = (int32_t)i;
+    }
+    pl->n_free += count;
+    pl->n += count;
+}
+
+/* Allocates `bytes` of tier t's memory for the slabs from k on (one piece
+ * at slab_host[k] or slab[k]); *base its address. */
+static tkv_status slab_alloc(struct tkv_kvs *s, int t, uint32_t k, size_t bytes, uint8_t **base)
+{
+    struct pool *pl = &s->pool[t];
+    if (pl->host_memory) {
+        TKV_TRY(tkv_host_mem_alloc(bytes, s->p.pci_bus_id, &pl->slab_host[k]));
+        /* below a GPU: page-lock it so copies to the device are asynchronous DMA */
+        if (t == TKV_TIER_HOST && s->be->ops->host_register) {
+            tkv_status st = s->be->ops->host_register(s->be, pl->slab_host[k].ptr, bytes);
+            if (st != TKV_OK) {
+                tkv_host_mem_free(&pl->slab_host[k]);
+                return tkv_err_wrap(st, "kv-store: registering %zu bytes of host KV with %s", bytes,
+                                    s->be->ops->name);
+            }
+        }
+        *base = pl->slab_host[k].ptr;
+        return TKV_OK;
+    }
+    void *p;
+    tkv_status st = s->be->ops->alloc(s->be, bytes, &p);
+    if (st != TKV_OK)
+        return tkv_err_wrap(st, "kv-store: %s tier slab of %zu bytes", tier_names[t], bytes);
+    *base = p;
     return TKV_OK;
 }
 
@@ -370,41 +440,79 @@ static tkv_status pool_grow(struct tkv_kvs *s, int t, uint32_t want)
     while (pl->n < want) {
         uint32_t first = pl->n, count = TKV_MIN(SLAB_SLOTS, pl->cap - first);
         if (t != TKV_TIER_NVME) {
-            size_t bytes = (size_t)count * s->S;
-            uint32_t k = first / SLAB_SLOTS;
-            if (pl->host_memory) {
-                TKV_TRY(tkv_host_mem_alloc(bytes, s->p.pci_bus_id, &pl->slab_host[k]));
-                pl->slab[k] = pl->slab_host[k].ptr;
-                /* below a GPU: page-lock it so copies to the device are asynchronous DMA */
-                if (t == TKV_TIER_HOST && s->be->ops->host_register) {
-                    tkv_status st = s->be->ops->host_register(s->be, pl->slab[k], bytes);
-                    if (st != TKV_OK) {
-                        tkv_host_mem_free(&pl->slab_host[k]);
-                        pl->slab[k] = NULL;
-                        return tkv_err_wrap(st, "kv-store: registering %zu bytes of host KV with %s", bytes,
-                                            s->be->ops->name);
-                    }
-                }
-            } else {
-                void *p;
-                tkv_status st = s->be->ops->alloc(s->be, bytes, &p);
-                if (st != TKV_OK)
-                    return tkv_err_wrap(st, "kv-store: %s tier slab of %zu bytes", tier_names[t], bytes);
-                pl->slab[k] = p;
-            }
+            const uint32_t k = first / SLAB_SLOTS;
+            TKV_TRY(slab_alloc(s, t, k, (size_t)count * s->S, &pl->slab[k]));
+            pl->slab_head[k] = true;
         }
-        /* lower slots handed out first: the new ones go under the slots
-         * already free (the list is a stack), so a fresh slot is taken only
-         * when every lower one is in use -- the NVMe tier's file then never
-         * needs more than its peak use, and no hole of free slots below the
-         * growth tells the disk to hold more */
-        memmove(pl->free_list + count, pl->free_list, pl->n_free * sizeof *pl->free_list);
-        for (uint32_t i = 0; i < count; i++)
-            pl->free_list[i] = (int32_t)(first + count - 1 - i);
-        pl->n_free += count;
-        pl->n += count;
+        pool_add_free(pl, first, count);
     }
     return TKV_OK;
+}
+
+/* The home slot of block i (-1: none; the struct's comment). */
+static int32_t home_slot(const struct tkv_kvs *s, uint32_t i)
+{
+    uint32_t l, h, b;
+    blk_coords(s, i, &l, &h, &b);
+    for (uint32_t k = s->n_homes; k-- > 0;) {
+        const struct home_seg *g = &s->homes[k];
+        if (b >= g->b0)
+            return b - g->b0 < g->w ? (int32_t)(g->first + ((uint64_t)l * s->p.n_head_kv + h) * g->w + (b - g->b0))
+                                    : -1;
+    }
+    return -1;
+}
+
+/* Covers blocks [homes_end, n_blocks) of every head with a home segment,
+ * where the compute tier can hold every block of the context: w blocks a
+ * head, at least what the reserve needs, HOME_MIN_W and half of what the
+ * homes cover already (so a context grown token by token makes a few
+ * segments, each head a few runs), within the tier's capacity; one
+ * allocation, its slots free. A tier that cannot hold the context, or one
+ * grown by plain slabs to a point off a slab boundary, gets no homes. */
+static tkv_status homes_grow(struct tkv_kvs *s)
+{
+    struct pool *pl = &s->pool[TKV_TIER_COMPUTE];
+    const uint64_t LH = (uint64_t)s->p.n_layer * s->p.n_head_kv;
+    if (s->homes_off || s->n_blocks <= s->homes_end)
+        return TKV_OK;
+    const uint32_t need = s->n_blocks - s->homes_end;
+    if (pl->cap < LH * s->max_blocks || pl->n % SLAB_SLOTS || s->n_homes == MAX_HOME_SEGS ||
+        (uint64_t)pl->n + LH * need > pl->cap) {
+        s->homes_off = true;
+        return TKV_OK;
+    }
+    uint64_t w = TKV_MAX(TKV_MAX(need, HOME_MIN_W), s->homes_end / 2);
+    w = TKV_MIN(w, s->max_blocks - s->homes_end);
+    w = TKV_MIN(w, (pl->cap - pl->n) / LH);
+    const uint32_t first = pl->n, count = (uint32_t)TKV_MIN((LH * w + SLAB_SLOTS - 1) / SLAB_SLOTS * SLAB_SLOTS,
+                                                            (uint64_t)pl->cap - first);
+    const uint32_t k0 = first / SLAB_SLOTS;
+    uint8_t *base = NULL;
+    if (slab_alloc(s, TKV_TIER_COMPUTE, k0, (size_t)count * s->S, &base) != TKV_OK) {
+        /* no piece that large: plain slabs from here on (pool_grow reports
+         * what it cannot allocate) */
+        TKV_LOG_W("%s; the KV blocks go to slabs of %u without home slots", tkv_last_error(), SLAB_SLOTS);
+        s->homes_off = true;
+        return TKV_OK;
+    }
+    pl->slab_head[k0] = true;
+    for (uint32_t j = 0; (uint64_t)j * SLAB_SLOTS < count; j++)
+        pl->slab[k0 + j] = base + (size_t)j * SLAB_SLOTS * s->S;
+    pool_add_free(pl, first, count);
+    s->homes[s->n_homes++] = (struct home_seg){.b0 = s->homes_end, .w = (uint32_t)w, .first = first};
+    s->homes_end += (uint32_t)w;
+    return TKV_OK;
+}
+
+/* Takes free slot `slot` off the free list (its place goes to the list's top). */
+static void pool_take_free(struct pool *pl, int32_t slot)
+{
+    const int32_t j = pl->free_at[slot], top = pl->free_list[pl->n_free - 1];
+    pl->free_list[j] = top;
+    pl->free_at[top] = j;
+    pl->n_free--;
+    pl->free_at[slot] = -1;
 }
 
 /* Queues block i for the next page-table sync of its layer (its compute
@@ -424,7 +532,15 @@ static int32_t pool_take(struct tkv_kvs *s, int t, uint32_t owner)
     struct pool *pl = &s->pool[t];
     if (pl->n_free == 0)
         return -1;
-    int32_t slot = pl->free_list[--pl->n_free];
+    const int32_t home = t == TKV_TIER_COMPUTE && s->n_homes ? home_slot(s, owner) : -1;
+    int32_t slot;
+    if (home >= 0 && pl->free_at[home] >= 0) {
+        slot = home;
+        pool_take_free(pl, slot);
+    } else {
+        slot = pl->free_list[--pl->n_free];
+        pl->free_at[slot] = -1;
+    }
     if (t == TKV_TIER_COMPUTE) {
         s->layer_gen[s->blk[owner].layer]++;
         pt_touch(s, owner);
@@ -466,6 +582,7 @@ static void pool_give(struct tkv_kvs *s, int t, int32_t slot)
     }
     pl->slot_layer[slot] = (uint16_t)s->p.n_layer;
     pl->owner[slot] = -1;
+    pl->free_at[slot] = (int32_t)pl->n_free;
     pl->free_list[pl->n_free++] = slot;
     pl->used -= s->S;
 }
@@ -475,6 +592,8 @@ static void pool_free(struct tkv_kvs *s, int t)
     struct pool *pl = &s->pool[t];
     if (pl->slab)
         for (uint32_t k = 0; k * SLAB_SLOTS < pl->n; k++) {
+            if (!pl->slab_head[k])
+                continue; /* inside a home segment's allocation */
             if (pl->host_memory && t == TKV_TIER_HOST && s->be->ops->host_unregister && pl->slab[k])
                 s->be->ops->host_unregister(s->be, pl->slab[k]);
             if (pl->host_memory)
@@ -490,7 +609,9 @@ static void pool_free(struct tkv_kvs *s, int t)
     free(pl->lsum);
     free(pl->lmin);
     free(pl->slab);
+    free(pl->slab_head);
     free(pl->slab_host);
+    free(pl->free_at);
 }
 
 /* Drops a block's copy on tier t (slot back to the pool). */
@@ -1698,6 +1819,7 @@ tkv_status tkv_kvs_init(const struct tkv_kvs_params *p, struct tkv_backend *back
     if (!s)
         return tkv_err(TKV_ERR_NOMEM, "kv-store: out of memory");
     s->p = *p;
+    s->homes_off = p->no_homes;
     s->p.nvme_dir = NULL; /* not kept: only used here (pci_bus_id is the backend's, it outlives us) */
     s->be = backend;
     s->part = PART_NONE;
@@ -1952,6 +2074,7 @@ tkv_status tkv_kvs_reserve(struct tkv_kvs *s, uint32_t n_tokens)
         return tkv_err(TKV_ERR_CONTEXT_FULL, "kv-store: %u tokens exceed the context of %u", n_tokens, s->p.max_tokens);
     uint32_t need = (n_tokens + s->p.block_tokens - 1) / s->p.block_tokens;
     s->n_blocks = TKV_MAX(s->n_blocks, need);
+    TKV_TRY(homes_grow(s));
     uint64_t blocks = (uint64_t)s->p.n_layer * s->p.n_head_kv * s->n_blocks;
     TKV_TRY(pool_grow(s, TKV_TIER_COMPUTE, (uint32_t)TKV_MIN(blocks, s->pool[TKV_TIER_COMPUTE].cap)));
     if (s->pool[TKV_TIER_NVME].present && blocks > s->pool[TKV_TIER_COMPUTE].cap)

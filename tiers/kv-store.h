@@ -59,6 +59,9 @@ struct tkv_kvs_params {
     bool     evict_cycle;     /* evict by the layer cycle alone: no stale blocks first
                                  (docs/kv-layout.md, "Eviction"; the order before
                                  session 30, for A/B runs) */
+    bool     no_homes;        /* compute slots from the free list only, no home slots
+                                 (docs/kv-layout.md, "Home slots"; the layout before
+                                 session 44, for A/B runs: TKV_KV_HOMES=0) */
     bool     walk_ref;        /* test hook: begin_layer and end_layer walk every block of the
                                  layer, pinning and stamping each (the pass the whole-layer
                                  shortcut replaced; the views and every eviction must come
