@@ -460,6 +460,8 @@ struct tkv_cuda_attn_state {
     int prefill_variant;           /* TKV_CUDA_ATTN_PREFILL_VARIANT, setter; -1: by precision */
     struct tkv_cuda_attn_runs runs;/* the inline table being built          */
     bool table_on_main;            /* TKV_CUDA_ATTN_TABLE=main             */
+    bool runs_per_block;           /* runs_build without its stretches (the reference):
+                                      TKV_CUDA_ATTN_RUNS_SCAN=block          */
     bool pdl;                      /* decode kernel: programmatic dependent launch */
     bool ws_pingpong;              /* prefill v3's warpgroups take turns; 0 with
                                       TKV_CUDA_ATTN_WS_PINGPONG=0            */
@@ -518,6 +520,8 @@ cudaError_t tkv_cuda_attn_state_create(int decode_mode, bool pdl, tkv_cuda_attn_
     const char *tab = getenv("TKV_CUDA_ATTN_TABLE"), *pf = getenv("TKV_CUDA_ATTN_PREFILL");
     const char *pack = getenv("TKV_CUDA_ATTN_PACK"), *var = getenv("TKV_CUDA_ATTN_PREFILL_VARIANT");
     st->table_on_main = tab && !strcmp(tab, "main");
+    const char *scan = getenv("TKV_CUDA_ATTN_RUNS_SCAN");
+    st->runs_per_block = scan && !strcmp(scan, "block");
     st->prefill_pack = !(pack && !strcmp(pack, "0"));
     const char *pp = getenv("TKV_CUDA_ATTN_WS_PINGPONG");
     st->ws_pingpong = !(pp && !strcmp(pp, "0"));
@@ -631,6 +635,72 @@ static bool run_add(struct run_builder *b, const uint16_t *k, const uint16_t *v,
     return true;
 }
 
+/* Adds `count` blocks of bsz rows, block j at k + j dk, v + j dv (elements)
+ * and position pos0 + j bsz: what `count` calls of run_add would leave,
+ * in one step where the run open after the first takes the rest at that
+ * stride. */
+static bool run_add_blocks(struct run_builder *b, const uint16_t *k, const uint16_t *v, int32_t pos0, uint32_t bsz,
+                           uint32_t count, int64_t dk, int64_t dv)
+{
+    if (!run_add(b, k, v, pos0, bsz))
+        return false;
+    struct tkv_cuda_kv_run *c = b->cur;
+    if (c->bsz == bsz && bsz % b->chunk == 0 && (b->nblk == 1 || (c->kstride == dk && c->vstride == dv)) &&
+        (uint64_t)c->n + (uint64_t)(count - 1) * bsz <= UINT32_MAX) {
+        if (b->nblk == 1) {
+            c->kstride = dk;
+            c->vstride = dv;
+        }
+        b->nblk += count - 1;
+        c->n += (count - 1) * bsz;
+        return true;
+    }
+    for (uint32_t j = 1; j < count; j++)
+        if (!run_add(b, k + j * dk, v + j * dv, pos0 + (int32_t)(j * bsz), bsz))
+            return false;
+    return true;
+}
+
+/* Whether ref y continues the n rows at k, v, pos0 in memory (K and V
+ * rows, positions): the two are joined into one block. */
+static bool ref_continues(const uint16_t *k, const uint16_t *v, int32_t pos0, uint32_t n,
+                          const struct tkv_kv_block_ref *y, size_t hd)
+{
+    return y->k == k + (size_t)n * hd && y->v == v + (size_t)n * hd && (int64_t)y->pos0 == (int64_t)pos0 + n;
+}
+
+/* The end of the stretch of refs from i on (refs[i] whole and visible):
+ * whole visible blocks of refs[i]'s rows at one K and one V stride,
+ * positions following on, none continuing another in memory, and the ref
+ * after the stretch not continuing its last -- so that run_add_blocks
+ * leaves what the per-block walk would. i + 1 where there is none of 2.
+ * The KV store's home slots lay a resident head out so (docs/kv-layout.md):
+ * one pass of four compares a block. */
+static uint32_t stretch_end(const struct tkv_kv_block_ref *refs, uint32_t i, uint32_t nb, int32_t pos_max, size_t hd)
+{
+    const struct tkv_kv_block_ref *x = &refs[i];
+    const uint32_t bsz = x->n;
+    if (i + 1 >= nb)
+        return i + 1;
+    const int64_t dk = refs[i + 1].k - x->k, dv = refs[i + 1].v - x->v;
+    if ((dk * 2) % 16 || (dv * 2) % 16 || (dk == (int64_t)bsz * (int64_t)hd && dv == (int64_t)bsz * (int64_t)hd))
+        return i + 1;
+    uint32_t j = i + 1;
+    const uint16_t *k = x->k + dk, *v = x->v + dv;
+    int64_t p = (int64_t)x->pos0 + bsz;
+    while (j < nb && refs[j].k == k && refs[j].v == v && refs[j].pos0 == p && refs[j].n == bsz &&
+           p + bsz - 1 <= pos_max)
+        j++, k += dk, v += dv, p += bsz;
+    /* the per-block walk would join the next ref with rows to the last */
+    uint32_t nx = j;
+    while (nx < nb && refs[nx].n == 0)
+        nx++;
+    const struct tkv_kv_block_ref *last = &refs[j - 1];
+    if (nx < nb && refs[nx].pos0 <= pos_max && ref_continues(last->k, last->v, last->pos0, bsz, &refs[nx], hd))
+        j--;
+    return j;
+}
+
 /* Describes a's view as runs (st->runs): refs of no rows and rows past the
  * last query's position left out, refs that continue each other in memory
  * (K and V rows and positions) joined into one block. False: the view does
@@ -654,7 +724,8 @@ static bool runs_build(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, u
         const uint16_t *bk = NULL, *bv = NULL; /* the block being joined */
         int32_t bpos = 0;
         uint32_t bn = 0;
-        for (uint32_t i = 0; i < a->kv[g].n_blocks; i++) {
+        const uint32_t nb = a->kv[g].n_blocks;
+        for (uint32_t i = 0; i < nb; i++) {
             const struct tkv_kv_block_ref *x = &refs[i];
             if (x->n == 0)
                 continue;
@@ -663,13 +734,20 @@ static bool runs_build(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, u
             if (((uintptr_t)x->k | (uintptr_t)x->v) % 16)
                 return false;
             const uint32_t n = (int64_t)x->pos0 + x->n - 1 > pos_max ? (uint32_t)(pos_max - x->pos0 + 1) : x->n;
-            if (bn && x->k == bk + (size_t)bn * hd && x->v == bv + (size_t)bn * hd &&
-                (int64_t)x->pos0 == (int64_t)bpos + bn && (uint64_t)bn + n <= UINT32_MAX) {
+            if (bn && ref_continues(bk, bv, bpos, bn, x, hd) && (uint64_t)bn + n <= UINT32_MAX) {
                 bn += n;
                 continue;
             }
             if (bn && !run_add(&b, bk, bv, bpos, bn))
                 return false;
+            bn = 0;
+            const uint32_t e = n == x->n && !st->runs_per_block ? stretch_end(refs, i, nb, pos_max, hd) : i + 1;
+            if (e > i + 1) { /* whole blocks at one stride (refs e - 1 and e - 2 are not n == 0) */
+                if (!run_add_blocks(&b, x->k, x->v, x->pos0, n, e - i, refs[i + 1].k - x->k, refs[i + 1].v - x->v))
+                    return false;
+                i = e - 1;
+                continue;
+            }
             bk = x->k, bv = x->v, bpos = x->pos0, bn = n;
         }
         if (bn && !run_add(&b, bk, bv, bpos, bn))

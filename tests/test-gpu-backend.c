@@ -694,7 +694,9 @@ static void test_profile(void)
  * tensor-core kernel with f16 Q and P (TKV_CUDA_ATTN_PREFILL=mma16, as
  * FlashAttention: held to 2e-3 instead of 1e-4), the tensor-core kernel
  * walking the refs one by one (TKV_CUDA_ATTN_PACK=0), the default without
- * the L2 prefetch (TKV_CUDA_ATTN_PREFETCH=0: the default's bits exactly),
+ * the L2 prefetch and with its runs built block by block
+ * (TKV_CUDA_ATTN_PREFETCH=0 TKV_CUDA_ATTN_RUNS_SCAN=block, the reference
+ * of the stretches at one stride: the default's bits exactly),
  * and the decode kernel over the packed table always
  * (TKV_CUDA_ATTN_DECODE=fused: the bits the device views must give). The
  * decode kernel at head_dim 65..128 is the tensor-core instance;
@@ -703,7 +705,7 @@ static void test_profile(void)
 #define N_ATTN_ALT 8
 static struct tkv_backend *gpu_attn_alt[N_ATTN_ALT]; /* [0]: the general kernel */
 static const char *const attn_alt_names[N_ATTN_ALT] = {"general", "merge",       "table-main", "mma16",
-                                                       "per-ref", "no-prefetch", "packed",     "decode-cores"};
+                                                       "per-ref", "reference-runs", "packed",  "decode-cores"};
 static const double attn_alt_tol[N_ATTN_ALT] = {1e-4, 1e-4, 1e-4, 2e-3, 1e-4, 1e-4, 1e-4, 1e-4};
 
 /* The tensor-core prefill kernel's variants (v1: 128-row tiles, v2: wgmma, v3: wgmma with specialized warps;
@@ -950,10 +952,10 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
         if (!gpu_attn_alt[i])
             continue;
         attn_on(gpu_attn_alt[i], &a, o_x, l_x);
-        if (i == 5) /* the L2 prefetch is a hint */
+        if (i == 5) /* the L2 prefetch is a hint; the stretches give the per-block walk's runs */
             CHECK(!memcmp(o_gpu, o_x, qn * sizeof *o_x) && !memcmp(l_gpu, l_x, ln * sizeof *l_x),
-                  "attention H=%u Hkv=%u hd=%u %s: the default differs from itself without the L2 prefetch", H,
-                  Hkv, hd, label);
+                  "attention H=%u Hkv=%u hd=%u %s: the default differs from itself without the L2 prefetch, its runs "
+                  "built block by block", H, Hkv, hd, label);
         const double xo = max_err(o_x, o_ref, qn), xl = max_err(l_x, l_ref, ln);
         const double fo = max_err(o_gpu, o_x, qn), fl = max_err(l_gpu, l_x, ln), tol = attn_alt_tol[i];
         if (i == 0)
@@ -970,7 +972,7 @@ static void attn_compare(const struct kv_fixture *f, uint32_t H, uint32_t n_q, c
               attn_alt_names[i], H, Hkv, hd, label, xo, xl);
         CHECK(fo <= tol && fl <= tol, "attention: default vs %s: out %.3g lse %.3g", attn_alt_names[i], fo, fl);
     }
-    fprintf(stderr, ", general/merge/table-main/per-ref/no-prefetch/packed vs ref %.1e %.1e", worst_o, worst_l);
+    fprintf(stderr, ", general/merge/table-main/per-ref/reference-runs/packed vs ref %.1e %.1e", worst_o, worst_l);
 
     /* the prefill kernel's variants, where the call reaches it (more than 8
      * rows per KV head, head_dim 64 or 128) */
@@ -1161,8 +1163,10 @@ static void test_attention(void)
         CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
     setenv("TKV_CUDA_ATTN_PREFETCH", "0", 1);
+    setenv("TKV_CUDA_ATTN_RUNS_SCAN", "block", 1);
     gpu_attn_alt[5] = gpu_with_attn_env("1", "copy", "mma", "1");
     unsetenv("TKV_CUDA_ATTN_PREFETCH");
+    unsetenv("TKV_CUDA_ATTN_RUNS_SCAN");
     gpu_attn_alt[6] = gpu_with_attn_env("fused", "copy", "mma", "1");
     setenv("TKV_CUDA_ATTN_DECODE_MMA", "0", 1);
     gpu_attn_alt[7] = gpu_with_attn_env("fused", "copy", "mma", "1");
