@@ -380,7 +380,8 @@ static void bench_attention(uint32_t H, uint32_t Hkv, uint32_t hd, uint32_t B, u
                "TFLOP/s | same bits |\n",
                H, Hkv, hd, B, ctx, n_q, tv * 1e6, kv_bytes / tv / 1e9, flops / tv / 1e12);
         if (variants)
-            dec_row("device views (the engine's decode path from a device table)", ctx, tv, tv_host, host_time(gpu, &va), kv_bytes);
+            dec_row("device views (the engine's decode path from a device table)", ctx, tv, tv_host,
+                    host_time(gpu, &va), kv_bytes);
         gpu->ops->release(gpu, drd);
     }
     if (variants) {

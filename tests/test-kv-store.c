@@ -1614,7 +1614,8 @@ static uint32_t homes_run(bool compute_is_host, bool homes, const char *name)
     for (uint32_t l = 0; l < L; l++)
         for (uint32_t h = 0; h < H; h++)
             for (uint32_t b = 0; b + 1 < nb; b++) {
-                const uint64_t a0 = tkv_kvs_test_compute_addr(s, l, h, b), a1 = tkv_kvs_test_compute_addr(s, l, h, b + 1);
+                const uint64_t a0 = tkv_kvs_test_compute_addr(s, l, h, b);
+                const uint64_t a1 = tkv_kvs_test_compute_addr(s, l, h, b + 1);
                 CHECK(a0 && a1, "%s: block %u of (%u, %u) has no compute slot", name, a0 ? b + 1 : b, l, h);
                 breaks += a1 != a0 + S;
             }
