@@ -38,6 +38,7 @@
 #ifndef TKV_GPU_ATTN_CUH
 #define TKV_GPU_ATTN_CUH
 
+#include "attn-runs.h"
 #include "common.cuh"
 #include "gemv-common.cuh"
 
@@ -133,35 +134,8 @@ enum tkv_cuda_attn_decode_mode {
                                   default                                      */
 };
 
-/* ---- the decode kernel's inline block table ------------------------------------
- * A view whose blocks are laid out regularly is described by a few runs
- * instead of one entry per block: run r of KV head g holds n keys, key i at
- * position pos0 + i, in row i % bsz of block i / bsz, whose K rows start at
- * k + (i / bsz) * kstride (elements; V likewise). Every block of a run but
- * the last holds bsz rows, and bsz is a multiple of the kernel's chunk
- * (tkv_cuda_attn_decode_chunk_keys) unless the run is one block, so a chunk
- * never straddles two blocks. The table travels in the launch's parameters
- * (a few KiB: no host-to-device copy, no event between streams). Runs of
- * head g are runs[run_off[g] .. run_off[g+1]); c0 numbers the run's first
- * chunk among the head's, n_chunks[g] counts them. */
-#define TKV_ATTN_RUNS_MAX 64u   /* runs of all heads together */
-#define TKV_ATTN_RUNS_HEADS 32u /* KV heads                   */
-
-struct tkv_cuda_kv_run {
-    const uint16_t *k, *v;   /* row 0 of the run's first block            */
-    int64_t kstride, vstride;/* elements from one block's row 0 to the next's */
-    int32_t pos0;            /* position of key 0                          */
-    uint32_t n;              /* keys                                       */
-    uint32_t bsz;            /* rows per block (every block but the last)  */
-    uint32_t c0;             /* chunks of the head before this run         */
-};
-
-struct tkv_cuda_attn_runs {
-    int32_t q_pos[8];                        /* [n_q] (n_q <= 8 in decode)  */
-    uint32_t n_chunks[TKV_ATTN_RUNS_HEADS];  /* [n_head_kv]                 */
-    uint16_t run_off[TKV_ATTN_RUNS_HEADS + 2];/* [n_head_kv + 1]            */
-    struct tkv_cuda_kv_run runs[TKV_ATTN_RUNS_MAX];
-};
+/* The decode kernel's inline block table (TKV_ATTN_RUNS_MAX runs in its
+ * launch parameters): attn-runs.h. */
 
 /* A decode call over device views (the entries in device memory, head g's
  * [head_off[g], head_end[g]), bounded by p.head_cnt when set): the query
