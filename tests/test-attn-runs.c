@@ -40,8 +40,10 @@ static uint32_t view_keys(const struct tkv_attn_args *a, uint32_t g, struct key 
     uint32_t n = 0;
     for (uint32_t i = 0; i < a->kv[g].n_blocks; i++) {
         const struct tkv_kv_block_ref *x = &a->kv[g].blocks[i];
-        for (uint32_t j = 0; j < x->n && x->pos0 + (int32_t)j <= pos_max; j++)
-            out[n++] = (struct key){x->k + (size_t)j * a->head_dim, x->v + (size_t)j * a->head_dim, x->pos0 + (int32_t)j};
+        for (uint32_t j = 0; j < x->n && x->pos0 + (int32_t)j <= pos_max; j++) {
+            const size_t row = (size_t)j * a->head_dim;
+            out[n++] = (struct key){x->k + row, x->v + row, x->pos0 + (int32_t)j};
+        }
     }
     return n;
 }
