@@ -1162,15 +1162,12 @@ static void test_attention(void)
     if (gpu_attn_alt[3])
         CHECK(tkv_backend_cuda_set_prefill_variant(gpu_attn_alt[3], 0) == TKV_OK, "%s", tkv_last_error());
     gpu_attn_alt[4] = gpu_with_attn_env("1", "copy", "mma", "0");
-    setenv("TKV_CUDA_ATTN_PREFETCH", "0", 1);
-    setenv("TKV_CUDA_ATTN_RUNS_SCAN", "block", 1);
-    gpu_attn_alt[5] = gpu_with_attn_env("1", "copy", "mma", "1");
-    unsetenv("TKV_CUDA_ATTN_PREFETCH");
-    unsetenv("TKV_CUDA_ATTN_RUNS_SCAN");
+    static const char *const reference_runs[] = {"TKV_CUDA_ATTN_PREFETCH", "0", "TKV_CUDA_ATTN_RUNS_SCAN", "block",
+                                                 NULL};
+    gpu_attn_alt[5] = gpu_with_env(reference_runs);
     gpu_attn_alt[6] = gpu_with_attn_env("fused", "copy", "mma", "1");
-    setenv("TKV_CUDA_ATTN_DECODE_MMA", "0", 1);
-    gpu_attn_alt[7] = gpu_with_attn_env("fused", "copy", "mma", "1");
-    unsetenv("TKV_CUDA_ATTN_DECODE_MMA");
+    static const char *const cores[] = {"TKV_CUDA_ATTN_DECODE", "fused", "TKV_CUDA_ATTN_DECODE_MMA", "0", NULL};
+    gpu_attn_alt[7] = gpu_with_env(cores);
     gpu_pf_var[0] = gpu_with_attn_env("1", "copy", "mma", "1");
     gpu_pf_var[1] = gpu_with_attn_env("1", "copy", "mma16", "1");
     gpu_pf_var[2] = gpu_with_attn_env("1", "copy", "mma", "0");

@@ -158,6 +158,7 @@ static void check_all(struct tkv_kvs *s, const char *when)
 
 static bool evict_cycle; /* make_store's stores evict by the layer cycle alone */
 static bool page_table;  /* make_store's stores keep a device page table (and read marks) */
+static bool no_homes;    /* make_store's stores take no home slots (docs/kv-layout.md) */
 
 static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks, uint32_t host_blocks, bool nvme)
 {
@@ -167,7 +168,7 @@ static struct tkv_kvs *make_store(bool compute_is_host, uint32_t compute_blocks,
                                .host_bytes = (uint64_t)host_blocks * S, .nvme_dir = nvme ? spill_dir : NULL,
                                .upload_piece_bytes = 3 * S, /* recalls in several pieces */
                                .staging_blocks = 3,         /* NVMe recalls cycle the staging halves */
-                               .evict_cycle = evict_cycle, .page_table = page_table};
+                               .evict_cycle = evict_cycle, .page_table = page_table, .no_homes = no_homes};
     struct tkv_kvs *s = NULL;
     tkv_status st = tkv_kvs_init(&p, be, &s);
     CHECK(st == TKV_OK, "kvs_init: %s", tkv_last_error());
@@ -1590,15 +1591,11 @@ static void test_evict_scoped(bool compute_is_host, const char *name)
 static uint32_t homes_run(bool compute_is_host, bool homes, const char *name)
 {
     const uint32_t S = 4 * B * HD;
-    struct tkv_kvs_params p = {.n_layer = L, .n_head_kv = H, .head_dim = HD, .block_tokens = B, .max_tokens = CTX,
-                               .compute_is_host = compute_is_host, .compute_bytes = (uint64_t)L * H * NB * S,
-                               .no_homes = !homes};
-    struct tkv_kvs *s = NULL;
-    const tkv_status st = tkv_kvs_init(&p, be, &s);
-    CHECK(st == TKV_OK, "%s: kvs_init: %s", name, tkv_last_error());
-    if (st != TKV_OK)
+    no_homes = !homes;
+    struct tkv_kvs *s = make_store(compute_is_host, L * H * NB, 0, false);
+    no_homes = false;
+    if (!s)
         return 0;
-    length = 0;
     const uint32_t prompt = 100, ahead = 32;
     CHECK(tkv_kvs_reserve(s, prompt) == TKV_OK, "%s: %s", name, tkv_last_error());
     while (length < prompt)

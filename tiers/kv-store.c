@@ -175,8 +175,7 @@ struct tkv_kvs {
     struct home_seg {
         uint32_t b0, w, first;
     } homes[MAX_HOME_SEGS];
-    uint32_t n_homes;        /* segments made                                   */
-    uint32_t homes_end;      /* blocks a head the segments cover                */
+    uint32_t n_homes;        /* segments made (each b0 the last's b0 + w)       */
     bool     homes_off;      /* no more segments (params.no_homes, or the tier
                                 cannot hold the context, or MAX_HOME_SEGS made)  */
     struct tkv_kv_block_ref *refs; /* [layer][head][max_blocks] views, each layer's as
@@ -463,10 +462,10 @@ static int32_t home_slot(const struct tkv_kvs *s, uint32_t i)
     return -1;
 }
 
-/* Covers blocks [homes_end, n_blocks) of every head with a home segment,
- * where the compute tier can hold every block of the context: w blocks a
- * head, at least what the reserve needs, HOME_MIN_W and half of what the
- * homes cover already (so a context grown token by token makes a few
+/* Covers blocks [end, n_blocks) of every head with a home segment (end:
+ * what the segments cover already), where the compute tier can hold every
+ * block of the context: w blocks a head, at least what the reserve needs,
+ * HOME_MIN_W and end / 2 (so a context grown token by token makes a few
  * segments, each head a few runs), within the tier's capacity; one
  * allocation, its slots free. A tier that cannot hold the context, or one
  * grown by plain slabs to a point off a slab boundary, gets no homes. */
@@ -474,16 +473,18 @@ static tkv_status homes_grow(struct tkv_kvs *s)
 {
     struct pool *pl = &s->pool[TKV_TIER_COMPUTE];
     const uint64_t LH = (uint64_t)s->p.n_layer * s->p.n_head_kv;
-    if (s->homes_off || s->n_blocks <= s->homes_end)
+    const struct home_seg *last = s->n_homes ? &s->homes[s->n_homes - 1] : NULL;
+    const uint32_t end = last ? last->b0 + last->w : 0;
+    if (s->homes_off || s->n_blocks <= end)
         return TKV_OK;
-    const uint32_t need = s->n_blocks - s->homes_end;
+    const uint32_t need = s->n_blocks - end;
     if (pl->cap < LH * s->max_blocks || pl->n % SLAB_SLOTS || s->n_homes == MAX_HOME_SEGS ||
         (uint64_t)pl->n + LH * need > pl->cap) {
         s->homes_off = true;
         return TKV_OK;
     }
-    uint64_t w = TKV_MAX(TKV_MAX(need, HOME_MIN_W), s->homes_end / 2);
-    w = TKV_MIN(w, s->max_blocks - s->homes_end);
+    uint64_t w = TKV_MAX(TKV_MAX(need, HOME_MIN_W), end / 2);
+    w = TKV_MIN(w, s->max_blocks - end);
     w = TKV_MIN(w, (pl->cap - pl->n) / LH);
     const uint32_t first = pl->n, count = (uint32_t)TKV_MIN((LH * w + SLAB_SLOTS - 1) / SLAB_SLOTS * SLAB_SLOTS,
                                                             (uint64_t)pl->cap - first);
@@ -500,8 +501,7 @@ static tkv_status homes_grow(struct tkv_kvs *s)
     for (uint32_t j = 0; (uint64_t)j * SLAB_SLOTS < count; j++)
         pl->slab[k0 + j] = base + (size_t)j * SLAB_SLOTS * s->S;
     pool_add_free(pl, first, count);
-    s->homes[s->n_homes++] = (struct home_seg){.b0 = s->homes_end, .w = (uint32_t)w, .first = first};
-    s->homes_end += (uint32_t)w;
+    s->homes[s->n_homes++] = (struct home_seg){.b0 = end, .w = (uint32_t)w, .first = first};
     return TKV_OK;
 }
 
