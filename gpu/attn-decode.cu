@@ -927,11 +927,9 @@ static_assert(sizeof(tkv_cuda_attn_params) + sizeof(tkv_cuda_attn_runs) <= 4096,
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 /* Asks L2 for the K and V of the walk's next n chunks of this warp (a copy
- * of the walk: the caller's is unchanged). A hint only: L2 is where every
- * SM's reads and writes meet, so a prefetch issued while an earlier kernel
- * may still write those rows (the step's own K/V row) cannot make a later
- * read stale; it reads nothing into registers or shared memory. Chunk rows
- * are whole 16-byte units (vec16), as the bulk prefetch needs. */
+ * of the walk: the caller's is unchanged; tkv_prefetch_l2 says why it may
+ * run before the wait, while the step's own K/V row is still being
+ * written). Chunk rows are whole 16-byte units (vec16), as it needs. */
 template <class C> __device__ __forceinline__ void prefetch_chunks(run_walk w, uint32_t n, uint32_t hd)
 {
     for (uint32_t i = 0; i < n; i++) {
@@ -939,8 +937,8 @@ template <class C> __device__ __forceinline__ void prefetch_chunks(run_walk w, u
         if (!c.k)
             return;
         const uint32_t bytes = (uint32_t)c.nvalid * hd * (uint32_t)sizeof(uint16_t);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c.k), "r"(bytes) : "memory");
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c.v), "r"(bytes) : "memory");
+        tkv_prefetch_l2(c.k, bytes);
+        tkv_prefetch_l2(c.v, bytes);
         w.template advance<C::CH>(NW);
     }
 }

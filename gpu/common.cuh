@@ -139,4 +139,16 @@ template <int N> static __device__ __forceinline__ void tkv_cp_async_wait(void)
 }
 static __device__ __forceinline__ void tkv_cp_async_wait_all(void) { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+/* Asks L2 for bytes (a multiple of 16) at p (16-byte aligned): a hint that
+ * reads nothing into registers or shared memory. L2 is where every SM's
+ * reads and writes meet, so a prefetch issued before griddepcontrol.wait,
+ * while an earlier kernel may still write those bytes, cannot make a later
+ * read stale. Nothing below sm_90. */
+static __device__ __forceinline__ void tkv_prefetch_l2(const void *p, uint32_t bytes)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 #endif /* TKV_GPU_COMMON_CUH */

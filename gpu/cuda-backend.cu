@@ -140,6 +140,8 @@ struct cuda_backend {
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
     int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
+    uint32_t qgemv_prefetch;       /* tkv_cuda_qgemv's prefetch: TKV_CUDA_GEMV_PREFETCH
+                                      (unset: QGEMV_PREFETCH_DEFAULT) */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
     /* The quantized activations an op left in q8_work beside its output (a
@@ -177,6 +179,12 @@ enum { QGEMV_FAST, QGEMV_REF, QGEMV_OFF };
  * ones); TKV_CUDA_GEMV_QUANT=pair always, =single never (A/B measuring). */
 enum { PAIRS_AUTO, PAIRS_ALWAYS, PAIRS_NEVER };
 #define QGEMV_PAIR_MIN_BYTES ((size_t)16 << 20)
+
+/* The fast kernel's L2 prefetches before its wait (struct tkv_cuda_qgemv's
+ * prefetch), TKV_CUDA_GEMV_PREFETCH=N when the backend is created: 0 none
+ * (the default until measured), 1 each unit's own later rounds, 1 + W also
+ * the rows W waves of CTAs ahead. Same results either way (hints only). */
+#define QGEMV_PREFETCH_DEFAULT 0u
 
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
  * TKV_CUDA_GEMV when the backend is created: "auto" (default, below), the
@@ -843,6 +851,15 @@ static bool qgemv_pairs(const struct cuda_backend *cb, const struct tkv_bweight 
     return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && bytes >= QGEMV_PAIR_MIN_BYTES);
 }
 
+/* The fast kernel over g, with the backend's device and prefetch. */
+static tkv_status qgemv_run(struct cuda_backend *cb, uint32_t type, struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a,
+                            uint32_t n_in, uint32_t n, const char *op)
+{
+    g->prefetch = cb->qgemv_prefetch;
+    CU(op, tkv_cuda_qgemv(type, g, a, n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
+    return TKV_OK;
+}
+
 /* y = x . w^T on the quantized path (add: y += it; the fast kernel only) */
 static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight *w, const float *x, float *y,
                                uint32_t n, int path, bool add, const char *op)
@@ -857,8 +874,7 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     group_build(&g, &w, 1, &y);
     g.pair = qgemv_pairs(cb, &w, 1);
     g.acc = add;
-    CU(op, tkv_cuda_qgemv(w->t->type, &g, a, w->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
-    return TKV_OK;
+    return qgemv_run(cb, w->t->type, &g, a, w->n_in, n, op);
 }
 
 /* The ways matmul_run multiplies, in the order of the op profile's rows
@@ -1014,9 +1030,7 @@ static tkv_status group_qgemv(struct cuda_backend *cb, const struct tkv_bweight 
     g.pair = qgemv_pairs(cb, w, nw);
     if (rope)
         g.rope = rope, g.rope_segs = 2, g.head_dim = head_dim, g.n_pairs = n_pairs;
-    CU(op, tkv_cuda_qgemv(w[0]->t->type, &g, a, w[0]->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl,
-                          cb->stream));
-    return TKV_OK;
+    return qgemv_run(cb, w[0]->t->type, &g, a, w[0]->n_in, n, op);
 }
 
 static tkv_status cuda_matmul_group(struct tkv_backend *b, const struct tkv_bweight *const *w, uint32_t nw,
@@ -1067,8 +1081,7 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
         group_build(&g, &wg, 1, &out);
         g.wu = wu->wq;
         g.swiglu = true;
-        CU(op, tkv_cuda_qgemv(wg->t->type, &g, a, wg->n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
-        return TKV_OK;
+        return qgemv_run(cb, wg->t->type, &g, a, wg->n_in, n, op);
     }
     if (path == GROUP_F16) {
         CU(op, tkv_cuda_gemv_swiglu(wg->w16, wu->w16, x, out, wg->n_in, wg->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
@@ -2447,6 +2460,8 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->qgemv_pairs = quant && !strcmp(quant, "pair")     ? PAIRS_ALWAYS
                       : quant && !strcmp(quant, "single") ? PAIRS_NEVER
                                                           : PAIRS_AUTO;
+    const char *qpf = getenv("TKV_CUDA_GEMV_PREFETCH");
+    cb->qgemv_prefetch = qpf ? (uint32_t)strtoul(qpf, NULL, 10) : QGEMV_PREFETCH_DEFAULT;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *norm_q8 = getenv("TKV_CUDA_NORM_Q8");
