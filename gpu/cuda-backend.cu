@@ -140,8 +140,6 @@ struct cuda_backend {
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
     int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
-    uint32_t qgemv_prefetch;       /* tkv_cuda_qgemv's prefetch: TKV_CUDA_GEMV_PREFETCH
-                                      (unset: QGEMV_PREFETCH_DEFAULT) */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
     /* The quantized activations an op left in q8_work beside its output (a
@@ -179,12 +177,6 @@ enum { QGEMV_FAST, QGEMV_REF, QGEMV_OFF };
  * ones); TKV_CUDA_GEMV_QUANT=pair always, =single never (A/B measuring). */
 enum { PAIRS_AUTO, PAIRS_ALWAYS, PAIRS_NEVER };
 #define QGEMV_PAIR_MIN_BYTES ((size_t)16 << 20)
-
-/* The fast kernel's L2 prefetches before its wait (struct tkv_cuda_qgemv's
- * prefetch), TKV_CUDA_GEMV_PREFETCH=N when the backend is created: 0 none
- * (the default until measured), 1 each unit's own later rounds, 1 + W also
- * the rows W waves of CTAs ahead. Same results either way (hints only). */
-#define QGEMV_PREFETCH_DEFAULT 0u
 
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
  * TKV_CUDA_GEMV when the backend is created: "auto" (default, below), the
@@ -851,11 +843,10 @@ static bool qgemv_pairs(const struct cuda_backend *cb, const struct tkv_bweight 
     return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && bytes >= QGEMV_PAIR_MIN_BYTES);
 }
 
-/* The fast kernel over g, with the backend's device and prefetch. */
+/* The fast kernel over g on the backend's device and stream. */
 static tkv_status qgemv_run(struct cuda_backend *cb, uint32_t type, struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a,
                             uint32_t n_in, uint32_t n, const char *op)
 {
-    g->prefetch = cb->qgemv_prefetch;
     CU(op, tkv_cuda_qgemv(type, g, a, n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -2460,8 +2451,6 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->qgemv_pairs = quant && !strcmp(quant, "pair")     ? PAIRS_ALWAYS
                       : quant && !strcmp(quant, "single") ? PAIRS_NEVER
                                                           : PAIRS_AUTO;
-    const char *qpf = getenv("TKV_CUDA_GEMV_PREFETCH");
-    cb->qgemv_prefetch = qpf ? (uint32_t)strtoul(qpf, NULL, 10) : QGEMV_PREFETCH_DEFAULT;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *norm_q8 = getenv("TKV_CUDA_NORM_Q8");

@@ -224,7 +224,7 @@ constexpr int qg_min_ctas(int qt, int mode, int nt, int l)
 template <int QT, int NT, int L, int MODE>
 __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
     qgemv_kernel(const struct tkv_cuda_qgemv g, const int8_t *__restrict__ aq,
-                 const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in, uint32_t nstage, uint32_t ahead)
+                 const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in, uint32_t nstage)
 {
     using Q = qtype<QT>;
     constexpr bool SW = MODE == MODE_SWIGLU, TWO = MODE != MODE_PLAIN;
@@ -268,24 +268,6 @@ __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
 
     tkv_pdl_trigger();
     issue(0, 0); /* weights only: written at load, by no kernel */
-    if (g.prefetch && t == 0) { /* the unit's L2 prefetches (tkv_cuda_qgemv's prefetch) */
-        const size_t first = (size_t)L * CH * 16; /* a row's first round, on its way to the stage */
-        if (live && row_bytes > first) {
-            tkv_prefetch_l2(w0 + first, (uint32_t)(row_bytes - first));
-            if (TWO)
-                tkv_prefetch_l2(w1 + first, (uint32_t)(row_bytes - first));
-        }
-        const uint32_t later = row + (MODE == MODE_PAIR ? 2 : 1) * ahead; /* ahead units on */
-        if (ahead && later < total) {
-            uint32_t s2 = seg;
-            while (s2 + 1 < g.nw && later >= g.end[s2])
-                s2++;
-            const size_t at = (size_t)(later - (s2 ? g.end[s2 - 1] : 0)) * row_bytes;
-            tkv_prefetch_l2((const uint8_t *)g.w[s2] + at, (uint32_t)((MODE == MODE_PAIR ? 2 : 1) * row_bytes));
-            if (SW)
-                tkv_prefetch_l2((const uint8_t *)g.wu + at, (uint32_t)row_bytes);
-        }
-    }
     tkv_pdl_wait();
     float acc[NT], acc2[NT];
 #pragma unroll
@@ -413,74 +395,58 @@ void plan(int qt, int mode, uint32_t n, uint32_t n_in, uint32_t units, uint32_t 
     *nstage_out = nstage;
 }
 
-/* The units one wave of the plan's CTAs holds: resident CTAs an SM by
- * shared memory (1 KB reserved a CTA) and threads, times the SMs (0 where
- * smem_sm is unknown). Registers, not counted, bound some instances lower:
- * there a prefetch W waves ahead reaches a little further, to rows the grid
- * still reads later. */
-uint32_t wave_units(int qt, int mode, uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, uint32_t n_sm,
-                    uint32_t smem_sm)
-{
-    const uint32_t threads = warps * 32, smem = smem_bytes(qt, warps, mode != MODE_PLAIN, nstage, n) + 1024u;
-    uint32_t per_sm = smem_sm / smem;
-    per_sm = per_sm < 2048 / threads ? per_sm : 2048 / threads;
-    per_sm = per_sm < 32 ? per_sm : 32;
-    return per_sm * n_sm * (threads / L);
-}
-
 template <int QT, int NT, int L, int MODE>
 cudaError_t qgemv_launch(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
-                         uint32_t warps, uint32_t nstage, uint32_t ahead, bool pdl, cudaStream_t s)
+                         uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
 {
     const uint32_t threads = warps * 32, smem = smem_bytes(QT, warps, MODE != MODE_PLAIN, nstage, NT);
     if (smem > QG_SMEM_MAX || threads < (uint32_t)L)
         return cudaErrorInvalidConfiguration;
     return tkv_cuda_launch(pdl, tkv_cuda_blocks(units, threads / L), threads, smem, s,
                            qgemv_kernel<QT, NT, L, MODE>, *g, (const int8_t *)a.q,
-                           (const struct tkv_cuda_q8_meta *)a.meta, n_in, nstage, ahead);
+                           (const struct tkv_cuda_q8_meta *)a.meta, n_in, nstage);
 }
 
 template <int QT, int NT, int MODE>
 cudaError_t qgemv_pick_l(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
-                         uint32_t L, uint32_t warps, uint32_t nstage, uint32_t ahead, bool pdl, cudaStream_t s)
+                         uint32_t L, uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
 {
     switch (L) {
-    case 8: return qgemv_launch<QT, NT, 8, MODE>(g, a, n_in, units, warps, nstage, ahead, pdl, s);
-    case 16: return qgemv_launch<QT, NT, 16, MODE>(g, a, n_in, units, warps, nstage, ahead, pdl, s);
-    case 32: return qgemv_launch<QT, NT, 32, MODE>(g, a, n_in, units, warps, nstage, ahead, pdl, s);
-    case 64: return qgemv_launch<QT, NT, 64, MODE>(g, a, n_in, units, warps, nstage, ahead, pdl, s);
-    case 128: return qgemv_launch<QT, NT, 128, MODE>(g, a, n_in, units, warps, nstage, ahead, pdl, s);
+    case 8: return qgemv_launch<QT, NT, 8, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
+    case 16: return qgemv_launch<QT, NT, 16, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
+    case 32: return qgemv_launch<QT, NT, 32, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
+    case 64: return qgemv_launch<QT, NT, 64, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
+    case 128: return qgemv_launch<QT, NT, 128, MODE>(g, a, n_in, units, warps, nstage, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
 
 template <int QT, int MODE>
 cudaError_t qgemv_pick_n(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
-                         uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, uint32_t ahead, bool pdl,
-                         cudaStream_t s)
+                         uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, bool pdl, cudaStream_t s)
 {
     switch (n) {
-    case 1: return qgemv_pick_l<QT, 1, MODE>(g, a, n_in, units, L, warps, nstage, ahead, pdl, s);
-    case 2: return qgemv_pick_l<QT, 2, MODE>(g, a, n_in, units, L, warps, nstage, ahead, pdl, s);
-    case 3: return qgemv_pick_l<QT, 3, MODE>(g, a, n_in, units, L, warps, nstage, ahead, pdl, s);
-    case 4: return qgemv_pick_l<QT, 4, MODE>(g, a, n_in, units, L, warps, nstage, ahead, pdl, s);
-    case 5: return qgemv_pick_l<QT, 5, MODE>(g, a, n_in, units, L, warps, nstage, ahead, pdl, s);
-    case 6: return qgemv_pick_l<QT, 6, MODE>(g, a, n_in, units, L, warps, nstage, ahead, pdl, s);
-    case 7: return qgemv_pick_l<QT, 7, MODE>(g, a, n_in, units, L, warps, nstage, ahead, pdl, s);
-    case 8: return qgemv_pick_l<QT, 8, MODE>(g, a, n_in, units, L, warps, nstage, ahead, pdl, s);
+    case 1: return qgemv_pick_l<QT, 1, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 2: return qgemv_pick_l<QT, 2, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 3: return qgemv_pick_l<QT, 3, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 4: return qgemv_pick_l<QT, 4, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 5: return qgemv_pick_l<QT, 5, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 6: return qgemv_pick_l<QT, 6, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 7: return qgemv_pick_l<QT, 7, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
+    case 8: return qgemv_pick_l<QT, 8, MODE>(g, a, n_in, units, L, warps, nstage, pdl, s);
     default: return cudaErrorInvalidValue;
     }
 }
 
 template <int QT>
 cudaError_t qgemv_pick_mode(int mode, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
-                            uint32_t units, uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, uint32_t ahead,
-                            bool pdl, cudaStream_t s)
+                            uint32_t units, uint32_t n, uint32_t L, uint32_t warps, uint32_t nstage, bool pdl,
+                            cudaStream_t s)
 {
     switch (mode) {
-    case MODE_SWIGLU: return qgemv_pick_n<QT, MODE_SWIGLU>(g, a, n_in, units, n, L, warps, nstage, ahead, pdl, s);
-    case MODE_PAIR: return qgemv_pick_n<QT, MODE_PAIR>(g, a, n_in, units, n, L, warps, nstage, ahead, pdl, s);
-    default: return qgemv_pick_n<QT, MODE_PLAIN>(g, a, n_in, units, n, L, warps, nstage, ahead, pdl, s);
+    case MODE_SWIGLU: return qgemv_pick_n<QT, MODE_SWIGLU>(g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    case MODE_PAIR: return qgemv_pick_n<QT, MODE_PAIR>(g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    default: return qgemv_pick_n<QT, MODE_PLAIN>(g, a, n_in, units, n, L, warps, nstage, pdl, s);
     }
 }
 
@@ -640,12 +606,10 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
         units = rows / 2;
         plan(qt, mode, n, n_in, units, n_sm, smem_sm, &L, &warps, &nstage);
     }
-    const uint32_t ahead =
-        g->prefetch > 1 ? (g->prefetch - 1) * wave_units(qt, mode, n, L, warps, nstage, n_sm, smem_sm) : 0;
     switch (qt) {
-    case QT_Q4_0: return qgemv_pick_mode<QT_Q4_0>(mode, g, a, n_in, units, n, L, warps, nstage, ahead, pdl, s);
-    case QT_Q4_1: return qgemv_pick_mode<QT_Q4_1>(mode, g, a, n_in, units, n, L, warps, nstage, ahead, pdl, s);
-    default: return qgemv_pick_mode<QT_Q8_0>(mode, g, a, n_in, units, n, L, warps, nstage, ahead, pdl, s);
+    case QT_Q4_0: return qgemv_pick_mode<QT_Q4_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    case QT_Q4_1: return qgemv_pick_mode<QT_Q4_1>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
+    default: return qgemv_pick_mode<QT_Q8_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
     }
 }
 

@@ -87,12 +87,6 @@ struct tkv_cuda_qgemv {
      * angles rope[i][p] (tkv_cuda_rope_table) */
     const float2 *rope;
     uint32_t rope_segs, head_dim, n_pairs;
-    /* L2 prefetches a unit asks for before griddepcontrol.wait (weights
-     * are written by no kernel; TKV_CUDA_GEMV_PREFETCH): 0 none; 1 the rest
-     * of its own rows (the first round goes to shared memory); 1 + W also
-     * the rows of the unit W waves of CTAs later, so that the next waves'
-     * weights are on their way while this one waits and streams */
-    uint32_t prefetch;
 };
 
 /* The fast kernel, 1 <= n <= 8 tokens, activations in the type's block

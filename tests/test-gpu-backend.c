@@ -1712,9 +1712,7 @@ static void test_fused(void)
  * pairs for calls of 16 MiB or more), gpu_q_pair TKV_CUDA_GEMV_QUANT=pair
  * (two rows per lane set wherever every weight's row count is even),
  * gpu_q_single =single (one row per lane set), gpu_q_ref =ref (the
- * reference kernel), gpu_q_pf TKV_CUDA_GEMV_PREFETCH=3 (L2 prefetches of
- * each unit's later rounds and of the rows two waves of CTAs on: hints,
- * so the bits of gpu_q's kernel). The CPU reference
+ * reference kernel). The CPU reference
  * is the CPU backend's own decode arithmetic: tkv_quantize_act_ref of each
  * token row, tkv_vec_dot_ref of each weight row. Both sides sum exact
  * integer block sums, so a result may differ from it only by the order of
@@ -1788,7 +1786,7 @@ static size_t qbeyond(const float *got, const float *ref, const double *bound, s
     return bad;
 }
 
-static struct tkv_backend *gpu_q, *gpu_q_pair, *gpu_q_single, *gpu_q_ref, *gpu_q_pf; /* quantized GEMV, above */
+static struct tkv_backend *gpu_q, *gpu_q_pair, *gpu_q_single, *gpu_q_ref; /* quantized GEMV, above */
 
 /* Activation rows that stress the quantizer: [row % 6] random; zeros;
  * exact ties (x * id = m + 0.5: amax = 127 * 2^k gives d = 2^k, id = 2^-k)
@@ -1856,15 +1854,14 @@ static void test_q8_act_case(uint32_t wtype, uint32_t n, uint32_t n_in)
     free(x), free(want), free(got), free(act);
 }
 
-/* matmul on gpu_q, gpu_q_pair, gpu_q_single, gpu_q_ref and gpu_q_pf against
- * the CPU reference; gpu_q_pf's also against gpu_q's, bit for bit. */
+/* matmul on gpu_q, gpu_q_pair, gpu_q_single and gpu_q_ref against the CPU
+ * reference. */
 static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint32_t n)
 {
     struct test_weight tw;
     weight_make(&tw, type, n_in, n_out, 2);
     const size_t nx = (size_t)n * n_in, ny = (size_t)n * n_out;
     float *x = malloc(nx * sizeof *x), *ref = malloc(ny * sizeof *ref), *yg = malloc(ny * sizeof *yg);
-    float *yfast = malloc(ny * sizeof *yfast);
     double *bound = malloc(ny * sizeof *bound);
     fill(x, nx, -1, 1);
     if (n > 2) /* a zero row and a row of large values among the tokens */
@@ -1872,10 +1869,10 @@ static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint
             x[k + n_in] = 0.0f, x[k + 2 * (size_t)n_in] *= 1000.0f;
     qref(&tw, x, n, ref, bound);
     float *dx = dev_from(x, nx * sizeof *x);
-    struct tkv_backend *be[5] = {gpu_q, gpu_q_pair, gpu_q_single, gpu_q_ref, gpu_q_pf};
-    static const char *const name[5] = {"fast", "pair", "single", "ref", "prefetch"};
+    struct tkv_backend *be[4] = {gpu_q, gpu_q_pair, gpu_q_single, gpu_q_ref};
+    static const char *const name[4] = {"fast", "pair", "single", "ref"};
     fprintf(stderr, "  qmatmul %-5s %5ux%-5u n=%u:", tkv_type_name(type), n_in, n_out, n);
-    for (int b = 0; b < 5; b++) {
+    for (int b = 0; b < 4; b++) {
         struct tkv_bweight *w = NULL;
         CHECK(be[b]->ops->weight_init(be[b], &tw.t, &w) == TKV_OK, "%s", tkv_last_error());
         if (!w)
@@ -1890,17 +1887,12 @@ static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint
         fprintf(stderr, " %s: worst |gpu-ref|/bound %.3f%s", name[b], worst, bad ? " FAIL" : "");
         CHECK(bad == 0, "qmatmul %s %ux%u n=%u (%s): %zu of %zu beyond the bound (worst %.3g x)", tkv_type_name(type),
               n_in, n_out, n, name[b], bad, ny, worst);
-        if (b == 0)
-            memcpy(yfast, yg, ny * sizeof *yg);
-        if (be[b] == gpu_q_pf)
-            CHECK(!memcmp(yg, yfast, ny * sizeof *yg), "qmatmul %s %ux%u n=%u: the prefetching kernel's bits differ",
-                  tkv_type_name(type), n_in, n_out, n);
         dev_free(dy);
         be[b]->ops->weight_free(be[b], w);
     }
     fprintf(stderr, "\n");
     dev_free(dx);
-    free(x), free(ref), free(yg), free(yfast), free(bound);
+    free(x), free(ref), free(yg), free(bound);
     weight_free(&tw);
 }
 
@@ -1909,7 +1901,7 @@ static void test_qmatmul_case(uint32_t type, uint32_t n_in, uint32_t n_out, uint
  *   f16 (on gpu): against nw matmul calls on the same backend (rel 1e-5)
  *       and the double product of the dequantized weights (rel 1e-3; 2e-3
  *       for n > 8, cuBLAS)
- *   Q4_0, Q4_1, Q8_0 (on gpu_q, gpu_q_pair and gpu_q_pf): element by element
+ *   Q4_0, Q4_1, Q8_0 (on gpu_q and on gpu_q_pair): element by element
  *       against the CPU reference, within its float reassociation bound
  *       (qref) */
 static void group_case_on(struct tkv_backend *be, uint32_t type, uint32_t n_in, const uint32_t *n_out, uint32_t nw,
@@ -1979,11 +1971,10 @@ static void group_case_on(struct tkv_backend *be, uint32_t type, uint32_t n_in, 
         weight_free(&tw[i]);
     }
     if (quant) {
-        const char *tag = be == gpu_q_pair ? " (pair)" : be == gpu_q_pf ? " (prefetch)" : "";
-        fprintf(stderr, "  qmatmul_group%s %-5s %u weights, %u rows x %u, n=%u: worst |gpu-ref|/bound %.3f\n", tag,
-                tkv_type_name(type), nw, rows, n_in, n, worst_bound);
-        CHECK(bad == 0, "qmatmul_group%s %s %ux%u n=%u: %zu of %zu beyond the bound", tag, tkv_type_name(type), rows,
-              n_in, n, bad, total);
+        fprintf(stderr, "  qmatmul_group%s %-5s %u weights, %u rows x %u, n=%u: worst |gpu-ref|/bound %.3f\n",
+                be == gpu_q_pair ? " (pair)" : "", tkv_type_name(type), nw, rows, n_in, n, worst_bound);
+        CHECK(bad == 0, "qmatmul_group%s %s %ux%u n=%u: %zu of %zu beyond the bound",
+              be == gpu_q_pair ? " (pair)" : "", tkv_type_name(type), rows, n_in, n, bad, total);
     } else {
         const double tol_ref = n <= 8 ? 1e-3 : 2e-3;
         fprintf(stderr, "  matmul_group %u weights, %u rows x %u, n=%u: vs matmuls rel %.2e (%zu of %zu "
@@ -2003,20 +1994,19 @@ static void test_group_case(uint32_t type, uint32_t n_in, const uint32_t *n_out,
     }
     group_case_on(gpu_q, type, n_in, n_out, nw, n);
     group_case_on(gpu_q_pair, type, n_in, n_out, nw, n);
-    group_case_on(gpu_q_pf, type, n_in, n_out, nw, n);
 }
 
-/* matmul_swiglu on be (gpu_q or gpu_q_pf) against silu(g) * u of the CPU
- * references (bounds carried through silu's slope, <= 1.1, and the product)
- * and against matmul + matmul + swiglu on be. */
-static void qswiglu_case_on(struct tkv_backend *be, uint32_t type, uint32_t n_in, uint32_t n_ff, uint32_t n)
+/* matmul_swiglu on gpu_q against silu(g) * u of the CPU references (bounds
+ * carried through silu's slope, <= 1.1, and the product) and against
+ * matmul + matmul + swiglu on gpu_q. */
+static void test_qswiglu_case(uint32_t type, uint32_t n_in, uint32_t n_ff, uint32_t n)
 {
     struct test_weight tg, tu;
     weight_make(&tg, type, n_in, n_ff, 2);
     weight_make(&tu, type, n_in, n_ff, 2);
     struct tkv_bweight *wg = NULL, *wu = NULL;
-    CHECK(be->ops->weight_init(be, &tg.t, &wg) == TKV_OK, "%s", tkv_last_error());
-    CHECK(be->ops->weight_init(be, &tu.t, &wu) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->weight_init(gpu_q, &tg.t, &wg) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->weight_init(gpu_q, &tu.t, &wu) == TKV_OK, "%s", tkv_last_error());
     const size_t nx = (size_t)n * n_in, ny = (size_t)n * n_ff;
     float *x = malloc(nx * sizeof *x), *yf = malloc(ny * sizeof *yf), *ys = malloc(ny * sizeof *ys);
     float *rg = malloc(ny * sizeof *rg), *ru = malloc(ny * sizeof *ru);
@@ -2026,11 +2016,11 @@ static void qswiglu_case_on(struct tkv_backend *be, uint32_t type, uint32_t n_in
     qref(&tu, x, n, ru, bu);
     float *dx = dev_from(x, nx * sizeof *x), *dout = dev_poisoned(ny), *dg = dev_poisoned(ny), *du = dev_poisoned(ny);
     settle(gpu);
-    CHECK(be->ops->matmul_swiglu(be, wg, wu, dx, dout, n) == TKV_OK, "%s", tkv_last_error());
-    CHECK(be->ops->matmul(be, wg, dx, dg, n) == TKV_OK, "%s", tkv_last_error());
-    CHECK(be->ops->matmul(be, wu, dx, du, n) == TKV_OK, "%s", tkv_last_error());
-    CHECK(be->ops->swiglu(be, dg, du, dg, ny) == TKV_OK, "%s", tkv_last_error());
-    settle(be);
+    CHECK(gpu_q->ops->matmul_swiglu(gpu_q, wg, wu, dx, dout, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->matmul(gpu_q, wg, dx, dg, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->matmul(gpu_q, wu, dx, du, n) == TKV_OK, "%s", tkv_last_error());
+    CHECK(gpu_q->ops->swiglu(gpu_q, dg, du, dg, ny) == TKV_OK, "%s", tkv_last_error());
+    settle(gpu_q);
     to_host(yf, dout, ny * sizeof *yf);
     to_host(ys, dg, ny * sizeof *ys);
     size_t bad = 0, bad_seq = 0, same = 0;
@@ -2045,25 +2035,18 @@ static void qswiglu_case_on(struct tkv_backend *be, uint32_t type, uint32_t n_in
         bad_seq += !(fabs((double)yf[j] - ys[j]) <= 2 * tol);
         same += !memcmp(&yf[j], &ys[j], sizeof *yf);
     }
-    fprintf(stderr, "  qmatmul_swiglu%s %-5s %ux%u n=%u: worst |gpu-ref|/bound %.3f, vs matmul+matmul+swiglu %zu of %zu "
-                    "bit-identical\n",
-            be == gpu_q_pf ? " (prefetch)" : "", tkv_type_name(type), n_ff, n_in, n, worst, same, ny);
+    fprintf(stderr, "  qmatmul_swiglu %-5s %ux%u n=%u: worst |gpu-ref|/bound %.3f, vs matmul+matmul+swiglu %zu of %zu "
+                    "bit-identical\n", tkv_type_name(type), n_ff, n_in, n, worst, same, ny);
     CHECK(bad == 0, "qmatmul_swiglu %s %ux%u n=%u: %zu of %zu beyond the bound", tkv_type_name(type), n_ff, n_in, n,
           bad, ny);
     CHECK(bad_seq == 0, "qmatmul_swiglu %s %ux%u n=%u: %zu of %zu beyond the bound of the sequence",
           tkv_type_name(type), n_ff, n_in, n, bad_seq, ny);
     dev_free(dx), dev_free(dout), dev_free(dg), dev_free(du);
-    be->ops->weight_free(be, wg);
-    be->ops->weight_free(be, wu);
+    gpu_q->ops->weight_free(gpu_q, wg);
+    gpu_q->ops->weight_free(gpu_q, wu);
     free(x), free(yf), free(ys), free(rg), free(ru), free(bg), free(bu);
     weight_free(&tg);
     weight_free(&tu);
-}
-
-static void test_qswiglu_case(uint32_t type, uint32_t n_in, uint32_t n_ff, uint32_t n)
-{
-    qswiglu_case_on(gpu_q, type, n_in, n_ff, n);
-    qswiglu_case_on(gpu_q_pf, type, n_in, n_ff, n);
 }
 
 static void test_quant(void)
@@ -2807,9 +2790,6 @@ int main(void)
     setenv("TKV_CUDA_GEMV_QUANT", "ref", 1);
     REQUIRE(tkv_backend_create("cuda", 0, &gpu_q_ref) == TKV_OK, "%s", tkv_last_error());
     unsetenv("TKV_CUDA_GEMV_QUANT");
-    setenv("TKV_CUDA_GEMV_PREFETCH", "3", 1);
-    REQUIRE(tkv_backend_create("cuda", 0, &gpu_q_pf) == TKV_OK, "%s", tkv_last_error());
-    unsetenv("TKV_CUDA_GEMV_PREFETCH");
     const clock_t t0 = clock();
     /* TKV_TEST_ONLY=attention (say) runs one section: for compute-sanitizer */
     const char *only = getenv("TKV_TEST_ONLY");
@@ -2842,7 +2822,6 @@ int main(void)
     gpu_q->ops->free(gpu_q);
     gpu_q_pair->ops->free(gpu_q_pair);
     gpu_q_single->ops->free(gpu_q_single);
-    gpu_q_pf->ops->free(gpu_q_pf);
     gpu_q_ref->ops->free(gpu_q_ref);
     gpu->ops->free(gpu);
     cpu->ops->free(cpu);
