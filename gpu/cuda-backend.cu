@@ -75,12 +75,10 @@ struct stage_slot {
 
 /* An op whose output a quantized GEMV may read next: that output (out, dim
  * columns) and the block order gb the GEMV quantized it in last time (0:
- * not yet), so that the op can quantize in its own launch (q8_target);
- * second: into q8_work2, for a producer that reads q8_work itself. */
+ * not yet), so that the op can quantize in its own launch (q8_target). */
 struct q8_producer {
     const float *out;
     uint32_t dim, gb;
-    bool second;
 };
 
 struct cuda_backend {
@@ -144,29 +142,22 @@ struct cuda_backend {
     int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
-    void *q8_work2;                /* [q8_work2_cap bytes] the swiglu GEMV's output planes: it reads q8_work */
-    size_t q8_work2_cap;
-    void *q8_count;                /* [q8_count_cap bytes] zeroed words: tkv_cuda_qgemv's count */
-    size_t q8_count_cap;
-    /* The quantized activations an op left beside its output (a decode
-     * norm, rmsnorm_q8_kernel; the decode attention, attn-decode.cu q8_out;
-     * the swiglu GEMV, gemv-quant.cu swiglu_q8_out): x [n][n_in] as the
-     * planes act, valid only for the op right after op number `op` (ops
-     * counts every op: ALIVE). Each such op takes the block order from the
-     * last GEMV that had to quantize its output itself (q8_prepare sets gb
-     * of the producer whose out and dim it read). */
+    /* The quantized activations an op left in q8_work beside its output (a
+     * decode norm, rmsnorm_q8_kernel; the decode attention, attn-decode.cu
+     * q8_out): x [n][n_in] in block order gb, valid only for the op right
+     * after op number `op` (ops counts every op: ALIVE). Each such op takes
+     * the order from the last GEMV that had to quantize its output itself
+     * (q8_prepare sets gb of the producer whose out and dim it read). */
     uint64_t ops;
     struct {
         const float *x;
-        uint32_t n, n_in;
-        struct tkv_cuda_q8_act act;
+        uint32_t n, n_in, gb;
         uint64_t op;
     } q8_memo;
-    struct q8_producer norm_next, attn_next, swiglu_next;
+    struct q8_producer norm_next, attn_next;
     uint64_t q8_reads;             /* q8_prepare calls that found the planes ready */
     bool norm_q8;                  /* TKV_CUDA_NORM_Q8=0: never (for A/B measurements) */
     bool attn_q8;                  /* TKV_CUDA_ATTN_Q8=0: never (for A/B measurements) */
-    bool swiglu_q8;                /* TKV_CUDA_SWIGLU_Q8=0: never (for A/B measurements) */
     bool qkv_rope;                 /* matmul_qkv_rope rotates in the GEMV's epilogue
                                       (TKV_CUDA_QKV_ROPE=0: the two ops, for A/B) */
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
@@ -781,20 +772,18 @@ static tkv_status q8_prepare(struct cuda_backend *cb, uint32_t type, const float
 {
     const uint32_t gb = tkv_cuda_q8_order(type, n_in);
     const bool ready = cb->q8_memo.op + 1 == cb->ops && cb->q8_memo.x == x && cb->q8_memo.n == n &&
-                       cb->q8_memo.n_in == n_in && cb->q8_memo.act.gb == gb;
+                       cb->q8_memo.n_in == n_in && cb->q8_memo.gb == gb;
     cb->q8_memo.x = NULL;
-    struct q8_producer *const prod[3] = {&cb->norm_next, &cb->attn_next, &cb->swiglu_next};
-    for (int i = 0; i < 3; i++)
+    struct q8_producer *const prod[2] = {&cb->norm_next, &cb->attn_next};
+    for (int i = 0; i < 2; i++)
         if (x == prod[i]->out && n_in == prod[i]->dim) /* it quantizes in this order next time */
             prod[i]->gb = gb;
-    if (ready) {
-        *a = cb->q8_memo.act;
-        cb->q8_reads++;
-        return TKV_OK;
-    }
     TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, n_in), op));
     *a = tkv_cuda_q8_act_at(cb->q8_work, n, n_in, gb);
-    CU(op, tkv_cuda_q8_quantize(x, n, n_in, *a, cb->pdl, cb->stream));
+    if (ready)
+        cb->q8_reads++;
+    else
+        CU(op, tkv_cuda_q8_quantize(x, n, n_in, *a, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -811,33 +800,20 @@ static tkv_status q8_target(struct cuda_backend *cb, struct q8_producer *p, cons
     }
     if (!p->gb || n > TKV_CUDA_GEMV_MAX_N || dim % 32 || (dim / 32) % p->gb)
         return TKV_OK;
-    void **buf = p->second ? &cb->q8_work2 : &cb->q8_work;
-    TKV_TRY(work_reserve(cb, buf, p->second ? &cb->q8_work2_cap : &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, dim), op));
-    *a = tkv_cuda_q8_act_at(*buf, n, dim, p->gb);
+    TKV_TRY(work_reserve(cb, &cb->q8_work, &cb->q8_work_cap, tkv_cuda_q8_act_bytes(n, dim), op));
+    *a = tkv_cuda_q8_act_at(cb->q8_work, n, dim, p->gb);
     *on = true;
     return TKV_OK;
 }
 
 /* After a producer's launch that quantized y into a: the very next op may read the planes. */
-static void q8_memo_set(struct cuda_backend *cb, const float *y, uint32_t n, uint32_t dim, struct tkv_cuda_q8_act a)
+static void q8_memo_set(struct cuda_backend *cb, const float *y, uint32_t n, uint32_t dim, uint32_t gb)
 {
     cb->q8_memo.x = y;
     cb->q8_memo.n = n;
     cb->q8_memo.n_in = dim;
-    cb->q8_memo.act = a;
+    cb->q8_memo.gb = gb;
     cb->q8_memo.op = cb->ops;
-}
-
-/* tkv_cuda_qgemv's count for rows of `blocks` 32-row blocks: zeroed once
- * when it grows; the kernels leave it zeroed. */
-static tkv_status q8_count_reserve(struct cuda_backend *cb, uint32_t blocks, const char *op)
-{
-    const size_t bytes = (size_t)blocks * sizeof(unsigned);
-    if (bytes <= cb->q8_count_cap)
-        return TKV_OK;
-    TKV_TRY(work_reserve(cb, &cb->q8_count, &cb->q8_count_cap, bytes, op));
-    CU(op, cudaMemsetAsync(cb->q8_count, 0, cb->q8_count_cap, cb->stream));
-    return TKV_OK;
 }
 
 /* One descriptor for the grouped GEMVs' grid over the rows of w[0 .. nw-1]
@@ -1090,26 +1066,13 @@ static tkv_status cuda_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     const struct tkv_bweight *const gu[2] = {wg, wu};
     const int path = group_path(cb, gu, 2, x, n);
     if (path == GROUP_QUANT) {
-        struct tkv_cuda_q8_act a, qa;
+        struct tkv_cuda_q8_act a;
         TKV_TRY(q8_prepare(cb, wg->t->type, x, n, wg->n_in, &a, op));
         struct tkv_cuda_qgemv g;
         group_build(&g, &wg, 1, &out);
         g.wu = wu->wq;
         g.swiglu = true;
-        /* a decode step's FFN whose output a quantized GEMV (down) read last
-         * time: quantized in the epilogue, into q8_work2 (a is in q8_work) */
-        bool q8 = false;
-        if (cb->swiglu_q8 && out != x)
-            TKV_TRY(q8_target(cb, &cb->swiglu_next, out, n, wg->n_out, &qa, &q8, op));
-        if (q8) {
-            TKV_TRY(q8_count_reserve(cb, wg->n_out / 32, op));
-            g.out_q8 = qa;
-            g.count = (unsigned *)cb->q8_count;
-        }
-        TKV_TRY(qgemv_run(cb, wg->t->type, &g, a, wg->n_in, n, op));
-        if (q8)
-            q8_memo_set(cb, out, n, wg->n_out, qa);
-        return TKV_OK;
+        return qgemv_run(cb, wg->t->type, &g, a, wg->n_in, n, op);
     }
     if (path == GROUP_F16) {
         CU(op, tkv_cuda_gemv_swiglu(wg->w16, wu->w16, x, out, wg->n_in, wg->n_out, n, (uint32_t)cb->n_sm, cb->pdl,
@@ -1264,7 +1227,7 @@ static tkv_status cuda_rmsnorm(struct tkv_backend *b, const float *x, const stru
         TKV_TRY(q8_target(cb, &cb->norm_next, y, n, dim, &a, &q8, "rmsnorm"));
     if (q8) {
         CU("rmsnorm", tkv_cuda_rmsnorm_q8(x, w->v32, y, n, dim, eps, a, cb->pdl, cb->stream));
-        q8_memo_set(cb, y, n, dim, a);
+        q8_memo_set(cb, y, n, dim, a.gb);
         return TKV_OK;
     }
     CU("rmsnorm", tkv_cuda_rmsnorm(x, w->v32, y, n, dim, eps, cb->pdl, cb->stream));
@@ -1374,7 +1337,7 @@ static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_ar
         TKV_TRY(q8_target(cb, &cb->attn_next, a->out, a->n_q, dim, &qa, &q8, op));
     CU(op, tkv_cuda_attn_run(cb->attn, a, q8 ? &qa : NULL, cb->n_sm, cb->stream, &q8_done));
     if (q8_done)
-        q8_memo_set(cb, a->out, a->n_q, dim, qa);
+        q8_memo_set(cb, a->out, a->n_q, dim, qa.gb);
     return TKV_OK;
 }
 
@@ -2242,8 +2205,6 @@ static void cuda_free(struct tkv_backend *b)
         cudaFree(cb->act16);
     cudaFree(cb->fuse_work);
     cudaFree(cb->q8_work);
-    cudaFree(cb->q8_work2);
-    cudaFree(cb->q8_count);
     cudaFree(cb->pos_dev);
     free(cb->pos_last);
     tkv_cuda_attn_state_free(cb->attn);
@@ -2496,9 +2457,6 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->norm_q8 = !(norm_q8 && !strcmp(norm_q8, "0"));
     const char *attn_q8 = getenv("TKV_CUDA_ATTN_Q8");
     cb->attn_q8 = !(attn_q8 && !strcmp(attn_q8, "0"));
-    const char *swiglu_q8 = getenv("TKV_CUDA_SWIGLU_Q8");
-    cb->swiglu_q8 = !(swiglu_q8 && !strcmp(swiglu_q8, "0"));
-    cb->swiglu_next.second = true;
     const char *qkv_rope = getenv("TKV_CUDA_QKV_ROPE");
     cb->qkv_rope = !(qkv_rope && !strcmp(qkv_rope, "0"));
     const char *rqs_mma = getenv("TKV_CUDA_RQS_MMA");

@@ -218,49 +218,6 @@ constexpr int qg_min_ctas(int qt, int mode, int nt, int l)
     return qt != QT_Q8_0 && mode == MODE_PAIR && nt == 1 && l == 32 ? 65536 / (QG_THREADS_MAX * QG_PAIR32_REGS) : 0;
 }
 
-/* The swiglu kernel's quantized output (tkv_cuda_qgemv's out_q8): called by
- * every thread of the CTA after its rows [r0, r0 + rows) of y are stored.
- * Each CTA adds its rows to the count of each 32-row block it touches; the
- * one that brings a block to 32 quantizes it (a warp a block and token, as
- * q8_quantize_kernel does) and zeroes the word. The pattern of CUDA's
- * threadFenceReduction: every writer fences its stores before the count,
- * the last CTA fences before it reads the others' rows (from L2: .cg). */
-template <int NT>
-__device__ void swiglu_q8_out(const float *y, uint32_t n_out, struct tkv_cuda_q8_act q8, unsigned *count,
-                              uint32_t r0, uint32_t rows)
-{
-    __shared__ uint32_t done; /* bit k: block r0 / 32 + k is this CTA's to quantize */
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        uint32_t mask = 0;
-        const uint32_t r1 = r0 + rows < n_out ? r0 + rows : n_out;
-        for (uint32_t b = r0 / 32; r0 < r1 && b <= (r1 - 1) / 32; b++) {
-            const uint32_t lo = r0 > 32 * b ? r0 : 32 * b, hi = r1 < 32 * b + 32 ? r1 : 32 * b + 32;
-            if (atomicAdd(&count[b], hi - lo) + (hi - lo) == 32)
-                mask |= 1u << (b - r0 / 32);
-        }
-        done = mask;
-    }
-    __syncthreads();
-    const uint32_t mask = done, warp = threadIdx.x / 32, lane = threadIdx.x % 32, nb = n_out / 32;
-    if (!mask)
-        return;
-    __threadfence();
-    for (uint32_t k = 0, job = 0; k < 32; k++) {
-        if (!(mask >> k & 1))
-            continue;
-        const uint32_t b = r0 / 32 + k;
-        for (uint32_t i = 0; i < NT; i++, job++)
-            if (job % (blockDim.x / 32) == warp) {
-                const tkv_q8_block q = tkv_q8_block_of(__ldcg(y + (size_t)i * n_out + 32 * b + lane));
-                tkv_q8_block_put(q, lane, q8, (size_t)i * nb + tkv_q8_pos(b, nb, q8.gb));
-            }
-        if (threadIdx.x == 0)
-            count[b] = 0;
-    }
-}
-
 /* L threads per unit (8 .. 256); blockDim.x / L units per CTA; nstage 1 or
  * 2 stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
  * the reduction's part[warps][NM][NT]. */
@@ -349,16 +306,9 @@ __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
     float partner = v1;
     if (MODE == MODE_PLAIN && L <= 16 && g.rope)
         partner = __shfl_xor_sync(0xffffffffu, v0, L);
-    const uint32_t i = L <= 32 ? t : lane, n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
-    if (SW) { /* one weight: seg 0, n_out = total */
-        if (out && live)
-            g.y[0][(size_t)i * n_out + local] = v0 / (1.0f + expf(-v0)) * v1;
-        if (g.count) /* every thread, past its store */
-            swiglu_q8_out<NT>(g.y[0], total, g.out_q8, g.count, blockIdx.x * (blockDim.x / L), blockDim.x / L);
-        return;
-    }
     if (!out || !live)
         return;
+    const uint32_t i = L <= 32 ? t : lane, n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
     float *y = g.y[seg] + (size_t)i * n_out + local;
     if (CAN_ROPE && g.rope && seg < g.rope_segs && local % g.head_dim / 2 < g.n_pairs) {
         const float2 c = g.rope[(size_t)i * g.n_pairs + local % g.head_dim / 2];
@@ -367,6 +317,10 @@ __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
         tkv_rope_rotate(first ? v0 : partner, first ? partner : v0, c, &r0, &r1);
         v0 = first ? r0 : r1;
         v1 = r1;
+    }
+    if (SW) {
+        y[0] = v0 / (1.0f + expf(-v0)) * v1;
+        return;
     }
     /* with acc, the residual add: y + x, as add_rmsnorm_kernel adds */
     y[0] = g.acc ? y[0] + v0 : v0;
@@ -635,8 +589,6 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
         if (!tkv_cuda_qgemv_fast_ok(type, g->w[i], n_in) || (g->swiglu && !tkv_cuda_qgemv_fast_ok(type, g->wu, n_in)))
             return cudaErrorInvalidValue;
     const uint32_t rows = g->end[g->nw - 1];
-    if (g->count && (!g->swiglu || rows % 32 || g->out_q8.gb == 0 || (rows / 32) % g->out_q8.gb))
-        return cudaErrorInvalidValue;
     if (rows == 0 || n == 0)
         return cudaSuccess;
     bool pair = g->pair && !g->swiglu;

@@ -87,15 +87,6 @@ struct tkv_cuda_qgemv {
      * angles rope[i][p] (tkv_cuda_rope_table) */
     const float2 *rope;
     uint32_t rope_segs, head_dim, n_pairs;
-    /* With swiglu, y[0] also quantized into out_q8 (count: NULL, none): the
-     * planes tkv_cuda_q8_quantize would write, bit for bit, so that the
-     * next GEMV skips that launch. Rows n_out % 32 == 0, out_q8.gb dividing
-     * n_out / 32; out_q8 must not overlap the activations read. count:
-     * [n_out / 32] zeroed words the grid's CTAs count the rows of each
-     * block in; the CTA that completes a block quantizes it and zeroes its
-     * word again, so the words are zero after every complete call. */
-    struct tkv_cuda_q8_act out_q8;
-    unsigned *count;
 };
 
 /* The fast kernel, 1 <= n <= 8 tokens, activations in the type's block

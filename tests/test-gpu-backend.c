@@ -2367,87 +2367,6 @@ static void test_attn_q8(void)
     }
 }
 
-/* matmul_swiglu, then matmul_add of its output by a down matrix of type
- * down_type, four rounds on be (from the second on, the swiglu GEMV
- * quantizes its output for down in its epilogue) and on plain
- * (TKV_CUDA_SWIGLU_Q8=0): the FFN output and y bit for bit. In the last
- * round an add into the FFN output comes between the two, after which down
- * must quantize it itself. want_reads: 2, or 0 where the swiglu does not
- * run the quantized kernel or n_ff is not whole blocks. */
-static void swiglu_q8_case(struct tkv_backend *be, struct tkv_backend *plain, uint32_t type, uint32_t down_type,
-                           uint32_t n_in, uint32_t n_ff, uint32_t n, uint64_t want_reads)
-{
-    struct test_weight tg, tu, td;
-    weight_make(&tg, type, n_in, n_ff, 2);
-    weight_make(&tu, type, n_in, n_ff, 2);
-    weight_make(&td, down_type, n_ff, n_in, 2);
-    struct tkv_backend *bes[2] = {be, plain};
-    struct tkv_bweight *w[2][3] = {{NULL}};
-    for (int b = 0; b < 2; b++) {
-        CHECK(bes[b]->ops->weight_init(bes[b], &tg.t, &w[b][0]) == TKV_OK, "%s", tkv_last_error());
-        CHECK(bes[b]->ops->weight_init(bes[b], &tu.t, &w[b][1]) == TKV_OK, "%s", tkv_last_error());
-        CHECK(bes[b]->ops->weight_init(bes[b], &td.t, &w[b][2]) == TKV_OK, "%s", tkv_last_error());
-    }
-    const size_t cx = (size_t)n * n_in, cf = (size_t)n * n_ff;
-    float *x = malloc(cx * sizeof *x), *y0 = malloc(cx * sizeof *y0), *fa = malloc(cf * sizeof *fa);
-    float *fb = malloc(cf * sizeof *fb), *ya = malloc(cx * sizeof *ya), *yb = malloc(cx * sizeof *yb);
-    float *dx[2], *df[2], *dy[2];
-    for (int b = 0; b < 2; b++)
-        dx[b] = dev_poisoned(cx), df[b] = dev_poisoned(cf), dy[b] = dev_poisoned(cx);
-    const uint64_t reads0 = tkv_backend_cuda_q8_reads(be);
-    bool same = true;
-    for (int round = 0; round < 4; round++) {
-        fill(x, cx, -1, 1);
-        fill(y0, cx, -1, 1);
-        for (int b = 0; b < 2; b++) {
-            const struct tkv_backend_ops *o = bes[b]->ops;
-            CHECK(o->upload(bes[b], dx[b], x, cx * sizeof *x) == TKV_OK, "%s", tkv_last_error());
-            CHECK(o->upload(bes[b], dy[b], y0, cx * sizeof *y0) == TKV_OK, "%s", tkv_last_error());
-            CHECK(o->matmul_swiglu(bes[b], w[b][0], w[b][1], dx[b], df[b], n) == TKV_OK, "%s", tkv_last_error());
-            if (round == 3) /* the FFN output changes after the product: its planes are stale */
-                CHECK(o->add(bes[b], df[b], df[b], cf) == TKV_OK, "%s", tkv_last_error());
-            CHECK(o->matmul_add(bes[b], w[b][2], df[b], dy[b], n) == TKV_OK, "%s", tkv_last_error());
-            settle(bes[b]); /* its kernels end before gpu's stream copies their outputs down */
-        }
-        to_host(fa, df[0], cf * sizeof *fa), to_host(fb, df[1], cf * sizeof *fb);
-        to_host(ya, dy[0], cx * sizeof *ya), to_host(yb, dy[1], cx * sizeof *yb);
-        same = same && !memcmp(fa, fb, cf * sizeof *fa) && !memcmp(ya, yb, cx * sizeof *ya);
-    }
-    const uint64_t reads = tkv_backend_cuda_q8_reads(be) - reads0;
-    fprintf(stderr, "  matmul_swiglu + matmul_add %s/%s %u -> %u -> %u, n %u, 4 rounds: %s the plain sequence; %llu "
-                    "matmuls read the swiglu's planes (want %llu)\n", tkv_type_name(type), tkv_type_name(down_type),
-            n_in, n_ff, n_in, n, same ? "bit-identical to" : "DIFFER from", (unsigned long long)reads,
-            (unsigned long long)want_reads);
-    CHECK(same, "swiglu with its planes %s/%s %u -> %u n %u: differs from the plain sequence", tkv_type_name(type),
-          tkv_type_name(down_type), n_in, n_ff, n);
-    CHECK(reads == want_reads, "swiglu + matmul_add %s/%s %u -> %u n %u: %llu matmuls read the planes, want %llu",
-          tkv_type_name(type), tkv_type_name(down_type), n_in, n_ff, n, (unsigned long long)reads,
-          (unsigned long long)want_reads);
-    for (int b = 0; b < 2; b++) {
-        dev_free(dx[b]), dev_free(df[b]), dev_free(dy[b]);
-        for (int i = 0; i < 3; i++)
-            bes[b]->ops->weight_free(bes[b], w[b][i]);
-    }
-    free(x), free(y0), free(fa), free(fb), free(ya), free(yb);
-    weight_free(&tg), weight_free(&tu), weight_free(&td);
-}
-
-static void test_swiglu_q8(void)
-{
-    fprintf(stderr, "the swiglu GEMV quantizing down's activations:\n");
-    REQUIRE_VOID(gpu_q->ops->matmul_add && gpu_q->ops->matmul_swiglu);
-    static const char *const env_off[] = {"TKV_CUDA_SWIGLU_Q8", "0", NULL};
-    struct tkv_backend *plain = gpu_with_env(env_off);
-    REQUIRE_VOID(plain);
-    swiglu_q8_case(gpu_q, plain, TKV_TYPE_Q4_0, TKV_TYPE_Q4_0, 4096, 14336, 1, 2); /* Llama-3-8B */
-    swiglu_q8_case(gpu_q, plain, TKV_TYPE_Q4_0, TKV_TYPE_Q4_0, 4096, 14336, 3, 2);
-    swiglu_q8_case(gpu_q, plain, TKV_TYPE_Q4_1, TKV_TYPE_Q8_0, 1024, 2816, 2, 2); /* planes in Q8_0's order */
-    swiglu_q8_case(gpu_q, plain, TKV_TYPE_Q8_0, TKV_TYPE_Q4_1, 2048, 512, 8, 2);
-    swiglu_q8_case(gpu_q, plain, TKV_TYPE_Q4_0, TKV_TYPE_Q4_0, 16384, 64, 2, 2);  /* 2 warps a row: a CTA, 1 row */
-    swiglu_q8_case(gpu_q, plain, TKV_TYPE_Q4_0, TKV_TYPE_Q8_0, 576, 1536, 1, 0);  /* the sequence: no planes */
-    plain->ops->free(plain);
-}
-
 /* matmul_qkv_rope against matmul_group + rope_qk on the same backend: the
  * same bits (the quantized GEMV rotates in its epilogue, with one row a
  * unit or rows in pairs; other paths run the two ops). */
@@ -2732,23 +2651,22 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
     CHECK(finite == m.V, "non-finite logits (%zu of %u finite)", finite, m.V);
     /* the matmul_add sequence: every norm after the first of a step hands
      * its planes to the product after it (q/k/v, gate/up, the output) on
-     * the quantized path, every attention but the first to wo and every
-     * swiglu GEMV but the first to down; the first norm, attention and
-     * swiglu of the run learn their order */
+     * the quantized path, and every attention but the first to wo; the
+     * first norm and the first attention of the run learn their order */
     const bool ax = dev_equal(st[0].x, st[2].x, m.E * sizeof(float));
     const bool al = dev_equal(st[0].logits, st[2].logits, m.V * sizeof(float));
     const bool ak = dev_equal(st[0].kv, st[2].kv, kv_elems * sizeof(uint16_t));
     const bool aa = dev_equal(st[0].att, st[2].att, m.H * m.hd * sizeof(float));
     const uint64_t reads = tkv_backend_cuda_q8_reads(be[2]) - reads0;
     const uint64_t want =
-        wtype == TKV_TYPE_Q4_0 ? (uint64_t)steps * (2 * layers + 1) - 1 + 2 * ((uint64_t)steps * layers - 1) : 0;
+        wtype == TKV_TYPE_Q4_0 ? (uint64_t)steps * (2 * layers + 1) - 1 + (uint64_t)steps * layers - 1 : 0;
     fprintf(stderr, "  %s: matmul_add + rmsnorm + matmul_qkv_rope vs plain: x %s, logits %s, K/V %s, attention %s; %llu products "
-                    "read the planes of a norm, attention or swiglu (want %llu)\n", tkv_type_name(wtype), ax ? "bit-identical" : "DIFFER",
+                    "read the planes of a norm or attention (want %llu)\n", tkv_type_name(wtype), ax ? "bit-identical" : "DIFFER",
             al ? "bit-identical" : "DIFFER", ak ? "bit-identical" : "DIFFER", aa ? "bit-identical" : "DIFFER",
             (unsigned long long)reads, (unsigned long long)want);
     CHECK(ax && al && ak && aa, "matmul_add + rmsnorm + matmul_qkv_rope changed the decode chain's results");
-    CHECK(reads == want, "%llu products read the planes of a norm, attention or swiglu, want %llu",
-          (unsigned long long)reads, (unsigned long long)want);
+    CHECK(reads == want, "%llu products read the planes of a norm or attention, want %llu", (unsigned long long)reads,
+          (unsigned long long)want);
     for (int b = 0; b < NB; b++) {
         pdl_state_free(&st[b]);
         for (int i = 0; i < 9; i++)
@@ -2772,10 +2690,8 @@ static void test_pdl(void)
     setenv("TKV_CUDA_GEMV", "fast", 1);
     setenv("TKV_CUDA_NORM_Q8", "0", 1);
     setenv("TKV_CUDA_ATTN_Q8", "0", 1);
-    setenv("TKV_CUDA_SWIGLU_Q8", "0", 1);
     tkv_status st = tkv_backend_create("cuda", 0, &qplain);
     unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV"), unsetenv("TKV_CUDA_NORM_Q8"), unsetenv("TKV_CUDA_ATTN_Q8");
-    unsetenv("TKV_CUDA_SWIGLU_Q8");
     CHECK(st == TKV_OK, "%s", tkv_last_error());
     if (st == TKV_OK) {
         pdl_case(TKV_TYPE_Q4_0, qplain);
@@ -2891,7 +2807,6 @@ int main(void)
     SECTION("quant", test_quant);
     SECTION("matmul_add", test_matmul_add);
     SECTION("attn_q8", test_attn_q8);
-    SECTION("swiglu_q8", test_swiglu_q8);
     SECTION("pdl", test_pdl);
     SECTION("profile", test_profile);
     SECTION("attention", test_attention);
