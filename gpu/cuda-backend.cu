@@ -171,10 +171,11 @@ struct cuda_backend {
 enum { QGEMV_FAST, QGEMV_REF, QGEMV_OFF };
 
 /* Whether the fast kernel's lanes take rows in pairs (struct
- * tkv_cuda_qgemv's pair): by default for calls of at least
- * QGEMV_PAIR_MIN_BYTES of weights (docs/gpu.md, "Row pairs": on the H200
- * they gain from the 33 MB FFN matrices up and lose ~0.4-1 us on 2-9 MB
- * ones); TKV_CUDA_GEMV_QUANT=pair always, =single never (A/B measuring). */
+ * tkv_cuda_qgemv's pair): by default always for Q4_0 (qgemv_pairs), else
+ * for calls of at least QGEMV_PAIR_MIN_BYTES of weights (docs/gpu.md,
+ * "Row pairs": on the H200 the staged kernel's pairs gain from the 33 MB
+ * FFN matrices up and lose ~0.4-1 us on 2-9 MB ones);
+ * TKV_CUDA_GEMV_QUANT=pair always, =single never (A/B measuring). */
 enum { PAIRS_AUTO, PAIRS_ALWAYS, PAIRS_NEVER };
 #define QGEMV_PAIR_MIN_BYTES ((size_t)16 << 20)
 
@@ -657,15 +658,23 @@ static tkv_status weight_load(struct cuda_backend *cb, const struct tkv_gguf_ten
     else
         CU(op, cudaMalloc((void **)&w->w16, stored));
     size_t kept = 0;
-    /* the quantized GEMV's copy: the blocks as uploaded (rounded up to 16
-     * bytes: the fast kernel copies whole 16-byte chunks) */
+    /* the quantized GEMV's copy: the blocks as uploaded, or packed (Q4_0:
+     * tkv_cuda_q4_0_pack, from the blocks uploaded to raw); rounded up to
+     * 16 bytes: the staged kernel copies whole 16-byte chunks */
     const bool keep = w->w16 && cb->gemv_quant != QGEMV_OFF && tkv_cuda_qgemv_supported(t->type);
     if (keep) {
         kept = (raw_bytes + 15) / 16 * 16;
         CU(op, cudaMalloc(&w->wq, kept));
         CU(op, cudaMemsetAsync((uint8_t *)w->wq + raw_bytes, 0, kept - raw_bytes, cb->stream));
-        CU(op, cudaMemcpyAsync(w->wq, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
-        CU(op, tkv_cuda_dequant(t->type, w->wq, n_elems, w->w16, NULL, cb->stream));
+        void *blocks = w->wq;
+        if (t->type == TKV_TYPE_Q4_0) {
+            CU(op, cudaMalloc(raw, raw_bytes));
+            blocks = *raw;
+        }
+        CU(op, cudaMemcpyAsync(blocks, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
+        CU(op, tkv_cuda_dequant(t->type, blocks, n_elems, w->w16, NULL, cb->stream));
+        if (t->type == TKV_TYPE_Q4_0)
+            CU(op, tkv_cuda_q4_0_pack(blocks, w->wq, n_elems / 32, cb->stream));
     } else if (t->type == TKV_TYPE_F16 && w->w16) { /* already the storage format */
         CU(op, cudaMemcpyAsync(w->w16, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
     } else {
@@ -834,13 +843,17 @@ static void group_build(G *g, const struct tkv_bweight *const *w, uint32_t nw, f
     }
 }
 
-/* Whether one quantized GEMV call over w[0 .. nw-1] takes rows in pairs. */
+/* Whether one quantized GEMV call over w[0 .. nw-1] takes rows in pairs:
+ * by default always for Q4_0 (the packed kernel: gpu/probe/packed-probe.cu
+ * measured pairs faster on every Llama-3-8B shape), else from
+ * QGEMV_PAIR_MIN_BYTES of weights. */
 static bool qgemv_pairs(const struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw)
 {
     size_t bytes = 0;
     for (uint32_t i = 0; i < nw; i++)
         bytes += w[i]->bytes_wq;
-    return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && bytes >= QGEMV_PAIR_MIN_BYTES);
+    const bool big = bytes >= QGEMV_PAIR_MIN_BYTES || w[0]->t->type == TKV_TYPE_Q4_0;
+    return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && big);
 }
 
 /* The fast kernel over g on the backend's device and stream. */

@@ -1,18 +1,22 @@
 /*
  * gemv-quant.cu -- the quantized decode GEMV (gemv-quant.cuh): activation
- * quantization to Q8_0 / Q8_1 planes, the fast kernel (plain, grouped and
- * gate/up + SwiGLU in one template) and its reference.
+ * quantization to Q8_0 / Q8_1 planes, the fast kernels (plain, grouped and
+ * gate/up + SwiGLU in one template each) and their reference.
  *
- * Why the shared-memory stage: Q4_0 blocks are 18 bytes, so a block's 16
- * quant bytes sit at a 2-byte offset and a lane that reads its own blocks
- * straight from global memory either issues 2-byte loads or 16-byte loads
- * 144 bytes apart across the warp (~36 L1 wavefronts per instruction
- * instead of 4). Here a lane owns a group of 8 blocks (4 for Q4_1, whose
- * 20-byte blocks give 80 bytes; Q8_0's 8 x 34 = 272): 9, 5 or 17 16-byte
- * chunks, an odd number, so the warp copies its 32 groups (contiguous runs
- * of the rows) to a warp-private stage with coalesced 16-byte cp.async,
- * and each lane then reads its group with 128-bit shared loads 9 / 5 / 17
- * chunks apart: conflict-free. The weights never pass through L1 (.cg).
+ * Q4_0 matrices are repacked at load (tkv_cuda_q4_0_pack: nibble blocks and
+ * scales apart), so the Q4_0 kernel reads 16-byte nibble blocks straight
+ * into registers, coalesced (the packed kernel, below).
+ *
+ * Q4_1 and Q8_0 keep their GGUF blocks, read through a shared-memory stage
+ * (the staged kernel). Why the stage: those blocks are 20 and 34 bytes, so
+ * a lane that reads its own blocks straight from global memory issues
+ * loads at odd offsets or 16-byte loads far apart across the warp. Here a
+ * lane owns a group of 4 blocks (Q4_1: 80 bytes) or 8 (Q8_0: 272): 5 or
+ * 17 16-byte chunks, an odd number, so the warp copies its 32 groups
+ * (contiguous runs of the rows) to a warp-private stage with coalesced
+ * 16-byte cp.async, and each lane then reads its group with 128-bit shared
+ * loads 5 / 17 chunks apart: conflict-free. The weights never pass through
+ * L1 (.cg).
  */
 #include "gemv-quant.cuh"
 
@@ -22,7 +26,6 @@ enum { QT_Q4_0, QT_Q4_1, QT_Q8_0 };
 
 /* BB: bytes per block; GB: blocks per lane group; CH: 16-byte chunks per group */
 template <int QT> struct qtype;
-template <> struct qtype<QT_Q4_0> { static constexpr int BB = 18, GB = 8, CH = 9, HALVES = 1; };
 template <> struct qtype<QT_Q4_1> { static constexpr int BB = 20, GB = 4, CH = 5, HALVES = 1; };
 template <> struct qtype<QT_Q8_0> { static constexpr int BB = 34, GB = 8, CH = 17, HALVES = 2; };
 
@@ -36,8 +39,12 @@ int qt_of(uint32_t type)
     }
 }
 
+/* The staged kernel's group of blocks a lane (Q4_1, Q8_0) and its 16-byte chunks. */
 uint32_t group_blocks(int qt) { return qt == QT_Q4_1 ? 4 : 8; }
-uint32_t group_chunks(int qt) { return qt == QT_Q4_0 ? 9 : qt == QT_Q4_1 ? 5 : 17; }
+uint32_t group_chunks(int qt) { return qt == QT_Q4_1 ? 5 : 17; }
+/* The block order of the activation planes a fast kernel of qt reads: the
+ * staged kernel's group; the packed kernel's plain order. */
+uint32_t act_order(int qt) { return qt == QT_Q4_0 ? 1 : group_blocks(qt); }
 
 constexpr uint32_t QG_SMEM_MAX = 48u << 10; /* no opt-in attribute needed */
 constexpr int QG_THREADS_MAX = 256;
@@ -218,6 +225,34 @@ constexpr int qg_min_ctas(int qt, int mode, int nt, int l)
     return qt != QT_Q8_0 && mode == MODE_PAIR && nt == 1 && l == 32 ? 65536 / (QG_THREADS_MAX * QG_PAIR32_REGS) : 0;
 }
 
+/* Stores token i's results of a unit: v0 for row `local` of weight seg, v1
+ * for the next row (MODE_PAIR) or the up row's sum (MODE_SWIGLU); with
+ * the epilogue's RoPE (partner: the sum of the other row of v0's pair),
+ * SwiGLU, or the residual add. */
+template <int MODE, bool CAN_ROPE>
+__device__ __forceinline__ void store_unit(const struct tkv_cuda_qgemv &g, uint32_t seg, uint32_t local, uint32_t i,
+                                           float v0, float v1, float partner)
+{
+    const uint32_t n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
+    float *y = g.y[seg] + (size_t)i * n_out + local;
+    if (CAN_ROPE && g.rope && seg < g.rope_segs && local % g.head_dim / 2 < g.n_pairs) {
+        const float2 c = g.rope[(size_t)i * g.n_pairs + local % g.head_dim / 2];
+        const bool first = local % 2 == 0; /* always, in pairs */
+        float r0, r1;
+        tkv_rope_rotate(first ? v0 : partner, first ? partner : v0, c, &r0, &r1);
+        v0 = first ? r0 : r1;
+        v1 = r1;
+    }
+    if (MODE == MODE_SWIGLU) {
+        y[0] = v0 / (1.0f + expf(-v0)) * v1;
+        return;
+    }
+    /* with acc, the residual add: y + x, as add_rmsnorm_kernel adds */
+    y[0] = g.acc ? y[0] + v0 : v0;
+    if (MODE == MODE_PAIR)
+        y[1] = g.acc ? y[1] + v1 : v1;
+}
+
 /* L threads per unit (8 .. 256); blockDim.x / L units per CTA; nstage 1 or
  * 2 stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
  * the reduction's part[warps][NM][NT]. */
@@ -306,26 +341,8 @@ __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
     float partner = v1;
     if (MODE == MODE_PLAIN && L <= 16 && g.rope)
         partner = __shfl_xor_sync(0xffffffffu, v0, L);
-    if (!out || !live)
-        return;
-    const uint32_t i = L <= 32 ? t : lane, n_out = g.end[seg] - (seg ? g.end[seg - 1] : 0);
-    float *y = g.y[seg] + (size_t)i * n_out + local;
-    if (CAN_ROPE && g.rope && seg < g.rope_segs && local % g.head_dim / 2 < g.n_pairs) {
-        const float2 c = g.rope[(size_t)i * g.n_pairs + local % g.head_dim / 2];
-        const bool first = local % 2 == 0; /* always, in pairs */
-        float r0, r1;
-        tkv_rope_rotate(first ? v0 : partner, first ? partner : v0, c, &r0, &r1);
-        v0 = first ? r0 : r1;
-        v1 = r1;
-    }
-    if (SW) {
-        y[0] = v0 / (1.0f + expf(-v0)) * v1;
-        return;
-    }
-    /* with acc, the residual add: y + x, as add_rmsnorm_kernel adds */
-    y[0] = g.acc ? y[0] + v0 : v0;
-    if (MODE == MODE_PAIR)
-        y[1] = g.acc ? y[1] + v1 : v1;
+    if (out && live)
+        store_unit<MODE, CAN_ROPE>(g, seg, local, L <= 32 ? t : lane, v0, v1, partner);
 }
 
 /* two: a unit streams two rows (MODE_SWIGLU, MODE_PAIR) */
@@ -450,6 +467,184 @@ cudaError_t qgemv_pick_mode(int mode, const struct tkv_cuda_qgemv *g, struct tkv
     }
 }
 
+/* ---- Q4_0: the packed kernel -----------------------------------------------------------
+ *
+ * A packed Q4_0 matrix of rows x nb blocks (tkv_cuda_q4_0_pack) holds the
+ * rows' 16-byte nibble blocks, row after row, then their f16 scales in the
+ * same order: 18 bytes a block, as GGUF. A unit (one row, a row pair or a
+ * gate and an up row: R rows) is one warp: lane j reads blocks j, j + 32,
+ * ... of the unit's rows straight into registers (16-byte loads, 512
+ * contiguous bytes a warp instruction, not kept in L1), U blocks a row at
+ * a time while the next U load; the activations, in the plain block order
+ * (gb = 1), come through L1, each load serving the unit's rows. The first
+ * U are loaded before griddepcontrol.wait (weights: written by no kernel).
+ * No shared memory and no barrier, so a CTA's slot frees as soon as its
+ * warps end. A lane adds its blocks' terms in order and the warp sums its
+ * lanes by an xor butterfly, whatever R: pairs and single rows give the
+ * same bits. gpu/probe/packed-probe.cu measured the design against the
+ * staged one (docs/gpu.md, "The packed Q4_0 kernel"). */
+
+constexpr uint32_t Q4P_WARPS = 8; /* warps (units) a CTA */
+
+/* The scales of a packed matrix of rows x nb blocks at w. */
+__device__ __forceinline__ const __half *q4p_scales(const void *w, uint32_t rows, uint32_t nb)
+{
+    return (const __half *)((const uint8_t *)w + (size_t)rows * nb * 16);
+}
+
+/* 16 bytes read once: not allocated in L1 (.nc: written by no kernel). */
+__device__ __forceinline__ uint4 ld_stream16(const uint4 *p)
+{
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+template <int NT, int U, int MODE>
+__global__ void __launch_bounds__(Q4P_WARPS * 32)
+    q4p_kernel(const struct tkv_cuda_qgemv g, const int8_t *__restrict__ aq,
+               const struct tkv_cuda_q8_meta *__restrict__ am, uint32_t n_in)
+{
+    constexpr bool TWO = MODE != MODE_PLAIN;
+    constexpr int R = TWO ? 2 : 1;
+    tkv_pdl_trigger();
+    const uint32_t lane = threadIdx.x % 32, nb = n_in / 32;
+    const uint32_t unit = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const uint32_t row = MODE == MODE_PAIR ? 2 * unit : unit, total = g.end[g.nw - 1];
+    uint32_t seg = 0;
+    while (seg + 1 < g.nw && row >= g.end[seg])
+        seg++;
+    const bool live = row < total; /* the same for the whole warp */
+    const uint32_t first = seg ? g.end[seg - 1] : 0, local = live ? row - first : 0, rows = g.end[seg] - first;
+    const uint4 *qr[R];
+    const __half *dr[R];
+    qr[0] = (const uint4 *)g.w[seg] + (size_t)local * nb;
+    dr[0] = q4p_scales(g.w[seg], rows, nb) + (size_t)local * nb;
+    if constexpr (TWO) {
+        const bool sw = MODE == MODE_SWIGLU;
+        qr[1] = sw ? (const uint4 *)g.wu + (size_t)local * nb : qr[0] + nb;
+        dr[1] = sw ? q4p_scales(g.wu, rows, nb) + (size_t)local * nb : dr[0] + nb;
+    }
+    uint4 wq[R][U], nq[R][U];
+    float wd[R][U], nd[R][U];
+    auto load = [&](uint32_t b0, uint4 (&q)[R][U], float (&d)[R][U]) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const uint32_t b = b0 + u * 32 + lane;
+                const bool ok = live && b < nb;
+                q[r][u] = ok ? ld_stream16(qr[r] + b) : make_uint4(0, 0, 0, 0);
+                d[r][u] = ok ? __half2float(dr[r][b]) : 0.0f;
+            }
+    };
+    load(0, wq, wd);
+    tkv_pdl_wait();
+    float acc[R][NT];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = 0; i < NT; i++)
+            acc[r][i] = 0.0f;
+    for (uint32_t b0 = 0; live && b0 < nb; b0 += 32 * U) {
+        if (b0 + 32 * U < nb)
+            load(b0 + 32 * U, nq, nd);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const uint32_t b = b0 + u * 32 + lane;
+            if (b >= nb)
+                continue;
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                const uint4 *ap = (const uint4 *)(aq + (size_t)i * n_in + (size_t)b * 32);
+                const uint4 a0 = __ldg(ap), a1 = __ldg(ap + 1);
+                const uint2 m = __ldg((const uint2 *)(am + (size_t)i * nb + b));
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    wblock w;
+                    w.d = wd[r][u];
+                    w.m = 0.0f;
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        w.q[k] = k < 4 ? u4_word(wq[r][u], k) : 0u;
+                    acc[r][i] = __fadd_rn(acc[r][i], block_term<QT_Q4_0>(w, a0, a1, m.x, (int)m.y));
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                wq[r][u] = nq[r][u], wd[r][u] = nd[r][u];
+    }
+    float v0 = 0.0f, v1 = 0.0f; /* token `lane`'s sums (lanes < NT) */
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        float s0 = acc[0][i], s1 = acc[R - 1][i];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+            if (TWO)
+                s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        }
+        if (lane == (uint32_t)i)
+            v0 = s0, v1 = s1;
+    }
+    if (live && lane < (uint32_t)NT)
+        store_unit<MODE, MODE == MODE_PAIR>(g, seg, local, lane, v0, v1, v1);
+}
+
+template <int NT, int U, int MODE>
+cudaError_t q4p_launch(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
+                       bool pdl, cudaStream_t s)
+{
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(units, Q4P_WARPS), Q4P_WARPS * 32, 0, s, q4p_kernel<NT, U, MODE>, *g,
+                           (const int8_t *)a.q, (const struct tkv_cuda_q8_meta *)a.meta, n_in);
+}
+
+template <int NT, int MODE>
+cudaError_t q4p_pick_u(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
+                       bool pdl, cudaStream_t s)
+{
+    /* few units (a grid of 256 CTAs or less on Llama-3-8B's wo and down):
+     * more bytes in flight a warp; more tokens: fewer registers for loads */
+    if (units <= 2048 && NT <= 2)
+        return q4p_launch<NT, 4, MODE>(g, a, n_in, units, pdl, s);
+    return q4p_launch<NT, 2, MODE>(g, a, n_in, units, pdl, s);
+}
+
+template <int MODE>
+cudaError_t q4p_pick_n(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
+                       uint32_t n, bool pdl, cudaStream_t s)
+{
+    switch (n) {
+    case 1: return q4p_pick_u<1, MODE>(g, a, n_in, units, pdl, s);
+    case 2: return q4p_pick_u<2, MODE>(g, a, n_in, units, pdl, s);
+    case 3: return q4p_pick_u<3, MODE>(g, a, n_in, units, pdl, s);
+    case 4: return q4p_pick_u<4, MODE>(g, a, n_in, units, pdl, s);
+    case 5: return q4p_pick_u<5, MODE>(g, a, n_in, units, pdl, s);
+    case 6: return q4p_pick_u<6, MODE>(g, a, n_in, units, pdl, s);
+    case 7: return q4p_pick_u<7, MODE>(g, a, n_in, units, pdl, s);
+    case 8: return q4p_pick_u<8, MODE>(g, a, n_in, units, pdl, s);
+    default: return cudaErrorInvalidValue;
+    }
+}
+
+__global__ void q4_0_pack_kernel(const uint8_t *__restrict__ src, uint8_t *__restrict__ dst, size_t blocks)
+{
+    const size_t b = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (b >= blocks)
+        return;
+    const uint8_t *blk = src + b * 18;
+    uint8_t *q = dst + b * 16, *d = dst + blocks * 16 + b * 2;
+    for (int j = 0; j < 16; j++)
+        q[j] = blk[2 + j];
+    d[0] = blk[0];
+    d[1] = blk[1];
+}
+
 /* ---- the reference: one warp per row, a lane per block, byte loads ------------------ */
 
 __device__ __forceinline__ float f16_bytes(const uint8_t *p)
@@ -464,15 +659,17 @@ __global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struc
     const uint32_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= n_out)
         return;
-    const uint32_t nb = n_in / 32, bb = QT == QT_Q4_0 ? 18 : QT == QT_Q4_1 ? 20 : 34;
+    const uint32_t nb = n_in / 32, bb = QT == QT_Q4_1 ? 20 : 34;
     for (uint32_t i = 0; i < n; i++) {
         float acc = 0.0f;
         for (uint32_t kb = lane; kb < nb; kb += 32) {
-            const uint8_t *blk = w + ((size_t)row * nb + kb) * bb;
+            const uint8_t *blk = w + ((size_t)row * nb + kb) * bb; /* Q4_0: packed, below */
             const uint32_t pos = tkv_q8_pos(kb, nb, gb);
             const int8_t *a = aq + (size_t)i * n_in + (size_t)pos * 32;
             const struct tkv_cuda_q8_meta m = am[(size_t)i * nb + pos];
-            const float dw = f16_bytes(blk), da = __half2float(m.d);
+            const size_t at = (size_t)row * nb + kb;
+            const float dw = QT == QT_Q4_0 ? __half2float(q4p_scales(w, n_out, nb)[at]) : f16_bytes(blk);
+            const float da = __half2float(m.d);
             int s = 0;
             float term;
             if (QT == QT_Q8_0) {
@@ -480,8 +677,9 @@ __global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struc
                     s += (int8_t)blk[2 + j] * a[j];
                 term = __fmul_rn(__fmul_rn(dw, da), (float)s);
             } else if (QT == QT_Q4_0) {
+                const uint8_t *qs = w + at * 16;
                 for (int j = 0; j < 16; j++)
-                    s += ((blk[2 + j] & 15) - 8) * a[j] + ((blk[2 + j] >> 4) - 8) * a[j + 16];
+                    s += ((qs[j] & 15) - 8) * a[j] + ((qs[j] >> 4) - 8) * a[j + 16];
                 term = __fmul_rn(__fmul_rn(dw, da), (float)s);
             } else {
                 for (int j = 0; j < 16; j++)
@@ -512,7 +710,7 @@ size_t tkv_cuda_q8_act_bytes(uint32_t n, uint32_t n_in)
 uint32_t tkv_cuda_q8_order(uint32_t type, uint32_t n_in)
 {
     const int qt = qt_of(type);
-    return qt >= 0 && n_in % (32 * group_blocks(qt)) == 0 ? group_blocks(qt) : 1;
+    return qt > QT_Q4_0 && n_in % (32 * group_blocks(qt)) == 0 ? group_blocks(qt) : 1;
 }
 
 struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in, uint32_t gb)
@@ -559,7 +757,16 @@ cudaError_t tkv_cuda_q8_pack(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in
 bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in)
 {
     const int qt = qt_of(type);
-    return qt >= 0 && n_in % (32 * group_blocks(qt)) == 0 && (uintptr_t)w % 16 == 0;
+    return qt >= 0 && n_in % (32 * (qt == QT_Q4_0 ? 1 : group_blocks(qt))) == 0 && (uintptr_t)w % 16 == 0;
+}
+
+cudaError_t tkv_cuda_q4_0_pack(const void *gguf, void *dst, size_t blocks, cudaStream_t s)
+{
+    if (blocks == 0)
+        return cudaSuccess;
+    q4_0_pack_kernel<<<tkv_cuda_blocks(blocks, 256), 256, 0, s>>>((const uint8_t *)gguf, (uint8_t *)dst, blocks);
+    TKV_CUDA_LAUNCHED();
+    return cudaSuccess;
 }
 
 void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n_sm, uint32_t *threads_per_row,
@@ -567,7 +774,12 @@ void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n
 {
     uint32_t nstage;
     const int qt = qt_of(type);
-    plan(qt < 0 ? QT_Q4_0 : qt, MODE_PLAIN, 1, n_in, rows, n_sm, 0, threads_per_row, warps, &nstage);
+    if (qt == QT_Q4_0) { /* the packed kernel: a warp a row */
+        *threads_per_row = 32;
+        *warps = Q4P_WARPS;
+        return;
+    }
+    plan(qt < 0 ? QT_Q8_0 : qt, MODE_PLAIN, 1, n_in, rows, n_sm, 0, threads_per_row, warps, &nstage);
 }
 
 cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
@@ -575,7 +787,7 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
 {
     const int qt = qt_of(type);
     if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && (g->nw != 1 || g->acc)) ||
-        a.gb != group_blocks(qt))
+        a.gb != act_order(qt))
         return cudaErrorInvalidValue;
     if (g->rope) {
         if (g->swiglu || g->acc || g->head_dim == 0 || g->head_dim % 2 || g->n_pairs > g->head_dim / 2 ||
@@ -596,6 +808,20 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
         pair = pair && g->end[i] % 2 == 0; /* a pair never straddles two weights */
     int mode = g->swiglu ? MODE_SWIGLU : pair ? MODE_PAIR : MODE_PLAIN;
     uint32_t units = pair ? rows / 2 : rows;
+    if (qt == QT_Q4_0) {
+        if (g->rope && mode == MODE_PLAIN) { /* a pair's rows in different warps: take them together */
+            for (uint32_t i = 0; i < g->nw; i++)
+                if (g->end[i] % 2)
+                    return cudaErrorInvalidValue;
+            mode = MODE_PAIR;
+            units = rows / 2;
+        }
+        switch (mode) {
+        case MODE_SWIGLU: return q4p_pick_n<MODE_SWIGLU>(g, a, n_in, units, n, pdl, s);
+        case MODE_PAIR: return q4p_pick_n<MODE_PAIR>(g, a, n_in, units, n, pdl, s);
+        default: return q4p_pick_n<MODE_PLAIN>(g, a, n_in, units, n, pdl, s);
+        }
+    }
     uint32_t L, warps, nstage;
     plan(qt, mode, n, n_in, units, n_sm, smem_sm, &L, &warps, &nstage);
     if (g->rope && mode == MODE_PLAIN && L > 16) { /* a pair's rows in different warps: take them together */
@@ -607,7 +833,6 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
         plan(qt, mode, n, n_in, units, n_sm, smem_sm, &L, &warps, &nstage);
     }
     switch (qt) {
-    case QT_Q4_0: return qgemv_pick_mode<QT_Q4_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
     case QT_Q4_1: return qgemv_pick_mode<QT_Q4_1>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
     default: return qgemv_pick_mode<QT_Q8_0>(mode, g, a, n_in, units, n, L, warps, nstage, pdl, s);
     }

@@ -2064,9 +2064,11 @@ static void test_quant(void)
           "quantize_act took the cpu backend");
     CHECK(tkv_backend_cuda_quantize_act(gpu_q, TKV_TYPE_Q4_K, NULL, 1, 256, NULL) == TKV_ERR_INVALID_ARG,
           "quantize_act took Q4_K");
-    /* (b) matmul: short rows (the reference kernel), odd row counts, the
-     * fast kernel's row splits (8 to 128 threads per row: tkv_cuda_qgemv_plan),
-     * rows of several rounds (two stages), Llama-3-8B's shapes */
+    /* (b) matmul: short rows (Q4_1, Q8_0: the reference kernel; Q4_0: the
+     * packed kernel's partial rounds), odd row counts, the staged kernel's
+     * row splits (8 to 128 threads per row: tkv_cuda_qgemv_plan), rows of
+     * several rounds (two stages; the packed kernel's 2 and 4 blocks a lane
+     * in flight), Llama-3-8B's shapes */
     for (int t = 0; t < 3; t++) {
         const uint32_t ty = qtypes[t];
         for (uint32_t n = 1; n <= 8; n++) {
@@ -2074,7 +2076,7 @@ static void test_quant(void)
             test_qmatmul_case(ty, 4096, 1024, n); /* wk, wv */
         }
         test_qmatmul_case(ty, 64, 7, 3);
-        test_qmatmul_case(ty, 576, 129, 2);     /* not a whole group of blocks: the reference kernel */
+        test_qmatmul_case(ty, 576, 129, 2);     /* not a whole group of blocks (Q4_1, Q8_0: the reference) */
         test_qmatmul_case(ty, 2048, 1001, 5);
         test_qmatmul_case(ty, 4096, 4096, 1);   /* wq, wo */
         test_qmatmul_case(ty, 14336, 515, 4);   /* two rounds per row */
