@@ -140,6 +140,7 @@ struct cuda_backend {
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
     int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
+    uint32_t q4p_u, q4p_warps;     /* TKV_CUDA_Q4P=U,WARPS: tkv_cuda_qgemv's (0,0: its rule) */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
     /* The quantized activations an op left in q8_work beside its output (a
@@ -860,6 +861,8 @@ static bool qgemv_pairs(const struct cuda_backend *cb, const struct tkv_bweight 
 static tkv_status qgemv_run(struct cuda_backend *cb, uint32_t type, struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a,
                             uint32_t n_in, uint32_t n, const char *op)
 {
+    g->q4p_u = cb->q4p_u;
+    g->q4p_warps = cb->q4p_warps;
     CU(op, tkv_cuda_qgemv(type, g, a, n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
@@ -2464,6 +2467,9 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->qgemv_pairs = quant && !strcmp(quant, "pair")     ? PAIRS_ALWAYS
                       : quant && !strcmp(quant, "single") ? PAIRS_NEVER
                                                           : PAIRS_AUTO;
+    const char *q4p = getenv("TKV_CUDA_Q4P"); /* "U,WARPS": the Q4_0 kernel's shape, for A/B measuring */
+    if (q4p && sscanf(q4p, "%u,%u", &cb->q4p_u, &cb->q4p_warps) != 2)
+        cb->q4p_u = cb->q4p_warps = 0;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *norm_q8 = getenv("TKV_CUDA_NORM_Q8");

@@ -484,7 +484,7 @@ cudaError_t qgemv_pick_mode(int mode, const struct tkv_cuda_qgemv *g, struct tkv
  * same bits. gpu/probe/packed-probe.cu measured the design against the
  * staged one (docs/gpu.md, "The packed Q4_0 kernel"). */
 
-constexpr uint32_t Q4P_WARPS = 8; /* warps (units) a CTA */
+constexpr uint32_t Q4P_WARPS = 8; /* warps (units) a CTA, at most and by default */
 
 /* The scales of a packed matrix of rows x nb blocks at w. */
 __device__ __forceinline__ const __half *q4p_scales(const void *w, uint32_t rows, uint32_t nb)
@@ -600,7 +600,10 @@ template <int NT, int U, int MODE>
 cudaError_t q4p_launch(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in, uint32_t units,
                        bool pdl, cudaStream_t s)
 {
-    return tkv_cuda_launch(pdl, tkv_cuda_blocks(units, Q4P_WARPS), Q4P_WARPS * 32, 0, s, q4p_kernel<NT, U, MODE>, *g,
+    const uint32_t warps = g->q4p_warps ? g->q4p_warps : Q4P_WARPS;
+    if (warps > Q4P_WARPS)
+        return cudaErrorInvalidConfiguration;
+    return tkv_cuda_launch(pdl, tkv_cuda_blocks(units, warps), warps * 32, 0, s, q4p_kernel<NT, U, MODE>, *g,
                            (const int8_t *)a.q, (const struct tkv_cuda_q8_meta *)a.meta, n_in);
 }
 
@@ -610,9 +613,16 @@ cudaError_t q4p_pick_u(const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a,
 {
     /* few units (a grid of 256 CTAs or less on Llama-3-8B's wo and down):
      * more bytes in flight a warp; more tokens: fewer registers for loads */
-    if (units <= 2048 && NT <= 2)
-        return q4p_launch<NT, 4, MODE>(g, a, n_in, units, pdl, s);
-    return q4p_launch<NT, 2, MODE>(g, a, n_in, units, pdl, s);
+    const uint32_t u = g->q4p_u ? g->q4p_u : units <= 2048 && NT <= 2 ? 4 : 2;
+    switch (u) {
+    case 2: return q4p_launch<NT, 2, MODE>(g, a, n_in, units, pdl, s);
+    case 4: return q4p_launch<NT, 4, MODE>(g, a, n_in, units, pdl, s);
+    case 8:
+        if constexpr (NT <= 2)
+            return q4p_launch<NT, 8, MODE>(g, a, n_in, units, pdl, s);
+        return cudaErrorInvalidValue;
+    default: return cudaErrorInvalidValue;
+    }
 }
 
 template <int MODE>

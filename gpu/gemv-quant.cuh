@@ -97,6 +97,9 @@ struct tkv_cuda_qgemv {
      * angles rope[i][p] (tkv_cuda_rope_table) */
     const float2 *rope;
     uint32_t rope_segs, head_dim, n_pairs;
+    /* the Q4_0 kernel's blocks a lane and row in flight (2, 4 or 8) and
+     * warps a CTA (1 to 8); 0: its rule (A/B measuring: TKV_CUDA_Q4P) */
+    uint32_t q4p_u, q4p_warps;
 };
 
 /* The fast kernels, 1 <= n <= 8 tokens, activations in the type's block
