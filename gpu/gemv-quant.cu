@@ -215,10 +215,11 @@ enum { MODE_PLAIN, MODE_SWIGLU, MODE_PAIR };
 /* CTAs of QG_THREADS_MAX threads an SM must hold at once, by registers
  * (0: no bound; an explicit 1 would move ptxas's choices for the others);
  * plan() counts the residency of a bounded instance from it.
- * The one-token row-pair instance with 32 lanes a unit, Q4_0 and Q4_1, at
- * QG_PAIR32_REGS registers where Q4_0's would take 150: with one stage
- * (plan) 4 of its 4-warp CTAs then fit an SM, which puts the Llama-3-8B
- * `down` (4096 x 14336, 2048 pairs) in one wave. Q8_0's would spill. */
+ * The one-token row-pair instance with 32 lanes a unit (Q4_1; measured
+ * when Q4_0 ran this kernel, whose instance would take 150) at
+ * QG_PAIR32_REGS registers: with one stage (plan) 4 of its 4-warp CTAs
+ * then fit an SM, which put the Llama-3-8B `down` (4096 x 14336, 2048
+ * pairs) in one wave. Q8_0's would spill. */
 constexpr int QG_PAIR32_REGS = 128;
 constexpr int qg_min_ctas(int qt, int mode, int nt, int l)
 {
@@ -390,7 +391,8 @@ void plan(int qt, int mode, uint32_t n, uint32_t n_in, uint32_t units, uint32_t 
     uint32_t w = warps_for(nstage);
     /* but one stage where that puts the grid in one wave and two do not:
      * a second part-wave starts only as the first ends, which costs more
-     * than the overlap of the second stage (session 39: the Q4_0 `down`,
+     * than the overlap of the second stage (session 39, when this kernel
+     * ran Q4_0: the Q4_0 `down`,
      * 1024 CTAs of 2 warps and 6 an SM with two stages, 1.29 waves, against
      * 512 CTAs of 4 warps in one wave with one: 21.4 -> 19.7 µs on an
      * H100). Residency by shared memory (1 KB reserved a CTA) and by the
@@ -482,7 +484,7 @@ cudaError_t qgemv_pick_mode(int mode, const struct tkv_cuda_qgemv *g, struct tkv
  * warps end. A lane adds its blocks' terms in order and the warp sums its
  * lanes by an xor butterfly, whatever R: pairs and single rows give the
  * same bits. gpu/probe/packed-probe.cu measured the design against the
- * staged one (docs/gpu.md, "The packed Q4_0 kernel"). */
+ * staged one (docs/gpu.md, "Weights"; docs/benchmarks.md, "Session 45"). */
 
 constexpr uint32_t Q4P_WARPS = 8; /* warps (units) a CTA, at most and by default */
 
