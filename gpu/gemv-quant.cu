@@ -671,15 +671,16 @@ __global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struc
     const uint32_t row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= n_out)
         return;
-    const uint32_t nb = n_in / 32, bb = QT == QT_Q4_1 ? 20 : 34;
+    /* a block's bytes: GGUF's, or for Q4_0 its nibbles in the packed layout (its scale apart) */
+    const uint32_t nb = n_in / 32, bb = QT == QT_Q4_0 ? 16 : QT == QT_Q4_1 ? 20 : 34;
     for (uint32_t i = 0; i < n; i++) {
         float acc = 0.0f;
         for (uint32_t kb = lane; kb < nb; kb += 32) {
-            const uint8_t *blk = w + ((size_t)row * nb + kb) * bb; /* Q4_0: packed, below */
+            const size_t at = (size_t)row * nb + kb;
+            const uint8_t *blk = w + at * bb;
             const uint32_t pos = tkv_q8_pos(kb, nb, gb);
             const int8_t *a = aq + (size_t)i * n_in + (size_t)pos * 32;
             const struct tkv_cuda_q8_meta m = am[(size_t)i * nb + pos];
-            const size_t at = (size_t)row * nb + kb;
             const float dw = QT == QT_Q4_0 ? __half2float(q4p_scales(w, n_out, nb)[at]) : f16_bytes(blk);
             const float da = __half2float(m.d);
             int s = 0;
@@ -689,9 +690,8 @@ __global__ void qgemv_ref_kernel(const uint8_t *w, const int8_t *aq, const struc
                     s += (int8_t)blk[2 + j] * a[j];
                 term = __fmul_rn(__fmul_rn(dw, da), (float)s);
             } else if (QT == QT_Q4_0) {
-                const uint8_t *qs = w + at * 16;
                 for (int j = 0; j < 16; j++)
-                    s += ((qs[j] & 15) - 8) * a[j] + ((qs[j] >> 4) - 8) * a[j + 16];
+                    s += ((blk[j] & 15) - 8) * a[j] + ((blk[j] >> 4) - 8) * a[j + 16];
                 term = __fmul_rn(__fmul_rn(dw, da), (float)s);
             } else {
                 for (int j = 0; j < 16; j++)
