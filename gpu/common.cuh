@@ -139,6 +139,17 @@ template <int N> static __device__ __forceinline__ void tkv_cp_async_wait(void)
 }
 static __device__ __forceinline__ void tkv_cp_async_wait_all(void) { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+/* 16 bytes at p (16-byte aligned) that no kernel writes while this one
+ * runs, read once: through the non-coherent path, not allocated in L1. */
+static __device__ __forceinline__ uint4 tkv_ld_stream16(const void *p)
+{
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 /* Asks L2 for bytes (a multiple of 16) at p (16-byte aligned): a hint that
  * reads nothing into registers or shared memory. L2 is where every SM's
  * reads and writes meet, so a prefetch issued before griddepcontrol.wait,

@@ -494,16 +494,6 @@ __device__ __forceinline__ const __half *q4p_scales(const void *w, uint32_t rows
     return (const __half *)((const uint8_t *)w + (size_t)rows * nb * 16);
 }
 
-/* 16 bytes read once: not allocated in L1 (.nc: written by no kernel). */
-__device__ __forceinline__ uint4 ld_stream16(const uint4 *p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 template <int NT, int U, int MODE>
 __global__ void __launch_bounds__(Q4P_WARPS * 32)
     q4p_kernel(const struct tkv_cuda_qgemv g, const int8_t *__restrict__ aq,
@@ -538,7 +528,7 @@ __global__ void __launch_bounds__(Q4P_WARPS * 32)
             for (int u = 0; u < U; u++) {
                 const uint32_t b = b0 + u * 32 + lane;
                 const bool ok = live && b < nb;
-                q[r][u] = ok ? ld_stream16(qr[r] + b) : make_uint4(0, 0, 0, 0);
+                q[r][u] = ok ? tkv_ld_stream16(qr[r] + b) : make_uint4(0, 0, 0, 0);
                 d[r][u] = ok ? __half2float(dr[r][b]) : 0.0f;
             }
     };

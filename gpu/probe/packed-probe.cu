@@ -30,22 +30,11 @@
  * Run:   ./packed-probe [-l layers] [-r reps] [-x 0..3] (-x: every op of that
  *        shape: q/k/v, wo, gate/up, down)
  */
-#include "../common.cuh" /* the CUDA headers and PDL wrappers */
+#include "probe.cuh"
 
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <vector>
 
-#define CK(x)                                                                                             \
-    do {                                                                                                  \
-        cudaError_t e_ = (x);                                                                             \
-        if (e_ != cudaSuccess) {                                                                          \
-            fprintf(stderr, "packed-probe: %s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                                      \
-        }                                                                                                 \
-    } while (0)
+const char *const probe_name = "packed-probe";
 
 constexpr uint32_t K_MAX = 14336, ROWS_MAX = 28672;
 
@@ -56,15 +45,6 @@ struct op {
     int8_t *out;        /* rows */
     uint32_t rows, K;
 };
-
-__device__ __forceinline__ uint4 ld_stream(const uint4 *p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
 
 __device__ __forceinline__ uint32_t word(const uint4 &v, int k)
 {
@@ -88,7 +68,7 @@ __global__ void __launch_bounds__(256) gemv_packed(const op o, const float *__re
             for (int u = 0; u < U; u++) {
                 const uint32_t b = b0 + u * 32 + lane, row = row0 + r;
                 const bool ok = row < o.rows && b < nb;
-                q[r][u] = ok ? ld_stream(o.q + (size_t)row * nb + b) : make_uint4(0, 0, 0, 0);
+                q[r][u] = ok ? tkv_ld_stream16(o.q + (size_t)row * nb + b) : make_uint4(0, 0, 0, 0);
                 d[r][u] = ok ? __half2float(o.d[(size_t)row * nb + b]) : 0.0f;
             }
     };
@@ -178,8 +158,7 @@ int main(int argc, char **argv)
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, dev));
 
-    const uint32_t shapes[4][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
-    auto shape_of = [&](uint32_t i) { return shapes[shape < 4 ? shape : i % 4]; };
+    auto shape_of = [&](uint32_t i) { return PROBE_SHAPES[shape < 4 ? shape : i % 4]; };
     const uint32_t n_ops = 4 * layers;
     size_t n_blocks = 0;
     for (uint32_t i = 0; i < n_ops; i++)
@@ -222,29 +201,10 @@ int main(int argc, char **argv)
         o.out = outs + (size_t)i * ROWS_MAX;
     }
 
-    /* the copy rate: 1 GiB device to device, both directions counted */
-    const size_t cbytes = (size_t)1 << 30;
-    void *ca, *cb;
-    CK(cudaMalloc(&ca, cbytes));
-    CK(cudaMalloc(&cb, cbytes));
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    float best_copy = 1e30f;
-    for (int r = 0; r < 5; r++) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaMemcpyAsync(cb, ca, cbytes, cudaMemcpyDeviceToDevice, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        best_copy = ms < best_copy ? ms : best_copy;
-    }
-    const double copy_gbs = 2.0 * cbytes / (best_copy * 1e-3) / 1e9;
-    CK(cudaFree(ca));
-    CK(cudaFree(cb));
+    /* the copy rate: 1 GiB within the nibble blocks (the 1.9 GB or more of them) */
+    const double copy_gbs = probe_copy_gbs(s, (uint8_t *)q, (size_t)1 << 30, reps);
     const double roof_ms = w_bytes / (copy_gbs * 1e9) * 1e3;
 
     const variant vars[] = {
@@ -272,16 +232,7 @@ int main(int argc, char **argv)
                     CK(cudaLaunchKernelEx(&cfg, v.k, ops[i], (const float *)ascale, (const int *)asum));
                 }
             };
-            step(); /* warm up */
-            CK(cudaStreamSynchronize(s));
-            CK(cudaEventRecord(e0, s));
-            for (uint32_t r = 0; r < reps; r++)
-                step();
-            CK(cudaEventRecord(e1, s));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ms /= reps;
+            const float ms = probe_time(s, reps, step);
             printf("| %s%s | %.3f | %.2f | %.0f | %.2f |\n", v.name, pdl ? ", PDL" : "", ms, ms * 1e3 / layers,
                    w_bytes / (ms * 1e-3) / 1e9, ms / roof_ms);
         }

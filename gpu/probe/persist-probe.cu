@@ -38,23 +38,11 @@
  *        warp prefetches into L2 the stage N past the one it copies, across
  *        the barriers, and in a chain into the next op's first stages)
  */
-#include "../common.cuh" /* the CUDA headers, cp.async and PDL wrappers */
+#include "probe.cuh"
 
-#include <algorithm>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <vector>
 
-#define CK(x)                                                                                             \
-    do {                                                                                                  \
-        cudaError_t e_ = (x);                                                                             \
-        if (e_ != cudaSuccess) {                                                                          \
-            fprintf(stderr, "persist-probe: %s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                                      \
-        }                                                                                                 \
-    } while (0)
+const char *const probe_name = "persist-probe";
 
 /* Q4_0: blocks of 32 weights, 18 bytes (an f16 scale, 16 bytes of nibbles);
  * a lane's unit of work is a group of 8 blocks (144 bytes, 9 chunks of 16). */
@@ -339,8 +327,7 @@ int main(int argc, char **argv)
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, dev));
 
-    const uint32_t shapes[4][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
-    auto shape_of = [&](uint32_t i) { return shapes[shape < 4 ? shape : i % 4]; }; /* op i's */
+    auto shape_of = [&](uint32_t i) { return PROBE_SHAPES[shape < 4 ? shape : i % 4]; }; /* op i's */
     size_t layer_bytes = 0;
     for (uint32_t i = 0; i < 4; i++)
         layer_bytes += (size_t)shape_of(i)[0] * (shape_of(i)[1] / 32) * 18;
@@ -425,28 +412,8 @@ int main(int argc, char **argv)
         }
     };
 
-    /* the copy rate: device-to-device, bytes read + written */
-    const size_t cbytes = std::min<size_t>(w_bytes / 2, (size_t)1 << 31);
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    auto time_it = [&](auto f) {
-        std::vector<float> ms;
-        for (uint32_t r = 0; r < reps + 1; r++) {
-            CK(cudaEventRecord(e0, s));
-            f();
-            CK(cudaEventRecord(e1, s));
-            CK(cudaEventSynchronize(e1));
-            float t;
-            CK(cudaEventElapsedTime(&t, e0, e1));
-            if (r) /* the first is a warm-up */
-                ms.push_back(t);
-        }
-        std::sort(ms.begin(), ms.end());
-        return ms[ms.size() / 2];
-    };
-    const float copy_ms = time_it([&] { CK(cudaMemcpyAsync(w + cbytes, w, cbytes, cudaMemcpyDeviceToDevice, s)); });
-    const double copy_gbs = 2.0 * cbytes / (copy_ms * 1e-3) / 1e9;
+    /* the copy rate: within the weights */
+    const double copy_gbs = probe_copy_gbs(s, w, std::min<size_t>(w_bytes / 2, (size_t)1 << 31), reps);
 
     /* outputs of the chain and the persistent kernel, bit for bit */
     std::vector<float> ref((size_t)n_ops * 28672), got(ref.size());
@@ -470,7 +437,7 @@ int main(int argc, char **argv)
     printf("| variant | step ms | us a layer | GB/s | x roofline |\n|---|---:|---:|---:|---:|\n");
     printf("| roofline | %.3f | %.2f | %.0f | 1.00 |\n", roof_ms, roof_ms * 1e3 / layers, copy_gbs);
     for (int variant = 0; variant < 6; variant++) {
-        const float ms = time_it([&] { run(variant); });
+        const float ms = probe_time(s, reps, [&] { run(variant); });
         printf("| %s | %.3f | %.2f | %.0f | %.2f |\n", names[variant], ms, ms * 1e3 / layers,
                w_bytes / (ms * 1e-3) / 1e9, ms / roof_ms);
     }
