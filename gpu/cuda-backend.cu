@@ -14,9 +14,8 @@
  * (dequant.cu) and multiplied with cuBLAS (f16 x f16 -> f32, f32 accumulate)
  * or, for up to 8 tokens, with a GEMV kernel that reads the f32 activations
  * directly; vectors (norm weights) are kept in f32. Q4_0, Q4_1 and Q8_0
- * matrices also keep their GGUF blocks (packed: each block's quants and
- * scales apart), and for up to 8 tokens the quantized GEMV multiplies
- * those with activations quantized to 8 bits
+ * matrices also keep their GGUF blocks, and for up to 8 tokens the
+ * quantized GEMV multiplies those with activations quantized to 8 bits
  * (gemv-quant.cu; TKV_CUDA_GEMV_QUANT=0 when the backend is created: the
  * f16 path instead, =ref: the reference kernel).
  *
@@ -85,6 +84,7 @@ struct q8_producer {
 struct cuda_backend {
     struct tkv_backend base;       /* first: ops dispatch on &base */
     int device, n_sm;
+    uint32_t smem_sm;              /* shared memory per SM (the quantized GEMV's plan) */
     char pci_bus_id[32];           /* "0000:3b:00.0"                          */
     cudaStream_t stream;
     cublasHandle_t blas;
@@ -139,8 +139,8 @@ struct cuda_backend {
     bool rope_ok;
     struct cuda_prof *prof;        /* TKV_CUDA_PROFILE=1: the op profile, else NULL */
     int gemv_quant;                /* QGEMV_FAST, or TKV_CUDA_GEMV_QUANT=0|ref */
-    int qgemv_pairs;               /* PAIRS_ALWAYS, or TKV_CUDA_GEMV_QUANT=single */
-    uint32_t qgemv_chunks, qgemv_warps; /* TKV_CUDA_QGEMV_SHAPE=C,W: tkv_cuda_qgemv's (0,0: its rule) */
+    int qgemv_pairs;               /* PAIRS_AUTO, or TKV_CUDA_GEMV_QUANT=pair|single */
+    uint32_t q4p_u, q4p_warps;     /* TKV_CUDA_Q4P=U,WARPS: tkv_cuda_qgemv's (0,0: its rule) */
     void *q8_work;                 /* [q8_work_cap bytes] quantized activations (tkv_cuda_q8_act) */
     size_t q8_work_cap;
     /* The quantized activations an op left in q8_work beside its output (a
@@ -161,22 +161,24 @@ struct cuda_backend {
     bool attn_q8;                  /* TKV_CUDA_ATTN_Q8=0: never (for A/B measurements) */
     bool qkv_rope;                 /* matmul_qkv_rope rotates in the GEMV's epilogue
                                       (TKV_CUDA_QKV_ROPE=0: the two ops, for A/B) */
-    size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept (packed) GGUF blocks */
+    size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
 };
 
 /* How Q4_0 / Q4_1 / Q8_0 matrices multiply few tokens, from
  * TKV_CUDA_GEMV_QUANT when the backend is created: the quantized GEMV's fast
- * kernel (default; its reference where the fast one cannot take the shape:
- * rows of whole blocks always can), its reference kernel ("ref"), or not at all ("0": their blocks are not
+ * kernel (default; its reference where the fast one cannot take the shape),
+ * its reference kernel ("ref"), or not at all ("0": their blocks are not
  * kept and the f16 path of TKV_CUDA_GEMV serves them, for A/B measuring). */
 enum { QGEMV_FAST, QGEMV_REF, QGEMV_OFF };
 
-/* Whether the fast kernel's warps take rows in pairs (struct
- * tkv_cuda_qgemv's pair): by default wherever the rows allow
- * (gpu/probe/packed-probe.cu measured pairs faster on every Llama-3-8B
- * Q4_0 shape); TKV_CUDA_GEMV_QUANT=single never (A/B measuring; =pair
- * is the default's name). */
-enum { PAIRS_ALWAYS, PAIRS_NEVER };
+/* Whether the fast kernel's lanes take rows in pairs (struct
+ * tkv_cuda_qgemv's pair): by default always for Q4_0 (qgemv_pairs), else
+ * for calls of at least QGEMV_PAIR_MIN_BYTES of weights (docs/gpu.md,
+ * "Row pairs": on the H200 the staged kernel's pairs gain from the 33 MB
+ * FFN matrices up and lose ~0.4-1 us on 2-9 MB ones);
+ * TKV_CUDA_GEMV_QUANT=pair always, =single never (A/B measuring). */
+enum { PAIRS_AUTO, PAIRS_ALWAYS, PAIRS_NEVER };
+#define QGEMV_PAIR_MIN_BYTES ((size_t)16 << 20)
 
 /* How matmul multiplies few tokens (n <= TKV_CUDA_GEMV_MAX_N), chosen with
  * TKV_CUDA_GEMV when the backend is created: "auto" (default, below), the
@@ -208,9 +210,8 @@ struct tkv_bweight {
     float *w32;    /* matrices in the f32 validation mode: [n_out, n_in]    */
     float *v32;    /* vectors:  [n_in] f32                                  */
     void *wq;      /* Q4_0 / Q4_1 / Q8_0 matrices (unless TKV_CUDA_GEMV_QUANT=0
-                      or f32 mode): the GGUF blocks, [n_out][n_in / 32], packed
-                      (tkv_cuda_qgemv_pack) for the quantized decode GEMV;
-                      else NULL                                              */
+                      or f32 mode): the GGUF blocks, [n_out][n_in / 32] blocks,
+                      for the quantized decode GEMV; else NULL              */
     size_t bytes, bytes_wq; /* device bytes of w16 / w32 / v32 + wq, and of wq
                                (counted in the backend's totals once loaded) */
 };
@@ -658,16 +659,23 @@ static tkv_status weight_load(struct cuda_backend *cb, const struct tkv_gguf_ten
     else
         CU(op, cudaMalloc((void **)&w->w16, stored));
     size_t kept = 0;
-    /* the quantized GEMV's copy, packed (tkv_cuda_qgemv_pack) from the
-     * blocks uploaded to raw, which the f16 copy is also made from */
+    /* the quantized GEMV's copy: the blocks as uploaded, or packed (Q4_0:
+     * tkv_cuda_q4_0_pack, from the blocks uploaded to raw); rounded up to
+     * 16 bytes: the staged kernel copies whole 16-byte chunks */
     const bool keep = w->w16 && cb->gemv_quant != QGEMV_OFF && tkv_cuda_qgemv_supported(t->type);
     if (keep) {
-        kept = tkv_cuda_qgemv_packed_bytes(t->type, n_elems / 32);
+        kept = (raw_bytes + 15) / 16 * 16;
         CU(op, cudaMalloc(&w->wq, kept));
-        CU(op, cudaMalloc(raw, raw_bytes));
-        CU(op, cudaMemcpyAsync(*raw, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
-        CU(op, tkv_cuda_dequant(t->type, *raw, n_elems, w->w16, NULL, cb->stream));
-        CU(op, tkv_cuda_qgemv_pack(t->type, *raw, w->wq, n_elems / 32, cb->stream));
+        CU(op, cudaMemsetAsync((uint8_t *)w->wq + raw_bytes, 0, kept - raw_bytes, cb->stream));
+        void *blocks = w->wq;
+        if (t->type == TKV_TYPE_Q4_0) {
+            CU(op, cudaMalloc(raw, raw_bytes));
+            blocks = *raw;
+        }
+        CU(op, cudaMemcpyAsync(blocks, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
+        CU(op, tkv_cuda_dequant(t->type, blocks, n_elems, w->w16, NULL, cb->stream));
+        if (t->type == TKV_TYPE_Q4_0)
+            CU(op, tkv_cuda_q4_0_pack(blocks, w->wq, n_elems / 32, cb->stream));
     } else if (t->type == TKV_TYPE_F16 && w->w16) { /* already the storage format */
         CU(op, cudaMemcpyAsync(w->w16, t->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream));
     } else {
@@ -836,15 +844,26 @@ static void group_build(G *g, const struct tkv_bweight *const *w, uint32_t nw, f
     }
 }
 
-/* The fast kernel over g (pairs as the backend takes them, and its shape)
- * on the backend's stream. */
+/* Whether one quantized GEMV call over w[0 .. nw-1] takes rows in pairs:
+ * by default always for Q4_0 (the packed kernel: gpu/probe/packed-probe.cu
+ * measured pairs faster on every Llama-3-8B shape), else from
+ * QGEMV_PAIR_MIN_BYTES of weights. */
+static bool qgemv_pairs(const struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw)
+{
+    size_t bytes = 0;
+    for (uint32_t i = 0; i < nw; i++)
+        bytes += w[i]->bytes_wq;
+    const bool big = bytes >= QGEMV_PAIR_MIN_BYTES || w[0]->t->type == TKV_TYPE_Q4_0;
+    return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && big);
+}
+
+/* The fast kernel over g on the backend's device and stream. */
 static tkv_status qgemv_run(struct cuda_backend *cb, uint32_t type, struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a,
                             uint32_t n_in, uint32_t n, const char *op)
 {
-    g->pair = cb->qgemv_pairs == PAIRS_ALWAYS;
-    g->chunks = cb->qgemv_chunks;
-    g->warps = cb->qgemv_warps;
-    CU(op, tkv_cuda_qgemv(type, g, a, n_in, n, cb->pdl, cb->stream));
+    g->q4p_u = cb->q4p_u;
+    g->q4p_warps = cb->q4p_warps;
+    CU(op, tkv_cuda_qgemv(type, g, a, n_in, n, (uint32_t)cb->n_sm, cb->smem_sm, cb->pdl, cb->stream));
     return TKV_OK;
 }
 
@@ -860,6 +879,7 @@ static tkv_status qgemv_matmul(struct cuda_backend *cb, const struct tkv_bweight
     }
     struct tkv_cuda_qgemv g;
     group_build(&g, &w, 1, &y);
+    g.pair = qgemv_pairs(cb, &w, 1);
     g.acc = add;
     return qgemv_run(cb, w->t->type, &g, a, w->n_in, n, op);
 }
@@ -1003,7 +1023,7 @@ static int group_path(const struct cuda_backend *cb, const struct tkv_bweight *c
 }
 
 /* group_path's GROUP_QUANT: the quantized GEMV over w[0 .. nw-1] into
- * y[i]. rope (NULL: none): the angle
+ * y[i], rows in pairs as qgemv_pairs says. rope (NULL: none): the angle
  * table (rope_table) with which the epilogue rotates the first two
  * weights' outputs (q and k: heads of head_dim, n_pairs pairs each). */
 static tkv_status group_qgemv(struct cuda_backend *cb, const struct tkv_bweight *const *w, uint32_t nw,
@@ -1014,6 +1034,7 @@ static tkv_status group_qgemv(struct cuda_backend *cb, const struct tkv_bweight 
     TKV_TRY(q8_prepare(cb, w[0]->t->type, x, n, w[0]->n_in, &a, op));
     struct tkv_cuda_qgemv g;
     group_build(&g, w, nw, y);
+    g.pair = qgemv_pairs(cb, w, nw);
     if (rope)
         g.rope = rope, g.rope_segs = 2, g.head_dim = head_dim, g.n_pairs = n_pairs;
     return qgemv_run(cb, w[0]->t->type, &g, a, w[0]->n_in, n, op);
@@ -2321,6 +2342,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
     tkv_cuda_current = cb->device;
     CU(op, cudaGetDeviceProperties(&prop, cb->device));
     cb->n_sm = prop.multiProcessorCount;
+    cb->smem_sm = (uint32_t)prop.sharedMemPerMultiprocessor;
     cb->pdl = cb->pdl && prop.major >= 9; /* griddepcontrol is sm_90's */
     if (cudaDeviceGetPCIBusId(cb->pci_bus_id, sizeof cb->pci_bus_id, cb->device) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -2368,6 +2390,7 @@ static tkv_status cuda_init(struct cuda_backend *cb)
               cb->pdl ? " (programmatic dependent launches)" : "",
               cb->f32_weights || cb->gemv_quant == QGEMV_OFF ? ""
               : cb->gemv_quant == QGEMV_REF                  ? " (quantized decode GEMV: reference kernel)"
+              : cb->qgemv_pairs == PAIRS_ALWAYS              ? " (quantized decode GEMV: row pairs)"
               : cb->qgemv_pairs == PAIRS_NEVER               ? " (quantized decode GEMV: single rows)"
                                                              : " (quantized decode GEMV)");
     return TKV_OK;
@@ -2441,10 +2464,12 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->gemv_quant = quant && !strcmp(quant, "0")     ? QGEMV_OFF
                      : quant && !strcmp(quant, "ref") ? QGEMV_REF
                                                       : QGEMV_FAST;
-    cb->qgemv_pairs = quant && !strcmp(quant, "single") ? PAIRS_NEVER : PAIRS_ALWAYS;
-    const char *shape = getenv("TKV_CUDA_QGEMV_SHAPE"); /* "C,W": tkv_cuda_qgemv's chunks and warps */
-    if (shape && sscanf(shape, "%u,%u", &cb->qgemv_chunks, &cb->qgemv_warps) != 2)
-        cb->qgemv_chunks = cb->qgemv_warps = 0;
+    cb->qgemv_pairs = quant && !strcmp(quant, "pair")     ? PAIRS_ALWAYS
+                      : quant && !strcmp(quant, "single") ? PAIRS_NEVER
+                                                          : PAIRS_AUTO;
+    const char *q4p = getenv("TKV_CUDA_Q4P"); /* "U,WARPS": the Q4_0 kernel's shape, for A/B measuring */
+    if (q4p && sscanf(q4p, "%u,%u", &cb->q4p_u, &cb->q4p_warps) != 2)
+        cb->q4p_u = cb->q4p_warps = 0;
     const char *pdl = getenv("TKV_CUDA_PDL");
     cb->pdl = !(pdl && !strcmp(pdl, "0"));
     const char *norm_q8 = getenv("TKV_CUDA_NORM_Q8");

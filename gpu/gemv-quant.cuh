@@ -1,9 +1,9 @@
 /*
- * gemv-quant.cuh -- the quantized decode GEMV ("MMVQ"): Q4_0, Q4_1 and Q8_0
- * matrices repacked at load (tkv_cuda_qgemv_pack: each block's quants and
- * scales apart, the same bytes), activations quantized to 8 bits once per
- * call, integer dot products per 32-element block (__dp4a), as the CPU
- * backend's decode matmul does (cpu/quant.h):
+ * gemv-quant.cuh -- the quantized decode GEMV ("MMVQ"): weights kept as their
+ * GGUF blocks (Q4_1, Q8_0) or repacked (Q4_0: tkv_cuda_q4_0_pack),
+ * activations quantized to 8 bits once per call, integer dot products per
+ * 32-element block (__dp4a), as the CPU backend's decode matmul does
+ * (cpu/quant.h):
  *     weight Q4_0, Q8_0 -> activation Q8_0;  weight Q4_1 -> activation Q8_1.
  *
  * Activations live in two device planes (struct tkv_cuda_q8_act), the bytes
@@ -32,10 +32,9 @@ bool tkv_cuda_qgemv_supported(uint32_t type);
  * gemv-common.cuh. Bytes of the planes for n rows of n_in (q first, meta
  * 16-byte aligned after). */
 size_t tkv_cuda_q8_act_bytes(uint32_t n, uint32_t n_in);
-/* The block order the GEMVs of weight `type` with rows of n_in read: 1, the
- * plain order, for every type since the kernel's lanes read consecutive
- * blocks (the planes keep the order parameter, which producers and the
- * reference kernel honor). */
+/* The block order the GEMVs of weight `type` with rows of n_in read: the
+ * staged kernel's group (8 blocks for Q8_0, 4 for Q4_1) where it takes
+ * n_in, else 1 (and always 1 for Q4_0: the packed kernel's order). */
 uint32_t tkv_cuda_q8_order(uint32_t type, uint32_t n_in);
 /* The planes inside a buffer of tkv_cuda_q8_act_bytes(n, n_in) bytes, in
  * block order gb. */
@@ -55,18 +54,17 @@ cudaError_t tkv_cuda_q8_quantize(const float *x, uint32_t n, uint32_t n_in, stru
 cudaError_t tkv_cuda_q8_pack(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in, bool q8_1, void *dst,
                              cudaStream_t s);
 
-/* Whether the fast kernel takes rows of n_in for type: whole blocks
- * (n_in % 32 == 0) and 16-byte aligned weights. */
+/* Whether a fast kernel takes rows of n_in for type (n_in a multiple of the
+ * staged kernel's group of blocks: 256 for Q8_0, 128 for Q4_1; any whole
+ * blocks for Q4_0) and 16-byte aligned weights; else tkv_cuda_qgemv_ref
+ * serves them. */
 bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in);
 
-/* GGUF blocks of type (18, 20 or 34 bytes: the scales first, then the
- * quants) -> the packed layout the kernels read, at dst (16-byte aligned,
- * tkv_cuda_qgemv_packed_bytes): every block's quants (16 or 32 bytes) in
- * the blocks' order, then every block's scales (d; d and m for Q4_1) in
- * the same order. A matrix's blocks are in row order, so block k of row r
- * is r * (n_in / 32) + k. Device memory both. */
-size_t tkv_cuda_qgemv_packed_bytes(uint32_t type, size_t blocks);
-cudaError_t tkv_cuda_qgemv_pack(uint32_t type, const void *gguf, void *dst, size_t blocks, cudaStream_t s);
+/* Q4_0 blocks (GGUF, 18 bytes: an f16 scale, 16 bytes of nibbles) ->
+ * the packed layout the Q4_0 kernels read, at dst (16-byte aligned,
+ * 18 * blocks bytes): every block's 16 nibble bytes in the blocks' order,
+ * then every block's scale in the same order. Device memory both. */
+cudaError_t tkv_cuda_q4_0_pack(const void *gguf, void *dst, size_t blocks, cudaStream_t s);
 
 /* One grid over the rows of up to TKV_CUDA_QGEMV_MAX weights of one type
  * sharing the activations (matmul: nw = 1; matmul_group: q, k, v):
@@ -80,9 +78,9 @@ cudaError_t tkv_cuda_qgemv_pack(uint32_t type, const void *gguf, void *dst, size
  * tkv_cuda_add_rmsnorm adds a residual. With rope set, the roped outputs
  * are those of the product followed by tkv_cuda_rope, bit for bit (rows in
  * pairs where one row a unit would put a pair's rows more than a warp
- * apart; every roped weight's rows a multiple of head_dim; RoPE takes rows
- * in pairs). Weights packed (tkv_cuda_qgemv_pack). Travels as a kernel
- * parameter. */
+ * apart; every roped weight's rows a multiple of head_dim). Q4_0 weights
+ * are packed (tkv_cuda_q4_0_pack), the others GGUF blocks. Travels as a
+ * kernel parameter. */
 #define TKV_CUDA_QGEMV_MAX 8
 struct tkv_cuda_qgemv {
     const void *w[TKV_CUDA_QGEMV_MAX];
@@ -99,25 +97,33 @@ struct tkv_cuda_qgemv {
      * angles rope[i][p] (tkv_cuda_rope_table) */
     const float2 *rope;
     uint32_t rope_segs, head_dim, n_pairs;
-    /* the kernel's shape, 0 for its rule (A/B measuring: TKV_CUDA_QGEMV_SHAPE):
-     * 16-byte chunks of weight blocks a lane and row in flight (2 or 4) and
-     * warps a CTA (1 to 8) */
-    uint32_t chunks, warps;
+    /* the Q4_0 kernel's blocks a lane and row in flight (2, 4 or 8) and
+     * warps a CTA (1 to 8); 0: its rule (A/B measuring: TKV_CUDA_Q4P) */
+    uint32_t q4p_u, q4p_warps;
 };
 
-/* The fast kernel, 1 <= n <= 8 tokens, activations in the plain block order
- * (tkv_cuda_q8_order): a warp a unit (a row, a row pair, or a gate and an up
- * row), lane j reading blocks j, j + 32, ... of the unit's rows straight
- * into registers, 2 or 4 chunks of 16 bytes a row in flight while it
- * multiplies the ones before (the first issued before griddepcontrol.wait
- * under pdl). A lane adds its blocks' terms in order and the warp sums its
- * lanes by an xor butterfly, so every mode gives tkv_cuda_qgemv_ref's bits. */
+/* The fast kernels, 1 <= n <= 8 tokens, activations in the type's block
+ * order (tkv_cuda_q8_order). Q4_0, the packed kernel: a warp a unit (a row,
+ * a row pair, a gate and an up row), each lane reading 16-byte nibble
+ * blocks 32 apart straight into registers, the first ones before
+ * griddepcontrol.wait under pdl. Q4_1 and Q8_0, the staged kernel: each
+ * lane streams groups of 4 or 8 blocks (80 or 272 bytes) through a
+ * warp-private shared-memory stage with cp.async (coalesced 16-byte
+ * copies; the first round issued before griddepcontrol.wait under pdl),
+ * then reads its own group from there; a row is shared by 8 .. 256
+ * threads (tkv_cuda_qgemv_plan), the CTA's warp count shrinks while the
+ * grid would not fill the n_sm SMs; smem_sm (the device's shared memory
+ * per SM, 0: unknown) lets the plan trade the second stage for a grid that
+ * fits in one wave. */
 cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
-                           uint32_t n, bool pdl, cudaStream_t s);
+                           uint32_t n, uint32_t n_sm, uint32_t smem_sm, bool pdl, cudaStream_t s);
+/* Threads per row and warps per CTA the fast kernel takes for rows x n_in. */
+void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n_sm, uint32_t *threads_per_row,
+                         uint32_t *warps);
 
 /* The reference: one warp per row, a lane per block, byte loads and plain
- * integer products; any n_in % 32 == 0, any block order, one packed
- * weight (TKV_CUDA_GEMV_QUANT=ref). */
+ * integer products; any n_in % 32 == 0, any alignment, one weight (Q4_0
+ * packed; TKV_CUDA_GEMV_QUANT=ref). */
 cudaError_t tkv_cuda_qgemv_ref(uint32_t type, const void *w, struct tkv_cuda_q8_act a, float *y, uint32_t n_in,
                                uint32_t n_out, uint32_t n, cudaStream_t s);
 
