@@ -771,19 +771,6 @@ cudaError_t tkv_cuda_q4_0_pack(const void *gguf, void *dst, size_t blocks, cudaS
     return cudaSuccess;
 }
 
-void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n_sm, uint32_t *threads_per_row,
-                         uint32_t *warps)
-{
-    uint32_t nstage;
-    const int qt = qt_of(type);
-    if (qt == QT_Q4_0) { /* the packed kernel: a warp a row */
-        *threads_per_row = 32;
-        *warps = Q4P_WARPS;
-        return;
-    }
-    plan(qt < 0 ? QT_Q8_0 : qt, MODE_PLAIN, 1, n_in, rows, n_sm, 0, threads_per_row, warps, &nstage);
-}
-
 cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
                            uint32_t n, uint32_t n_sm, uint32_t smem_sm, bool pdl, cudaStream_t s)
 {

@@ -111,15 +111,12 @@ struct tkv_cuda_qgemv {
  * warp-private shared-memory stage with cp.async (coalesced 16-byte
  * copies; the first round issued before griddepcontrol.wait under pdl),
  * then reads its own group from there; a row is shared by 8 .. 256
- * threads (tkv_cuda_qgemv_plan), the CTA's warp count shrinks while the
+ * threads (plan() in gemv-quant.cu), the CTA's warp count shrinks while the
  * grid would not fill the n_sm SMs; smem_sm (the device's shared memory
  * per SM, 0: unknown) lets the plan trade the second stage for a grid that
  * fits in one wave. */
 cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct tkv_cuda_q8_act a, uint32_t n_in,
                            uint32_t n, uint32_t n_sm, uint32_t smem_sm, bool pdl, cudaStream_t s);
-/* Threads per row and warps per CTA the fast kernel takes for rows x n_in. */
-void tkv_cuda_qgemv_plan(uint32_t type, uint32_t n_in, uint32_t rows, uint32_t n_sm, uint32_t *threads_per_row,
-                         uint32_t *warps);
 
 /* The reference: one warp per row, a lane per block, byte loads and plain
  * integer products; any n_in % 32 == 0, any alignment, one weight (Q4_0

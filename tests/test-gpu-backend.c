@@ -2075,7 +2075,7 @@ static void test_quant(void)
           "quantize_act took Q4_K");
     /* (b) matmul: short rows (Q4_1, Q8_0: the reference kernel; Q4_0: the
      * packed kernel's partial rounds), odd row counts, the staged kernel's
-     * row splits (8 to 128 threads per row: tkv_cuda_qgemv_plan), rows of
+     * row splits (8 to 128 threads per row: gemv-quant.cu's plan), rows of
      * several rounds (two stages; the packed kernel's 2 and 4 blocks a lane
      * in flight), Llama-3-8B's shapes */
     for (int t = 0; t < 3; t++) {
