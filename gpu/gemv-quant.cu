@@ -42,9 +42,11 @@ int qt_of(uint32_t type)
 /* The staged kernel's group of blocks a lane (Q4_1, Q8_0) and its 16-byte chunks. */
 uint32_t group_blocks(int qt) { return qt == QT_Q4_1 ? 4 : 8; }
 uint32_t group_chunks(int qt) { return qt == QT_Q4_1 ? 5 : 17; }
-/* The block order of the activation planes a fast kernel of qt reads: the
- * staged kernel's group; the packed kernel's plain order. */
-uint32_t act_order(int qt) { return qt == QT_Q4_0 ? 1 : group_blocks(qt); }
+/* The blocks a lane of qt's fast kernel takes at a step of its row: the
+ * staged kernel's group, the packed kernel's one block. The rows it takes
+ * are whole multiples of them, and its activation planes are in that block
+ * order (tkv_q8_pos). */
+uint32_t lane_blocks(int qt) { return qt == QT_Q4_0 ? 1 : group_blocks(qt); }
 
 constexpr uint32_t QG_SMEM_MAX = 48u << 10; /* no opt-in attribute needed */
 constexpr int QG_THREADS_MAX = 256;
@@ -254,6 +256,19 @@ __device__ __forceinline__ void store_unit(const struct tkv_cuda_qgemv &g, uint3
         y[1] = g.acc ? y[1] + v1 : v1;
 }
 
+/* Where grid row `row` lies among g's weights: weight *seg, its row *local
+ * (0 past the last row: the unit is not live, the return). */
+__device__ __forceinline__ bool row_of(const struct tkv_cuda_qgemv &g, uint32_t row, uint32_t *seg, uint32_t *local)
+{
+    uint32_t i = 0;
+    while (i + 1 < g.nw && row >= g.end[i])
+        i++;
+    const bool live = row < g.end[g.nw - 1];
+    *seg = i;
+    *local = live ? row - (i ? g.end[i - 1] : 0) : 0;
+    return live;
+}
+
 /* L threads per unit (8 .. 256); blockDim.x / L units per CTA; nstage 1 or
  * 2 stages of [warps][NM][32 * CH] chunks in dynamic shared memory, then
  * the reduction's part[warps][NM][NT]. */
@@ -271,12 +286,8 @@ __global__ void __launch_bounds__(QG_THREADS_MAX, qg_min_ctas(QT, MODE, NT, L))
     const uint32_t row = MODE == MODE_PAIR ? 2 * unit : unit;
     const uint32_t gpr = n_in / (32 * Q::GB); /* groups per row */
     const size_t row_bytes = (size_t)(n_in / 32) * Q::BB;
-    const uint32_t total = g.end[g.nw - 1];
-    uint32_t seg = 0;
-    while (seg + 1 < g.nw && row >= g.end[seg])
-        seg++;
-    const bool live = row < total;
-    const uint32_t local = live ? row - (seg ? g.end[seg - 1] : 0) : 0;
+    uint32_t seg, local;
+    const bool live = row_of(g, row, &seg, &local);
     const uint8_t *w0 = (const uint8_t *)g.w[seg] + local * row_bytes;
     const uint8_t *w1 = SW ? (const uint8_t *)g.wu + local * row_bytes : TWO ? w0 + row_bytes : NULL;
     const size_t stage_chunks = (size_t)warps * NM * 32 * CH;
@@ -504,12 +515,10 @@ __global__ void __launch_bounds__(Q4P_WARPS * 32)
     tkv_pdl_trigger();
     const uint32_t lane = threadIdx.x % 32, nb = n_in / 32;
     const uint32_t unit = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const uint32_t row = MODE == MODE_PAIR ? 2 * unit : unit, total = g.end[g.nw - 1];
-    uint32_t seg = 0;
-    while (seg + 1 < g.nw && row >= g.end[seg])
-        seg++;
-    const bool live = row < total; /* the same for the whole warp */
-    const uint32_t first = seg ? g.end[seg - 1] : 0, local = live ? row - first : 0, rows = g.end[seg] - first;
+    const uint32_t row = MODE == MODE_PAIR ? 2 * unit : unit;
+    uint32_t seg, local;
+    const bool live = row_of(g, row, &seg, &local); /* the same for the whole warp */
+    const uint32_t rows = g.end[seg] - (seg ? g.end[seg - 1] : 0);
     const uint4 *qr[R];
     const __half *dr[R];
     qr[0] = (const uint4 *)g.w[seg] + (size_t)local * nb;
@@ -712,7 +721,7 @@ size_t tkv_cuda_q8_act_bytes(uint32_t n, uint32_t n_in)
 uint32_t tkv_cuda_q8_order(uint32_t type, uint32_t n_in)
 {
     const int qt = qt_of(type);
-    return qt > QT_Q4_0 && n_in % (32 * group_blocks(qt)) == 0 ? group_blocks(qt) : 1;
+    return qt >= 0 && n_in % (32 * lane_blocks(qt)) == 0 ? lane_blocks(qt) : 1;
 }
 
 struct tkv_cuda_q8_act tkv_cuda_q8_act_at(void *buf, uint32_t n, uint32_t n_in, uint32_t gb)
@@ -759,7 +768,7 @@ cudaError_t tkv_cuda_q8_pack(struct tkv_cuda_q8_act a, uint32_t n, uint32_t n_in
 bool tkv_cuda_qgemv_fast_ok(uint32_t type, const void *w, uint32_t n_in)
 {
     const int qt = qt_of(type);
-    return qt >= 0 && n_in % (32 * (qt == QT_Q4_0 ? 1 : group_blocks(qt))) == 0 && (uintptr_t)w % 16 == 0;
+    return qt >= 0 && n_in % (32 * lane_blocks(qt)) == 0 && (uintptr_t)w % 16 == 0;
 }
 
 cudaError_t tkv_cuda_q4_0_pack(const void *gguf, void *dst, size_t blocks, cudaStream_t s)
@@ -776,7 +785,7 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
 {
     const int qt = qt_of(type);
     if (qt < 0 || g->nw == 0 || g->nw > TKV_CUDA_QGEMV_MAX || (g->swiglu && (g->nw != 1 || g->acc)) ||
-        a.gb != act_order(qt))
+        a.gb != lane_blocks(qt))
         return cudaErrorInvalidValue;
     if (g->rope) {
         if (g->swiglu || g->acc || g->head_dim == 0 || g->head_dim % 2 || g->n_pairs > g->head_dim / 2 ||
@@ -797,14 +806,19 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
         pair = pair && g->end[i] % 2 == 0; /* a pair never straddles two weights */
     int mode = g->swiglu ? MODE_SWIGLU : pair ? MODE_PAIR : MODE_PLAIN;
     uint32_t units = pair ? rows / 2 : rows;
-    if (qt == QT_Q4_0) {
-        if (g->rope && mode == MODE_PLAIN) { /* a pair's rows in different warps: take them together */
-            for (uint32_t i = 0; i < g->nw; i++)
-                if (g->end[i] % 2)
-                    return cudaErrorInvalidValue;
-            mode = MODE_PAIR;
-            units = rows / 2;
-        }
+    /* RoPE with single rows whose pair partners would sit in different
+     * warps: rows in pairs instead (false: a weight's rows are odd) */
+    auto rope_pairs = [&]() {
+        for (uint32_t i = 0; i < g->nw; i++)
+            if (g->end[i] % 2)
+                return false;
+        mode = MODE_PAIR;
+        units = rows / 2;
+        return true;
+    };
+    if (qt == QT_Q4_0) { /* the packed kernel: a warp a row */
+        if (g->rope && mode == MODE_PLAIN && !rope_pairs())
+            return cudaErrorInvalidValue;
         switch (mode) {
         case MODE_SWIGLU: return q4p_pick_n<MODE_SWIGLU>(g, a, n_in, units, n, pdl, s);
         case MODE_PAIR: return q4p_pick_n<MODE_PAIR>(g, a, n_in, units, n, pdl, s);
@@ -813,12 +827,9 @@ cudaError_t tkv_cuda_qgemv(uint32_t type, const struct tkv_cuda_qgemv *g, struct
     }
     uint32_t L, warps, nstage;
     plan(qt, mode, n, n_in, units, n_sm, smem_sm, &L, &warps, &nstage);
-    if (g->rope && mode == MODE_PLAIN && L > 16) { /* a pair's rows in different warps: take them together */
-        for (uint32_t i = 0; i < g->nw; i++)
-            if (g->end[i] % 2)
-                return cudaErrorInvalidValue;
-        mode = MODE_PAIR;
-        units = rows / 2;
+    if (g->rope && mode == MODE_PLAIN && L > 16) { /* more than a warp's lanes a row */
+        if (!rope_pairs())
+            return cudaErrorInvalidValue;
         plan(qt, mode, n, n_in, units, n_sm, smem_sm, &L, &warps, &nstage);
     }
     switch (qt) {
