@@ -83,6 +83,8 @@ void tkv_session_free(tkv_session *s)
                 be->ops->release(be, dt[i]);
         if (s->dt_hmiss_pinned)
             be->ops->host_unregister(be, s->dt_hmiss);
+        if (s->logits_pinned)
+            be->ops->host_unregister(be, s->logits);
         tkv_kvs_free(s->kv);
         be->ops->free(be);
     }
@@ -292,6 +294,11 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->tokens || !s->obs_q || !s->q_step ||
         !s->plan_ranges || !s->need || (s->trace && !s->trace_buf))
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
+    /* pinned where the backend can: every step brings the logits down (513
+     * KB for a 128K vocabulary), a true async copy instead of the driver's
+     * staging of pageable memory */
+    s->logits_pinned = s->be->ops->host_register && s->be->ops->host_unregister &&
+                       s->be->ops->host_register(s->be, s->logits, (size_t)hp->n_vocab * sizeof(float)) == TKV_OK;
     if (s->dev_table) {
         const size_t refs = (size_t)hp->n_head_kv * s->max_refs * sizeof(struct tkv_kv_block_ref);
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_refs));

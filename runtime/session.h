@@ -141,6 +141,7 @@ struct tkv_session {
     uint32_t *dt_hcounts;                       /* host [layer][Hkv][4], in dt_hmiss's allocation, after it */
     uint32_t *dt_hmarks;                        /* host: dt_marks's copy, in the same allocation after the counts */
     bool dt_hmiss_pinned;                       /* that allocation registered with the backend  */
+    bool logits_pinned;                         /* logits registered with the backend           */
     /* layers of this step attended with their counts left on the backend
      * (every block mapped: nothing to check first; table_layer), accounted
      * at the step's end (table_flush): dt_defer[l] set, dt_n_defer of them */
