@@ -445,18 +445,6 @@ template <class C, class Walk> struct dec_pipe {
     }
 };
 
-/* This CTA's slice of p.l2_next (the grid's CTAs split it evenly), asked of
- * L2 by the lanes of one warp in pieces of 16 KiB. */
-__device__ __forceinline__ void l2_next_slice(const tkv_cuda_attn_params &p, int lane)
-{
-    constexpr uint32_t PIECE = 16384;
-    const uint32_t ctas = gridDim.x * gridDim.y, c = blockIdx.y * gridDim.x + blockIdx.x;
-    const uint64_t units = p.l2_next_bytes / 16;
-    const uint32_t b = (uint32_t)(units * c / ctas) * 16, e = (uint32_t)(units * (c + 1) / ctas) * 16;
-    for (uint32_t o = b + (uint32_t)lane * PIECE; o < e; o += 32 * PIECE)
-        tkv_prefetch_l2((const unsigned char *)p.l2_next + o, min(PIECE, e - o));
-}
-
 /* The end of a CTA, after its lane groups' results are in shared memory
  * (so [SLOTS][DR][HD] over the pipeline, cm and cl [SLOTS][DR]: the slots
  * 0, SLOT_STEP, ...; a group's row with l = 0 is skipped) and a barrier:
@@ -473,8 +461,6 @@ template <class C> __device__ __forceinline__ void decode_finish(const tkv_cuda_
     const uint32_t g = part.g, split = part.split, G = p.n_head / p.n_head_kv, hd = p.head_dim;
     const int R = (int)(p.n_q * G);
     const uint32_t n_rows = p.n_q * p.n_head;
-    if (p.l2_next && tid < 32) /* this CTA's K/V reads are done: DRAM is free for the next op's bytes */
-        l2_next_slice(p, tid);
     /* a thread per (row, 4 dims): the row's max and weights once for the 4,
      * so[]'s 4 in one 16-byte read (hd is a multiple of 8 on these calls);
      * each dim's sums in the slots' order, as one dim a thread did */

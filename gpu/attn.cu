@@ -475,8 +475,6 @@ struct tkv_cuda_attn_state {
     uint32_t prefetch;             /* tkv_cuda_attn_params.prefetch: TKV_CUDA_ATTN_PREFETCH
                                       (chunks a warp; unset: ATTN_PREFETCH_DEFAULT) */
     struct tkv_cuda_q8_act q8;     /* this call's planes to quantize out into (q8.q NULL: none) */
-    const void *l2_next;           /* this call's tkv_cuda_attn_params.l2_next (NULL: none) */
-    uint32_t l2_next_bytes;
     bool q8_done;                  /* this call's kernels quantize out (launched) */
 };
 
@@ -602,8 +600,6 @@ static tkv_cuda_attn_params params_of(const tkv_cuda_attn_state *st, const struc
     p.decode_mode = st->decode_mode;
     p.decode_mma = st->decode_mma;
     p.prefetch = st->prefetch;
-    p.l2_next = st->l2_next;
-    p.l2_next_bytes = st->l2_next_bytes;
     if (a->head_dim % 32 == 0) /* the planes' blocks: whole lane groups (q8_out) */
         p.q8 = st->q8;
     return p;
@@ -866,16 +862,12 @@ static cudaError_t run_call(tkv_cuda_attn_state *st, const struct tkv_attn_args 
 }
 
 cudaError_t tkv_cuda_attn_run(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, const struct tkv_cuda_q8_act *q8,
-                              const void *l2_next, size_t l2_bytes, int n_sm, cudaStream_t s, bool *q8_done)
+                              int n_sm, cudaStream_t s, bool *q8_done)
 {
     if (q8)
         st->q8 = *q8;
     else
         memset(&st->q8, 0, sizeof st->q8);
-    /* whole 16-byte units from a 16-byte aligned start, at most 4 GiB - 16 */
-    const bool hint = l2_next && (uintptr_t)l2_next % 16 == 0 && l2_bytes >= 16;
-    st->l2_next = hint ? l2_next : NULL;
-    st->l2_next_bytes = hint ? (uint32_t)((l2_bytes < UINT32_MAX ? l2_bytes : UINT32_MAX) & ~(size_t)15) : 0;
     st->q8_done = false;
     const cudaError_t e = run_call(st, a, n_sm, s);
     *q8_done = e == cudaSuccess && st->q8_done;

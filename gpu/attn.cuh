@@ -104,18 +104,6 @@ struct tkv_cuda_attn_params {
                                                its first `prefetch` chunks before
                                                its dependency wait (sm_90; 0:
                                                none; TKV_CUDA_ATTN_PREFETCH)    */
-    const void *l2_next;                    /* with l2_next_bytes (a multiple of
-                                               16, 16-byte aligned), or NULL:
-                                               bytes the caller reads next (the
-                                               next GEMV's weights); the decode
-                                               kernels' CTAs ask L2 for them, a
-                                               slice each, once their own K/V
-                                               reads are done, so that they
-                                               stream while the call's tail
-                                               (partials, merge) leaves DRAM idle.
-                                               A hint: nothing computed depends
-                                               on it                             */
-    uint32_t l2_next_bytes;
     struct tkv_cuda_q8_act q8;              /* q8.q != NULL (decode kernels only,
                                                head_dim % 32 == 0): out is also
                                                quantized into these planes of
@@ -229,10 +217,8 @@ const char *tkv_cuda_attn_prefill_variant_desc(int variant);
 /* q8: NULL, or planes for n_q rows of n_head*head_dim that the decode
  * kernels also quantize out into (tkv_cuda_attn_params.q8; head_dim % 32
  * == 0, else ignored); *q8_done says whether the call's kernels did (a
- * call the decode kernels do not serve leaves them untouched).
- * l2_next, l2_bytes: tkv_cuda_attn_params.l2_next (NULL, 0: none). */
+ * call the decode kernels do not serve leaves them untouched). */
 cudaError_t tkv_cuda_attn_run(struct tkv_cuda_attn_state *st, const struct tkv_attn_args *a,
-                              const struct tkv_cuda_q8_act *q8, const void *l2_next, size_t l2_bytes, int n_sm,
-                              cudaStream_t s, bool *q8_done);
+                              const struct tkv_cuda_q8_act *q8, int n_sm, cudaStream_t s, bool *q8_done);
 
 #endif

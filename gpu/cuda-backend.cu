@@ -49,9 +49,6 @@ extern "C" {
 #define STAGE_MIN_BYTES (64 << 10)  /* initial size of each slot               */
 #define N_GATHER 16                 /* block-upload tables in flight: two layers'
                                        recalls of 4-8 pieces each              */
-/* TKV_CUDA_ATTN_L2_NEXT unset: a decode attention asks L2 for none of the
- * next weight's bytes (an experiment until measured; docs/gpu.md) */
-#define ATTN_L2_NEXT_DEFAULT ((size_t)0)
 
 /* The table of one upload_blocks call: filled on the host, copied to the
  * device and read by the gather kernel (or handed to cudaMemcpyBatchAsync);
@@ -162,8 +159,6 @@ struct cuda_backend {
     uint64_t q8_reads;             /* q8_prepare calls that found the planes ready */
     bool norm_q8;                  /* TKV_CUDA_NORM_Q8=0: never (for A/B measurements) */
     bool attn_q8;                  /* TKV_CUDA_ATTN_Q8=0: never (for A/B measurements) */
-    size_t attn_l2_next;           /* bytes of a decode attention's next_w its kernels ask
-                                      L2 for at most (TKV_CUDA_ATTN_L2_NEXT=MiB; 0: none) */
     bool qkv_rope;                 /* matmul_qkv_rope rotates in the GEMV's epilogue
                                       (TKV_CUDA_QKV_ROPE=0: the two ops, for A/B) */
     size_t weight_bytes, weight_raw_bytes; /* device bytes of the weights: all, and the kept GGUF blocks */
@@ -1327,23 +1322,6 @@ static tkv_status cuda_kv_write_heads(struct tkv_backend *b, const float *k, con
  * else over the packed block table; "fused" always the packed table;
  * "merge" the decode kernel and a separate merge kernel; "0" the general
  * (reference) kernel. */
-/* The bytes a decode matmul of w over n tokens reads first: its GGUF blocks
- * (the quantized GEMV), else its f16 or f32 copy; none for more tokens than
- * the GEMVs take (prefill: cuBLAS). */
-static void next_read(const struct cuda_backend *cb, const struct tkv_bweight *w, uint32_t n, const void **p,
-                      size_t *bytes)
-{
-    *p = NULL, *bytes = 0;
-    if (w->is_vec || n > TKV_CUDA_GEMV_MAX_N)
-        return;
-    if (qgemv_path(cb, w, n) != QGEMV_OFF)
-        *p = w->wq, *bytes = w->bytes_wq;
-    else if (w->w32)
-        *p = w->w32, *bytes = (size_t)w->n_out * w->n_in * sizeof(float);
-    else
-        *p = w->w16, *bytes = (size_t)w->n_out * w->n_in * sizeof(__half);
-}
-
 static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_args *a)
 {
     struct cuda_backend *cb = cuda_of(b);
@@ -1373,12 +1351,7 @@ static tkv_status cuda_attention(struct tkv_backend *b, const struct tkv_attn_ar
     bool q8 = false, q8_done = false;
     if (cb->attn_q8)
         TKV_TRY(q8_target(cb, &cb->attn_next, a->out, a->n_q, dim, &qa, &q8, op));
-    const void *next = NULL;
-    size_t next_bytes = 0;
-    if (a->next_w && cb->attn_l2_next)
-        next_read(cb, a->next_w, a->n_q, &next, &next_bytes);
-    next_bytes = next_bytes < cb->attn_l2_next ? next_bytes : cb->attn_l2_next;
-    CU(op, tkv_cuda_attn_run(cb->attn, a, q8 ? &qa : NULL, next, next_bytes, cb->n_sm, cb->stream, &q8_done));
+    CU(op, tkv_cuda_attn_run(cb->attn, a, q8 ? &qa : NULL, cb->n_sm, cb->stream, &q8_done));
     if (q8_done)
         q8_memo_set(cb, a->out, a->n_q, dim, qa.gb);
     return TKV_OK;
@@ -2503,8 +2476,6 @@ extern "C" tkv_status tkv_cuda_backend_create(int device, uint32_t n_threads, st
     cb->norm_q8 = !(norm_q8 && !strcmp(norm_q8, "0"));
     const char *attn_q8 = getenv("TKV_CUDA_ATTN_Q8");
     cb->attn_q8 = !(attn_q8 && !strcmp(attn_q8, "0"));
-    const char *l2n = getenv("TKV_CUDA_ATTN_L2_NEXT");
-    cb->attn_l2_next = l2n ? (size_t)strtoul(l2n, NULL, 10) << 20 : ATTN_L2_NEXT_DEFAULT;
     const char *qkv_rope = getenv("TKV_CUDA_QKV_ROPE");
     cb->qkv_rope = !(qkv_rope && !strcmp(qkv_rope, "0"));
     const char *rqs_mma = getenv("TKV_CUDA_RQS_MMA");

@@ -65,10 +65,6 @@ struct tkv_attn_args {
      * CUDA decode kernel's pool, docs/gpu.md); what the call computes never
      * depends on it, and a backend may ignore it. */
     const uint32_t *kv_dev_keys;
-    /* next_w (or NULL): a hint, the weight the caller multiplies this call's
-     * output by next (a layer's wo); a backend may start reading it while
-     * the call's tail runs. What the call computes never depends on it. */
-    const struct tkv_bweight *next_w;
 };
 
 /* KV head g's entry count in a: kv[g].n_blocks, or the count kv_dev_n

@@ -1010,8 +1010,7 @@ static tkv_status table_layer(tkv_session *s, uint32_t l, uint32_t n, bool *done
                                           .scale = 1.0f / sqrtf((float)s->hp.head_dim), .kv = s->views,
                                           .kv_dev = true,
                                           .kv_dev_n = dev_counts, .kv_dev_n_stride = 4,
-                                          .kv_dev_keys = dev_counts ? dev_counts + 2 : NULL,
-                                          .next_w = s->layers[l].wo};
+                                          .kv_dev_keys = dev_counts ? dev_counts + 2 : NULL};
         if (s->hsplit) {
             st = hetero_attention(s, &att);
         } else {
@@ -1192,8 +1191,7 @@ static tkv_status layer_attention(tkv_session *s, uint32_t l, uint32_t n, const 
         observe_queries(s, l, n);
     const bool restricted = select_views(s, l, n, plan);
     struct tkv_attn_args a = {.q = s->q, .q_pos = s->pos, .out = s->att, .lse = NULL, .n_q = n, .n_head = H,
-                              .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views,
-                              .next_w = s->layers[l].wo};
+                              .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = s->views};
     if (restricted && decode && (s->flags & TKV_SESSION_MEASURE_MASS)) {
         /* the mass the selection keeps: lse over the selection vs over all keys */
         struct tkv_attn_args full = a;

@@ -2556,10 +2556,8 @@ static void pdl_chain(struct tkv_backend *be, const struct pdl_model *m, struct 
         }
         CHECK(ops->kv_write_heads(be, st->k, st->v, (size_t)Hkv * hd, kdst, vdst, Hkv, 1, hd) == TKV_OK, "%s",
               tkv_last_error());
-        /* the fused sequence also hints wo (next_w): a hint changes no bit */
         struct tkv_attn_args a = {.q = st->q, .q_pos = &pos, .out = st->att, .lse = NULL, .n_q = 1, .n_head = H,
-                                  .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = views,
-                                  .next_w = add_in_matmul ? w[3] : NULL};
+                                  .n_head_kv = Hkv, .head_dim = hd, .scale = 1.0f / sqrtf((float)hd), .kv = views};
         CHECK(ops->attention(be, &a) == TKV_OK, "%s", tkv_last_error());
         if (add_in_matmul) {
             CHECK(ops->matmul_add(be, w[3], st->att, st->x, 1) == TKV_OK, "%s", tkv_last_error());
@@ -2593,8 +2591,7 @@ static bool dev_equal(const void *a, const void *b, size_t bytes)
  * the matmul_add sequence on a third: TKV_CUDA_PDL=1, and for Q4_0 the
  * norms quantizing the next product's activations in their own launch
  * (rmsnorm's fused path, whose outputs and planes must be the plain
- * sequence's bits: TKV_CUDA_NORM_Q8=0 on `plain`); its attention asks L2
- * for wo's bytes (next_w, TKV_CUDA_ATTN_L2_NEXT=64). */
+ * sequence's bits: TKV_CUDA_NORM_Q8=0 on `plain`). */
 static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
 {
     enum { NB = 3 };
@@ -2602,10 +2599,9 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
     setenv("TKV_CUDA_PDL", "1", 1);
     setenv("TKV_CUDA_GEMV", "fast", 1); /* the reference's GEMV: the bits must match */
     tkv_status cst = tkv_backend_create("cuda", 0, &be[1]);
-    setenv("TKV_CUDA_ATTN_L2_NEXT", "64", 1);
     if (cst == TKV_OK)
         cst = tkv_backend_create("cuda", 0, &be[2]);
-    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV"), unsetenv("TKV_CUDA_ATTN_L2_NEXT");
+    unsetenv("TKV_CUDA_PDL"), unsetenv("TKV_CUDA_GEMV");
     CHECK(cst == TKV_OK, "TKV_CUDA_PDL=1: %s", tkv_last_error());
     if (cst != TKV_OK) {
         if (be[1])
@@ -2676,7 +2672,7 @@ static void pdl_case(uint32_t wtype, struct tkv_backend *plain)
     const uint64_t reads = tkv_backend_cuda_q8_reads(be[2]) - reads0;
     const uint64_t want =
         wtype == TKV_TYPE_Q4_0 ? (uint64_t)steps * (2 * layers + 1) - 1 + (uint64_t)steps * layers - 1 : 0;
-    fprintf(stderr, "  %s: matmul_add + rmsnorm + matmul_qkv_rope + wo's L2 hint vs plain: x %s, logits %s, K/V %s, attention %s; %llu products "
+    fprintf(stderr, "  %s: matmul_add + rmsnorm + matmul_qkv_rope vs plain: x %s, logits %s, K/V %s, attention %s; %llu products "
                     "read the planes of a norm or attention (want %llu)\n", tkv_type_name(wtype), ax ? "bit-identical" : "DIFFER",
             al ? "bit-identical" : "DIFFER", ak ? "bit-identical" : "DIFFER", aa ? "bit-identical" : "DIFFER",
             (unsigned long long)reads, (unsigned long long)want);
