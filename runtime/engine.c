@@ -49,6 +49,16 @@ static tkv_status weight(tkv_session *s, const struct tkv_gguf_tensor *t, struct
     return st == TKV_OK ? st : tkv_err_wrap(st, "loading %s on %s", t->name, s->be->ops->name);
 }
 
+/* Page-locks host memory that the backend copies to or from every step, so
+ * that those copies run as true asynchronous DMA instead of through the
+ * driver's staging of pageable memory; false where the backend cannot (the
+ * memory then works as it is: nothing depends on the pinning). */
+static bool pin_host(tkv_session *s, void *p, size_t bytes)
+{
+    const struct tkv_backend_ops *ops = s->be->ops;
+    return ops->host_register && ops->host_unregister && ops->host_register(s->be, p, bytes) == TKV_OK;
+}
+
 static tkv_status alloc_act(tkv_session *s, size_t floats, float **out)
 {
     return s->be->ops->alloc(s->be, floats * sizeof(float), (void **)out);
@@ -294,11 +304,8 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
     if (!s->logits || !s->pos || !s->views || !s->sel_refs || !s->tokens || !s->obs_q || !s->q_step ||
         !s->plan_ranges || !s->need || (s->trace && !s->trace_buf))
         return tkv_err(TKV_ERR_NOMEM, "session: out of memory");
-    /* pinned where the backend can: every step brings the logits down (513
-     * KB for a 128K vocabulary), a true async copy instead of the driver's
-     * staging of pageable memory */
-    s->logits_pinned = s->be->ops->host_register && s->be->ops->host_unregister &&
-                       s->be->ops->host_register(s->be, s->logits, (size_t)hp->n_vocab * sizeof(float)) == TKV_OK;
+    /* every step brings the logits down (513 KB for a 128K vocabulary) */
+    s->logits_pinned = pin_host(s, s->logits, (size_t)hp->n_vocab * sizeof(float));
     if (s->dev_table) {
         const size_t refs = (size_t)hp->n_head_kv * s->max_refs * sizeof(struct tkv_kv_block_ref);
         TKV_TRY(s->be->ops->alloc(s->be, refs, (void **)&s->dt_refs));
@@ -321,11 +328,8 @@ static tkv_status session_build(tkv_session *s, const struct tkv_session_params 
         s->dt_hmarks = (uint32_t *)((char *)s->dt_hcounts + hcounts);
         /* no marks yet (kv_table writes only the words of a context's blocks) */
         TKV_TRY(s->be->ops->upload(s->be, s->dt_marks, s->dt_hmarks, hmarks));
-        /* pinned where the backend can: the counts (every decode layer) and
-         * the miss lists (one batch) come down as true async copies, not
-         * through the driver's staging of pageable memory */
-        s->dt_hmiss_pinned = s->be->ops->host_register && s->be->ops->host_unregister &&
-                             s->be->ops->host_register(s->be, s->dt_hmiss, hmiss + hcounts + hmarks) == TKV_OK;
+        /* the counts (every decode layer) and the miss lists (one batch) come down */
+        s->dt_hmiss_pinned = pin_host(s, s->dt_hmiss, hmiss + hcounts + hmarks);
     }
     if (s->flags & TKV_SESSION_MEASURE_MASS) {
         TKV_TRY(alloc_act(s, QD, &s->att_full));
