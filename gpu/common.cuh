@@ -139,6 +139,12 @@ template <int N> static __device__ __forceinline__ void tkv_cp_async_wait(void)
 }
 static __device__ __forceinline__ void tkv_cp_async_wait_all(void) { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+/* Word k (0..3, a compile-time constant once unrolled) of a 16-byte load. */
+static __device__ __forceinline__ uint32_t tkv_u4_word(const uint4 &v, int k)
+{
+    return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
+
 /* 16 bytes at p (16-byte aligned) that no kernel writes while this one
  * runs, read once: through the non-coherent path, not allocated in L1. */
 static __device__ __forceinline__ uint4 tkv_ld_stream16(const void *p)

@@ -853,8 +853,8 @@ static bool qgemv_pairs(const struct cuda_backend *cb, const struct tkv_bweight 
     size_t bytes = 0;
     for (uint32_t i = 0; i < nw; i++)
         bytes += w[i]->bytes_wq;
-    const bool big = bytes >= QGEMV_PAIR_MIN_BYTES || w[0]->t->type == TKV_TYPE_Q4_0;
-    return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && big);
+    const bool by_default = w[0]->t->type == TKV_TYPE_Q4_0 || bytes >= QGEMV_PAIR_MIN_BYTES;
+    return cb->qgemv_pairs == PAIRS_ALWAYS || (cb->qgemv_pairs == PAIRS_AUTO && by_default);
 }
 
 /* The fast kernel over g on the backend's device and stream. */

@@ -90,26 +90,21 @@ __global__ void q8_pack_kernel(const int8_t *__restrict__ q, const struct tkv_cu
 
 /* ---- the fast kernel ------------------------------------------------------------------ */
 
-__device__ __forceinline__ uint32_t u4_word(const uint4 &v, int k)
-{
-    return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
-}
-
 /* The 4 bytes at byte offset o (even, a compile-time constant once the
  * callers are unrolled) of the chunks r[]. */
 __device__ __forceinline__ uint32_t word_at(const uint4 *r, int o)
 {
     const int i = o / 4;
-    const uint32_t a = u4_word(r[i / 4], i % 4);
+    const uint32_t a = tkv_u4_word(r[i / 4], i % 4);
     if (o % 4 == 0)
         return a;
-    const uint32_t b = u4_word(r[(i + 1) / 4], (i + 1) % 4);
+    const uint32_t b = tkv_u4_word(r[(i + 1) / 4], (i + 1) % 4);
     return __byte_perm(a, b, 0x5432);
 }
 
 __device__ __forceinline__ float half_at(const uint4 *r, int o)
 {
-    const uint32_t w = u4_word(r[o / 16], (o / 4) % 4);
+    const uint32_t w = tkv_u4_word(r[o / 16], (o / 4) % 4);
     return __half2float(__ushort_as_half((unsigned short)(o % 4 == 0 ? w & 0xffffu : w >> 16)));
 }
 
@@ -144,14 +139,14 @@ __device__ __forceinline__ float block_term(const wblock &w, const uint4 &a0, co
     if constexpr (QT == QT_Q8_0) {
 #pragma unroll
         for (int k = 0; k < 8; k++)
-            s = __dp4a((int)w.q[k], (int)(k < 4 ? u4_word(a0, k) : u4_word(a1, k - 4)), s);
+            s = __dp4a((int)w.q[k], (int)(k < 4 ? tkv_u4_word(a0, k) : tkv_u4_word(a1, k - 4)), s);
         return __fmul_rn(__fmul_rn(w.d, da), (float)s);
     } else {
         /* qs[j] & 15 is element j, qs[j] >> 4 element j + 16 */
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            s = __dp4a((int)(w.q[k] & 0x0F0F0F0Fu), (int)u4_word(a0, k), s);
-            s = __dp4a((int)((w.q[k] >> 4) & 0x0F0F0F0Fu), (int)u4_word(a1, k), s);
+            s = __dp4a((int)(w.q[k] & 0x0F0F0F0Fu), (int)tkv_u4_word(a0, k), s);
+            s = __dp4a((int)((w.q[k] >> 4) & 0x0F0F0F0Fu), (int)tkv_u4_word(a1, k), s);
         }
         if constexpr (QT == QT_Q4_0) { /* sum((q - 8) * a) */
             return __fmul_rn(__fmul_rn(w.d, da), (float)(s - 8 * asum));
@@ -569,7 +564,7 @@ __global__ void __launch_bounds__(Q4P_WARPS * 32)
                     w.m = 0.0f;
 #pragma unroll
                     for (int k = 0; k < 8; k++)
-                        w.q[k] = k < 4 ? u4_word(wq[r][u], k) : 0u;
+                        w.q[k] = k < 4 ? tkv_u4_word(wq[r][u], k) : 0u;
                     acc[r][i] = __fadd_rn(acc[r][i], block_term<QT_Q4_0>(w, a0, a1, m.x, (int)m.y));
                 }
             }

@@ -3,12 +3,14 @@
  * decode GEMVs stream closer to the copy rate with their weights repacked
  * at load and read straight into registers?
  *
- * gemv-quant.cu reads the GGUF layout: 18-byte blocks (an f16 scale, 16
- * bytes of nibbles), which a lane cannot load as aligned 16-byte vectors,
- * so each warp stages its rows through shared memory with cp.async and a
- * CTA holds its slot until its stage lands, its sums are combined and
- * written (persist-probe.cu measures that design's chain at 1.42-1.56x the
- * copy rate's time). Here a matrix is two arrays: the 16-byte nibble
+ * Before session 45, gemv-quant.cu read Q4_0 in the GGUF layout: 18-byte
+ * blocks (an f16 scale, 16 bytes of nibbles), which a lane cannot load as
+ * aligned 16-byte vectors, so each warp staged its rows through shared
+ * memory with cp.async and a CTA held its slot until its stage landed, its
+ * sums were combined and written (persist-probe.cu measures that design's
+ * chain at 1.42-1.56x the copy rate's time; it still serves Q4_1 and Q8_0).
+ * This probe measured the design gemv-quant.cu's packed kernel then took,
+ * with variants it did not (R rows a warp). Here a matrix is two arrays: the 16-byte nibble
  * blocks of each row, contiguous, and their f16 scales. Lane j of a warp
  * reads blocks j, j + 32, ... of its R rows with 16-byte loads (512
  * contiguous bytes a warp instruction) and their scales (64 bytes), U
@@ -45,11 +47,6 @@ struct op {
     int8_t *out;        /* rows */
     uint32_t rows, K;
 };
-
-__device__ __forceinline__ uint32_t word(const uint4 &v, int k)
-{
-    return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
-}
 
 /* R rows a warp, U blocks a lane and row in flight (and U more loading). */
 template <int R, int U>
@@ -95,8 +92,8 @@ __global__ void __launch_bounds__(256) gemv_packed(const op o, const float *__re
                 int s = 0;
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
-                    s = __dp4a((int)(word(wq[r][u], k) & 0x0F0F0F0Fu), (int)word(a0, k), s);
-                    s = __dp4a((int)((word(wq[r][u], k) >> 4) & 0x0F0F0F0Fu), (int)word(a1, k), s);
+                    s = __dp4a((int)(tkv_u4_word(wq[r][u], k) & 0x0F0F0F0Fu), (int)tkv_u4_word(a0, k), s);
+                    s = __dp4a((int)((tkv_u4_word(wq[r][u], k) >> 4) & 0x0F0F0F0Fu), (int)tkv_u4_word(a1, k), s);
                 }
                 acc[r] = __fadd_rn(acc[r], __fmul_rn(__fmul_rn(wd[r][u], da), (float)(s - 8 * sa)));
             }
