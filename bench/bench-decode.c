@@ -33,6 +33,11 @@
  *              Measured before the runs and again after them; the roofline
  *              uses the first.
  * ratio = mean step time / roofline time (1.0: the step runs at the bandwidth).
+ * wait = the host's time a step inside the backend's download (a patched op
+ *   table wraps it): on CUDA, where tkv_decode waits for the device to finish
+ *   the step and copy the logits. A wait near 0 means the device ran out of
+ *   queued work: the step was bound by the host issuing it. (On the CPU the
+ *   backend computes in its ops, so the wait is only the logits' memcpy.)
  * Prints a Markdown table; -j writes one JSON object per row to a file.
  * With TKV_CUDA_PROFILE=1 (CUDA), each row's timed steps' op profile goes to
  * stderr (docs/gpu.md, "Op profile"); the profile slows the steps down a little.
@@ -358,8 +363,26 @@ static tkv_status skip_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     return TKV_OK;
 }
 
-/* Points be at *patched: be's ops with those in mask made no-ops. The
- * fused ops must be there (the step must be the fused one the roles assume). */
+/* The host's wait for the device: the time a timed step spends inside the
+ * backend's download, where tkv_decode blocks until the step's kernels and
+ * the logits' copy are done. A step whose wait is near zero was host-bound
+ * (the device ran out of queued work); the rest of the step is the host
+ * issuing it. One run at a time, like skip. */
+static struct {
+    tkv_status (*real)(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes);
+    double s; /* seconds inside download since the last reset */
+} wait;
+
+static tkv_status timed_download(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes)
+{
+    const double t = now();
+    const tkv_status st = wait.real(b, dst_host, src, bytes);
+    wait.s += now() - t;
+    return st;
+}
+
+/* Makes the ops in mask no-ops in *patched, a copy of be's ops. The fused
+ * ops must be there (the step must be the fused one the roles assume). */
 static int skip_patch(struct tkv_backend *be, int mask, uint32_t n_layer, struct tkv_backend_ops *patched)
 {
     const struct tkv_backend_ops *o = be->ops;
@@ -371,7 +394,6 @@ static int skip_patch(struct tkv_backend *be, int mask, uint32_t n_layer, struct
     skip.mask = mask;
     skip.matmuls_per_step = o->matmul_add ? 1 : 2 * n_layer + 1;
     skip.matmul_calls = skip.matmul_add_calls = 0;
-    *patched = *o;
     if (mask & (SKIP_WO | SKIP_DOWN | SKIP_OUTPUT))
         patched->matmul = skip_matmul;
     if (o->matmul_add && (mask & (SKIP_WO | SKIP_DOWN)))
@@ -388,7 +410,6 @@ static int skip_patch(struct tkv_backend *be, int mask, uint32_t n_layer, struct
         patched->matmul_group = skip_matmul_group, patched->matmul_qkv_rope = skip_matmul_qkv_rope;
     if (mask & SKIP_FFN)
         patched->matmul_swiglu = skip_matmul_swiglu;
-    be->ops = patched;
     return 0;
 }
 
@@ -400,6 +421,7 @@ struct run {
     double fill_s;
     double step_mean, step_median; /* seconds */
     double keys_mean;              /* keys a timed step attends to, on average */
+    double wait_mean;              /* seconds a timed step waits for the device (timed_download) */
     int finite;                    /* the last logits are all finite */
 };
 
@@ -441,15 +463,21 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
     double keys = 0;
     struct tkv_backend *be = tkv_session_backend(s); /* its op profile, when it keeps one */
     const struct tkv_backend_ops *own_ops = be->ops;
-    struct tkv_backend_ops patched;
+    struct tkv_backend_ops patched = *own_ops;
     if (skip_mask > 0 && skip_patch(be, skip_mask, info.n_layer, &patched)) {
         tkv_session_free(s);
         free(dt);
         return 1;
     }
+    wait.real = own_ops->download;
+    patched.download = timed_download;
+    be->ops = &patched;
     for (uint32_t i = 0; i < WARMUP_STEPS + steps; i++) {
-        if (i == WARMUP_STEPS && be->ops->profile_reset)
-            be->ops->profile_reset(be);
+        if (i == WARMUP_STEPS) {
+            wait.s = 0;
+            if (be->ops->profile_reset)
+                be->ops->profile_reset(be);
+        }
         const double t1 = now();
         if (tkv_decode(s, tok) != TKV_OK) {
             be->ops = own_ops;
@@ -481,6 +509,7 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
     r->step_mean = sum / steps;
     r->step_median = steps % 2 ? dt[steps / 2] : (dt[steps / 2 - 1] + dt[steps / 2]) / 2;
     r->keys_mean = keys / steps;
+    r->wait_mean = wait.s / steps;
     free(dt);
     return 0;
 }
@@ -591,9 +620,9 @@ int main(int argc, char **argv)
     if (!skipping)
         n_skip = 1; /* one run, skip_mask[0] = 0 */
     printf("| model | device | weights | ctx | fill |%s step ms (mean) | step ms (median) | tok/s | roofline ms "
-           "| ratio |%s fill s |\n",
+           "| ratio |%s wait ms | fill s |\n",
            skipping ? " skipped |" : "", quantized_on_gpu ? " ratio, f16 matrices |" : "");
-    printf("|---|---|---|---:|---|%s---:|---:|---:|---:|---:|%s---:|\n", skipping ? "---|" : "",
+    printf("|---|---|---|---:|---|%s---:|---:|---:|---:|---:|%s---:|---:|\n", skipping ? "---|" : "",
            quantized_on_gpu ? "---:|" : "");
     fflush(stdout);
 
@@ -622,9 +651,9 @@ int main(int argc, char **argv)
                 char skip_col[96] = "";
                 if (skipping)
                     snprintf(skip_col, sizeof skip_col, " %s |", skip_label[k]);
-                printf("| %s | %s | %s | %u | %s |%s %.3f | %.3f | %.1f | %.3f | %.2f |%s %.1f |%s\n", base, device,
-                       wb.matrix_type, ctx, fill_label, skip_col, r.step_mean * 1e3, r.step_median * 1e3,
-                       1.0 / r.step_mean, roof * 1e3, r.step_mean / roof, extra, r.fill_s,
+                printf("| %s | %s | %s | %u | %s |%s %.3f | %.3f | %.1f | %.3f | %.2f |%s %.3f | %.1f |%s\n", base,
+                       device, wb.matrix_type, ctx, fill_label, skip_col, r.step_mean * 1e3, r.step_median * 1e3,
+                       1.0 / r.step_mean, roof * 1e3, r.step_mean / roof, extra, r.wait_mean * 1e3, r.fill_s,
                        r.finite ? "" : " (non-finite logits!)");
                 fflush(stdout);
                 if (json) {
@@ -632,13 +661,15 @@ int main(int argc, char **argv)
                             "{\"bench\": \"decode\", \"model\": \"%s\", \"matrix_type\": \"%s\", \"device\": \"%s\", "
                             "\"threads\": %d, \"ctx\": %u, \"fill\": \"%s\", \"real_tokens\": %u, \"fill_s\": %.3f, "
                             "\"steps\": %u, \"keys_mean\": %.1f, \"step_ms_mean\": %.4f, \"step_ms_median\": %.4f, "
+                            "\"wait_ms_mean\": %.4f, "
                             "\"tok_s\": %.3f, \"weight_bytes\": %llu, \"weight_bytes_f16\": %llu, "
                             "\"kv_bytes_per_step\": %.0f, \"bw_kind\": \"%s\", \"bw_gbps\": %.2f, "
                             "\"bw2_kind\": \"%s\", \"bw2_gbps\": %.2f, \"roofline_ms\": %.4f, \"ratio\": %.4f, "
                             "\"roofline_ms_f16_matrices\": %.4f, \"ratio_f16_matrices\": %.4f, \"logits_finite\": %s, "
                             "\"skipped\": \"%s\", \"commit\": \"%s\"}\n",
                             base, wb.matrix_type, device, T, ctx, f, r.real, r.fill_s, steps, r.keys_mean,
-                            r.step_mean * 1e3, r.step_median * 1e3, 1.0 / r.step_mean, (unsigned long long)wb.weights,
+                            r.step_mean * 1e3, r.step_median * 1e3, r.wait_mean * 1e3, 1.0 / r.step_mean,
+                            (unsigned long long)wb.weights,
                             (unsigned long long)wb.weights_f16, kv_per_key * r.keys_mean, bw.kind, bw.gbps, bw.kind2,
                             bw.gbps2, roof * 1e3, r.step_mean / roof, roof16 * 1e3, r.step_mean / roof16,
                             r.finite ? "true" : "false", skip_label[k], commit);
@@ -655,7 +686,9 @@ int main(int argc, char **argv)
     if (!rc && (cuda ? backend_bandwidth(device, bw_bytes, &bw_after) : cpu_bandwidth(bw_bytes, T, &bw_after)) == 0)
         printf("\nbandwidth again after the runs: %s %.1f GB/s, %s %.1f GB/s\n", bw_after.kind, bw_after.gbps,
                bw_after.kind2, bw_after.gbps2);
-    printf("ratio = mean step / roofline; roofline = (weights + KV a step reads) / %s bandwidth; fill: synthetic = "
+    printf("ratio = mean step / roofline; roofline = (weights + KV a step reads) / %s bandwidth; wait = the host's "
+           "time a step inside the backend's download, waiting for the device (near 0: the step is host-bound); "
+           "fill: synthetic = "
            "the first tokens prefilled, the rest of the KV copies of their blocks (runtime/kv-synth.h); %u timed "
            "steps after %d warm-up\n",
            bw.kind, steps, WARMUP_STEPS);
