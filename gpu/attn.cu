@@ -764,7 +764,7 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
      * the same number of chunks to one */
     const uint32_t slots = (uint32_t)(n_sm > 0 ? n_sm : 1) *
                            (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(a->head_dim, rows, p.decode_mma != 0);
-    uint32_t n_split = (slots + a->n_head_kv - 1) / a->n_head_kv;
+    uint32_t n_split = st->decode_splits ? st->decode_splits : (slots + a->n_head_kv - 1) / a->n_head_kv;
     n_split = n_split < max_chunks ? n_split : max_chunks;
     n_split = n_split < TKV_ATTN_DECODE_MAX_SPLIT ? n_split : TKV_ATTN_DECODE_MAX_SPLIT;
     p.n_split = n_split > 0 ? n_split : 1;
