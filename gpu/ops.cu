@@ -65,14 +65,17 @@ __global__ void rmsnorm_q8_kernel(const float *__restrict__ x, const float *__re
 {
     __shared__ double partial[32];
     tkv_pdl_trigger();
+    const uint32_t nb = dim / 32, kb = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t d = kb * 32 + lane;
+    /* the norm's weight is no kernel's output: read before the wait, its
+     * round trip overlaps the previous kernel's tail */
+    const float wd = kb < nb ? w[d] : 0.0f;
     tkv_pdl_wait(); /* x is the previous kernel's output; a may still be read by it */
     const float *xr = x + (size_t)blockIdx.y * dim;
     const float scale = rms_scale(xr, dim, eps, partial);
-    const uint32_t nb = dim / 32, kb = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (kb >= nb)
         return;
-    const uint32_t d = kb * 32 + lane;
-    const float v = xr[d] * scale * w[d];
+    const float v = xr[d] * scale * wd;
     y[(size_t)blockIdx.y * dim + d] = v;
     tkv_q8_block_put(tkv_q8_block_of(v), lane, a, (size_t)blockIdx.y * nb + tkv_q8_pos(kb, nb, a.gb));
 }
