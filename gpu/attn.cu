@@ -745,6 +745,10 @@ static cudaError_t run_device_views(tkv_cuda_attn_state *st, const struct tkv_at
     return cudaSuccess;
 }
 
+/* The fewest chunks a split of the decode kernel over inline runs takes
+ * (run_inline): 4 a warp. */
+#define RUN_SPLIT_CHUNKS 16u
+
 /* Runs a decode call over inline runs; *done false when the view does not
  * fit them (nothing queued: the packed table serves the call). */
 static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_args *a, int n_sm, cudaStream_t s,
@@ -761,10 +765,18 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
     tkv_cuda_attn_params p = params_of(st, a);
     p.vec16 = 1;
     /* one full wave: every CTA slot of the device busy, each split of a head
-     * the same number of chunks to one */
+     * the same number of chunks to one; but no fewer than RUN_SPLIT_CHUNKS
+     * chunks a split, so that at short contexts (4K keys on Llama-3-8B's
+     * heads) the call takes one CTA an SM, not two: inside the decode step
+     * the other slot then holds the next GEMV's CTAs, whose weight loads go
+     * out before their wait (measured: docs/benchmarks.md, "Session 47") */
     const uint32_t slots = (uint32_t)(n_sm > 0 ? n_sm : 1) *
                            (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(a->head_dim, rows, p.decode_mma != 0);
-    uint32_t n_split = st->decode_splits ? st->decode_splits : (slots + a->n_head_kv - 1) / a->n_head_kv;
+    uint32_t n_split = (slots + a->n_head_kv - 1) / a->n_head_kv;
+    const uint32_t by_chunks = (max_chunks + RUN_SPLIT_CHUNKS - 1) / RUN_SPLIT_CHUNKS;
+    n_split = n_split < by_chunks ? n_split : by_chunks;
+    if (st->decode_splits)
+        n_split = st->decode_splits;
     n_split = n_split < max_chunks ? n_split : max_chunks;
     n_split = n_split < TKV_ATTN_DECODE_MAX_SPLIT ? n_split : TKV_ATTN_DECODE_MAX_SPLIT;
     p.n_split = n_split > 0 ? n_split : 1;
