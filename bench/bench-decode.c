@@ -371,13 +371,13 @@ static tkv_status skip_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
 static struct {
     tkv_status (*real)(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes);
     double s; /* seconds inside download since the last reset */
-} wait;
+} host_wait;
 
 static tkv_status timed_download(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes)
 {
     const double t = now();
-    const tkv_status st = wait.real(b, dst_host, src, bytes);
-    wait.s += now() - t;
+    const tkv_status st = host_wait.real(b, dst_host, src, bytes);
+    host_wait.s += now() - t;
     return st;
 }
 
@@ -469,12 +469,12 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
         free(dt);
         return 1;
     }
-    wait.real = own_ops->download;
+    host_wait.real = own_ops->download;
     patched.download = timed_download;
     be->ops = &patched;
     for (uint32_t i = 0; i < WARMUP_STEPS + steps; i++) {
         if (i == WARMUP_STEPS) {
-            wait.s = 0;
+            host_wait.s = 0;
             if (be->ops->profile_reset)
                 be->ops->profile_reset(be);
         }
@@ -509,7 +509,7 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
     r->step_mean = sum / steps;
     r->step_median = steps % 2 ? dt[steps / 2] : (dt[steps / 2 - 1] + dt[steps / 2]) / 2;
     r->keys_mean = keys / steps;
-    r->wait_mean = wait.s / steps;
+    r->wait_mean = host_wait.s / steps;
     free(dt);
     return 0;
 }
