@@ -289,26 +289,28 @@ static int skip_parse(const char *list)
     return mask;
 }
 
-/* The patched table's state: one run at a time. */
+/* The patched op table's state (run_one; one run at a time): the backend's
+ * own ops, the leave-one-out's mask and counters, and the host's wait. */
 static struct {
     const struct tkv_backend_ops *real;
-    int mask;
+    int mask;                  /* --skip: the ops made no-ops */
     uint32_t matmuls_per_step; /* 2 per layer + the output; 1 with matmul_add */
     uint64_t matmul_calls;     /* since the patch, which starts at a step */
     uint64_t matmul_add_calls; /* wo, down, wo, ... (the backend's matmul_add) */
-} skip;
+    double wait_s;             /* seconds inside download since the timed steps began */
+} patch;
 
 static tkv_status skip_matmul(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y, uint32_t n)
 {
-    const uint64_t k = skip.matmul_calls++ % skip.matmuls_per_step;
-    const int role = k + 1 == skip.matmuls_per_step ? SKIP_OUTPUT : k % 2 ? SKIP_DOWN : SKIP_WO;
-    return skip.mask & role ? TKV_OK : skip.real->matmul(b, w, x, y, n);
+    const uint64_t k = patch.matmul_calls++ % patch.matmuls_per_step;
+    const int role = k + 1 == patch.matmuls_per_step ? SKIP_OUTPUT : k % 2 ? SKIP_DOWN : SKIP_WO;
+    return patch.mask & role ? TKV_OK : patch.real->matmul(b, w, x, y, n);
 }
 static tkv_status skip_matmul_add(struct tkv_backend *b, const struct tkv_bweight *w, const float *x, float *y,
                                   uint32_t n)
 {
-    const int role = skip.matmul_add_calls++ % 2 ? SKIP_DOWN : SKIP_WO;
-    return skip.mask & role ? TKV_OK : skip.real->matmul_add(b, w, x, y, n);
+    const int role = patch.matmul_add_calls++ % 2 ? SKIP_DOWN : SKIP_WO;
+    return patch.mask & role ? TKV_OK : patch.real->matmul_add(b, w, x, y, n);
 }
 static tkv_status skip_rmsnorm(struct tkv_backend *b, const float *x, const struct tkv_bweight *w, float *y,
                                uint32_t n, uint32_t dim, float eps)
@@ -367,33 +369,28 @@ static tkv_status skip_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
  * backend's download, where tkv_decode blocks until the step's kernels and
  * the logits' copy are done. A step whose wait is near zero was host-bound
  * (the device ran out of queued work); the rest of the step is the host
- * issuing it. One run at a time, like skip. */
-static struct {
-    tkv_status (*real)(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes);
-    double s; /* seconds inside download since the last reset */
-} host_wait;
-
+ * issuing it. */
 static tkv_status timed_download(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes)
 {
     const double t = now();
-    const tkv_status st = host_wait.real(b, dst_host, src, bytes);
-    host_wait.s += now() - t;
+    const tkv_status st = patch.real->download(b, dst_host, src, bytes);
+    patch.wait_s += now() - t;
     return st;
 }
 
-/* Makes the ops in mask no-ops in *patched, a copy of be's ops. The fused
- * ops must be there (the step must be the fused one the roles assume). */
-static int skip_patch(struct tkv_backend *be, int mask, uint32_t n_layer, struct tkv_backend_ops *patched)
+/* Makes the ops in mask no-ops in *patched, a copy of patch.real (the
+ * backend's own ops). The fused ops must be there (the step must be the
+ * fused one the roles assume). */
+static int skip_patch(int mask, uint32_t n_layer, struct tkv_backend_ops *patched)
 {
-    const struct tkv_backend_ops *o = be->ops;
+    const struct tkv_backend_ops *o = patch.real;
     if (!o->matmul_group || !o->matmul_swiglu || !o->add_rmsnorm || !o->rope_qk || !o->kv_write_heads) {
         fprintf(stderr, "bench-decode: --skip needs the backend's fused decode ops (CUDA, TKV_FUSE unset)\n");
         return 1;
     }
-    skip.real = o;
-    skip.mask = mask;
-    skip.matmuls_per_step = o->matmul_add ? 1 : 2 * n_layer + 1;
-    skip.matmul_calls = skip.matmul_add_calls = 0;
+    patch.mask = mask;
+    patch.matmuls_per_step = o->matmul_add ? 1 : 2 * n_layer + 1;
+    patch.matmul_calls = patch.matmul_add_calls = 0;
     if (mask & (SKIP_WO | SKIP_DOWN | SKIP_OUTPUT))
         patched->matmul = skip_matmul;
     if (o->matmul_add && (mask & (SKIP_WO | SKIP_DOWN)))
@@ -464,17 +461,17 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
     struct tkv_backend *be = tkv_session_backend(s); /* its op profile, when it keeps one */
     const struct tkv_backend_ops *own_ops = be->ops;
     struct tkv_backend_ops patched = *own_ops;
-    if (skip_mask > 0 && skip_patch(be, skip_mask, info.n_layer, &patched)) {
+    patch.real = own_ops;
+    if (skip_mask > 0 && skip_patch(skip_mask, info.n_layer, &patched)) {
         tkv_session_free(s);
         free(dt);
         return 1;
     }
-    host_wait.real = own_ops->download;
     patched.download = timed_download;
     be->ops = &patched;
     for (uint32_t i = 0; i < WARMUP_STEPS + steps; i++) {
         if (i == WARMUP_STEPS) {
-            host_wait.s = 0;
+            patch.wait_s = 0;
             if (be->ops->profile_reset)
                 be->ops->profile_reset(be);
         }
@@ -509,7 +506,7 @@ static int run_one(const tkv_model *m, const char *device, uint32_t threads, uin
     r->step_mean = sum / steps;
     r->step_median = steps % 2 ? dt[steps / 2] : (dt[steps / 2 - 1] + dt[steps / 2]) / 2;
     r->keys_mean = keys / steps;
-    r->wait_mean = host_wait.s / steps;
+    r->wait_mean = patch.wait_s / steps;
     free(dt);
     return 0;
 }

@@ -772,11 +772,9 @@ static cudaError_t run_inline(tkv_cuda_attn_state *st, const struct tkv_attn_arg
      * out before their wait (measured: docs/benchmarks.md, "Session 47") */
     const uint32_t slots = (uint32_t)(n_sm > 0 ? n_sm : 1) *
                            (uint32_t)tkv_cuda_attn_decode_ctas_per_sm(a->head_dim, rows, p.decode_mma != 0);
-    uint32_t n_split = (slots + a->n_head_kv - 1) / a->n_head_kv;
+    const uint32_t wave = (slots + a->n_head_kv - 1) / a->n_head_kv;
     const uint32_t by_chunks = (max_chunks + RUN_SPLIT_CHUNKS - 1) / RUN_SPLIT_CHUNKS;
-    n_split = n_split < by_chunks ? n_split : by_chunks;
-    if (st->decode_splits)
-        n_split = st->decode_splits;
+    uint32_t n_split = st->decode_splits ? st->decode_splits : wave < by_chunks ? wave : by_chunks;
     n_split = n_split < max_chunks ? n_split : max_chunks;
     n_split = n_split < TKV_ATTN_DECODE_MAX_SPLIT ? n_split : TKV_ATTN_DECODE_MAX_SPLIT;
     p.n_split = n_split > 0 ? n_split : 1;
