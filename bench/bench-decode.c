@@ -365,11 +365,8 @@ static tkv_status skip_matmul_swiglu(struct tkv_backend *b, const struct tkv_bwe
     return TKV_OK;
 }
 
-/* The host's wait for the device: the time a timed step spends inside the
- * backend's download, where tkv_decode blocks until the step's kernels and
- * the logits' copy are done. A step whose wait is near zero was host-bound
- * (the device ran out of queued work); the rest of the step is the host
- * issuing it. */
+/* The backend's download, timed into patch.wait_s (the wait column: the
+ * file's comment). */
 static tkv_status timed_download(struct tkv_backend *b, void *dst_host, const void *src, size_t bytes)
 {
     const double t = now();
