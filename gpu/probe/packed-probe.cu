@@ -149,11 +149,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "packed-probe: bad arguments\n");
         return 2;
     }
-    int dev = 0, n_sm = 0;
-    CK(cudaGetDevice(&dev));
-    CK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    int n_sm = 0;
     cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, dev));
+    probe_device(&n_sm, &prop);
 
     auto shape_of = [&](uint32_t i) { return PROBE_SHAPES[shape < 4 ? shape : i % 4]; };
     const uint32_t n_ops = 4 * layers;

@@ -92,11 +92,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "param-probe: bad arguments\n");
         return 2;
     }
-    int dev = 0, n_sm = 0;
-    CK(cudaGetDevice(&dev));
-    CK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    int n_sm = 0;
     cudaDeviceProp prop;
-    CK(cudaGetDeviceProperties(&prop, dev));
+    probe_device(&n_sm, &prop);
     if (!ctas)
         ctas = 2 * (uint32_t)n_sm;
 

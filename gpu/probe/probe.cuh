@@ -1,8 +1,9 @@
 /*
  * probe.cuh -- what the standalone probes of this folder share (not part of
  * the build; each probe's header says how to build and run it): the error
- * check, the Llama-3-8B decode GEMV shapes, a median timer and the copy
- * rate every probe reports its times against.
+ * check, the device's SM count and properties, the Llama-3-8B decode GEMV
+ * shapes, a median timer and the copy rate every probe reports its times
+ * against.
  */
 #ifndef TKV_GPU_PROBE_CUH
 #define TKV_GPU_PROBE_CUH
@@ -26,6 +27,15 @@ extern const char *const probe_name;
             exit(1);                                                                                      \
         }                                                                                                 \
     } while (0)
+
+/* The current device's multiprocessor count and properties. */
+static void probe_device(int *n_sm, cudaDeviceProp *prop)
+{
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    CK(cudaDeviceGetAttribute(n_sm, cudaDevAttrMultiProcessorCount, dev));
+    CK(cudaGetDeviceProperties(prop, dev));
+}
 
 /* The four GEMVs of a Llama-3-8B layer, rows x K: q/k/v, wo, gate/up, down. */
 static const uint32_t PROBE_SHAPES[4][2] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
