@@ -4,7 +4,7 @@
  *
  * Why (docs/gpu.md, "What is left", session 49): a branch whose kernels
  * each carried 104 more bytes of parameters, and otherwise did the same
- * work, made the Llama-3-8B Q4_0 decode step 5.6% slower at 4K. The step
+ * work, made the Llama-3-8B Q4_0 decode step 5.5% slower at 4K. The step
  * is ~290 dependent launches (programmatic dependent launch, PDL), and its
  * decode attention carries 3.5 KiB of parameters, its GEMVs 236 bytes.
  *
@@ -64,10 +64,10 @@ template <int S> static void run_chain(const chain &c, bool pdl)
     pad_bytes<S> pad;
     for (int i = 0; i < S; i++)
         pad.b[i] = (uint8_t)(i & 1);
-    const size_t slice = (size_t)c.ctas * c.per_cta;
-    const size_t slices = slice ? c.in_floats / slice : 1;
+    const size_t slice = (size_t)c.ctas * c.per_cta;               /* floats a launch reads */
+    const size_t slices = slice ? c.in_floats / slice : 1;          /* >= 1: main checks */
     for (uint32_t k = 0; k < c.n; k++) {
-        const float *in = c.in + (slice ? (k % slices) * slice : 0);
+        const float *in = c.in + k % slices * slice;
         CK(tkv_cuda_launch(pdl, dim3(c.ctas), dim3(256), 0, c.s, link_kernel<S>, in, c.out, c.per_cta, pad));
     }
 }
@@ -92,13 +92,16 @@ int main(int argc, char **argv)
         fprintf(stderr, "param-probe: bad arguments\n");
         return 2;
     }
-    int n_sm = 0;
-    cudaDeviceProp prop;
-    probe_device(&n_sm, &prop);
+    const cudaDeviceProp prop = probe_device();
+    const int n_sm = prop.multiProcessorCount;
     if (!ctas)
         ctas = 2 * (uint32_t)n_sm;
-
     const size_t in_bytes = (size_t)1 << 30; /* 1 GiB: the slices of a chain come from DRAM, not L2 */
+    if ((size_t)ctas * work_kib * 1024 > in_bytes) {
+        fprintf(stderr, "param-probe: %u CTAs x %u KiB is more than the 1 GiB buffer\n", ctas, work_kib);
+        return 2;
+    }
+
     float *in, *out;
     CK(cudaMalloc(&in, in_bytes));
     CK(cudaMemset(in, 0, in_bytes));

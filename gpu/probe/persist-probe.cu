@@ -321,9 +321,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "persist-probe: bad arguments\n");
         return 2;
     }
-    int n_sm = 0;
-    cudaDeviceProp prop;
-    probe_device(&n_sm, &prop);
+    const cudaDeviceProp prop = probe_device();
+    const int n_sm = prop.multiProcessorCount;
 
     auto shape_of = [&](uint32_t i) { return PROBE_SHAPES[shape < 4 ? shape : i % 4]; }; /* op i's */
     size_t layer_bytes = 0;

@@ -1,9 +1,8 @@
 /*
  * probe.cuh -- what the standalone probes of this folder share (not part of
  * the build; each probe's header says how to build and run it): the error
- * check, the device's SM count and properties, the Llama-3-8B decode GEMV
- * shapes, a median timer and the copy rate every probe reports its times
- * against.
+ * check, the device's properties, the Llama-3-8B decode GEMV shapes, a
+ * median timer and the copy rate every probe reports its times against.
  */
 #ifndef TKV_GPU_PROBE_CUH
 #define TKV_GPU_PROBE_CUH
@@ -28,13 +27,14 @@ extern const char *const probe_name;
         }                                                                                                 \
     } while (0)
 
-/* The current device's multiprocessor count and properties. */
-static void probe_device(int *n_sm, cudaDeviceProp *prop)
+/* The current device's properties (its SM count: multiProcessorCount). */
+static cudaDeviceProp probe_device(void)
 {
     int dev = 0;
+    cudaDeviceProp prop;
     CK(cudaGetDevice(&dev));
-    CK(cudaDeviceGetAttribute(n_sm, cudaDevAttrMultiProcessorCount, dev));
-    CK(cudaGetDeviceProperties(prop, dev));
+    CK(cudaGetDeviceProperties(&prop, dev));
+    return prop;
 }
 
 /* The four GEMVs of a Llama-3-8B layer, rows x K: q/k/v, wo, gate/up, down. */
