@@ -17,6 +17,7 @@
 # Prints "TAG | ctx | mean ms | median ms | x roofline | wait ms" lines;
 # a variant whose run failed prints "TAG | failed (rc N): LOG".
 set -u
+usage() { sed -n '2,19p' "$0"; exit 2; }
 rounds=2 ctx=4096,32768 steps=32 model=/tmp/l8-q4_0.gguf outdir=${OUT:-/tmp}
 while getopts r:c:s:m:o: opt; do
     case $opt in
@@ -25,35 +26,37 @@ while getopts r:c:s:m:o: opt; do
     s) steps=$OPTARG ;;
     m) model=$OPTARG ;;
     o) outdir=$OPTARG ;;
-    *) sed -n '2,19p' "$0"; exit 2 ;;
+    *) usage ;;
     esac
 done
 shift $((OPTIND - 1))
-[ $# -ge 1 ] || { sed -n '2,19p' "$0"; exit 2; }
+[ $# -ge 1 ] || usage
+# the variants, split once: tags[i], bins[i], envs[i] (VAR=VAL words)
+tags=() bins=() envs=()
 for v in "$@"; do
-    case $v in
-    *=*) bin=${v#*=}; bin=${bin%%:*}; [ -x "$bin" ] || { echo "gpu-ab: $bin: not an executable" >&2; exit 2; } ;;
-    *) echo "gpu-ab: $v: want TAG=BENCH_DECODE[:VAR=VAL,...]" >&2; exit 2 ;;
-    esac
+    [[ $v == *=* ]] || { echo "gpu-ab: $v: want TAG=BENCH_DECODE[:VAR=VAL,...]" >&2; exit 2; }
+    rest=${v#*=} bin=${v#*=}
+    bin=${bin%%:*}
+    [ -x "$bin" ] || { echo "gpu-ab: $bin: not an executable" >&2; exit 2; }
+    env_list=
+    [ "$rest" != "$bin" ] && env_list=${rest#*:}
+    tags+=("${v%%=*}") bins+=("$bin") envs+=("${env_list//,/ }")
 done
 device=${DEVICE:-cuda} threads=${THREADS:-16}
 mkdir -p "$outdir"
 if [ ! -f "$model" ]; then
-    first=${1#*=}; first=${first%%:*}
-    gen=$(dirname "$first")/tierkv
+    gen=$(dirname "${bins[0]}")/tierkv
     [ -x "$gen" ] || { echo "gpu-ab: $model is missing and there is no $gen to make it" >&2; exit 2; }
     "$gen" gen-model --shape llama3-8b --type q4_0 --seed 1 --out "$model" -t "$threads" > "$outdir/gen-model.log" 2>&1 ||
         { echo "gpu-ab: gen-model failed: $outdir/gen-model.log" >&2; exit 1; }
 fi
 echo "# tag | ctx | mean ms | median ms | x roofline | wait ms  ($device, $(basename "$model"), $steps steps)"
 for ((r = 1; r <= rounds; r++)); do
-    for v in "$@"; do
-        tag=${v%%=*} rest=${v#*=}
-        bin=${rest%%:*} env_list=
-        [ "$rest" != "$bin" ] && env_list=${rest#*:}
+    for i in "${!tags[@]}"; do
+        tag=${tags[i]}
         log=$outdir/ab.$tag.$r.log
-        # shellcheck disable=SC2086 # the VAR=VAL list splits on commas into env's arguments
-        env ${env_list//,/ } "$bin" -m "$model" --device "$device" --fill synthetic -t "$threads" --steps "$steps" \
+        # shellcheck disable=SC2086 # envs[i] splits into env's VAR=VAL arguments
+        env ${envs[i]} "${bins[i]}" -m "$model" --device "$device" --fill synthetic -t "$threads" --steps "$steps" \
             --ctx "$ctx" > "$log" 2>&1
         rc=$?
         if [ $rc -ne 0 ]; then

@@ -34,8 +34,6 @@
  */
 #include "probe.cuh"
 
-#include <string.h>
-
 const char *const probe_name = "packed-probe";
 
 constexpr uint32_t K_MAX = 14336, ROWS_MAX = 28672;
@@ -138,13 +136,9 @@ struct variant {
 int main(int argc, char **argv)
 {
     uint32_t layers = 32, reps = 10, shape = 4;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const uint32_t v = (uint32_t)atoi(argv[i + 1]);
-        if (!strcmp(argv[i], "-l")) layers = v;
-        else if (!strcmp(argv[i], "-r")) reps = v;
-        else if (!strcmp(argv[i], "-x")) shape = v;
-        else { fprintf(stderr, "usage: packed-probe [-l layers] [-r reps] [-x 0..3]\n"); return 2; }
-    }
+    const probe_opt opts[] = {{'l', &layers}, {'r', &reps}, {'x', &shape}};
+    if (!probe_options(argc, argv, opts, sizeof opts / sizeof *opts, "[-l layers] [-r reps] [-x 0..3]"))
+        return 2;
     if (layers < 1 || shape > 4 || reps < 1) {
         fprintf(stderr, "packed-probe: bad arguments\n");
         return 2;

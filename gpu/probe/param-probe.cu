@@ -15,14 +15,15 @@
  * stream (each launch first reads its own `work` KiB a CTA, fresh from
  * DRAM, before griddepcontrol.wait, as the GEMVs read their weights). It
  * prints microseconds a launch; if S matters, the rows grow with it.
+ * Measured in session 50 (docs/benchmarks.md, "Session 50"): flat in S,
+ * ~3.4 us a launch with PDL, but that is the host's launch rate, so the
+ * probe only bounds the effect; the step's own A/B found none.
  *
  * Build: nvcc -O3 -arch=sm_90 -o param-probe gpu/probe/param-probe.cu (from
  *        the project root)
  * Run:   ./param-probe [-n launches] [-r reps] [-w work KiB a CTA] [-c CTAs]
  */
 #include "probe.cuh"
-
-#include <string.h>
 
 const char *const probe_name = "param-probe";
 
@@ -80,14 +81,9 @@ template <int S> static float us_per_launch(const chain &c, bool pdl, uint32_t r
 int main(int argc, char **argv)
 {
     uint32_t n = 256, reps = 10, work_kib = 16, ctas = 0;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const uint32_t v = (uint32_t)atoi(argv[i + 1]);
-        if (!strcmp(argv[i], "-n")) n = v;
-        else if (!strcmp(argv[i], "-r")) reps = v;
-        else if (!strcmp(argv[i], "-w")) work_kib = v;
-        else if (!strcmp(argv[i], "-c")) ctas = v;
-        else { fprintf(stderr, "usage: param-probe [-n launches] [-r reps] [-w work KiB a CTA] [-c CTAs]\n"); return 2; }
-    }
+    const probe_opt opts[] = {{'n', &n}, {'r', &reps}, {'w', &work_kib}, {'c', &ctas}};
+    if (!probe_options(argc, argv, opts, sizeof opts / sizeof *opts, "[-n launches] [-r reps] [-w work KiB a CTA] [-c CTAs]"))
+        return 2;
     if (n < 1 || reps < 1 || work_kib > 1024) {
         fprintf(stderr, "param-probe: bad arguments\n");
         return 2;

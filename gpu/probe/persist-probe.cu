@@ -307,16 +307,9 @@ __global__ void fill_kernel(uint8_t *w, size_t n_blocks, uint32_t seed)
 int main(int argc, char **argv)
 {
     uint32_t warps = 12, stages = 3, layers = 32, reps = 10, shape = 4, ahead = 0;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const uint32_t v = (uint32_t)atoi(argv[i + 1]);
-        if (!strcmp(argv[i], "-w")) warps = v;
-        else if (!strcmp(argv[i], "-s")) stages = v;
-        else if (!strcmp(argv[i], "-l")) layers = v;
-        else if (!strcmp(argv[i], "-r")) reps = v;
-        else if (!strcmp(argv[i], "-x")) shape = v;
-        else if (!strcmp(argv[i], "-p")) ahead = v;
-        else { fprintf(stderr, "usage: persist-probe [-w warps] [-s stages 2..4] [-l layers] [-r reps] [-x 0..3] [-p stages]\n"); return 2; }
-    }
+    const probe_opt opts[] = {{'w', &warps}, {'s', &stages}, {'l', &layers}, {'r', &reps}, {'x', &shape}, {'p', &ahead}};
+    if (!probe_options(argc, argv, opts, sizeof opts / sizeof *opts, "[-w warps] [-s stages 2..4] [-l layers] [-r reps] [-x 0..3] [-p stages]"))
+        return 2;
     if (stages < 2 || stages > 4 || warps < 1 || warps > 16 || layers < 1 || shape > 4) {
         fprintf(stderr, "persist-probe: bad arguments\n");
         return 2;

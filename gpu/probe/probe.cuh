@@ -1,8 +1,9 @@
 /*
  * probe.cuh -- what the standalone probes of this folder share (not part of
  * the build; each probe's header says how to build and run it): the error
- * check, the device's properties, the Llama-3-8B decode GEMV shapes, a
- * median timer and the copy rate every probe reports its times against.
+ * check, the "-f N" options, the device's properties, the Llama-3-8B decode
+ * GEMV shapes, a median timer and the copy rate every probe reports its
+ * times against.
  */
 #ifndef TKV_GPU_PROBE_CUH
 #define TKV_GPU_PROBE_CUH
@@ -26,6 +27,30 @@ extern const char *const probe_name;
             exit(1);                                                                                      \
         }                                                                                                 \
     } while (0)
+
+/* One "-f N" option of a probe: its letter and where its value goes. */
+struct probe_opt {
+    char flag;
+    uint32_t *val;
+};
+
+/* Reads argv as "-f N" pairs into opts[0 .. n) (a trailing lone argument is
+ * ignored); false, with "usage: <probe_name> <usage>" printed, at an option
+ * none of them names. */
+static bool probe_options(int argc, char **argv, const probe_opt *opts, int n, const char *usage)
+{
+    for (int i = 1; i + 1 < argc; i += 2) {
+        int k = 0;
+        while (k < n && !(argv[i][0] == '-' && argv[i][1] == opts[k].flag && argv[i][2] == 0))
+            k++;
+        if (k == n) {
+            fprintf(stderr, "usage: %s %s\n", probe_name, usage);
+            return false;
+        }
+        *opts[k].val = (uint32_t)atoi(argv[i + 1]);
+    }
+    return true;
+}
 
 /* The current device's properties (its SM count: multiProcessorCount). */
 static cudaDeviceProp probe_device(void)
