@@ -17,7 +17,7 @@
 # Prints "TAG | ctx | mean ms | median ms | x roofline | wait ms" lines;
 # a variant whose run failed prints "TAG | failed (rc N): LOG".
 set -u
-usage() { sed -n '2,19p' "$0"; exit 2; }
+usage() { awk 'NR == 1 { next } /^#/ { print; next } { exit }' "$0"; exit 2; } # the comment block above
 rounds=2 ctx=4096,32768 steps=32 model=/tmp/l8-q4_0.gguf outdir=${OUT:-/tmp}
 while getopts r:c:s:m:o: opt; do
     case $opt in
@@ -35,11 +35,10 @@ shift $((OPTIND - 1))
 tags=() bins=() envs=()
 for v in "$@"; do
     [[ $v == *=* ]] || { echo "gpu-ab: $v: want TAG=BENCH_DECODE[:VAR=VAL,...]" >&2; exit 2; }
-    rest=${v#*=} bin=${v#*=}
-    bin=${bin%%:*}
+    rest=${v#*=}
+    bin=${rest%%:*} env_list=
+    [[ $rest == *:* ]] && env_list=${rest#*:}
     [ -x "$bin" ] || { echo "gpu-ab: $bin: not an executable" >&2; exit 2; }
-    env_list=
-    [ "$rest" != "$bin" ] && env_list=${rest#*:}
     tags+=("${v%%=*}") bins+=("$bin") envs+=("${env_list//,/ }")
 done
 device=${DEVICE:-cuda} threads=${THREADS:-16}
@@ -65,11 +64,12 @@ for ((r = 1; r <= rounds; r++)); do
         fi
         # bench-decode's table, its columns found by their headers (a
         # quantized model on the GPU adds "ratio, f16 matrices")
-        grep '^| ' "$log" | awk -F'|' -v t="$tag" '
+        awk -F'|' -v t="$tag" '
             function trim(s) { gsub(/^ +| +$/, "", s); return s }
+            !/^\| / { next }
             /^\| model/ { for (i = 2; i < NF; i++) col[trim($i)] = i; next }
             /^\|---/ { next }
             { printf "%s | %s | %s | %s | %s | %s\n", t, trim($col["ctx"]), trim($col["step ms (mean)"]),
-                     trim($col["step ms (median)"]), trim($col["ratio"]), trim($col["wait ms"]) }'
+                     trim($col["step ms (median)"]), trim($col["ratio"]), trim($col["wait ms"]) }' "$log"
     done
 done
