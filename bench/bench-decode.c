@@ -572,6 +572,17 @@ int main(int argc, char **argv)
             return 2;
         }
     free(fcheck);
+    char *ccheck = strdup(ctxs);
+    for (char *p = strtok_r(ccheck, ",", &save_chk); p; p = strtok_r(NULL, ",", &save_chk)) {
+        char *end;
+        const unsigned long c = strtoul(p, &end, 10);
+        if (*end || c == 0 || c > UINT32_MAX) {
+            fprintf(stderr, "bench-decode: --ctx takes positive token counts, not '%s'\n", p);
+            free(ccheck);
+            return 2;
+        }
+    }
+    free(ccheck);
     FILE *json = NULL;
     if (json_path && !(json = fopen(json_path, "w"))) {
         fprintf(stderr, "bench-decode: cannot write %s\n", json_path);
@@ -623,9 +634,7 @@ int main(int argc, char **argv)
     int rc = 0;
     char *list = strdup(ctxs), *save_c = NULL;
     for (char *c = strtok_r(list, ",", &save_c); c && !rc; c = strtok_r(NULL, ",", &save_c)) {
-        const uint32_t ctx = (uint32_t)strtoul(c, NULL, 10);
-        if (ctx == 0)
-            continue;
+        const uint32_t ctx = (uint32_t)strtoul(c, NULL, 10); /* checked above */
         char *fl = strdup(fills), *save_f = NULL;
         for (char *f = strtok_r(fl, ",", &save_f); f && !rc; f = strtok_r(NULL, ",", &save_f)) {
             for (int k = 0; k < n_skip && !rc; k++) {
